@@ -1,0 +1,62 @@
+# The two commands of the README: `make serve` and `make test`. Both set up everything they need:
+# the virtual environment, the Python dependencies, and a release build of the Rust extension.
+
+PYTHON_BOOTSTRAP ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := .make
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml Cargo.lock
+EXT_STAMP := $(STAMPS)/extension
+
+.PHONY: all setup build serve test test-rust lint test-python gpu-check clean
+
+all: test
+
+$(PY):
+	$(PYTHON_BOOTSTRAP) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Dependencies are read from pyproject.toml, so the list lives in one place.
+$(STAMPS)/deps: pyproject.toml | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['test']))" > $(STAMPS)/requirements.txt
+	$(PY) -m pip install --quiet -r $(STAMPS)/requirements.txt
+	@touch $@
+
+# maturin develop rebuilds the abi3 extension in place (python/hybridserve/_core.abi3.so); the stamp
+# depends on every Rust source, so an edited source always rebuilds and the old .so is replaced.
+$(EXT_STAMP): $(RUST_SOURCES) pyproject.toml $(STAMPS)/deps
+	rm -f python/hybridserve/_core*.so
+	$(VENV)/bin/maturin develop --release --quiet
+	@touch $@
+
+setup: $(EXT_STAMP)
+
+build: setup
+
+serve: setup
+	$(VENV)/bin/hybridserve serve demo $(SERVE_ARGS)
+
+test-rust:
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+	cargo test --quiet
+
+lint: setup
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+test-python: setup
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test: setup test-rust lint test-python
+
+gpu-check: setup
+	bash cuda/gpu_check.sh
+
+clean:
+	rm -rf $(STAMPS) target python/hybridserve/_core*.so

@@ -1,0 +1,3 @@
+from hybridserve.cli import main
+
+raise SystemExit(main())

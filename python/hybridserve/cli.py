@@ -1,0 +1,61 @@
+"""`hybridserve` command line: serve | generate | config | bench | demo-model.
+
+Each subcommand's handler lives beside the code it drives and is imported only when it runs, so
+`hybridserve --version` and `hybridserve config` start without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from hybridserve import __version__
+
+# subcommand -> (module, handler function, parser builder function or None)
+_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("hybridserve.server.cli", "serve_main", "add_serve_args"),
+    "generate": ("hybridserve.engine.cli", "generate_main", "add_generate_args"),
+    "config": ("hybridserve.config", "config_main", "add_config_args"),
+    "bench": ("hybridserve.bench", "bench_main", "add_bench_args"),
+    "demo-model": ("hybridserve.model.demo", "demo_model_main", "add_demo_model_args"),
+}
+
+_HELP = {
+    "serve": "start the OpenAI-compatible HTTP server",
+    "generate": "generate text offline for one or more prompts",
+    "config": "resolve and print the engine configuration (--explain, --json)",
+    "bench": "benchmarks: serving load generator and offline throughput",
+    "demo-model": "write the built-in demo checkpoint to a folder",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybridserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, handler, builder) in _COMMANDS.items():
+        p = sub.add_parser(name, help=_HELP[name], description=_HELP[name])
+        module = importlib.import_module(module_name)
+        getattr(module, builder)(p)
+        p.set_defaults(_handler=(module_name, handler))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module_name, handler_name = args._handler
+    handler: Callable[[argparse.Namespace], int | None] = getattr(
+        importlib.import_module(module_name), handler_name
+    )
+    rc = handler(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

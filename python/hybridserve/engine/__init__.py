@@ -1,0 +1,1 @@
+"""Engine: LLMEngine (step loop), AsyncEngine (thread + asyncio bridge), LLM (offline API)."""

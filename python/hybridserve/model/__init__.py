@@ -1,0 +1,1 @@
+"""Model: loader, architectures, layers, KV and state tensors."""

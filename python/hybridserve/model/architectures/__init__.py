@@ -1,0 +1,1 @@
+"""Architectures: one module per model family, registered by name."""

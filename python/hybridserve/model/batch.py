@@ -1,0 +1,51 @@
+"""ForwardBatch: everything one model forward needs, as tensors. The engine builds it from the Rust
+scheduler's output; the model runner only reads it. This is the contract between the two halves.
+
+Rows are requests; rows [0, num_decodes) are decode/verify rows, the rest are prefill rows.
+Token t of row r is flat index query_start_loc[r] + t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    # --- tokens (T = total scheduled tokens) ---
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T], absolute positions in each sequence
+    query_start_loc: torch.Tensor  # int64 [R + 1], CPU
+    num_computed_tokens: torch.Tensor  # int64 [R], CPU: tokens already computed before this step
+    seq_lens: torch.Tensor  # int64 [R], CPU: num_computed_tokens + tokens scheduled now
+    num_decodes: int  # rows [0, num_decodes) write the state after every token (decode/verify)
+
+    # --- attention (paged KV cache) ---
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset; where token t's K/V goes
+    block_table: torch.Tensor  # int64 [R, max_blocks_per_row], padded with 0 (the null block)
+
+    # --- Mamba state (slot 0 is the null slot, never read or written as a real state) ---
+    state_read_slot: torch.Tensor  # int64 [R]: slot holding the initial state of the row
+    has_initial_state: torch.Tensor  # bool [R]: False -> start from the zero state (fresh prompt)
+    # int64 [R, W] with W = 1 + K. Decode rows: the state after token t goes to [r, t] for t < n_r.
+    # Prefill rows: the state after the row's last token goes to [r, 0]. Unused entries are 0.
+    state_write_slots: torch.Tensor
+    # Boundary-state emissions inside prefill rows (`all` and `align` modes): the state after token
+    # emit_token[e] (index within row emit_row[e]) is written to slot emit_slot[e]. Each such token
+    # ends at an absolute position that is a multiple of mamba_block_size (hence of the scan chunk).
+    emit_row: torch.Tensor  # int64 [E]
+    emit_token: torch.Tensor  # int64 [E]
+    emit_slot: torch.Tensor  # int64 [E]
+
+    # --- outputs ---
+    logits_indices: torch.Tensor  # int64 [L]: flat token indices whose logits the model returns
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.query_start_loc.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())

@@ -1,0 +1,1 @@
+"""Sampling: sampler and rejection sampler."""

@@ -1,0 +1,36 @@
+"""The package and its extension: import, version, abi3 build, freshness of the in-tree .so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import hybridserve
+import hybridserve._core as core
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_extension_is_abi3_and_fresh() -> None:
+    so = Path(core.__file__)
+    assert ".abi3." in so.name, so.name
+    newest_source = max(p.stat().st_mtime for p in (ROOT / "rust").rglob("*.rs"))
+    assert so.stat().st_mtime >= newest_source, "the extension is older than the Rust sources"
+
+
+def test_versions_agree() -> None:
+    assert hybridserve.__version__ == core.__version__
+
+
+def test_cli_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"hybridserve {hybridserve.__version__}"
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(hybridserve.ConfigError, hybridserve.HybridServeError)
+    assert issubclass(hybridserve.InvalidRequestError, hybridserve.HybridServeError)
+    assert issubclass(hybridserve.HybridServeError, Exception)
