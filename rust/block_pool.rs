@@ -1,1 +1,1 @@
-//! (in progress)
+//! KV block pool (in progress).

@@ -1,1 +1,1 @@
-//! (in progress)
+//! Mamba state slot pool (in progress).
