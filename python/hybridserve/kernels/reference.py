@@ -186,9 +186,6 @@ def ssd_prefill(
     NC = int(chunk_off[-1])
     tok_chunk = chunk_off[row] + (abs_pos // Q - first_chunk[row])  # global chunk of each token
     tok_pos = abs_pos % Q  # position inside the chunk (leading padding on a short first chunk)
-    chunk_row = torch.repeat_interleave(torch.arange(R, dtype=torch.int64), nchunks_row, output_size=NC)
-    chunk_local = torch.arange(NC, dtype=torch.int64) - chunk_off[chunk_row]  # chunk index within row
-    # last valid position inside each chunk (for reading the state at a chunk end)
     flat = (tok_chunk * Q + tok_pos).to(dev)
 
     # ---- dt pipeline, padded chunk layout [NC, Q, ...] (padding: x = 0, dt = 0 -> no effect) ----
@@ -267,7 +264,6 @@ def ssd_prefill(
             emit_slot.to(ssm_state.device, torch.int64),
             end[ec.to(dev)].reshape(-1, H, P, N),
         )
-    del chunk_local
     return y.to(x.dtype)
 
 
@@ -319,7 +315,7 @@ def selective_state_update(
         y ``[T, H, P]`` in ``x.dtype``.
     """
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    G = B.shape[1]
     R = int(query_start_loc.numel()) - 1
     cdt = ssm_state.dtype
     dev = x.device
@@ -478,7 +474,6 @@ def causal_conv1d_update(
         y ``[T, conv_dim]`` in ``x.dtype``.
     """
     T, Dc = x.shape
-    W = weight.shape[1]
     R = int(query_start_loc.numel()) - 1
     cdt = torch.promote_types(x.dtype, conv_state.dtype)
     dev = x.device
