@@ -1,6 +1,19 @@
 //! The resolved engine configuration: what the policy (`policy.rs`) hands to the cache manager and
 //! the scheduler. Every value here has been validated; nothing downstream re-checks it.
 
+use crate::error::{HsError, HsResult};
+
+/// The largest `num_speculative_tokens` (K) the policy accepts.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+/// The largest KV `block_size` (B) the policy accepts.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+/// The largest model scan chunk size (Q) the policy accepts.
+pub const MAX_SCAN_CHUNK_SIZE: usize = 4096;
+/// Upper bound on every token count (max_model_len, max_num_batched_tokens, mamba_block_size).
+pub const MAX_TOKENS: usize = 1 << 24;
+/// Upper bound on `max_num_seqs`.
+pub const MAX_NUM_SEQS: usize = 1 << 16;
+
 /// The Mamba state caching mode after resolution (see DESIGN.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MambaCacheMode {
@@ -75,6 +88,151 @@ impl ResolvedConfig {
     /// Slots in a running request's state window: 1 + K.
     pub fn state_window_len(&self) -> usize {
         1 + self.num_speculative_tokens()
+    }
+
+    /// Checks every invariant the cache manager and the scheduler rely on (DESIGN.md §4, §5 rule 7).
+    /// `policy::resolve` only returns configurations that pass; the error names the flag to change.
+    pub fn validate(&self) -> HsResult<()> {
+        let err = |m: String| Err(HsError::Config(m));
+        let b = self.block_size;
+        let m = self.mamba_block_size;
+        let q = self.scan_chunk_size;
+        let k = self.num_speculative_tokens();
+        if b == 0 || b > MAX_BLOCK_SIZE {
+            return err(format!(
+                "--block-size must be in 1..={MAX_BLOCK_SIZE}, got {b}"
+            ));
+        }
+        if q == 0 || q > MAX_SCAN_CHUNK_SIZE {
+            return err(format!(
+                "the scan chunk size must be in 1..={MAX_SCAN_CHUNK_SIZE}, got {q}"
+            ));
+        }
+        if m == 0 || m > MAX_TOKENS || m % b != 0 {
+            return err(format!(
+                "--mamba-block-size ({m}) must be a positive multiple of --block-size ({b})"
+            ));
+        }
+        if self.max_num_seqs == 0 || self.max_num_seqs > MAX_NUM_SEQS {
+            return err(format!(
+                "--max-num-seqs must be in 1..={MAX_NUM_SEQS}, got {}",
+                self.max_num_seqs
+            ));
+        }
+        if self.max_model_len == 0 || self.max_model_len > MAX_TOKENS {
+            return err(format!(
+                "--max-model-len must be in 1..={MAX_TOKENS}, got {}",
+                self.max_model_len
+            ));
+        }
+        let t = self.max_num_batched_tokens;
+        if t == 0 || t > MAX_TOKENS {
+            return err(format!(
+                "--max-num-batched-tokens must be in 1..={MAX_TOKENS}, got {t}"
+            ));
+        }
+        if let Some(spec) = self.speculative {
+            if spec.num_speculative_tokens == 0
+                || spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS
+            {
+                return err(format!(
+                    "--speculative-config num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {}",
+                    spec.num_speculative_tokens
+                ));
+            }
+            if k >= self.max_model_len {
+                return err(format!(
+                    "--speculative-config num_speculative_tokens ({k}) must be less than --max-model-len ({})",
+                    self.max_model_len
+                ));
+            }
+        }
+        if t < 1 + k {
+            return err(format!(
+                "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({})",
+                1 + k
+            ));
+        }
+        if !self.enable_chunked_prefill && t < self.max_model_len {
+            return err(format!(
+                "with chunked prefill off a whole prompt must fit in one step: raise \
+                 --max-num-batched-tokens ({t}) to at least --max-model-len ({}), lower \
+                 --max-model-len, or pass --enable-chunked-prefill",
+                self.max_model_len
+            ));
+        }
+        match self.mamba_cache_mode {
+            MambaCacheMode::None => {}
+            MambaCacheMode::Align | MambaCacheMode::All if !self.has_mamba_layers => {
+                return err(format!(
+                    "--mamba-cache-mode {} needs a model with Mamba layers",
+                    self.mamba_cache_mode.as_str()
+                ));
+            }
+            MambaCacheMode::Align | MambaCacheMode::All if !self.enable_prefix_caching => {
+                return err(format!(
+                    "--mamba-cache-mode {} needs --enable-prefix-caching",
+                    self.mamba_cache_mode.as_str()
+                ));
+            }
+            MambaCacheMode::Align => {
+                if !self.enable_chunked_prefill {
+                    return err(
+                        "--mamba-cache-mode align needs chunked prefill: pass --enable-chunked-prefill \
+                         or choose --mamba-cache-mode all"
+                            .to_string(),
+                    );
+                }
+                if m > t {
+                    return err(format!(
+                        "--mamba-cache-mode align needs --mamba-block-size ({m}) <= \
+                         --max-num-batched-tokens ({t}); raise --max-num-batched-tokens or lower \
+                         --mamba-block-size"
+                    ));
+                }
+            }
+            MambaCacheMode::All => {
+                if m % q != 0 {
+                    return err(format!(
+                        "--mamba-cache-mode all needs --mamba-block-size ({m}) to be a multiple of \
+                         the model's scan chunk size ({q})"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that pools of `num_kv_blocks` KV blocks and `num_mamba_slots` state slots (both
+    /// counts include the null block / null slot 0) can run at least one request of
+    /// `max_model_len` tokens, so that the scheduler can always make progress.
+    pub fn validate_pool_sizes(
+        &self,
+        num_kv_blocks: usize,
+        num_mamba_slots: usize,
+    ) -> HsResult<()> {
+        let tokens = self
+            .max_model_len
+            .saturating_add(self.num_speculative_tokens());
+        let need_blocks = 1 + tokens.div_ceil(self.block_size.max(1));
+        if num_kv_blocks < need_blocks {
+            return Err(HsError::Config(format!(
+                "{num_kv_blocks} KV blocks cannot hold one sequence of --max-model-len {} tokens \
+                 (needs at least {need_blocks} blocks of {} tokens, counting the null block); raise \
+                 --num-kv-blocks or --kv-cache-memory, or lower --max-model-len",
+                self.max_model_len, self.block_size
+            )));
+        }
+        let need_slots = 1 + self.state_window_len();
+        if self.has_mamba_layers && num_mamba_slots < need_slots {
+            return Err(HsError::Config(format!(
+                "{num_mamba_slots} Mamba state slots cannot hold one running window of {} slots \
+                 (needs at least {need_slots}, counting the null slot); raise --num-mamba-slots or \
+                 --mamba-cache-memory",
+                self.state_window_len()
+            )));
+        }
+        Ok(())
     }
 
     /// A small valid configuration for unit tests of the cache manager and scheduler.

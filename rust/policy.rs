@@ -1,1 +1,757 @@
-//! (in progress)
+//! The cache-mode policy (DESIGN.md §5): typed requests in, one resolution, a validated
+//! [`ResolvedConfig`] plus the list of [`Decision`]s that explain every choice out.
+//!
+//! The rules, in the order DESIGN.md §5 states them:
+//! 1. prefix caching off → mode `none`; an explicit `align`/`all` is ignored with a warning; an
+//!    explicit `mamba_block_size` is an error;
+//! 2. a model without Mamba layers → the mode has no effect (`none`), stated once;
+//! 3. prefix caching on, mode Auto: speculative decoding on + boundary states → `align` (chunked
+//!    prefill switched on when it was Auto); speculative decoding off + boundary states → `all`;
+//!    no boundary states → `align`; chunked prefill explicitly off where `align` would be chosen →
+//!    an error naming both fixes;
+//! 4. explicit `all` on a model that cannot emit boundary states → `align` with a warning;
+//! 5. explicit `align` with chunked prefill explicitly off → an error;
+//! 6. explicit `none` with prefix caching on, on a hybrid model → a warning (no hit is possible);
+//! 7. validation of the result ([`ResolvedConfig::validate`]).
+//!
+//! `mamba_block_size` (M) in mode `none`: M is unused there; the resolved value is the same auto
+//! value as in the other modes (the smallest multiple of lcm(B, Q) that is at least 256), so that it
+//! still divides evenly by B and Q for any code that computes with it. (vLLM sets it to
+//! `max_model_len`; a value that is not a multiple of B would only invite mistakes.)
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::config::{
+    MambaCacheMode, ResolvedConfig, SpecConfig, SpecMethod, MAX_BLOCK_SIZE, MAX_NUM_SEQS,
+    MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+};
+use crate::error::{HsError, HsResult};
+
+/// Default KV block size B.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// The auto `mamba_block_size` is the smallest multiple of lcm(B, Q) that is at least this.
+pub const MIN_AUTO_MAMBA_BLOCK_SIZE: usize = 256;
+/// Default token budget per step with chunked prefill on (raised to M in `align` mode).
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+/// Default `max_num_seqs`.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 64;
+/// `max_model_len` when neither the user nor the model gives one.
+pub const DEFAULT_MAX_MODEL_LEN: usize = 4096;
+
+/// `--mamba-cache-mode` as given. `Auto` means "not given"; an explicit `None` stays distinct.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MambaCacheModeRequest {
+    #[default]
+    Auto,
+    None,
+    Align,
+    All,
+}
+
+/// `--enable-chunked-prefill` / `--no-enable-chunked-prefill` / not given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ChunkedPrefillRequest {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+/// `--enable-prefix-caching` / `--no-enable-prefix-caching` / not given (default on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PrefixCachingRequest {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl MambaCacheModeRequest {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MambaCacheModeRequest::Auto => "auto",
+            MambaCacheModeRequest::None => "none",
+            MambaCacheModeRequest::Align => "align",
+            MambaCacheModeRequest::All => "all",
+        }
+    }
+}
+
+impl ChunkedPrefillRequest {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChunkedPrefillRequest::Auto => "auto",
+            ChunkedPrefillRequest::On => "on",
+            ChunkedPrefillRequest::Off => "off",
+        }
+    }
+
+    /// `None` = Auto, `Some(true)` = On, `Some(false)` = Off.
+    pub fn from_option(v: Option<bool>) -> Self {
+        match v {
+            None => ChunkedPrefillRequest::Auto,
+            Some(true) => ChunkedPrefillRequest::On,
+            Some(false) => ChunkedPrefillRequest::Off,
+        }
+    }
+}
+
+impl PrefixCachingRequest {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixCachingRequest::Auto => "auto",
+            PrefixCachingRequest::On => "on",
+            PrefixCachingRequest::Off => "off",
+        }
+    }
+
+    /// `None` = Auto, `Some(true)` = On, `Some(false)` = Off.
+    pub fn from_option(v: Option<bool>) -> Self {
+        match v {
+            None => PrefixCachingRequest::Auto,
+            Some(true) => PrefixCachingRequest::On,
+            Some(false) => PrefixCachingRequest::Off,
+        }
+    }
+}
+
+impl FromStr for MambaCacheModeRequest {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        match s {
+            "auto" => Ok(MambaCacheModeRequest::Auto),
+            "none" => Ok(MambaCacheModeRequest::None),
+            "align" => Ok(MambaCacheModeRequest::Align),
+            "all" => Ok(MambaCacheModeRequest::All),
+            other => Err(HsError::Config(format!(
+                "--mamba-cache-mode must be one of auto, none, align, all; got {other:?}"
+            ))),
+        }
+    }
+}
+
+fn parse_tristate(flag: &str, s: &str) -> HsResult<Option<bool>> {
+    match s {
+        "auto" => Ok(None),
+        "on" | "true" => Ok(Some(true)),
+        "off" | "false" => Ok(Some(false)),
+        other => Err(HsError::Config(format!(
+            "{flag} must be one of auto, on, off (or true, false); got {other:?}"
+        ))),
+    }
+}
+
+impl FromStr for ChunkedPrefillRequest {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        parse_tristate("--enable-chunked-prefill", s).map(Self::from_option)
+    }
+}
+
+impl FromStr for PrefixCachingRequest {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        parse_tristate("--enable-prefix-caching", s).map(Self::from_option)
+    }
+}
+
+impl FromStr for SpecMethod {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        match s {
+            "ngram" => Ok(SpecMethod::Ngram),
+            "draft_model" => Ok(SpecMethod::DraftModel),
+            other => Err(HsError::Config(format!(
+                "--speculative-config method must be \"ngram\" or \"draft_model\"; got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// What the model can do, read from its config.json.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ModelCapabilities {
+    pub has_mamba_layers: bool,
+    /// The prefill scan can emit the state at every multiple of M (needed by mode `all`).
+    pub supports_boundary_states: bool,
+    /// Q: the model's scan chunk size. Required when `has_mamba_layers`.
+    pub scan_chunk_size: Option<usize>,
+    /// The model's context limit; caps (and defaults) `max_model_len`.
+    pub max_position_embeddings: Option<usize>,
+}
+
+/// The speculative decoding request (`--speculative-config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecRequest {
+    pub method: SpecMethod,
+    pub num_speculative_tokens: usize,
+}
+
+/// Every input of the policy, typed. `None`/`Auto` means "not given".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyInputs {
+    pub model: ModelCapabilities,
+    pub enable_prefix_caching: PrefixCachingRequest,
+    pub mamba_cache_mode: MambaCacheModeRequest,
+    pub enable_chunked_prefill: ChunkedPrefillRequest,
+    pub speculative: Option<SpecRequest>,
+    pub block_size: usize,
+    pub mamba_block_size: Option<usize>,
+    pub max_num_batched_tokens: Option<usize>,
+    pub max_num_seqs: usize,
+    pub max_model_len: Option<usize>,
+}
+
+impl PolicyInputs {
+    /// Everything at its default for a model with these capabilities.
+    pub fn new(model: ModelCapabilities) -> Self {
+        PolicyInputs {
+            model,
+            enable_prefix_caching: PrefixCachingRequest::Auto,
+            mamba_cache_mode: MambaCacheModeRequest::Auto,
+            enable_chunked_prefill: ChunkedPrefillRequest::Auto,
+            speculative: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            mamba_block_size: None,
+            max_num_batched_tokens: None,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_model_len: None,
+        }
+    }
+}
+
+/// How loud a decision is when logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DecisionLevel {
+    Info,
+    Warning,
+}
+
+impl DecisionLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionLevel::Info => "info",
+            DecisionLevel::Warning => "warning",
+        }
+    }
+}
+
+/// The stable identifier of a decision (shown in `--json`, matched by tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DecisionCode {
+    /// Prefix caching was not given and is on by default.
+    PrefixCachingDefaultOn,
+    /// Rule 1: prefix caching off → mode `none`.
+    PrefixCachingOffModeNone,
+    /// Rule 1: an explicit `align`/`all` is ignored because prefix caching is off.
+    ModeIgnoredPrefixCachingOff,
+    /// Rule 2: the model has no Mamba layers; the mode has no effect.
+    NoMambaLayers,
+    /// Rule 3: Auto + speculative decoding + boundary states → `align`.
+    ModeAlignForSpeculative,
+    /// Rule 3: Auto + no speculative decoding + boundary states → `all`.
+    ModeAllDefault,
+    /// Rule 3: Auto on a model that cannot emit boundary states → `align`.
+    ModeAlignNoBoundaryStates,
+    /// Rule 4: explicit `all` on a model that cannot emit boundary states → `align`.
+    AllFallbackAlign,
+    /// Rule 3: chunked prefill was Auto and `align` needs it: switched on.
+    ChunkedPrefillOnForAlign,
+    /// Chunked prefill was Auto and is on by default.
+    ChunkedPrefillDefaultOn,
+    /// Rule 6: explicit `none` with prefix caching on, on a hybrid model: no hit can happen.
+    ModeNoneNoHits,
+    /// M was not given: the auto value.
+    MambaBlockSizeAuto,
+    /// An explicit M has no effect (mode `none`).
+    MambaBlockSizeIgnored,
+    /// M exceeds max_model_len: no Mamba prefix hit is possible.
+    MambaBlockSizeExceedsMaxModelLen,
+    /// max_model_len was not given: taken from the model (or the default).
+    MaxModelLenDefault,
+    /// max_num_batched_tokens was not given: the default for this configuration.
+    MaxNumBatchedTokensDefault,
+}
+
+impl DecisionCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionCode::PrefixCachingDefaultOn => "prefix_caching_default_on",
+            DecisionCode::PrefixCachingOffModeNone => "prefix_caching_off_mode_none",
+            DecisionCode::ModeIgnoredPrefixCachingOff => "mode_ignored_prefix_caching_off",
+            DecisionCode::NoMambaLayers => "no_mamba_layers",
+            DecisionCode::ModeAlignForSpeculative => "mode_align_for_speculative",
+            DecisionCode::ModeAllDefault => "mode_all_default",
+            DecisionCode::ModeAlignNoBoundaryStates => "mode_align_no_boundary_states",
+            DecisionCode::AllFallbackAlign => "all_fallback_align",
+            DecisionCode::ChunkedPrefillOnForAlign => "chunked_prefill_on_for_align",
+            DecisionCode::ChunkedPrefillDefaultOn => "chunked_prefill_default_on",
+            DecisionCode::ModeNoneNoHits => "mode_none_no_hits",
+            DecisionCode::MambaBlockSizeAuto => "mamba_block_size_auto",
+            DecisionCode::MambaBlockSizeIgnored => "mamba_block_size_ignored",
+            DecisionCode::MambaBlockSizeExceedsMaxModelLen => {
+                "mamba_block_size_exceeds_max_model_len"
+            }
+            DecisionCode::MaxModelLenDefault => "max_model_len_default",
+            DecisionCode::MaxNumBatchedTokensDefault => "max_num_batched_tokens_default",
+        }
+    }
+}
+
+/// One choice the policy made, with its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub code: DecisionCode,
+    pub level: DecisionLevel,
+    pub message: String,
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "[{}] {}: {}",
+            self.level.as_str(),
+            self.code.as_str(),
+            self.message
+        )
+    }
+}
+
+/// The result of [`resolve`]: a configuration that passed [`ResolvedConfig::validate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolution {
+    pub config: ResolvedConfig,
+    pub decisions: Vec<Decision>,
+}
+
+impl Resolution {
+    pub fn has_decision(&self, code: DecisionCode) -> bool {
+        self.decisions.iter().any(|d| d.code == code)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The auto `mamba_block_size`: the smallest multiple of lcm(B, Q) that is at least 256.
+/// B and Q must be in range (B <= MAX_BLOCK_SIZE, Q <= MAX_SCAN_CHUNK_SIZE), so nothing overflows.
+pub fn auto_mamba_block_size(block_size: usize, scan_chunk_size: usize) -> usize {
+    let b = block_size.max(1);
+    let q = scan_chunk_size.max(1);
+    let lcm = b / gcd(b, q) * q;
+    lcm * MIN_AUTO_MAMBA_BLOCK_SIZE.div_ceil(lcm)
+}
+
+fn config_err<T>(m: impl Into<String>) -> HsResult<T> {
+    Err(HsError::Config(m.into()))
+}
+
+fn check_range(flag: &str, value: usize, lo: usize, hi: usize) -> HsResult<()> {
+    if value < lo || value > hi {
+        return config_err(format!("{flag} must be in {lo}..={hi}, got {value}"));
+    }
+    Ok(())
+}
+
+/// Why the mode came out as it did (the chunked-prefill errors depend on it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AlignReason {
+    NotAlign,
+    Explicit,
+    DefaultForSpeculative,
+    DefaultNoBoundaryStates,
+    FallbackFromAll,
+}
+
+/// Resolves the typed requests into a validated configuration and its decisions, or a
+/// configuration error whose message names the flag(s) to change. Never panics.
+pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
+    use MambaCacheModeRequest as Req;
+
+    let caps = inputs.model;
+    let mut decisions: Vec<Decision> = Vec::new();
+    let mut decide = |code: DecisionCode, level: DecisionLevel, message: String| {
+        decisions.push(Decision {
+            code,
+            level,
+            message,
+        });
+    };
+
+    // --- the inputs on their own ---
+    let b = inputs.block_size;
+    check_range("--block-size", b, 1, MAX_BLOCK_SIZE)?;
+    check_range("--max-num-seqs", inputs.max_num_seqs, 1, MAX_NUM_SEQS)?;
+    if let Some(m) = inputs.mamba_block_size {
+        check_range("--mamba-block-size", m, 1, MAX_TOKENS)?;
+    }
+    if let Some(t) = inputs.max_num_batched_tokens {
+        check_range("--max-num-batched-tokens", t, 1, MAX_TOKENS)?;
+    }
+    if let Some(l) = inputs.max_model_len {
+        check_range("--max-model-len", l, 1, MAX_TOKENS)?;
+    }
+    if let Some(spec) = inputs.speculative {
+        check_range(
+            "--speculative-config num_speculative_tokens",
+            spec.num_speculative_tokens,
+            1,
+            MAX_SPECULATIVE_TOKENS,
+        )?;
+    }
+    let q = match (caps.has_mamba_layers, caps.scan_chunk_size) {
+        (true, Some(q)) if (1..=MAX_SCAN_CHUNK_SIZE).contains(&q) => q,
+        (true, Some(q)) => {
+            return config_err(format!(
+                "the model's scan chunk size (config.json chunk_size) is {q}; hybridserve supports \
+                 1..={MAX_SCAN_CHUNK_SIZE}"
+            ))
+        }
+        (true, None) => return config_err(
+            "the model has Mamba layers but declares no scan chunk size (config.json chunk_size)",
+        ),
+        // No scan: Q is unused; B keeps every derived size a plain multiple of B.
+        (false, _) => b,
+    };
+    let spec = inputs.speculative.map(|s| SpecConfig {
+        method: s.method,
+        num_speculative_tokens: s.num_speculative_tokens,
+    });
+    let k = spec.map_or(0, |s| s.num_speculative_tokens);
+
+    // --- max_model_len ---
+    let max_pos = caps.max_position_embeddings.filter(|&p| p >= 1);
+    let max_model_len = match (inputs.max_model_len, max_pos) {
+        (Some(l), Some(p)) if l > p => {
+            return config_err(format!(
+                "--max-model-len {l} exceeds the model's max_position_embeddings ({p}); lower \
+                 --max-model-len to at most {p}"
+            ))
+        }
+        (Some(l), _) => l,
+        (None, Some(p)) => {
+            let l = p.min(MAX_TOKENS);
+            decide(
+                DecisionCode::MaxModelLenDefault,
+                DecisionLevel::Info,
+                format!("max_model_len = {l}, from the model's max_position_embeddings"),
+            );
+            l
+        }
+        (None, None) => {
+            decide(
+                DecisionCode::MaxModelLenDefault,
+                DecisionLevel::Info,
+                format!(
+                    "max_model_len = {DEFAULT_MAX_MODEL_LEN} (default; the model declares no \
+                     max_position_embeddings)"
+                ),
+            );
+            DEFAULT_MAX_MODEL_LEN
+        }
+    };
+
+    // --- prefix caching ---
+    let pc_on = match inputs.enable_prefix_caching {
+        PrefixCachingRequest::On => true,
+        PrefixCachingRequest::Off => false,
+        PrefixCachingRequest::Auto => {
+            decide(
+                DecisionCode::PrefixCachingDefaultOn,
+                DecisionLevel::Info,
+                "prefix caching is on (default); --no-enable-prefix-caching turns it off".into(),
+            );
+            true
+        }
+    };
+
+    // --- the mode: one exhaustive match over the rules of DESIGN.md §5 ---
+    let spec_on = spec.is_some();
+    let sup = caps.supports_boundary_states;
+    let mamba = caps.has_mamba_layers;
+    let (mode, align_reason) = match (pc_on, mamba, inputs.mamba_cache_mode) {
+        // Rule 1.
+        (false, _, Req::Auto | Req::None) => {
+            decide(
+                DecisionCode::PrefixCachingOffModeNone,
+                DecisionLevel::Info,
+                "mamba_cache_mode = none: prefix caching is off".into(),
+            );
+            (MambaCacheMode::None, AlignReason::NotAlign)
+        }
+        (false, _, req @ (Req::Align | Req::All)) => {
+            decide(
+                DecisionCode::ModeIgnoredPrefixCachingOff,
+                DecisionLevel::Warning,
+                format!(
+                    "--mamba-cache-mode {} is ignored because prefix caching is off; \
+                     mamba_cache_mode = none (pass --enable-prefix-caching to use it)",
+                    req.as_str()
+                ),
+            );
+            (MambaCacheMode::None, AlignReason::NotAlign)
+        }
+        // Rule 2.
+        (true, false, req) => {
+            let (level, what) = match req {
+                Req::Align | Req::All => (
+                    DecisionLevel::Warning,
+                    format!("--mamba-cache-mode {} has no effect", req.as_str()),
+                ),
+                Req::Auto | Req::None => {
+                    (DecisionLevel::Info, "mamba_cache_mode = none".to_string())
+                }
+            };
+            decide(
+                DecisionCode::NoMambaLayers,
+                level,
+                format!("the model has no Mamba layers: {what}; prefix caching covers the KV cache only"),
+            );
+            (MambaCacheMode::None, AlignReason::NotAlign)
+        }
+        // Rule 3.
+        (true, true, Req::Auto) => match (spec_on, sup) {
+            (true, true) => {
+                decide(
+                    DecisionCode::ModeAlignForSpeculative,
+                    DecisionLevel::Info,
+                    "mamba_cache_mode = align (default with prefix caching and speculative \
+                     decoding; --mamba-cache-mode all overrides)"
+                        .into(),
+                );
+                (MambaCacheMode::Align, AlignReason::DefaultForSpeculative)
+            }
+            (false, true) => {
+                decide(
+                    DecisionCode::ModeAllDefault,
+                    DecisionLevel::Info,
+                    "mamba_cache_mode = all (default with prefix caching and no speculative \
+                     decoding: the scan emits the state at every checkpoint boundary)"
+                        .into(),
+                );
+                (MambaCacheMode::All, AlignReason::NotAlign)
+            }
+            (_, false) => {
+                decide(
+                    DecisionCode::ModeAlignNoBoundaryStates,
+                    DecisionLevel::Info,
+                    "mamba_cache_mode = align (default: the model's scan cannot emit boundary \
+                     states, so all is not available)"
+                        .into(),
+                );
+                (MambaCacheMode::Align, AlignReason::DefaultNoBoundaryStates)
+            }
+        },
+        // Rule 4.
+        (true, true, Req::All) if !sup => {
+            decide(
+                DecisionCode::AllFallbackAlign,
+                DecisionLevel::Warning,
+                "--mamba-cache-mode all needs a scan that emits boundary states, which this model \
+                 lacks: falling back to mamba_cache_mode = align"
+                    .into(),
+            );
+            (MambaCacheMode::Align, AlignReason::FallbackFromAll)
+        }
+        (true, true, Req::All) => (MambaCacheMode::All, AlignReason::NotAlign),
+        // Rule 5 is checked with chunked prefill below.
+        (true, true, Req::Align) => (MambaCacheMode::Align, AlignReason::Explicit),
+        // Rule 6.
+        (true, true, Req::None) => {
+            decide(
+                DecisionCode::ModeNoneNoHits,
+                DecisionLevel::Warning,
+                "--mamba-cache-mode none with prefix caching on, on a hybrid model: no prefix hit \
+                 is possible (a hit needs the Mamba state too); choose align or all, or pass \
+                 --no-enable-prefix-caching"
+                    .into(),
+            );
+            (MambaCacheMode::None, AlignReason::NotAlign)
+        }
+    };
+
+    // --- chunked prefill (rules 3 and 5) ---
+    let chunked = match (align_reason, inputs.enable_chunked_prefill) {
+        (AlignReason::Explicit, ChunkedPrefillRequest::Off) => return config_err(
+            "--mamba-cache-mode align needs chunked prefill, which --no-enable-chunked-prefill \
+                 turns off: remove --no-enable-chunked-prefill (or pass --enable-chunked-prefill), \
+                 or choose --mamba-cache-mode all",
+        ),
+        (AlignReason::DefaultForSpeculative, ChunkedPrefillRequest::Off) => {
+            return config_err(
+                "with prefix caching and speculative decoding the default mamba cache mode is \
+                 align, which needs chunked prefill, but --no-enable-chunked-prefill turns it off: \
+                 either turn chunked prefill on (--enable-chunked-prefill) or choose \
+                 --mamba-cache-mode all",
+            )
+        }
+        (
+            AlignReason::DefaultNoBoundaryStates | AlignReason::FallbackFromAll,
+            ChunkedPrefillRequest::Off,
+        ) => {
+            return config_err(
+                "this model can only cache its Mamba state in align mode (its scan cannot emit \
+                 boundary states), which needs chunked prefill, but --no-enable-chunked-prefill \
+                 turns it off: either turn chunked prefill on (--enable-chunked-prefill) or turn \
+                 Mamba prefix caching off (--mamba-cache-mode none or --no-enable-prefix-caching)",
+            )
+        }
+        (AlignReason::NotAlign, ChunkedPrefillRequest::Off) => false,
+        (_, ChunkedPrefillRequest::On) => true,
+        (AlignReason::NotAlign, ChunkedPrefillRequest::Auto) => {
+            decide(
+                DecisionCode::ChunkedPrefillDefaultOn,
+                DecisionLevel::Info,
+                "chunked prefill is on (default); --no-enable-chunked-prefill turns it off".into(),
+            );
+            true
+        }
+        (_, ChunkedPrefillRequest::Auto) => {
+            decide(
+                DecisionCode::ChunkedPrefillOnForAlign,
+                DecisionLevel::Info,
+                "chunked prefill is on: mamba_cache_mode align requires it".into(),
+            );
+            true
+        }
+    };
+
+    // --- mamba_block_size (M) ---
+    let auto_m = auto_mamba_block_size(b, q);
+    let m = match (mode, inputs.mamba_block_size) {
+        (_, Some(_)) if !pc_on => {
+            return config_err(
+                "--mamba-block-size can only be set with prefix caching on: remove \
+                 --mamba-block-size or pass --enable-prefix-caching",
+            )
+        }
+        (MambaCacheMode::None, Some(given)) => {
+            decide(
+                DecisionCode::MambaBlockSizeIgnored,
+                DecisionLevel::Warning,
+                format!(
+                    "--mamba-block-size {given} has no effect with mamba_cache_mode none \
+                     (mamba_block_size = {auto_m}, unused)"
+                ),
+            );
+            auto_m
+        }
+        (MambaCacheMode::None, None) => auto_m,
+        (MambaCacheMode::Align | MambaCacheMode::All, Some(given)) => {
+            if given % b != 0 {
+                return config_err(format!(
+                    "--mamba-block-size {given} must be a multiple of --block-size {b}"
+                ));
+            }
+            if mode == MambaCacheMode::All && given % q != 0 {
+                return config_err(format!(
+                    "--mamba-block-size {given} must be a multiple of the model's scan chunk size \
+                     {q} in mamba_cache_mode all: choose a multiple of {q} (e.g. {auto_m}), or \
+                     --mamba-cache-mode align"
+                ));
+            }
+            given
+        }
+        (MambaCacheMode::Align | MambaCacheMode::All, None) => {
+            decide(
+                DecisionCode::MambaBlockSizeAuto,
+                DecisionLevel::Info,
+                format!(
+                    "mamba_block_size = {auto_m}: the smallest multiple of lcm(block_size {b}, scan \
+                     chunk size {q}) that is at least {MIN_AUTO_MAMBA_BLOCK_SIZE}"
+                ),
+            );
+            auto_m
+        }
+    };
+    if mode != MambaCacheMode::None && m > max_model_len {
+        decide(
+            DecisionCode::MambaBlockSizeExceedsMaxModelLen,
+            DecisionLevel::Warning,
+            format!(
+                "mamba_block_size {m} exceeds max_model_len {max_model_len}: no Mamba prefix hit \
+                 is possible; lower --mamba-block-size"
+            ),
+        );
+    }
+
+    // --- the token budget ---
+    let align = mode == MambaCacheMode::Align;
+    let t = match inputs.max_num_batched_tokens {
+        Some(t) => t,
+        None => {
+            let (t, why) = match (chunked, align) {
+                (false, _) => (
+                    DEFAULT_MAX_NUM_BATCHED_TOKENS.max(max_model_len),
+                    "with chunked prefill off a whole prompt must fit in one step",
+                ),
+                (true, true) if m > DEFAULT_MAX_NUM_BATCHED_TOKENS => (
+                    m,
+                    "raised to mamba_block_size: align schedules whole checkpoint intervals",
+                ),
+                (true, _) => (DEFAULT_MAX_NUM_BATCHED_TOKENS, "default"),
+            };
+            let t = t.max(1 + k);
+            decide(
+                DecisionCode::MaxNumBatchedTokensDefault,
+                DecisionLevel::Info,
+                format!("max_num_batched_tokens = {t} ({why})"),
+            );
+            t
+        }
+    };
+    if align && t < m {
+        return config_err(format!(
+            "mamba_cache_mode align needs --max-num-batched-tokens ({t}) >= mamba_block_size ({m}), \
+             else a prompt could never be scheduled: raise --max-num-batched-tokens or lower \
+             --mamba-block-size"
+        ));
+    }
+    if !chunked && t < max_model_len {
+        return config_err(format!(
+            "with chunked prefill off a whole prompt must fit in one step: raise \
+             --max-num-batched-tokens ({t}) to at least --max-model-len ({max_model_len}), lower \
+             --max-model-len, or pass --enable-chunked-prefill"
+        ));
+    }
+    if t < 1 + k {
+        return config_err(format!(
+            "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({})",
+            1 + k
+        ));
+    }
+    if k >= max_model_len {
+        return config_err(format!(
+            "--speculative-config num_speculative_tokens ({k}) must be less than --max-model-len \
+             ({max_model_len})"
+        ));
+    }
+
+    let config = ResolvedConfig {
+        has_mamba_layers: mamba,
+        enable_prefix_caching: pc_on,
+        mamba_cache_mode: mode,
+        enable_chunked_prefill: chunked,
+        block_size: b,
+        mamba_block_size: m,
+        scan_chunk_size: q,
+        max_num_batched_tokens: t,
+        max_num_seqs: inputs.max_num_seqs,
+        max_model_len,
+        speculative: spec,
+    };
+    // The rules above are meant to make this unreachable; a failure is a bug in the policy.
+    if let Err(e) = config.validate() {
+        return Err(HsError::Internal(format!(
+            "the policy produced an invalid configuration: {e}"
+        )));
+    }
+    Ok(Resolution { config, decisions })
+}
