@@ -1,1 +1,867 @@
-//! (in progress)
+//! Continuous batching (DESIGN.md §2, §4, §6): running requests first (decodes, then unfinished
+//! chunked prefills), then waiting ones with their prefix hits; chunked prefill under a token
+//! budget; align-mode splits; boundary checkpoints (emits inside prefill chunks, publishes of
+//! accepted decode positions); speculative bookkeeping; preemption by recompute; aborts.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::block_hash::BlockHasher;
+use crate::cache::{CacheHit, CacheStats, HybridCacheManager, ReqKey, SlotId, StateOp};
+use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::error::{HsError, HsResult};
+use crate::output::{RowInfo, SchedulerOutput};
+use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
+
+/// What one step changed for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestDelta {
+    pub request_id: String,
+    pub new_token_ids: Vec<u32>,
+    pub finished: bool,
+    pub finish_reason: Option<FinishReason>,
+    /// The EOS/stop token that ended the request (it is the last of `new_token_ids`).
+    pub stop_token_id: Option<u32>,
+    pub num_cached_tokens: usize,
+}
+
+/// Figures for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    /// Requests now waiting after a preemption.
+    pub num_preempted: usize,
+    pub num_preemptions_total: u64,
+    pub num_steps: u64,
+    pub num_scheduled_tokens_last: usize,
+    pub num_scheduled_tokens_total: u64,
+    pub num_finished_total: u64,
+    pub num_aborted_total: u64,
+    /// Prefix cache, counted once per admission: tokens looked up, served, and lost (the KV pool
+    /// alone had more than the hybrid hit).
+    pub prefix_queried_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub prefix_lost_tokens: u64,
+    pub spec_drafted_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub checkpoints_emitted: u64,
+    pub checkpoints_published: u64,
+    pub cache: CacheStats,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    key: ReqKey,
+    num_new: usize,
+    num_drafts: usize,
+    is_decode: bool,
+}
+
+/// The scheduler. Synchronous and deterministic: the same calls give the same schedule.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: ResolvedConfig,
+    cache: HybridCacheManager,
+    hasher: BlockHasher,
+    requests: HashMap<ReqKey, Request>,
+    ids: HashMap<String, ReqKey>,
+    /// (priority, arrival, key): lower priority values first, then FCFS.
+    waiting: BTreeSet<(i64, u64, ReqKey)>,
+    /// Admission order.
+    running: Vec<ReqKey>,
+    next_key: ReqKey,
+    next_arrival: u64,
+    next_step: u64,
+    in_flight: Option<u64>,
+    /// (window slot, checkpoint) publishes found in the last update; the next step copies them
+    /// first thing.
+    pending_publishes: Vec<(SlotId, SlotId)>,
+    finished_ids: Vec<String>,
+    /// Deltas of requests finished inside `schedule()` (cannot fit), returned by the next update.
+    pending_deltas: Vec<RequestDelta>,
+    prefix_caching: bool,
+    checkpoints: bool,
+    align: bool,
+    usable_kv_blocks: usize,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(
+        cfg: &ResolvedConfig,
+        num_kv_blocks: usize,
+        num_mamba_slots: usize,
+        hash_seed: u64,
+    ) -> HsResult<Self> {
+        let bad = |m: String| Err(HsError::Config(m));
+        if cfg.block_size == 0 {
+            return bad("block_size must be positive".into());
+        }
+        if cfg.max_num_batched_tokens == 0 || cfg.max_num_seqs == 0 || cfg.max_model_len < 2 {
+            return bad(
+                "max_num_batched_tokens, max_num_seqs must be positive and max_model_len >= 2"
+                    .into(),
+            );
+        }
+        if num_kv_blocks < 2 {
+            return bad(format!("num_kv_blocks is {num_kv_blocks}; at least 2 are needed (block 0 is the null block)"));
+        }
+        let checkpoints = cfg.has_mamba_layers
+            && cfg.enable_prefix_caching
+            && cfg.mamba_cache_mode != MambaCacheMode::None;
+        if checkpoints && (cfg.mamba_block_size == 0 || cfg.mamba_block_size % cfg.block_size != 0)
+        {
+            return bad(format!(
+                "mamba_block_size ({}) must be a positive multiple of block_size ({})",
+                cfg.mamba_block_size, cfg.block_size
+            ));
+        }
+        if cfg.has_mamba_layers && num_mamba_slots < 1 + cfg.state_window_len() {
+            return bad(format!(
+                "num_mamba_slots is {num_mamba_slots}; a request's state window needs {} slots plus the null slot",
+                cfg.state_window_len()
+            ));
+        }
+        let align = checkpoints && cfg.mamba_cache_mode == MambaCacheMode::Align;
+        if align && cfg.mamba_block_size > cfg.max_num_batched_tokens {
+            return bad(format!(
+                "align mode needs mamba_block_size ({}) <= max_num_batched_tokens ({})",
+                cfg.mamba_block_size, cfg.max_num_batched_tokens
+            ));
+        }
+        Ok(Scheduler {
+            cfg: cfg.clone(),
+            cache: HybridCacheManager::new(cfg, num_kv_blocks, num_mamba_slots),
+            hasher: BlockHasher::new(hash_seed),
+            requests: HashMap::new(),
+            ids: HashMap::new(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            next_key: 1,
+            next_arrival: 0,
+            next_step: 1,
+            in_flight: None,
+            pending_publishes: Vec::new(),
+            finished_ids: Vec::new(),
+            pending_deltas: Vec::new(),
+            prefix_caching: cfg.enable_prefix_caching,
+            checkpoints,
+            align,
+            usable_kv_blocks: num_kv_blocks - 1,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
+    }
+
+    pub fn cache(&self) -> &HybridCacheManager {
+        &self.cache
+    }
+
+    /// Adds a request to the waiting queue.
+    pub fn add_request(&mut self, new: NewRequest) -> HsResult<()> {
+        Request::validate(&new, self.cfg.max_model_len)?;
+        if self.ids.contains_key(&new.request_id) {
+            return Err(HsError::InvalidRequest(format!(
+                "request id {:?} is already in use",
+                new.request_id
+            )));
+        }
+        let need = (new.prompt_token_ids.len() + 1).div_ceil(self.cfg.block_size);
+        if need > self.usable_kv_blocks {
+            return Err(HsError::InvalidRequest(format!(
+                "request {:?}: the prompt needs {need} KV blocks; the cache has {}",
+                new.request_id, self.usable_kv_blocks
+            )));
+        }
+        if !self.cfg.enable_chunked_prefill
+            && new.prompt_token_ids.len() > self.cfg.max_num_batched_tokens
+        {
+            return Err(HsError::InvalidRequest(format!(
+                "request {:?}: the prompt has {} tokens, more than max_num_batched_tokens ({}) with chunked prefill off",
+                new.request_id,
+                new.prompt_token_ids.len(),
+                self.cfg.max_num_batched_tokens
+            )));
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let mut req = Request::new(key, arrival, new);
+        if self.prefix_caching {
+            req.update_hashes(&self.hasher, self.cfg.block_size);
+        }
+        self.ids.insert(req.id.clone(), key);
+        self.waiting.insert((req.priority, req.arrival, key));
+        self.requests.insert(key, req);
+        Ok(())
+    }
+
+    /// Aborts a request in any state, freeing everything it holds. False if the id is unknown
+    /// (never added, or already finished).
+    pub fn abort_request(&mut self, request_id: &str) -> bool {
+        let Some(key) = self.ids.remove(request_id) else {
+            return false;
+        };
+        let Some(req) = self.requests.remove(&key) else {
+            return false;
+        };
+        match req.status {
+            RequestStatus::Waiting | RequestStatus::Preempted => {
+                self.waiting.remove(&(req.priority, req.arrival, key));
+                if req.status == RequestStatus::Preempted {
+                    self.stats.num_preempted -= 1;
+                }
+            }
+            RequestStatus::Running => {
+                self.cache.free(key);
+                self.running.retain(|&k| k != key);
+            }
+            RequestStatus::Finished(_) => {}
+        }
+        self.stats.num_aborted_total += 1;
+        self.finished_ids.push(req.id);
+        true
+    }
+
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn get_request(&self, request_id: &str) -> Option<&Request> {
+        self.ids.get(request_id).and_then(|k| self.requests.get(k))
+    }
+
+    /// Prompt + output so far.
+    pub fn get_token_ids(&self, request_id: &str) -> Option<&[u32]> {
+        self.get_request(request_id)
+            .map(|r| r.all_token_ids.as_slice())
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.pending_publishes.is_empty() || self.in_flight.is_some() {
+            return false;
+        }
+        self.cache.reset_prefix_cache()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let mut s = self.stats.clone();
+        s.num_running = self.running.len();
+        s.num_waiting = self.waiting.len();
+        s.cache = self.cache.stats();
+        s
+    }
+
+    // ---------------------------------------------------------------- schedule
+
+    /// Ends a prefill chunk [start, start + n) of a request with `known` tokens on a multiple of M
+    /// (align mode): the chunk that reaches `known` is cut at the last boundary before it, so that
+    /// the state there is captured. 0 = cannot advance this step.
+    fn align_chunk(&self, start: usize, n: usize, known: usize) -> usize {
+        if !self.align || n == 0 {
+            return n;
+        }
+        let m = self.cfg.mamba_block_size;
+        let end = start + n;
+        if end >= known {
+            let last = known / m * m;
+            if last > start && last < known {
+                return last - start;
+            }
+            return n;
+        }
+        (end / m * m).saturating_sub(start)
+    }
+
+    /// Prefill chunk length for a request at `start` of `known` tokens under `budget`.
+    fn prefill_chunk(&self, start: usize, known: usize, budget: usize) -> usize {
+        let remaining = known - start;
+        let n = remaining.min(budget);
+        if !self.cfg.enable_chunked_prefill
+            && n < remaining
+            && remaining <= self.cfg.max_num_batched_tokens
+        {
+            return 0;
+        }
+        self.align_chunk(start, n, known)
+    }
+
+    /// (tokens, drafts, is_decode) for a running request.
+    fn plan_running(&self, req: &Request, budget: usize) -> (usize, usize, bool) {
+        let known = req.num_tokens();
+        let nc = req.num_computed_tokens;
+        if nc > 0 && nc + 1 >= known {
+            let k = req
+                .drafts
+                .len()
+                .min(self.cfg.num_speculative_tokens())
+                .min(
+                    req.remaining_output(self.cfg.max_model_len)
+                        .saturating_sub(1),
+                )
+                .min(budget.saturating_sub(1));
+            (if budget == 0 { 0 } else { 1 + k }, k, true)
+        } else {
+            (self.prefill_chunk(nc, known, budget), 0, false)
+        }
+    }
+
+    /// The running request to preempt: the lowest priority (largest value), then the newest.
+    fn pick_victim(&self) -> Option<ReqKey> {
+        self.running
+            .iter()
+            .filter_map(|k| self.requests.get(k).map(|r| (r.priority, r.arrival, *k)))
+            .max()
+            .map(|t| t.2)
+    }
+
+    fn preempt(&mut self, key: ReqKey) {
+        self.cache.free(key);
+        self.running.retain(|&k| k != key);
+        if let Some(req) = self.requests.get_mut(&key) {
+            req.status = RequestStatus::Preempted;
+            req.num_computed_tokens = 0;
+            req.drafts.clear();
+            req.live_window_index = 0;
+            req.num_preemptions += 1;
+            self.waiting.insert((req.priority, req.arrival, key));
+            self.stats.num_preempted += 1;
+            self.stats.num_preemptions_total += 1;
+        }
+    }
+
+    /// Finishes a running request that cannot fit in the cache even alone.
+    fn finish_capacity(&mut self, key: ReqKey) {
+        self.cache.free(key);
+        self.running.retain(|&k| k != key);
+        if let Some(req) = self.requests.remove(&key) {
+            self.ids.remove(&req.id);
+            self.stats.num_finished_total += 1;
+            self.pending_deltas.push(RequestDelta {
+                request_id: req.id.clone(),
+                new_token_ids: Vec::new(),
+                finished: true,
+                finish_reason: Some(FinishReason::Length),
+                stop_token_id: None,
+                num_cached_tokens: req.num_cached_tokens,
+            });
+            self.finished_ids.push(req.id);
+        }
+    }
+
+    /// Picks the next batch. Call `update_from_output` with the result before the next call
+    /// (an output without rows needs none).
+    pub fn schedule(&mut self) -> HsResult<SchedulerOutput> {
+        if self.in_flight.is_some() {
+            return Err(HsError::Internal(
+                "schedule() called before update_from_output() of the previous step".into(),
+            ));
+        }
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan: Vec<Planned> = Vec::with_capacity(self.running.len() + 8);
+
+        // 1. Running requests: decodes first, then unfinished prefills.
+        let mut order: Vec<ReqKey> = Vec::with_capacity(self.running.len());
+        let mut prefills: Vec<ReqKey> = Vec::new();
+        for &k in &self.running {
+            let Some(r) = self.requests.get(&k) else {
+                continue;
+            };
+            if r.num_computed_tokens > 0 && r.num_computed_tokens + 1 >= r.num_tokens() {
+                order.push(k);
+            } else {
+                prefills.push(k);
+            }
+        }
+        order.extend(prefills);
+        for key in order {
+            if budget == 0 {
+                break;
+            }
+            let Some(req) = self.requests.get(&key) else {
+                continue;
+            };
+            if req.status != RequestStatus::Running {
+                continue; // preempted earlier in this loop
+            }
+            let (num_new, num_drafts, is_decode) = self.plan_running(req, budget);
+            if num_new == 0 {
+                continue; // deferred (align split rounds to zero, or a whole prompt does not fit)
+            }
+            let nc = req.num_computed_tokens;
+            loop {
+                if self.cache.allocate_more(key, nc, num_new, 0).is_some() {
+                    plan.push(Planned {
+                        key,
+                        num_new,
+                        num_drafts,
+                        is_decode,
+                    });
+                    budget -= num_new;
+                    break;
+                }
+                match self.pick_victim() {
+                    Some(v) if v != key => {
+                        if let Some(pos) = plan.iter().position(|p| p.key == v) {
+                            budget += plan[pos].num_new;
+                            plan.remove(pos);
+                        }
+                        self.preempt(v);
+                    }
+                    _ => {
+                        if self.running.len() <= 1 {
+                            self.finish_capacity(key);
+                        } else {
+                            self.preempt(key);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+
+        // 2. Waiting requests (new and preempted), with their prefix hits.
+        let mut hit_copies: Vec<StateOp> = Vec::new();
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&(_, _, key)) = self.waiting.first() else {
+                break;
+            };
+            let Some(req) = self.requests.get(&key) else {
+                self.waiting.pop_first();
+                continue;
+            };
+            let known = req.num_tokens();
+            let mut hit = if self.prefix_caching {
+                self.cache.find_longest_cache_hit(&req.block_hashes, known)
+            } else {
+                CacheHit::default()
+            };
+            if hit.num_tokens >= known {
+                hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
+            }
+            let start = hit.num_tokens;
+            let num_new = self.prefill_chunk(start, known, budget);
+            if num_new == 0 {
+                break;
+            }
+            let Some(ops) = self.cache.allocate_new(key, &hit, num_new, 0) else {
+                break;
+            };
+            hit_copies.extend(ops);
+            self.waiting.pop_first();
+            self.running.push(key);
+            let Some(req) = self.requests.get_mut(&key) else {
+                continue;
+            };
+            if req.status == RequestStatus::Preempted {
+                self.stats.num_preempted -= 1;
+            }
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = start;
+            req.live_window_index = 0;
+            req.drafts.clear();
+            if !req.was_admitted {
+                req.was_admitted = true;
+                req.num_cached_tokens = start;
+            }
+            self.stats.prefix_queried_tokens += known as u64;
+            self.stats.prefix_hit_tokens += start as u64;
+            self.stats.prefix_lost_tokens += hit.kv_hit_tokens.saturating_sub(start) as u64;
+            plan.push(Planned {
+                key,
+                num_new,
+                num_drafts: 0,
+                is_decode: false,
+            });
+            budget -= num_new;
+        }
+
+        let finished_req_ids = std::mem::take(&mut self.finished_ids);
+        if plan.is_empty() {
+            // Nothing runs: keep the publishes for the next step that does.
+            return Ok(SchedulerOutput {
+                window_len: self.cfg.state_window_len(),
+                query_start_loc: vec![0],
+                finished_req_ids,
+                ..SchedulerOutput::default()
+            });
+        }
+        let step_id = self.next_step;
+        self.next_step += 1;
+        let mut out = self.build_output(step_id, &plan, hit_copies)?;
+        out.finished_req_ids = finished_req_ids;
+        self.in_flight = Some(step_id);
+        self.stats.num_steps += 1;
+        self.stats.num_scheduled_tokens_last = out.num_scheduled_tokens;
+        self.stats.num_scheduled_tokens_total += out.num_scheduled_tokens as u64;
+        Ok(out)
+    }
+
+    fn build_output(
+        &mut self,
+        step_id: u64,
+        plan: &[Planned],
+        hit_copies: Vec<StateOp>,
+    ) -> HsResult<SchedulerOutput> {
+        let nrows = plan.len();
+        let num_tokens: usize = plan.iter().map(|p| p.num_new).sum();
+        let w = self.cfg.state_window_len();
+        let b = self.cfg.block_size;
+        let m = self.cfg.mamba_block_size.max(1);
+        let max_blocks = plan
+            .iter()
+            .map(|p| self.cache.block_table(p.key).len())
+            .max()
+            .unwrap_or(0);
+        let total_drafts: usize = plan.iter().map(|p| p.num_drafts).sum();
+        let num_decodes = plan.iter().take_while(|p| p.is_decode).count();
+        if plan[num_decodes..].iter().any(|p| p.is_decode) {
+            return Err(HsError::Internal(
+                "decode rows are not first in the batch".into(),
+            ));
+        }
+        let mut out = SchedulerOutput {
+            step_id,
+            req_ids: Vec::with_capacity(nrows),
+            num_decodes,
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            query_start_loc: Vec::with_capacity(nrows + 1),
+            num_computed_tokens: Vec::with_capacity(nrows),
+            seq_lens: Vec::with_capacity(nrows),
+            slot_mapping: Vec::with_capacity(num_tokens),
+            block_table: vec![0; nrows * max_blocks],
+            max_blocks,
+            state_read_slot: Vec::with_capacity(nrows),
+            has_initial_state: Vec::with_capacity(nrows),
+            state_write_slots: vec![0; nrows * w],
+            window_len: w,
+            logits_indices: Vec::with_capacity(num_decodes + total_drafts + (nrows - num_decodes)),
+            num_logits: Vec::with_capacity(nrows),
+            num_draft_tokens: Vec::with_capacity(nrows),
+            draft_token_ids: Vec::with_capacity(total_drafts),
+            num_scheduled_tokens: num_tokens,
+            rows: Vec::with_capacity(nrows),
+            ..SchedulerOutput::default()
+        };
+        // Publishes of the last update first, then the hit copies of this step.
+        for (src, dst) in self.pending_publishes.drain(..) {
+            out.state_copies.push(src as i64);
+            out.state_copies.push(dst as i64);
+            out.pending_checkpoints.push(dst);
+        }
+        for op in hit_copies {
+            let StateOp::Copy { src, dst } = op;
+            out.state_copies.push(src as i64);
+            out.state_copies.push(dst as i64);
+        }
+        out.query_start_loc.push(0);
+        for (r, p) in plan.iter().enumerate() {
+            let Some(req) = self.requests.get(&p.key) else {
+                return Err(HsError::Internal("a scheduled request vanished".into()));
+            };
+            let table = self.cache.block_table(p.key);
+            let window = self.cache.state_window(p.key);
+            let nc = req.num_computed_tokens;
+            let end = nc + p.num_new;
+            let qs = out.input_ids.len();
+            if p.is_decode {
+                out.input_ids
+                    .push(req.all_token_ids[req.num_tokens() - 1] as i64);
+                out.input_ids
+                    .extend(req.drafts[..p.num_drafts].iter().map(|&t| t as i64));
+                out.draft_token_ids
+                    .extend(req.drafts[..p.num_drafts].iter().map(|&t| t as i32));
+            } else {
+                out.input_ids
+                    .extend(req.all_token_ids[nc..end].iter().map(|&t| t as i64));
+            }
+            for pos in nc..end {
+                let Some(&blk) = table.get(pos / b) else {
+                    return Err(HsError::Internal(format!(
+                        "block table of request {:?} does not cover position {pos}",
+                        req.id
+                    )));
+                };
+                out.positions.push(pos as i64);
+                out.slot_mapping.push((blk as usize * b + pos % b) as i64);
+            }
+            out.query_start_loc.push(out.input_ids.len() as i64);
+            out.num_computed_tokens.push(nc as i64);
+            out.seq_lens.push(end as i64);
+            for (j, &blk) in table.iter().enumerate() {
+                out.block_table[r * max_blocks + j] = blk as i64;
+            }
+            if window.len() < w && self.cfg.has_mamba_layers {
+                return Err(HsError::Internal(format!(
+                    "state window of request {:?} is short",
+                    req.id
+                )));
+            }
+            let slot = |i: usize| window.get(i).copied().unwrap_or(0) as i64;
+            out.has_initial_state.push(nc > 0);
+            out.state_read_slot.push(if nc > 0 {
+                slot(req.live_window_index)
+            } else {
+                0
+            });
+            let num_logits;
+            if p.is_decode {
+                for t in 0..p.num_new {
+                    out.state_write_slots[r * w + t] = slot(t);
+                }
+                out.logits_indices
+                    .extend((qs..qs + p.num_new).map(|i| i as i64));
+                num_logits = p.num_new;
+            } else {
+                out.state_write_slots[r * w] = slot(0);
+                if end == req.num_tokens() {
+                    out.logits_indices.push((qs + p.num_new - 1) as i64);
+                    num_logits = 1;
+                } else {
+                    num_logits = 0;
+                }
+                if self.checkpoints {
+                    // Boundaries inside the chunk: only the chunk end in align mode, every
+                    // multiple of M in all mode.
+                    let first = if self.align { end } else { (nc / m + 1) * m };
+                    let mut bnd = first;
+                    while bnd <= end {
+                        if bnd % m == 0 && bnd > nc {
+                            if let Some(&hash) = req.block_hashes.get(bnd / b - 1) {
+                                if let Some(ck) = self.cache.reserve_checkpoint(hash, bnd) {
+                                    out.emit_row.push(r as i64);
+                                    out.emit_token.push((bnd - nc - 1) as i64);
+                                    out.emit_slot.push(ck as i64);
+                                    out.pending_checkpoints.push(ck);
+                                    self.stats.checkpoints_emitted += 1;
+                                }
+                            }
+                        }
+                        bnd += m;
+                    }
+                }
+            }
+            out.num_logits.push(num_logits as i32);
+            out.num_draft_tokens.push(p.num_drafts as i32);
+            out.req_ids.push(req.id.clone());
+            out.rows.push(RowInfo {
+                key: p.key,
+                num_computed_before: nc,
+                num_new_tokens: p.num_new,
+                is_decode: p.is_decode,
+                num_drafts: p.num_drafts,
+                num_logits,
+            });
+        }
+        Ok(out)
+    }
+
+    // ---------------------------------------------------------------- update
+
+    fn validate_update(
+        &self,
+        out: &SchedulerOutput,
+        sampled: &[i32],
+        num_sampled: &[i32],
+        drafts: Option<(&[i32], &[i32])>,
+    ) -> HsResult<()> {
+        let bad = |m: String| Err(HsError::InvalidRequest(m));
+        if self.in_flight != Some(out.step_id) {
+            return bad(
+                "update_from_output() got an output that is not the last scheduled step".into(),
+            );
+        }
+        let nrows = out.rows.len();
+        if num_sampled.len() != nrows {
+            return bad(format!(
+                "num_sampled has {} entries for {nrows} rows",
+                num_sampled.len()
+            ));
+        }
+        let mut total = 0usize;
+        for (r, (&ns, row)) in num_sampled.iter().zip(&out.rows).enumerate() {
+            let ok = if row.is_decode {
+                ns >= 1 && ns as usize <= row.num_logits
+            } else {
+                ns as usize == row.num_logits && ns >= 0
+            };
+            if !ok {
+                return bad(format!(
+                    "row {r}: num_sampled is {ns}, the row has {} logits",
+                    row.num_logits
+                ));
+            }
+            total += ns as usize;
+        }
+        if total != sampled.len() {
+            return bad(format!(
+                "sampled_token_ids has {} tokens, num_sampled sums to {total}",
+                sampled.len()
+            ));
+        }
+        if sampled.iter().any(|&t| t < 0) {
+            return bad("negative token id in sampled_token_ids".into());
+        }
+        if let Some((ids, nd)) = drafts {
+            if nd.len() != nrows {
+                return bad(format!(
+                    "num_drafts has {} entries for {nrows} rows",
+                    nd.len()
+                ));
+            }
+            if nd.iter().any(|&n| n < 0) {
+                return bad("negative entry in num_drafts".into());
+            }
+            let s: usize = nd.iter().map(|&n| n as usize).sum();
+            if s != ids.len() {
+                return bad(format!(
+                    "draft_token_ids has {} tokens, num_drafts sums to {s}",
+                    ids.len()
+                ));
+            }
+            if ids.iter().any(|&t| t < 0) {
+                return bad("negative token id in draft_token_ids".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a step's results: tokens (with stop conditions token by token), accepted counts,
+    /// live state slots, KV caching of accepted blocks, checkpoint publishes and commits, frees.
+    pub fn update_from_output(
+        &mut self,
+        out: &SchedulerOutput,
+        sampled: &[i32],
+        num_sampled: &[i32],
+        drafts: Option<(&[i32], &[i32])>,
+    ) -> HsResult<Vec<RequestDelta>> {
+        let mut deltas = std::mem::take(&mut self.pending_deltas);
+        if out.rows.is_empty() {
+            return Ok(deltas);
+        }
+        if let Err(e) = self.validate_update(out, sampled, num_sampled, drafts) {
+            self.pending_deltas = deltas;
+            return Err(e);
+        }
+        self.in_flight = None;
+        deltas.reserve(out.rows.len());
+        let max_len = self.cfg.max_model_len;
+        let k_max = self.cfg.num_speculative_tokens();
+        let b = self.cfg.block_size;
+        let m = self.cfg.mamba_block_size.max(1);
+        let mut finished: Vec<ReqKey> = Vec::new();
+        let mut s_off = 0usize;
+        let mut d_off = 0usize;
+        for (r, row) in out.rows.iter().enumerate() {
+            let ns = num_sampled[r] as usize;
+            let toks = &sampled[s_off..s_off + ns];
+            s_off += ns;
+            let row_drafts: &[i32] = match drafts {
+                Some((ids, nd)) => {
+                    let n = nd[r] as usize;
+                    let d = &ids[d_off..d_off + n];
+                    d_off += n;
+                    d
+                }
+                None => &[],
+            };
+            let Some(req) = self.requests.get_mut(&row.key) else {
+                continue; // aborted after schedule()
+            };
+            if req.status != RequestStatus::Running {
+                continue;
+            }
+            let before = row.num_computed_before;
+            let mut new_tokens: Vec<u32> = Vec::with_capacity(ns);
+            let mut finish = None;
+            for &t in toks {
+                new_tokens.push(t as u32);
+                if let Some(f) = req.append_token(t as u32, max_len) {
+                    finish = Some(f);
+                    break;
+                }
+            }
+            let after = if row.is_decode {
+                self.stats.spec_drafted_tokens += row.num_drafts as u64;
+                self.stats.spec_accepted_tokens += (ns - 1) as u64;
+                req.live_window_index = ns - 1;
+                before + new_tokens.len()
+            } else {
+                req.live_window_index = 0;
+                before + row.num_new_tokens
+            };
+            req.num_computed_tokens = after;
+            if self.prefix_caching {
+                req.update_hashes(&self.hasher, b);
+                self.cache
+                    .cache_full_blocks(row.key, &req.block_hashes, after);
+            }
+            if row.is_decode && self.checkpoints {
+                // Accepted tokens crossed or reached boundaries: the state after p·M tokens is in
+                // window[p·M - before - 1]; copy it out first thing next step.
+                let mut bnd = (before / m + 1) * m;
+                while bnd <= after {
+                    let idx = bnd - before - 1;
+                    let src = self.cache.state_window(row.key).get(idx).copied();
+                    if let (Some(src), Some(&hash)) = (src, req.block_hashes.get(bnd / b - 1)) {
+                        if let Some(dst) = self.cache.reserve_checkpoint(hash, bnd) {
+                            self.pending_publishes.push((src, dst));
+                            self.stats.checkpoints_published += 1;
+                        }
+                    }
+                    bnd += m;
+                }
+            }
+            req.drafts.clear();
+            if finish.is_none() {
+                req.drafts
+                    .extend(row_drafts.iter().take(k_max).map(|&t| t as u32));
+            }
+            if !new_tokens.is_empty() || finish.is_some() {
+                deltas.push(RequestDelta {
+                    request_id: req.id.clone(),
+                    new_token_ids: new_tokens,
+                    finished: finish.is_some(),
+                    finish_reason: finish,
+                    stop_token_id: if finish == Some(FinishReason::Stop) {
+                        req.stop_token_id
+                    } else {
+                        None
+                    },
+                    num_cached_tokens: req.num_cached_tokens,
+                });
+            }
+            if finish.is_some() {
+                finished.push(row.key);
+            }
+        }
+        for &slot in &out.pending_checkpoints {
+            self.cache.commit_checkpoint(slot);
+        }
+        if !finished.is_empty() {
+            for &key in &finished {
+                self.cache.free(key);
+                if let Some(req) = self.requests.remove(&key) {
+                    self.ids.remove(&req.id);
+                    self.finished_ids.push(req.id);
+                }
+                self.stats.num_finished_total += 1;
+            }
+            self.running.retain(|k| !finished.contains(k));
+        }
+        Ok(deltas)
+    }
+}
