@@ -116,6 +116,10 @@ impl MambaPool {
     pub fn num_committed(&self) -> usize {
         self.num_committed
     }
+    /// Committed checkpoints that are not pinned.
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable
+    }
     pub fn checkpoint_cap(&self) -> usize {
         self.checkpoint_cap
     }
