@@ -755,3 +755,500 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
     }
     Ok(Resolution { config, decisions })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const HYBRID: ModelCapabilities = ModelCapabilities {
+        has_mamba_layers: true,
+        supports_boundary_states: true,
+        scan_chunk_size: Some(128),
+        max_position_embeddings: Some(8192),
+    };
+
+    fn model(kind: &str) -> ModelCapabilities {
+        match kind {
+            "hybrid" => HYBRID,
+            "hybrid-nosup" => ModelCapabilities {
+                supports_boundary_states: false,
+                ..HYBRID
+            },
+            "attn" => ModelCapabilities {
+                has_mamba_layers: false,
+                supports_boundary_states: false,
+                scan_chunk_size: None,
+                max_position_embeddings: Some(8192),
+            },
+            other => panic!("unknown model kind {other}"),
+        }
+    }
+
+    /// `"key":value` out of the flat JSON object of `--speculative-config` (test helper only).
+    fn json_field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
+        let pat = format!("\"{key}\":");
+        let start = json.find(&pat)? + pat.len();
+        let rest = &json[start..];
+        let end = rest.find([',', '}']).unwrap_or(rest.len());
+        Some(rest[..end].trim().trim_matches('"'))
+    }
+
+    /// The CLI flags of a table row, parsed the way `hybridserve config` parses them.
+    fn parse_flags(kind: &str, flags: &str) -> PolicyInputs {
+        let mut inputs = PolicyInputs::new(model(kind));
+        let mut it = flags.split_whitespace();
+        let num = |v: Option<&str>| -> usize { v.and_then(|s| s.parse().ok()).expect("a number") };
+        while let Some(flag) = it.next() {
+            match flag {
+                "--enable-prefix-caching" => {
+                    inputs.enable_prefix_caching = PrefixCachingRequest::On
+                }
+                "--no-enable-prefix-caching" => {
+                    inputs.enable_prefix_caching = PrefixCachingRequest::Off
+                }
+                "--enable-chunked-prefill" => {
+                    inputs.enable_chunked_prefill = ChunkedPrefillRequest::On
+                }
+                "--no-enable-chunked-prefill" => {
+                    inputs.enable_chunked_prefill = ChunkedPrefillRequest::Off
+                }
+                "--mamba-cache-mode" => {
+                    inputs.mamba_cache_mode = it.next().expect("a mode").parse().expect("a mode")
+                }
+                "--speculative-config" => {
+                    let json = it.next().expect("json");
+                    inputs.speculative = Some(SpecRequest {
+                        method: json_field(json, "method")
+                            .expect("method")
+                            .parse()
+                            .expect("method"),
+                        num_speculative_tokens: num(json_field(json, "num_speculative_tokens")),
+                    });
+                }
+                "--block-size" => inputs.block_size = num(it.next()),
+                "--mamba-block-size" => inputs.mamba_block_size = Some(num(it.next())),
+                "--max-num-batched-tokens" => inputs.max_num_batched_tokens = Some(num(it.next())),
+                "--max-num-seqs" => inputs.max_num_seqs = num(it.next()),
+                "--max-model-len" => inputs.max_model_len = Some(num(it.next())),
+                other => panic!("flag {other} not known to the table parser"),
+            }
+        }
+        inputs
+    }
+
+    fn on_off(b: bool) -> &'static str {
+        if b {
+            "on"
+        } else {
+            "off"
+        }
+    }
+
+    /// Checks one expectation of the table against a result; returns the failures.
+    fn check_case(expect: &str, result: &HsResult<Resolution>) -> Vec<String> {
+        let mut tokens = expect.split_whitespace();
+        let mut failures = Vec::new();
+        match (tokens.next(), result) {
+            (Some("ok"), Ok(res)) => {
+                let c = &res.config;
+                for tok in tokens {
+                    if let Some(code) = tok.strip_prefix('+') {
+                        let (code, level) = code.split_once(':').unwrap_or((code, ""));
+                        let found = res.decisions.iter().any(|d| {
+                            d.code.as_str() == code
+                                && (level.is_empty() || d.level.as_str() == level)
+                        });
+                        if !found {
+                            failures.push(format!("missing decision {tok}: {:?}", res.decisions));
+                        }
+                    } else if let Some(code) = tok.strip_prefix('-') {
+                        if res.decisions.iter().any(|d| d.code.as_str() == code) {
+                            failures.push(format!("unexpected decision {code}"));
+                        }
+                    } else {
+                        let (key, want) = tok.split_once('=').expect("key=value");
+                        let got = match key {
+                            "mode" => c.mamba_cache_mode.as_str().to_string(),
+                            "pc" => on_off(c.enable_prefix_caching).to_string(),
+                            "chunked" => on_off(c.enable_chunked_prefill).to_string(),
+                            "M" => c.mamba_block_size.to_string(),
+                            "T" => c.max_num_batched_tokens.to_string(),
+                            "L" => c.max_model_len.to_string(),
+                            "k" => c.num_speculative_tokens().to_string(),
+                            other => panic!("unknown key {other}"),
+                        };
+                        if got != want {
+                            failures.push(format!("{key}: want {want}, got {got}"));
+                        }
+                    }
+                }
+            }
+            (Some("err"), Err(HsError::Config(msg))) => {
+                for tok in tokens {
+                    let needle = tok.replace('~', " ");
+                    if !msg.contains(&needle) {
+                        failures.push(format!("error message lacks {needle:?}: {msg}"));
+                    }
+                }
+            }
+            (want, got) => failures.push(format!("want {want:?}, got {got:?}")),
+        }
+        failures
+    }
+
+    #[test]
+    fn table_cases() {
+        let table = include_str!("../tests/policy_cases.txt");
+        let mut rules_seen = std::collections::BTreeSet::new();
+        let mut n = 0;
+        for line in table.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+            assert_eq!(cols.len(), 4, "bad table line: {line}");
+            let (name, kind, flags, expect) = (cols[0], cols[1], cols[2], cols[3]);
+            let result = resolve(&parse_flags(kind, flags));
+            let failures = check_case(expect, &result);
+            assert!(failures.is_empty(), "case {name}: {failures:#?}");
+            if let Ok(res) = &result {
+                assert_eq!(res.config.validate(), Ok(()), "case {name}");
+            }
+            rules_seen.insert(name.split('_').next().unwrap_or("").to_string());
+            n += 1;
+        }
+        assert!(n >= 30, "only {n} cases");
+        let want: std::collections::BTreeSet<String> =
+            (1..=7).map(|r| format!("rule{r}")).collect();
+        assert_eq!(rules_seen, want, "every rule of DESIGN.md §5 has a case");
+    }
+
+    fn spec(k: usize) -> Option<SpecRequest> {
+        Some(SpecRequest {
+            method: SpecMethod::Ngram,
+            num_speculative_tokens: k,
+        })
+    }
+
+    #[test]
+    fn seed_prefix_caching_with_speculation_gives_align_with_chunked_prefill() {
+        let mut inputs = PolicyInputs::new(HYBRID);
+        inputs.enable_prefix_caching = PrefixCachingRequest::On;
+        inputs.speculative = spec(3);
+        let res = resolve(&inputs).expect("resolves");
+        assert_eq!(res.config.mamba_cache_mode, MambaCacheMode::Align);
+        assert!(res.config.enable_chunked_prefill);
+        assert!(res.has_decision(DecisionCode::ModeAlignForSpeculative));
+        assert!(res.has_decision(DecisionCode::ChunkedPrefillOnForAlign));
+        assert_eq!(res.config.num_speculative_tokens(), 3);
+    }
+
+    #[test]
+    fn seed_prefix_caching_without_speculation_gives_all() {
+        let mut inputs = PolicyInputs::new(HYBRID);
+        inputs.enable_prefix_caching = PrefixCachingRequest::On;
+        let res = resolve(&inputs).expect("resolves");
+        assert_eq!(res.config.mamba_cache_mode, MambaCacheMode::All);
+        assert!(res.has_decision(DecisionCode::ModeAllDefault));
+        assert_eq!(res.config.mamba_block_size % res.config.scan_chunk_size, 0);
+    }
+
+    #[test]
+    fn seed_chunked_prefill_off_with_speculation_is_an_error_naming_both_fixes() {
+        let mut inputs = PolicyInputs::new(HYBRID);
+        inputs.enable_prefix_caching = PrefixCachingRequest::On;
+        inputs.speculative = spec(3);
+        inputs.enable_chunked_prefill = ChunkedPrefillRequest::Off;
+        match resolve(&inputs) {
+            Err(HsError::Config(msg)) => {
+                assert!(msg.contains("--enable-chunked-prefill"), "{msg}");
+                assert!(msg.contains("--mamba-cache-mode all"), "{msg}");
+            }
+            other => panic!("want a configuration error, got {other:?}"),
+        }
+        // Taking the second fix resolves.
+        inputs.mamba_cache_mode = MambaCacheModeRequest::All;
+        let res = resolve(&inputs).expect("the named fix works");
+        assert_eq!(res.config.mamba_cache_mode, MambaCacheMode::All);
+        assert!(!res.config.enable_chunked_prefill);
+    }
+
+    #[test]
+    fn auto_mamba_block_size_values() {
+        assert_eq!(auto_mamba_block_size(16, 128), 256);
+        assert_eq!(auto_mamba_block_size(16, 256), 256);
+        assert_eq!(auto_mamba_block_size(16, 64), 256);
+        assert_eq!(auto_mamba_block_size(48, 128), 384);
+        assert_eq!(auto_mamba_block_size(16, 100), 400);
+        assert_eq!(auto_mamba_block_size(16, 512), 512);
+        assert_eq!(auto_mamba_block_size(1, 1), 256);
+        assert_eq!(
+            auto_mamba_block_size(MAX_BLOCK_SIZE, MAX_SCAN_CHUNK_SIZE),
+            4096
+        );
+    }
+
+    #[test]
+    fn enums_parse_their_lowercase_strings() {
+        assert_eq!(
+            "none".parse::<MambaCacheModeRequest>(),
+            Ok(MambaCacheModeRequest::None)
+        );
+        assert_eq!(
+            "auto".parse::<MambaCacheModeRequest>(),
+            Ok(MambaCacheModeRequest::Auto)
+        );
+        assert_eq!(
+            "all".parse::<MambaCacheModeRequest>(),
+            Ok(MambaCacheModeRequest::All)
+        );
+        assert_eq!(
+            "align".parse::<MambaCacheModeRequest>(),
+            Ok(MambaCacheModeRequest::Align)
+        );
+        assert!("ALL".parse::<MambaCacheModeRequest>().is_err());
+        assert_eq!(
+            "off".parse::<ChunkedPrefillRequest>(),
+            Ok(ChunkedPrefillRequest::Off)
+        );
+        assert_eq!(
+            "on".parse::<PrefixCachingRequest>(),
+            Ok(PrefixCachingRequest::On)
+        );
+        assert_eq!(
+            "draft_model".parse::<SpecMethod>(),
+            Ok(SpecMethod::DraftModel)
+        );
+        for m in [
+            MambaCacheModeRequest::Auto,
+            MambaCacheModeRequest::None,
+            MambaCacheModeRequest::Align,
+            MambaCacheModeRequest::All,
+        ] {
+            assert_eq!(m.as_str().parse::<MambaCacheModeRequest>(), Ok(m));
+        }
+        match "fast".parse::<MambaCacheModeRequest>() {
+            Err(HsError::Config(msg)) => assert!(msg.contains("--mamba-cache-mode"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn for_tests_configs_are_valid() {
+        for mode in [
+            MambaCacheMode::None,
+            MambaCacheMode::Align,
+            MambaCacheMode::All,
+        ] {
+            for k in [0, 1, 4] {
+                assert_eq!(ResolvedConfig::for_tests(mode, k).validate(), Ok(()));
+            }
+        }
+    }
+
+    #[test]
+    fn pool_sizes_must_hold_one_full_request() {
+        let cfg = ResolvedConfig::for_tests(MambaCacheMode::Align, 2); // B = 4, L = 4096, K = 2
+        let need = 1 + (4096 + 2usize).div_ceil(4);
+        assert_eq!(cfg.validate_pool_sizes(need, 4), Ok(()));
+        match cfg.validate_pool_sizes(need - 1, 4) {
+            Err(HsError::Config(msg)) => assert!(msg.contains("--num-kv-blocks"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        match cfg.validate_pool_sizes(need, 3) {
+            Err(HsError::Config(msg)) => assert!(msg.contains("--num-mamba-slots"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        let mut attn = cfg.clone();
+        attn.has_mamba_layers = false;
+        attn.mamba_cache_mode = MambaCacheMode::None;
+        assert_eq!(attn.validate_pool_sizes(need, 0), Ok(()));
+    }
+
+    #[test]
+    fn validate_rejects_broken_configs() {
+        let good = ResolvedConfig::for_tests(MambaCacheMode::Align, 0);
+        let broken = [
+            ResolvedConfig {
+                enable_chunked_prefill: false,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                max_num_batched_tokens: 4,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                mamba_block_size: 6,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                mamba_block_size: 12,
+                mamba_cache_mode: MambaCacheMode::All,
+                scan_chunk_size: 8,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                has_mamba_layers: false,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                enable_prefix_caching: false,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                block_size: 0,
+                ..good.clone()
+            },
+            ResolvedConfig {
+                speculative: Some(SpecConfig {
+                    method: SpecMethod::Ngram,
+                    num_speculative_tokens: 0,
+                }),
+                ..good.clone()
+            },
+        ];
+        for cfg in broken {
+            assert!(matches!(cfg.validate(), Err(HsError::Config(_))), "{cfg:?}");
+        }
+    }
+
+    fn mode_req() -> impl Strategy<Value = MambaCacheModeRequest> {
+        prop_oneof![
+            Just(MambaCacheModeRequest::Auto),
+            Just(MambaCacheModeRequest::None),
+            Just(MambaCacheModeRequest::Align),
+            Just(MambaCacheModeRequest::All),
+        ]
+    }
+
+    fn tri() -> impl Strategy<Value = Option<bool>> {
+        prop_oneof![Just(None), Just(Some(true)), Just(Some(false))]
+    }
+
+    /// A size: mostly plausible, sometimes 0 or huge.
+    fn size(hi: usize) -> impl Strategy<Value = usize> {
+        prop_oneof![
+            6 => 1..=hi,
+            1 => Just(0usize),
+            1 => Just(usize::MAX),
+            1 => (MAX_TOKENS - 2)..(MAX_TOKENS + 2),
+            2 => (0usize..8).prop_map(|e| 16usize << e),
+        ]
+    }
+
+    fn inputs() -> impl Strategy<Value = PolicyInputs> {
+        let caps = (
+            any::<bool>(),
+            any::<bool>(),
+            proptest::option::of(size(600)),
+            proptest::option::of(size(20_000)),
+        )
+            .prop_map(|(m, s, q, p)| ModelCapabilities {
+                has_mamba_layers: m,
+                supports_boundary_states: s,
+                scan_chunk_size: q,
+                max_position_embeddings: p,
+            });
+        let spec = proptest::option::of((any::<bool>(), 0usize..20)).prop_map(|o| {
+            o.map(|(draft, k)| SpecRequest {
+                method: if draft {
+                    SpecMethod::DraftModel
+                } else {
+                    SpecMethod::Ngram
+                },
+                num_speculative_tokens: k,
+            })
+        });
+        (
+            caps,
+            (tri(), mode_req(), tri()),
+            spec,
+            (
+                size(80),
+                proptest::option::of(size(5000)),
+                proptest::option::of(size(10_000)),
+            ),
+            (size(300), proptest::option::of(size(20_000))),
+        )
+            .prop_map(
+                |(model, (pc, mode, cp), speculative, (b, m, t), (seqs, l))| PolicyInputs {
+                    model,
+                    enable_prefix_caching: PrefixCachingRequest::from_option(pc),
+                    mamba_cache_mode: mode,
+                    enable_chunked_prefill: ChunkedPrefillRequest::from_option(cp),
+                    speculative,
+                    block_size: b,
+                    mamba_block_size: m,
+                    max_num_batched_tokens: t,
+                    max_num_seqs: seqs,
+                    max_model_len: l,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
+
+        #[test]
+        fn resolve_is_total_and_its_results_hold(inputs in inputs()) {
+            match resolve(&inputs) {
+                Err(HsError::Config(msg)) => {
+                    // Every error names what to change: a flag, or the model's config.json.
+                    prop_assert!(msg.contains("--") || msg.contains("config.json"), "{}", msg);
+                }
+                Err(other) => prop_assert!(false, "not a configuration error: {:?}", other),
+                Ok(res) => {
+                    let c = &res.config;
+                    prop_assert_eq!(c.validate(), Ok(()));
+                    // align is never resolved with chunked prefill off.
+                    prop_assert!(c.mamba_cache_mode != MambaCacheMode::Align || c.enable_chunked_prefill);
+                    // all only where the scan emits boundary states.
+                    prop_assert!(c.mamba_cache_mode != MambaCacheMode::All
+                        || inputs.model.supports_boundary_states);
+                    prop_assert!(c.mamba_cache_mode == MambaCacheMode::None
+                        || (c.has_mamba_layers && c.enable_prefix_caching));
+                    // Explicit choices are kept, or changed only with a decision that says so.
+                    let warned = |code: DecisionCode| res.decisions.iter()
+                        .any(|d| d.code == code && d.level == DecisionLevel::Warning);
+                    match inputs.mamba_cache_mode {
+                        MambaCacheModeRequest::Auto => {}
+                        MambaCacheModeRequest::None => prop_assert_eq!(c.mamba_cache_mode, MambaCacheMode::None),
+                        req => if c.mamba_cache_mode.as_str() != req.as_str() {
+                            prop_assert!(warned(DecisionCode::ModeIgnoredPrefixCachingOff)
+                                || warned(DecisionCode::NoMambaLayers)
+                                || warned(DecisionCode::AllFallbackAlign), "{:?}", res.decisions);
+                        },
+                    }
+                    match inputs.enable_prefix_caching {
+                        PrefixCachingRequest::On => prop_assert!(c.enable_prefix_caching),
+                        PrefixCachingRequest::Off => prop_assert!(!c.enable_prefix_caching),
+                        PrefixCachingRequest::Auto => prop_assert!(res.has_decision(DecisionCode::PrefixCachingDefaultOn)),
+                    }
+                    match inputs.enable_chunked_prefill {
+                        ChunkedPrefillRequest::On => prop_assert!(c.enable_chunked_prefill),
+                        ChunkedPrefillRequest::Off => prop_assert!(!c.enable_chunked_prefill),
+                        ChunkedPrefillRequest::Auto => prop_assert!(
+                            res.has_decision(DecisionCode::ChunkedPrefillDefaultOn)
+                                || res.has_decision(DecisionCode::ChunkedPrefillOnForAlign)),
+                    }
+                    if let Some(m) = inputs.mamba_block_size {
+                        prop_assert!(c.mamba_block_size == m || warned(DecisionCode::MambaBlockSizeIgnored));
+                    }
+                    if let Some(t) = inputs.max_num_batched_tokens {
+                        prop_assert_eq!(c.max_num_batched_tokens, t);
+                    }
+                    if let Some(l) = inputs.max_model_len {
+                        prop_assert_eq!(c.max_model_len, l);
+                    }
+                    prop_assert_eq!(c.block_size, inputs.block_size);
+                    prop_assert_eq!(c.max_num_seqs, inputs.max_num_seqs);
+                    prop_assert_eq!(c.speculative.map(|s| (s.method, s.num_speculative_tokens)),
+                        inputs.speculative.map(|s| (s.method, s.num_speculative_tokens)));
+                    prop_assert!(res.decisions.iter().all(|d| !d.message.is_empty()));
+                }
+            }
+        }
+    }
+}
