@@ -1,24 +1,179 @@
-"""`hybridserve serve` (placeholder until the server lands: answers /health only)."""
+"""`hybridserve serve MODEL [engine flags] [--host --port --api-key --served-model-name --max-queue-len]`.
+
+The server listens before the model is loaded (/health answers 503 until it is), loads the engine
+in a background thread, and shuts down gracefully on SIGINT/SIGTERM: it stops accepting, lets
+in-flight requests finish for `--shutdown-timeout` seconds, aborts the rest and exits 0.
+No torch import at module level: this module builds the CLI parser.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger("hybridserve.server")
+
+
+def _engine_arg_api() -> tuple[Any, Any] | None:
+    """(add_engine_args, EngineArgs.from_cli) from hybridserve.config, when they exist."""
+    from hybridserve import config
+
+    add = getattr(config, "add_engine_args", None)
+    engine_args_cls = getattr(config, "EngineArgs", None)
+    from_cli = getattr(engine_args_cls, "from_cli", None) if engine_args_cls is not None else None
+    if add is None or from_cli is None:
+        return None
+    return add, from_cli
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    api = _engine_arg_api()
+    if api is not None:
+        api[0](p)
+    if not any(a.dest == "model" for a in p._actions):
+        p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
+    if api is None:  # until hybridserve.config grows add_engine_args
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--device", default=None)
+        p.add_argument("--dtype", default=None)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("HYBRIDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HYBRIDSERVE_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: the MODEL argument's name)"
+    )
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=512,
+        help="engine requests admitted at once (running + waiting); beyond it requests get 503 + Retry-After",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted (413 beyond)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return str(args.served_model_name)
+    model = str(args.model).rstrip("/")
+    return os.path.basename(model) or model
+
+
+def _build_engine(args: argparse.Namespace) -> Any:
+    """Construct the AsyncEngine (loads the model). Runs in a background thread."""
+    from hybridserve.engine.async_engine import AsyncEngine
+
+    api = _engine_arg_api()
+    if api is None:
+        raise RuntimeError("hybridserve.config.EngineArgs.from_cli is not available yet")
+    engine_args = api[1](args)
+    return AsyncEngine(engine_args)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from hybridserve.server.app import create_app, set_engine, set_load_error
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    app = create_app(
+        None,
+        served_model_name=_served_name(args),
+        api_key=args.api_key,
+        max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_timeout,
+    )
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=args.shutdown_timeout + 15.0, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    port = sockets[0].getsockname()[1] if sockets else args.port
+    logger.info("listening on http://%s:%d (loading the model...)", args.host, port)
+
+    # The engine loads in a daemon thread, so a signal during loading need not wait for it.
+    loaded: asyncio.Future[Any] = loop.create_future()
+
+    def load() -> None:
+        try:
+            engine = _build_engine(args)
+        except BaseException as e:  # reported on the event loop
+            err = e
+            loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_exception(err))
+            return
+        loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(engine))
+
+    threading.Thread(target=load, name="hybridserve-load", daemon=True).start()
+
+    engine: Any = None
+    rc = 0
+    stop_wait = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({loaded, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if loaded in done:
+        exc = loaded.exception()
+        if exc is not None:
+            logger.error("loading the model failed: %s", exc)
+            set_load_error(app, str(exc))
+            rc = 1
+        else:
+            engine = loaded.result()
+            if hasattr(engine, "start") and callable(engine.start) and not getattr(engine, "ready", True):
+                res = engine.start()
+                if asyncio.iscoroutine(res):
+                    await res
+            set_engine(app, engine)
+            logger.info("ready: serving %r on http://%s:%d", _served_name(args), args.host, port)
+            await stop_wait
+    stop_wait.cancel()
+    logger.info("shutting down")
+    await runner.cleanup()  # stops listening, drains/aborts in-flight requests (app on_shutdown)
+    if engine is not None:
+        try:
+            res = engine.shutdown()
+            if asyncio.iscoroutine(res):
+                await res
+        except Exception:
+            logger.exception("engine shutdown failed")
+    logger.info("stopped")
+    return rc
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    app = web.Application()
-
-    async def health(_request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.router.add_get("/health", health)
-    web.run_app(app, host=args.host, port=args.port)
-    return 0
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(_serve(args))

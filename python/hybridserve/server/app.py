@@ -1,0 +1,695 @@
+"""The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
+GET /metrics. Every request is validated (protocol.py) before anything reaches the engine; each
+choice of a request is one engine request whose outputs reach the handler through an asyncio
+queue; a client that goes away (the handler is cancelled, or a write fails) aborts its engine
+requests at once. The engine may be attached after the server starts listening (`set_engine`),
+so /health answers 503 while the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from hybridserve.errors import InvalidRequestError
+from hybridserve.server import protocol as P
+from hybridserve.server.chat import ChatTemplate
+from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.server.sse import SSE_HEADERS, encode_event
+
+logger = logging.getLogger("hybridserve.server")
+
+DEFAULT_MAX_QUEUE_LEN = 512
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+RETRY_AFTER_S = 1
+
+
+class EngineModelInfo:
+    """protocol.ModelInfo over the engine: tokenizer, vocabulary size, context length, chat template."""
+
+    def __init__(self, engine: Any, chat_template: ChatTemplate | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._max_model_len = int(engine.max_model_len)
+        self._vocab_size = _find_vocab_size(engine)
+        self.chat_template = chat_template or ChatTemplate.from_model_dir(_find_model_dir(engine))
+        self._bos_id = _find_special_id(engine, "bos_token_id")
+        self._token_text_cache: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if hasattr(ids, "ids"):  # a tokenizers.Encoding
+            ids = ids.ids
+        return [int(t) for t in ids]
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        ids = self.encode(text)
+        # The template usually writes the BOS text itself; do not let the tokenizer add a second one.
+        bos = self._bos_id
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        s = self._token_text_cache.get(token_id)
+        if s is None:
+            try:
+                s = self.tokenizer.decode([token_id])
+            except Exception:
+                s = ""
+            if len(self._token_text_cache) < 200_000:
+                self._token_text_cache[token_id] = s
+        return s
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
+
+
+def _find_vocab_size(engine: Any) -> int | None:
+    for obj, attr in (
+        (engine, "vocab_size"),
+        (getattr(engine, "model_config", None), "vocab_size"),
+        (getattr(engine, "tokenizer", None), "vocab_size"),
+    ):
+        v = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    tok = getattr(engine, "tokenizer", None)
+    for name in ("get_vocab_size", "__len__"):
+        fn = getattr(tok, name, None)
+        if callable(fn):
+            try:
+                v = int(fn())
+            except Exception:
+                continue
+            if v > 0:
+                return v
+    return None
+
+
+def _find_model_dir(engine: Any) -> str | None:
+    for obj in (engine, getattr(engine, "tokenizer", None), getattr(engine, "model_config", None)):
+        for attr in ("model_dir", "model_path", "name_or_path"):
+            v = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(v, str | Path) and Path(v).is_dir():
+                return str(v)
+    return None
+
+
+def _find_special_id(engine: Any, attr: str) -> int | None:
+    for obj in (getattr(engine, "tokenizer", None), getattr(engine, "model_config", None), engine):
+        v = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(v, int):
+            return v
+    return None
+
+
+@dataclass
+class ServerState:
+    served_model_name: str
+    api_key: str | None
+    max_queue_len: int
+    shutdown_grace_s: float
+    metrics: ServerMetrics
+    engine: Any = None
+    info: EngineModelInfo | None = None
+    load_error: str | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    inflight: set[str] = field(default_factory=set)
+    idle: asyncio.Event | None = None
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and bool(getattr(self.engine, "ready", True)) and self.info is not None
+
+    def admit(self, ids: list[str]) -> None:
+        self.inflight.update(ids)
+        self.metrics.inflight.set(len(self.inflight))
+        if self.idle is not None:
+            self.idle.clear()
+
+    def release(self, engine_id: str) -> None:
+        self.inflight.discard(engine_id)
+        self.metrics.inflight.set(len(self.inflight))
+        if not self.inflight and self.idle is not None:
+            self.idle.set()
+
+
+STATE = web.AppKey("hybridserve_state", ServerState)
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    chat_template: ChatTemplate | None = None,
+) -> web.Application:
+    """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
+    503 and generation routes answer 503); attach it later with `set_engine`."""
+    state_holder: dict[str, ServerState] = {}
+    metrics = ServerMetrics(lambda: state_holder["s"].engine_stats())
+    state = ServerState(
+        served_model_name=served_model_name,
+        api_key=api_key or None,
+        max_queue_len=max_queue_len,
+        shutdown_grace_s=shutdown_grace_s,
+        metrics=metrics,
+    )
+    state_holder["s"] = state
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
+    app[STATE] = state
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id}", _model)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.on_startup.append(_on_startup)
+    app.on_shutdown.append(_on_shutdown)
+    if engine is not None:
+        set_engine(app, engine, chat_template=chat_template)
+    return app
+
+
+def set_engine(app: web.Application, engine: Any, *, chat_template: ChatTemplate | None = None) -> None:
+    """Attach a loaded engine; from now on /health is 200 (while engine.ready)."""
+    state = app[STATE]
+    state.info = EngineModelInfo(engine, chat_template)
+    state.engine = engine
+    state.metrics.ready.set(1)
+
+
+def set_load_error(app: web.Application, message: str) -> None:
+    app[STATE].load_error = message
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE]
+    state.idle = asyncio.Event()
+    state.idle.set()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Stop admitting, let in-flight requests finish for the grace period, abort the rest."""
+    state = app[STATE]
+    state.draining = True
+    idle = state.idle
+    if idle is None or not state.inflight:
+        return
+    logger.info(
+        "shutdown: waiting up to %.1fs for %d in-flight requests", state.shutdown_grace_s, len(state.inflight)
+    )
+    try:
+        await asyncio.wait_for(idle.wait(), timeout=state.shutdown_grace_s)
+        return
+    except TimeoutError:
+        pass
+    logger.info("shutdown: aborting %d in-flight requests", len(state.inflight))
+    for rid in list(state.inflight):
+        await _abort(state, rid)
+    try:
+        await asyncio.wait_for(idle.wait(), timeout=10.0)
+    except TimeoutError:
+        logger.warning("shutdown: %d requests did not finish after abort", len(state.inflight))
+
+
+# ---------------------------------------------------------------------------------------------
+# Middlewares
+
+
+def json_error(err: P.APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+_HTTP_ERROR_TYPES = {
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+@web.middleware
+async def _error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    metrics = request.app[STATE].metrics
+    try:
+        resp = await handler(request)
+    except P.APIError as e:
+        resp = json_error(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        etype, code = _HTTP_ERROR_TYPES.get(e.status, ("invalid_request_error", None))
+        message = e.text or e.reason
+        if e.status == 413:
+            message = f"the request body exceeds the limit of {request.app._client_max_size} bytes"
+        elif e.status == 404:
+            message = f"no route for {request.method} {request.path}"
+        resp = web.json_response(P.error_body(message, type=etype, code=code), status=e.status)
+        if e.status == 405 and "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("internal error on %s %s", request.method, request.path)
+        resp = web.json_response(
+            P.error_body("internal server error", type="internal_error", code="internal_error"), status=500
+        )
+    if resp.status >= 400:
+        metrics.http_errors.labels(status=str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
+async def _auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    key = request.app[STATE].api_key
+    if key is not None and request.path.startswith("/v1"):
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise P.APIError(
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                status=401,
+                type="invalid_request_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    return await handler(request)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simple routes
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    if state.load_error is not None:
+        return web.json_response({"status": "error", "message": state.load_error}, status=503)
+    if not state.ready:
+        return web.json_response({"status": "loading"}, status=503, headers={"Retry-After": "5"})
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "hybridserve",
+    }
+    if state.info is not None:
+        card["max_model_len"] = state.info.max_model_len
+    return card
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model_id = request.match_info["model_id"]
+    if model_id != state.served_model_name:
+        raise P.APIError(
+            f"the model {model_id!r} does not exist",
+            status=404,
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model_card(state))
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
+    if state.draining:
+        raise P.APIError(
+            "the server is shutting down", status=503, type="service_unavailable", code="shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    if not state.ready or state.info is None:
+        raise P.APIError(
+            "the model is still loading", status=503, type="service_unavailable", code="model_loading",
+            headers={"Retry-After": "5"},
+        )  # fmt: skip
+    return state.engine, state.info
+
+
+async def _read_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge beyond client_max_size
+    return P.decode_json_body(raw)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine, info = _require_engine(state)
+    body = await _read_body(request)
+    req = P.parse_completion_request(body, info, state.served_model_name)
+    return await _generate(request, state, engine, info, req, f"cmpl-{uuid.uuid4().hex}")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine, info = _require_engine(state)
+    body = await _read_body(request)
+    req = P.parse_chat_request(body, info, state.served_model_name)
+    return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+
+@dataclass
+class _Choice:
+    index: int
+    engine_id: str
+    prompt: P.PromptInput
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    done: bool = False
+    started_stream: bool = False
+    text_offset: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[Any] | None
+    finished: bool
+
+
+def _apply_output(choice: _Choice, out: Any) -> _Delta:
+    """Fold one RequestOutput into the choice; returns what is new."""
+    co = out.outputs[0]
+    if co.delta_token_ids or co.delta_text:
+        new_ids = list(co.delta_token_ids)
+        new_text = co.delta_text
+    else:  # an engine that only fills cumulative fields
+        new_ids = list(co.token_ids[len(choice.token_ids) :])
+        new_text = co.text[len(choice.text) :]
+    new_lps: list[Any] | None = None
+    if co.logprobs is not None:
+        total = len(choice.token_ids) + len(new_ids)
+        if len(co.logprobs) == total:  # cumulative
+            new_lps = list(co.logprobs[len(choice.logprobs) :])
+        else:
+            new_lps = list(co.logprobs[-len(new_ids) :]) if new_ids else []
+        choice.logprobs.extend(new_lps)
+    choice.token_ids.extend(new_ids)
+    choice.text += new_text
+    choice.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
+    finished = bool(out.finished or co.finish_reason is not None)
+    if finished:
+        choice.finish_reason = co.finish_reason or "stop"
+        choice.stop_reason = co.stop_reason
+    return _Delta(new_text, new_ids, new_lps, finished)
+
+
+async def _abort(state: ServerState, engine_id: str) -> None:
+    engine = state.engine
+    if engine is None:
+        return
+    try:
+        await engine.abort(engine_id)
+    except Exception:
+        logger.exception("abort of %s failed", engine_id)
+
+
+async def _generate(
+    request: web.Request,
+    state: ServerState,
+    engine: Any,
+    info: EngineModelInfo,
+    req: P.GenerateRequest,
+    request_id: str,
+) -> web.StreamResponse:
+    arrival = time.monotonic()
+    created = int(time.time())
+    n = req.params.n
+    choices = [
+        _Choice(index=i, engine_id=f"{request_id}-{i}", prompt=req.prompts[i // n])
+        for i in range(req.num_sequences)
+    ]
+    # Admission: counted synchronously, so concurrent handlers cannot overshoot the limit.
+    if len(state.inflight) + len(choices) > state.max_queue_len:
+        raise P.APIError(
+            f"the server queue is full ({len(state.inflight)} requests in flight, limit {state.max_queue_len}); retry later",
+            status=503,
+            type="service_unavailable",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    state.admit([c.engine_id for c in choices])
+    sink: asyncio.Queue[tuple[_Choice, Any]] = asyncio.Queue()
+
+    async def run_one(choice: _Choice) -> None:
+        try:
+            async for out in engine.generate(
+                choice.prompt.token_ids,
+                req.choice_params(choice.index),
+                choice.engine_id,
+                cache_salt=req.cache_salt,
+            ):
+                sink.put_nowait((choice, out))
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            sink.put_nowait((choice, e))
+        finally:
+            sink.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(run_one(c)) for c in choices]
+    try:
+        if req.stream:
+            return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
+        return await _collect(state, info, req, request_id, created, arrival, choices, sink)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for c in choices:
+            if not c.done:
+                await _abort(state, c.engine_id)
+            state.release(c.engine_id)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _engine_error(e: BaseException) -> P.APIError:
+    if isinstance(e, InvalidRequestError):
+        return P.APIError(str(e), status=400, code="invalid_value")
+    logger.error("engine error: %r", e)
+    return P.APIError(f"engine error: {e}", status=500, type="internal_error", code="internal_error")
+
+
+def _observe(state: ServerState, choice: _Choice, delta: _Delta, arrival: float) -> None:
+    m = state.metrics
+    if delta.token_ids:
+        now = time.monotonic()
+        if choice.last_token_time is None:
+            m.time_to_first_token.observe(now - arrival)
+            rest = len(delta.token_ids) - 1
+            prev = now
+        else:
+            rest = len(delta.token_ids)
+            prev = choice.last_token_time
+        for _ in range(rest):
+            m.inter_token_latency.observe((now - prev) / max(rest, 1))
+        choice.last_token_time = now
+    if delta.finished:
+        m.e2e_latency.observe(time.monotonic() - arrival)
+        m.requests_finished.labels(finish_reason=choice.finish_reason or "stop").inc()
+
+
+def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:
+    n = req.params.n
+    prompt_tokens = sum(len(p.token_ids) for p in req.prompts)
+    cached = sum(choices[i * n].num_cached_tokens for i in range(len(req.prompts)))
+    return P.usage_dict(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
+
+
+def _logprobs_json(
+    req: P.GenerateRequest,
+    info: EngineModelInfo,
+    choice: _Choice,
+    entries: list[Any],
+    ids: list[int],
+    offset: int,
+) -> dict[str, Any] | None:
+    if req.logprobs is None:
+        return None
+    if req.kind == "completion":
+        return P.completion_logprobs(entries, ids, info.token_text, offset)
+    return P.chat_logprobs(entries, ids, info.token_text, req.logprobs)
+
+
+async def _collect(
+    state: ServerState,
+    info: EngineModelInfo,
+    req: P.GenerateRequest,
+    request_id: str,
+    created: int,
+    arrival: float,
+    choices: list[_Choice],
+    sink: asyncio.Queue[tuple[_Choice, Any]],
+) -> web.Response:
+    remaining = len(choices)
+    while remaining:
+        choice, item = await sink.get()
+        if item is None:
+            remaining -= 1
+            continue
+        if isinstance(item, BaseException):
+            raise _engine_error(item)
+        delta = _apply_output(choice, item)
+        if delta.finished:
+            choice.done = True
+        _observe(state, choice, delta, arrival)
+    out = []
+    for c in choices:
+        if not c.done:
+            raise P.APIError(
+                "the engine ended a request without finishing it", status=500, type="internal_error"
+            )
+        prefix = ""
+        if req.echo:
+            prefix = c.prompt.text if c.prompt.text is not None else info.decode(c.prompt.token_ids)
+        lps = _logprobs_json(req, info, c, c.logprobs, c.token_ids, len(prefix))
+        if req.kind == "completion":
+            out.append(P.completion_choice(c.index, prefix + c.text, c.finish_reason, lps, c.stop_reason))
+        else:
+            out.append(P.chat_choice(c.index, c.text, c.finish_reason, lps, c.stop_reason))
+    usage = _usage(req, choices)
+    build = P.completion_response if req.kind == "completion" else P.chat_response
+    return web.json_response(build(request_id, created, req.model, out, usage), dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    info: EngineModelInfo,
+    req: P.GenerateRequest,
+    request_id: str,
+    created: int,
+    arrival: float,
+    choices: list[_Choice],
+    sink: asyncio.Queue[tuple[_Choice, Any]],
+) -> web.StreamResponse:
+    chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
+    resp: web.StreamResponse | None = None
+
+    async def send(choice_json: dict[str, Any]) -> None:
+        nonlocal resp
+        if resp is None:
+            resp = web.StreamResponse(status=200, headers=dict(SSE_HEADERS))
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+        await resp.write(
+            encode_event(chunk(request_id, created, req.model, [choice_json], None, req.include_usage))
+        )
+
+    remaining = len(choices)
+    while remaining:
+        choice, item = await sink.get()
+        if item is None:
+            remaining -= 1
+            continue
+        if isinstance(item, BaseException):
+            err = _engine_error(item)
+            if resp is None:  # nothing sent yet: a plain error response
+                raise err
+            await resp.write(encode_event(err.body()))
+            break
+        delta = _apply_output(choice, item)
+        if delta.finished:
+            choice.done = True
+        _observe(state, choice, delta, arrival)
+        if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
+            continue
+        lps = None
+        if req.logprobs is not None and delta.logprobs is not None:
+            lps = _logprobs_json(req, info, choice, delta.logprobs, delta.token_ids, choice.text_offset)
+        if req.kind == "completion":
+            text = delta.text
+            if req.echo and not choice.started_stream:
+                text = (
+                    choice.prompt.text
+                    if choice.prompt.text is not None
+                    else info.decode(choice.prompt.token_ids)
+                ) + text
+            choice.text_offset += len(text)
+            cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
+                                     choice.stop_reason if delta.finished else None)  # fmt: skip
+        else:
+            cj = P.chat_chunk_choice(
+                choice.index,
+                role=None if choice.started_stream else "assistant",
+                content=delta.text,
+                finish_reason=choice.finish_reason if delta.finished else None,
+                logprobs=lps,
+                stop_reason=choice.stop_reason if delta.finished else None,
+            )
+        choice.started_stream = True
+        await send(cj)
+    if resp is None:  # no output at all (cannot normally happen): still a well-formed stream
+        resp = web.StreamResponse(status=200, headers=dict(SSE_HEADERS))
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+    if req.include_usage:
+        await resp.write(encode_event(chunk(request_id, created, req.model, [], _usage(req, choices), True)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

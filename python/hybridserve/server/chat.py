@@ -1,0 +1,89 @@
+"""Chat template rendering from the model's tokenizer_config.json (jinja2, sandboxed, HF semantics)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# Used when the model ships no chat template: ChatML, as most hybrid instruct models use.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TemplateError(Exception):
+    """The template called raise_exception (it rejects these messages)."""
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+class ChatTemplate:
+    def __init__(
+        self, template: str | None = None, *, bos_token: str | None = None, eos_token: str | None = None
+    ) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source = template or DEFAULT_CHAT_TEMPLATE
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        self._template = env.from_string(self.source)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
+        """The template of `model_dir/tokenizer_config.json` (or chat_template.jinja), else ChatML."""
+        if model_dir is None:
+            return cls()
+        d = Path(model_dir)
+        cfg: dict[str, Any] = {}
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                cfg = {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = d / "chat_template.jinja"
+        if not isinstance(template, str) and jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
+        return cls(
+            template if isinstance(template, str) else None,
+            bos_token=_token_text(cfg.get("bos_token")),
+            eos_token=_token_text(cfg.get("eos_token")),
+        )
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )

@@ -1,0 +1,126 @@
+"""Prometheus metrics of one server (its own registry, never the process-global one).
+
+Engine gauges and counters are read from `engine.stats()` at scrape time, so /metrics always shows
+the engine's own numbers; latency histograms are observed by the server as tokens stream out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# engine.stats() key -> (metric name, help). Gauges are levels, counters are running totals.
+ENGINE_GAUGES = {
+    "num_requests_running": ("hybridserve_num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("hybridserve_num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_blocks_used": ("hybridserve_kv_blocks_used", "KV cache blocks held by requests."),
+    "mamba_slots_used": ("hybridserve_mamba_slots_used", "Mamba state slots held by requests."),
+}
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("hybridserve_prompt_tokens", "Prompt tokens processed."),
+    "generation_tokens": ("hybridserve_generation_tokens", "Tokens generated."),
+    "prefix_cache_queried_tokens": (
+        "hybridserve_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hit_tokens": (
+        "hybridserve_prefix_cache_hit_tokens",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    "prefix_cache_lost_tokens": (
+        "hybridserve_prefix_cache_lost_tokens",
+        "Tokens recomputed because no Mamba checkpoint existed although the KV prefix was cached.",
+    ),
+    "spec_decode_draft_tokens": (
+        "hybridserve_spec_decode_draft_tokens",
+        "Draft tokens proposed for verification.",
+    ),
+    "spec_decode_accepted_tokens": ("hybridserve_spec_decode_accepted_tokens", "Draft tokens accepted."),
+}
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self._stats() or {}
+        except Exception:  # a scrape must not fail because the engine is mid-shutdown
+            s = {}
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats))
+        self.time_to_first_token = Histogram(
+            "hybridserve_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "hybridserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "hybridserve_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "hybridserve_requests_finished",
+            "Engine requests finished, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            "hybridserve_http_errors",
+            "Requests answered with an error status.",
+            ["status"],
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "hybridserve_server_inflight_requests",
+            "Engine requests admitted by the server and not finished yet.",
+            registry=self.registry,
+        )
+        self.ready = Gauge("hybridserve_model_ready", "1 once the model is loaded.", registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,876 @@
+"""OpenAI protocol: strict request parsing into SamplingParams + prompts, and response builders.
+
+Everything a client sends is checked here, before anything reaches the engine: unknown fields,
+wrong JSON types (a bool is not an int), non-finite or out-of-range numbers, empty prompts, prompts
+that do not fit in `max_model_len`, token ids outside the vocabulary. A bad request raises
+`APIError`, which the app turns into an OpenAI-style error body
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from hybridserve.engine.outputs import TokenLogprobs
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
+
+# A request may ask for at most this many sequences in all (prompts x n).
+MAX_SEQUENCES_PER_REQUEST = 128
+MAX_STOP_SEQUENCES = 16
+MAX_PROMPTS_PER_REQUEST = 64
+MAX_CACHE_SALT_LEN = 1024
+
+
+class APIError(Exception):
+    """A request that is answered with an OpenAI-style error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(f"{param}: {message}" if param else message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Body decoding
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body: strict UTF-8, strict JSON (no NaN/Infinity), a top-level object."""
+    if not raw:
+        raise APIError("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(
+            f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})", code="invalid_json"
+        ) from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed field readers. JSON null means "not given" for every optional field.
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, int | float)) and not isinstance(v, bool)
+
+
+def get_int(
+    body: dict[str, Any], name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _bad(name, f"must be an integer, got {type(v).__name__}", "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        shown = v if abs(v) < 10**30 else f"a {len(str(abs(v)))}-digit number"
+        raise _bad(name, f"must be in {rng}, got {shown}")
+    return v
+
+
+def get_float(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise _bad(name, f"must be a number, got {type(v).__name__}", "invalid_type")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise _bad(name, f"must be in [{lo}, {hi}], got a huge number") from None
+    if not math.isfinite(f) or not (lo <= f <= hi):
+        raise _bad(name, f"must be in [{lo}, {hi}], got {v!r}")
+    return f
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be a boolean, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def get_str(
+    body: dict[str, Any], name: str, *, max_len: int | None = None, allow_empty: bool = True
+) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _bad(name, f"must be a string, got {type(v).__name__}", "invalid_type")
+    if not allow_empty and not v:
+        raise _bad(name, "must not be empty")
+    if max_len is not None and len(v) > max_len:
+        raise _bad(name, f"must be at most {max_len} characters long")
+    return v
+
+
+def _check_surrogates(param: str, s: str) -> None:
+    # JSON "\ud800" escapes decode to lone surrogates, which no tokenizer can encode.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(param, "contains an unpaired UTF-16 surrogate") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the server knows about the model
+
+
+class ModelInfo(Protocol):
+    """The model facts request parsing needs (built from the engine by the app)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]: ...
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, when the client sent text (for echo)
+
+
+@dataclass
+class GenerateRequest:
+    """A validated completion or chat request, ready for the engine."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompts: list[PromptInput]
+    params: SamplingParams  # params.n choices per prompt
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    cache_salt: str | None = None
+    # completion: top-n of the `logprobs` field; chat: top_logprobs (None: no logprobs)
+    logprobs: int | None = None
+    user: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    def choice_params(self, choice_index: int) -> SamplingParams:
+        """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds)."""
+        seed = self.params.seed
+        j = choice_index % self.params.n
+        if seed is not None:
+            seed = (seed + j) % 2**63
+        return dataclasses.replace(self.params, n=1, seed=seed)
+
+
+_SAMPLING_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "user",
+    # vLLM's extra sampling parameters
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "min_tokens",
+    "repetition_penalty",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    # hybridserve extension: isolates a tenant's prefix cache
+    "cache_salt",
+}
+# OpenAI fields we know but do not implement: accepted only when absent, null or empty.
+_UNSUPPORTED_COMMON = {"logit_bias", "metadata", "store", "service_tier"}
+_COMPLETION_FIELDS = (
+    _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"} | _UNSUPPORTED_COMMON
+)
+_CHAT_FIELDS = (
+    _SAMPLING_FIELDS
+    | {
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+        "add_generation_prompt",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "parallel_tool_calls",
+        "modalities",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+    }
+    | _UNSUPPORTED_COMMON
+)
+_CHAT_UNSUPPORTED = {
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+}
+_MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str], unsupported: set[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise APIError(f"unknown field {key!r}", param=key, code="unknown_field")
+    for key in unsupported:
+        v = body.get(key)
+        if v is not None and v != {} and v != [] and v is not False:
+            raise APIError(f"{key}: not supported by this server", param=key, code="unsupported_parameter")
+
+
+def _parse_model(body: dict[str, Any], served_model_name: str) -> str:
+    model = get_str(body, "model")
+    if model is None:
+        return served_model_name
+    if model != served_model_name:
+        raise APIError(
+            f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+            status=404,
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _parse_stop(body: dict[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise _bad("stop", f"must be a string or a list of strings, got {type(v).__name__}", "invalid_type")
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise _bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences")
+    for s in v:
+        if not isinstance(s, str):
+            raise _bad(
+                "stop",
+                f"must be a string or a list of strings, got a list holding {type(s).__name__}",
+                "invalid_type",
+            )
+        if not s:
+            raise _bad("stop", "stop sequences must not be empty")
+        _check_surrogates("stop", s)
+    return list(v)
+
+
+def _parse_token_list(param: str, v: Any, vocab_size: int | None, *, allow_empty: bool) -> list[int]:
+    if not isinstance(v, list):
+        raise _bad(param, f"must be a list of integers, got {type(v).__name__}", "invalid_type")
+    if not v and not allow_empty:
+        raise _bad(param, "must not be empty")
+    for t in v:
+        if not _is_int(t):
+            raise _bad(
+                param, f"must be a list of integers, got a list holding {type(t).__name__}", "invalid_type"
+            )
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            shown = t if abs(t) < 10**30 else "a huge number"
+            raise _bad(param, f"token id {shown} is outside the vocabulary [0, {vocab_size})")
+    return list(v)
+
+
+def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise _bad("stream_options", "only allowed when stream is true")
+        if not isinstance(opts, dict):
+            raise _bad("stream_options", f"must be an object, got {type(opts).__name__}", "invalid_type")
+        for key in opts:
+            if key not in ("include_usage",):
+                raise APIError(
+                    f"unknown field 'stream_options.{key}'",
+                    param=f"stream_options.{key}",
+                    code="unknown_field",
+                )
+        v = opts.get("include_usage")
+        if v is not None and not isinstance(v, bool):
+            raise _bad(
+                "stream_options.include_usage", f"must be a boolean, got {type(v).__name__}", "invalid_type"
+            )
+        include_usage = bool(v)
+    return stream, include_usage
+
+
+def _sampling_params(
+    body: dict[str, Any],
+    *,
+    n: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int | None,
+) -> SamplingParams:
+    stop_token_ids_raw = body.get("stop_token_ids")
+    stop_token_ids = (
+        []
+        if stop_token_ids_raw is None
+        else _parse_token_list("stop_token_ids", stop_token_ids_raw, vocab_size, allow_empty=True)
+    )
+    top_k = get_int(body, "top_k", 0, -1, 2**31 - 1)
+    min_tokens = get_int(body, "min_tokens", 0, 0, 2**31 - 1)
+    try:
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=top_k if top_k is not None else 0,
+            min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+            seed=get_int(body, "seed", None, 0, 2**63 - 1),
+            stop=_parse_stop(body),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=get_bool(body, "ignore_eos", False),
+            min_tokens=min_tokens if min_tokens is not None else 0,
+            presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 10.0),
+            logprobs=logprobs,
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        )
+    except InvalidRequestError as e:
+        msg = str(e)
+        param = msg.split(":", 1)[0] if ":" in msg else None
+        raise APIError(msg, param=param, code="invalid_value") from None
+
+
+def _resolve_max_tokens(
+    requested: int | None,
+    prompts: Sequence[PromptInput],
+    max_model_len: int,
+    prompt_param: str,
+    max_param: str,
+) -> int:
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest >= max_model_len:
+        raise APIError(
+            f"{prompt_param}: the prompt has {longest} tokens, but this model's maximum context length is "
+            f"{max_model_len} tokens (prompt plus at least one generated token)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return max_model_len - longest
+    if longest + requested > max_model_len:
+        raise APIError(
+            f"{max_param}: this model's maximum context length is {max_model_len} tokens, but {longest + requested} "
+            f"were requested ({longest} in the prompt, {requested} to generate)",
+            param=max_param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _check_sequences(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise _bad(
+            "n", f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences in all (prompts x n)"
+        )
+
+
+def _common(
+    body: dict[str, Any], served_model_name: str
+) -> tuple[str, int, bool, bool, str | None, str | None]:
+    model = _parse_model(body, served_model_name)
+    n = get_int(body, "n", 1, 1, MAX_SEQUENCES_PER_REQUEST)
+    assert n is not None
+    stream, include_usage = _parse_stream(body)
+    cache_salt = get_str(body, "cache_salt", max_len=MAX_CACHE_SALT_LEN, allow_empty=False)
+    if cache_salt is not None:
+        _check_surrogates("cache_salt", cache_salt)
+    user = get_str(body, "user", max_len=1024)
+    return model, n, stream, include_usage, cache_salt, user
+
+
+def parse_completion_request(
+    body: dict[str, Any], info: ModelInfo, served_model_name: str
+) -> GenerateRequest:
+    """Validate a /v1/completions body. Raises APIError."""
+    _check_fields(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMMON)
+    if body.get("suffix") not in (None, ""):
+        raise APIError("suffix: not supported by this server", param="suffix", code="unsupported_parameter")
+    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name)
+    best_of = get_int(body, "best_of", None, 1, MAX_SEQUENCES_PER_REQUEST)
+    if best_of is not None and best_of != n:
+        raise APIError(
+            "best_of: only best_of == n is supported", param="best_of", code="unsupported_parameter"
+        )
+    echo = get_bool(body, "echo", False)
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise APIError(
+            "echo with logprobs (prompt logprobs) is not supported",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    requested_max = get_int(body, "max_tokens", 16, 1, None)
+
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("prompt: a prompt is required", param="prompt", code="missing_field")
+    prompts = _parse_prompts(body["prompt"], info)
+    _check_sequences(len(prompts), n)
+    max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
+    params = _sampling_params(body, n=n, max_tokens=max_tokens, logprobs=logprobs, vocab_size=info.vocab_size)
+    return GenerateRequest(
+        kind="completion",
+        model=model,
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        cache_salt=cache_salt,
+        logprobs=logprobs,
+        user=user,
+    )
+
+
+def _parse_prompts(v: Any, info: ModelInfo) -> list[PromptInput]:
+    def text_prompt(s: str) -> PromptInput:
+        if not s:
+            raise _bad("prompt", "must not be empty")
+        _check_surrogates("prompt", s)
+        ids = info.encode(s)
+        if not ids:
+            raise _bad("prompt", "encodes to no tokens")
+        return PromptInput(token_ids=ids, text=s)
+
+    if isinstance(v, str):
+        return [text_prompt(v)]
+    if not isinstance(v, list):
+        raise _bad(
+            "prompt",
+            f"must be a string, a list of strings or a list of token ids, got {type(v).__name__}",
+            "invalid_type",
+        )
+    if not v:
+        raise _bad("prompt", "must not be empty")
+    if all(_is_int(t) for t in v):
+        return [
+            PromptInput(
+                token_ids=_parse_token_list("prompt", v, info.vocab_size, allow_empty=False), text=None
+            )
+        ]
+    if len(v) > MAX_PROMPTS_PER_REQUEST:
+        raise _bad("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
+    if all(isinstance(s, str) for s in v):
+        return [text_prompt(s) for s in v]
+    if all(isinstance(t, list) for t in v):
+        return [
+            PromptInput(
+                token_ids=_parse_token_list("prompt", t, info.vocab_size, allow_empty=False), text=None
+            )
+            for t in v
+        ]
+    raise _bad(
+        "prompt",
+        "must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+        "invalid_type",
+    )
+
+
+def _parse_messages(v: Any) -> list[dict[str, Any]]:
+    if v is None:
+        raise APIError("messages: required", param="messages", code="missing_field")
+    if not isinstance(v, list):
+        raise _bad("messages", f"must be a list of message objects, got {type(v).__name__}", "invalid_type")
+    if not v:
+        raise _bad("messages", "must not be empty")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(p, f"must be an object, got {type(m).__name__}", "invalid_type")
+        for key in m:
+            if key not in _MESSAGE_FIELDS:
+                raise APIError(f"unknown field '{p}.{key}'", param=f"{p}.{key}", code="unknown_field")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _MESSAGE_ROLES:
+            raise _bad(f"{p}.role", f"must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}")
+        if m.get("tool_calls"):
+            raise APIError(
+                f"{p}.tool_calls: not supported by this server",
+                param=f"{p}.tool_calls",
+                code="unsupported_parameter",
+            )
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise _bad(f"{p}.content", "required", "missing_field")
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                pp = f"{p}.content[{j}]"
+                if not isinstance(part, dict):
+                    raise _bad(pp, f"must be an object, got {type(part).__name__}", "invalid_type")
+                if part.get("type") != "text":
+                    raise APIError(
+                        f"{pp}.type: only text content parts are supported",
+                        param=f"{pp}.type",
+                        code="unsupported_parameter",
+                    )
+                if set(part) - {"type", "text"}:
+                    key = sorted(set(part) - {"type", "text"})[0]
+                    raise APIError(f"unknown field '{pp}.{key}'", param=f"{pp}.{key}", code="unknown_field")
+                t = part.get("text")
+                if not isinstance(t, str):
+                    raise _bad(f"{pp}.text", "must be a string", "invalid_type")
+                parts.append(t)
+            text = "".join(parts)
+        else:
+            raise _bad(
+                f"{p}.content",
+                f"must be a string or a list of content parts, got {type(content).__name__}",
+                "invalid_type",
+            )
+        _check_surrogates(f"{p}.content", text)
+        msg: dict[str, Any] = {"role": role, "content": text}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                val = m[key]
+                if not isinstance(val, str):
+                    raise _bad(f"{p}.{key}", "must be a string", "invalid_type")
+                msg[key] = val
+        out.append(msg)
+    return out
+
+
+def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name: str) -> GenerateRequest:
+    """Validate a /v1/chat/completions body. Raises APIError."""
+    _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(
+            "response_format: only {'type': 'text'} is supported",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise _bad("top_logprobs", "requires logprobs to be true")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    max_tokens = get_int(body, "max_tokens", None, 1, None)
+    max_completion = get_int(body, "max_completion_tokens", None, 1, None)
+    max_param = "max_tokens"
+    if max_completion is not None:
+        if max_tokens is not None and max_tokens != max_completion:
+            raise _bad("max_completion_tokens", "conflicts with max_tokens")
+        max_tokens, max_param = max_completion, "max_completion_tokens"
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+
+    messages = _parse_messages(body.get("messages"))
+    _check_sequences(1, n)
+    try:
+        ids = info.encode_chat(messages, add_generation_prompt)
+    except APIError:
+        raise
+    except Exception as e:  # a template that raises on these messages (raise_exception, ...)
+        raise APIError(
+            f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
+        ) from None
+    if not ids:
+        raise _bad("messages", "the rendered conversation encodes to no tokens")
+    prompts = [PromptInput(token_ids=ids, text=None)]
+    resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
+    params = _sampling_params(body, n=n, max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size)
+    return GenerateRequest(
+        kind="chat",
+        model=model,
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        cache_salt=cache_salt,
+        logprobs=logprobs,
+        user=user,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Response builders
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+TokenText = Callable[[int, TokenLogprobs], str]
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity; a token with probability 0 gets the most negative finite float.
+    return x if math.isfinite(x) else -9999.0
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs],
+    token_ids: Sequence[int],
+    token_text: Callable[[int], str],
+    start_offset: int,
+) -> dict[str, Any]:
+    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    offset = start_offset
+    for tid, entry in zip(token_ids, entries):
+        text = _entry_text(tid, entry, token_text)
+        tokens.append(text)
+        chosen = entry.get(tid)
+        token_logprobs.append(_finite(chosen.logprob) if chosen is not None else -9999.0)
+        top_d: dict[str, float] = {}
+        for other_id, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
+            key = _entry_text(other_id, entry, token_text)
+            top_d.setdefault(key, _finite(lp.logprob))
+        top.append(top_d)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(
+    entries: Sequence[TokenLogprobs], token_ids: Sequence[int], token_text: Callable[[int], str], top_n: int
+) -> dict[str, Any]:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = _entry_text(tid, entry, token_text)
+        chosen = entry.get(tid)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        content.append(
+            {
+                "token": text,
+                "logprob": _finite(chosen.logprob) if chosen is not None else -9999.0,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (t := _entry_text(oid, entry, token_text)),
+                        "logprob": _finite(lp.logprob),
+                        "bytes": list(t.encode("utf-8")),
+                    }
+                    for oid, lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _entry_text(tid: int, entry: TokenLogprobs, token_text: Callable[[int], str]) -> str:
+    lp = entry.get(tid)
+    if lp is not None and lp.decoded_token:
+        return lp.decoded_token
+    return token_text(tid)
+
+
+def completion_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def chat_chunk_choice(
+    index: int,
+    *,
+    role: str | None = None,
+    content: str | None = None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk

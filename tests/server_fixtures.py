@@ -1,0 +1,146 @@
+"""Helpers of the server tests: a real `hybridserve serve` subprocess, free ports, SSE parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from hybridserve.server.chat import ChatTemplate
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TokenizerModelInfo:
+    """protocol.ModelInfo over a real tokenizer folder (the demo model's), for parsing tests."""
+
+    def __init__(self, model_dir: str, max_model_len: int = 64) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.template = ChatTemplate.from_model_dir(model_dir)
+        self._max_model_len = max_model_len
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return int(self.tokenizer.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        return self.encode(self.template.render(messages, add_generation_prompt))
+
+
+class ServerProcess:
+    """`python -m hybridserve serve demo --port P ...` in a subprocess (real engine, demo model)."""
+
+    def __init__(self, *extra_args: str, model: str = "demo") -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="hybridserve-serve-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        src = str(ROOT / "python")
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.args = [
+            sys.executable,
+            "-m",
+            "hybridserve",
+            "serve",
+            model,
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
+        self.proc = subprocess.Popen(
+            self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
+        )
+        self.health_seen: list[int] = []
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def health_status(self) -> int | None:
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return None
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            status = self.health_status()
+            if status is not None:
+                self.health_seen.append(status)
+                if status == 200:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()[-4000:]}")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    """Split an SSE body into its `data:` payloads (JSON objects, or the string "[DONE]").
+    Asserts the OpenAI framing: every event is one `data: ` line followed by a blank line."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), repr(text[-40:])
+    events: list[Any] = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), repr(block[:80])
+        assert "\n" not in block, repr(block[:80])
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {sample name with labels: value} (via prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out

@@ -1,0 +1,346 @@
+"""Server protocol without an engine: strict parsing into SamplingParams, response shapes, metrics
+registry, and the app's behaviour before a model is attached (health 503, auth, error bodies)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hybridserve.engine.outputs import Logprob
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server import protocol as P
+from hybridserve.server.app import create_app
+from hybridserve.server.chat import ChatTemplate
+from hybridserve.server.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+from hybridserve.server.sse import encode_event
+from server_fixtures import TokenizerModelInfo, parse_metrics, parse_sse
+
+MODEL = "demo"
+
+
+@pytest.fixture(scope="module")
+def info() -> TokenizerModelInfo:
+    return TokenizerModelInfo(ensure_demo_model(), max_model_len=64)
+
+
+def completion(info, **body):
+    return P.parse_completion_request(body, info, MODEL)
+
+
+def chat(info, **body):
+    return P.parse_chat_request(body, info, MODEL)
+
+
+def expect_error(fn, param=None, status=400, code=None) -> P.APIError:
+    with pytest.raises(P.APIError) as ei:
+        fn()
+    err = ei.value
+    assert err.status == status, (err.status, err.message)
+    if param is not None:
+        assert err.param == param, (err.param, err.message)
+    if code is not None:
+        assert err.code == code, (err.code, err.message)
+    body = err.body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return err
+
+
+# ------------------------------------------------------------------------- body decoding
+
+
+def test_decode_json_body_accepts_an_object():
+    assert P.decode_json_body(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "é"]}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[1, 2]", b'"str"', b"\xff\xfe{}", b'{"prompt": "\xc3\x28"}', b'{"x": NaN}', b'{"x": -Infinity}',
+     b"[" * 100_000 + b"]" * 100_000, b'{"n": 1' + b"0" * 5000 + b"}"],
+)  # fmt: skip
+def test_decode_json_body_rejects(raw):
+    expect_error(lambda: P.decode_json_body(raw), code="invalid_json")
+
+
+# ------------------------------------------------------------------------- completions
+
+
+def test_completion_defaults(info):
+    req = completion(info, model=MODEL, prompt="Hello world")
+    assert req.kind == "completion"
+    assert req.prompts[0].token_ids == info.encode("Hello world")
+    assert req.prompts[0].text == "Hello world"
+    p = req.params
+    assert (p.n, p.max_tokens, p.temperature, p.top_p, p.logprobs, p.stop) == (1, 16, 1.0, 1.0, None, [])
+    assert not req.stream and not req.include_usage and req.cache_salt is None
+
+
+def test_completion_all_fields(info):
+    req = completion(
+        info, model=MODEL, prompt=[5, 6, 7], max_tokens=9, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=7,
+        stop=["x", "yz"], n=3, stream=True, stream_options={"include_usage": True}, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, ignore_eos=True, min_tokens=2, logprobs=2, user="u",
+        cache_salt="tenant-a", stop_token_ids=[2], best_of=3, logit_bias=None, echo=False,
+    )  # fmt: skip
+    p = req.params
+    assert req.prompts[0].token_ids == [5, 6, 7] and req.prompts[0].text is None
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (9, 0.0, 0.5, 3, 0.1, 7)
+    assert (p.n, p.ignore_eos, p.min_tokens, p.logprobs, p.stop_token_ids) == (3, True, 2, 2, [2])
+    assert p.stop == ["x", "yz"] and p.repetition_penalty == 1.2
+    assert req.stream and req.include_usage and req.cache_salt == "tenant-a" and req.logprobs == 2
+    # one engine request per choice, n = 1 each, distinct seeds
+    subs = [req.choice_params(i) for i in range(3)]
+    assert [s.n for s in subs] == [1, 1, 1]
+    assert [s.seed for s in subs] == [7, 8, 9]
+    assert all(s.max_tokens == 9 and s.temperature == 0.0 for s in subs)
+
+
+def test_completion_prompt_batch_and_stop_string(info):
+    req = completion(info, prompt=["a b", "c d e"], stop="\n", n=2, max_tokens=4)
+    assert [p.text for p in req.prompts] == ["a b", "c d e"]
+    assert req.num_sequences == 4 and req.params.stop == ["\n"]
+    req = completion(info, prompt=[[1, 2], [3]], max_tokens=4)
+    assert [p.token_ids for p in req.prompts] == [[1, 2], [3]]
+
+
+def test_completion_max_tokens_default_and_context(info):
+    ids = list(range(3, 13))  # 10 tokens, max_model_len 64
+    assert completion(info, prompt=ids, max_tokens=54).params.max_tokens == 54
+    expect_error(
+        lambda: completion(info, prompt=ids, max_tokens=55), "max_tokens", code="context_length_exceeded"
+    )
+    expect_error(
+        lambda: completion(info, prompt=list(range(64)), max_tokens=1),
+        "prompt",
+        code="context_length_exceeded",
+    )
+    assert chat(info, messages=[{"role": "user", "content": "hi"}]).params.max_tokens == 64 - len(
+        info.encode_chat([{"role": "user", "content": "hi"}], True)
+    )
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, 2.0]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [10**6]}, "prompt"),
+    ({"prompt": [10**40]}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": ["x"] * 65}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 16.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": 1e308}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 10**400}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": "x", "n": 10**20}, "n"),
+    ({"prompt": ["a", "b"], "n": 65}, "n"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": ["a", None]}, "stop"),
+    ({"prompt": "x", "stop": {"a": 1}}, "stop"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": "2"}, "stop_token_ids"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "stream": 1}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"bogus": True}}, "stream_options.bogus"),
+    ({"prompt": "x", "stream": True, "stream_options": [1]}, "stream_options"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
+    ({"prompt": "x", "user": 5}, "user"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "best_of": 4}, "best_of"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
+def test_completion_rejects(info, body, param):
+    expect_error(lambda: completion(info, **body), param)
+
+
+def test_completion_wrong_model_is_404(info):
+    expect_error(
+        lambda: completion(info, model="gpt-4", prompt="x"), "model", status=404, code="model_not_found"
+    )
+
+
+# ------------------------------------------------------------------------- chat
+
+
+def test_chat_renders_the_model_template(info):
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    req = chat(info, model=MODEL, messages=msgs, max_completion_tokens=5, logprobs=True, top_logprobs=2)
+    expected = (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert req.prompts[0].token_ids == info.encode(expected)
+    assert req.params.max_tokens == 5 and req.params.logprobs == 2 and req.logprobs == 2
+    assert chat(info, messages=msgs, logprobs=True).params.logprobs == 0
+    assert chat(info, messages=msgs).params.logprobs is None
+
+
+BAD_CHATS = [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6},
+        "max_completion_tokens",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHATS)
+def test_chat_rejects(info, body, param):
+    expect_error(lambda: chat(info, **body), param)
+
+
+def test_chat_template_raise_exception_is_a_400(info):
+    strict = ChatTemplate("{{ raise_exception('only user messages') }}")
+
+    class Strict(TokenizerModelInfo):
+        def encode_chat(self, messages, add_generation_prompt):
+            return self.encode(strict.render(messages, add_generation_prompt))
+
+    s = Strict(ensure_demo_model())
+    err = expect_error(lambda: chat(s, messages=[{"role": "user", "content": "x"}]), "messages")
+    assert "only user messages" in err.message
+
+
+# ------------------------------------------------------------------------- response shapes
+
+
+def test_logprob_shapes():
+    entries = [
+        {5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "b")},
+        {7: Logprob(-2.0, 3, "cc"), 5: Logprob(-0.1, 1, "a"), 8: Logprob(float("-inf"), 9, "z")},
+    ]
+    c = P.completion_logprobs(entries, [5, 7], lambda t: f"<{t}>", start_offset=3)
+    assert c == {
+        "tokens": ["a", "cc"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"a": -0.1, "cc": -2.0, "z": -9999.0}],
+        "text_offset": [3, 4],
+    }
+    json.dumps(c, allow_nan=False)
+    ch = P.chat_logprobs(entries, [5, 7], lambda t: "", top_n=1)
+    assert [x["token"] for x in ch["content"]] == ["a", "cc"]
+    assert ch["content"][1]["logprob"] == -2.0 and ch["content"][1]["bytes"] == [99, 99]
+    assert ch["content"][1]["top_logprobs"] == [{"token": "a", "logprob": -0.1, "bytes": [97]}]
+    assert P.usage_dict(5, 3, 2) == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+def test_sse_event_framing():
+    raw = encode_event({"text": "a\nb", "é": 1}) + b"data: [DONE]\n\n"
+    assert parse_sse(raw) == [{"text": "a\nb", "é": 1}, "[DONE]"]
+
+
+def test_metrics_registry_is_per_app_and_complete():
+    stats = {k: i + 1 for i, k in enumerate([*ENGINE_GAUGES, *ENGINE_COUNTERS])}
+    m1, m2 = ServerMetrics(lambda: stats), ServerMetrics(lambda: None)
+    m1.time_to_first_token.observe(0.2)
+    v1, v2 = parse_metrics(m1.render().decode()), parse_metrics(m2.render().decode())
+    for key, (name, _) in ENGINE_GAUGES.items():
+        assert v1[name] == stats[key] and v2[name] == 0
+    for key, (name, _) in ENGINE_COUNTERS.items():
+        assert v1[name + "_total"] == stats[key] and v2[name + "_total"] == 0
+    assert v1["hybridserve_time_to_first_token_seconds_count"] == 1
+    assert v2["hybridserve_time_to_first_token_seconds_count"] == 0
+    assert "hybridserve_inter_token_latency_seconds_count" in v1
+    assert not math.isnan(v1["hybridserve_time_to_first_token_seconds_sum"])
+
+
+# ------------------------------------------------------------------------- app without a model
+
+
+async def test_app_before_the_model_is_loaded(aiohttp_client):
+    client = await aiohttp_client(create_app(None, served_model_name=MODEL, api_key="k3y"))
+    r = await client.get("/health")
+    assert r.status == 503 and (await r.json())["status"] == "loading"
+    auth = {"Authorization": "Bearer k3y"}
+    r = await client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+    assert r.status == 503 and r.headers["Retry-After"]
+    assert (await r.json())["error"]["code"] == "model_loading"
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status == 401
+    body = await r.json()
+    assert (
+        set(body["error"]) == {"message", "type", "param", "code"}
+        and body["error"]["code"] == "invalid_api_key"
+    )
+    r = await client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert r.status == 401
+    r = await client.get("/v1/models", headers=auth)
+    assert r.status == 200 and (await r.json())["data"][0]["id"] == MODEL
+    r = await client.get("/nowhere")
+    assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
+    r = await client.get("/v1/completions", headers=auth)
+    assert r.status == 405 and "message" in (await r.json())["error"]
+    r = await client.get("/metrics")
+    assert r.status == 200
+    values = parse_metrics(await r.text())
+    assert values["hybridserve_model_ready"] == 0 and values["hybridserve_num_requests_running"] == 0
