@@ -1,0 +1,419 @@
+"""Batched token sampling with per-request parameters and generators.
+
+Every row of a batch carries its own `SamplingParams`, its own `torch.Generator` and its token
+history. The processing order follows vLLM v1:
+
+1. `min_tokens`: while fewer than `min_tokens` tokens were generated, the stop tokens
+   (`stop_token_ids`, and EOS unless `ignore_eos`) get -inf.
+2. Penalties on the model's logits: repetition penalty over prompt + output tokens (HF/vLLM:
+   a positive logit is divided by the penalty, a negative one multiplied), then frequency and
+   presence penalties over output tokens only (OpenAI: `logit -= frequency * count + presence * [count > 0]`).
+3. Greedy rows (`temperature < 1e-5`) take the argmax of these logits (ties: lowest token id).
+4. Random rows: divide by the temperature, then `min_p` (drop tokens whose probability is below
+   `min_p * max_prob`), then `top_k`, then `top_p` (keep the smallest set of most likely tokens
+   whose mass reaches `top_p`; the most likely token always stays), renormalise, and draw one token
+   with the exponential race `argmax(p / E)`, `E ~ Exp(1)`, which is an exact draw from `p`.
+   A row's noise comes from its own generator (V exponentials per draw), so a seeded request gives
+   the same tokens whatever else is in the batch. Rows without a generator share the batch
+   generator passed to `sample` (one vectorised draw), or torch's default one.
+
+`processed_probs(logits, rows)` returns the final distribution of each row (steps 1-4, one-hot at
+the argmax for greedy rows): the target distribution that the rejection sampler verifies against.
+
+Logprobs (`params.logprobs = n`): the chosen token plus the n most likely tokens, with 1-based
+ranks. Default mode `"raw"` (vLLM v1's default, `raw_logprobs`): log-softmax of the model's logits
+before any processing (penalties, temperature, truncation), i.e. what the model itself says.
+`Sampler(logprobs_mode="processed")` gives the log of the final sampling distribution instead
+(-inf for tokens that top-k/top-p/min-p removed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hybridserve.engine.outputs import Logprob, TokenLogprobs
+from hybridserve.sampling.params import SamplingParams
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
+SAMPLING_EPS = 1e-5
+
+LogprobsMode = Literal["raw", "processed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(engine_seed: int, request_index: int) -> int:
+    """A well-mixed 63-bit seed for the request_index-th request of an engine (splitmix64)."""
+    z = (engine_seed * 0x9E3779B97F4A7C15 + (request_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+def request_generator(
+    seed: int | None, engine_seed: int, request_index: int, device: str | torch.device = "cpu"
+) -> torch.Generator:
+    """The generator of one request: seeded from `seed`, else from (engine seed, request index)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else derive_seed(engine_seed, request_index))
+    return g
+
+
+@dataclass
+class RowSampling:
+    """What the sampler needs to know about one row (one request at one position).
+
+    `prompt_token_ids` and `output_token_ids` are the request's history (the output so far, not
+    including the token being sampled); they are only read when a penalty or `min_tokens` is
+    active. `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
+    `params.min_tokens` tokens were generated. `generator` None: the batch generator is used.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    eos_token_id: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.params.temperature) < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    def stop_ids_to_mask(self, num_output_tokens: int) -> list[int]:
+        """Stop tokens that `min_tokens` forbids after `num_output_tokens` generated tokens."""
+        p = self.params
+        if num_output_tokens >= p.min_tokens:
+            return []
+        ids = list(p.stop_token_ids)
+        if self.eos_token_id is not None and not p.ignore_eos:
+            ids.append(self.eos_token_id)
+        return ids
+
+
+@dataclass
+class SamplerOutput:
+    """`token_ids[i]` is row i's token; `logprobs[i]` is None unless row i asked for logprobs."""
+
+    token_ids: torch.Tensor  # int64 [N]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedLogits:
+    """Intermediate results of `process_logits` for M logit rows."""
+
+    penalized: torch.Tensor  # [M, V] logits after min_tokens masks and penalties
+    probs: torch.Tensor  # [M, V] final target distribution (one-hot argmax on greedy rows)
+    greedy: torch.Tensor  # bool [M]
+    row_index: torch.Tensor  # int64 [M]: which entry of `rows` each logit row belongs to
+
+
+def _work_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _apply_history(
+    x: torch.Tensor,
+    rows: Sequence[RowSampling],
+    row_index: list[int],
+    extra_tokens: Sequence[Sequence[int]] | None,
+) -> None:
+    """min_tokens masks and penalties, in place, on the logit rows whose request needs them."""
+    vocab = x.shape[1]
+    device = x.device
+    need = [i for i, r in enumerate(row_index) if rows[r].has_penalties or rows[r].params.min_tokens > 0]
+    if not need:
+        return
+    pen_rows: list[int] = []
+    out_counts: list[torch.Tensor] = []
+    seen: list[torch.Tensor] = []
+    base_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i in need:
+        row = rows[row_index[i]]
+        extra = list(extra_tokens[i]) if extra_tokens is not None else []
+        n_out = len(row.output_token_ids) + len(extra)
+        masked = [t for t in row.stop_ids_to_mask(n_out) if 0 <= t < vocab]
+        if masked:
+            x[i, masked] = float("-inf")
+        if not row.has_penalties:
+            continue
+        r = row_index[i]
+        if r not in base_cache:
+            out_t = torch.as_tensor(list(row.output_token_ids), dtype=torch.int64)
+            prompt_t = torch.as_tensor(list(row.prompt_token_ids), dtype=torch.int64)
+            counts = torch.bincount(out_t, minlength=vocab)[:vocab]
+            in_prompt = torch.bincount(prompt_t, minlength=vocab)[:vocab] > 0
+            base_cache[r] = (counts, in_prompt)
+        counts, in_prompt = base_cache[r]
+        if extra:
+            counts = (
+                counts + torch.bincount(torch.as_tensor(extra, dtype=torch.int64), minlength=vocab)[:vocab]
+            )
+        pen_rows.append(i)
+        out_counts.append(counts)
+        seen.append(in_prompt | (counts > 0))
+    if not pen_rows:
+        return
+    idx = torch.as_tensor(pen_rows, dtype=torch.int64, device=device)
+    counts_t = torch.stack(out_counts).to(device=device, dtype=x.dtype)
+    seen_t = torch.stack(seen).to(device)
+    params = [rows[row_index[i]].params for i in pen_rows]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=device)[:, None]
+    sub = x[idx]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen_t, penalized, sub)
+    sub = sub - freq * counts_t - pres * (counts_t > 0).to(x.dtype)
+    x[idx] = sub
+
+
+def _truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on the logits of random rows; returns masked logits."""
+    dtype, device = x.dtype, x.device
+    vocab = x.shape[1]
+    temp = torch.tensor([float(p.temperature) for p in params], dtype=dtype, device=device)
+    x = x / temp[:, None]
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=device)
+
+    min_p = [float(p.min_p) for p in params]
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(x, dim=-1)
+        thresh = torch.tensor(min_p, dtype=dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = torch.where(probs < thresh, neg_inf, x)
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_k):
+        k_t = torch.tensor(top_k, dtype=torch.int64, device=device)
+        sorted_desc = x.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k_t - 1)[:, None])
+        x = torch.where(x < kth, neg_inf, x)
+
+    top_p = [float(p.top_p) for p in params]
+    if any(tp < 1.0 for tp in top_p):
+        tp_t = torch.tensor(top_p, dtype=dtype, device=device)[:, None]
+        probs = torch.softmax(x, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=False)
+        cum = sorted_probs.cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - tp_t)
+        drop_sorted[:, -1] = False  # the most likely token always stays
+        drop_sorted &= tp_t < 1.0
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        x = torch.where(drop, neg_inf, x)
+    return x
+
+
+def process_logits(
+    logits: torch.Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    row_index: Sequence[int] | None = None,
+    extra_tokens: Sequence[Sequence[int]] | None = None,
+) -> ProcessedLogits:
+    """Apply every sampling parameter to `logits` [M, V].
+
+    Logit row i belongs to `rows[row_index[i]]` (default: row i). `extra_tokens[i]`, when given,
+    are tokens appended to that row's output history for logit row i (the draft tokens before a
+    verify position), so penalties and min_tokens see exactly the context of that position.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}")
+    m = logits.shape[0]
+    ridx = list(range(m)) if row_index is None else list(row_index)
+    if len(ridx) != m:
+        raise ValueError(f"row_index has {len(ridx)} entries for {m} logit rows")
+    if extra_tokens is not None and len(extra_tokens) != m:
+        raise ValueError(f"extra_tokens has {len(extra_tokens)} entries for {m} logit rows")
+    device = logits.device
+    x = logits.to(_work_dtype(logits)).clone()
+    _apply_history(x, rows, ridx, extra_tokens)
+
+    greedy_list = [rows[r].greedy for r in ridx]
+    greedy = torch.tensor(greedy_list, dtype=torch.bool, device=device)
+    probs = torch.empty_like(x)
+    if any(greedy_list):
+        g_idx = greedy.nonzero().squeeze(1)
+        top = x[g_idx].argmax(dim=-1)
+        one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
+        one_hot.scatter_(1, top[:, None], 1.0)
+        probs[g_idx] = one_hot
+    if not all(greedy_list):
+        r_idx = (~greedy).nonzero().squeeze(1)
+        params = [rows[ridx[i]].params for i in r_idx.tolist()]
+        probs[r_idx] = torch.softmax(_truncate(x[r_idx], params), dim=-1)
+    row_index_t = torch.tensor(ridx, dtype=torch.int64, device=device)
+    return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    row_index: Sequence[int] | None = None,
+    extra_tokens: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """The final target distribution [M, V] of each logit row (all parameters applied)."""
+    return process_logits(logits, rows, row_index=row_index, extra_tokens=extra_tokens).probs
+
+
+def exponential_noise(
+    num_rows: int,
+    vocab: int,
+    generators: Sequence[torch.Generator | None],
+    batch_generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """[num_rows, vocab] Exp(1) noise: row i from generators[i], rows without one from the batch generator."""
+    noise = torch.empty((num_rows, vocab), dtype=dtype, device=device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    for i, g in enumerate(generators):
+        if g is not None:
+            e = torch.empty(vocab, dtype=dtype, device=g.device).exponential_(generator=g)
+            noise[i] = e.to(device)
+    if shared:
+        gen_device = batch_generator.device if batch_generator is not None else device
+        e = torch.empty((len(shared), vocab), dtype=dtype, device=gen_device)
+        e.exponential_(generator=batch_generator)
+        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = e.to(device)
+    return noise.clamp_min_(torch.finfo(dtype).tiny)
+
+
+def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One exact draw per row from (possibly unnormalised) `probs` given Exp(1) `noise`."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def uniform_draws(
+    counts: Sequence[int],
+    generators: Sequence[torch.Generator | None],
+    batch_generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Concatenated U[0,1) draws, counts[i] of them for row i, from that row's generator."""
+    total = sum(counts)
+    out = torch.empty(total, dtype=dtype, device=device)
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    shared_pos: list[int] = []
+    for i, (c, g) in enumerate(zip(counts, generators)):
+        if c == 0:
+            continue
+        if g is None:
+            shared_pos.extend(range(offsets[i], offsets[i + 1]))
+        else:
+            out[offsets[i] : offsets[i + 1]] = torch.rand(c, dtype=dtype, device=g.device, generator=g).to(
+                device
+            )
+    if shared_pos:
+        gen_device = batch_generator.device if batch_generator is not None else device
+        u = torch.rand(len(shared_pos), dtype=dtype, device=gen_device, generator=batch_generator)
+        out[torch.as_tensor(shared_pos, dtype=torch.int64, device=device)] = u.to(device)
+    return out
+
+
+def compute_logprobs(
+    source: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """Per row: {chosen token, then the num_top[i] most likely} -> Logprob (1-based ranks).
+
+    `source` [N, V] holds log-probabilities. Rows with num_top[i] None get None.
+    """
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    want = [i for i, n in enumerate(num_top) if n is not None]
+    if not want:
+        return out
+    idx = torch.as_tensor(want, dtype=torch.int64, device=source.device)
+    lp = source[idx].float()
+    chosen = token_ids.to(source.device)[idx]
+    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+    ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
+    max_n = max(int(num_top[i] or 0) for i in want)
+    top_vals, top_ids = lp.topk(min(max_n, lp.shape[1]), dim=-1) if max_n > 0 else (None, None)
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
+    top_ids_l = top_ids.tolist() if top_ids is not None else None
+    top_vals_l = top_vals.tolist() if top_vals is not None else None
+    for j, i in enumerate(want):
+        entry: TokenLogprobs = {
+            int(chosen_l[j]): Logprob(logprob=float(chosen_lp_l[j]), rank=int(ranks_l[j]))
+        }
+        n = int(num_top[i] or 0)
+        if n > 0 and top_ids_l is not None and top_vals_l is not None:
+            for rank, (tid, val) in enumerate(zip(top_ids_l[j][:n], top_vals_l[j][:n]), start=1):
+                entry.setdefault(int(tid), Logprob(logprob=float(val), rank=rank))
+        out[i] = entry
+    return out
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the exact semantics."""
+
+    def __init__(self, logprobs_mode: LogprobsMode = "raw") -> None:
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        self.logprobs_mode: LogprobsMode = logprobs_mode
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowSampling],
+        generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        """`logits` [N, V] (one row per entry of `rows`) -> one token per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        n, vocab = logits.shape
+        if n == 0:
+            return SamplerOutput(
+                token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
+            )
+        proc = process_logits(logits, rows)
+        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        greedy_list = proc.greedy.tolist()
+        if any(greedy_list):
+            g_idx = proc.greedy.nonzero().squeeze(1)
+            tokens[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
+        if not all(greedy_list):
+            r_list = [i for i, g in enumerate(greedy_list) if not g]
+            r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=logits.device)
+            noise = exponential_noise(
+                len(r_list),
+                vocab,
+                [rows[i].generator for i in r_list],
+                generator,
+                proc.probs.dtype,
+                logits.device,
+            )
+            tokens[r_idx] = race_sample(proc.probs[r_idx], noise)
+        return SamplerOutput(token_ids=tokens, logprobs=self.logprobs(logits, proc, tokens, rows))
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,
+        proc: ProcessedLogits,
+        tokens: torch.Tensor,
+        rows: Sequence[RowSampling],
+        row_index: Sequence[int] | None = None,
+    ) -> list[TokenLogprobs | None]:
+        """Logprobs of `tokens` (one per logit row) in this sampler's mode."""
+        ridx = list(range(logits.shape[0])) if row_index is None else list(row_index)
+        num_top = [rows[r].params.logprobs for r in ridx]
+        if all(v is None for v in num_top):
+            return [None] * len(num_top)
+        if self.logprobs_mode == "raw":
+            source = torch.log_softmax(logits.to(_work_dtype(logits)), dim=-1)
+        else:
+            source = torch.log(proc.probs)
+        return compute_logprobs(source, tokens, num_top)

@@ -1,0 +1,200 @@
+"""Sampler: each parameter's effect, seeds, greedy, logprobs, and an exactness check of the draw."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.sampler import (
+    RowSampling,
+    Sampler,
+    derive_seed,
+    processed_probs,
+    request_generator,
+)
+from sampling_stats import chisquare_pvalue
+
+P4 = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+
+
+def rows_of(n: int, **kw) -> list[RowSampling]:
+    return [RowSampling(SamplingParams(**kw)) for _ in range(n)]
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 50, generator=g)
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0
+    out = Sampler().sample(logits, rows_of(8, temperature=0.0))
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.token_ids[3] == 7
+    # A temperature below 1e-5 is greedy too, and greedy rows ignore top-k/top-p.
+    out2 = Sampler().sample(logits, rows_of(8, temperature=1e-7, top_k=3, top_p=0.5))
+    assert torch.equal(out2.token_ids, logits.argmax(dim=-1))
+    probs = processed_probs(logits, rows_of(8, temperature=0.0))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).to(probs.dtype))
+
+
+def test_temperature_scales_the_distribution():
+    logits = torch.log(P4)[None].repeat(3, 1)
+    rows = [RowSampling(SamplingParams(temperature=t)) for t in (1.0, 2.0, 0.5)]
+    probs = processed_probs(logits, rows)
+    for i, t in enumerate((1.0, 2.0, 0.5)):
+        assert torch.allclose(probs[i], torch.softmax(torch.log(P4) / t, dim=0), atol=1e-12)
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(P4)[None].repeat(5, 1)
+    rows = [
+        RowSampling(SamplingParams(top_k=2)),
+        RowSampling(SamplingParams(top_p=0.75)),  # {0.5, 0.3} reaches 0.75
+        RowSampling(SamplingParams(top_p=0.85)),  # needs 0.15 as well
+        RowSampling(SamplingParams(min_p=0.2)),  # threshold 0.1 drops only 0.05
+        RowSampling(SamplingParams(top_k=3, top_p=0.5)),  # top-p over the top-3 renormalised
+    ]
+    probs = processed_probs(logits, rows)
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
+    assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
+    assert torch.allclose(probs[2], torch.tensor([0.5, 0.3, 0.15, 0], dtype=torch.float64) / 0.95)
+    assert torch.allclose(probs[3], torch.tensor([0.5, 0.3, 0.15, 0], dtype=torch.float64) / 0.95)
+    # top-3 renormalised: 0.526, 0.316, 0.158 -> top_p 0.5 keeps the first only.
+    assert torch.allclose(probs[4], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+    # Sampled tokens never leave the support.
+    big = torch.log(P4)[None].repeat(4000, 1)
+    out = Sampler().sample(big, rows_of(4000, top_k=2), generator=torch.Generator().manual_seed(1))
+    assert set(out.token_ids.tolist()) == {0, 1}
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    logits = torch.tensor([[5.0, 0.0, 0.0]])
+    probs = processed_probs(logits, [RowSampling(SamplingParams(top_p=0.01))])
+    assert probs[0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_repetition_penalty_over_prompt_and_output():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
+    row = RowSampling(
+        SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt_token_ids=[0, 1], output_token_ids=[3]
+    )
+    from hybridserve.sampling.sampler import process_logits
+
+    pen = process_logits(logits, [row]).penalized[0]
+    assert pen.tolist() == [1.0, -4.0, 2.0, -4.0, 1.0, 1.0]
+    # Greedy then follows the penalised logits: token 2 wins over the penalised token 0.
+    assert Sampler().sample(logits, [row]).token_ids.tolist() == [2]
+
+
+def test_frequency_and_presence_penalties_over_output_only():
+    from hybridserve.sampling.sampler import process_logits
+
+    logits = torch.zeros(1, 5)
+    row = RowSampling(
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        prompt_token_ids=[4, 4, 4],
+        output_token_ids=[1, 1, 1, 2],
+    )
+    pen = process_logits(logits, [row]).penalized[0]
+    assert pen.tolist() == [0.0, -1.75, -0.75, 0.0, 0.0]
+    # extra_tokens (draft context in verification) count as output.
+    pen2 = process_logits(logits, [row], extra_tokens=[[3]]).penalized[0]
+    assert pen2.tolist() == [0.0, -1.75, -0.75, -0.75, 0.0]
+    # Negative penalties encourage.
+    row_neg = RowSampling(SamplingParams(presence_penalty=-1.0), output_token_ids=[0])
+    assert process_logits(logits, [row_neg]).penalized[0, 0].item() == 1.0
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    early = RowSampling(params, output_token_ids=[0], eos_token_id=1)
+    assert Sampler().sample(logits, [early]).token_ids.tolist() == [3]
+    done = RowSampling(params, output_token_ids=[0, 0], eos_token_id=1)
+    assert Sampler().sample(logits, [done]).token_ids.tolist() == [1]
+    ignore = RowSampling(
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2], ignore_eos=True), eos_token_id=1
+    )
+    assert Sampler().sample(logits, [ignore]).token_ids.tolist() == [1]
+    probs = processed_probs(logits, [RowSampling(SamplingParams(min_tokens=1), eos_token_id=1)])
+    assert probs[0, 1].item() == 0.0 and probs[0].sum().item() == pytest.approx(1.0)
+
+
+def test_seeded_rows_are_reproducible_whatever_the_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 64, generator=g)
+
+    def run(order: list[int], seeds: list[int]) -> list[int]:
+        rows = [
+            RowSampling(SamplingParams(top_k=20), generator=request_generator(seeds[i], 0, i)) for i in order
+        ]
+        return Sampler().sample(logits[order], rows).token_ids.tolist()
+
+    seeds = [11, 12, 13, 14, 15, 16]
+    a = run([0, 1, 2, 3, 4, 5], seeds)
+    b = run([5, 3, 1], seeds)
+    assert [a[5], a[3], a[1]] == b
+    assert run([0, 1, 2, 3, 4, 5], seeds) == a
+    # A generator advances: the next draws of the same requests differ from the first.
+    gens = [request_generator(s, 0, i) for i, s in enumerate(seeds)]
+    rows = [RowSampling(SamplingParams(), generator=gens[i]) for i in range(6)]
+    draws = [tuple(Sampler().sample(logits, rows).token_ids.tolist()) for _ in range(5)]
+    assert len(set(draws)) > 1
+
+
+def test_unseeded_generators_derive_from_engine_seed_and_index():
+    assert derive_seed(0, 0) == derive_seed(0, 0)
+    assert len({derive_seed(0, i) for i in range(1000)}) == 1000
+    assert derive_seed(1, 5) != derive_seed(0, 5)
+    a = request_generator(None, 7, 3)
+    b = request_generator(None, 7, 3)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+def test_draws_follow_the_processed_distribution():
+    # Exactness of the exponential race, with temperature and top-k applied: chi-square.
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, generator=g) * 2
+    n = 40000
+    rows = rows_of(n, temperature=0.7, top_k=8)
+    out = Sampler().sample(logits[None].repeat(n, 1), rows, generator=torch.Generator().manual_seed(6))
+    target = processed_probs(logits[None], rows[:1])[0]
+    counts = torch.bincount(out.token_ids, minlength=12)
+    assert chisquare_pvalue(counts, target) > 1e-4
+    # The test has power: the untruncated distribution is rejected.
+    assert chisquare_pvalue(counts, torch.softmax(logits.double() / 0.7, 0)) < 1e-6
+
+
+def test_logprobs_raw_and_processed():
+    logits = torch.log(P4.float())[None].repeat(2, 1)
+    rows = [
+        RowSampling(
+            SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=3.0), prompt_token_ids=[0]
+        ),
+        RowSampling(SamplingParams(temperature=0.0)),
+    ]
+    out = Sampler().sample(logits, rows)
+    assert out.logprobs[1] is None
+    lp = out.logprobs[0]
+    assert lp is not None
+    chosen = int(out.token_ids[0])
+    assert chosen == 1  # token 0 is penalised (log 0.5 * 3 < log 0.3)
+    # Raw mode: the model's own log-softmax, chosen token first, then the top 2.
+    assert list(lp) == [1, 0]
+    assert lp[1].logprob == pytest.approx(math.log(0.3), abs=1e-6) and lp[1].rank == 2
+    assert lp[0].logprob == pytest.approx(math.log(0.5), abs=1e-6) and lp[0].rank == 1
+    proc = Sampler(logprobs_mode="processed").sample(
+        logits[:1],
+        [RowSampling(SamplingParams(top_k=2, logprobs=0), generator=torch.Generator().manual_seed(0))],
+    )
+    entry = proc.logprobs[0]
+    assert entry is not None and len(entry) == 1
+    ((tok, val),) = entry.items()
+    assert val.logprob == pytest.approx(math.log([0.625, 0.375][tok]), abs=1e-6)
+
+
+def test_float64_logits_stay_float64():
+    logits = torch.randn(2, 10, dtype=torch.float64)
+    probs = processed_probs(logits, rows_of(2))
+    assert probs.dtype == torch.float64
