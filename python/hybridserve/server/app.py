@@ -45,7 +45,17 @@ class EngineModelInfo:
         self.tokenizer = engine.tokenizer
         self._max_model_len = int(engine.max_model_len)
         self._vocab_size = _find_vocab_size(engine)
-        self.chat_template = chat_template or ChatTemplate.from_model_dir(_find_model_dir(engine))
+        if chat_template is None:
+            source = getattr(self.tokenizer, "chat_template", None)
+            if isinstance(source, str) and source:
+                chat_template = ChatTemplate(
+                    source,
+                    bos_token=_str_or_none(getattr(self.tokenizer, "bos_token", None)),
+                    eos_token=_str_or_none(getattr(self.tokenizer, "eos_token", None)),
+                )
+            else:
+                chat_template = ChatTemplate.from_model_dir(_find_model_dir(engine))
+        self.chat_template = chat_template
         self._bos_id = _find_special_id(engine, "bos_token_id")
         self._token_text_cache: dict[int, str] = {}
 
@@ -76,7 +86,8 @@ class EngineModelInfo:
         s = self._token_text_cache.get(token_id)
         if s is None:
             try:
-                s = self.tokenizer.decode([token_id])
+                fn = getattr(self.tokenizer, "token_to_text", None)
+                s = str(fn(token_id)) if callable(fn) else str(self.tokenizer.decode([token_id]))
             except Exception:
                 s = ""
             if len(self._token_text_cache) < 200_000:
@@ -85,6 +96,10 @@ class EngineModelInfo:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _find_vocab_size(engine: Any) -> int | None:
@@ -437,10 +452,11 @@ def _apply_output(choice: _Choice, out: Any) -> _Delta:
     new_lps: list[Any] | None = None
     if co.logprobs is not None:
         total = len(choice.token_ids) + len(new_ids)
-        if len(co.logprobs) == total:  # cumulative
-            new_lps = list(co.logprobs[len(choice.logprobs) :])
-        else:
-            new_lps = list(co.logprobs[-len(new_ids) :]) if new_ids else []
+        if len(co.logprobs) >= total:  # cumulative (possibly grown since: slice by position)
+            start = len(choice.logprobs)
+            new_lps = list(co.logprobs[start : start + len(new_ids)])
+        else:  # per-delta
+            new_lps = list(co.logprobs[: len(new_ids)])
         choice.logprobs.extend(new_lps)
     choice.token_ids.extend(new_ids)
     choice.text += new_text
@@ -477,6 +493,12 @@ async def _generate(
         _Choice(index=i, engine_id=f"{request_id}-{i}", prompt=req.prompts[i // n])
         for i in range(req.num_sequences)
     ]
+    if len(choices) > state.max_queue_len:  # could never be admitted
+        raise P.APIError(
+            f"n: the request asks for {len(choices)} sequences, more than this server admits at once ({state.max_queue_len})",
+            param="n",
+            code="invalid_value",
+        )
     # Admission: counted synchronously, so concurrent handlers cannot overshoot the limit.
     if len(state.inflight) + len(choices) > state.max_queue_len:
         raise P.APIError(

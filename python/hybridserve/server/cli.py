@@ -143,16 +143,19 @@ async def _serve(args: argparse.Namespace) -> int:
     done, _ = await asyncio.wait({loaded, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if loaded in done:
         exc = loaded.exception()
+        if exc is None:
+            engine = loaded.result()
+            # AsyncEngine loads the model in its own thread; `ready` turns True when it is loaded.
+            while not stop.is_set() and not getattr(engine, "ready", True):
+                if getattr(engine, "load_error", None) is not None:
+                    exc = engine.load_error
+                    break
+                await asyncio.sleep(0.05)
         if exc is not None:
             logger.error("loading the model failed: %s", exc)
             set_load_error(app, str(exc))
             rc = 1
-        else:
-            engine = loaded.result()
-            if hasattr(engine, "start") and callable(engine.start) and not getattr(engine, "ready", True):
-                res = engine.start()
-                if asyncio.iscoroutine(res):
-                    await res
+        elif not stop.is_set():
             set_engine(app, engine)
             logger.info("ready: serving %r on http://%s:%d", _served_name(args), args.host, port)
             await stop_wait
