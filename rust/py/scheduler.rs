@@ -1,6 +1,487 @@
-//! (in progress)
-use pyo3::prelude::*;
+//! PyO3 wrappers of the scheduler: `Scheduler`, `SchedulerOutput` (numpy arrays, moved out of the
+//! Rust vectors without copying on first access) and `RequestDelta`.
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use std::borrow::Cow;
+
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::errors::{to_pyerr, InternalError, InvalidRequestError};
+use super::policy::PyResolvedConfig;
+use crate::output::SchedulerOutput;
+use crate::request::{FinishReason, NewRequest, StopParams};
+use crate::scheduler::{RequestDelta, Scheduler};
+
+fn token_id(v: i64, what: &str) -> PyResult<u32> {
+    u32::try_from(v)
+        .map_err(|_| InvalidRequestError::new_err(format!("{what}: token id {v} is out of range")))
+}
+
+fn count(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v)
+        .map_err(|_| InvalidRequestError::new_err(format!("{what} must be >= 0, got {v}")))
+}
+
+/// A 1-D int array as i32: zero-copy for a contiguous int32 array, converted otherwise.
+fn i32_array<'a, 'py>(
+    obj: &Bound<'py, PyAny>,
+    keep: &'a mut Option<PyReadonlyArray1<'py, i32>>,
+    what: &str,
+) -> PyResult<Cow<'a, [i32]>> {
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<i32>>() {
+        if arr.is_contiguous() {
+            *keep = Some(arr);
+            if let Some(a) = keep.as_ref() {
+                if let Ok(s) = a.as_slice() {
+                    return Ok(Cow::Borrowed(s));
+                }
+            }
+        } else {
+            return Ok(Cow::Owned(arr.as_array().iter().copied().collect()));
+        }
+    }
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<i64>>() {
+        let mut v = Vec::with_capacity(arr.len());
+        for &x in arr.as_array().iter() {
+            v.push(i32::try_from(x).map_err(|_| {
+                InvalidRequestError::new_err(format!("{what}: {x} is out of range"))
+            })?);
+        }
+        return Ok(Cow::Owned(v));
+    }
+    match obj.extract::<Vec<i32>>() {
+        Ok(v) => Ok(Cow::Owned(v)),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be a 1-D int32 numpy array"
+        ))),
+    }
+}
+
+/// The scheduler: continuous batching, chunked prefill, prefix caching, speculative bookkeeping.
+#[pyclass(name = "Scheduler", module = "hybridserve._core")]
+pub(crate) struct PyScheduler {
+    inner: Scheduler,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (config, num_kv_blocks, num_mamba_slots, hash_seed = 0))]
+    fn new(
+        config: PyRef<'_, PyResolvedConfig>,
+        num_kv_blocks: usize,
+        num_mamba_slots: usize,
+        hash_seed: u64,
+    ) -> PyResult<Self> {
+        let inner = Scheduler::new(&config.inner, num_kv_blocks, num_mamba_slots, hash_seed)
+            .map_err(to_pyerr)?;
+        Ok(PyScheduler { inner })
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: String,
+        prompt_token_ids: Vec<i64>,
+        max_tokens: i64,
+        eos_token_id: Option<i64>,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+        min_tokens: i64,
+        priority: i64,
+        cache_salt: Option<String>,
+    ) -> PyResult<()> {
+        let prompt = prompt_token_ids
+            .into_iter()
+            .map(|t| token_id(t, "prompt_token_ids"))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let stop = StopParams {
+            max_tokens: count(max_tokens, "max_tokens")?,
+            eos_token_id: eos_token_id
+                .map(|t| token_id(t, "eos_token_id"))
+                .transpose()?,
+            stop_token_ids: stop_token_ids
+                .into_iter()
+                .map(|t| token_id(t, "stop_token_ids"))
+                .collect::<PyResult<Vec<u32>>>()?,
+            ignore_eos,
+            min_tokens: count(min_tokens, "min_tokens")?,
+        };
+        self.inner
+            .add_request(NewRequest {
+                request_id,
+                prompt_token_ids: prompt,
+                stop,
+                priority,
+                cache_salt,
+            })
+            .map_err(to_pyerr)
+    }
+
+    /// Aborts a request in any state and frees everything it holds; False if unknown.
+    fn abort_request(&mut self, request_id: &str) -> bool {
+        self.inner.abort_request(request_id)
+    }
+
+    /// The next batch (the GIL is released while it is computed).
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let inner = &mut self.inner;
+        let out = py.detach(move || inner.schedule()).map_err(to_pyerr)?;
+        Ok(PySchedulerOutput::new(out))
+    }
+
+    #[pyo3(signature = (output, sampled_token_ids, num_sampled, draft_token_ids = None, num_drafts = None))]
+    fn update_from_output<'py>(
+        &mut self,
+        py: Python<'py>,
+        output: PyRef<'py, PySchedulerOutput>,
+        sampled_token_ids: &Bound<'py, PyAny>,
+        num_sampled: &Bound<'py, PyAny>,
+        draft_token_ids: Option<&Bound<'py, PyAny>>,
+        num_drafts: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let (mut k1, mut k2, mut k3, mut k4) = (None, None, None, None);
+        let sampled = i32_array(sampled_token_ids, &mut k1, "sampled_token_ids")?;
+        let nsampled = i32_array(num_sampled, &mut k2, "num_sampled")?;
+        let drafts = match (draft_token_ids, num_drafts) {
+            (Some(d), Some(n)) => Some((
+                i32_array(d, &mut k3, "draft_token_ids")?,
+                i32_array(n, &mut k4, "num_drafts")?,
+            )),
+            (None, None) => None,
+            _ => {
+                return Err(InvalidRequestError::new_err(
+                    "draft_token_ids and num_drafts must be given together",
+                ))
+            }
+        };
+        let out: &SchedulerOutput = &output.out;
+        let inner = &mut self.inner;
+        let deltas = py
+            .detach(move || {
+                let d = drafts.as_ref().map(|(a, b)| (&a[..], &b[..]));
+                inner.update_from_output(out, &sampled, &nsampled, d)
+            })
+            .map_err(to_pyerr)?;
+        PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    /// Counters and gauges for metrics (see _core.pyi for the keys).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let c = &s.cache;
+        let d = PyDict::new(py);
+        let items: [(&str, u64); 33] = [
+            ("num_running", s.num_running as u64),
+            ("num_waiting", s.num_waiting as u64),
+            ("num_preempted", s.num_preempted as u64),
+            ("num_preemptions_total", s.num_preemptions_total),
+            ("num_steps", s.num_steps),
+            ("num_scheduled_tokens", s.num_scheduled_tokens_last as u64),
+            ("num_scheduled_tokens_total", s.num_scheduled_tokens_total),
+            ("num_finished_total", s.num_finished_total),
+            ("num_aborted_total", s.num_aborted_total),
+            ("prefix_queried_tokens", s.prefix_queried_tokens),
+            ("prefix_hit_tokens", s.prefix_hit_tokens),
+            ("prefix_lost_tokens", s.prefix_lost_tokens),
+            ("spec_drafted_tokens", s.spec_drafted_tokens),
+            ("spec_accepted_tokens", s.spec_accepted_tokens),
+            ("checkpoints_emitted", s.checkpoints_emitted),
+            ("checkpoints_published", s.checkpoints_published),
+            ("kv_blocks_total", c.kv_blocks_total as u64),
+            ("kv_blocks_used", c.kv_blocks_used as u64),
+            ("kv_blocks_cached_free", c.kv_blocks_cached_free as u64),
+            ("mamba_slots_total", c.mamba_slots_total as u64),
+            ("mamba_slots_used", c.mamba_slots_used as u64),
+            ("checkpoints_committed", c.checkpoints_committed as u64),
+            ("checkpoints_pending", c.checkpoints_pending as u64),
+            ("checkpoint_bytes", c.checkpoint_bytes),
+            ("cache_queried_tokens", c.queried_tokens),
+            ("cache_hit_tokens", c.hit_tokens),
+            ("cache_kv_hit_tokens", c.kv_hit_tokens),
+            ("cache_lost_tokens", c.lost_tokens),
+            ("kv_evictions", c.kv_evictions),
+            ("checkpoint_evictions", c.checkpoint_evictions),
+            (
+                "max_num_batched_tokens",
+                self.inner.config().max_num_batched_tokens as u64,
+            ),
+            ("max_num_seqs", self.inner.config().max_num_seqs as u64),
+            (
+                "num_speculative_tokens",
+                self.inner.config().num_speculative_tokens() as u64,
+            ),
+        ];
+        for (k, v) in items {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    /// Prompt + output so far. InvalidRequestError for an unknown (or finished) request.
+    fn get_token_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        self.inner
+            .get_token_ids(request_id)
+            .map(|t| t.to_vec())
+            .ok_or_else(|| InvalidRequestError::new_err(format!("unknown request {request_id:?}")))
+    }
+
+    /// Tokens computed so far in the current residency (None for an unknown request).
+    fn get_num_computed_tokens(&self, request_id: &str) -> Option<usize> {
+        self.inner
+            .get_request(request_id)
+            .map(|r| r.num_computed_tokens)
+    }
+}
+
+const N_ARRAYS: usize = 20;
+
+/// One step's batch. Array getters move the Rust buffer into numpy on first access (no copy) and
+/// return the same array afterwards.
+#[pyclass(name = "SchedulerOutput", module = "hybridserve._core")]
+pub(crate) struct PySchedulerOutput {
+    out: SchedulerOutput,
+    arrays: [Option<Py<PyAny>>; N_ARRAYS],
+}
+
+fn vec1<T: numpy::Element>(py: Python<'_>, v: &mut Vec<T>) -> Py<PyAny> {
+    std::mem::take(v).into_pyarray(py).into_any().unbind()
+}
+
+fn vec2(py: Python<'_>, v: &mut Vec<i64>, cols: usize) -> PyResult<Py<PyAny>> {
+    let v = std::mem::take(v);
+    let rows = v.len().checked_div(cols).unwrap_or(0);
+    let a = Array2::from_shape_vec((rows, cols), v)
+        .map_err(|e| InternalError::new_err(e.to_string()))?;
+    Ok(a.into_pyarray(py).into_any().unbind())
+}
+
+impl PySchedulerOutput {
+    fn new(out: SchedulerOutput) -> Self {
+        PySchedulerOutput {
+            out,
+            arrays: Default::default(),
+        }
+    }
+
+    fn cached(
+        &mut self,
+        py: Python<'_>,
+        idx: usize,
+        make: impl FnOnce(Python<'_>, &mut SchedulerOutput) -> PyResult<Py<PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        if let Some(a) = &self.arrays[idx] {
+            return Ok(a.clone_ref(py));
+        }
+        let a = make(py, &mut self.out)?;
+        self.arrays[idx] = Some(a.clone_ref(py));
+        Ok(a)
+    }
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    #[getter]
+    fn req_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 0, |py, o| {
+            Ok(PyList::new(py, &o.req_ids)?.into_any().unbind())
+        })
+    }
+    #[getter]
+    fn finished_req_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 1, |py, o| {
+            Ok(PyList::new(py, &o.finished_req_ids)?.into_any().unbind())
+        })
+    }
+    #[getter]
+    fn num_decodes(&self) -> usize {
+        self.out.num_decodes
+    }
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.out.rows.len()
+    }
+    #[getter]
+    fn num_scheduled_tokens(&self) -> usize {
+        self.out.num_scheduled_tokens
+    }
+    #[getter]
+    fn step_id(&self) -> u64 {
+        self.out.step_id
+    }
+    #[getter]
+    fn input_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 2, |py, o| Ok(vec1(py, &mut o.input_ids)))
+    }
+    #[getter]
+    fn positions(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 3, |py, o| Ok(vec1(py, &mut o.positions)))
+    }
+    #[getter]
+    fn query_start_loc(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 4, |py, o| Ok(vec1(py, &mut o.query_start_loc)))
+    }
+    #[getter]
+    fn num_computed_tokens(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 5, |py, o| Ok(vec1(py, &mut o.num_computed_tokens)))
+    }
+    #[getter]
+    fn seq_lens(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 6, |py, o| Ok(vec1(py, &mut o.seq_lens)))
+    }
+    #[getter]
+    fn slot_mapping(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 7, |py, o| Ok(vec1(py, &mut o.slot_mapping)))
+    }
+    #[getter]
+    fn block_table(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 8, |py, o| {
+            let cols = o.max_blocks;
+            if cols == 0 {
+                let rows = o.rows.len();
+                return Ok(Array2::<i64>::zeros((rows, 0))
+                    .into_pyarray(py)
+                    .into_any()
+                    .unbind());
+            }
+            vec2(py, &mut o.block_table, cols)
+        })
+    }
+    #[getter]
+    fn state_read_slot(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 9, |py, o| Ok(vec1(py, &mut o.state_read_slot)))
+    }
+    #[getter]
+    fn has_initial_state(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 10, |py, o| Ok(vec1(py, &mut o.has_initial_state)))
+    }
+    #[getter]
+    fn state_write_slots(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 11, |py, o| {
+            let w = o.window_len.max(1);
+            vec2(py, &mut o.state_write_slots, w)
+        })
+    }
+    #[getter]
+    fn emit_row(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 12, |py, o| Ok(vec1(py, &mut o.emit_row)))
+    }
+    #[getter]
+    fn emit_token(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 13, |py, o| Ok(vec1(py, &mut o.emit_token)))
+    }
+    #[getter]
+    fn emit_slot(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 14, |py, o| Ok(vec1(py, &mut o.emit_slot)))
+    }
+    #[getter]
+    fn state_copies(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 15, |py, o| vec2(py, &mut o.state_copies, 2))
+    }
+    #[getter]
+    fn logits_indices(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 16, |py, o| Ok(vec1(py, &mut o.logits_indices)))
+    }
+    #[getter]
+    fn num_logits(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 17, |py, o| Ok(vec1(py, &mut o.num_logits)))
+    }
+    #[getter]
+    fn num_draft_tokens(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 18, |py, o| Ok(vec1(py, &mut o.num_draft_tokens)))
+    }
+    #[getter]
+    fn draft_token_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 19, |py, o| Ok(vec1(py, &mut o.draft_token_ids)))
+    }
+
+    fn __len__(&self) -> usize {
+        self.out.rows.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(step_id={}, rows={}, num_decodes={}, num_scheduled_tokens={}, copies={}, emits={})",
+            self.out.step_id,
+            self.out.rows.len(),
+            self.out.num_decodes,
+            self.out.num_scheduled_tokens,
+            self.out.num_copies(),
+            self.out.num_emits()
+        )
+    }
+}
+
+/// What one step changed for one request.
+#[pyclass(name = "RequestDelta", module = "hybridserve._core", frozen)]
+pub(crate) struct PyRequestDelta {
+    inner: RequestDelta,
+}
+
+#[pymethods]
+impl PyRequestDelta {
+    #[getter]
+    fn request_id(&self) -> &str {
+        &self.inner.request_id
+    }
+    #[getter]
+    fn new_token_ids(&self) -> Vec<u32> {
+        self.inner.new_token_ids.clone()
+    }
+    #[getter]
+    fn finished(&self) -> bool {
+        self.inner.finished
+    }
+    #[getter]
+    fn finish_reason(&self) -> Option<&'static str> {
+        self.inner.finish_reason.map(FinishReason::as_str)
+    }
+    #[getter]
+    fn stop_token_id(&self) -> Option<u32> {
+        self.inner.stop_token_id
+    }
+    #[getter]
+    fn num_cached_tokens(&self) -> usize {
+        self.inner.num_cached_tokens
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "RequestDelta(request_id={:?}, new_token_ids={:?}, finished={}, finish_reason={}, stop_token_id={}, num_cached_tokens={})",
+            self.inner.request_id,
+            self.inner.new_token_ids,
+            if self.inner.finished { "True" } else { "False" },
+            self.inner.finish_reason.map_or("None".to_string(), |f| format!("'{}'", f.as_str())),
+            self.inner.stop_token_id.map_or("None".to_string(), |t| t.to_string()),
+            self.inner.num_cached_tokens
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PySchedulerOutput>()?;
+    m.add_class::<PyRequestDelta>()?;
     Ok(())
 }
