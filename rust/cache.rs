@@ -487,3 +487,11 @@ impl HybridCacheManager {
         self.mamba.tag(slot)
     }
 }
+
+#[cfg(test)]
+#[path = "cache_tests.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "cache_proptest.rs"]
+mod proptests;

@@ -1,0 +1,456 @@
+//! Unit tests of the hybrid cache manager: one test per rule of DESIGN.md §4 and the mode table.
+//! `ResolvedConfig::for_tests`: B = 4, M = 8, max_num_seqs = 16.
+
+use super::*;
+use crate::block_hash::BlockHasher;
+use crate::config::{MambaCacheMode, ResolvedConfig};
+
+const B: usize = 4;
+
+fn cfg(mode: MambaCacheMode, k: usize, max_num_seqs: usize) -> ResolvedConfig {
+    let mut c = ResolvedConfig::for_tests(mode, k);
+    c.max_num_seqs = max_num_seqs;
+    c
+}
+
+fn attention_only() -> ResolvedConfig {
+    let mut c = cfg(MambaCacheMode::None, 0, 2);
+    c.has_mamba_layers = false;
+    c.enable_prefix_caching = true;
+    c
+}
+
+fn hashes(tokens: &[u32], salt: Option<&str>) -> Vec<BlockHash> {
+    let mut h = Vec::new();
+    BlockHasher::new(0).extend(&mut h, tokens, B, salt);
+    h
+}
+
+fn toks(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 1000 + i).collect()
+}
+
+/// Runs request `req` (no hit) over all of `tokens`, caches its blocks and commits checkpoints at
+/// the given positions. Returns the checkpoint slots.
+fn run_and_publish(
+    m: &mut HybridCacheManager,
+    req: ReqKey,
+    tokens: &[u32],
+    salt: Option<&str>,
+    ckpts: &[usize],
+) -> Vec<SlotId> {
+    let h = hashes(tokens, salt);
+    let ops = m
+        .allocate_new(req, &CacheHit::default(), tokens.len(), 0)
+        .unwrap();
+    assert!(ops.is_empty());
+    m.cache_full_blocks(req, &h, tokens.len());
+    ckpts
+        .iter()
+        .map(|&p| {
+            let s = m.reserve_checkpoint(h[p / B - 1], p).unwrap();
+            m.commit_checkpoint(s);
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn checkpoint_published_only_after_commit() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::Align, 0, 2), 32, 16);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    m.allocate_new(1, &CacheHit::default(), 17, 0).unwrap();
+    m.cache_full_blocks(1, &h, 17);
+    let s = m.reserve_checkpoint(h[1], 8).unwrap();
+    assert_eq!(m.debug_tag(s), Some((h[1], 8)));
+    // Pending: KV prefix is there but the checkpoint is not a hit.
+    let hit = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(hit.num_tokens, 0);
+    assert_eq!(hit.checkpoint, None);
+    assert_eq!(hit.kv_hit_tokens, 16);
+    assert_eq!(m.stats().lost_tokens, 16);
+    assert_eq!(m.stats().checkpoints_pending, 1);
+    // A second reservation for the same prefix is refused (nothing to write).
+    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
+    m.commit_checkpoint(s);
+    let hit = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(hit.num_tokens, 8);
+    assert_eq!(hit.checkpoint, Some(s));
+    assert_eq!(hit.kv_blocks, m.block_table(1)[..2].to_vec());
+    // Committed: still refused, and a cancelled reservation is never published.
+    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
+    let s2 = m.reserve_checkpoint(h[3], 16).unwrap();
+    m.cancel_checkpoint(s2);
+    assert_eq!(m.debug_tag(s2), None);
+    assert_eq!(m.find_longest_cache_hit(&h, 17).num_tokens, 8);
+    // Misaligned positions are refused.
+    assert_eq!(m.reserve_checkpoint(h[2], 12), None);
+    assert_eq!(m.reserve_checkpoint(h[0], 0), None);
+}
+
+#[test]
+fn hit_is_at_most_num_tokens_minus_one_exact_boundary() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::All, 0, 2), 32, 16);
+    let t = toks(24);
+    run_and_publish(&mut m, 1, &t, None, &[8, 16, 24]);
+    let h = hashes(&t, None);
+    // A 16-token prompt: the checkpoint at 16 would leave nothing to compute -> 8.
+    assert_eq!(m.find_longest_cache_hit(&h[..4], 16).num_tokens, 8);
+    // 17 tokens: exactly the boundary at 16.
+    let hit = m.find_longest_cache_hit(&h[..4], 17);
+    assert_eq!(hit.num_tokens, 16);
+    assert_eq!(m.debug_tag(hit.checkpoint.unwrap()), Some((h[3], 16)));
+    // 23 tokens: 20 is KV-cached but not a checkpoint boundary -> still 16.
+    let hit = m.find_longest_cache_hit(&h[..5], 23);
+    assert_eq!(hit.num_tokens, 16);
+    assert_eq!(hit.kv_hit_tokens, 20);
+    assert_eq!(m.find_longest_cache_hit(&h, 24).num_tokens, 16);
+    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 24);
+    assert_eq!(m.find_longest_cache_hit(&h, 1).num_tokens, 0);
+    assert_eq!(m.find_longest_cache_hit(&[], 0).num_tokens, 0);
+
+    // KV-only model: multiples of B up to num_tokens - 1.
+    let mut a = HybridCacheManager::new(&attention_only(), 32, 0);
+    run_and_publish(&mut a, 1, &t, None, &[]);
+    assert_eq!(a.find_longest_cache_hit(&h[..4], 16).num_tokens, 12);
+    assert_eq!(a.find_longest_cache_hit(&h[..4], 17).num_tokens, 16);
+    assert_eq!(a.find_longest_cache_hit(&h, 23).num_tokens, 20);
+}
+
+#[test]
+fn hit_needs_kv_and_checkpoint() {
+    let c = cfg(MambaCacheMode::Align, 0, 1);
+    // 7 usable KV blocks.
+    let mut m = HybridCacheManager::new(&c, 8, 16);
+    let t = toks(24);
+    let h = hashes(&t, None);
+    // Checkpoint at 16 only; KV for all 24.
+    run_and_publish(&mut m, 1, &t, None, &[16]);
+    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 16);
+    // KV all cached, checkpoint at 24 missing: 16, and 8 tokens counted as lost.
+    let before = m.stats().lost_tokens;
+    let hit = m.find_longest_cache_hit(&h, 25);
+    assert_eq!((hit.num_tokens, hit.kv_hit_tokens), (16, 24));
+    assert_eq!(m.stats().lost_tokens - before, 8);
+    m.free(1);
+    // Evict one cached block: the tail block (tokens 20..24) goes first, the hit stays 16.
+    m.allocate_new(2, &CacheHit::default(), 4, 0).unwrap();
+    assert_eq!(
+        m.stats().kv_evictions,
+        0,
+        "the uncached free block is used first"
+    );
+    m.allocate_more(2, 0, 8, 0).unwrap();
+    assert_eq!(m.stats().kv_evictions, 1);
+    assert_eq!(m.find_longest_cache_hit(&h, 25).kv_hit_tokens, 20);
+    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 16);
+    // Evict the next one (tokens 16..20): [0, 16) is still cached, the hit stays 16.
+    m.allocate_more(2, 0, 12, 0).unwrap();
+    let hit = m.find_longest_cache_hit(&h, 25);
+    assert_eq!(hit.kv_hit_tokens, 16);
+    assert_eq!(hit.num_tokens, 16, "blocks 0..4 cover [0,16)");
+    m.allocate_more(2, 0, 16, 0).unwrap();
+    let hit = m.find_longest_cache_hit(&h, 25);
+    assert_eq!(hit.kv_hit_tokens, 12);
+    assert_eq!(hit.num_tokens, 0, "checkpoint at 16 without KV for [12,16)");
+    assert_eq!(m.stats().checkpoints_committed, 1);
+}
+
+#[test]
+fn copy_on_write_and_pin_until_copied() {
+    let c = cfg(MambaCacheMode::Align, 2, 1); // window 3, reserve 3
+                                              // 1 null + 3 window reserve + 1 checkpoint slot.
+    let mut m = HybridCacheManager::new(&c, 32, 5);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    let ck = run_and_publish(&mut m, 1, &t, None, &[16])[0];
+    m.free(1);
+    let hit = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(hit.checkpoint, Some(ck));
+    let ops = m.allocate_new(2, &hit, 1, 0).unwrap();
+    let w = m.state_window(2).to_vec();
+    assert_eq!(w.len(), 3);
+    assert!(
+        !w.contains(&ck),
+        "the running state never lives in the checkpoint"
+    );
+    assert_eq!(ops, vec![StateOp::Copy { src: ck, dst: w[0] }]);
+    assert_eq!(m.debug_tag(ck), Some((h[3], 16)), "checkpoint unchanged");
+    // The hit blocks are referenced by request 2 and keep their hashes.
+    for &b in &m.block_table(2)[..4] {
+        assert_eq!(m.kv_pool().ref_count(b), 1);
+        assert!(m.kv_pool().block_hash(b).is_some());
+    }
+    // A second request hitting the same checkpoint gets its own window; the pool is full, and
+    // the pinned checkpoint is not evicted for it.
+    let hit3 = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(m.allocate_new(3, &hit3, 1, 0), None);
+    assert_eq!(m.stats().checkpoint_evictions, 0);
+    // After the copy has run (next allocation of request 2), the checkpoint is evictable again.
+    m.allocate_more(2, 16, 1, 0).unwrap();
+    m.free(2);
+    m.allocate_new(4, &CacheHit::default(), 4, 0).unwrap();
+    assert_eq!(m.stats().checkpoints_committed, 1);
+    // 4 usable slots: request 4's window holds 3, the checkpoint 1; a 3-slot window for a
+    // request beyond max_num_seqs does not fit even by evicting it, and nothing is evicted.
+    assert_eq!(m.allocate_new(5, &CacheHit::default(), 4, 0), None);
+    assert_eq!(m.stats().checkpoint_evictions, 0);
+    m.free(4);
+}
+
+#[test]
+fn cache_salt_isolates_tenants() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::All, 0, 2), 64, 16);
+    let t = toks(17);
+    run_and_publish(&mut m, 1, &t, Some("tenant-a"), &[8, 16]);
+    let ha = hashes(&t, Some("tenant-a"));
+    let hb = hashes(&t, Some("tenant-b"));
+    let hn = hashes(&t, None);
+    assert_eq!(m.find_longest_cache_hit(&ha, 17).num_tokens, 16);
+    let hit_b = m.find_longest_cache_hit(&hb, 17);
+    assert_eq!((hit_b.num_tokens, hit_b.kv_hit_tokens), (0, 0));
+    assert_eq!(m.find_longest_cache_hit(&hn, 17).kv_hit_tokens, 0);
+}
+
+#[test]
+fn kv_eviction_order_is_lru_tail_first() {
+    let mut a = HybridCacheManager::new(&attention_only(), 9, 0); // 8 usable
+    let t1 = toks(8);
+    let t2: Vec<u32> = (0..8).map(|i| 5000 + i).collect();
+    run_and_publish(&mut a, 1, &t1, None, &[]);
+    run_and_publish(&mut a, 2, &t2, None, &[]);
+    let (h1, h2) = (hashes(&t1, None), hashes(&t2, None));
+    a.free(1); // freed first = least recently used
+    a.free(2);
+    assert_eq!(a.stats().kv_blocks_cached_free, 4);
+    // 4 uncached free blocks are used before any eviction.
+    a.allocate_new(3, &CacheHit::default(), 16, 0).unwrap();
+    assert_eq!(a.stats().kv_evictions, 0);
+    // Next: request 1's tail block, then its head, then request 2's tail.
+    a.allocate_more(3, 0, 20, 0).unwrap();
+    assert_eq!(a.find_longest_cache_hit(&h1, 9).num_tokens, 4);
+    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 8);
+    a.allocate_more(3, 0, 24, 0).unwrap();
+    assert_eq!(a.find_longest_cache_hit(&h1, 9).num_tokens, 0);
+    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 8);
+    a.allocate_more(3, 0, 28, 0).unwrap();
+    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 4);
+    assert_eq!(a.stats().kv_evictions, 3);
+    // Full pool: more does not fit and nothing is taken.
+    a.allocate_more(3, 0, 32, 0).unwrap();
+    let before = a.stats();
+    assert_eq!(a.allocate_more(3, 0, 36, 0), None);
+    assert_eq!(a.allocate_new(4, &CacheHit::default(), 1, 0), None);
+    assert_eq!(a.stats(), before);
+    assert_eq!(a.block_table(4), &[] as &[BlockId]);
+}
+
+fn seq(base: u32) -> Vec<u32> {
+    (0..8).map(|i| base + i).collect()
+}
+
+#[test]
+fn checkpoint_eviction_lru() {
+    // max_num_seqs 1, K 0: reserve 1 window slot; 1 null + 1 + cap 3 checkpoints.
+    let c = cfg(MambaCacheMode::Align, 0, 1);
+    let mut m = HybridCacheManager::new(&c, 64, 5);
+    let (ta, tb, tc, td) = (seq(100), seq(200), seq(300), seq(400));
+    let sa = run_and_publish(&mut m, 1, &ta, None, &[8])[0];
+    m.free(1);
+    let sb = run_and_publish(&mut m, 2, &tb, None, &[8])[0];
+    m.free(2);
+    run_and_publish(&mut m, 3, &tc, None, &[8]);
+    m.free(3);
+    // Touch a: LRU order b, c, a.
+    assert_eq!(
+        m.find_longest_cache_hit(&hashes(&ta, None), 9).checkpoint,
+        Some(sa)
+    );
+    let sd = run_and_publish(&mut m, 4, &td, None, &[8])[0];
+    assert_eq!(sd, sb, "b (least recently used) was evicted for d");
+    assert_eq!(
+        m.find_longest_cache_hit(&hashes(&tb, None), 9).num_tokens,
+        0
+    );
+    assert_eq!(
+        m.find_longest_cache_hit(&hashes(&ta, None), 9).num_tokens,
+        8
+    );
+    assert_eq!(m.stats().checkpoint_evictions, 1);
+}
+
+#[test]
+fn checkpoint_without_kv_prefix_is_evicted_first() {
+    let c = cfg(MambaCacheMode::Align, 0, 1);
+    let mut m = HybridCacheManager::new(&c, 7, 5); // 6 usable KV blocks, cap 3 checkpoints
+    let (ta, tb, tc, td) = (seq(100), seq(200), seq(300), seq(400));
+    let s1 = run_and_publish(&mut m, 1, &ta, None, &[8])[0];
+    m.free(1);
+    let s2 = run_and_publish(&mut m, 2, &tb, None, &[8])[0];
+    m.free(2);
+    // Touch a: by LRU alone b would be evicted first.
+    assert_eq!(
+        m.find_longest_cache_hit(&hashes(&ta, None), 9).checkpoint,
+        Some(s1)
+    );
+    // 4 blocks: the 2 never-used ones, then a's (LRU) cached blocks are evicted.
+    m.allocate_new(3, &CacheHit::default(), 16, 0).unwrap();
+    assert_eq!(m.stats().kv_evictions, 2);
+    assert!(m.mamba_pool().is_stale(s1));
+    assert!(!m.mamba_pool().is_stale(s2));
+    m.free(3);
+    run_and_publish(&mut m, 4, &tc, None, &[8]);
+    m.free(4);
+    let s4 = run_and_publish(&mut m, 5, &td, None, &[8])[0];
+    assert_eq!(m.stats().kv_evictions, 2);
+    assert_eq!(s4, s1, "the stale checkpoint went first");
+    assert_eq!(
+        m.find_longest_cache_hit(&hashes(&tb, None), 9).checkpoint,
+        Some(s2)
+    );
+    // Re-caching the KV prefix makes a checkpoint live again.
+    m.free(5);
+    let te = seq(500);
+    let s5 = run_and_publish(&mut m, 6, &te, None, &[8])[0];
+    m.free(6);
+    assert!(!m.mamba_pool().is_stale(s5));
+}
+
+#[test]
+fn mode_none_on_mamba_model_never_hits() {
+    let mut c = cfg(MambaCacheMode::None, 1, 2);
+    c.enable_prefix_caching = true;
+    let mut m = HybridCacheManager::new(&c, 32, 16);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    m.allocate_new(1, &CacheHit::default(), 17, 0).unwrap();
+    assert_eq!(m.state_window(1).len(), 2);
+    m.cache_full_blocks(1, &h, 17);
+    assert_eq!(m.stats().kv_blocks_cached, 0);
+    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
+    m.free(1);
+    let hit = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(hit, CacheHit::default());
+}
+
+#[test]
+fn attention_only_model_gets_kv_hits_and_null_windows() {
+    let mut c = attention_only();
+    c.speculative = ResolvedConfig::for_tests(MambaCacheMode::Align, 2).speculative;
+    let mut a = HybridCacheManager::new(&c, 32, 0);
+    let t = toks(13);
+    let h = hashes(&t, None);
+    a.allocate_new(1, &CacheHit::default(), 13, 2).unwrap();
+    assert_eq!(a.block_table(1).len(), 4, "13 + 2 lookahead tokens");
+    assert_eq!(a.state_window(1), &[NULL_SLOT; 3]);
+    // Only accepted tokens are cached: 9 accepted -> 2 blocks.
+    a.cache_full_blocks(1, &h, 9);
+    assert_eq!(a.stats().kv_blocks_cached, 2);
+    a.cache_full_blocks(1, &h, 13);
+    assert_eq!(a.stats().kv_blocks_cached, 3);
+    assert_eq!(a.reserve_checkpoint(h[1], 8), None);
+    let hit = a.find_longest_cache_hit(&h, 13);
+    assert_eq!((hit.num_tokens, hit.checkpoint), (12, None));
+    let ops = a.allocate_new(2, &hit, 1, 0).unwrap();
+    assert!(ops.is_empty());
+    assert_eq!(&a.block_table(2)[..3], &a.block_table(1)[..3]);
+    assert_eq!(a.kv_pool().ref_count(a.block_table(1)[0]), 2);
+    a.free(1);
+    a.free(2);
+    let s = a.stats();
+    assert_eq!(s.kv_blocks_used, 0);
+    assert_eq!(
+        s.kv_blocks_free + s.kv_blocks_cached_free,
+        s.kv_blocks_total
+    );
+}
+
+#[test]
+fn prefix_caching_off_never_caches() {
+    let mut c = attention_only();
+    c.enable_prefix_caching = false;
+    let mut a = HybridCacheManager::new(&c, 32, 0);
+    let t = toks(13);
+    let h = hashes(&t, None);
+    a.allocate_new(1, &CacheHit::default(), 13, 0).unwrap();
+    a.cache_full_blocks(1, &h, 13);
+    assert_eq!(a.find_longest_cache_hit(&h, 13).num_tokens, 0);
+    assert_eq!(a.stats().kv_blocks_cached, 0);
+}
+
+#[test]
+fn windows_always_fit_for_max_num_seqs() {
+    let c = cfg(MambaCacheMode::All, 4, 3); // window 5, reserve 15
+    let mut m = HybridCacheManager::new(&c, 256, 1 + 15 + 4);
+    // Fill the checkpoint budget (4) and try for more.
+    let mut n = 0;
+    for r in 0..8u64 {
+        let t: Vec<u32> = (0..9).map(|i| 100 * r as u32 + i).collect();
+        m.allocate_new(100 + r, &CacheHit::default(), 9, 0).unwrap();
+        m.cache_full_blocks(100 + r, &hashes(&t, None), 9);
+        if let Some(s) = m.reserve_checkpoint(hashes(&t, None)[1], 8) {
+            n += 1;
+            if r % 2 == 0 {
+                m.commit_checkpoint(s); // half stay pending (not evictable)
+            }
+        }
+        m.free(100 + r);
+    }
+    assert_eq!(n, 8, "committed ones are evicted LRU for new ones");
+    assert!(m.stats().checkpoints_committed + m.stats().checkpoints_pending <= 4);
+    for r in 0..3 {
+        m.allocate_new(r, &CacheHit::default(), 1, 0).unwrap();
+        assert_eq!(m.state_window(r).len(), 5);
+    }
+    assert_eq!(m.stats().mamba_slots_window, 15);
+}
+
+#[test]
+fn reset_prefix_cache_refused_while_in_use() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::Align, 0, 2), 32, 16);
+    m.set_state_bytes_per_slot(1000);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    run_and_publish(&mut m, 1, &t, None, &[8, 16]);
+    assert_eq!(m.stats().checkpoint_bytes, 2000);
+    assert!(!m.reset_prefix_cache());
+    m.free(1);
+    let p = m
+        .reserve_checkpoint(hashes(&toks(9), Some("x"))[1], 8)
+        .unwrap();
+    assert!(!m.reset_prefix_cache(), "a checkpoint is pending");
+    m.cancel_checkpoint(p);
+    assert!(m.reset_prefix_cache());
+    let s = m.stats();
+    assert_eq!(
+        (
+            s.kv_blocks_cached,
+            s.checkpoints_committed,
+            s.mamba_slots_used
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(s.checkpoint_bytes, 0);
+    assert_eq!(m.find_longest_cache_hit(&h, 17).kv_hit_tokens, 0);
+}
+
+#[test]
+fn stale_hit_is_refused_by_allocate_new() {
+    let c = cfg(MambaCacheMode::Align, 0, 1);
+    let mut m = HybridCacheManager::new(&c, 6, 8); // 5 usable blocks
+    let t = toks(17);
+    let h = hashes(&t, None);
+    run_and_publish(&mut m, 1, &t, None, &[16]);
+    m.free(1);
+    let hit = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(hit.num_tokens, 16);
+    // Another request takes every block in between (evicting the hit's blocks).
+    m.allocate_new(2, &CacheHit::default(), 20, 0).unwrap();
+    assert_eq!(m.allocate_new(3, &hit, 1, 0), None);
+    assert_eq!(
+        m.allocate_new(2, &CacheHit::default(), 1, 0),
+        None,
+        "already allocated"
+    );
+}
