@@ -12,6 +12,85 @@ class ConfigError(HybridServeError): ...
 class InvalidRequestError(HybridServeError): ...
 class InternalError(HybridServeError): ...
 
+# --- policy (rust/py/policy.rs) -------------------------------------------------------------------
+
+DEFAULT_BLOCK_SIZE: int  # 16
+DEFAULT_MAX_NUM_SEQS: int  # 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS: int  # 2048
+DEFAULT_MAX_MODEL_LEN: int  # 4096, when the model declares no max_position_embeddings
+MIN_AUTO_MAMBA_BLOCK_SIZE: int  # 256
+MAX_SPECULATIVE_TOKENS: int  # 16
+MAX_BLOCK_SIZE: int  # 1024
+MAX_SCAN_CHUNK_SIZE: int  # 4096
+MAX_TOKENS: int  # 2**24: bound on every token count
+MAX_NUM_SEQS: int  # 2**16
+
+class Decision:
+    """One decision of the cache-mode policy."""
+
+    @property
+    def code(self) -> str: ...  # stable identifier, e.g. "mode_align_for_speculative"
+    @property
+    def level(self) -> str: ...  # "info" | "warning"
+    @property
+    def message(self) -> str: ...
+    def to_dict(self) -> dict[str, str]: ...
+
+class ResolvedConfig:
+    """The validated engine configuration (Rust ResolvedConfig) and the decisions behind it."""
+
+    @property
+    def has_mamba_layers(self) -> bool: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def mamba_cache_mode(self) -> str: ...  # "none" | "align" | "all"
+    @property
+    def enable_chunked_prefill(self) -> bool: ...
+    @property
+    def block_size(self) -> int: ...  # B
+    @property
+    def mamba_block_size(self) -> int: ...  # M (a multiple of B; unused in mode none)
+    @property
+    def scan_chunk_size(self) -> int: ...  # Q (= B for a model without Mamba layers)
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_speculative_tokens(self) -> int: ...  # K, 0 without speculative decoding
+    @property
+    def speculative_method(self) -> str | None: ...  # "ngram" | "draft_model" | None
+    @property
+    def state_window_len(self) -> int: ...  # 1 + K
+    @property
+    def decisions(self) -> list[Decision]: ...
+    def validate_pool_sizes(self, num_kv_blocks: int, num_mamba_slots: int) -> None: ...  # ConfigError
+    @staticmethod
+    def for_tests(mode: str = "align", num_speculative_tokens: int = 0) -> ResolvedConfig: ...
+    def to_dict(self) -> dict[str, object]: ...
+
+def resolve_policy(
+    *,
+    has_mamba_layers: bool,
+    supports_boundary_states: bool,
+    scan_chunk_size: int | None = None,
+    max_position_embeddings: int | None = None,
+    enable_prefix_caching: bool | str | None = None,  # None/"auto", True/"on", False/"off"
+    mamba_cache_mode: str = "auto",  # "auto" | "none" | "align" | "all"
+    enable_chunked_prefill: bool | str | None = None,
+    speculative_method: str | None = None,  # "ngram" | "draft_model"
+    num_speculative_tokens: int = 0,
+    block_size: int = 16,
+    mamba_block_size: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int = 64,
+    max_model_len: int | None = None,
+) -> ResolvedConfig: ...  # ConfigError naming the flag(s) to change
+def auto_mamba_block_size(block_size: int, scan_chunk_size: int) -> int: ...
+
 # --- scheduler (rust/py/scheduler.rs) -------------------------------------------------------------
 
 class SchedulerOutput:

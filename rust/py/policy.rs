@@ -67,14 +67,6 @@ pub(crate) struct PyResolvedConfig {
     pub(crate) decisions: Vec<Decision>,
 }
 
-impl PyResolvedConfig {
-    /// The Rust configuration.
-    #[allow(dead_code)]
-    pub(crate) fn config(&self) -> &ResolvedConfig {
-        &self.inner
-    }
-}
-
 fn parse_mode(s: &str) -> PyResult<MambaCacheMode> {
     match s {
         "none" => Ok(MambaCacheMode::None),
