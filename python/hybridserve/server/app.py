@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ DEFAULT_MAX_QUEUE_LEN = 512
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 RETRY_AFTER_S = 1
+_ABORTED = object()  # sink marker: the server aborted this choice
 
 
 class EngineModelInfo:
@@ -154,6 +155,8 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: set[str] = field(default_factory=set)
+    # engine request id -> ends its stream with finish_reason "abort" (used at shutdown)
+    aborters: dict[str, Callable[[], None]] = field(default_factory=dict)
     idle: asyncio.Event | None = None
 
     def engine_stats(self) -> dict[str, Any] | None:
@@ -251,6 +254,9 @@ async def _on_shutdown(app: web.Application) -> None:
         pass
     logger.info("shutdown: aborting %d in-flight requests", len(state.inflight))
     for rid in list(state.inflight):
+        end_stream = state.aborters.get(rid)
+        if end_stream is not None:
+            end_stream()
         await _abort(state, rid)
     try:
         await asyncio.wait_for(idle.wait(), timeout=10.0)
@@ -427,6 +433,7 @@ class _Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     done: bool = False
+    engine_finished: bool = False
     started_stream: bool = False
     text_offset: int = 0
     last_token_time: float | None = None
@@ -529,6 +536,8 @@ async def _generate(
         finally:
             sink.put_nowait((choice, None))
 
+    for c in choices:
+        state.aborters[c.engine_id] = lambda c=c: sink.put_nowait((c, _ABORTED))
     tasks = [asyncio.create_task(run_one(c)) for c in choices]
     try:
         if req.stream:
@@ -539,7 +548,8 @@ async def _generate(
             if not t.done():
                 t.cancel()
         for c in choices:
-            if not c.done:
+            state.aborters.pop(c.engine_id, None)
+            if not c.engine_finished:
                 await _abort(state, c.engine_id)
             state.release(c.engine_id)
         if tasks:
@@ -594,6 +604,30 @@ def _logprobs_json(
     return P.chat_logprobs(entries, ids, info.token_text, req.logprobs)
 
 
+async def _deltas(
+    state: ServerState, choices: list[_Choice], sink: asyncio.Queue[tuple[_Choice, Any]], arrival: float
+) -> AsyncIterator[tuple[_Choice, _Delta]]:
+    """What is new for each choice, in arrival order, until every choice is done. An engine error
+    raises APIError; a choice aborted by the server (shutdown) ends with finish_reason "abort"."""
+    while not all(c.done for c in choices):
+        choice, item = await sink.get()
+        if choice.done:
+            continue
+        if isinstance(item, BaseException):
+            raise _engine_error(item)
+        if item is None or item is _ABORTED:  # the stream ended without a finished output
+            choice.done = True
+            choice.finish_reason = "abort"
+            delta = _Delta("", [], [] if choice.logprobs is not None else None, True)
+        else:
+            delta = _apply_output(choice, item)
+            if delta.finished:
+                choice.done = True
+                choice.engine_finished = True
+        _observe(state, choice, delta, arrival)
+        yield choice, delta
+
+
 async def _collect(
     state: ServerState,
     info: EngineModelInfo,
@@ -604,24 +638,10 @@ async def _collect(
     choices: list[_Choice],
     sink: asyncio.Queue[tuple[_Choice, Any]],
 ) -> web.Response:
-    remaining = len(choices)
-    while remaining:
-        choice, item = await sink.get()
-        if item is None:
-            remaining -= 1
-            continue
-        if isinstance(item, BaseException):
-            raise _engine_error(item)
-        delta = _apply_output(choice, item)
-        if delta.finished:
-            choice.done = True
-        _observe(state, choice, delta, arrival)
+    async for _choice, _delta in _deltas(state, choices, sink, arrival):
+        pass
     out = []
     for c in choices:
-        if not c.done:
-            raise P.APIError(
-                "the engine ended a request without finishing it", status=500, type="internal_error"
-            )
         prefix = ""
         if req.echo:
             prefix = c.prompt.text if c.prompt.text is not None else info.decode(c.prompt.token_ids)
@@ -663,49 +683,13 @@ async def _stream(
             encode_event(chunk(request_id, created, req.model, [choice_json], None, req.include_usage))
         )
 
-    remaining = len(choices)
-    while remaining:
-        choice, item = await sink.get()
-        if item is None:
-            remaining -= 1
-            continue
-        if isinstance(item, BaseException):
-            err = _engine_error(item)
-            if resp is None:  # nothing sent yet: a plain error response
-                raise err
-            await resp.write(encode_event(err.body()))
-            break
-        delta = _apply_output(choice, item)
-        if delta.finished:
-            choice.done = True
-        _observe(state, choice, delta, arrival)
-        if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
-            continue
-        lps = None
-        if req.logprobs is not None and delta.logprobs is not None:
-            lps = _logprobs_json(req, info, choice, delta.logprobs, delta.token_ids, choice.text_offset)
-        if req.kind == "completion":
-            text = delta.text
-            if req.echo and not choice.started_stream:
-                text = (
-                    choice.prompt.text
-                    if choice.prompt.text is not None
-                    else info.decode(choice.prompt.token_ids)
-                ) + text
-            choice.text_offset += len(text)
-            cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
-                                     choice.stop_reason if delta.finished else None)  # fmt: skip
-        else:
-            cj = P.chat_chunk_choice(
-                choice.index,
-                role=None if choice.started_stream else "assistant",
-                content=delta.text,
-                finish_reason=choice.finish_reason if delta.finished else None,
-                logprobs=lps,
-                stop_reason=choice.stop_reason if delta.finished else None,
-            )
-        choice.started_stream = True
-        await send(cj)
+    try:
+        async for choice, delta in _deltas(state, choices, sink, arrival):
+            await _send_delta(req, info, choice, delta, send)
+    except P.APIError as err:
+        if resp is None:  # nothing sent yet: a plain error response
+            raise
+        await resp.write(encode_event(err.body()))
     if resp is None:  # no output at all (cannot normally happen): still a well-formed stream
         resp = web.StreamResponse(status=200, headers=dict(SSE_HEADERS))
         resp.enable_chunked_encoding()
@@ -715,3 +699,37 @@ async def _stream(
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def _send_delta(
+    req: P.GenerateRequest,
+    info: EngineModelInfo,
+    choice: _Choice,
+    delta: _Delta,
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+) -> None:
+    if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
+        return
+    lps = None
+    if req.logprobs is not None and delta.logprobs is not None:
+        lps = _logprobs_json(req, info, choice, delta.logprobs, delta.token_ids, choice.text_offset)
+    if req.kind == "completion":
+        text = delta.text
+        if req.echo and not choice.started_stream:
+            text = (
+                choice.prompt.text if choice.prompt.text is not None else info.decode(choice.prompt.token_ids)
+            ) + text
+        choice.text_offset += len(text)
+        cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
+                                 choice.stop_reason if delta.finished else None)  # fmt: skip
+    else:
+        cj = P.chat_chunk_choice(
+            choice.index,
+            role=None if choice.started_stream else "assistant",
+            content=delta.text,
+            finish_reason=choice.finish_reason if delta.finished else None,
+            logprobs=lps,
+            stop_reason=choice.stop_reason if delta.finished else None,
+        )
+    choice.started_stream = True
+    await send(cj)

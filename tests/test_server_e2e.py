@@ -1,0 +1,499 @@
+"""End to end: one real `hybridserve serve demo` subprocess (real engine, demo model) for the whole
+module, driven by the official `openai` client and by raw HTTP (aiohttp) for SSE framing, error
+bodies, /metrics, disconnects and concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from server_fixtures import ServerProcess, parse_metrics, parse_sse
+
+MODEL = "demo"
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Say something about foxes."}]
+
+# Engine flags the shared server runs with (small context so the limit tests stay cheap).
+SERVER_ARGS: tuple[str, ...] = ("--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    ensure_demo_model()
+    srv = ServerProcess(*SERVER_ARGS)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()  # SIGTERM: a graceful shutdown exits 0
+    assert rc == 0, srv.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(
+    server: ServerProcess, path: str, body: Any = None, *, data: bytes | None = None, **kw: Any
+) -> tuple[int, Any, dict]:
+    async def go() -> tuple[int, Any, dict]:
+        async with aiohttp.ClientSession() as s:
+            payload = data if data is not None else json.dumps(body).encode()
+            async with s.post(
+                server.base + path, data=payload, headers={"Content-Type": "application/json"}, **kw
+            ) as r:
+                raw = await r.read()
+                try:
+                    parsed: Any = json.loads(raw)
+                except ValueError:
+                    parsed = raw
+                return r.status, parsed, dict(r.headers)
+
+    return asyncio.run(go())
+
+
+def stream_raw(server: ServerProcess, path: str, body: dict) -> tuple[int, dict, bytes]:
+    async def go() -> tuple[int, dict, bytes]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.base + path, json=body) as r:
+                return r.status, dict(r.headers), await r.read()
+
+    return asyncio.run(go())
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    async def go() -> str:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.base + "/metrics") as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/plain")
+                return await r.text()
+
+    return parse_metrics(asyncio.run(go()))
+
+
+def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until nothing is running, waiting or holding blocks (or give up)."""
+    keys = [
+        "hybridserve_num_requests_running",
+        "hybridserve_num_requests_waiting",
+        "hybridserve_kv_blocks_used",
+        "hybridserve_mamba_slots_used",
+        "hybridserve_server_inflight_requests",
+    ]
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def assert_idle(server: ServerProcess) -> None:
+    m = wait_idle(server)
+    assert m["hybridserve_num_requests_running"] == 0
+    assert m["hybridserve_num_requests_waiting"] == 0
+    assert m["hybridserve_kv_blocks_used"] == 0
+    assert m["hybridserve_mamba_slots_used"] == 0
+    assert m["hybridserve_server_inflight_requests"] == 0
+
+
+def max_model_len(client: openai.OpenAI) -> int:
+    card = client.models.list().data[0]
+    return int(card.model_extra["max_model_len"])
+
+
+# ------------------------------------------------------------------------- openai client
+
+
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert max_model_len(client) == 256
+    assert server.health_status() == 200
+    # the server listened before the model was loaded: every /health answer was 503 until ready
+    assert server.health_seen[-1] == 200 and set(server.health_seen[:-1]) <= {503}
+
+
+def test_completion_stream_matches_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert full.object == "text_completion" and full.model == MODEL and full.id.startswith("cmpl-")
+    (choice,) = full.choices
+    assert choice.index == 0 and choice.finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens >= 1 and full.usage.completion_tokens <= 8
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    if choice.finish_reason == "length":
+        assert full.usage.completion_tokens == 8
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    body = chunks[:-1]
+    assert all(c.usage is None for c in body) and len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in body) == choice.text
+    assert body[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+
+
+def test_chat_stream_matches_non_stream(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, stream=True)
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert full.usage.completion_tokens <= 8
+
+
+def test_n_choices_and_seeds(client):
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=3)
+    assert sorted(c.index for c in greedy.choices) == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1  # greedy: every choice is the same
+    single = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert greedy.choices[0].text == single.choices[0].text
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+    a = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=123, n=2, ignore_eos=True
+    )
+    b = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=123, n=2, ignore_eos=True
+    )
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    # prompts x n in one completions request
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=3, temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in batch.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]
+
+
+def test_completion_logprobs_shape(client):
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True
+    )
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert n == 5
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0.0
+        assert 1 <= len(top) <= 3 and tok in top
+        assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the best
+    stream = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True, stream=True
+        )
+    )
+    tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        ignore_eos=True,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for item in content:
+        assert item.logprob <= 0 and item.bytes == list(item.token.encode("utf-8"))
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy
+        assert [t.logprob for t in item.top_logprobs] == sorted(
+            (t.logprob for t in item.top_logprobs), reverse=True
+        )
+
+
+def test_cached_tokens_match_the_engine_counters(server, client):
+    prompt = "A long shared prefix about mamba state caching and attention blocks. " * 4
+    before = wait_idle(server)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    mid = wait_idle(server)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = wait_idle(server)
+    hits = "hybridserve_prefix_cache_hit_tokens_total"
+    assert first.usage.prompt_tokens_details.cached_tokens == mid[hits] - before[hits]
+    assert second.usage.prompt_tokens_details.cached_tokens == after[hits] - mid[hits]
+    assert second.choices[0].text == first.choices[0].text
+    # another tenant's salt never sees this prefix
+    salted = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"}
+    )
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].text == first.choices[0].text
+
+
+def test_openai_client_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=5)
+    assert ei.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+
+
+# ------------------------------------------------------------------------- raw HTTP
+
+
+def test_sse_framing(server):
+    status, headers, raw = stream_raw(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+         "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    status, headers, raw = stream_raw(
+        server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0, "stream": True}
+    )
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_metrics_names_and_counters(server, client):
+    before = wait_idle(server)
+    required = [
+        "hybridserve_num_requests_running",
+        "hybridserve_num_requests_waiting",
+        "hybridserve_prompt_tokens_total",
+        "hybridserve_generation_tokens_total",
+        "hybridserve_time_to_first_token_seconds_count",
+        "hybridserve_inter_token_latency_seconds_count",
+        "hybridserve_kv_blocks_used",
+        "hybridserve_mamba_slots_used",
+        "hybridserve_prefix_cache_queried_tokens_total",
+        "hybridserve_prefix_cache_hit_tokens_total",
+        "hybridserve_prefix_cache_lost_tokens_total",
+        "hybridserve_spec_decode_draft_tokens_total",
+        "hybridserve_spec_decode_accepted_tokens_total",
+    ]
+    for name in required:
+        assert name in before, name
+    r = client.completions.create(
+        model=MODEL, prompt="Counting tokens", max_tokens=5, temperature=0, ignore_eos=True
+    )
+    after = wait_idle(server)  # the engine's stats snapshot follows its last step
+    gen = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
+    assert gen == r.usage.completion_tokens == 5
+    prompt = after["hybridserve_prompt_tokens_total"] - before["hybridserve_prompt_tokens_total"]
+    assert prompt == r.usage.prompt_tokens
+    ttft = "hybridserve_time_to_first_token_seconds_count"
+    itl = "hybridserve_inter_token_latency_seconds_count"
+    assert after[ttft] == before[ttft] + 1
+    assert after[itl] == before[itl] + 4
+
+
+def test_client_disconnect_mid_stream_frees_everything(server, client):
+    limit = max_model_len(client)
+    prompt_len = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    max_tokens = limit - prompt_len
+    before = wait_idle(server)
+
+    async def go() -> dict[str, float]:
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            r = await s.post(server.base + "/v1/completions", json=body)
+            assert r.status == 200
+            for _ in range(3):  # a few tokens arrive
+                line = await r.content.readline()
+                assert line.startswith(b"data: {")
+                await r.content.readline()
+            async with s.get(server.base + "/metrics") as mr:
+                during = parse_metrics(await mr.text())
+            r.close()  # the client goes away mid-stream
+            return during
+
+    during = asyncio.run(go())
+    assert during["hybridserve_num_requests_running"] == 1
+    assert during["hybridserve_kv_blocks_used"] >= 1 and during["hybridserve_mamba_slots_used"] >= 1
+    after = wait_idle(server)
+    assert_idle(server)
+    generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
+    assert 3 <= generated < max_tokens  # aborted, not run to the end
+
+
+def test_64_concurrent_streams_match_solo_requests(server, client):
+    prompts = [f"Story number {i}: once upon a time" for i in range(8)]
+    solo = {
+        p: client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0, ignore_eos=True)
+        .choices[0]
+        .text
+        for p in prompts
+    }
+
+    async def one(s: aiohttp.ClientSession, p: str) -> tuple[str, str, int]:
+        body = {"model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with s.post(server.base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            events = parse_sse(await r.read())
+        assert events[-1] == "[DONE]"
+        text = "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"])
+        return p, text, events[-2]["usage"]["completion_tokens"]
+
+    async def go() -> list[tuple[str, str, int]]:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as s:
+            return await asyncio.gather(*(one(s, prompts[i % 8]) for i in range(64)))
+
+    results = asyncio.run(go())
+    assert len(results) == 64
+    for p, text, ntok in results:
+        assert text == solo[p], p
+        assert ntok == 6
+    assert_idle(server)
+
+
+def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
+    """(path, description, body: dict | bytes) of malformed requests."""
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        (c, "not json", b"{this is not json"),
+        (c, "invalid utf-8", b'{"prompt": "\xff\xfe\xfa"}'),
+        (c, "array body", b"[1, 2, 3]"),
+        (c, "empty body", b""),
+        (c, "NaN", b'{"prompt": "x", "temperature": NaN}'),
+        (c, "lone surrogate", b'{"prompt": "\\ud800"}'),
+        (c, "body over the size limit", b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'),
+        (c, "huge digit string", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"),
+        (c, "deep nesting", b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"),
+        (c, "unknown field", {"prompt": "x", "frobnicate": True}),
+        (c, "missing prompt", {"max_tokens": 3}),
+        (c, "empty prompt", {"prompt": ""}),
+        (c, "empty token list", {"prompt": []}),
+        (c, "prompt of wrong type", {"prompt": {"text": "x"}}),
+        (c, "token id out of vocab", {"prompt": [1, 2, 10**9]}),
+        (c, "negative token id", {"prompt": [-3]}),
+        (c, "prompt longer than max_model_len", {"prompt": [5] * limit}),
+        (c, "prompt + max_tokens over max_model_len", {"prompt": [5] * 10, "max_tokens": limit}),
+        (c, "huge max_tokens", {"prompt": "x", "max_tokens": 10**30}),
+        (c, "max_tokens 0", {"prompt": "x", "max_tokens": 0}),
+        (c, "max_tokens string", {"prompt": "x", "max_tokens": "10"}),
+        (c, "max_tokens bool", {"prompt": "x", "max_tokens": True}),
+        (c, "max_tokens float", {"prompt": "x", "max_tokens": 3.5}),
+        (c, "huge temperature", {"prompt": "x", "temperature": 1e300}),
+        (c, "negative temperature", {"prompt": "x", "temperature": -1}),
+        (c, "top_p 0", {"prompt": "x", "top_p": 0}),
+        (c, "top_k -5", {"prompt": "x", "top_k": -5}),
+        (c, "n 0", {"prompt": "x", "n": 0}),
+        (c, "n huge", {"prompt": "x", "n": 10**12}),
+        (c, "n above the cap", {"prompt": "x", "n": 129}),
+        (c, "seed negative", {"prompt": "x", "seed": -1}),
+        (c, "seed over 2^63", {"prompt": "x", "seed": 2**63}),
+        (c, "stop int", {"prompt": "x", "stop": 7}),
+        (c, "stop list of ints", {"prompt": "x", "stop": [1, 2]}),
+        (c, "stop empty string", {"prompt": "x", "stop": [""]}),
+        (c, "logprobs over 20", {"prompt": "x", "logprobs": 50}),
+        (c, "presence_penalty 9", {"prompt": "x", "presence_penalty": 9}),
+        (c, "stream string", {"prompt": "x", "stream": "yes"}),
+        (c, "stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}),
+        (c, "min_tokens > max_tokens", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
+        (c, "wrong model", {"model": "gpt-4", "prompt": "x"}),
+        (c, "logit_bias", {"prompt": "x", "logit_bias": {"5": 100}}),
+        (ch, "messages missing", {"max_tokens": 3}),
+        (ch, "messages empty", {"messages": []}),
+        (ch, "message not an object", {"messages": ["hi"]}),
+        (ch, "bad role", {"messages": [{"role": "robot", "content": "x"}]}),
+        (ch, "content int", {"messages": [{"role": "user", "content": 12}]}),
+        (ch, "image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        (ch, "top_logprobs without logprobs", {"messages": msgs, "top_logprobs": 2}),
+        (ch, "tools", {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        (ch, "chat unknown field", {"messages": msgs, "prompt": "x"}),
+        (ch, "chat too long", {"messages": [{"role": "user", "content": "fox " * (2 * limit)}]}),
+    ]
+
+
+def test_bad_input_sweep(server, client):
+    limit = max_model_len(client)
+    before = wait_idle(server)
+    cases = bad_requests(limit)
+    assert len(cases) >= 30
+    for path, what, body in cases:
+        if isinstance(body, bytes):
+            status, parsed, _ = post(server, path, data=body)
+        else:
+            status, parsed, _ = post(server, path, body)
+        assert 400 <= status < 500, (what, status, parsed)
+        assert isinstance(parsed, dict) and set(parsed) == {"error"}, (what, parsed)
+        err = parsed["error"]
+        assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), (
+            what,
+            err,
+        )
+    after = wait_idle(server)
+    # nothing reached the engine
+    for name in ("hybridserve_prompt_tokens_total", "hybridserve_generation_tokens_total"):
+        assert after[name] == before[name], name
+    assert (
+        after['hybridserve_http_errors_total{status="400"}']
+        >= before.get('hybridserve_http_errors_total{status="400"}', 0) + 30
+    )
+    # and the server still serves a normal request
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert_idle(server)
+
+
+def test_http_method_and_route_errors(server):
+    async def go() -> list[tuple[int, Any]]:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for method, path in (
+                ("GET", "/v1/completions"),
+                ("POST", "/v1/nothing"),
+                ("DELETE", "/v1/models"),
+            ):
+                async with s.request(method, server.base + path) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    for status, body in asyncio.run(go()):
+        assert status in (404, 405) and set(body["error"]) == {"message", "type", "param", "code"}

@@ -1,0 +1,83 @@
+"""A second real server with an API key and a queue of one: /health while loading, 401, 503 +
+Retry-After on a full queue, and a graceful SIGINT shutdown with a request in flight (exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import aiohttp
+import openai
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from server_fixtures import ServerProcess, parse_sse
+
+MODEL = "served-demo"
+KEY = "s3cret-key"
+
+
+def test_auth_queue_limit_and_graceful_shutdown():
+    ensure_demo_model()
+    srv = ServerProcess(
+        "--max-model-len", "256", "--api-key", KEY, "--max-queue-len", "1", "--served-model-name", MODEL,
+        "--shutdown-timeout", "1",
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        # listening started before the model was loaded: only 503 (loading) until the 200
+        assert srv.health_seen[-1] == 200 and set(srv.health_seen[:-1]) <= {503}
+        _check_auth(srv)
+        asyncio.run(_check_queue_full_then_sigint(srv))
+        assert srv.wait_exit(timeout=60) == 0, srv.output()[-3000:]
+        assert srv.health_status() is None  # no longer listening
+    finally:
+        srv.stop()
+
+
+def _check_auth(srv: ServerProcess) -> None:
+    good = openai.OpenAI(base_url=srv.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    bad = openai.OpenAI(base_url=srv.base + "/v1", api_key="wrong", max_retries=0, timeout=120)
+    r = good.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.model == MODEL and r.choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError) as ei:
+        bad.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert ei.value.status_code == 401 and ei.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.NotFoundError):  # the served name, not the folder name
+        good.completions.create(model="demo", prompt="Hello", max_tokens=2)
+    assert srv.health_status() == 200  # /health needs no key
+
+
+async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(headers=auth) as s:
+        r = await s.post(srv.base + "/v1/completions", json=long_body)
+        assert r.status == 200
+        head = await r.content.readline() + await r.content.readline()  # one event: the request is in flight
+        assert head.startswith(b"data: {")
+
+        # the queue holds one request: a second one is refused with 503 + Retry-After
+        async with s.post(
+            srv.base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+        ) as r2:
+            assert r2.status == 503
+            assert int(r2.headers["Retry-After"]) >= 1
+            err = (await r2.json())["error"]
+            assert err["code"] == "queue_full" and set(err) == {"message", "type", "param", "code"}
+
+        # SIGINT with the stream in flight: it is finished or aborted cleanly, then the process exits 0
+        srv.signal(signal.SIGINT)
+        rest = await r.content.read()
+        events = parse_sse(head + rest)
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert last["choices"][0]["finish_reason"] in ("length", "abort")
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+        texts = [e["choices"][0]["text"] for e in events[:-1]]
+        assert all(isinstance(t, str) for t in texts)
+        r.release()
+        json.dumps(events)  # well-formed JSON throughout
