@@ -1,0 +1,532 @@
+//! Property test: a random driver plays scheduler and model runner against the cache manager
+//! (add / allocate / step with checkpoints / commit or cancel / hit / preempt / finish / reset,
+//! with pools small enough to evict), over all three modes, an attention-only model, and
+//! K in {0, 1, 4}. The driver simulates the state memory: every slot holds the token prefix whose
+//! state it contains, so a hit is checked for what it really delivers, not only for its tag.
+//!
+//! Invariants checked after every operation: reference counts equal the number of block tables
+//! holding each block; the null block / slot are never handed out; windows are disjoint window
+//! slots; every running request's live state slot holds the state after exactly its computed
+//! tokens; usage figures add up; a `None` allocation takes nothing. Every hit: L <= n - 1, on the
+//! block (and checkpoint) grid, KV blocks carry the request's hashes, the checkpoint's debug tag
+//! is (hash at L, L) and its contents are the state after exactly the request's first L tokens
+//! (same salt), and the hit is the longest one available. At the end (all requests finished):
+//! used = 0 and free + cached = total, no window slot left.
+
+use std::collections::{BTreeMap, HashMap};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::block_hash::BlockHasher;
+use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::mamba_pool::SlotKind;
+
+const B: usize = 4;
+const M: usize = 8;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add {
+        base: u8,
+        extra: u8,
+        salt: bool,
+    },
+    Step {
+        pick: u8,
+        chunk: u8,
+        accept: u8,
+        abort_ckpt: bool,
+    },
+    Preempt {
+        pick: u8,
+    },
+    Finish {
+        pick: u8,
+    },
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..3, 0u8..20, any::<bool>()).prop_map(|(base, extra, salt)| Op::Add { base, extra, salt }),
+        8 => (any::<u8>(), 1u8..24, any::<u8>(), prop::bool::weighted(0.15))
+            .prop_map(|(pick, chunk, accept, abort_ckpt)| Op::Step { pick, chunk, accept, abort_ckpt }),
+        1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
+        2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        1 => Just(Op::Reset),
+    ]
+}
+
+/// What a state slot holds: the state after this token prefix (of this salt), or garbage
+/// (a state that includes rejected drafts).
+type Content = Option<(Option<String>, Vec<u32>)>;
+
+struct Req {
+    tokens: Vec<u32>,
+    salt: Option<String>,
+    hashes: Vec<BlockHash>,
+    computed: usize,
+    running: bool,
+    /// Window index of the live state (a_prev - 1).
+    live: usize,
+}
+
+struct Driver {
+    mamba: bool,
+    hybrid: bool,
+    k: usize,
+    m: HybridCacheManager,
+    hasher: BlockHasher,
+    reqs: BTreeMap<ReqKey, Req>,
+    next_key: ReqKey,
+    mem: HashMap<SlotId, Content>,
+    token_ctr: u32,
+}
+
+fn base_prompt(base: u8) -> Vec<u32> {
+    (0..28).map(|i| 100 * (base as u32 + 1) + i).collect()
+}
+
+impl Driver {
+    fn new(cfg: &ResolvedConfig, kv: usize, slots: usize) -> Self {
+        Driver {
+            mamba: cfg.has_mamba_layers,
+            hybrid: cfg.has_mamba_layers && cfg.mamba_cache_mode != MambaCacheMode::None,
+            k: cfg.num_speculative_tokens(),
+            m: HybridCacheManager::new(cfg, kv, slots),
+            hasher: BlockHasher::new(3),
+            reqs: BTreeMap::new(),
+            next_key: 1,
+            mem: HashMap::new(),
+            token_ctr: 50_000,
+        }
+    }
+
+    fn pick(&self, p: u8) -> Option<ReqKey> {
+        if self.reqs.is_empty() {
+            return None;
+        }
+        self.reqs.keys().nth(p as usize % self.reqs.len()).copied()
+    }
+
+    fn fresh_token(&mut self) -> u32 {
+        self.token_ctr += 1;
+        self.token_ctr
+    }
+
+    fn content(salt: &Option<String>, toks: &[u32]) -> Content {
+        Some((salt.clone(), toks.to_vec()))
+    }
+
+    fn snapshot(&self) -> (usize, usize, usize, usize, usize, usize) {
+        let s = self.m.stats();
+        (
+            s.kv_blocks_used,
+            s.kv_blocks_cached,
+            s.kv_blocks_free,
+            s.mamba_slots_used,
+            s.checkpoints_committed,
+            s.mamba_slots_window,
+        )
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match *op {
+            Op::Add { base, extra, salt } => {
+                let mut tokens = base_prompt(base);
+                tokens.truncate(4 + (extra as usize * 7) % 25);
+                for _ in 0..extra % 5 {
+                    let t = self.fresh_token();
+                    tokens.push(t);
+                }
+                let salt = salt.then(|| "tenant".to_string());
+                let key = self.next_key;
+                self.next_key += 1;
+                self.reqs.insert(
+                    key,
+                    Req {
+                        tokens,
+                        salt,
+                        hashes: Vec::new(),
+                        computed: 0,
+                        running: false,
+                        live: 0,
+                    },
+                );
+            }
+            Op::Step {
+                pick,
+                chunk,
+                accept,
+                abort_ckpt,
+            } => {
+                if let Some(key) = self.pick(pick) {
+                    self.step(key, chunk as usize, accept as usize, abort_ckpt);
+                }
+            }
+            Op::Preempt { pick } => {
+                if let Some(key) = self.pick(pick) {
+                    self.m.free(key);
+                    let r = self.reqs.get_mut(&key).unwrap();
+                    r.running = false;
+                    r.computed = 0;
+                    r.live = 0;
+                }
+            }
+            Op::Finish { pick } => {
+                if let Some(key) = self.pick(pick) {
+                    self.m.free(key);
+                    self.reqs.remove(&key);
+                }
+            }
+            Op::Reset => {
+                let any_running = self.reqs.values().any(|r| r.running);
+                let ok = self.m.reset_prefix_cache();
+                assert_eq!(ok, !any_running);
+                if ok {
+                    let s = self.m.stats();
+                    assert_eq!(s.kv_blocks_cached, 0);
+                    assert_eq!(s.checkpoints_committed, 0);
+                    assert_eq!(s.mamba_slots_used, 0);
+                }
+            }
+        }
+    }
+
+    fn check_hit(&self, r: &Req, hit: &CacheHit) {
+        let n = r.tokens.len();
+        let l = hit.num_tokens;
+        assert!(l < n.max(1), "L <= n - 1");
+        assert_eq!(l % B, 0);
+        assert_eq!(hit.kv_blocks.len(), l / B);
+        assert!(hit.kv_hit_tokens >= l);
+        for (i, &b) in hit.kv_blocks.iter().enumerate() {
+            assert_ne!(b, NULL_BLOCK);
+            assert_eq!(self.m.kv_pool().block_hash(b), Some(r.hashes[i]));
+        }
+        // KV prefix length is maximal.
+        let max_blocks = ((n - 1) / B).min(r.hashes.len());
+        let kv_blocks = hit.kv_hit_tokens / B;
+        if self.mamba && !self.hybrid {
+            assert_eq!(l, 0, "mode none on a Mamba model never hits");
+            return;
+        }
+        assert!(kv_blocks <= max_blocks);
+        assert!(r.hashes[..kv_blocks]
+            .iter()
+            .all(|h| self.m.kv_pool().contains(*h)));
+        if kv_blocks < max_blocks {
+            assert!(!self.m.kv_pool().contains(r.hashes[kv_blocks]));
+        }
+        if !self.mamba {
+            assert_eq!(l, hit.kv_hit_tokens);
+            assert_eq!(hit.checkpoint, None);
+            return;
+        }
+        assert_eq!(l % M, 0);
+        match hit.checkpoint {
+            None => assert_eq!(l, 0),
+            Some(s) => {
+                assert!(l > 0);
+                assert_ne!(s, NULL_SLOT);
+                assert_eq!(self.m.debug_tag(s), Some((r.hashes[l / B - 1], l)));
+                assert_eq!(self.m.mamba_pool().kind(s), Some(SlotKind::Committed));
+                assert_eq!(
+                    self.mem.get(&s),
+                    Some(&Self::content(&r.salt, &r.tokens[..l])),
+                    "the checkpoint holds the state after exactly L tokens"
+                );
+            }
+        }
+        // No longer hit was available.
+        let mut p = hit.kv_hit_tokens / M;
+        while p * M > l {
+            assert_eq!(self.m.mamba_pool().lookup(r.hashes[p * M / B - 1]), None);
+            p -= 1;
+        }
+    }
+
+    fn step(&mut self, key: ReqKey, chunk: usize, accept: usize, abort_ckpt: bool) {
+        let k = self.k;
+        let mut r = self.reqs.remove(&key).unwrap();
+        self.hasher
+            .extend(&mut r.hashes, &r.tokens, B, r.salt.as_deref());
+        let n = r.tokens.len();
+        if !r.running {
+            let hit = self.m.find_longest_cache_hit(&r.hashes, n);
+            self.check_hit(&r, &hit);
+            let new = chunk.clamp(1, n - hit.num_tokens);
+            let before = self.snapshot();
+            match self.m.allocate_new(key, &hit, new, 0) {
+                None => {
+                    assert_eq!(self.snapshot(), before, "a failed allocation takes nothing");
+                    assert!(self.m.block_table(key).is_empty());
+                    self.reqs.insert(key, r);
+                    return;
+                }
+                Some(ops) => {
+                    let w = self.m.state_window(key).to_vec();
+                    assert_eq!(w.len(), 1 + k);
+                    match hit.checkpoint {
+                        Some(c) => {
+                            assert_eq!(ops, vec![StateOp::Copy { src: c, dst: w[0] }]);
+                            assert!(!w.contains(&c), "copy-on-write");
+                        }
+                        None => assert!(ops.is_empty()),
+                    }
+                    for op in ops {
+                        let StateOp::Copy { src, dst } = op;
+                        let c = self.mem.get(&src).cloned().flatten();
+                        self.mem.insert(dst, c);
+                    }
+                    r.running = true;
+                    r.computed = hit.num_tokens;
+                    r.live = 0;
+                    if self.mamba && r.computed > 0 {
+                        assert_eq!(
+                            self.mem.get(&w[0]),
+                            Some(&Self::content(&r.salt, &r.tokens[..r.computed]))
+                        );
+                    }
+                    self.forward(key, &mut r, new, 0, 1, abort_ckpt, false);
+                }
+            }
+        } else if r.computed + 1 < n {
+            // Prefill chunk of a running request.
+            let new = chunk.clamp(1, n - r.computed);
+            if self.m.allocate_more(key, r.computed, new, 0).is_none() {
+                self.reqs.insert(key, r);
+                return;
+            }
+            self.forward(key, &mut r, new, 0, 1, abort_ckpt, false);
+        } else {
+            // Decode / verify: the last token plus k drafts (lookahead slots for them).
+            let d = if k == 0 { 0 } else { chunk % (k + 1) };
+            if self.m.allocate_more(key, r.computed, 1, d).is_none() {
+                self.reqs.insert(key, r);
+                return;
+            }
+            let a = 1 + accept % (d + 1);
+            self.forward(key, &mut r, 1 + d, d, a, abort_ckpt, true);
+        }
+        self.reqs.insert(key, r);
+    }
+
+    /// Runs `new` tokens (the last `drafts` of them drafts), `accepted` of them accepted
+    /// (prefill rows: `accepted == 1`, all tokens count). Then publishes boundary checkpoints of
+    /// accepted positions, caches full accepted blocks and commits (or cancels) the checkpoints.
+    fn forward(
+        &mut self,
+        key: ReqKey,
+        r: &mut Req,
+        new: usize,
+        drafts: usize,
+        accepted: usize,
+        abort_ckpt: bool,
+        verify: bool,
+    ) {
+        let window = self.m.state_window(key).to_vec();
+        let table_len = self.m.block_table(key).len();
+        assert!(
+            table_len * B >= r.computed + new,
+            "block table covers the scheduled tokens"
+        );
+        let start = r.computed;
+        if self.mamba && start > 0 {
+            assert_eq!(
+                self.mem.get(&window[r.live]),
+                Some(&Self::content(&r.salt, &r.tokens[..start])),
+                "the read slot holds the state after the computed tokens"
+            );
+        }
+        let end;
+        if !verify {
+            // Prefill: final state into window[0].
+            end = start + new;
+            if self.mamba {
+                self.mem
+                    .insert(window[0], Self::content(&r.salt, &r.tokens[..end]));
+            }
+            r.live = 0;
+        } else {
+            // Verify row: state after token t into window[t]; drafts beyond `accepted` rejected.
+            let mut seq = r.tokens[..start + 1].to_vec();
+            for _ in 0..drafts {
+                let t = self.fresh_token();
+                seq.push(t);
+            }
+            for t in 0..new {
+                let c = if t < accepted {
+                    Self::content(&r.salt, &seq[..start + t + 1])
+                } else {
+                    None
+                };
+                if self.mamba {
+                    self.mem.insert(window[t], c);
+                }
+            }
+            // Accepted drafts join the tokens, then the bonus / correction token.
+            r.tokens
+                .extend_from_slice(&seq[start + 1..start + accepted]);
+            end = start + accepted;
+            r.live = accepted - 1;
+        }
+        r.computed = end;
+        if r.computed == r.tokens.len() {
+            let t = self.fresh_token();
+            r.tokens.push(t);
+        }
+        self.hasher
+            .extend(&mut r.hashes, &r.tokens, B, r.salt.as_deref());
+        // Boundaries reached by accepted tokens.
+        let mut pending = Vec::new();
+        let mut p = start / M + 1;
+        while p * M <= end {
+            let pos = p * M;
+            let h = r.hashes[pos / B - 1];
+            let got = self.m.reserve_checkpoint(h, pos);
+            if let Some(s) = got {
+                assert!(self.hybrid, "no checkpoints without a hybrid cache mode");
+                assert_ne!(s, NULL_SLOT);
+                assert!(!window.contains(&s));
+                assert_eq!(self.m.debug_tag(s), Some((h, pos)));
+                self.mem.insert(s, Self::content(&r.salt, &r.tokens[..pos]));
+                pending.push(s);
+            }
+            p += 1;
+        }
+        self.m.cache_full_blocks(key, &r.hashes, r.computed);
+        for s in pending {
+            if abort_ckpt {
+                self.m.cancel_checkpoint(s);
+                assert_eq!(self.m.debug_tag(s), None);
+            } else {
+                self.m.commit_checkpoint(s);
+            }
+        }
+    }
+
+    fn check_invariants(&self) {
+        let s = self.m.stats();
+        let total = s.kv_blocks_total;
+        assert_eq!(
+            s.kv_blocks_used + s.kv_blocks_free + s.kv_blocks_cached_free,
+            total
+        );
+        let mut refs = vec![0u32; total + 1];
+        let mut windows = Vec::new();
+        for (&key, r) in &self.reqs {
+            let table = self.m.block_table(key);
+            let window = self.m.state_window(key);
+            if !r.running {
+                assert!(table.is_empty() && window.is_empty());
+                continue;
+            }
+            assert!(table.len() * B >= r.computed);
+            for &b in table {
+                assert_ne!(b, NULL_BLOCK, "null block handed out");
+                refs[b as usize] += 1;
+            }
+            assert_eq!(window.len(), 1 + self.k);
+            if self.mamba {
+                for &w in window {
+                    assert_ne!(w, NULL_SLOT, "null slot handed out");
+                    assert_eq!(self.m.mamba_pool().kind(w), Some(SlotKind::Window));
+                    windows.push(w);
+                }
+                if r.computed > 0 {
+                    assert_eq!(
+                        self.mem.get(&window[r.live]),
+                        Some(&Self::content(&r.salt, &r.tokens[..r.computed])),
+                        "live state clobbered"
+                    );
+                }
+            } else {
+                assert!(window.iter().all(|&w| w == NULL_SLOT));
+            }
+        }
+        for (b, &n) in refs.iter().enumerate().skip(1) {
+            assert_eq!(
+                self.m.kv_pool().ref_count(b as BlockId),
+                n,
+                "ref count of block {b}"
+            );
+        }
+        assert_eq!(refs[0], 0);
+        let used = refs.iter().filter(|&&n| n > 0).count();
+        assert_eq!(used, s.kv_blocks_used);
+        let nw = windows.len();
+        windows.sort_unstable();
+        windows.dedup();
+        assert_eq!(windows.len(), nw, "window slots shared");
+        assert_eq!(s.mamba_slots_window, nw);
+        assert_eq!(
+            s.mamba_slots_used,
+            nw + s.checkpoints_committed + s.checkpoints_pending
+        );
+        assert_eq!(
+            s.checkpoints_pending, 0,
+            "every step commits or cancels its own"
+        );
+    }
+
+    fn finish_all(&mut self) {
+        let keys: Vec<ReqKey> = self.reqs.keys().copied().collect();
+        for k in keys {
+            self.m.free(k);
+        }
+        self.reqs.clear();
+        let s = self.m.stats();
+        assert_eq!(s.kv_blocks_used, 0, "KV leak");
+        assert_eq!(
+            s.kv_blocks_free + s.kv_blocks_cached_free,
+            s.kv_blocks_total
+        );
+        assert_eq!(s.mamba_slots_window, 0, "window leak");
+        assert_eq!(s.mamba_slots_used, s.checkpoints_committed);
+        assert!(self.m.reset_prefix_cache());
+        let s = self.m.stats();
+        assert_eq!(s.kv_blocks_free, s.kv_blocks_total);
+        assert_eq!(s.mamba_slots_used, 0);
+    }
+}
+
+fn config(variant: u8, k: usize, max_num_seqs: usize) -> ResolvedConfig {
+    let mode = match variant {
+        0 => MambaCacheMode::None,
+        1 => MambaCacheMode::Align,
+        _ => MambaCacheMode::All,
+    };
+    let mut c = ResolvedConfig::for_tests(mode, k);
+    c.max_num_seqs = max_num_seqs;
+    c.enable_prefix_caching = true;
+    if variant == 3 {
+        c.has_mamba_layers = false;
+        c.mamba_cache_mode = MambaCacheMode::None;
+    }
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+
+    #[test]
+    fn cache_state_machine(
+        variant in 0u8..4,
+        k in prop::sample::select(vec![0usize, 1, 4]),
+        kv_blocks in 8usize..40,
+        extra_slots in 0usize..8,
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let max_num_seqs = 3;
+        let cfg = config(variant, k, max_num_seqs);
+        let slots = if cfg.has_mamba_layers { 1 + max_num_seqs * (1 + k) + extra_slots } else { 0 };
+        let mut d = Driver::new(&cfg, kv_blocks, slots);
+        for op in &ops {
+            d.apply(op);
+            d.check_invariants();
+        }
+        d.finish_all();
+    }
+}
