@@ -1,0 +1,161 @@
+"""BambaForCausalLM: decoder layers of (Mamba2 mixer | rotary attention) + gated MLP, each
+``x + mixer(input_layernorm(x))`` then ``x + ffn(pre_ff_layernorm(x))``. Rotary embedding on the
+first half of each head (`partial_rotary_factor` 0.5, hard-coded by transformers).
+
+Checkpoint names: `model.embed_tokens.weight`, `model.layers.{i}.{mamba.*|self_attn.*}`,
+`model.layers.{i}.feed_forward.{gate,up,down}_proj.weight`, `input_layernorm`, `pre_ff_layernorm`,
+`model.final_layernorm.weight`, `lm_head.weight`. dt clamp: `time_step_limit`, in both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.errors import ConfigError
+from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.layers.attention import PagedAttention
+from hybridserve.model.layers.mamba2 import Mamba2Mixer
+from hybridserve.model.layers.mlp import GatedMLP
+from hybridserve.model.layers.norm import RMSNorm
+from hybridserve.model.model_config import (
+    ATTENTION,
+    MAMBA,
+    ModelConfig,
+    get_field,
+    layer_kinds_from_names,
+    time_step_limit,
+    token_ids,
+)
+
+
+class BambaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if kind == MAMBA:
+            self.mamba = Mamba2Mixer(cfg)
+        else:
+            self.self_attn = PagedAttention(cfg, bias=cfg.attention_bias)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+    ) -> torch.Tensor:
+        h = self.input_layernorm(hidden)
+        if self.kind == MAMBA:
+            h = self.mamba(h, ctx, caches.conv[idx], caches.ssm[idx])
+        else:
+            h = self.self_attn(h, ctx, caches.kv[idx])
+        hidden = hidden + h
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class _Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([BambaLayer(cfg, k) for k in cfg.layer_types])
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+@register("BambaForCausalLM")
+class BambaForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model = _Inner(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.layers)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.final_layernorm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        n = int(raw["num_hidden_layers"])
+        names = get_field(raw, "layer_types", "layers_block_type")
+        if names is not None:
+            kinds = layer_kinds_from_names(list(names), source)
+        else:
+            attn = set(int(i) for i in (raw.get("attn_layer_indices") or []))
+            kinds = [ATTENTION if i in attn else MAMBA for i in range(n)]
+        hidden = int(raw["hidden_size"])
+        expand = float(get_field(raw, "mamba_expand", default=2))
+        d_inner = int(expand * hidden)
+        nheads = int(get_field(raw, "mamba_n_heads", default=128))
+        d_head = raw.get("mamba_d_head", "auto")
+        headdim = d_inner // nheads if d_head in (None, "auto") else int(d_head)
+        num_heads = int(raw["num_attention_heads"])
+        rp = raw.get("rope_parameters") or {}
+        if not isinstance(rp, dict):
+            raise ConfigError(f"{source}: rope_parameters must be an object")
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: unsupported rope_type {rope_type!r}")
+        theta = float(get_field(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0)))
+        partial = float(get_field(rp, "partial_rotary_factor", default=0.5))
+        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
+        bos, _ = token_ids(raw, "bos_token_id")
+        eos, eos_all = token_ids(raw, "eos_token_id")
+        pad, _ = token_ids(raw, "pad_token_id")
+        eps = float(raw.get("rms_norm_eps", 1e-5))
+        cfg = ModelConfig(
+            architecture="BambaForCausalLM",
+            model_type=str(raw.get("model_type", "bamba")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n,
+            layer_types=kinds,
+            norm_eps=eps,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            eos_token_ids=eos_all,
+            pad_token_id=pad,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 262144)),
+            nheads=nheads,
+            headdim=headdim,
+            dstate=int(get_field(raw, "mamba_d_state", default=256)),
+            ngroups=int(get_field(raw, "mamba_n_groups", default=1)),
+            d_conv=int(get_field(raw, "mamba_d_conv", default=4)),
+            chunk_size=int(get_field(raw, "mamba_chunk_size", default=256)),
+            d_inner=d_inner,
+            mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+            mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+            mamba_act=str(raw.get("hidden_act", "silu")),
+            mamba_norm_eps=eps,
+            dt_min=dt_min,
+            dt_max=dt_max,
+            num_heads=num_heads,
+            num_kv_heads=int(get_field(raw, "num_key_value_heads", default=num_heads)),
+            head_dim=int(get_field(raw, "head_dim", default=hidden // num_heads)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+            intermediate_size=int(raw["intermediate_size"]),
+            mlp_act=str(raw.get("hidden_act", "silu")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_gated=True,
+            raw=raw,
+        )
+        cfg.validate(source)
+        return cfg

@@ -1,0 +1,93 @@
+"""The base class of all architectures and the registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.model_config import ModelConfig
+
+_REGISTRY: dict[str, type[CausalLM]] = {}
+
+T = TypeVar("T", bound="type[CausalLM]")
+
+
+def register(*names: str) -> Callable[[T], T]:
+    def deco(cls: T) -> T:
+        for n in names:
+            _REGISTRY[n] = cls
+        return cls
+
+    return deco
+
+
+def registered() -> dict[str, type[CausalLM]]:
+    return dict(_REGISTRY)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a ForwardBatch. Subclasses set `embed`, `layers` (each with
+    ``forward(hidden, ctx, caches, layer_idx)``), `final_norm` and `lm_head` (attribute names are
+    free: they only need to match the checkpoint's state-dict names)."""
+
+    # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
+    tied_weights: ClassVar[dict[str, str]] = {}
+    # parameter-name suffixes kept in fp32 when the model runs in bf16/fp16
+    fp32_param_suffixes: ClassVar[tuple[str, ...]] = (
+        "A_log",
+        ".D",
+        "dt_bias",
+        "gate.weight",
+        "e_score_correction_bias",
+    )
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        raise NotImplementedError
+
+    # --- the pieces every subclass provides ---
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decoder_layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight().dtype
+
+    def embed_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:  # type: ignore[override]
+        """Runs every scheduled token; returns logits ``[len(batch.logits_indices), vocab]`` in
+        fp32 (fp64 for an fp64 model). Writes KV at `slot_mapping` and the Mamba states per the
+        state-window arrays of `batch`."""
+        dev = self.embed_weight().device
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        li = batch.logits_indices.to(dev, torch.int64)
+        if batch.num_tokens == 0:
+            return torch.empty((int(li.numel()), self.config.vocab_size), dtype=out_dtype, device=dev)
+        ctx = ForwardContext.build(batch, dev)
+        hidden = self.embed(batch.input_ids.to(dev, torch.int64))
+        for i, layer in enumerate(self.decoder_layers()):
+            hidden = layer(hidden, ctx, caches, i)
+        hidden = self.final_norm(hidden[li])
+        return self.head(hidden).to(out_dtype)

@@ -1,0 +1,115 @@
+"""Mamba2ForCausalLM: pure Mamba2 stack, each layer ``x + mixer(norm(x))`` (residual kept in fp32
+when `residual_in_fp32`). Checkpoint names: `backbone.embeddings.weight`,
+`backbone.layers.{i}.norm.weight`, `backbone.layers.{i}.mixer.*`, `backbone.norm_f.weight`,
+`lm_head.weight` (absent when tied). dt clamp: `time_step_limit`, in both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.layers.mamba2 import Mamba2Mixer
+from hybridserve.model.layers.norm import RMSNorm
+from hybridserve.model.model_config import MAMBA, ModelConfig, get_field, time_step_limit, token_ids
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mixer = Mamba2Mixer(cfg)
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+    ) -> torch.Tensor:
+        dtype = self.norm.weight.dtype
+        h = self.mixer(self.norm(hidden.to(dtype)), ctx, caches.conv[idx], caches.ssm[idx])
+        if self.residual_in_fp32 and hidden.dtype in (torch.bfloat16, torch.float16):
+            hidden = hidden.to(torch.float32)
+        return hidden + h.to(hidden.dtype)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Mamba2Block(cfg) for _ in range(cfg.num_layers)])
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+@register("Mamba2ForCausalLM")
+class Mamba2ForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.backbone = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(input_ids)
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.backbone.embeddings.weight
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.backbone.layers)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm_f(hidden.to(self.backbone.norm_f.weight.dtype))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        hidden = int(get_field(raw, "hidden_size", "d_model"))
+        n = int(get_field(raw, "num_hidden_layers", "n_layer"))
+        expand = float(raw.get("expand", 2))
+        d_inner = int(expand * hidden)
+        headdim = int(raw.get("head_dim", 64))
+        nheads = int(raw.get("num_heads", d_inner // headdim))
+        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
+        bos, _ = token_ids(raw, "bos_token_id")
+        eos, eos_all = token_ids(raw, "eos_token_id")
+        pad, _ = token_ids(raw, "pad_token_id")
+        eps = float(raw.get("layer_norm_epsilon", 1e-5))
+        cfg = ModelConfig(
+            architecture="Mamba2ForCausalLM",
+            model_type=str(raw.get("model_type", "mamba2")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n,
+            layer_types=[MAMBA] * n,
+            norm_eps=eps,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            residual_in_fp32=bool(raw.get("residual_in_fp32", True)),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            eos_token_ids=eos_all,
+            pad_token_id=pad,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 1 << 20)),
+            nheads=nheads,
+            headdim=headdim,
+            dstate=int(get_field(raw, "state_size", default=128)),
+            ngroups=int(get_field(raw, "n_groups", default=1)),
+            d_conv=int(get_field(raw, "conv_kernel", default=4)),
+            chunk_size=int(get_field(raw, "chunk_size", default=256)),
+            d_inner=d_inner,
+            mamba_conv_bias=bool(raw.get("use_conv_bias", True)),
+            mamba_proj_bias=bool(raw.get("use_bias", False)),
+            mamba_act=str(raw.get("hidden_act", "silu")),
+            mamba_norm_eps=eps,
+            dt_min=dt_min,
+            dt_max=dt_max,
+            raw=raw,
+        )
+        cfg.validate(source)
+        return cfg

@@ -1,0 +1,185 @@
+"""NemotronHForCausalLM: a pattern of Mamba2 (`M`), attention (`*`, no rotary embedding), relu2 MLP
+(`-`) and MoE (`E`) layers, each ``x + mixer(norm(x))``.
+
+Checkpoint names: `backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`,
+`backbone.layers.{i}.mixer.*`, `backbone.norm_f.weight`, `lm_head.weight`.
+
+dt limits: transformers' mixer uses ``(time_step_min, inf)`` and clamps only in its chunked
+(prefill) path, not in single-token decode. We apply ``(time_step_min, inf)`` in BOTH paths so that
+prefill and decode agree exactly (losslessness across chunkings). Against transformers this is
+identical whenever the clamp does not fire, e.g. `time_step_min` ~ 0 (the demo model uses 1e-9;
+the parity tests use 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.errors import ConfigError
+from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.layers.attention import PagedAttention
+from hybridserve.model.layers.mamba2 import Mamba2Mixer
+from hybridserve.model.layers.mlp import MLP, MoE
+from hybridserve.model.layers.norm import RMSNorm
+from hybridserve.model.model_config import (
+    ATTENTION,
+    MAMBA,
+    MOE,
+    ModelConfig,
+    get_field,
+    layer_kinds_from_names,
+    token_ids,
+)
+from hybridserve.model.model_config import (
+    MLP as MLP_KIND,
+)
+
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if kind == MAMBA:
+            self.mixer: nn.Module = Mamba2Mixer(cfg)
+        elif kind == ATTENTION:
+            self.mixer = PagedAttention(cfg, bias=cfg.attention_bias)
+        elif kind == MLP_KIND:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias)
+        else:
+            self.mixer = MoE(cfg)
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+    ) -> torch.Tensor:
+        h = self.norm(hidden)
+        if self.kind == MAMBA:
+            h = self.mixer(h, ctx, caches.conv[idx], caches.ssm[idx])
+        elif self.kind == ATTENTION:
+            h = self.mixer(h, ctx, caches.kv[idx])
+        else:
+            h = self.mixer(h)
+        return hidden + h
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([NemotronHBlock(cfg, k) for k in cfg.layer_types])
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+@register("NemotronHForCausalLM")
+class NemotronHForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.backbone = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(input_ids)
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.backbone.embeddings.weight
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.backbone.layers)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm_f(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        names = get_field(raw, "layers_block_type", "layer_types")
+        if names is not None:
+            if not isinstance(names, list):
+                raise ConfigError(f"{source}: layers_block_type must be a list")
+            kinds = layer_kinds_from_names(names, source)
+        else:
+            pattern = raw.get("hybrid_override_pattern")
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(
+                    f"{source}: NemotronH config needs layers_block_type or hybrid_override_pattern"
+                )
+            bad = sorted(set(pattern) - set(_PATTERN))
+            if bad:
+                raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
+            kinds = [_PATTERN[c] for c in pattern]
+        hidden = int(raw["hidden_size"]) if "hidden_size" in raw else 0
+        nheads = int(get_field(raw, "mamba_num_heads", default=0))
+        headdim = int(get_field(raw, "mamba_head_dim", default=0))
+        num_heads = int(get_field(raw, "num_attention_heads", default=0))
+        bos, _ = token_ids(raw, "bos_token_id")
+        eos, eos_all = token_ids(raw, "eos_token_id")
+        pad, _ = token_ids(raw, "pad_token_id")
+        head_dim = get_field(raw, "head_dim", "attention_head_dim")
+        if head_dim is None and num_heads > 0:
+            head_dim = hidden // num_heads
+        dt_min = float(get_field(raw, "time_step_min", "mamba_dt_min", default=0.001))
+        cfg = ModelConfig(
+            architecture="NemotronHForCausalLM",
+            model_type=str(raw.get("model_type", "nemotron_h")),
+            vocab_size=int(raw.get("vocab_size", 0)),
+            hidden_size=hidden,
+            num_layers=len(kinds),
+            layer_types=kinds,
+            norm_eps=float(get_field(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            residual_in_fp32=bool(raw.get("residual_in_fp32", False)),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            eos_token_ids=eos_all,
+            pad_token_id=pad,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            nheads=nheads,
+            headdim=headdim,
+            dstate=int(get_field(raw, "ssm_state_size", "mamba_d_state", default=0)),
+            ngroups=int(get_field(raw, "n_groups", "mamba_n_groups", default=1)),
+            d_conv=int(get_field(raw, "conv_kernel", "mamba_d_conv", default=4)),
+            chunk_size=int(get_field(raw, "chunk_size", "mamba_chunk_size", default=256)),
+            d_inner=nheads * headdim,
+            mamba_conv_bias=bool(get_field(raw, "use_conv_bias", "mamba_conv_bias", default=True)),
+            mamba_proj_bias=bool(get_field(raw, "mamba_proj_bias", "use_bias", default=False)),
+            mamba_act=str(raw.get("mamba_hidden_act", "silu")),
+            mamba_norm_eps=float(get_field(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            dt_min=dt_min,
+            dt_max=math.inf,
+            mamba_ssm_cache_dtype=str(raw.get("mamba_ssm_cache_dtype", "float32")),
+            num_heads=num_heads,
+            num_kv_heads=int(get_field(raw, "num_key_value_heads", default=num_heads)),
+            head_dim=int(head_dim or 0),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            partial_rotary_factor=0.0,
+            intermediate_size=int(raw.get("intermediate_size", 0)),
+            mlp_act=str(raw.get("mlp_hidden_act", "relu2")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_gated=False,
+            n_routed_experts=int(get_field(raw, "n_routed_experts", "num_local_experts", default=0)),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+            moe_shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 0)),
+            moe_latent_size=raw.get("moe_latent_size"),
+            n_group=int(raw.get("n_group", 1) or 1),
+            topk_group=int(raw.get("topk_group", 1) or 1),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            raw=raw,
+        )
+        cfg.validate(source)
+        if MOE in kinds and cfg.moe_shared_expert_intermediate_size <= 0:
+            raise ConfigError(f"{source}: MoE layers need moe_shared_expert_intermediate_size")
+        return cfg

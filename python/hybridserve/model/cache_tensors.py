@@ -1,0 +1,261 @@
+"""ModelCaches: the KV cache and the Mamba state tensors of one model (DESIGN.md §3).
+
+- KV, per attention layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the KV dtype
+  (the model dtype by default). Block ids index dim 0; block 0 is the null block (allocated, never
+  handed out by the pool), so ``num_blocks`` counts it.
+- Mamba state, per Mamba layer: conv ``[num_slots, conv_dim, d_conv - 1]`` and ssm
+  ``[num_slots, nheads, headdim, dstate]``; fp32 by default (the checkpoint's
+  `mamba_ssm_cache_dtype`), float64 when the model is float64. Slot ids index dim 0; slot 0 is the
+  null slot (kept at zero), so ``num_slots`` counts it. One slot id addresses the whole state of a
+  sequence position across all Mamba layers.
+
+Sizing: `kv_bytes_per_block` / `mamba_bytes_per_slot` and `num_blocks_for_budget` /
+`num_slots_for_budget` turn byte budgets into counts (the null entry is included in the count and
+in the budget). `split_budget` documents the default split of one total budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hybridserve.errors import ConfigError
+from hybridserve.kernels import reference
+from hybridserve.model.model_config import ModelConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def default_state_dtype(config: ModelConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 models, else the checkpoint's `mamba_ssm_cache_dtype` (default fp32)."""
+    if model_dtype == torch.float64:
+        return torch.float64
+    return _DTYPES.get(config.mamba_ssm_cache_dtype, torch.float32)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class ModelCaches:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        kv_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        conv_dtype: torch.dtype | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        if config.num_attention_layers > 0 and num_blocks < 2:
+            raise ConfigError(f"need at least 2 KV blocks (block 0 is the null block), got {num_blocks}")
+        if config.has_mamba_layers and num_slots < 2:
+            raise ConfigError(f"need at least 2 Mamba slots (slot 0 is the null slot), got {num_slots}")
+        self.config = config
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.num_slots = int(num_slots)
+        self.kv_dtype = kv_dtype
+        self.state_dtype = state_dtype
+        self.conv_dtype = conv_dtype or state_dtype
+        self.device = torch.device(device)
+        self.kv: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        for i in config.attention_layer_ids:
+            self.kv[i] = torch.zeros(
+                (self.num_blocks, 2, self.block_size, config.num_kv_heads, config.head_dim),
+                dtype=kv_dtype,
+                device=self.device,
+            )
+        for i in config.mamba_layer_ids:
+            self.conv[i] = torch.zeros(
+                (self.num_slots, config.conv_dim, config.d_conv - 1),
+                dtype=self.conv_dtype,
+                device=self.device,
+            )
+            self.ssm[i] = torch.zeros(
+                (self.num_slots, config.nheads, config.headdim, config.dstate),
+                dtype=state_dtype,
+                device=self.device,
+            )
+
+    # ---- construction helpers ----
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        model_dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+    ) -> ModelCaches:
+        """KV in the model dtype, state in `default_state_dtype`."""
+        return cls(
+            config,
+            num_blocks,
+            block_size,
+            num_slots,
+            kv_dtype=model_dtype,
+            state_dtype=default_state_dtype(config, model_dtype),
+            device=device,
+        )
+
+    @classmethod
+    def from_budgets(
+        cls,
+        config: ModelConfig,
+        model_dtype: torch.dtype,
+        block_size: int,
+        kv_cache_memory: int,
+        mamba_cache_memory: int,
+        device: str | torch.device = "cpu",
+    ) -> ModelCaches:
+        sdt = default_state_dtype(config, model_dtype)
+        nb = num_blocks_for_budget(config, kv_cache_memory, block_size, model_dtype)
+        ns = num_slots_for_budget(config, mamba_cache_memory, sdt)
+        return cls.for_model(config, model_dtype, nb, block_size, ns, device)
+
+    # ---- state operations ----
+    def apply_state_copies(self, copies: Any) -> None:
+        """Executes ``copies`` (int [C, 2] of (src, dst) slot pairs, tensor / ndarray / list), in
+        order, on every Mamba layer's conv and ssm tensors (before the forward)."""
+        t = torch.as_tensor(copies, dtype=torch.int64)
+        if t.numel() == 0:
+            return
+        t = t.reshape(-1, 2)
+        src, dst = t[:, 0], t[:, 1]
+        if bool(
+            (src < 0).any()
+            or (dst < 0).any()
+            or (src >= self.num_slots).any()
+            or (dst >= self.num_slots).any()
+        ):
+            raise ValueError(f"state copy slot out of range [0, {self.num_slots})")
+        for i in self.conv:
+            reference.copy_slots(self.conv[i], src, dst)
+            reference.copy_slots(self.ssm[i], src, dst)
+
+    def reset(self) -> None:
+        for d in (self.kv, self.conv, self.ssm):
+            for t in d.values():
+                t.zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.kv, self.conv, self.ssm) for t in d.values())
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all attention layers."""
+    return config.num_attention_layers * 2 * block_size * config.num_kv_heads * config.head_dim * _elem(dtype)
+
+
+def mamba_bytes_per_slot(
+    config: ModelConfig, state_dtype: torch.dtype, conv_dtype: torch.dtype | None = None
+) -> int:
+    """Bytes of one state slot (conv + ssm) over all Mamba layers."""
+    cdt = conv_dtype or state_dtype
+    per_layer = config.conv_dim * (config.d_conv - 1) * _elem(cdt) + (
+        config.nheads * config.headdim * config.dstate * _elem(state_dtype)
+    )
+    return config.num_mamba_layers * per_layer
+
+
+def num_blocks_for_budget(config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    """KV blocks (null block included) that fit in `budget_bytes`; 0 when the model has no attention."""
+    per = kv_bytes_per_block(config, block_size, dtype)
+    if per == 0:
+        return 0
+    n = int(budget_bytes) // per
+    if n < 2:
+        raise ConfigError(
+            f"--kv-cache-memory {budget_bytes} bytes holds {n} KV blocks of {per} bytes; need at least 2"
+        )
+    return n
+
+
+def num_slots_for_budget(config: ModelConfig, budget_bytes: int, state_dtype: torch.dtype) -> int:
+    """Mamba state slots (null slot included) that fit in `budget_bytes`; 0 without Mamba layers."""
+    per = mamba_bytes_per_slot(config, state_dtype)
+    if per == 0:
+        return 0
+    n = int(budget_bytes) // per
+    if n < 2:
+        raise ConfigError(
+            f"--mamba-cache-memory {budget_bytes} bytes holds {n} state slots of {per} bytes; need at least 2"
+        )
+    return n
+
+
+def split_budget(
+    config: ModelConfig,
+    total_bytes: int,
+    model_dtype: torch.dtype,
+    block_size: int,
+    min_slots: int,
+) -> tuple[int, int]:
+    """Default split of one total budget into (kv_bytes, mamba_bytes): the Mamba pool gets
+    ``max(min_slots, 25% of the total)`` worth of slots (min_slots = running windows + checkpoint
+    reserve, computed by the caller), the KV pool the rest. Pure-attention models give all to KV,
+    pure-Mamba models all to the state pool."""
+    sdt = default_state_dtype(config, model_dtype)
+    per_slot = mamba_bytes_per_slot(config, sdt)
+    if per_slot == 0:
+        return int(total_bytes), 0
+    if config.num_attention_layers == 0:
+        return 0, int(total_bytes)
+    mamba = max(min_slots * per_slot, int(total_bytes) // 4)
+    mamba = min(mamba, int(total_bytes) - 2 * kv_bytes_per_block(config, block_size, model_dtype))
+    if mamba < 2 * per_slot:
+        raise ConfigError(f"a total cache budget of {total_bytes} bytes is too small for this model")
+    return int(total_bytes) - mamba, mamba
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """ "float32" | "bfloat16" | "float16" | "float64" (also "fp32", "bf16", "half", "double" ...)
+    or a torch dtype -> torch dtype; ConfigError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ConfigError(f"unsupported dtype {dtype} (float32, bfloat16, float16 or float64)")
+    aliases = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "float64": torch.float64,
+        "fp64": torch.float64,
+        "double": torch.float64,
+    }
+    d = aliases.get(str(dtype).lower().removeprefix("torch."))
+    if d is None:
+        raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16 or float64)")
+    return d
+
+
+__all__: Sequence[str] = [
+    "ModelCaches",
+    "default_state_dtype",
+    "kv_bytes_per_block",
+    "mamba_bytes_per_slot",
+    "num_blocks_for_budget",
+    "num_slots_for_budget",
+    "parse_dtype",
+    "split_budget",
+]

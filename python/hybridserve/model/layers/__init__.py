@@ -1,0 +1,1 @@
+"""Model layers: norms, Mamba2 mixer, paged attention, MLP / MoE, and the kernel dispatch."""

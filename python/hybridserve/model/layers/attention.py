@@ -1,0 +1,129 @@
+"""Causal self-attention over the paged KV cache.
+
+KV cache of one layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V).
+Token t's K/V are written at ``slot_mapping[t] = block * block_size + offset``; row r reads its keys
+0 .. seq_len - 1 through ``block_table[r]``. A query at absolute position p attends keys 0..p.
+Decode rows are batched (padded to the longest); prefill rows run one at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.model_config import ModelConfig
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim]; rotates the first rotary_dim channels."""
+    rd = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if rd == x.shape[-1]:
+        return x * c + _rotate_half(x) * s
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat([rot * c + _rotate_half(rot) * s, rest], dim=-1)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D], mask bool [B, 1, Lq, Lk] (True = attend)."""
+    H, KVH = q.shape[1], k.shape[1]
+    if H != KVH:
+        k = k.repeat_interleave(H // KVH, dim=1)
+        v = v.repeat_interleave(H // KVH, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.rotary_dim = cfg.rotary_dim
+        self.rope_theta = cfg.rope_theta
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor) -> torch.Tensor:
+        T = hidden.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(hidden).view(T, H, D)
+        k = self.k_proj(hidden).view(T, KVH, D)
+        v = self.v_proj(hidden).view(T, KVH, D)
+        if self.rotary_dim > 0:
+            cos, sin = ctx.rope(self.rotary_dim, self.rope_theta, q.dtype)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        bs = kv_cache.shape[2]
+        blk = torch.div(ctx.slot_mapping, bs, rounding_mode="floor")
+        off = ctx.slot_mapping - blk * bs
+        kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
+        kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        nd = ctx.num_decodes
+        qsl = ctx.qsl
+        seq_lens = ctx.seq_lens
+        if nd > 0:
+            self._decode_rows(q, out, ctx, kv_cache, nd)
+        for r in range(nd, ctx.num_rows):
+            s, e = int(qsl[r]), int(qsl[r + 1])
+            if e == s:
+                continue
+            L = int(seq_lens[r])
+            nb = (L + bs - 1) // bs
+            blocks = ctx.block_table[r, :nb]
+            kr = kv_cache[blocks, 0].reshape(nb * bs, KVH, D)[:L]
+            vr = kv_cache[blocks, 1].reshape(nb * bs, KVH, D)[:L]
+            pos = ctx.positions[s:e]
+            mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
+            o = _attend(
+                q[s:e].transpose(0, 1)[None],
+                kr.to(q.dtype).transpose(0, 1)[None],
+                vr.to(q.dtype).transpose(0, 1)[None],
+                mask[None, None],
+                self.scale,
+            )
+            out[s:e] = o[0].transpose(0, 1)
+        return self.o_proj(out.reshape(T, H * D))
+
+    def _decode_rows(
+        self, q: torch.Tensor, out: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor, nd: int
+    ) -> None:
+        KVH, D = self.num_kv_heads, self.head_dim
+        bs = kv_cache.shape[2]
+        qsl = ctx.qsl[: nd + 1]
+        lengths = qsl[1:] - qsl[:-1]
+        lmax = int(lengths.max())
+        Lmax = int(ctx.seq_lens[:nd].max())
+        nb = (Lmax + bs - 1) // bs
+        dev = q.device
+        t = torch.arange(lmax, dtype=torch.int64)
+        valid = t[None, :] < lengths[:, None]  # [nd, lmax]
+        idx = torch.where(
+            valid, qsl[:-1, None] + t[None, :], qsl[:-1, None]
+        )  # pad with the row's first token
+        idx_d = idx.to(dev)
+        blocks = ctx.block_table[:nd, :nb]  # [nd, nb]
+        kr = kv_cache[blocks, 0].reshape(nd, nb * bs, KVH, D).to(q.dtype)
+        vr = kv_cache[blocks, 1].reshape(nd, nb * bs, KVH, D).to(q.dtype)
+        qr = q[idx_d]  # [nd, lmax, H, D]
+        pos = ctx.positions[idx_d]  # [nd, lmax]
+        mask = torch.arange(nb * bs, device=dev)[None, None, :] <= pos[:, :, None]
+        o = _attend(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), mask[:, None], self.scale)
+        o = o.transpose(1, 2)  # [nd, lmax, H, D]
+        vd = valid.to(dev)
+        out[idx_d[vd]] = o[vd]

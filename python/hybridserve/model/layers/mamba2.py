@@ -1,0 +1,140 @@
+"""The Mamba2 mixer over a varlen batch: in_proj -> z | xBC | dt, causal conv1d, SSD scan (dt bias,
+softplus, clamp, D skip), grouped gated RMSNorm, out_proj. Parameter names follow the HF checkpoints
+(`in_proj.weight`, `conv1d.weight`, `conv1d.bias`, `A_log`, `D`, `dt_bias`, `norm.weight`,
+`out_proj.weight`).
+
+State-window semantics (model/batch.py): decode rows read `state_read_slot` and write the state
+after token t to `state_write_slots[r, t]`; prefill rows start from `state_read_slot` when
+`has_initial_state` else from zeros, write their final state to `state_write_slots[r, 0]` and the
+emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.layers.norm import GatedRMSNorm
+from hybridserve.model.layers.ops import get_op
+from hybridserve.model.model_config import ModelConfig
+
+
+class Conv1dParams(nn.Module):
+    """Holds `weight` [conv_dim, 1, W] and `bias` [conv_dim] under the HF names."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nheads = cfg.nheads
+        self.headdim = cfg.headdim
+        self.dstate = cfg.dstate
+        self.ngroups = cfg.ngroups
+        self.d_inner = cfg.d_inner
+        self.conv_dim = cfg.conv_dim
+        self.chunk_size = cfg.chunk_size
+        self.dt_min = cfg.dt_min
+        self.dt_max = cfg.dt_max
+        self.activation = cfg.mamba_act
+        proj = self.d_inner + self.conv_dim + self.nheads
+        self.in_proj = nn.Linear(cfg.hidden_size, proj, bias=cfg.mamba_proj_bias)
+        self.conv1d = Conv1dParams(self.conv_dim, cfg.d_conv, cfg.mamba_conv_bias)
+        self.A_log = nn.Parameter(torch.empty(self.nheads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.nheads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, cfg.mamba_norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> torch.Tensor:
+        T = hidden.shape[0]
+        dtype = hidden.dtype
+        dev = hidden.device
+        proj = self.in_proj(hidden)
+        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        w = self.conv1d.weight[:, 0, :]
+        b = self.conv1d.bias
+        sdt = ssm_state.dtype
+        A = -torch.exp(self.A_log.to(sdt))
+        ndt = ctx.num_decode_tokens
+        G, N = self.ngroups, self.dstate
+
+        conv_out = torch.empty_like(xbc)
+        if ndt > 0:
+            conv_out[:ndt] = get_op("causal_conv1d_update", dev)(
+                xbc[:ndt],
+                w,
+                b,
+                conv_state,
+                ctx.dec_qsl,
+                ctx.dec_read_slot,
+                ctx.dec_write_slots,
+                self.activation,
+            )
+        if ndt < T:
+            conv_out[ndt:] = get_op("causal_conv1d_prefill", dev)(
+                xbc[ndt:],
+                w,
+                b,
+                conv_state,
+                ctx.pre_qsl,
+                ctx.pre_read_slot,
+                ctx.pre_has_initial_state,
+                ctx.pre_write_slot,
+                ctx.emit_row,
+                ctx.emit_token,
+                ctx.emit_slot,
+                self.activation,
+            )
+        x, B, C = conv_out.split([self.d_inner, G * N, G * N], dim=-1)
+        x = x.view(T, self.nheads, self.headdim)
+        B = B.view(T, G, N)
+        C = C.view(T, G, N)
+        y = torch.empty_like(x)
+        if ndt > 0:
+            y[:ndt] = get_op("selective_state_update", dev)(
+                x[:ndt],
+                dt[:ndt],
+                A,
+                B[:ndt],
+                C[:ndt],
+                self.D,
+                self.dt_bias,
+                ssm_state,
+                ctx.dec_qsl,
+                ctx.dec_read_slot,
+                ctx.dec_write_slots,
+                self.dt_min,
+                self.dt_max,
+            )
+        if ndt < T:
+            y[ndt:] = get_op("ssd_prefill", dev)(
+                x[ndt:],
+                dt[ndt:],
+                A,
+                B[ndt:],
+                C[ndt:],
+                self.D,
+                self.dt_bias,
+                ssm_state,
+                ctx.pre_qsl,
+                ctx.pre_num_computed,
+                ctx.pre_read_slot,
+                ctx.pre_has_initial_state,
+                ctx.pre_write_slot,
+                ctx.emit_row,
+                ctx.emit_token,
+                ctx.emit_slot,
+                self.chunk_size,
+                self.dt_min,
+                self.dt_max,
+            )
+        out = self.norm(y.reshape(T, self.d_inner), z, dtype)
+        return self.out_proj(out)

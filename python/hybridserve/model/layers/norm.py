@@ -1,0 +1,46 @@
+"""RMSNorm and the grouped gated RMSNorm of the Mamba2 mixer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, computed in fp32 (fp64 for fp64 models), result in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cdt = _compute_dtype(x.dtype)
+        h = x.to(cdt)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(cdt) * h).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2 ``RMSNormGated`` with norm_before_gate=False: ``w * rmsnorm_grouped(y * silu(z))``,
+    the RMS taken over groups of ``group_size`` channels."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        cdt = _compute_dtype(out_dtype)
+        h = y.to(cdt) * F.silu(z.to(cdt))
+        *pre, d = h.shape
+        g = h.view(*pre, d // self.group_size, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = g.view(*pre, d)
+        return (self.weight.to(cdt) * h).to(out_dtype)

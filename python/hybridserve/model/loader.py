@@ -1,0 +1,232 @@
+"""Load a Hugging Face model folder: config.json, *.safetensors (single file, several files, or a
+sharded `model.safetensors.index.json`), tokenizer.json.
+
+Errors are `hybridserve.ConfigError` naming the file and tensor: unknown architecture, missing
+tensor, wrong shape, unsupported dtype (of the request or of a stored tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.errors import ConfigError
+from hybridserve.model.architectures import CausalLM, get_architecture
+from hybridserve.model.cache_tensors import parse_dtype
+from hybridserve.model.model_config import ModelConfig, read_config_json
+
+log = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+# Show a progress bar only for checkpoints this large (tensors or bytes).
+_PROGRESS_MIN_TENSORS = 200
+_PROGRESS_MIN_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Any  # tokenizers.Tokenizer, or None when the folder has no tokenizer.json
+    model_dir: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
+    """Parse `<model_dir>/config.json` into (architecture class, ModelConfig)."""
+    path = Path(model_dir) / "config.json"
+    raw = read_config_json(path)
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs:
+        name = str(archs[0])
+    else:
+        mt = raw.get("model_type")
+        name = {
+            "nemotron_h": "NemotronHForCausalLM",
+            "bamba": "BambaForCausalLM",
+            "mamba2": "Mamba2ForCausalLM",
+        }.get(str(mt), "")
+        if not name:
+            raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")
+    cls = get_architecture(name, str(path))
+    try:
+        cfg = cls.parse_config(raw, str(path))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: bad or missing field: {e}") from None
+    return cls, cfg
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """checkpoint key -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{index}: bad sharded index: {e}") from None
+        for key, fname in wm.items():
+            p = model_dir / str(fname)
+            if not p.is_file():
+                raise ConfigError(f"{index}: tensor {key!r} is in {fname}, which does not exist")
+            out[str(key)] = p
+        return out
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir}: no *.safetensors files")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    if key in out:
+                        raise ConfigError(f"{f}: tensor {key!r} also in {out[key]}")
+                    out[key] = f
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a corrupt file
+            raise ConfigError(f"{f}: cannot read safetensors: {e}") from None
+    return out
+
+
+def _param_dtype(cls: type[CausalLM], name: str, dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.bfloat16, torch.float16) and name.endswith(cls.fp32_param_suffixes):
+        return torch.float32
+    return dtype
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+) -> LoadedModel:
+    """Build the architecture named in `<path>/config.json` and load its safetensors weights.
+
+    dtype: float32, bfloat16, float16 or float64 (or their names). `progress`: tqdm bar; default
+    on for large checkpoints only.
+    """
+    from hybridserve.model.demo import resolve_model_path
+
+    model_dir = Path(resolve_model_path(str(path)))
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: model folder does not exist")
+    dt = parse_dtype(dtype)
+    dev = torch.device(device)
+    cls, cfg = load_config(model_dir)
+    files = _tensor_files(model_dir)
+
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.to_empty(device=dev)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = dict(model.named_parameters())
+
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
+    try:
+        tied = {k: v for k, v in cls.tied_weights.items() if cfg.tie_word_embeddings}
+        to_load = [n for n in params if n not in tied]
+        for name in to_load:
+            if name not in files:
+                alias = cls.tied_weights.get(name)
+                if alias is not None and alias in files:
+                    # untied config but the checkpoint only stores the shared matrix
+                    tied[name] = alias
+                    continue
+                where = ", ".join(sorted({f.name for f in files.values()})) or "no files"
+                raise ConfigError(f"{model_dir}: tensor {name!r} is missing from the checkpoint ({where})")
+        to_load = [n for n in to_load if n not in tied]
+        total_bytes = 0
+        for name in to_load:
+            f = files[name]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            sl = handles[f].get_slice(name)
+            sdt = sl.get_dtype()
+            if sdt not in _FLOAT_DTYPES:
+                raise ConfigError(f"{f}: tensor {name!r} has unsupported dtype {sdt} (need F32/BF16/F16/F64)")
+            shape = tuple(sl.get_shape())
+            want = tuple(params[name].shape)
+            if shape != want:
+                raise ConfigError(f"{f}: tensor {name!r} has shape {list(shape)}, expected {list(want)}")
+            total_bytes += params[name].numel() * 4
+        show = (
+            progress
+            if progress is not None
+            else (len(to_load) >= _PROGRESS_MIN_TENSORS or total_bytes >= _PROGRESS_MIN_BYTES)
+        )
+        it: Any = to_load
+        if show:
+            from tqdm.auto import tqdm
+
+            it = tqdm(to_load, desc=f"Loading {model_dir.name}", unit="tensor")
+        for name in it:
+            t = handles[files[name]].get_tensor(name)
+            p = params[name]
+            p.data = t.to(device=dev, dtype=_param_dtype(cls, name, dt))
+        for name, alias in tied.items():
+            src = params.get(alias)
+            if src is None:
+                raise ConfigError(f"{model_dir}: tied tensor {name!r} -> {alias!r} not in the model")
+            if alias not in to_load:
+                raise ConfigError(f"{model_dir}: tensor {alias!r} is missing from the checkpoint")
+            _set_param(model, name, src)
+    finally:
+        handles.clear()
+    unused = sorted(set(files) - set(params))
+    if unused:
+        log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
+    model.eval()
+
+    tokenizer = None
+    tok_path = model_dir / "tokenizer.json"
+    if tok_path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{tok_path}: cannot load tokenizer: {e}") from None
+    _fill_token_ids(cfg, model_dir)
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, model_dir=str(model_dir), dtype=dt, device=dev
+    )
+
+
+def _set_param(model: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    setattr(mod, leaf, value)
+
+
+def _fill_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
+    """eos/bos from generation_config.json when config.json lacks them (eos lists kept whole)."""
+    gpath = model_dir / "generation_config.json"
+    if not gpath.is_file():
+        return
+    try:
+        g = json.loads(gpath.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return
+    if not isinstance(g, dict):
+        return
+    eos = g.get("eos_token_id")
+    if eos is not None:
+        ids = [int(x) for x in (eos if isinstance(eos, list) else [eos])]
+        for i in ids:
+            if i not in cfg.eos_token_ids:
+                cfg.eos_token_ids.append(i)
+        if cfg.eos_token_id is None and ids:
+            cfg.eos_token_id = ids[0]
+    if cfg.bos_token_id is None and g.get("bos_token_id") is not None:
+        cfg.bos_token_id = int(g["bos_token_id"])

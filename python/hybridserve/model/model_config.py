@@ -1,0 +1,244 @@
+"""ModelConfig: the parsed, architecture-independent view of a Hugging Face config.json.
+
+Each architecture module (`architectures/*.py`) turns the raw JSON dict into a `ModelConfig`; the
+layers and the cache allocator read only this. No torch at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridserve.errors import ConfigError
+
+# Our layer kinds. Bamba/Mamba2-style layers carry their FFN inside the same layer; NemotronH has
+# separate "mlp" / "moe" layers.
+MAMBA = "mamba"
+ATTENTION = "attention"
+MLP = "mlp"
+MOE = "moe"
+LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
+
+# transformers 5.x names and the legacy 4.x ones, to our kinds.
+_LAYER_NAME_MAP = {
+    "linear_attention": MAMBA,
+    "mamba": MAMBA,
+    "full_attention": ATTENTION,
+    "attention": ATTENTION,
+    "mlp": MLP,
+    "moe": MOE,
+}
+
+
+def decode_tagged_floats(obj: Any) -> Any:
+    """Undo transformers' float tagging: ``{"__float__": "Infinity"}`` -> ``math.inf`` (also
+    "-Infinity" and "NaN"), recursively."""
+    if isinstance(obj, dict):
+        if set(obj.keys()) == {"__float__"}:
+            v = obj["__float__"]
+            try:
+                return float(v)
+            except (TypeError, ValueError):
+                raise ConfigError(f"bad tagged float {obj!r}") from None
+        return {k: decode_tagged_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_tagged_floats(v) for v in obj]
+    return obj
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """config.json as a dict with tagged floats decoded. ConfigError naming the file on failure."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no config.json in the model folder") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object")
+    return decode_tagged_floats(raw)
+
+
+def layer_kinds_from_names(names: list[Any], source: str) -> list[str]:
+    out = []
+    for n in names:
+        kind = _LAYER_NAME_MAP.get(str(n))
+        if kind is None:
+            raise ConfigError(f"{source}: unknown layer type {n!r} (known: {sorted(_LAYER_NAME_MAP)})")
+        out.append(kind)
+    return out
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: list[str]  # one of LAYER_KINDS per layer
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    residual_in_fp32: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 4096
+    # --- Mamba2 mixer ---
+    nheads: int = 0
+    headdim: int = 0
+    dstate: int = 0
+    ngroups: int = 1
+    d_conv: int = 4
+    chunk_size: int = 256
+    d_inner: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_act: str = "silu"
+    mamba_norm_eps: float = 1e-5
+    dt_min: float = 0.0  # dt clamp after softplus, applied identically in prefill and decode
+    dt_max: float = math.inf
+    mamba_ssm_cache_dtype: str = "float32"
+    # --- attention ---
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.0  # 0 = no rotary embedding (NemotronH)
+    # --- MLP ---
+    intermediate_size: int = 0
+    mlp_act: str = "relu2"
+    mlp_bias: bool = False
+    mlp_gated: bool = False  # gate_proj * up_proj (Bamba) vs up_proj only (NemotronH)
+    # --- MoE (NemotronH) ---
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # ---- derived ----
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.ngroups * self.dstate
+
+    @property
+    def has_mamba_layers(self) -> bool:
+        return MAMBA in self.layer_types
+
+    @property
+    def supports_boundary_states(self) -> bool:
+        """The prefill scan can emit the state at chunk-aligned boundaries (`all` cache mode)."""
+        return True
+
+    @property
+    def mamba_layer_ids(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_types) if k == MAMBA]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_types) if k == ATTENTION]
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return len(self.mamba_layer_ids)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layer_ids)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def validate(self, source: str) -> None:
+        """Consistency checks; ConfigError naming `source` (the config.json path)."""
+
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"{source}: {msg}")
+
+        if self.vocab_size <= 0 or self.hidden_size <= 0:
+            raise bad("vocab_size and hidden_size must be positive")
+        if len(self.layer_types) != self.num_layers or self.num_layers <= 0:
+            raise bad(f"layer pattern has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for k in self.layer_types:
+            if k not in LAYER_KINDS:
+                raise bad(f"unknown layer kind {k!r}")
+        if self.has_mamba_layers:
+            if min(self.nheads, self.headdim, self.dstate, self.ngroups, self.d_conv, self.chunk_size) <= 0:
+                raise bad("mamba dimensions must be positive")
+            if self.nheads % self.ngroups != 0:
+                raise bad(f"mamba heads ({self.nheads}) must be divisible by n_groups ({self.ngroups})")
+            if self.d_inner != self.nheads * self.headdim:
+                raise bad(
+                    f"mamba intermediate size {self.d_inner} != heads x head_dim = {self.nheads * self.headdim}"
+                )
+            if self.d_inner % self.ngroups != 0:
+                raise bad("mamba intermediate size must be divisible by n_groups")
+            if self.mamba_act not in ("silu", "swish"):
+                raise bad(f"unsupported mamba activation {self.mamba_act!r}")
+            if not (0.0 <= self.dt_min <= self.dt_max):
+                raise bad(f"bad time step limit ({self.dt_min}, {self.dt_max})")
+        if ATTENTION in self.layer_types:
+            if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+                raise bad("attention dimensions must be positive")
+            if self.num_heads % self.num_kv_heads != 0:
+                raise bad(f"num_attention_heads {self.num_heads} not divisible by num_key_value_heads")
+            if self.rotary_dim % 2 != 0:
+                raise bad(f"rotary dimension {self.rotary_dim} must be even")
+        if MOE in self.layer_types:
+            if self.n_routed_experts <= 0 or not (0 < self.num_experts_per_tok <= self.n_routed_experts):
+                raise bad("bad MoE expert counts")
+            if self.n_routed_experts % self.n_group != 0 or not (0 < self.topk_group <= self.n_group):
+                raise bad("bad MoE group counts (n_group / topk_group)")
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d.pop("raw", None)
+        d["conv_dim"] = self.conv_dim
+        d["has_mamba_layers"] = self.has_mamba_layers
+        return d
+
+
+def get_field(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` present (and not None) in `raw`, else `default`."""
+    for n in names:
+        if n in raw and raw[n] is not None:
+            return raw[n]
+    return default
+
+
+def token_ids(raw: dict[str, Any], name: str) -> tuple[int | None, list[int]]:
+    v = raw.get(name)
+    if v is None:
+        return None, []
+    if isinstance(v, list):
+        ids = [int(x) for x in v]
+        return (ids[0] if ids else None), ids
+    return int(v), [int(v)]
+
+
+def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:
+    v = get_field(raw, *names)
+    if v is None:
+        return 0.0, math.inf
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(f"time_step_limit must be a pair, got {v!r}")
+    return float(v[0]), float(v[1])
