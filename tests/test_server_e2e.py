@@ -181,10 +181,22 @@ def test_n_choices_and_seeds(client):
     assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
     assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
     a = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=123, n=2, ignore_eos=True
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=123,
+        n=2,
+        extra_body={"ignore_eos": True},
     )
     b = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=123, n=2, ignore_eos=True
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=123,
+        n=2,
+        extra_body={"ignore_eos": True},
     )
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     # prompts x n in one completions request
@@ -196,7 +208,7 @@ def test_n_choices_and_seeds(client):
 
 def test_completion_logprobs_shape(client):
     r = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
     )
     lp = r.choices[0].logprobs
     n = r.usage.completion_tokens
@@ -209,7 +221,13 @@ def test_completion_logprobs_shape(client):
         assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the best
     stream = list(
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True, stream=True
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            logprobs=2,
+            extra_body={"ignore_eos": True},
+            stream=True,
         )
     )
     tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
@@ -224,7 +242,7 @@ def test_chat_logprobs_shape(client):
         temperature=0,
         logprobs=True,
         top_logprobs=3,
-        ignore_eos=True,
+        extra_body={"ignore_eos": True},
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 4
@@ -311,7 +329,7 @@ def test_metrics_names_and_counters(server, client):
     for name in required:
         assert name in before, name
     r = client.completions.create(
-        model=MODEL, prompt="Counting tokens", max_tokens=5, temperature=0, ignore_eos=True
+        model=MODEL, prompt="Counting tokens", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     after = wait_idle(server)  # the engine's stats snapshot follows its last step
     gen = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
@@ -362,7 +380,9 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
 def test_64_concurrent_streams_match_solo_requests(server, client):
     prompts = [f"Story number {i}: once upon a time" for i in range(8)]
     solo = {
-        p: client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0, ignore_eos=True)
+        p: client.completions.create(
+            model=MODEL, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
         .choices[0]
         .text
         for p in prompts

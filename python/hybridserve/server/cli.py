@@ -20,28 +20,10 @@ from typing import Any
 logger = logging.getLogger("hybridserve.server")
 
 
-def _engine_arg_api() -> tuple[Any, Any] | None:
-    """(add_engine_args, EngineArgs.from_cli) from hybridserve.config, when they exist."""
-    from hybridserve import config
-
-    add = getattr(config, "add_engine_args", None)
-    engine_args_cls = getattr(config, "EngineArgs", None)
-    from_cli = getattr(engine_args_cls, "from_cli", None) if engine_args_cls is not None else None
-    if add is None or from_cli is None:
-        return None
-    return add, from_cli
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    api = _engine_arg_api()
-    if api is not None:
-        api[0](p)
-    if not any(a.dest == "model" for a in p._actions):
-        p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
-    if api is None:  # until hybridserve.config grows add_engine_args
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--device", default=None)
-        p.add_argument("--dtype", default=None)
+    from hybridserve.config import DEFAULT_MAX_QUEUE_LEN, add_engine_args
+
+    add_engine_args(p)  # MODEL and every engine flag
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument(
@@ -58,7 +40,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queue-len",
         type=int,
-        default=512,
+        default=DEFAULT_MAX_QUEUE_LEN,
         help="engine requests admitted at once (running + waiting); beyond it requests get 503 + Retry-After",
     )
     g.add_argument(
@@ -83,21 +65,26 @@ def _served_name(args: argparse.Namespace) -> str:
     return os.path.basename(model) or model
 
 
-def _build_engine(args: argparse.Namespace) -> Any:
-    """Construct the AsyncEngine (loads the model). Runs in a background thread."""
+def _build_engine(engine_args: Any) -> Any:
+    """Construct the AsyncEngine (it loads the model in its own thread). Runs in a helper thread,
+    so that importing torch does not hold up the event loop."""
     from hybridserve.engine.async_engine import AsyncEngine
 
-    api = _engine_arg_api()
-    if api is None:
-        raise RuntimeError("hybridserve.config.EngineArgs.from_cli is not available yet")
-    engine_args = api[1](args)
     return AsyncEngine(engine_args)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from hybridserve.config import EngineArgs
+    from hybridserve.errors import ConfigError
     from hybridserve.server.app import create_app, set_engine, set_load_error
+
+    try:
+        engine_args = EngineArgs.from_cli(args)  # bad flags fail here, before anything listens
+    except ConfigError as e:
+        print(f"hybridserve serve: {e}", file=sys.stderr)
+        return 2
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -128,7 +115,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            engine = _build_engine(args)
+            engine = _build_engine(engine_args)
         except BaseException as e:  # reported on the event loop
             err = e
             loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_exception(err))
