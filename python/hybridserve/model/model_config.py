@@ -166,6 +166,20 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def capabilities(self) -> dict[str, Any]:
+        """What the cache-mode policy needs (a mapping `hybridserve.config.ModelCapabilities.coerce`
+        accepts)."""
+        return {
+            "model_type": self.model_type,
+            "has_mamba_layers": self.has_mamba_layers,
+            "supports_boundary_states": self.has_mamba_layers and self.supports_boundary_states,
+            "scan_chunk_size": self.chunk_size if self.has_mamba_layers else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_mamba_layers": self.num_mamba_layers,
+            "num_attention_layers": self.num_attention_layers,
+            "torch_dtype": self.raw.get("dtype") or self.raw.get("torch_dtype"),
+        }
+
     def validate(self, source: str) -> None:
         """Consistency checks; ConfigError naming `source` (the config.json path)."""
 
