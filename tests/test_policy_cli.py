@@ -1,0 +1,193 @@
+"""The policy table (tests/policy_cases.txt, also driven by the Rust test `policy::tests::table_cases`)
+run through `python -m hybridserve config MODEL FLAGS --json`, plus the text output and the exit
+status of configuration errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TABLE = Path(__file__).with_name("policy_cases.txt")
+
+HYBRID_CONFIG: dict[str, Any] = {
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "layers_block_type": ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"],
+    "chunk_size": 128,
+    "max_position_embeddings": 8192,
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "hybrid": HYBRID_CONFIG,
+    "hybrid-nosup": {**HYBRID_CONFIG, "hybridserve": {"supports_boundary_states": False}},
+    "attn": {"model_type": "llama", "num_hidden_layers": 2, "max_position_embeddings": 8192},
+}
+
+
+def load_table() -> list[tuple[str, str, str, str]]:
+    rows = []
+    for line in TABLE.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        cols = [c.strip() for c in line.split("|")]
+        assert len(cols) == 4, line
+        rows.append((cols[0], cols[1], cols[2], cols[3]))
+    return rows
+
+
+CASES = load_table()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for kind, cfg in MODELS.items():
+        d = root / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        out[kind] = d
+    return out
+
+
+def run_config(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hybridserve", "config", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def on_off(v: bool) -> str:
+    return "on" if v else "off"
+
+
+def check_ok(d: dict[str, Any], expect: list[str]) -> list[str]:
+    failures = []
+    codes = {(x["code"], x["level"]) for x in d["decisions"]}
+    names = {c for c, _ in codes}
+    values = {
+        "mode": d["mamba_cache_mode"],
+        "pc": on_off(d["enable_prefix_caching"]),
+        "chunked": on_off(d["enable_chunked_prefill"]),
+        "M": str(d["mamba_block_size"]),
+        "T": str(d["max_num_batched_tokens"]),
+        "L": str(d["max_model_len"]),
+        "k": str(0 if d["speculative"] is None else d["speculative"]["num_speculative_tokens"]),
+    }
+    for tok in expect:
+        if tok.startswith("+"):
+            code, _, level = tok[1:].partition(":")
+            if not any(c == code and (not level or lv == level) for c, lv in codes):
+                failures.append(f"missing decision {tok} in {sorted(codes)}")
+        elif tok.startswith("-"):
+            if tok[1:] in names:
+                failures.append(f"unexpected decision {tok[1:]}")
+        else:
+            key, _, want = tok.partition("=")
+            if values[key] != want:
+                failures.append(f"{key}: want {want}, got {values[key]}")
+    return failures
+
+
+def test_table_has_every_rule() -> None:
+    rules = {name.split("_")[0] for name, *_ in CASES}
+    assert rules == {f"rule{i}" for i in range(1, 8)}
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(("name", "kind", "flags", "expect"), CASES, ids=[c[0] for c in CASES])
+def test_table_case_through_cli(
+    model_dirs: dict[str, Path], name: str, kind: str, flags: str, expect: str
+) -> None:
+    proc = run_config(str(model_dirs[kind]), *flags.split(), "--json")
+    tokens = expect.split()
+    if tokens[0] == "ok":
+        assert proc.returncode == 0, proc.stderr
+        d = json.loads(proc.stdout)
+        for key in (
+            "enable_prefix_caching",
+            "mamba_cache_mode",
+            "enable_chunked_prefill",
+            "block_size",
+            "mamba_block_size",
+            "speculative",
+            "decisions",
+        ):
+            assert key in d, key
+        spec = d["speculative"]
+        assert spec is None or {"method", "num_speculative_tokens"} <= set(spec)
+        assert all(set(x) == {"code", "level", "message"} for x in d["decisions"])
+        assert check_ok(d, tokens[1:]) == [], name
+    else:
+        assert tokens[0] == "err"
+        assert proc.returncode == 2, (proc.stdout, proc.stderr)
+        assert proc.stdout == ""
+        err = proc.stderr.strip()
+        assert "\n" not in err, "one paragraph"
+        assert "ConfigError" in err
+        for needle in tokens[1:]:
+            assert needle.replace("~", " ") in err, err
+
+
+def test_explain_lists_every_decision(model_dirs: dict[str, Path]) -> None:
+    spec = '{"method":"ngram","num_speculative_tokens":3}'
+    proc = run_config(str(model_dirs["hybrid"]), "--speculative-config", spec, "--explain")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "mamba_cache_mode        align" in out
+    assert "enable_chunked_prefill  on" in out
+    assert "[info] mode_align_for_speculative:" in out
+    assert "[info] chunked_prefill_on_for_align:" in out
+    d = json.loads(run_config(str(model_dirs["hybrid"]), "--speculative-config", spec, "--json").stdout)
+    for dec in d["decisions"]:
+        assert f"[{dec['level']}] {dec['code']}: {dec['message']}" in out
+
+
+def test_plain_output_has_no_decisions(model_dirs: dict[str, Path]) -> None:
+    proc = run_config(str(model_dirs["hybrid"]))
+    assert proc.returncode == 0, proc.stderr
+    assert "mamba_cache_mode        all" in proc.stdout
+    assert "decisions:" not in proc.stdout
+
+
+def test_bad_speculative_json_and_missing_model_exit_2(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    proc = run_config(str(model_dirs["hybrid"]), "--speculative-config", '{"method":"ngram","k":3}')
+    assert proc.returncode == 2
+    assert "'k'" in proc.stderr and "--speculative-config" in proc.stderr
+    proc = run_config(str(model_dirs["hybrid"]), "--speculative-config", "{not json")
+    assert proc.returncode == 2
+    assert "--speculative-config" in proc.stderr
+    proc = run_config(str(tmp_path / "nowhere"))
+    assert proc.returncode == 2
+    assert "config.json" in proc.stderr
+
+
+def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
+    proc = run_config(
+        str(model_dirs["hybrid"]),
+        "--dtype",
+        "float64",
+        "--kv-cache-memory",
+        "64MiB",
+        "--num-mamba-slots",
+        "40",
+        "--seed",
+        "7",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["dtype"] == "float64"
+    assert d["kv_cache_memory"] == 64 * 2**20
+    assert d["num_mamba_slots"] == 40
+    assert d["seed"] == 7
+    assert d["capabilities"]["has_mamba_layers"] is True
+    assert d["capabilities"]["scan_chunk_size"] == 128
+    assert d["capabilities"]["num_mamba_layers"] == 3
