@@ -1,13 +1,70 @@
-"""`hybridserve generate` (in progress)."""
+"""`hybridserve generate MODEL --prompt ...`: offline generation from the command line."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
+    from hybridserve.config import add_engine_args
+
     p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling generator")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_args(p)
 
 
 def generate_main(args: argparse.Namespace) -> int:
-    raise SystemExit("hybridserve generate: not available yet")
+    from hybridserve.config import EngineArgs
+    from hybridserve.engine.llm import LLM
+    from hybridserve.errors import HybridServeError
+    from hybridserve.sampling.params import SamplingParams
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("hybridserve generate: give --prompt (or prompts on stdin, one per line)", file=sys.stderr)
+        return 2
+    try:
+        engine_args = EngineArgs.from_cli(args)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+            stop=list(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM.from_engine_args(engine_args)
+        outputs = llm.generate(prompts, params)
+    except HybridServeError as exc:
+        print(f"hybridserve generate: {exc}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        o = out.outputs[0]
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": out.prompt,
+                        "text": o.text,
+                        "token_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                        "num_cached_tokens": out.num_cached_tokens,
+                    }
+                )
+            )
+        else:
+            print(f"{out.prompt}{o.text}")
+    return 0

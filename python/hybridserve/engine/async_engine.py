@@ -1,0 +1,218 @@
+"""AsyncEngine: LLMEngine in a thread of its own, bridged to asyncio.
+
+Commands (add, abort) reach the engine thread through a thread-safe queue; each request's outputs
+reach its stream through an asyncio queue on the caller's loop. Statistics are snapshotted by the
+engine thread after every step, so readers never touch the engine while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from hybridserve.config import EngineArgs
+from hybridserve.engine.llm_engine import LLMEngine, Prompt
+from hybridserve.engine.outputs import CompletionOutput, RequestOutput
+from hybridserve.errors import HybridServeError
+from hybridserve.sampling.params import SamplingParams
+
+logger = logging.getLogger("hybridserve.engine")
+
+
+class EngineDeadError(HybridServeError):
+    """The engine failed to load or its thread has stopped."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, *, start: bool = True) -> None:
+        self.args = args
+        self.engine: LLMEngine | None = None
+        self.ready = False
+        self.load_error: BaseException | None = None
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loaded = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._loaded.wait)
+        if self.load_error is not None:
+            raise EngineDeadError(f"the engine failed to load: {self.load_error}") from self.load_error
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len if self.engine is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.ready or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise HybridServeError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._cmds.put(("add", request_id, prompt, params, cache_salt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                # The consumer went away (client disconnect, cancellation): free it at once.
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.args)
+        except BaseException as exc:  # reported to every waiter; the thread ends
+            logger.exception("engine failed to load")
+            self.load_error = exc
+            self._loaded.set()
+            return
+        self._snapshot_stats()
+        self.ready = True
+        self._loaded.set()
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_commands(engine)
+            if not engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(engine, exc)
+                continue
+            for out in outputs:
+                with self._lock:
+                    stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+            self._snapshot_stats()
+        # Shutdown: abort whatever is still in flight so every stream ends.
+        self._drain_commands(engine)
+        self._fail_all(engine, None)
+
+    def _drain_commands(self, engine: LLMEngine) -> None:
+        handled = 0
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            handled += 1
+            if cmd[0] == "add":
+                _, rid, prompt, params, salt = cmd
+                try:
+                    engine.add_request(rid, prompt, params, cache_salt=salt)
+                except Exception as exc:
+                    with self._lock:
+                        stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.put(exc)
+            elif cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+        if handled:
+            self._snapshot_stats()
+
+    def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
+        for rid in list(engine.requests):
+            st = engine.requests.get(rid)
+            engine.abort_request(rid)
+            with self._lock:
+                stream = self._streams.get(rid)
+            if stream is None or st is None:
+                continue
+            if exc is not None:
+                stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
+            else:
+                stream.put(
+                    RequestOutput(
+                        request_id=rid,
+                        prompt=st.prompt,
+                        prompt_token_ids=st.prompt_token_ids,
+                        outputs=[
+                            CompletionOutput(
+                                index=0,
+                                text=st.detokenizer.text,
+                                token_ids=list(st.output_token_ids),
+                                finish_reason="abort",
+                            )
+                        ],
+                        finished=True,
+                        num_cached_tokens=st.num_cached_tokens,
+                    )
+                )
+        self._snapshot_stats()
+
+    def _snapshot_stats(self) -> None:
+        if self.engine is None:
+            return
+        s = self.engine.stats()
+        with self._lock:
+            self._stats = s

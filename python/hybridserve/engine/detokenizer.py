@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Text is recomputed from the output ids each step: byte-level BPE tokens can split a UTF-8
+character, so the text of a token on its own is not its contribution to the text. A trailing
+replacement character means an unfinished character; it is held back until the next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+_INCOMPLETE = "\ufffd"
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Decoder
+    stop: Sequence[str] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text released so far
+    stopped_by: str | None = None  # the stop string that matched, if any
+
+    def add_tokens(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """Append tokens; return the newly released text. Once a stop string matched, the text is
+        cut there and `stopped_by` is set; later calls return ''."""
+        if self.stopped_by is not None:
+            return ""
+        self.token_ids.extend(int(t) for t in new_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if not final and full.endswith(_INCOMPLETE):
+            full = full.rstrip(_INCOMPLETE)
+        if not full.startswith(self.text):
+            # Rare: a later token changed how earlier bytes decode. Never take back released text.
+            full = self.text + full[len(self.text) :]
+        if self.stop:
+            # Search only the region a match could newly end in.
+            longest = max(len(s) for s in self.stop)
+            start = max(0, len(self.text) - longest + 1)
+            best: tuple[int, str] | None = None
+            for s in self.stop:
+                i = full.find(s, start)
+                if i != -1 and (best is None or i < best[0]):
+                    best = (i, s)
+            if best is not None:
+                i, s = best
+                self.stopped_by = s
+                cut = i + len(s) if self.include_stop_str_in_output else i
+                full = full[: max(cut, len(self.text))]
+                delta = full[len(self.text) :]
+                self.text = full
+                return delta
+            # Hold back a tail that could be the start of a stop string.
+            if not final:
+                hold = 0
+                for s in self.stop:
+                    for n in range(min(len(s) - 1, len(full)), 0, -1):
+                        if full.endswith(s[:n]):
+                            hold = max(hold, n)
+                            break
+                if hold:
+                    full = full[: max(len(full) - hold, len(self.text))]
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta

@@ -1,0 +1,111 @@
+"""LLM: the offline Python API, shaped like vLLM's.
+
+llm = LLM(model="demo", dtype="float32")
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hybridserve.config import EngineArgs
+from hybridserve.engine.llm_engine import LLMEngine, Prompt
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.sampling.params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self._next_id = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm._next_id = 0
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("sampling_params: one per prompt, or a single one for all")
+
+        # Each of the n sequences of a prompt is one engine request; they are merged afterwards.
+        groups: list[list[str]] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids = []
+                for j in range(params.n):
+                    sub = dataclasses.replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + j
+                    )
+                    rid = f"llm-{self._next_id}"
+                    self._next_id += 1
+                    self.engine.add_request(rid, prompt, sub)
+                    ids.append(rid)
+                groups.append(ids)
+        except Exception:
+            for ids in groups:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+            raise
+
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=sum(len(g) for g in groups), desc="generate")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+
+        results: list[RequestOutput] = []
+        for ids in groups:
+            first = final[ids[0]]
+            outputs = []
+            for j, rid in enumerate(ids):
+                o = final[rid].outputs[0]
+                o.index = j
+                o.delta_text, o.delta_token_ids = "", []
+                outputs.append(o)
+            results.append(
+                RequestOutput(
+                    request_id=ids[0],
+                    prompt=first.prompt,
+                    prompt_token_ids=first.prompt_token_ids,
+                    outputs=outputs,
+                    finished=True,
+                    num_cached_tokens=first.num_cached_tokens,
+                )
+            )
+        return results

@@ -1,0 +1,392 @@
+"""LLMEngine: one engine step = schedule (Rust) -> forward (torch) -> sample -> propose -> update (Rust).
+
+The engine is synchronous and single-threaded; AsyncEngine runs it in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridserve import _core
+from hybridserve.config import EngineArgs
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
+from hybridserve.engine.model_setup import EngineModel, build_engine_model
+from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from hybridserve.engine.request_state import RequestState
+from hybridserve.errors import InvalidRequestError
+from hybridserve.model.batch import ForwardBatch
+from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, request_generator
+
+logger = logging.getLogger("hybridserve.engine")
+
+Prompt = str | dict[str, Any] | Sequence[int]
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
+    num_steps: int = 0
+
+
+def _to_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return ForwardBatch(
+        input_ids=t(out.input_ids),
+        positions=t(out.positions),
+        query_start_loc=torch.from_numpy(np.ascontiguousarray(out.query_start_loc)),
+        num_computed_tokens=torch.from_numpy(np.ascontiguousarray(out.num_computed_tokens)),
+        seq_lens=torch.from_numpy(np.ascontiguousarray(out.seq_lens)),
+        num_decodes=int(out.num_decodes),
+        slot_mapping=t(out.slot_mapping),
+        block_table=t(out.block_table),
+        state_read_slot=t(out.state_read_slot),
+        has_initial_state=t(out.has_initial_state),
+        state_write_slots=t(out.state_write_slots),
+        emit_row=t(out.emit_row),
+        emit_token=t(out.emit_token),
+        emit_slot=t(out.emit_slot),
+        logits_indices=t(out.logits_indices),
+    )
+
+
+class LLMEngine:
+    """The offline engine: add requests, call `step()` until `has_unfinished_requests()` is False."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.em: EngineModel = build_engine_model(args)
+        self.config = self.em.resolved
+        self.tokenizer = self.em.tokenizer
+        self.max_model_len = int(self.config.max_model_len)
+        self.eos_token_id = self.em.eos_token_id
+        self.scheduler = _core.Scheduler(
+            self.config, self.em.sizes.num_kv_blocks, self.em.sizes.num_mamba_slots, int(args.seed)
+        )
+        self.sampler = Sampler()
+        self.proposer = self.em.proposer
+        self.num_speculative_tokens = int(self.config.num_speculative_tokens)
+        self.rejection_sampler: Any = None
+        if self.num_speculative_tokens > 0:
+            from hybridserve.sampling.rejection import RejectionSampler
+
+            self.rejection_sampler = RejectionSampler()
+        self.requests: dict[str, RequestState] = {}
+        self.counters = EngineCounters()
+        self._seed_counter = 0
+        self.acceptance_per_position = [0] * self.num_speculative_tokens
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self.encode_prompt(str(prompt["prompt"]))
+            raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already running")
+        params.validate()
+        if params.n != 1:
+            raise InvalidRequestError("n: LLMEngine takes one sequence per request; fan out n above it")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty")
+        vocab = self.em.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len {self.max_model_len}"
+            )
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        generator = request_generator(params.seed, int(self.args.seed), self._seed_counter)
+        self._seed_counter += 1
+        self.scheduler.add_request(
+            request_id,
+            ids,
+            max_tokens=max_tokens,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self.requests[request_id] = RequestState(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            generator=generator,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.counters.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        state = self.requests.get(request_id)
+        self._forget(request_id)
+        found = self.scheduler.abort_request(request_id)
+        return found or state is not None
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        free = getattr(self.proposer, "free", None)
+        if free is not None:
+            free(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.counters.num_steps += 1
+        copies = out.state_copies
+        if len(copies):
+            self.em.caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
+        req_ids: list[str] = list(out.req_ids)
+        num_rows = len(req_ids)
+        num_logits = np.asarray(out.num_logits, dtype=np.int64)
+        num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
+        sampled_rows: list[list[int]] = [[] for _ in range(num_rows)]
+        row_logprobs: list[list[TokenLogprobs] | None] = [None] * num_rows
+        if out.num_scheduled_tokens > 0:
+            batch = _to_batch(out, self.em.device)
+            with torch.inference_mode():
+                logits = self.em.model.forward(batch, self.em.caches)
+            self._sample(req_ids, logits, num_logits, num_drafts, out, sampled_rows, row_logprobs)
+
+        flat = [t for row in sampled_rows for t in row]
+        sampled = np.asarray(flat, dtype=np.int32)
+        num_sampled = np.asarray([len(r) for r in sampled_rows], dtype=np.int32)
+        drafts, n_drafts = self._propose(req_ids, sampled_rows)
+        deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
+        return self._process_deltas(deltas, req_ids, sampled_rows, row_logprobs)
+
+    def _sample(
+        self,
+        req_ids: list[str],
+        logits: torch.Tensor,
+        num_logits: np.ndarray,
+        num_drafts: np.ndarray,
+        out: _core.SchedulerOutput,
+        sampled_rows: list[list[int]],
+        row_logprobs: list[list[TokenLogprobs] | None],
+    ) -> None:
+        logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+        draft_flat = np.asarray(out.draft_token_ids, dtype=np.int64)
+        plain_rows: list[int] = []
+        plain_logit_idx: list[int] = []
+        spec_rows: list[int] = []
+        offset = 0
+        draft_offset = 0
+        draft_starts: dict[int, int] = {}
+        logit_starts: dict[int, int] = {}
+        for r in range(len(req_ids)):
+            n = int(num_logits[r])
+            k = int(num_drafts[r])
+            logit_starts[r] = offset
+            draft_starts[r] = draft_offset
+            if n > 0 and req_ids[r] in self.requests:
+                if k > 0:
+                    spec_rows.append(r)
+                else:
+                    plain_rows.append(r)
+                    plain_logit_idx.append(offset + n - 1)
+            offset += n
+            draft_offset += k
+
+        if plain_rows:
+            rows = [self._row_sampling(req_ids[r]) for r in plain_rows]
+            res = self.sampler.sample(logits[plain_logit_idx], rows)
+            for i, r in enumerate(plain_rows):
+                sampled_rows[r] = [int(res.token_ids[i])]
+                if res.logprobs is not None and res.logprobs[i] is not None:
+                    row_logprobs[r] = [res.logprobs[i]]
+        if spec_rows:
+            rows = [self._row_sampling(req_ids[r]) for r in spec_rows]
+            target = [logits[logit_starts[r] : logit_starts[r] + int(num_logits[r])] for r in spec_rows]
+            drafts = [
+                [int(t) for t in draft_flat[draft_starts[r] : draft_starts[r] + int(num_drafts[r])]]
+                for r in spec_rows
+            ]
+            emitted = self.rejection_sampler.sample(target, drafts, rows)
+            for i, r in enumerate(spec_rows):
+                tokens = [int(t) for t in emitted[i]]
+                sampled_rows[r] = tokens
+                k = len(drafts[i])
+                accepted = len(tokens) - 1
+                self.counters.spec_decode_draft_tokens += k
+                self.counters.spec_decode_accepted_tokens += accepted
+                for pos in range(min(accepted, len(self.acceptance_per_position))):
+                    self.acceptance_per_position[pos] += 1
+                top_n = self.requests[req_ids[r]].params.logprobs
+                if top_n is not None:
+                    source = torch.log_softmax(target[i][: len(tokens)], dim=-1)
+                    entries = compute_logprobs(source, torch.tensor(tokens), [top_n] * len(tokens))
+                    row_logprobs[r] = [e for e in entries if e is not None]
+
+    def _row_sampling(self, request_id: str) -> RowSampling:
+        st = self.requests[request_id]
+        return RowSampling(
+            params=st.params,
+            generator=st.generator,
+            prompt_token_ids=st.prompt_token_ids,
+            output_token_ids=st.output_token_ids,
+            eos_token_id=self.eos_token_id,
+        )
+
+    def _propose(self, req_ids: list[str], sampled_rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        num_rows = len(req_ids)
+        if self.proposer is None or self.num_speculative_tokens == 0:
+            return np.zeros(0, dtype=np.int32), np.zeros(num_rows, dtype=np.int32)
+        histories: list[list[int]] = []
+        rows: list[int] = []
+        for r, rid in enumerate(req_ids):
+            st = self.requests.get(rid)
+            if st is None or not sampled_rows[r]:
+                continue
+            rows.append(r)
+            histories.append(st.all_token_ids + sampled_rows[r])
+        counts = np.zeros(num_rows, dtype=np.int32)
+        flat: list[int] = []
+        if rows:
+            ids = [req_ids[r] for r in rows]
+            if hasattr(self.proposer, "propose_for"):
+                proposals = self.proposer.propose_for(ids, histories, self.num_speculative_tokens)
+            else:
+                proposals = self.proposer.propose(histories, self.num_speculative_tokens)
+            per_row: dict[int, list[int]] = {
+                r: list(p)[: self.num_speculative_tokens] for r, p in zip(rows, proposals)
+            }
+            for r in range(num_rows):
+                p = per_row.get(r, [])
+                counts[r] = len(p)
+                flat.extend(int(t) for t in p)
+        return np.asarray(flat, dtype=np.int32), counts
+
+    def _process_deltas(
+        self,
+        deltas: Sequence[Any],
+        req_ids: list[str],
+        sampled_rows: list[list[int]],
+        row_logprobs: list[list[TokenLogprobs] | None],
+    ) -> list[RequestOutput]:
+        row_of = {rid: r for r, rid in enumerate(req_ids)}
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for d in deltas:
+            st = self.requests.get(d.request_id)
+            if st is None:
+                continue
+            new_ids = [int(t) for t in d.new_token_ids]
+            st.num_cached_tokens = int(d.num_cached_tokens)
+            r = row_of.get(d.request_id)
+            lps = row_logprobs[r] if r is not None else None
+            finished = bool(d.finished)
+            reason = d.finish_reason
+            stop_reason: int | str | None = d.stop_token_id if reason == "stop" else None
+            if new_ids:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                st.last_token_time = now
+            # Tokens go to the detokenizer one at a time so that a stop string ends the output at
+            # the token that completed it, however many tokens this step produced.
+            delta_text = ""
+            kept: list[int] = []
+            for i, tok in enumerate(new_ids):
+                kept.append(tok)
+                is_stop_token = (
+                    d.stop_token_id is not None and i == len(new_ids) - 1 and tok == d.stop_token_id
+                )
+                if is_stop_token:
+                    break  # the EOS/stop token stays in token_ids but not in the text (as vLLM)
+                delta_text += st.detokenizer.add_tokens([tok], final=finished and i == len(new_ids) - 1)
+                if st.detokenizer.stopped_by is not None:
+                    break
+            if st.detokenizer.stopped_by is not None:
+                # A stop string ended the request: abort it in the scheduler if it still runs.
+                if not finished:
+                    self.scheduler.abort_request(d.request_id)
+                finished, reason, stop_reason = True, "stop", st.detokenizer.stopped_by
+            elif finished and reason != "abort":
+                delta_text += st.detokenizer.add_tokens([], final=True)
+            new_ids = kept
+            st.output_token_ids.extend(new_ids)
+            self.counters.generation_tokens += len(new_ids)
+            if st.logprobs is not None and lps is not None:
+                st.logprobs.extend(lps[: len(new_ids)])
+            if finished:
+                st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
+                self._forget(d.request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=st.request_id,
+                    prompt=st.prompt,
+                    prompt_token_ids=st.prompt_token_ids,
+                    outputs=[
+                        CompletionOutput(
+                            index=0,
+                            text=st.detokenizer.text,
+                            token_ids=list(st.output_token_ids),
+                            finish_reason=st.finish_reason if finished else None,
+                            stop_reason=st.stop_reason if finished else None,
+                            logprobs=st.logprobs,
+                            delta_text=delta_text,
+                            delta_token_ids=new_ids,
+                        )
+                    ],
+                    finished=finished,
+                    num_cached_tokens=st.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.scheduler.stats())
+        s.update(
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            spec_decode_draft_tokens=self.counters.spec_decode_draft_tokens,
+            spec_decode_accepted_tokens=self.counters.spec_decode_accepted_tokens,
+            spec_decode_acceptance_per_position=list(self.acceptance_per_position),
+            num_steps=self.counters.num_steps,
+        )
+        return s
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.scheduler.reset_prefix_cache())

@@ -1,0 +1,148 @@
+"""Engine start-up: load the model, resolve the policy against its capabilities, size and allocate
+the caches, build the proposer. Decisions of the policy are logged here, once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridserve import _core
+from hybridserve.config import EngineArgs, log_decisions, read_model_capabilities
+from hybridserve.engine.sizing import CacheSizes, compute_cache_sizes
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.errors import ConfigError
+from hybridserve.model.cache_tensors import (
+    ModelCaches,
+    default_state_dtype,
+    kv_bytes_per_block,
+    mamba_bytes_per_slot,
+)
+from hybridserve.model.demo import resolve_model_path
+from hybridserve.model.loader import load_model
+
+logger = logging.getLogger("hybridserve.engine")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass
+class EngineModel:
+    model: Any
+    model_config: Any
+    caches: ModelCaches
+    tokenizer: Tokenizer
+    resolved: _core.ResolvedConfig
+    sizes: CacheSizes
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_id: int | None
+    vocab_size: int
+    proposer: Any
+    model_dir: str
+
+
+def build_engine_model(args: EngineArgs) -> EngineModel:
+    model_dir = resolve_model_path(args.model)
+    resolved_engine = args.resolve(read_model_capabilities(model_dir))
+    resolved: _core.ResolvedConfig = resolved_engine.core
+    dtype = _DTYPES[resolved_engine.dtype]
+    device = torch.device(args.device or "cpu")
+    loaded = load_model(model_dir, dtype=dtype, device=str(device))
+    mcfg = loaded.config
+    log_decisions(resolved_engine, logger)
+
+    k = int(resolved.num_speculative_tokens)
+    state_dtype = default_state_dtype(mcfg, dtype)
+    sizes = compute_cache_sizes(
+        block_size=int(resolved.block_size),
+        max_model_len=int(resolved.max_model_len),
+        max_num_seqs=int(resolved.max_num_seqs),
+        num_speculative_tokens=k,
+        prefix_caching_can_hit=bool(resolved.enable_prefix_caching),
+        kv_bytes_per_token=kv_bytes_per_block(mcfg, 1, dtype),
+        mamba_bytes_per_slot=mamba_bytes_per_slot(mcfg, state_dtype),
+        has_mamba_layers=bool(mcfg.has_mamba_layers),
+        kv_cache_memory=args.kv_cache_memory,
+        mamba_cache_memory=args.mamba_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        num_mamba_slots=args.num_mamba_slots,
+    )
+    resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
+    caches = ModelCaches(
+        mcfg,
+        num_blocks=sizes.num_kv_blocks,
+        block_size=int(resolved.block_size),
+        num_slots=sizes.num_mamba_slots,
+        kv_dtype=dtype,
+        state_dtype=state_dtype,
+        device=device,
+    )
+    tokenizer = Tokenizer(model_dir)
+    eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
+    vocab_size = int(mcfg.vocab_size)
+    logger.info(
+        "model %s (%s, %s): %d KV blocks of %d tokens, %d Mamba slots",
+        model_dir,
+        mcfg.architecture,
+        str(dtype).removeprefix("torch."),
+        sizes.num_kv_blocks,
+        int(resolved.block_size),
+        sizes.num_mamba_slots,
+    )
+    proposer = build_proposer(args, resolved, dtype, device, vocab_size)
+    return EngineModel(
+        model=loaded.model,
+        model_config=mcfg,
+        caches=caches,
+        tokenizer=tokenizer,
+        resolved=resolved,
+        sizes=sizes,
+        device=device,
+        dtype=dtype,
+        eos_token_id=eos,
+        vocab_size=vocab_size,
+        proposer=proposer,
+        model_dir=model_dir,
+    )
+
+
+def build_proposer(
+    args: EngineArgs,
+    resolved: _core.ResolvedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    vocab_size: int,
+) -> Any:
+    method = resolved.speculative_method
+    if method is None:
+        return None
+    spec = dict(args.speculative_config or {})
+    if method == "ngram":
+        from hybridserve.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(
+            prompt_lookup_min=int(spec.get("prompt_lookup_min", 1)),
+            prompt_lookup_max=int(spec.get("prompt_lookup_max", 4)),
+        )
+    if method == "draft_model":
+        from hybridserve.spec_decode.draft_model import DraftModelProposer
+
+        draft_dir = resolve_model_path(str(spec.get("model", "")))
+        return DraftModelProposer(
+            draft_dir,
+            dtype=dtype,
+            device=device,
+            max_model_len=int(resolved.max_model_len),
+            max_num_seqs=int(resolved.max_num_seqs),
+            num_speculative_tokens=int(resolved.num_speculative_tokens),
+            target_vocab_size=vocab_size,
+        )
+    raise ConfigError(f"--speculative-config: unknown method {method!r}")
