@@ -370,6 +370,7 @@ impl Scheduler {
             ));
         }
         let mut budget = self.cfg.max_num_batched_tokens;
+        let preemptions_before = self.stats.num_preemptions_total;
         let mut plan: Vec<Planned> = Vec::with_capacity(self.running.len() + 8);
 
         // 1. Running requests: decodes first, then unfinished prefills.
@@ -432,9 +433,13 @@ impl Scheduler {
             }
         }
 
-        // 2. Waiting requests (new and preempted), with their prefix hits.
+        // 2. Waiting requests (new and preempted), with their prefix hits; none in a step that
+        // had to preempt (memory is short: admitting now would only thrash).
         let mut hit_copies: Vec<StateOp> = Vec::new();
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while budget > 0
+            && self.running.len() < self.cfg.max_num_seqs
+            && self.stats.num_preemptions_total == preemptions_before
+        {
             let Some(&(_, _, key)) = self.waiting.first() else {
                 break;
             };
@@ -865,3 +870,7 @@ impl Scheduler {
         Ok(deltas)
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

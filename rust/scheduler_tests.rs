@@ -1,0 +1,1111 @@
+//! Scheduler tests. `Sim` plays the runner and the model: it executes every output the way the
+//! runner must (state copies in order, then the forward), keeps a fingerprint of the KV cache and
+//! of every Mamba state slot, and checks on each row that the KV of the computed prefix and the
+//! initial state are exactly those of the request's accepted tokens. Its "model" is greedy and
+//! deterministic in the token prefix, so every request has one true output whatever the batching,
+//! chunking, caching, speculation or preemption.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::request::{FinishReason, NewRequest};
+
+const H0: u64 = 0x1234_5678_9abc_def0;
+
+fn roll(h: u64, t: u32) -> u64 {
+    (h ^ (t as u64).wrapping_add(0x9E37_79B9))
+        .wrapping_mul(0x0100_0000_01B3)
+        .rotate_left(23)
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x
+}
+
+fn next_tok(vocab: u32, h: u64) -> u32 {
+    (mix(h ^ 0xabcdef) % vocab as u64) as u32 + 1
+}
+
+fn prefix_hash(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(H0, |h, &t| roll(h, t))
+}
+
+/// Small deterministic PRNG.
+#[derive(Clone, Debug)]
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        mix(self.0)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct SimReq {
+    prompt: Vec<u32>,
+    out: Vec<u32>,
+    max_tokens: usize,
+    eos: Option<u32>,
+    finished: Option<FinishReason>,
+    /// Prefix hashes of prompt + out: ph[i] = hash of the first i tokens.
+    ph: Vec<u64>,
+    last_end: usize,
+    residency: u32,
+    drafts: Vec<u32>,
+    steps_waited: usize,
+}
+
+impl SimReq {
+    fn seq(&self) -> Vec<u32> {
+        let mut s = self.prompt.clone();
+        s.extend(&self.out);
+        s
+    }
+    fn push(&mut self, t: u32) {
+        let h = roll(*self.ph.last().unwrap(), t);
+        self.ph.push(h);
+        self.out.push(t);
+    }
+}
+
+struct Sim {
+    s: Scheduler,
+    cfg: ResolvedConfig,
+    vocab: u32,
+    kv: HashMap<i64, u64>,
+    slots: HashMap<i64, (u64, usize)>,
+    reqs: HashMap<String, SimReq>,
+    rng: Rng,
+    /// Probability (per 8) that a draft is correct.
+    draft_quality: usize,
+    steps: usize,
+    max_wait: usize,
+    emits: usize,
+    publishes_seen: usize,
+}
+
+impl Sim {
+    fn new(cfg: ResolvedConfig, blocks: usize, slots: usize, seed: u64) -> Self {
+        Sim {
+            s: Scheduler::new(&cfg, blocks, slots, 7).unwrap(),
+            cfg,
+            vocab: 50,
+            kv: HashMap::new(),
+            slots: HashMap::new(),
+            reqs: HashMap::new(),
+            rng: Rng(seed),
+            draft_quality: 6,
+            steps: 0,
+            max_wait: 0,
+            emits: 0,
+            publishes_seen: 0,
+        }
+    }
+
+    fn next_token(&self, h: u64) -> u32 {
+        next_tok(self.vocab, h)
+    }
+
+    fn add(&mut self, id: &str, prompt: Vec<u32>, max_tokens: usize, eos: Option<u32>) {
+        self.add_prio(id, prompt, max_tokens, eos, 0);
+    }
+
+    fn add_prio(
+        &mut self,
+        id: &str,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        eos: Option<u32>,
+        priority: i64,
+    ) {
+        let mut nr = NewRequest::new(id, prompt.clone(), max_tokens);
+        nr.stop.eos_token_id = eos;
+        nr.priority = priority;
+        self.s.add_request(nr).unwrap();
+        let mut ph = vec![H0];
+        for &t in &prompt {
+            ph.push(roll(*ph.last().unwrap(), t));
+        }
+        self.reqs.insert(
+            id.to_string(),
+            SimReq {
+                prompt,
+                out: Vec::new(),
+                max_tokens,
+                eos,
+                finished: None,
+                ph,
+                last_end: 0,
+                residency: 0,
+                drafts: Vec::new(),
+                steps_waited: 0,
+            },
+        );
+    }
+
+    fn abort(&mut self, id: &str) {
+        if self.s.abort_request(id) {
+            if let Some(r) = self.reqs.get_mut(id) {
+                r.finished = Some(FinishReason::Abort);
+            }
+        }
+    }
+
+    /// The greedy output of a prompt under this model.
+    fn expected_output(&self, r: &SimReq) -> Vec<u32> {
+        let mut seq = r.prompt.clone();
+        let mut h = prefix_hash(&seq);
+        let mut out = Vec::new();
+        while out.len() < r.max_tokens && seq.len() < self.cfg.max_model_len {
+            let t = self.next_token(h);
+            out.push(t);
+            seq.push(t);
+            h = roll(h, t);
+            if Some(t) == r.eos {
+                break;
+            }
+        }
+        out
+    }
+
+    /// One schedule + forward + update. Returns the number of rows.
+    fn step(&mut self) -> usize {
+        let o = self.s.schedule().unwrap();
+        if o.rows.is_empty() {
+            for r in self.reqs.values_mut().filter(|r| r.finished.is_none()) {
+                r.steps_waited += 1;
+            }
+            return 0;
+        }
+        self.steps += 1;
+        let vocab = self.vocab;
+        let b = self.cfg.block_size as i64;
+        let m = self.cfg.mamba_block_size;
+        let w = o.window_len;
+        assert_eq!(
+            *o.query_start_loc.last().unwrap() as usize,
+            o.num_scheduled_tokens
+        );
+        assert!(o.num_scheduled_tokens <= self.cfg.max_num_batched_tokens);
+        assert!(o.rows.len() <= self.cfg.max_num_seqs);
+        assert!(o.rows[..o.num_decodes].iter().all(|r| r.is_decode));
+        assert!(o.rows[o.num_decodes..].iter().all(|r| !r.is_decode));
+        // Copies first, in order.
+        for (src, dst) in o.copies() {
+            let v = *self
+                .slots
+                .get(&src)
+                .expect("copy from a slot never written");
+            assert_ne!(dst, 0);
+            self.slots.insert(dst, v);
+        }
+        if o.num_copies() > 0 {
+            self.publishes_seen += o.num_copies();
+        }
+        let mut sampled: Vec<i32> = Vec::new();
+        let mut num_sampled: Vec<i32> = Vec::new();
+        let mut drafts: Vec<i32> = Vec::new();
+        let mut num_drafts: Vec<i32> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut emits_by_row: HashMap<usize, Vec<(usize, i64)>> = HashMap::new();
+        for e in 0..o.num_emits() {
+            emits_by_row
+                .entry(o.emit_row[e] as usize)
+                .or_default()
+                .push((o.emit_token[e] as usize, o.emit_slot[e]));
+        }
+        let mut scheduled_ids = std::collections::HashSet::new();
+        for (r, row) in o.rows.iter().enumerate() {
+            let id = o.req_ids[r].clone();
+            assert!(seen.insert(id.clone()), "request twice in a batch");
+            scheduled_ids.insert(id.clone());
+            let residency = self.s.get_request(&id).unwrap().num_preemptions;
+            let sr = self.reqs.get_mut(&id).unwrap();
+            sr.steps_waited = 0;
+            let seq = sr.seq();
+            let nc = o.num_computed_tokens[r] as usize;
+            let range = o.row_range(r);
+            let n = range.len();
+            assert_eq!(nc, row.num_computed_before);
+            assert_eq!(n, row.num_new_tokens);
+            // Exactly once per residency: a row continues where the last one ended, unless the
+            // request was preempted (then it restarts from its prefix hit).
+            if residency == sr.residency && sr.last_end > 0 {
+                assert_eq!(nc, sr.last_end, "request {id} skipped or recomputed tokens");
+            } else {
+                assert_eq!(
+                    nc % self.cfg.block_size,
+                    0,
+                    "a hit is a whole number of blocks"
+                );
+                if self.s.checkpoints && nc > 0 {
+                    assert_eq!(nc % m, 0, "a hybrid hit ends on a checkpoint");
+                }
+                assert!(nc < seq.len());
+                sr.residency = residency;
+            }
+            assert!(nc + n <= seq.len() + row.num_drafts);
+            // The KV of the computed prefix is exactly that of the accepted tokens.
+            let table = o.block_table_row(r);
+            for q in 0..nc {
+                let phys = table[q / self.cfg.block_size] * b + (q as i64 % b);
+                assert_eq!(
+                    self.kv.get(&phys),
+                    Some(&sr.ph[q + 1]),
+                    "{id}: KV at {q} is wrong"
+                );
+            }
+            // Initial state.
+            let mamba = self.cfg.has_mamba_layers;
+            let mut st = if o.has_initial_state[r] && !mamba {
+                (sr.ph[nc], nc)
+            } else if o.has_initial_state[r] {
+                let v = *self
+                    .slots
+                    .get(&o.state_read_slot[r])
+                    .expect("read from a slot never written");
+                assert_eq!(
+                    v,
+                    (sr.ph[nc], nc),
+                    "{id}: initial state is not the state after {nc} tokens"
+                );
+                v
+            } else {
+                assert_eq!(nc, 0);
+                (H0, 0)
+            };
+            let ws = o.write_slots_row(r);
+            let row_emits = emits_by_row.remove(&r).unwrap_or_default();
+            if self.s.align && !row.is_decode && nc + n < seq.len() {
+                assert_eq!((nc + n) % m, 0, "align chunk ends off a boundary");
+            }
+            for (t, flat) in range.clone().enumerate() {
+                let tok = o.input_ids[flat] as u32;
+                let pos = nc + t;
+                assert_eq!(o.positions[flat] as usize, pos);
+                if row.is_decode && t > 0 {
+                    assert_eq!(tok, sr.drafts[t - 1]);
+                } else {
+                    assert_eq!(tok, seq[pos], "{id}: wrong input token at {pos}");
+                }
+                st = (roll(st.0, tok), st.1 + 1);
+                let phys = o.slot_mapping[flat];
+                assert_eq!(phys, table[pos / self.cfg.block_size] * b + pos as i64 % b);
+                assert!(phys >= b, "KV written to the null block");
+                self.kv.insert(phys, st.0);
+                if row.is_decode && mamba {
+                    assert_ne!(ws[t], 0);
+                    self.slots.insert(ws[t], st);
+                }
+                for &(et, es) in &row_emits {
+                    if et == t {
+                        assert_eq!((pos + 1) % m, 0);
+                        self.slots.insert(es, st);
+                        self.emits += 1;
+                    }
+                }
+            }
+            if !mamba {
+            } else if row.is_decode {
+                assert!(ws[n..].iter().all(|&x| x == 0));
+            } else {
+                assert_ne!(ws[0], 0);
+                assert!(ws[1..w].iter().all(|&x| x == 0));
+                self.slots.insert(ws[0], st);
+            }
+            // Sampling.
+            let nl = o.num_logits[r] as usize;
+            let mut toks = Vec::new();
+            if row.is_decode {
+                assert_eq!(nl, n);
+                // Greedy verification against the true continuation.
+                let mut h = sr.ph[nc + 1];
+                let mut i = 0;
+                loop {
+                    let y = next_tok(vocab, h);
+                    toks.push(y);
+                    if i < row.num_drafts && sr.drafts[i] == y {
+                        h = roll(h, y);
+                        i += 1;
+                    } else {
+                        break;
+                    }
+                }
+            } else if nl == 1 {
+                assert_eq!(nc + n, seq.len());
+                toks.push(next_tok(vocab, st.0));
+            } else {
+                assert_eq!(nl, 0);
+                assert!(nc + n < seq.len());
+            }
+            num_sampled.push(toks.len() as i32);
+            sampled.extend(toks.iter().map(|&t| t as i32));
+            // Drafts for the next step: a true prefix of the continuation, then wrong tokens.
+            let k_max = self.cfg.num_speculative_tokens();
+            let nd = self.rng.below(k_max + 1);
+            let mut cont = seq.clone();
+            cont.truncate(nc + 1);
+            if row.is_decode {
+                cont.truncate(seq.len());
+            }
+            let mut h = sr.ph[seq.len()];
+            for &t in &toks {
+                h = roll(h, t);
+            }
+            let mut d = Vec::new();
+            let mut good = true;
+            for _ in 0..nd {
+                let y = next_tok(vocab, h);
+                good = good && self.rng.below(8) < self.draft_quality;
+                let t = if good { y } else { y % self.vocab + 1 };
+                d.push(t as i32);
+                h = roll(h, t);
+            }
+            num_drafts.push(nd as i32);
+            drafts.extend(&d);
+            sr.drafts = d.iter().map(|&x| x as u32).collect();
+        }
+        let before_ids: Vec<String> = o.req_ids.clone();
+        let deltas = self
+            .s
+            .update_from_output(&o, &sampled, &num_sampled, Some((&drafts, &num_drafts)))
+            .unwrap();
+        // Apply deltas: tokens must be the sampled ones, in order, cut at a stop.
+        let mut off = 0;
+        let mut per_row: HashMap<&str, &[i32]> = HashMap::new();
+        for (r, id) in before_ids.iter().enumerate() {
+            let n = num_sampled[r] as usize;
+            per_row.insert(id.as_str(), &sampled[off..off + n]);
+            off += n;
+        }
+        for d in &deltas {
+            let sr = self.reqs.get_mut(&d.request_id).unwrap();
+            if let Some(s) = per_row.get(d.request_id.as_str()) {
+                assert!(d.new_token_ids.len() <= s.len());
+                for (a, &b) in d.new_token_ids.iter().zip(s.iter()) {
+                    assert_eq!(*a, b as u32);
+                }
+                if d.new_token_ids.len() < s.len() {
+                    assert!(d.finished);
+                }
+            }
+            for &t in &d.new_token_ids {
+                sr.push(t);
+            }
+            if d.finished {
+                sr.finished = d.finish_reason;
+                if d.finish_reason == Some(FinishReason::Stop) {
+                    assert_eq!(d.stop_token_id, sr.out.last().copied());
+                    assert_eq!(sr.eos, d.stop_token_id);
+                }
+            }
+        }
+        for (r, row) in o.rows.iter().enumerate() {
+            let id = &before_ids[r];
+            if let Some(sr) = self.reqs.get_mut(id) {
+                if sr.finished.is_none() {
+                    let req = self.s.get_request(id).unwrap();
+                    sr.last_end = req.num_computed_tokens;
+                    assert_eq!(req.all_token_ids, sr.seq());
+                    if row.is_decode {
+                        assert_eq!(
+                            sr.last_end,
+                            row.num_computed_before + num_sampled[r] as usize
+                        );
+                    }
+                }
+            }
+        }
+        for (id, sr) in self.reqs.iter_mut() {
+            if sr.finished.is_none() && !scheduled_ids.contains(id) {
+                sr.steps_waited += 1;
+                self.max_wait = self.max_wait.max(sr.steps_waited);
+            }
+        }
+        o.rows.len()
+    }
+
+    fn run_to_end(&mut self, max_steps: usize) {
+        let mut idle = 0;
+        for _ in 0..max_steps {
+            if !self.s.has_unfinished_requests() {
+                break;
+            }
+            if self.step() == 0 {
+                idle += 1;
+                assert!(idle < 3, "no progress although requests are unfinished");
+            } else {
+                idle = 0;
+            }
+        }
+        assert!(!self.s.has_unfinished_requests(), "requests starved");
+    }
+
+    fn check_end(&self) {
+        for (id, r) in &self.reqs {
+            let exp = self.expected_output(r);
+            match r.finished {
+                Some(FinishReason::Abort) => assert!(exp.starts_with(&r.out), "{id}"),
+                Some(_) => assert_eq!(r.out, exp, "{id}: output differs from the true one"),
+                None => panic!("{id} unfinished"),
+            }
+        }
+        let st = self.s.stats();
+        assert_eq!(st.cache.kv_blocks_used, 0, "KV blocks leaked");
+        assert_eq!(
+            st.cache.mamba_slots_used,
+            st.cache.checkpoints_committed + st.cache.checkpoints_pending,
+            "state slots leaked"
+        );
+        assert_eq!(st.num_running, 0);
+        assert_eq!(st.num_waiting, 0);
+    }
+}
+
+fn cfg(mode: MambaCacheMode, k: usize) -> ResolvedConfig {
+    ResolvedConfig::for_tests(mode, k)
+}
+
+// ------------------------------------------------------------------ behaviours
+
+#[test]
+fn prefill_then_decode_with_positions_and_slots() {
+    let mut sim = Sim::new(cfg(MambaCacheMode::None, 0), 64, 32, 1);
+    sim.add("a", (1..=30).collect(), 5, None);
+    sim.run_to_end(100);
+    sim.check_end();
+    assert_eq!(sim.steps, 5, "one prefill step and four decode steps");
+}
+
+#[test]
+fn chunked_prefill_respects_budget_and_shares_steps_with_decodes() {
+    let mut c = cfg(MambaCacheMode::None, 0);
+    c.max_num_batched_tokens = 32;
+    let mut s = Scheduler::new(&c, 128, 64, 0).unwrap();
+    s.add_request(NewRequest::new("short", vec![1, 2, 3], 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[5], &[1], None).unwrap();
+    s.add_request(NewRequest::new("long", (1..=100).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.req_ids, vec!["short", "long"]);
+    assert_eq!(o.num_decodes, 1);
+    assert_eq!(o.num_scheduled_tokens, 32);
+    assert_eq!(o.rows[1].num_new_tokens, 31);
+    assert_eq!(o.num_logits, vec![1, 0]);
+    s.update_from_output(&o, &[6], &[1, 0], None).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_computed_tokens, vec![4, 31]);
+}
+
+#[test]
+fn chunked_prefill_off_schedules_whole_prompts_or_waits() {
+    let mut c = cfg(MambaCacheMode::None, 0);
+    c.enable_chunked_prefill = false;
+    c.max_num_batched_tokens = 40;
+    let mut s = Scheduler::new(&c, 128, 64, 0).unwrap();
+    assert!(s
+        .add_request(NewRequest::new("huge", vec![1; 41], 1))
+        .is_err());
+    s.add_request(NewRequest::new("a", vec![1; 30], 3)).unwrap();
+    s.add_request(NewRequest::new("b", vec![2; 30], 3)).unwrap();
+    s.add_request(NewRequest::new("c", vec![3; 30], 3)).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        o.req_ids,
+        vec!["a"],
+        "b does not fit whole next to a and is not chunked"
+    );
+    s.update_from_output(&o, &[5], &[1], None).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        o.req_ids,
+        vec!["a", "b"],
+        "1 decode + 30 fits; c (30 > 9 left) waits"
+    );
+    assert_eq!(o.rows[1].num_new_tokens, 30);
+    s.update_from_output(&o, &[5, 6], &[1, 1], None).unwrap();
+}
+
+/// Runs single-token steps until every request decodes.
+fn warm_decodes(s: &mut Scheduler, n: usize) {
+    for i in 0..n {
+        s.add_request(NewRequest::new(format!("d{i}"), vec![i as u32 + 1; 3], 50))
+            .unwrap();
+    }
+    while s.running.len() < n || s.requests.values().any(|r| r.num_computed_tokens == 0) {
+        let o = s.schedule().unwrap();
+        let ns = o.num_logits.clone();
+        let total: i32 = ns.iter().sum();
+        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
+            .unwrap();
+    }
+}
+
+#[test]
+fn align_cuts_a_chunk_down_to_a_boundary() {
+    let mut c = cfg(MambaCacheMode::Align, 0);
+    c.max_num_batched_tokens = 16;
+    let mut s = Scheduler::new(&c, 256, 64, 0).unwrap();
+    warm_decodes(&mut s, 5);
+    // Five decodes leave 11 tokens: a 40-token prompt advances by 8.
+    s.add_request(NewRequest::new("p", vec![9; 40], 1)).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_decodes, 5);
+    assert_eq!(
+        o.rows[5].num_new_tokens, 8,
+        "chunk cut down to the boundary"
+    );
+    assert_eq!(o.emit_token, vec![7]);
+}
+
+#[test]
+fn align_defers_a_chunk_that_rounds_to_zero() {
+    let mut c = cfg(MambaCacheMode::Align, 0);
+    c.max_num_batched_tokens = 16;
+    let mut s = Scheduler::new(&c, 256, 64, 0).unwrap();
+    warm_decodes(&mut s, 9);
+    // Nine decodes leave 7 < M tokens: the prefill is deferred, not spun on.
+    s.add_request(NewRequest::new("p", vec![9; 40], 1)).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_decodes, 9);
+    assert_eq!(o.rows.len(), 9);
+    assert_eq!(o.num_scheduled_tokens, 9);
+    assert_eq!(s.get_request("p").unwrap().status, RequestStatus::Waiting);
+}
+
+#[test]
+fn align_prompt_tail_cut_at_last_boundary_and_emits() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", (1..=21).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        o.rows[0].num_new_tokens, 16,
+        "cut at the last boundary before 21"
+    );
+    assert_eq!(o.emit_row, vec![0]);
+    assert_eq!(o.emit_token, vec![15]);
+    let ck = o.emit_slot[0] as SlotId;
+    assert_eq!(o.pending_checkpoints, vec![ck]);
+    s.update_from_output(&o, &[], &[0], None).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.rows[0].num_new_tokens, 5);
+    assert!(o.emit_row.is_empty());
+    s.update_from_output(&o, &[3], &[1], None).unwrap();
+    let tag = s.cache().debug_tag(ck);
+    assert_eq!(tag.map(|t| t.1), Some(16));
+}
+
+#[test]
+fn all_mode_emits_every_boundary_inside_a_chunk() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 0), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", (1..=30).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.rows[0].num_new_tokens, 30, "no alignment in all mode");
+    assert_eq!(o.emit_token, vec![7, 15, 23]);
+    assert_eq!(o.emit_row, vec![0, 0, 0]);
+    let at24 = o.emit_slot[2];
+    s.update_from_output(&o, &[3], &[1], None).unwrap();
+    // Same prompt again: hit at 24 (a multiple of M, <= 29).
+    s.add_request(NewRequest::new("b", (1..=30).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_computed_tokens, vec![24]);
+    assert_eq!(o.num_copies(), 1);
+    assert_eq!(
+        o.state_copies[0], at24,
+        "the hit copies the checkpoint emitted at 24"
+    );
+    assert_eq!(o.state_copies[1], o.state_read_slot[0]);
+}
+
+#[test]
+fn decode_crossing_a_boundary_publishes_the_exact_window_slot() {
+    // Prompt 6 tokens, K = 3: decode rows at 6.. cross 8.
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 3), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", (1..=6).collect(), 50))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
+        .unwrap();
+    // Verify row: computed 6, tokens 7(pos 6), 8(pos 7), 9(pos 8), 10(pos 9).
+    let o = s.schedule().unwrap();
+    assert_eq!(o.input_ids, vec![7, 8, 9, 10]);
+    let window: Vec<i64> = o.write_slots_row(0).to_vec();
+    // Accept 2 drafts + correction: computed 6 -> 9 crosses 8: state after 8 = window[8 - 6 - 1].
+    s.update_from_output(&o, &[8, 9, 11], &[3], Some((&[], &[0])))
+        .unwrap();
+    assert_eq!(s.pending_publishes.len(), 1);
+    let (src, dst) = s.pending_publishes[0];
+    assert_eq!(src as i64, window[1]);
+    assert_eq!(s.cache().debug_tag(dst).map(|t| t.1), Some(8));
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        o.state_copies[..2],
+        [window[1], dst as i64],
+        "publish first, next step"
+    );
+    assert_eq!(o.pending_checkpoints, vec![dst]);
+    assert_eq!(
+        o.state_read_slot,
+        vec![window[2]],
+        "live state = window[a - 1]"
+    );
+    s.update_from_output(&o, &[12], &[1], None).unwrap();
+    assert_eq!(s.cache().stats().checkpoints_pending, 0);
+}
+
+#[test]
+fn rejected_drafts_never_publish() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 3), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", (1..=6).collect(), 50))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    // Only the correction token: computed 6 -> 7, boundary 8 (a draft position) not reached.
+    s.update_from_output(&o, &[20], &[1], None).unwrap();
+    assert!(s.pending_publishes.is_empty());
+    assert_eq!(s.get_request("a").unwrap().num_computed_tokens, 7);
+    assert_eq!(s.get_request("a").unwrap().live_window_index, 0);
+}
+
+#[test]
+fn max_tokens_caps_the_drafts() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 4), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 3))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[4], &[1], Some((&[5, 6, 7, 8], &[4])))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_draft_tokens, vec![1]);
+    assert_eq!(o.draft_token_ids, vec![5]);
+}
+
+#[test]
+fn stop_token_inside_accepted_drafts_cuts_the_rest() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 3), 256, 64, 0).unwrap();
+    let mut nr = NewRequest::new("a", vec![1, 2, 3], 30);
+    nr.stop.eos_token_id = Some(99);
+    s.add_request(nr).unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[4], &[1], Some((&[5, 99, 7], &[3])))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    let d = s
+        .update_from_output(&o, &[5, 99, 7, 8], &[4], None)
+        .unwrap();
+    assert_eq!(d[0].new_token_ids, vec![5, 99]);
+    assert_eq!(d[0].finish_reason, Some(FinishReason::Stop));
+    assert_eq!(d[0].stop_token_id, Some(99));
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.stats().cache.kv_blocks_used, 0);
+}
+
+#[test]
+fn preemption_takes_lowest_priority_then_newest() {
+    let c = cfg(MambaCacheMode::None, 0);
+    // 12 usable blocks of 4 tokens.
+    let mut s = Scheduler::new(&c, 13, 64, 0).unwrap();
+    let a = NewRequest::new("old", vec![1; 16], 30);
+    let b = NewRequest::new("new", vec![2; 16], 30);
+    let mut lo = NewRequest::new("low", vec![3; 16], 30);
+    lo.priority = 5;
+    s.add_request(lo).unwrap();
+    s.add_request(a).unwrap();
+    s.add_request(b).unwrap();
+    // Waiting order by priority then arrival: old, new, low.
+    let o = s.schedule().unwrap();
+    assert_eq!(o.req_ids, vec!["old", "new", "low"]);
+    s.update_from_output(&o, &[1, 1, 1], &[1, 1, 1], None)
+        .unwrap();
+    // Each holds 4 blocks (16 tokens); the decode at 16 needs a 5th block: "low" goes first.
+    let o = s.schedule().unwrap();
+    assert_eq!(o.req_ids, vec!["old", "new"]);
+    assert_eq!(
+        s.get_request("low").unwrap().status,
+        RequestStatus::Preempted
+    );
+    assert_eq!(s.stats().num_preempted, 1);
+    s.update_from_output(&o, &[1, 1], &[1, 1], None).unwrap();
+}
+
+#[test]
+fn request_that_cannot_fit_alone_finishes_with_length() {
+    let c = cfg(MambaCacheMode::None, 0);
+    let mut s = Scheduler::new(&c, 5, 64, 0).unwrap(); // 4 usable blocks = 16 tokens
+    assert!(s
+        .add_request(NewRequest::new("big", vec![1; 16], 5))
+        .is_err());
+    s.add_request(NewRequest::new("a", vec![1; 14], 10))
+        .unwrap();
+    let mut reasons = Vec::new();
+    for _ in 0..10 {
+        let o = s.schedule().unwrap();
+        let ns: Vec<i32> = o.num_logits.clone();
+        let n: usize = ns.iter().map(|&x| x as usize).sum();
+        for d in s.update_from_output(&o, &vec![3; n], &ns, None).unwrap() {
+            if d.finished {
+                reasons.push((d.request_id, d.finish_reason, d.new_token_ids.len()));
+            }
+        }
+        if !s.has_unfinished_requests() {
+            break;
+        }
+    }
+    assert_eq!(
+        reasons,
+        vec![("a".to_string(), Some(FinishReason::Length), 0)]
+    );
+    assert_eq!(s.get_token_ids("a"), None);
+    assert_eq!(s.stats().cache.kv_blocks_used, 0);
+}
+
+#[test]
+fn max_num_seqs_limits_running() {
+    let mut c = cfg(MambaCacheMode::None, 0);
+    c.max_num_seqs = 2;
+    let mut s = Scheduler::new(&c, 256, 64, 0).unwrap();
+    for i in 0..4 {
+        s.add_request(NewRequest::new(format!("r{i}"), vec![1, 2], 3))
+            .unwrap();
+    }
+    let o = s.schedule().unwrap();
+    assert_eq!(o.req_ids, vec!["r0", "r1"]);
+    assert_eq!(s.num_running(), 2);
+    assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn abort_in_every_state_frees_everything() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 2), 64, 32, 0).unwrap();
+    s.add_request(NewRequest::new("run", vec![1; 20], 10))
+        .unwrap();
+    s.add_request(NewRequest::new("wait", vec![1; 20], 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert!(s.abort_request("run"), "abort while in flight");
+    assert!(s.abort_request("wait"));
+    assert!(!s.abort_request("run"));
+    let d = s.update_from_output(
+        &o,
+        &[],
+        &o.num_logits.iter().map(|_| 0).collect::<Vec<_>>(),
+        None,
+    );
+    assert!(d.is_err() || d.unwrap().is_empty());
+    let o = s.schedule();
+    let o = match o {
+        Ok(o) => o,
+        Err(_) => panic!("schedule after abort"),
+    };
+    let mut f = o.finished_req_ids.clone();
+    f.sort();
+    assert_eq!(f, vec!["run", "wait"]);
+    let st = s.stats();
+    assert_eq!(st.cache.kv_blocks_used, 0);
+    assert_eq!(st.num_aborted_total, 2);
+    assert!(!s.has_unfinished_requests());
+}
+
+#[test]
+fn update_validates_its_input_and_keeps_state() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 2), 64, 32, 0).unwrap();
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert!(
+        s.update_from_output(&o, &[1, 2], &[2], None).is_err(),
+        "prefill samples one"
+    );
+    assert!(s.update_from_output(&o, &[1], &[1, 0], None).is_err());
+    assert!(s.update_from_output(&o, &[-1], &[1], None).is_err());
+    assert!(s
+        .update_from_output(&o, &[1], &[1], Some((&[1], &[2])))
+        .is_err());
+    assert!(s.schedule().is_err(), "previous step not updated");
+    s.update_from_output(&o, &[4], &[1], None).unwrap();
+    assert!(
+        s.update_from_output(&o, &[4], &[1], None).is_err(),
+        "applied twice"
+    );
+    assert_eq!(s.get_token_ids("a"), Some(&[1, 2, 3, 4][..]));
+}
+
+#[test]
+fn prefix_hit_is_reported_and_reused_state_is_correct() {
+    let mut sim = Sim::new(cfg(MambaCacheMode::Align, 0), 256, 64, 3);
+    let prompt: Vec<u32> = (1..=40).collect();
+    sim.add("a", prompt.clone(), 4, None);
+    sim.run_to_end(100);
+    let mut p2 = prompt.clone();
+    p2.extend([7, 7, 7]);
+    sim.add("b", p2, 4, None);
+    sim.run_to_end(100);
+    sim.check_end();
+    let st = sim.s.stats();
+    assert_eq!(st.prefix_hit_tokens, 40);
+    assert!(sim.emits > 0);
+}
+
+#[test]
+fn multi_turn_hits_on_decode_published_checkpoints() {
+    // The second turn's prompt = first prompt + output: its hit at 24 needs the state published
+    // from a decode step (the prompt ends at 10).
+    for mode in [MambaCacheMode::Align, MambaCacheMode::All] {
+        for k in [0, 2] {
+            let mut sim = Sim::new(cfg(mode, k), 256, 64, 11);
+            sim.add("t1", (1..=10).collect(), 20, None);
+            sim.run_to_end(200);
+            let r = sim.reqs["t1"].clone();
+            let mut p2 = r.seq();
+            p2.extend([3, 4, 5]);
+            sim.add("t2", p2, 3, None);
+            sim.run_to_end(200);
+            sim.check_end();
+            assert_eq!(sim.s.stats().prefix_hit_tokens, 24, "{mode:?} k={k}");
+        }
+    }
+}
+
+// ------------------------------------------------------------------ simulation
+
+fn workload(
+    sim: &mut Sim,
+    n: usize,
+    shared: &[Vec<u32>],
+    seed: u64,
+) -> Vec<(usize, String, Vec<u32>, usize)> {
+    let mut rng = Rng(seed);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut p = shared[rng.below(shared.len())].clone();
+        let extra = 1 + rng.below(40);
+        p.extend((0..extra).map(|_| 1 + rng.below(sim.vocab as usize) as u32));
+        let at = rng.below(n * 2);
+        out.push((at, format!("r{i}"), p, 1 + rng.below(30)));
+    }
+    out.sort_by_key(|x| x.0);
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate(
+    mode: MambaCacheMode,
+    k: usize,
+    blocks: usize,
+    slots: usize,
+    budget: usize,
+    chunked: bool,
+    n: usize,
+    abort_every: usize,
+    seed: u64,
+) -> Sim {
+    simulate_with(
+        mode,
+        k,
+        blocks,
+        slots,
+        budget,
+        chunked,
+        n,
+        abort_every,
+        seed,
+        |_| {},
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate_with(
+    mode: MambaCacheMode,
+    k: usize,
+    blocks: usize,
+    slots: usize,
+    budget: usize,
+    chunked: bool,
+    n: usize,
+    abort_every: usize,
+    seed: u64,
+    tweak: impl Fn(&mut ResolvedConfig),
+) -> Sim {
+    let mut c = cfg(mode, k);
+    c.max_num_batched_tokens = budget;
+    c.enable_chunked_prefill = chunked || mode == MambaCacheMode::Align;
+    c.max_num_seqs = 8;
+    c.max_model_len = 200;
+    tweak(&mut c);
+    let mut sim = Sim::new(c, blocks, slots, seed);
+    let mut rng = Rng(seed ^ 0x55);
+    let shared: Vec<Vec<u32>> = (0..3)
+        .map(|j| {
+            (0..(8 + 13 * j))
+                .map(|_| 1 + rng.below(50) as u32)
+                .collect()
+        })
+        .collect();
+    let mut arrivals = workload(&mut sim, n, &shared, seed);
+    let mut t = 0usize;
+    let mut idle = 0;
+    let mut aborted = 0;
+    while !arrivals.is_empty() || sim.s.has_unfinished_requests() {
+        while let Some((at, _, _, _)) = arrivals.first() {
+            if *at > t {
+                break;
+            }
+            let (_, id, p, mt) = arrivals.remove(0);
+            let eos = if rng.below(2) == 0 {
+                Some(1 + rng.below(50) as u32)
+            } else {
+                None
+            };
+            let budget_ok = c_prompt_ok(&sim.cfg, p.len(), blocks);
+            if budget_ok {
+                let prio = rng.below(3) as i64;
+                sim.add_prio(&id, p, mt, eos, prio);
+            }
+        }
+        if abort_every > 0 && rng.below(abort_every) == 0 {
+            let ids: Vec<String> = sim
+                .reqs
+                .iter()
+                .filter(|(_, r)| r.finished.is_none())
+                .map(|(id, _)| id.clone())
+                .collect();
+            if !ids.is_empty() {
+                let mut ids = ids;
+                ids.sort();
+                let id = ids[rng.below(ids.len())].clone();
+                sim.abort(&id);
+                aborted += 1;
+            }
+        }
+        if sim.step() == 0 && sim.s.has_unfinished_requests() {
+            idle += 1;
+            assert!(idle < 3, "no progress although requests are unfinished");
+        } else {
+            idle = 0;
+        }
+        t += 1;
+        assert!(t < 20_000, "does not terminate");
+    }
+    let _ = aborted;
+    sim.check_end();
+    sim
+}
+
+fn c_prompt_ok(cfg: &ResolvedConfig, len: usize, blocks: usize) -> bool {
+    len < cfg.max_model_len
+        && (len + 1).div_ceil(cfg.block_size) < blocks
+        && (cfg.enable_chunked_prefill || len <= cfg.max_num_batched_tokens)
+}
+
+#[test]
+fn simulation_all_modes_with_spec_and_preemption() {
+    for (i, mode) in [
+        MambaCacheMode::None,
+        MambaCacheMode::Align,
+        MambaCacheMode::All,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for k in [0, 3] {
+            let sim = simulate(
+                mode,
+                k,
+                40,
+                40,
+                48,
+                true,
+                24,
+                0,
+                100 + i as u64 * 7 + k as u64,
+            );
+            assert!(
+                sim.s.stats().num_preemptions_total > 0,
+                "tiny pool should preempt"
+            );
+            if mode != MambaCacheMode::None {
+                assert!(
+                    sim.s.stats().prefix_hit_tokens > 0,
+                    "{mode:?} k={k}: shared prefixes should hit"
+                );
+            }
+            if k > 0 {
+                assert!(sim.s.stats().spec_accepted_tokens > 0);
+            }
+            assert!(sim.max_wait < 2000);
+        }
+    }
+}
+
+#[test]
+fn simulation_with_aborts_and_chunked_prefill_off() {
+    let sim = simulate(MambaCacheMode::All, 2, 64, 40, 64, false, 20, 6, 9);
+    assert!(sim.s.stats().num_aborted_total > 0);
+    let sim = simulate(MambaCacheMode::None, 0, 64, 40, 64, false, 20, 0, 10);
+    let _ = sim;
+}
+
+#[test]
+fn simulation_attention_only_model_hits_kv() {
+    let sim = simulate_with(MambaCacheMode::None, 2, 60, 40, 48, true, 24, 0, 21, |c| {
+        c.has_mamba_layers = false;
+        c.enable_prefix_caching = true;
+    });
+    assert!(sim.s.stats().prefix_hit_tokens > 0);
+    // A Mamba model in mode none with prefix caching on cannot hit.
+    let sim = simulate_with(MambaCacheMode::None, 2, 60, 40, 48, true, 24, 0, 22, |c| {
+        c.enable_prefix_caching = true;
+    });
+    assert_eq!(sim.s.stats().prefix_hit_tokens, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_keep_the_invariants(
+        mode in prop_oneof![Just(MambaCacheMode::None), Just(MambaCacheMode::Align), Just(MambaCacheMode::All)],
+        k in 0usize..4,
+        blocks in 30usize..120,
+        slots in 12usize..60,
+        budget in prop_oneof![Just(16usize), Just(24), Just(64)],
+        chunked in any::<bool>(),
+        n in 1usize..24,
+        abort_every in prop_oneof![Just(0usize), Just(4), Just(12)],
+        seed in any::<u64>(),
+        variant in 0usize..4,
+    ) {
+        // The window of every running request (max_num_seqs = 8) must fit with the null slot.
+        let slots = slots.max(1 + 8 * (1 + k));
+        simulate_with(mode, k, blocks, slots, budget, chunked, n, abort_every, seed, |c| match variant {
+            1 => {
+                c.has_mamba_layers = false;
+                c.enable_prefix_caching = true;
+            }
+            2 => c.enable_prefix_caching = true,
+            _ => {}
+        });
+    }
+}
