@@ -1127,31 +1127,42 @@ mod tests {
         prop_oneof![Just(None), Just(Some(true)), Just(Some(false))]
     }
 
-    /// A size: mostly plausible, sometimes 0 or huge.
+    /// A size: mostly plausible, sometimes 0 or out of range.
     fn size(hi: usize) -> impl Strategy<Value = usize> {
         prop_oneof![
-            6 => 1..=hi,
+            30 => 1..=hi,
             1 => Just(0usize),
             1 => Just(usize::MAX),
             1 => (MAX_TOKENS - 2)..(MAX_TOKENS + 2),
-            2 => (0usize..8).prop_map(|e| 16usize << e),
+        ]
+    }
+
+    /// An optional size: None (auto) often, a power of two often, anything sometimes.
+    fn opt_size(hi: usize) -> impl Strategy<Value = Option<usize>> {
+        prop_oneof![
+            6 => Just(None),
+            3 => (4u32..14).prop_map(|e| Some(1usize << e)),
+            2 => size(hi).prop_map(Some),
         ]
     }
 
     fn inputs() -> impl Strategy<Value = PolicyInputs> {
-        let caps = (
-            any::<bool>(),
-            any::<bool>(),
-            proptest::option::of(size(600)),
-            proptest::option::of(size(20_000)),
-        )
-            .prop_map(|(m, s, q, p)| ModelCapabilities {
+        let q = prop_oneof![
+            6 => prop_oneof![Just(64usize), Just(128), Just(256)].prop_map(Some),
+            1 => Just(None),
+            2 => size(600).prop_map(Some),
+        ];
+        let caps = (any::<bool>(), any::<bool>(), q, opt_size(20_000)).prop_map(|(m, s, q, p)| {
+            ModelCapabilities {
                 has_mamba_layers: m,
                 supports_boundary_states: s,
                 scan_chunk_size: q,
                 max_position_embeddings: p,
-            });
-        let spec = proptest::option::of((any::<bool>(), 0usize..20)).prop_map(|o| {
+            }
+        });
+        let k =
+            prop_oneof![8 => 1usize..=MAX_SPECULATIVE_TOKENS, 1 => Just(0usize), 1 => 17usize..40];
+        let spec = proptest::option::of((any::<bool>(), k)).prop_map(|o| {
             o.map(|(draft, k)| SpecRequest {
                 method: if draft {
                     SpecMethod::DraftModel
@@ -1161,16 +1172,13 @@ mod tests {
                 num_speculative_tokens: k,
             })
         });
+        let b = prop_oneof![6 => (0u32..8).prop_map(|e| 1usize << e), 2 => size(80)];
         (
             caps,
             (tri(), mode_req(), tri()),
             spec,
-            (
-                size(80),
-                proptest::option::of(size(5000)),
-                proptest::option::of(size(10_000)),
-            ),
-            (size(300), proptest::option::of(size(20_000))),
+            (b, opt_size(5000), opt_size(10_000)),
+            (size(300), opt_size(20_000)),
         )
             .prop_map(
                 |(model, (pc, mode, cp), speculative, (b, m, t), (seqs, l))| PolicyInputs {
