@@ -118,6 +118,15 @@ class ProcessedLogits:
     row_index: torch.Tensor  # int64 [M]: which entry of `rows` each logit row belongs to
 
 
+def _unique(rows: Sequence[RowSampling]) -> list[RowSampling]:
+    """The distinct row objects (a batch often repeats one object; checks then run once)."""
+    return list({id(r): r for r in rows}.values())
+
+
+def _needs_history(row: RowSampling) -> bool:
+    return row.has_penalties or row.params.min_tokens > 0
+
+
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -238,7 +247,8 @@ def process_logits(
     x = logits.to(_work_dtype(logits)).clone()
     _apply_history(x, rows, ridx, extra_tokens)
 
-    greedy_list = [rows[r].greedy for r in ridx]
+    greedy_of_row = [r.greedy for r in rows]
+    greedy_list = [greedy_of_row[r] for r in ridx]
     greedy = torch.tensor(greedy_list, dtype=torch.bool, device=device)
     probs = torch.empty_like(x)
     if any(greedy_list):
@@ -304,23 +314,27 @@ def uniform_draws(
     """Concatenated U[0,1) draws, counts[i] of them for row i, from that row's generator."""
     total = sum(counts)
     out = torch.empty(total, dtype=dtype, device=device)
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-    shared_pos: list[int] = []
-    for i, (c, g) in enumerate(zip(counts, generators)):
-        if c == 0:
-            continue
-        if g is None:
-            shared_pos.extend(range(offsets[i], offsets[i + 1]))
-        else:
-            out[offsets[i] : offsets[i + 1]] = torch.rand(c, dtype=dtype, device=g.device, generator=g).to(
-                device
-            )
-    if shared_pos:
+    own = [i for i, g in enumerate(generators) if g is not None and counts[i] > 0]
+    shared = total - sum(counts[i] for i in own)
+    if own:
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        for i in own:
+            g = generators[i]
+            assert g is not None
+            out[offsets[i] : offsets[i + 1]] = torch.rand(
+                counts[i], dtype=dtype, device=g.device, generator=g
+            ).to(device)
+    if shared:
         gen_device = batch_generator.device if batch_generator is not None else device
-        u = torch.rand(len(shared_pos), dtype=dtype, device=gen_device, generator=batch_generator)
-        out[torch.as_tensor(shared_pos, dtype=torch.int64, device=device)] = u.to(device)
+        u = torch.rand(shared, dtype=dtype, device=gen_device, generator=batch_generator).to(device)
+        if not own:
+            out.copy_(u)
+        else:
+            is_shared = torch.tensor([g is None for g in generators], dtype=torch.bool, device=device)
+            counts_t = torch.as_tensor(list(counts), dtype=torch.int64, device=device)
+            out[torch.repeat_interleave(is_shared, counts_t)] = u
     return out
 
 

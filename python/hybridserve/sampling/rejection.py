@@ -1,0 +1,265 @@
+"""Speculative verification: rejection sampling of draft tokens against the target model.
+
+Layout (as the scheduler produces it): row r verifies `k_r = num_draft_tokens[r]` drafts, and its
+`1 + k_r` target logit rows are consecutive in `target_logits` (position j = the distribution of
+the token after the first j drafts; position k_r = the bonus distribution). `draft_token_ids` is
+the flat concatenation of all rows' drafts; `draft_probs`, when the proposer has them, is
+`[sum k_r, V]` aligned with it (None for n-gram drafts).
+
+Every sampling parameter is applied to the target first (`process_logits`, with the drafts before
+each position counted as output for penalties and min_tokens), giving p. Then (Leviathan et al.):
+
+- greedy rows: accept while `d_j == argmax p_j`; emit the argmax at the first mismatch, or the bonus
+  `argmax p_k` when all drafts were accepted;
+- random rows: accept `d_j` when `u_j * q_j(d_j) < p_j(d_j)`, `u_j ~ U[0,1)` (probability
+  `min(1, p/q)`); q_j = the draft distribution, or one-hot at d_j without draft probs. At the first
+  rejection emit a token from `max(p_j - q_j, 0)` normalised (without draft probs: p_j with d_j
+  removed); a row whose residual mass is zero (possible only by rounding) falls back to p_j. When
+  all drafts are accepted emit a bonus token from p_k.
+
+Each row emits its accepted drafts plus exactly one token. Randomness per row comes from its own
+generator, in a fixed order: k_r uniforms, then V exponentials for the final draw (so a row with no
+drafts draws exactly what `Sampler.sample` draws). Rows without a generator share the batch one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.engine.outputs import TokenLogprobs
+from hybridserve.sampling.sampler import (
+    LogprobsMode,
+    ProcessedLogits,
+    RowSampling,
+    Sampler,
+    _needs_history,
+    _unique,
+    exponential_noise,
+    process_logits,
+    race_sample,
+    uniform_draws,
+)
+
+
+@dataclass
+class RejectionOutput:
+    """Per row: emitted tokens (accepted drafts + one), accepted-draft count, optional logprobs."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i: int) -> list[int]:
+        """The tokens emitted by row i."""
+        return self.token_ids[i]
+
+    @property
+    def num_sampled(self) -> list[int]:
+        """Tokens emitted per row (= num_accepted + 1), what `Scheduler.update_from_output` takes."""
+        return [len(t) for t in self.token_ids]
+
+
+class RejectionSampler:
+    """Greedy and random rows in one batch; see the module docstring."""
+
+    def __init__(self, logprobs_mode: LogprobsMode = "raw") -> None:
+        self._sampler = Sampler(logprobs_mode)
+
+    def recovery_distribution(
+        self, p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor
+    ) -> torch.Tensor:
+        """Unnormalised distribution of the token emitted after rejecting `draft` ([R, V] rows)."""
+        if q is None:
+            return p.scatter(1, draft[:, None], 0.0)
+        return (p - q).clamp_min(0.0)
+
+    def sample(
+        self,
+        target_logits: torch.Tensor | Sequence[torch.Tensor],
+        draft_token_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        rows: Sequence[RowSampling],
+        num_draft_tokens: Sequence[int] | None = None,
+        *,
+        draft_probs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RejectionOutput:
+        """Verify the drafts of every row.
+
+        Flat form (the scheduler's layout): `target_logits` [sum(1 + k_r), V], `draft_token_ids`
+        flat [sum k_r], `num_draft_tokens` = [k_r], `draft_probs` [sum k_r, V] or None.
+        Per-row form (`num_draft_tokens` None): `target_logits` a sequence of [1 + k_r, V] tensors,
+        `draft_token_ids` a sequence of per-row draft lists, `draft_probs` a sequence of [k_r, V]
+        tensors or None. `generator` is used by rows that have none of their own.
+        """
+        num_rows = len(rows)
+        if num_draft_tokens is None:
+            per_row = [list(map(int, torch.as_tensor(d).flatten().tolist())) for d in draft_token_ids]  # type: ignore[union-attr]
+            if len(per_row) != num_rows:
+                raise ValueError(f"{len(per_row)} draft lists for {num_rows} rows")
+            ks = [len(d) for d in per_row]
+            flat_drafts: torch.Tensor | Sequence[int] = [t for d in per_row for t in d]
+            if not isinstance(target_logits, torch.Tensor):
+                if len(target_logits) != num_rows:
+                    raise ValueError(f"{len(target_logits)} target logit blocks for {num_rows} rows")
+                for r, (t, k) in enumerate(zip(target_logits, ks)):
+                    if t.dim() != 2 or t.shape[0] != k + 1:
+                        raise ValueError(
+                            f"row {r}: target logits {tuple(t.shape)} for {k} drafts (need {k + 1} rows)"
+                        )
+                target_logits = torch.cat(list(target_logits)) if num_rows else torch.zeros(0, 1)
+            if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
+                draft_probs = torch.cat(list(draft_probs)) if len(draft_probs) else None
+        else:
+            ks = [int(k) for k in num_draft_tokens]
+            flat_drafts = draft_token_ids  # type: ignore[assignment]
+            if not isinstance(target_logits, torch.Tensor):
+                target_logits = torch.cat(list(target_logits))
+            if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
+                draft_probs = torch.cat(list(draft_probs))
+        if len(ks) != num_rows:
+            raise ValueError(f"num_draft_tokens has {len(ks)} entries for {num_rows} rows")
+        if any(k < 0 for k in ks):
+            raise ValueError("num_draft_tokens must be non-negative")
+        total_k = sum(ks)
+        m = total_k + num_rows
+        if target_logits.dim() != 2 or target_logits.shape[0] != m:
+            raise ValueError(
+                f"target_logits shape {tuple(target_logits.shape)} does not match {m} positions "
+                f"({num_rows} rows, {total_k} drafts)"
+            )
+        device = target_logits.device
+        vocab = target_logits.shape[1]
+        drafts = torch.as_tensor(flat_drafts, dtype=torch.int64).to(device).flatten()
+        if drafts.numel() != total_k:
+            raise ValueError(f"{drafts.numel()} draft tokens for num_draft_tokens summing to {total_k}")
+        if total_k and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
+            raise ValueError("draft token id out of the vocabulary")
+        if draft_probs is not None and tuple(draft_probs.shape) != (total_k, vocab):
+            raise ValueError(f"draft_probs must be [{total_k}, {vocab}], got {tuple(draft_probs.shape)}")
+        if num_rows == 0:
+            return RejectionOutput(token_ids=[], num_accepted=[], logprobs=[])
+
+        # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are
+        # drafts[dstart[r] : dstart[r] + k_r].
+        ks_t = torch.tensor(ks, dtype=torch.int64, device=device)
+        start = torch.cumsum(ks_t + 1, 0) - (ks_t + 1)
+        dstart = torch.cumsum(ks_t, 0) - ks_t
+        row_index = torch.repeat_interleave(torch.arange(num_rows, device=device), ks_t + 1)
+        pos_in_row = torch.arange(m, device=device) - start[row_index]
+        # Logit rows that verify a draft, and the flat index of that draft.
+        is_draft_pos = pos_in_row < ks_t[row_index]
+        draft_pos = is_draft_pos.nonzero().squeeze(1)  # [total_k], in flat draft order
+
+        extra: list[list[int]] | None = None
+        if any(_needs_history(r) for r in _unique(rows)):
+            dl = drafts.tolist()
+            extra = []
+            off = 0
+            for k in ks:
+                extra.extend(dl[off : off + j] for j in range(k + 1))
+                off += k
+        proc = process_logits(target_logits, rows, row_index=row_index.tolist(), extra_tokens=extra)
+        probs = proc.probs
+        greedy_of_row = [r.greedy for r in rows]
+        greedy_rows = torch.tensor(greedy_of_row, dtype=torch.bool, device=device)
+
+        # Acceptance of every draft (greedy: equality with argmax; random: u * q < p).
+        accept = torch.zeros(total_k, dtype=torch.bool, device=device)
+        if total_k:
+            draft_row = row_index[draft_pos]
+            g_mask = greedy_rows[draft_row]
+            target_argmax = proc.penalized[draft_pos].argmax(dim=-1)
+            accept = torch.where(g_mask, drafts == target_argmax, accept)
+            rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
+            if rand_rows:
+                u = uniform_draws(
+                    [ks[i] for i in rand_rows],
+                    [rows[i].generator for i in rand_rows],
+                    generator,
+                    probs.dtype,
+                    device,
+                )
+                r_draft = (~g_mask).nonzero().squeeze(1)  # flat draft indices of random rows, in order
+                p_d = probs[draft_pos[r_draft]].gather(1, drafts[r_draft][:, None]).squeeze(1)
+                if draft_probs is None:
+                    q_d = torch.ones_like(p_d)
+                else:
+                    q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
+                accept[r_draft] = u * q_d < p_d
+
+        # Accepted prefix length per row: first rejection, via a padded [R, Kmax] cumprod.
+        kmax = max(ks)
+        if kmax:
+            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
+            col = torch.arange(total_k, device=device) - dstart[row_index[draft_pos]]
+            padded[row_index[draft_pos], col] = accept.to(torch.int64)
+            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
+        else:
+            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        stop_pos = start + num_acc  # logit row of the emitted (recovered or bonus) token
+        rejected = num_acc < ks_t
+
+        final = torch.empty(num_rows, dtype=torch.int64, device=device)
+        g_idx = greedy_rows.nonzero().squeeze(1)
+        if g_idx.numel():
+            final[g_idx] = proc.penalized[stop_pos[g_idx]].argmax(dim=-1)
+        r_list = [i for i in range(num_rows) if not greedy_of_row[i]]
+        if r_list:
+            r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=device)
+            p_stop = probs[stop_pos[r_idx]]
+            dist = p_stop.clone()
+            rej = rejected[r_idx]
+            if bool(rej.any()):
+                rr = rej.nonzero().squeeze(1)
+                flat_d = dstart[r_idx[rr]] + num_acc[r_idx[rr]]  # the rejected draft, flat index
+                q = None if draft_probs is None else draft_probs[flat_d].to(probs.dtype)
+                rec = self.recovery_distribution(p_stop[rr], q, drafts[flat_d])
+                ok = rec.sum(dim=-1) > 0
+                dist[rr] = torch.where(ok[:, None], rec, p_stop[rr])
+            noise = exponential_noise(
+                len(r_list), vocab, [rows[i].generator for i in r_list], generator, probs.dtype, device
+            )
+            final[r_idx] = race_sample(dist, noise)
+
+        num_acc_l = num_acc.tolist()
+        final_l = final.tolist()
+        dl_all = drafts.tolist()
+        dstart_l = dstart.tolist()
+        token_ids = [dl_all[dstart_l[i] : dstart_l[i] + num_acc_l[i]] + [final_l[i]] for i in range(num_rows)]
+
+        logprobs: list[list[TokenLogprobs] | None] = [None] * num_rows
+        want = [i for i in range(num_rows) if rows[i].params.logprobs is not None]
+        if want:
+            # Emitted token j of row i sits at logit row start[i] + j.
+            start_l = start.tolist()
+            lp_rows = [start_l[i] + j for i in want for j in range(num_acc_l[i] + 1)]
+            lp_tokens = torch.tensor(
+                [t for i in want for t in token_ids[i]], dtype=torch.int64, device=device
+            )
+            sel = torch.as_tensor(lp_rows, dtype=torch.int64, device=device)
+            sub = _take(proc, sel)
+            entries = self._sampler.logprobs(
+                target_logits[sel], sub, lp_tokens, rows, row_index=row_index[sel].tolist()
+            )
+            off = 0
+            for i in want:
+                n = num_acc_l[i] + 1
+                logprobs[i] = [e for e in entries[off : off + n] if e is not None]
+                off += n
+        return RejectionOutput(token_ids=token_ids, num_accepted=num_acc_l, logprobs=logprobs)
+
+
+def _take(proc: ProcessedLogits, sel: torch.Tensor) -> ProcessedLogits:
+    """The logit rows `sel` of `proc`."""
+    return ProcessedLogits(
+        penalized=proc.penalized[sel],
+        probs=proc.probs[sel],
+        greedy=proc.greedy[sel],
+        row_index=proc.row_index[sel],
+    )
