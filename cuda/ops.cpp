@@ -1,0 +1,583 @@
+// torch.ops.hybridserve.* : tensor validation, host-side metadata and launches of the CUDA
+// kernels in cuda/*.cu. Signatures mirror python/hybridserve/kernels/reference.py (and the
+// rejection sampler of python/hybridserve/sampling/rejection.py) argument for argument.
+//
+// Index tensors (query_start_loc, slots, emits) may live on the CPU or on the GPU. The ops that
+// need host metadata (ssd_prefill, causal_conv1d_prefill, copy_slots) copy them to the host; the
+// decode ops (selective_state_update, causal_conv1d_update) validate row lengths only when
+// query_start_loc is on the CPU, so a GPU-resident batch never forces a host sync.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <unordered_set>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+hs::DType to_hs(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return hs::DType::F32;
+    case at::kHalf:
+      return hs::DType::F16;
+    case at::kBFloat16:
+      return hs::DType::BF16;
+    default:
+      TORCH_CHECK(false, "hybridserve CUDA ops support float32/float16/bfloat16 activations, got ", t);
+  }
+  return hs::DType::F32;
+}
+
+// The innermost dim contiguous (a strided view of a wider projection is fine), in dtype `dt`.
+Tensor inner_contig(const Tensor& t, at::ScalarType dt) {
+  Tensor r = t.scalar_type() == dt ? t : t.to(dt);
+  if (r.dim() > 0 && r.stride(-1) != 1) r = r.contiguous();
+  return r;
+}
+
+Tensor f32_param(const Tensor& t, const Tensor& like) {
+  return t.to(like.device(), at::kFloat).contiguous();
+}
+
+Tensor dev_long(const Tensor& t, const Tensor& like) {
+  return t.to(like.device(), at::kLong).contiguous();
+}
+
+Tensor cpu_long(const Tensor& t) {
+  return t.to(at::kCPU, at::kLong).contiguous();
+}
+
+// Row lengths from a CPU query_start_loc, validated against the token count.
+std::vector<int64_t> row_lengths(const Tensor& qsl_cpu, int64_t T) {
+  const int64_t R = qsl_cpu.numel() - 1;
+  const int64_t* q = qsl_cpu.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(q[0] == 0, "query_start_loc must start at 0");
+  std::vector<int64_t> len(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    len[r] = q[r + 1] - q[r];
+    TORCH_CHECK_VALUE(len[r] >= 0, "query_start_loc must be non-decreasing");
+  }
+  TORCH_CHECK_VALUE(q[R] <= T, "query_start_loc[-1] = ", q[R], " exceeds the number of tokens ", T);
+  return len;
+}
+
+void check_state(const Tensor& s, const Tensor& x, const char* name) {
+  TORCH_CHECK(s.is_cuda() && s.device() == x.device(), name, " must be on the device of x");
+  TORCH_CHECK(s.is_contiguous(), name, " must be contiguous");
+}
+
+void scatter_slots(const Tensor& src_buf, const Tensor& dst_state, const std::vector<int64_t>& src_index,
+                   const std::vector<int64_t>& dst_slot, int64_t slot_bytes) {
+  if (src_index.empty()) return;
+  const int64_t n = static_cast<int64_t>(src_index.size());
+  Tensor idx = at::empty({2, n}, at::TensorOptions().dtype(at::kLong));
+  std::copy(src_index.begin(), src_index.end(), idx.data_ptr<int64_t>());
+  std::copy(dst_slot.begin(), dst_slot.end(), idx.data_ptr<int64_t>() + n);
+  Tensor d = idx.to(dst_state.device());
+  hs::SlotCopyParams p{};
+  p.src = static_cast<const char*>(src_buf.data_ptr());
+  p.dst = static_cast<char*>(dst_state.data_ptr());
+  p.src_index = d.data_ptr<int64_t>();
+  p.dst_slot = d.data_ptr<int64_t>() + n;
+  p.n = n;
+  p.slot_bytes = slot_bytes;
+  hs::launch_slot_copy(p, at::cuda::getCurrentCUDAStream());
+}
+
+void check_launch() {
+  const cudaError_t e = cudaGetLastError();
+  TORCH_CHECK(e == cudaSuccess, "hybridserve kernel launch failed: ", cudaGetErrorString(e));
+}
+
+// ------------------------------------------------------------------------------------------------
+Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                   const Tensor& D, const Tensor& dt_bias, Tensor ssm_state, const Tensor& query_start_loc,
+                   const Tensor& num_computed_tokens, const Tensor& read_slot, const Tensor& has_initial_state,
+                   const Tensor& write_slot, const Tensor& emit_row, const Tensor& emit_token,
+                   const Tensor& emit_slot, int64_t chunk_size, double dt_min, double dt_max) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TORCH_CHECK(B.dim() == 3 && C.dim() == 3 && B.sizes() == C.sizes(), "B and C must be [T, G, N]");
+  const int64_t G = B.size(1), N = B.size(2);
+  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "nheads ", H, " not divisible by ngroups ", G);
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat, "CUDA ssd_prefill needs a float32 ssm_state");
+  check_state(ssm_state, x, "ssm_state");
+  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(1) == H && ssm_state.size(2) == P && ssm_state.size(3) == N,
+              "ssm_state must be [num_slots, H, P, N]");
+  const int64_t R = query_start_loc.numel() - 1;
+  if (T == 0 || R <= 0) return at::empty_like(x);
+  const int64_t Q = chunk_size;
+  TORCH_CHECK_VALUE(Q >= 1 && Q <= 1024, "chunk_size must be in [1, 1024]");
+
+  Tensor qsl = cpu_long(query_start_loc);
+  Tensor nct = cpu_long(num_computed_tokens);
+  const std::vector<int64_t> len = row_lengths(qsl, T);
+  const int64_t* q = qsl.data_ptr<int64_t>();
+  const int64_t* nc = nct.data_ptr<int64_t>();
+
+  // chunk metadata: boundaries at absolute multiples of Q
+  std::vector<int64_t> cstart, clen, rco(static_cast<size_t>(R + 1));
+  for (int64_t r = 0; r < R; ++r) {
+    rco[r] = static_cast<int64_t>(cstart.size());
+    TORCH_CHECK_VALUE(nc[r] >= 0, "num_computed_tokens must be >= 0");
+    for (int64_t i = 0; i < len[r];) {
+      const int64_t abs = nc[r] + i;
+      const int64_t l = std::min(Q - abs % Q, len[r] - i);
+      cstart.push_back(q[r] + i);
+      clen.push_back(l);
+      i += l;
+    }
+  }
+  const int64_t NC = static_cast<int64_t>(cstart.size());
+  rco[R] = NC;
+  TORCH_CHECK(NC <= 65535, "ssd_prefill: too many chunks in one call (", NC, ")");
+
+  // state writes: finals first, then emits (src index into the `states` scratch)
+  Tensor ws = cpu_long(write_slot);
+  std::vector<int64_t> fin_src, fin_dst, em_src, em_dst;
+  for (int64_t r = 0; r < R; ++r) {
+    if (len[r] > 0) {
+      fin_src.push_back(NC + r);
+      fin_dst.push_back(ws.data_ptr<int64_t>()[r]);
+    }
+  }
+  const int64_t E = emit_row.numel();
+  if (E > 0) {
+    Tensor er = cpu_long(emit_row), et = cpu_long(emit_token), es = cpu_long(emit_slot);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r = er.data_ptr<int64_t>()[e], t = et.data_ptr<int64_t>()[e];
+      TORCH_CHECK_VALUE(r >= 0 && r < R, "emit_row out of range");
+      TORCH_CHECK_VALUE(t >= 0 && t < len[r], "emit_token out of range of its row");
+      const bool last = t == len[r] - 1;
+      TORCH_CHECK_VALUE((nc[r] + t + 1) % Q == 0 || last,
+                        "emit_token must end on a multiple of chunk_size (absolute position) or be the row's "
+                        "last token");
+      const int64_t ce = rco[r] + ((nc[r] + t) / Q - nc[r] / Q);
+      em_src.push_back(ce == rco[r + 1] - 1 ? NC + r : ce + 1);
+      em_dst.push_back(es.data_ptr<int64_t>()[e]);
+    }
+  }
+
+  Tensor meta_cpu = at::empty({2 * NC + R + 1}, at::TensorOptions().dtype(at::kLong));
+  int64_t* m = meta_cpu.data_ptr<int64_t>();
+  std::copy(cstart.begin(), cstart.end(), m);
+  std::copy(clen.begin(), clen.end(), m + NC);
+  std::copy(rco.begin(), rco.end(), m + 2 * NC);
+  Tensor meta = meta_cpu.to(x.device());
+
+  const at::ScalarType xt = x.scalar_type();
+  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
+  Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
+  Tensor rs = dev_long(read_slot, x), hi = dev_long(has_initial_state, x);
+  auto fopt = x.options().dtype(at::kFloat);
+  Tensor dtp = at::empty({T, H}, fopt), lam = at::empty({T, H}, fopt);
+  Tensor cb = at::empty({NC, G, Q, Q}, fopt);
+  Tensor states = at::empty({NC + R, H, P, N}, fopt);
+  Tensor out = at::empty({T, H, P}, x.options());
+
+  hs::SsdParams p{};
+  p.x = xx.data_ptr();
+  p.x_st = xx.stride(0);
+  p.x_sh = xx.stride(1);
+  p.dt = dd.data_ptr();
+  p.dt_st = dd.stride(0);
+  p.dt_sh = dd.stride(1);
+  p.B = BB.data_ptr();
+  p.b_st = BB.stride(0);
+  p.b_sg = BB.stride(1);
+  p.C = CC.data_ptr();
+  p.c_st = CC.stride(0);
+  p.c_sg = CC.stride(1);
+  p.A = Af.data_ptr<float>();
+  p.D = Df.data_ptr<float>();
+  p.dt_bias = bf.data_ptr<float>();
+  p.state = ssm_state.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.chunk_start = meta.data_ptr<int64_t>();
+  p.chunk_len = meta.data_ptr<int64_t>() + NC;
+  p.row_chunk_off = meta.data_ptr<int64_t>() + 2 * NC;
+  p.read_slot = rs.data_ptr<int64_t>();
+  p.has_init = hi.data_ptr<int64_t>();
+  p.dtp = dtp.data_ptr<float>();
+  p.lam = lam.data_ptr<float>();
+  p.cb = cb.data_ptr<float>();
+  p.states = states.data_ptr<float>();
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.P = static_cast<int>(P);
+  p.N = static_cast<int>(N);
+  p.G = static_cast<int>(G);
+  p.R = static_cast<int>(R);
+  p.NC = static_cast<int>(NC);
+  p.Q = static_cast<int>(Q);
+  p.dt_min = static_cast<float>(dt_min);
+  p.dt_max = static_cast<float>(dt_max);
+  p.x_dtype = to_hs(xt);
+  hs::launch_ssd(p, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  const int64_t slot_bytes = H * P * N * 4;
+  scatter_slots(states, ssm_state, fin_src, fin_dst, slot_bytes);
+  scatter_slots(states, ssm_state, em_src, em_dst, slot_bytes);
+  check_launch();
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                              const Tensor& D, const Tensor& dt_bias, Tensor ssm_state,
+                              const Tensor& query_start_loc, const Tensor& read_slot, const Tensor& write_slots,
+                              double dt_min, double dt_max) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TORCH_CHECK(B.dim() == 3 && C.dim() == 3 && B.sizes() == C.sizes(), "B and C must be [T, G, N]");
+  const int64_t G = B.size(1), N = B.size(2);
+  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "nheads ", H, " not divisible by ngroups ", G);
+  TORCH_CHECK(N <= 256, "CUDA selective_state_update supports dstate <= 256");
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat, "CUDA selective_state_update needs a float32 ssm_state");
+  check_state(ssm_state, x, "ssm_state");
+  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(1) == H && ssm_state.size(2) == P && ssm_state.size(3) == N,
+              "ssm_state must be [num_slots, H, P, N]");
+  TORCH_CHECK(write_slots.dim() == 2, "write_slots must be [R, W]");
+  const int64_t R = query_start_loc.numel() - 1;
+  if (T == 0 || R <= 0) return at::empty_like(x);
+  TORCH_CHECK(R <= 65535, "selective_state_update: at most 65535 rows per call");
+  if (!query_start_loc.is_cuda()) {
+    const std::vector<int64_t> len = row_lengths(cpu_long(query_start_loc), T);
+    const int64_t lmax = len.empty() ? 0 : *std::max_element(len.begin(), len.end());
+    TORCH_CHECK_VALUE(lmax <= write_slots.size(1), "a row has ", lmax, " tokens but write_slots has only ",
+                      write_slots.size(1), " columns");
+  }
+  const at::ScalarType xt = x.scalar_type();
+  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
+  Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
+  Tensor qsl = dev_long(query_start_loc, x), rs = dev_long(read_slot, x), ws = dev_long(write_slots, x);
+  Tensor out = at::empty({T, H, P}, x.options());
+  hs::SsuParams p{};
+  p.x = xx.data_ptr();
+  p.x_st = xx.stride(0);
+  p.x_sh = xx.stride(1);
+  p.dt = dd.data_ptr();
+  p.dt_st = dd.stride(0);
+  p.dt_sh = dd.stride(1);
+  p.B = BB.data_ptr();
+  p.b_st = BB.stride(0);
+  p.b_sg = BB.stride(1);
+  p.C = CC.data_ptr();
+  p.c_st = CC.stride(0);
+  p.c_sg = CC.stride(1);
+  p.A = Af.data_ptr<float>();
+  p.D = Df.data_ptr<float>();
+  p.dt_bias = bf.data_ptr<float>();
+  p.state = ssm_state.data_ptr<float>();
+  p.qsl = qsl.data_ptr<int64_t>();
+  p.read_slot = rs.data_ptr<int64_t>();
+  p.write_slots = ws.data_ptr<int64_t>();
+  p.ws_sr = ws.stride(0);
+  p.ws_w = ws.stride(1);
+  p.out = out.data_ptr();
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.P = static_cast<int>(P);
+  p.N = static_cast<int>(N);
+  p.G = static_cast<int>(G);
+  p.R = static_cast<int>(R);
+  p.dt_min = static_cast<float>(dt_min);
+  p.dt_max = static_cast<float>(dt_max);
+  p.x_dtype = to_hs(xt);
+  hs::launch_ssu(p, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+bool want_silu(const std::optional<c10::string_view>& activation) {
+  if (!activation.has_value()) return false;
+  const std::string a(activation->data(), activation->size());
+  TORCH_CHECK_VALUE(a == "silu" || a == "swish", "unsupported conv activation '", a, "'");
+  return true;
+}
+
+void conv_common(hs::ConvParams& p, const Tensor& xx, const Tensor& w, const std::optional<Tensor>& bias_f,
+                 const Tensor& conv_state, const Tensor& out) {
+  p.x = xx.data_ptr();
+  p.x_st = xx.stride(0);
+  p.weight = w.data_ptr();
+  p.bias = bias_f.has_value() ? bias_f->data_ptr() : nullptr;
+  p.conv_state = conv_state.data_ptr();
+  p.out = out.data_ptr();
+  p.T = static_cast<int>(xx.size(0));
+  p.Dc = static_cast<int>(xx.size(1));
+  p.W = static_cast<int>(w.size(1));
+  p.x_dtype = to_hs(xx.scalar_type());
+  p.state_dtype = to_hs(conv_state.scalar_type());
+}
+
+void check_conv(const Tensor& x, const Tensor& weight, const Tensor& conv_state) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x must be a CUDA tensor [T, conv_dim]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == x.size(1), "weight must be [conv_dim, W]");
+  const int64_t W = weight.size(1);
+  TORCH_CHECK(W >= 2 && W <= 8, "CUDA conv1d supports kernel widths 2..8");
+  check_state(conv_state, x, "conv_state");
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == x.size(1) && conv_state.size(2) == W - 1,
+              "conv_state must be [num_slots, conv_dim, W - 1]");
+}
+
+Tensor causal_conv1d_prefill(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                             Tensor conv_state, const Tensor& query_start_loc, const Tensor& read_slot,
+                             const Tensor& has_initial_state, const Tensor& write_slot, const Tensor& emit_row,
+                             const Tensor& emit_token, const Tensor& emit_slot,
+                             std::optional<c10::string_view> activation) {
+  check_conv(x, weight, conv_state);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool silu = want_silu(activation);
+  const int64_t T = x.size(0), Dc = x.size(1), W = weight.size(1);
+  const int64_t R = query_start_loc.numel() - 1;
+  if (T == 0 || R <= 0) return at::empty_like(x);
+  Tensor qsl_c = cpu_long(query_start_loc);
+  const std::vector<int64_t> len = row_lengths(qsl_c, T);
+  Tensor ws = cpu_long(write_slot);
+  std::vector<int64_t> grow, gtok, fin_dst, em_dst;
+  for (int64_t r = 0; r < R; ++r) {
+    if (len[r] > 0) {
+      grow.push_back(r);
+      gtok.push_back(len[r] - 1);
+      fin_dst.push_back(ws.data_ptr<int64_t>()[r]);
+    }
+  }
+  const int64_t E = emit_row.numel();
+  if (E > 0) {
+    Tensor er = cpu_long(emit_row), et = cpu_long(emit_token), es = cpu_long(emit_slot);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r = er.data_ptr<int64_t>()[e], t = et.data_ptr<int64_t>()[e];
+      TORCH_CHECK_VALUE(r >= 0 && r < R, "emit_row out of range");
+      TORCH_CHECK_VALUE(t >= 0 && t < len[r], "emit_token out of range of its row");
+      grow.push_back(r);
+      gtok.push_back(t);
+      em_dst.push_back(es.data_ptr<int64_t>()[e]);
+    }
+  }
+  const int64_t NG = static_cast<int64_t>(grow.size());
+  TORCH_CHECK(NG <= 65535, "causal_conv1d_prefill: too many state writes in one call");
+  Tensor gmeta_c = at::empty({2 * NG + R + 1}, at::TensorOptions().dtype(at::kLong));
+  std::copy(grow.begin(), grow.end(), gmeta_c.data_ptr<int64_t>());
+  std::copy(gtok.begin(), gtok.end(), gmeta_c.data_ptr<int64_t>() + NG);
+  std::copy(qsl_c.data_ptr<int64_t>(), qsl_c.data_ptr<int64_t>() + R + 1, gmeta_c.data_ptr<int64_t>() + 2 * NG);
+  Tensor gmeta = gmeta_c.to(x.device());
+
+  Tensor xx = inner_contig(x, x.scalar_type());
+  Tensor w = f32_param(weight, x);
+  std::optional<Tensor> bf;
+  if (bias.has_value()) bf = f32_param(*bias, x);
+  Tensor rs = dev_long(read_slot, x), hi = dev_long(has_initial_state, x);
+  Tensor out = at::empty({T, Dc}, x.options());
+  Tensor gathered = at::empty({std::max<int64_t>(NG, 1), Dc, W - 1}, conv_state.options());
+  hs::ConvParams p{};
+  conv_common(p, xx, w, bf, conv_state, out);
+  p.qsl = gmeta.data_ptr<int64_t>() + 2 * NG;
+  p.read_slot = rs.data_ptr<int64_t>();
+  p.has_init = hi.data_ptr<int64_t>();
+  p.R = static_cast<int>(R);
+  p.silu = silu;
+  p.gather_row = gmeta.data_ptr<int64_t>();
+  p.gather_tok = gmeta.data_ptr<int64_t>() + NG;
+  p.gather_out = gathered.data_ptr();
+  p.n_gather = static_cast<int>(NG);
+  hs::launch_conv_prefill(p, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  const int64_t slot_bytes = Dc * (W - 1) * conv_state.element_size();
+  std::vector<int64_t> fin_src(fin_dst.size()), em_src(em_dst.size());
+  for (size_t i = 0; i < fin_src.size(); ++i) fin_src[i] = static_cast<int64_t>(i);
+  for (size_t i = 0; i < em_src.size(); ++i) em_src[i] = static_cast<int64_t>(fin_src.size() + i);
+  scatter_slots(gathered, conv_state, fin_src, fin_dst, slot_bytes);
+  scatter_slots(gathered, conv_state, em_src, em_dst, slot_bytes);
+  check_launch();
+  return out;
+}
+
+Tensor causal_conv1d_update(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                            Tensor conv_state, const Tensor& query_start_loc, const Tensor& read_slot,
+                            const Tensor& write_slots, std::optional<c10::string_view> activation) {
+  check_conv(x, weight, conv_state);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool silu = want_silu(activation);
+  const int64_t T = x.size(0), Dc = x.size(1);
+  const int64_t R = query_start_loc.numel() - 1;
+  TORCH_CHECK(write_slots.dim() == 2, "write_slots must be [R, W]");
+  if (T == 0 || R <= 0) return at::empty_like(x);
+  TORCH_CHECK(R <= 65535, "causal_conv1d_update: at most 65535 rows per call");
+  if (!query_start_loc.is_cuda()) {
+    const std::vector<int64_t> len = row_lengths(cpu_long(query_start_loc), T);
+    const int64_t lmax = len.empty() ? 0 : *std::max_element(len.begin(), len.end());
+    TORCH_CHECK_VALUE(lmax <= write_slots.size(1), "a row has ", lmax, " tokens but write_slots has only ",
+                      write_slots.size(1), " columns");
+  }
+  Tensor xx = inner_contig(x, x.scalar_type());
+  Tensor w = f32_param(weight, x);
+  std::optional<Tensor> bf;
+  if (bias.has_value()) bf = f32_param(*bias, x);
+  Tensor qsl = dev_long(query_start_loc, x), rs = dev_long(read_slot, x), ws = dev_long(write_slots, x);
+  Tensor out = at::empty({T, Dc}, x.options());
+  hs::ConvParams p{};
+  conv_common(p, xx, w, bf, conv_state, out);
+  p.qsl = qsl.data_ptr<int64_t>();
+  p.read_slot = rs.data_ptr<int64_t>();
+  p.write_slots = ws.data_ptr<int64_t>();
+  p.ws_sr = ws.stride(0);
+  p.ws_w = ws.stride(1);
+  p.R = static_cast<int>(R);
+  p.silu = silu;
+  hs::launch_conv_update(p, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+void copy_slots(Tensor state, const Tensor& src, const Tensor& dst) {
+  TORCH_CHECK(state.is_cuda() && state.is_contiguous(), "state must be a contiguous CUDA tensor");
+  const c10::cuda::CUDAGuard guard(state.device());
+  const int64_t n = src.numel();
+  TORCH_CHECK_VALUE(dst.numel() == n, "src and dst must have the same length");
+  if (n == 0 || state.size(0) == 0) return;
+  Tensor s = cpu_long(src), d = cpu_long(dst);
+  std::vector<int64_t> sv, dv;
+  const int64_t S = state.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = s.data_ptr<int64_t>()[i], b = d.data_ptr<int64_t>()[i];
+    TORCH_CHECK_VALUE(a >= 0 && a < S && b >= 0 && b < S, "slot index out of range");
+    if (b != 0 && a != b) {
+      sv.push_back(a);
+      dv.push_back(b);
+    }
+  }
+  if (sv.empty()) return;
+  const int64_t slot_bytes = state.numel() / S * state.element_size();
+  // Sequential semantics: split into runs in which no slot is both read and written and no dst
+  // repeats; each run is one batched launch (the usual case is a single run).
+  size_t begin = 0;
+  while (begin < sv.size()) {
+    std::unordered_set<int64_t> dsts, srcs;
+    size_t end = begin;
+    while (end < sv.size() && !dsts.count(sv[end]) && !dsts.count(dv[end]) && !srcs.count(dv[end])) {
+      dsts.insert(dv[end]);
+      srcs.insert(sv[end]);
+      ++end;
+    }
+    std::vector<int64_t> rs(sv.begin() + begin, sv.begin() + end), rd(dv.begin() + begin, dv.begin() + end);
+    scatter_slots(state, state, rs, rd, slot_bytes);
+    begin = end;
+  }
+  check_launch();
+}
+
+// ------------------------------------------------------------------------------------------------
+std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const std::optional<Tensor>& target_logits,
+                                            const Tensor& draft_token_ids, const Tensor& num_draft_tokens,
+                                            const Tensor& is_greedy, const std::optional<Tensor>& draft_probs,
+                                            const std::optional<Tensor>& uniforms, const std::optional<Tensor>& noise,
+                                            const Tensor& seeds, const Tensor& offsets) {
+  TORCH_CHECK(target_probs.is_cuda() && target_probs.dim() == 2, "target_probs must be a CUDA tensor [M, V]");
+  TORCH_CHECK(target_probs.scalar_type() == at::kFloat, "CUDA rejection_sample needs float32 probabilities");
+  const c10::cuda::CUDAGuard guard(target_probs.device());
+  const Tensor& like = target_probs;
+  const int64_t M = target_probs.size(0), V = target_probs.size(1);
+  const int64_t R = num_draft_tokens.numel();
+  TORCH_CHECK(V < (int64_t{1} << 31), "vocabulary too large");
+  Tensor probs = inner_contig(target_probs, at::kFloat);
+  Tensor k = dev_long(num_draft_tokens, like);
+  Tensor out_tokens = at::empty({M}, like.options().dtype(at::kLong));
+  Tensor out_acc = at::empty({R}, like.options().dtype(at::kLong));
+  if (R == 0) return {out_tokens, out_acc};
+  Tensor start = at::cumsum(k + 1, 0) - (k + 1);
+  Tensor dstart = at::cumsum(k, 0) - k;
+  Tensor drafts = dev_long(draft_token_ids, like);
+  Tensor greedy = is_greedy.to(like.device(), at::kBool).contiguous();
+  Tensor sd = dev_long(seeds, like), off = dev_long(offsets, like);
+  std::optional<Tensor> lg, dp, un, nz;
+  if (target_logits.has_value()) {
+    TORCH_CHECK(target_logits->sizes() == target_probs.sizes(), "target_logits must match target_probs");
+    lg = inner_contig(target_logits->to(like.device()), at::kFloat);
+  }
+  if (draft_probs.has_value()) {
+    TORCH_CHECK(draft_probs->dim() == 2 && draft_probs->size(0) == drafts.numel() && draft_probs->size(1) == V,
+                "draft_probs must be [sum k, V]");
+    dp = inner_contig(draft_probs->to(like.device()), at::kFloat);
+  }
+  if (uniforms.has_value()) {
+    TORCH_CHECK(uniforms->numel() == drafts.numel(), "uniforms must have one entry per draft token");
+    un = uniforms->to(like.device(), at::kFloat).contiguous();
+  }
+  if (noise.has_value()) {
+    TORCH_CHECK(noise->dim() == 2 && noise->size(0) == R && noise->size(1) == V, "noise must be [R, V]");
+    nz = inner_contig(noise->to(like.device()), at::kFloat);
+  }
+  hs::RejectionParams p{};
+  p.probs = probs.data_ptr<float>();
+  p.probs_stride = probs.stride(0);
+  p.logits = lg ? lg->data_ptr<float>() : nullptr;
+  p.logits_stride = lg ? lg->stride(0) : 0;
+  p.draft_probs = dp ? dp->data_ptr<float>() : nullptr;
+  p.dp_stride = dp ? dp->stride(0) : 0;
+  p.draft_ids = drafts.data_ptr<int64_t>();
+  p.num_drafts = k.data_ptr<int64_t>();
+  p.start = start.data_ptr<int64_t>();
+  p.dstart = dstart.data_ptr<int64_t>();
+  p.is_greedy = greedy.data_ptr<bool>();
+  p.uniforms = un ? un->data_ptr<float>() : nullptr;
+  p.noise = nz ? nz->data_ptr<float>() : nullptr;
+  p.noise_stride = nz ? nz->stride(0) : 0;
+  p.seeds = sd.data_ptr<int64_t>();
+  p.offsets = off.data_ptr<int64_t>();
+  p.out_tokens = out_tokens.data_ptr<int64_t>();
+  p.out_accepted = out_acc.data_ptr<int64_t>();
+  p.R = static_cast<int>(R);
+  p.V = static_cast<int>(V);
+  hs::launch_rejection(p, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {out_tokens, out_acc};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hybridserve, m) {
+  m.def(
+      "ssd_prefill(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
+      "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor num_computed_tokens, Tensor read_slot, "
+      "Tensor has_initial_state, Tensor write_slot, Tensor emit_row, Tensor emit_token, Tensor emit_slot, "
+      "int chunk_size, float dt_min, float dt_max) -> Tensor");
+  m.def(
+      "selective_state_update(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
+      "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor read_slot, Tensor write_slots, float dt_min, "
+      "float dt_max) -> Tensor");
+  m.def(
+      "causal_conv1d_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
+      "Tensor query_start_loc, Tensor read_slot, Tensor has_initial_state, Tensor write_slot, "
+      "Tensor emit_row, Tensor emit_token, Tensor emit_slot, str? activation) -> Tensor");
+  m.def(
+      "causal_conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
+      "Tensor query_start_loc, Tensor read_slot, Tensor write_slots, str? activation) -> Tensor");
+  m.def("copy_slots(Tensor(a!) state, Tensor src, Tensor dst) -> ()");
+  m.def(
+      "rejection_sample(Tensor target_probs, Tensor? target_logits, Tensor draft_token_ids, "
+      "Tensor num_draft_tokens, Tensor is_greedy, Tensor? draft_probs, Tensor? uniforms, Tensor? noise, "
+      "Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hybridserve, CUDA, m) {
+  m.impl("ssd_prefill", &ssd_prefill);
+  m.impl("selective_state_update", &selective_state_update);
+  m.impl("causal_conv1d_prefill", &causal_conv1d_prefill);
+  m.impl("causal_conv1d_update", &causal_conv1d_update);
+  m.impl("copy_slots", &copy_slots);
+  m.impl("rejection_sample", &rejection_sample);
+}

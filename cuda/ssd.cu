@@ -1,0 +1,305 @@
+// Chunked SSD scan for prefill (kernels.md §1.3, §1.5), fp32 compute on CUDA cores.
+//
+// Chunks never mix rows and their boundaries sit at absolute multiples of Q (metadata from the
+// host: chunk_start / chunk_len / row_chunk_off). Pipeline (5 launches, one stream):
+//   K0 dt_cumsum   : dtp = clamp(softplus(dt + bias)), lam = inclusive cumsum(dtp * A) per chunk
+//   K1 chunk_state : S_c[p][n] = sum_j exp(lam_last - lam_j) dtp_j x_j[p] B_j[n]   (from zero)
+//   K2 cb          : CB_c[i][j] = C_i . B_j per group (lower-triangular tiles only)
+//   K3 passing     : per row, sequential over its chunks: states[c] <- state entering chunk c,
+//                    h = exp(lam_last) h + S_c; the row's final state -> states[NC + r]
+//   K4 chunk_scan  : y_i = sum_{j<=i} CB_ij exp(lam_i - lam_j) dtp_j x_j
+//                          + exp(lam_i) C_i . H_prev + D x_i
+// The caller then scatters final / boundary states from `states` to their slots (slot copy).
+// All matmuls are 64x64 register-tiled fp32 GEMMs (no TF32): exact enough for fp32-state tests.
+#include "common.cuh"
+
+namespace hs {
+namespace {
+
+constexpr int BM = 64, BN = 64, BK = 16, kThreads = 256;
+
+// acc[4][4] += A[m0.., k] * B[k, n0..] over k in [0, K), A/B supplied by loaders.
+//   a(m, k), b(k, n) return the operand values (0 outside the valid range).
+//   A_KCONTIG / B_KCONTIG: whether consecutive k is the contiguous direction of the global
+//   operand (picks the thread->element mapping of the tile loads for coalescing).
+template <bool A_KCONTIG, bool B_KCONTIG, typename LA, typename LB>
+__device__ __forceinline__ void gemm_tile(float (&acc)[4][4], int K, LA a, LB b, float (*As)[BM + 4],
+                                          float (*Bs)[BN + 4]) {
+  const int tid = threadIdx.x;
+  const int tx = tid & 15, ty = tid >> 4;
+  for (int k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+    for (int q = 0; q < (BM * BK) / kThreads; ++q) {
+      const int e = tid + q * kThreads;
+      int m, k;
+      if constexpr (A_KCONTIG) {
+        m = e / BK;
+        k = e % BK;
+      } else {
+        m = e % BM;
+        k = e / BM;
+      }
+      As[k][m] = (k0 + k < K) ? a(m, k0 + k) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < (BN * BK) / kThreads; ++q) {
+      const int e = tid + q * kThreads;
+      int n, k;
+      if constexpr (B_KCONTIG) {
+        n = e / BK;
+        k = e % BK;
+      } else {
+        n = e % BN;
+        k = e / BN;
+      }
+      Bs[k][n] = (k0 + k < K) ? b(k0 + k, n) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = As[k][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bv[j] = Bs[k][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+}
+
+// ---- K0 -----------------------------------------------------------------------------------
+template <typename T>
+__global__ void dt_cumsum_kernel(const SsdParams p) {
+  const int c = blockIdx.x;
+  const int64_t start = p.chunk_start[c];
+  const int len = static_cast<int>(p.chunk_len[c]);
+  const T* dt = static_cast<const T*>(p.dt);
+  for (int h = threadIdx.x; h < p.H; h += blockDim.x) {
+    const float A = p.A[h];
+    const float bias = p.dt_bias[h];
+    float acc = 0.f;
+    for (int i = 0; i < len; ++i) {
+      const int64_t t = start + i;
+      const float v = process_dt(to_float(dt[t * p.dt_st + h * p.dt_sh]), bias, p.dt_min, p.dt_max);
+      acc += v * A;
+      p.dtp[t * p.H + h] = v;
+      p.lam[t * p.H + h] = acc;
+    }
+  }
+}
+
+// ---- K1: chunk states from zero, M = P, N = N, K = chunk tokens ------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const SsdParams p) {
+  __shared__ float As[BK][BM + 4];
+  __shared__ float Bs[BK][BN + 4];
+  const int tiles_n = (p.N + BN - 1) / BN;
+  const int tile = blockIdx.x;
+  const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+  const int h = blockIdx.y;
+  const int c = blockIdx.z;
+  const int g = h / (p.H / p.G);
+  const int64_t start = p.chunk_start[c];
+  const int len = static_cast<int>(p.chunk_len[c]);
+  const float lam_last = p.lam[(start + len - 1) * p.H + h];
+  const T* x = static_cast<const T*>(p.x);
+  const T* B = static_cast<const T*>(p.B);
+  auto la = [&](int m, int k) -> float {  // x_j[p]
+    const int pp = m0 + m;
+    if (pp >= p.P) return 0.f;
+    return to_float(x[(start + k) * p.x_st + h * p.x_sh + pp]);
+  };
+  auto lb = [&](int k, int n) -> float {  // w_j B_j[n]
+    const int nn = n0 + n;
+    if (nn >= p.N) return 0.f;
+    const int64_t t = start + k;
+    const float w = expf(lam_last - p.lam[t * p.H + h]) * p.dtp[t * p.H + h];
+    return w * to_float(B[t * p.b_st + g * p.b_sg + nn]);
+  };
+  float acc[4][4] = {};
+  gemm_tile<false, false>(acc, len, la, lb, As, Bs);
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  float* S = p.states + (static_cast<int64_t>(c) * p.H + h) * p.P * p.N;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int pp = m0 + ty + 16 * i;
+    if (pp >= p.P) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int nn = n0 + tx + 16 * j;
+      if (nn < p.N) S[static_cast<int64_t>(pp) * p.N + nn] = acc[i][j];
+    }
+  }
+}
+
+// ---- K2: CB = C B^T per (chunk, group), lower-triangular tiles -------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kThreads) cb_kernel(const SsdParams p) {
+  __shared__ float As[BK][BM + 4];
+  __shared__ float Bs[BK][BN + 4];
+  const int tq = (p.Q + BM - 1) / BM;
+  const int ti = blockIdx.x / tq, tj = blockIdx.x % tq;
+  if (tj > ti) return;  // never read (masked by causality in K4)
+  const int g = blockIdx.y;
+  const int c = blockIdx.z;
+  const int64_t start = p.chunk_start[c];
+  const int len = static_cast<int>(p.chunk_len[c]);
+  const int i0 = ti * BM, j0 = tj * BN;
+  if (i0 >= len) return;
+  const T* B = static_cast<const T*>(p.B);
+  const T* C = static_cast<const T*>(p.C);
+  auto la = [&](int m, int k) -> float {
+    const int i = i0 + m;
+    if (i >= len) return 0.f;
+    return to_float(C[(start + i) * p.c_st + g * p.c_sg + k]);
+  };
+  auto lb = [&](int k, int n) -> float {
+    const int j = j0 + n;
+    if (j >= len) return 0.f;
+    return to_float(B[(start + j) * p.b_st + g * p.b_sg + k]);
+  };
+  float acc[4][4] = {};
+  gemm_tile<true, true>(acc, p.N, la, lb, As, Bs);
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  float* out = p.cb + (static_cast<int64_t>(c) * p.G + g) * p.Q * p.Q;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int ii = i0 + ty + 16 * i;
+    if (ii >= p.Q) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int jj = j0 + tx + 16 * j;
+      if (jj < p.Q) out[static_cast<int64_t>(ii) * p.Q + jj] = acc[i][j];
+    }
+  }
+}
+
+// ---- K3: state passing, one thread per (row, head, state element) ----------------------------
+__global__ void state_passing_kernel(const SsdParams p) {
+  const int64_t pn = static_cast<int64_t>(p.P) * p.N;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= pn) return;
+  const int h = blockIdx.y;
+  const int r = blockIdx.z;
+  const int64_t c0 = p.row_chunk_off[r], c1 = p.row_chunk_off[r + 1];
+  if (c1 <= c0) return;
+  const int64_t head_off = static_cast<int64_t>(h) * pn + e;
+  const int64_t slot_elems = static_cast<int64_t>(p.H) * pn;
+  float hs = 0.f;
+  if (p.has_init[r]) hs = p.state[p.read_slot[r] * slot_elems + head_off];
+  for (int64_t c = c0; c < c1; ++c) {
+    float* sc = p.states + c * slot_elems + head_off;
+    const float s = *sc;
+    *sc = hs;
+    const int64_t last = p.chunk_start[c] + p.chunk_len[c] - 1;
+    hs = expf(p.lam[last * p.H + h]) * hs + s;
+  }
+  p.states[(static_cast<int64_t>(p.NC) + r) * slot_elems + head_off] = hs;
+}
+
+// ---- K4: outputs, M = chunk tokens, N = P -----------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const SsdParams p) {
+  __shared__ float As[BK][BM + 4];
+  __shared__ float Bs[BK][BN + 4];
+  const int tiles_p = (p.P + BN - 1) / BN;
+  const int tiles_q = (p.Q + BM - 1) / BM;
+  int64_t bid = blockIdx.x;
+  const int tp = static_cast<int>(bid % tiles_p);
+  bid /= tiles_p;
+  const int ti = static_cast<int>(bid % tiles_q);
+  bid /= tiles_q;
+  const int h = static_cast<int>(bid % p.H);
+  const int64_t c = bid / p.H;
+  const int64_t start = p.chunk_start[c];
+  const int len = static_cast<int>(p.chunk_len[c]);
+  const int i0 = ti * BM, p0 = tp * BN;
+  if (i0 >= len) return;
+  const int g = h / (p.H / p.G);
+  const T* x = static_cast<const T*>(p.x);
+  const T* C = static_cast<const T*>(p.C);
+  const float* lam = p.lam;
+  const float* cb = p.cb + (c * p.G + g) * p.Q * p.Q;
+  float acc[4][4] = {};
+  // intra-chunk part: A[i][j] = CB_ij exp(lam_i - lam_j) (j <= i, masked before the exp)
+  {
+    auto la = [&](int m, int k) -> float {
+      const int i = i0 + m;
+      if (i >= len || k > i) return 0.f;
+      const float li = lam[(start + i) * p.H + h];
+      const float lj = lam[(start + k) * p.H + h];
+      return cb[static_cast<int64_t>(i) * p.Q + k] * expf(li - lj);
+    };
+    auto lb = [&](int k, int n) -> float {  // dtp_j x_j[p]
+      const int pp = p0 + n;
+      if (pp >= p.P) return 0.f;
+      const int64_t t = start + k;
+      return p.dtp[t * p.H + h] * to_float(x[t * p.x_st + h * p.x_sh + pp]);
+    };
+    const int kmax = (i0 + BM < len) ? i0 + BM : len;
+    gemm_tile<true, false>(acc, kmax, la, lb, As, Bs);
+  }
+  // carried state: A[i][n] = exp(lam_i) C_i[n], B[n][p] = H_prev[p][n]
+  {
+    const float* hprev = p.states + (c * p.H + h) * static_cast<int64_t>(p.P) * p.N;
+    auto la = [&](int m, int k) -> float {
+      const int i = i0 + m;
+      if (i >= len) return 0.f;
+      const int64_t t = start + i;
+      return expf(lam[t * p.H + h]) * to_float(C[t * p.c_st + g * p.c_sg + k]);
+    };
+    auto lb = [&](int k, int n) -> float {
+      const int pp = p0 + n;
+      if (pp >= p.P) return 0.f;
+      return hprev[static_cast<int64_t>(pp) * p.N + k];
+    };
+    gemm_tile<true, true>(acc, p.N, la, lb, As, Bs);
+  }
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const float Dh = p.D[h];
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int ii = i0 + ty + 16 * i;
+    if (ii >= len) continue;
+    const int64_t t = start + ii;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int pp = p0 + tx + 16 * j;
+      if (pp >= p.P) continue;
+      const float xv = to_float(x[t * p.x_st + h * p.x_sh + pp]);
+      out[(t * p.H + h) * p.P + pp] = from_float<T>(acc[i][j] + Dh * xv);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_ssd(const SsdParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.NC == 0) return;
+  HS_DISPATCH_DTYPE(p.x_dtype, [&] {
+    dt_cumsum_kernel<scalar_t><<<p.NC, 128, 0, stream>>>(p);
+    {
+      const int tiles = ((p.P + BM - 1) / BM) * ((p.N + BN - 1) / BN);
+      chunk_state_kernel<scalar_t><<<dim3(tiles, p.H, p.NC), kThreads, 0, stream>>>(p);
+    }
+    {
+      const int tq = (p.Q + BM - 1) / BM;
+      cb_kernel<scalar_t><<<dim3(tq * tq, p.G, p.NC), kThreads, 0, stream>>>(p);
+    }
+    {
+      const int64_t pn = static_cast<int64_t>(p.P) * p.N;
+      state_passing_kernel<<<dim3(static_cast<unsigned>((pn + 255) / 256), p.H, p.R), 256, 0, stream>>>(p);
+    }
+    {
+      const int64_t blocks = static_cast<int64_t>(p.NC) * p.H * ((p.Q + BM - 1) / BM) * ((p.P + BN - 1) / BN);
+      chunk_scan_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    }
+  });
+}
+
+}  // namespace hs
