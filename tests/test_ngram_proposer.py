@@ -1,0 +1,79 @@
+"""N-gram prompt lookup proposer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridserve.errors import ConfigError
+from hybridserve.spec_decode.base import Proposals, Proposer
+from hybridserve.spec_decode.ngram import NgramProposer
+
+
+def reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Obviously-correct lookup: longest n first, most recent earlier occurrence."""
+    length = len(tokens)
+    for n in range(n_max, n_min - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n :]
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_copies_what_followed_the_last_ngram():
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    assert p.propose([[1, 2, 3, 4, 5, 1, 2, 3]], 3) == [[4, 5, 1]]
+    # Fewer than k tokens follow the match: a shorter proposal.
+    assert p.propose([[7, 8, 9, 7, 8]], 5) == [[9, 7, 8]]
+    # Continuation of a repetition overlaps the suffix itself.
+    assert p.propose([[5, 6, 5, 6, 5, 6]], 4) == [[5, 6]]
+
+
+def test_most_recent_occurrence_and_longest_n_first():
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=2)
+    # "1 2" occurs at 0 and 3; the most recent earlier one (3) is followed by 8.
+    assert p.propose([[1, 2, 9, 1, 2, 8, 1, 2]], 2) == [[8, 1]]
+    # n=2 ("4 2") matches at 0 though n=1 ("2") has a more recent match at 4: longest wins.
+    assert p.propose([[4, 2, 6, 0, 2, 7, 4, 2]], 1) == [[6]]
+    # Only n=1 matches.
+    assert p.propose([[3, 9, 5, 1, 9]], 2) == [[5, 1]]
+
+
+def test_no_match_short_history_and_k_zero():
+    p = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4)
+    assert p.propose([[1, 2, 3, 4, 5]], 3) == [[]]
+    assert p.propose([[1], [], [1, 1]], 3) == [[], [], []]
+    assert p.propose([[1, 2, 1, 2]], 0) == [[]]
+    # min 2: the single-token match "2 ... 2" is not enough.
+    assert p.propose([[2, 5, 3, 2]], 2) == [[]]
+    assert p.propose([[2, 5, 3, 2, 5, 4, 2, 5]], 2) == [[4, 2]]
+
+
+def test_matches_the_reference_on_random_histories():
+    rng = random.Random(0)
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
+    p2 = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=3)
+    rows = [
+        [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randrange(0, 60))] for _ in range(400)
+    ]
+    for k in (1, 3, 5):
+        assert p.propose(rows, k) == [reference(r, k, 1, 4) for r in rows]
+        assert p2.propose(rows, k) == [reference(r, k, 2, 3) for r in rows]
+
+
+def test_interface_defaults_and_validation():
+    p = NgramProposer()
+    assert isinstance(p, Proposer)
+    assert (p.prompt_lookup_min, p.prompt_lookup_max) == (1, 4)
+    hist = [[1, 2, 3, 1, 2]]
+    assert p.propose_for(["r0"], hist, 2) == p.propose(hist, 2) == [[3, 1]]
+    assert p.propose_with_probs(["r0"], hist, 2) == Proposals(draft_token_ids=[[3, 1]], draft_probs=None)
+    p.free("r0")  # stateless: nothing to forget
+    with pytest.raises(ConfigError):
+        NgramProposer(prompt_lookup_min=0)
+    with pytest.raises(ConfigError):
+        NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
