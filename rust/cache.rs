@@ -163,12 +163,17 @@ impl HybridCacheManager {
         self.reqs.contains_key(&req)
     }
 
-    /// Leading blocks of `hashes[..max_blocks]` that are in the prefix cache.
-    fn kv_prefix_blocks(&self, hashes: &[BlockHash], max_blocks: usize) -> usize {
-        hashes[..max_blocks]
-            .iter()
-            .position(|h| !self.kv.contains(*h))
-            .unwrap_or(max_blocks)
+    /// The cached blocks of the longest prefix of `hashes[..max_blocks]` in the prefix cache
+    /// (one map lookup per block).
+    fn kv_prefix_blocks(&self, hashes: &[BlockHash], max_blocks: usize) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(max_blocks);
+        for h in &hashes[..max_blocks] {
+            match self.kv.get_cached(*h) {
+                Some(b) => out.push(b),
+                None => break,
+            }
+        }
+        out
     }
 
     /// Longest usable hit for a request whose full-block hashes are `block_hashes` and whose known
@@ -186,18 +191,19 @@ impl HybridCacheManager {
             return CacheHit::default();
         }
         let max_blocks = (num_tokens.saturating_sub(1) / b).min(block_hashes.len());
-        let (kv_blocks, l, checkpoint) = match (self.mode, self.has_mamba) {
+        let (mut kv_blocks, l, checkpoint) = match (self.mode, self.has_mamba) {
             // No Mamba layers: the mode has no effect, hits are KV only.
             (_, false) => {
-                let k = self.kv_prefix_blocks(block_hashes, max_blocks);
-                (k, k * b, None)
+                let blocks = self.kv_prefix_blocks(block_hashes, max_blocks);
+                let l = blocks.len() * b;
+                (blocks, l, None)
             }
-            (MambaCacheMode::None, true) => (0, 0, None),
+            (MambaCacheMode::None, true) => (Vec::new(), 0, None),
             (MambaCacheMode::Align | MambaCacheMode::All, true) => {
-                let k = self.kv_prefix_blocks(block_hashes, max_blocks);
+                let blocks = self.kv_prefix_blocks(block_hashes, max_blocks);
                 let m = self.mamba_block_size;
                 let mut found = (0, None);
-                let mut p = (k * b) / m;
+                let mut p = (blocks.len() * b) / m;
                 while p > 0 {
                     let l = p * m;
                     let h = block_hashes[l / b - 1];
@@ -209,20 +215,17 @@ impl HybridCacheManager {
                     }
                     p -= 1;
                 }
-                (k, found.0, found.1)
+                (blocks, found.0, found.1)
             }
         };
         if let Some(s) = checkpoint {
             self.mamba.touch(s);
         }
-        let kv_tokens = kv_blocks * b;
+        let kv_tokens = kv_blocks.len() * b;
         self.hit_tokens += l as u64;
         self.kv_hit_tokens += kv_tokens as u64;
         self.lost_tokens += (kv_tokens - l) as u64;
-        let kv_blocks = block_hashes[..l / b]
-            .iter()
-            .map(|h| self.kv.get_cached(*h).unwrap_or(NULL_BLOCK))
-            .collect();
+        kv_blocks.truncate(l / b);
         CacheHit {
             num_tokens: l,
             kv_blocks,
