@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <unordered_set>
@@ -91,6 +92,13 @@ void scatter_slots(const Tensor& src_buf, const Tensor& dst_state, const std::ve
   p.n = n;
   p.slot_bytes = slot_bytes;
   hs::launch_slot_copy(p, at::cuda::getCurrentCUDAStream());
+}
+
+// dt clamp bounds as float: anything beyond the float range (1e300, inf) is "no bound".
+float as_bound(double v) {
+  if (v >= 3.4028234663852886e38) return INFINITY;
+  if (v <= -3.4028234663852886e38) return -INFINITY;
+  return static_cast<float>(v);
 }
 
 void check_launch() {
@@ -220,8 +228,8 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   p.R = static_cast<int>(R);
   p.NC = static_cast<int>(NC);
   p.Q = static_cast<int>(Q);
-  p.dt_min = static_cast<float>(dt_min);
-  p.dt_max = static_cast<float>(dt_max);
+  p.dt_min = as_bound(dt_min);
+  p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
   hs::launch_ssd(p, at::cuda::getCurrentCUDAStream());
   check_launch();
@@ -292,8 +300,8 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
   p.N = static_cast<int>(N);
   p.G = static_cast<int>(G);
   p.R = static_cast<int>(R);
-  p.dt_min = static_cast<float>(dt_min);
-  p.dt_max = static_cast<float>(dt_max);
+  p.dt_min = as_bound(dt_min);
+  p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
   hs::launch_ssu(p, at::cuda::getCurrentCUDAStream());
   check_launch();
@@ -549,23 +557,25 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const st
 
 }  // namespace
 
+// Defaults mirror reference.py; dt_max=1e300 stands for +inf (the schema grammar has no inf; it
+// becomes +inf as a float, i.e. no clamp).
 TORCH_LIBRARY(hybridserve, m) {
   m.def(
       "ssd_prefill(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
       "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor num_computed_tokens, Tensor read_slot, "
       "Tensor has_initial_state, Tensor write_slot, Tensor emit_row, Tensor emit_token, Tensor emit_slot, "
-      "int chunk_size, float dt_min, float dt_max) -> Tensor");
+      "int chunk_size, float dt_min=0.0, float dt_max=1e300) -> Tensor");
   m.def(
       "selective_state_update(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
-      "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor read_slot, Tensor write_slots, float dt_min, "
-      "float dt_max) -> Tensor");
+      "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor read_slot, Tensor write_slots, float dt_min=0.0, "
+      "float dt_max=1e300) -> Tensor");
   m.def(
       "causal_conv1d_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
       "Tensor query_start_loc, Tensor read_slot, Tensor has_initial_state, Tensor write_slot, "
-      "Tensor emit_row, Tensor emit_token, Tensor emit_slot, str? activation) -> Tensor");
+      "Tensor emit_row, Tensor emit_token, Tensor emit_slot, str? activation=\"silu\") -> Tensor");
   m.def(
       "causal_conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
-      "Tensor query_start_loc, Tensor read_slot, Tensor write_slots, str? activation) -> Tensor");
+      "Tensor query_start_loc, Tensor read_slot, Tensor write_slots, str? activation=\"silu\") -> Tensor");
   m.def("copy_slots(Tensor(a!) state, Tensor src, Tensor dst) -> ()");
   m.def(
       "rejection_sample(Tensor target_probs, Tensor? target_logits, Tensor draft_token_ids, "
