@@ -289,7 +289,7 @@ impl Driver {
                             Some(&Self::content(&r.salt, &r.tokens[..r.computed]))
                         );
                     }
-                    self.forward(key, &mut r, new, 0, 1, abort_ckpt, false);
+                    self.forward(key, &mut r, new, 1, abort_ckpt, false);
                 }
             }
         } else if r.computed + 1 < n {
@@ -299,7 +299,7 @@ impl Driver {
                 self.reqs.insert(key, r);
                 return;
             }
-            self.forward(key, &mut r, new, 0, 1, abort_ckpt, false);
+            self.forward(key, &mut r, new, 1, abort_ckpt, false);
         } else {
             // Decode / verify: the last token plus k drafts (lookahead slots for them).
             let d = if k == 0 { 0 } else { chunk % (k + 1) };
@@ -308,12 +308,12 @@ impl Driver {
                 return;
             }
             let a = 1 + accept % (d + 1);
-            self.forward(key, &mut r, 1 + d, d, a, abort_ckpt, true);
+            self.forward(key, &mut r, 1 + d, a, abort_ckpt, true);
         }
         self.reqs.insert(key, r);
     }
 
-    /// Runs `new` tokens (the last `drafts` of them drafts), `accepted` of them accepted
+    /// Runs `new` tokens (a verify row: the last token and `new - 1` drafts), `accepted` of them accepted
     /// (prefill rows: `accepted == 1`, all tokens count). Then publishes boundary checkpoints of
     /// accepted positions, caches full accepted blocks and commits (or cancels) the checkpoints.
     fn forward(
@@ -321,11 +321,11 @@ impl Driver {
         key: ReqKey,
         r: &mut Req,
         new: usize,
-        drafts: usize,
         accepted: usize,
         abort_ckpt: bool,
         verify: bool,
     ) {
+        let drafts = if verify { new - 1 } else { 0 };
         let window = self.m.state_window(key).to_vec();
         let table_len = self.m.block_table(key).len();
         assert!(
