@@ -234,9 +234,12 @@ class Driver:
             window=[1 + i * self.W + w for w in range(self.W)],
         )
 
-    def step(self, rows: list[tuple[_Req, list[int], bool]]) -> torch.Tensor:
-        """rows: (req, token ids to run, is_decode); decode rows must come first. Returns the
-        logits of every token of decode rows and of the last token of final prefill chunks."""
+    def step(
+        self, rows: list[tuple[_Req, list[int], bool]], emits: list[tuple[int, int, int]] | None = None
+    ) -> torch.Tensor:
+        """rows: (req, token ids to run, is_decode); decode rows must come first. emits: (row,
+        token index in row, slot). Returns the logits of every token of decode rows and of the
+        last token of final prefill chunks."""
         ids, pos, qsl, nct, sl, slot_map = [], [], [0], [], [], []
         read, has_init, wslots, logits_idx = [], [], [], []
         num_decodes = 0
@@ -279,9 +282,9 @@ class Driver:
             state_read_slot=t(read),
             has_initial_state=t(has_init, torch.bool),
             state_write_slots=t(wslots),
-            emit_row=t([]),
-            emit_token=t([]),
-            emit_slot=t([]),
+            emit_row=t([e[0] for e in emits or []]),
+            emit_token=t([e[1] for e in emits or []]),
+            emit_slot=t([e[2] for e in emits or []]),
             logits_indices=t(logits_idx).to(dev),
         )
         logits = self.lm.model(batch, self.caches)
