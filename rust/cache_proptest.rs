@@ -44,6 +44,9 @@ enum Op {
     Finish {
         pick: u8,
     },
+    Settle {
+        cancel: bool,
+    },
     Reset,
 }
 
@@ -54,6 +57,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(pick, chunk, accept, abort_ckpt)| Op::Step { pick, chunk, accept, abort_ckpt }),
         1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
         2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        4 => prop::bool::weighted(0.2).prop_map(|cancel| Op::Settle { cancel }),
         1 => Just(Op::Reset),
     ]
 }
@@ -81,6 +85,11 @@ struct Driver {
     reqs: BTreeMap<ReqKey, Req>,
     next_key: ReqKey,
     mem: HashMap<SlotId, Content>,
+    /// Reserved checkpoints whose forward has not "finished" yet (committed by `Settle`).
+    pending: Vec<SlotId>,
+    /// KV memory: per block and offset, a fingerprint of the (salt, token prefix) whose last
+    /// token's KV was written there.
+    kv_mem: HashMap<BlockId, [u64; B]>,
     token_ctr: u32,
 }
 
@@ -99,6 +108,8 @@ impl Driver {
             reqs: BTreeMap::new(),
             next_key: 1,
             mem: HashMap::new(),
+            pending: Vec::new(),
+            kv_mem: HashMap::new(),
             token_ctr: 50_000,
         }
     }
@@ -117,6 +128,23 @@ impl Driver {
 
     fn content(salt: &Option<String>, toks: &[u32]) -> Content {
         Some((salt.clone(), toks.to_vec()))
+    }
+
+    fn fingerprint(salt: &Option<String>, prefix: &[u32]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        salt.hash(&mut h);
+        prefix.hash(&mut h);
+        h.finish() | 1
+    }
+
+    /// Writes the KV of positions [start, start + seq_new) of `seq` into the request's blocks.
+    fn write_kv(&mut self, key: ReqKey, salt: &Option<String>, seq: &[u32], start: usize) {
+        let table = self.m.block_table(key).to_vec();
+        for pos in start..seq.len() {
+            let fp = Self::fingerprint(salt, &seq[..pos + 1]);
+            self.kv_mem.entry(table[pos / B]).or_insert([0; B])[pos % B] = fp;
+        }
     }
 
     fn snapshot(&self) -> (usize, usize, usize, usize, usize, usize) {
@@ -180,10 +208,11 @@ impl Driver {
                     self.reqs.remove(&key);
                 }
             }
+            Op::Settle { cancel } => self.settle(cancel),
             Op::Reset => {
                 let any_running = self.reqs.values().any(|r| r.running);
                 let ok = self.m.reset_prefix_cache();
-                assert_eq!(ok, !any_running);
+                assert_eq!(ok, !any_running && self.pending.is_empty());
                 if ok {
                     let s = self.m.stats();
                     assert_eq!(s.kv_blocks_cached, 0);
@@ -204,6 +233,15 @@ impl Driver {
         for (i, &b) in hit.kv_blocks.iter().enumerate() {
             assert_ne!(b, NULL_BLOCK);
             assert_eq!(self.m.kv_pool().block_hash(b), Some(r.hashes[i]));
+            let written = self.kv_mem.get(&b).copied().unwrap_or([0; B]);
+            for (o, &fp) in written.iter().enumerate() {
+                let pos = i * B + o;
+                assert_eq!(
+                    fp,
+                    Self::fingerprint(&r.salt, &r.tokens[..pos + 1]),
+                    "hit block {i} holds the KV of exactly this prefix"
+                );
+            }
         }
         // KV prefix length is maximal.
         let max_blocks = ((n - 1) / B).min(r.hashes.len());
@@ -344,6 +382,8 @@ impl Driver {
         if !verify {
             // Prefill: final state into window[0].
             end = start + new;
+            let seq = r.tokens[..end].to_vec();
+            self.write_kv(key, &r.salt, &seq, start);
             if self.mamba {
                 self.mem
                     .insert(window[0], Self::content(&r.salt, &r.tokens[..end]));
@@ -356,6 +396,7 @@ impl Driver {
                 let t = self.fresh_token();
                 seq.push(t);
             }
+            self.write_kv(key, &r.salt, &seq, start);
             for t in 0..new {
                 let c = if t < accepted {
                     Self::content(&r.salt, &seq[..start + t + 1])
@@ -397,12 +438,26 @@ impl Driver {
             p += 1;
         }
         self.m.cache_full_blocks(key, &r.hashes, r.computed);
+        // Pending until `Settle` (the update after the forward), or cancelled right away.
         for s in pending {
             if abort_ckpt {
                 self.m.cancel_checkpoint(s);
                 assert_eq!(self.m.debug_tag(s), None);
             } else {
+                self.pending.push(s);
+            }
+        }
+    }
+
+    fn settle(&mut self, cancel: bool) {
+        for s in std::mem::take(&mut self.pending) {
+            assert_eq!(self.m.mamba_pool().kind(s), Some(SlotKind::Pending));
+            if cancel {
+                self.m.cancel_checkpoint(s);
+                assert_eq!(self.m.debug_tag(s), None);
+            } else {
                 self.m.commit_checkpoint(s);
+                assert_eq!(self.m.mamba_pool().kind(s), Some(SlotKind::Committed));
             }
         }
     }
@@ -465,13 +520,14 @@ impl Driver {
             s.mamba_slots_used,
             nw + s.checkpoints_committed + s.checkpoints_pending
         );
-        assert_eq!(
-            s.checkpoints_pending, 0,
-            "every step commits or cancels its own"
-        );
+        assert_eq!(s.checkpoints_pending, self.pending.len());
+        for &p in &self.pending {
+            assert_eq!(self.m.mamba_pool().kind(p), Some(SlotKind::Pending));
+        }
     }
 
     fn finish_all(&mut self) {
+        self.settle(false);
         let keys: Vec<ReqKey> = self.reqs.keys().copied().collect();
         for k in keys {
             self.m.free(k);
