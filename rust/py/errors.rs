@@ -6,10 +6,30 @@ use pyo3::prelude::*;
 
 use crate::error::HsError;
 
-create_exception!(_core, HybridServeError, PyException, "Base class of every hybridserve error.");
-create_exception!(_core, ConfigError, HybridServeError, "The engine configuration cannot work.");
-create_exception!(_core, InvalidRequestError, HybridServeError, "A request is malformed.");
-create_exception!(_core, InternalError, HybridServeError, "A broken internal invariant.");
+create_exception!(
+    _core,
+    HybridServeError,
+    PyException,
+    "Base class of every hybridserve error."
+);
+create_exception!(
+    _core,
+    ConfigError,
+    HybridServeError,
+    "The engine configuration cannot work."
+);
+create_exception!(
+    _core,
+    InvalidRequestError,
+    HybridServeError,
+    "A request is malformed."
+);
+create_exception!(
+    _core,
+    InternalError,
+    HybridServeError,
+    "A broken internal invariant."
+);
 
 pub fn to_pyerr(err: HsError) -> PyErr {
     match err {
