@@ -253,8 +253,11 @@ impl HybridCacheManager {
             (MambaCacheMode::Align | MambaCacheMode::All, true) => match hit.checkpoint {
                 None => hit.num_tokens == 0,
                 Some(s) => {
+                    // Committed, at L, and keyed by the hash of the hit's last KV block.
+                    let last = hit.kv_blocks.last().and_then(|&x| self.kv.block_hash(x));
                     self.mamba.kind(s) == Some(SlotKind::Committed)
-                        && self.mamba.tag(s).map(|t| t.1) == Some(hit.num_tokens)
+                        && self.mamba.tag(s).map(|t| (Some(t.0), t.1))
+                            == Some((last, hit.num_tokens))
                 }
             },
         }

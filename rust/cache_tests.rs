@@ -454,3 +454,63 @@ fn stale_hit_is_refused_by_allocate_new() {
         "already allocated"
     );
 }
+
+#[test]
+fn malformed_hits_are_refused_without_taking_anything() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::All, 0, 2), 32, 16);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    let ck = run_and_publish(&mut m, 1, &t, None, &[8, 16]);
+    m.free(1);
+    let good = m.find_longest_cache_hit(&h, 17);
+    assert_eq!(good.num_tokens, 16);
+    let before = m.stats();
+    let bad = [
+        CacheHit {
+            num_tokens: 16,
+            kv_blocks: vec![0, 0, 0, 0],
+            ..good.clone()
+        },
+        CacheHit {
+            num_tokens: 12,
+            ..good.clone()
+        },
+        CacheHit {
+            checkpoint: Some(ck[0]),
+            ..good.clone()
+        },
+        CacheHit {
+            checkpoint: None,
+            ..good.clone()
+        },
+        CacheHit {
+            checkpoint: Some(999),
+            ..good.clone()
+        },
+        CacheHit {
+            kv_blocks: good.kv_blocks[..2].to_vec(),
+            num_tokens: 8,
+            ..good.clone()
+        },
+    ];
+    for (i, hit) in bad.iter().enumerate() {
+        assert_eq!(m.allocate_new(2, hit, 1, 0), None, "case {i}");
+        assert_eq!(m.stats(), before, "case {i}");
+    }
+    // The consistent 8-token hit (checkpoint at 8) is fine.
+    let eight = CacheHit {
+        kv_blocks: good.kv_blocks[..2].to_vec(),
+        num_tokens: 8,
+        checkpoint: Some(ck[0]),
+        kv_hit_tokens: 16,
+    };
+    let ops = m.allocate_new(2, &eight, 1, 0).unwrap();
+    let w0 = m.state_window(2)[0];
+    assert_eq!(
+        ops,
+        vec![StateOp::Copy {
+            src: ck[0],
+            dst: w0
+        }]
+    );
+}
