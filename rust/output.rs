@@ -24,7 +24,7 @@ pub struct RowInfo {
 pub struct SchedulerOutput {
     /// Identifies the step; `update_from_output` must get the last scheduled output.
     pub step_id: u64,
-    pub req_ids: Vec<String>,
+    pub req_ids: Vec<std::sync::Arc<str>>,
     pub num_decodes: usize,
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,

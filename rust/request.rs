@@ -1,6 +1,8 @@
 //! A request's state machine: waiting -> running <-> preempted -> finished, its tokens (prompt and
 //! accepted output), the stop conditions the scheduler enforces, and its chained block hashes.
 
+use std::sync::Arc;
+
 use crate::block_hash::{BlockHash, BlockHasher};
 use crate::cache::ReqKey;
 use crate::error::{HsError, HsResult};
@@ -90,7 +92,7 @@ impl NewRequest {
 #[derive(Debug, Clone)]
 pub struct Request {
     pub key: ReqKey,
-    pub id: String,
+    pub id: Arc<str>,
     pub num_prompt_tokens: usize,
     /// Prompt followed by the accepted output tokens. Drafts are never in here.
     pub all_token_ids: Vec<u32>,
@@ -121,7 +123,7 @@ impl Request {
     pub fn new(key: ReqKey, arrival: u64, req: NewRequest) -> Self {
         Request {
             key,
-            id: req.request_id,
+            id: req.request_id.into(),
             num_prompt_tokens: req.prompt_token_ids.len(),
             all_token_ids: req.prompt_token_ids,
             stop: req.stop,

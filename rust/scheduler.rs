@@ -4,6 +4,8 @@
 //! accepted decode positions); speculative bookkeeping; preemption by recompute; aborts.
 
 use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 use crate::block_hash::BlockHasher;
 use crate::cache::{CacheHit, CacheStats, HybridCacheManager, ReqKey, SlotId, StateOp};
@@ -12,10 +14,30 @@ use crate::error::{HsError, HsResult};
 use crate::output::{RowInfo, SchedulerOutput};
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
 
+/// A fast hasher for the scheduler's own sequential numeric keys (never user input).
+#[derive(Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.0 = (self.0.rotate_left(5) ^ i).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+type KeyMap<V> = HashMap<ReqKey, V, BuildHasherDefault<KeyHasher>>;
+
 /// What one step changed for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestDelta {
-    pub request_id: String,
+    pub request_id: Arc<str>,
     pub new_token_ids: Vec<u32>,
     pub finished: bool,
     pub finish_reason: Option<FinishReason>,
@@ -63,7 +85,7 @@ pub struct Scheduler {
     cfg: ResolvedConfig,
     cache: HybridCacheManager,
     hasher: BlockHasher,
-    requests: HashMap<ReqKey, Request>,
+    requests: KeyMap<Request>,
     ids: HashMap<String, ReqKey>,
     /// (priority, arrival, key): lower priority values first, then FCFS.
     waiting: BTreeSet<(i64, u64, ReqKey)>,
@@ -133,7 +155,7 @@ impl Scheduler {
             cfg: cfg.clone(),
             cache: HybridCacheManager::new(cfg, num_kv_blocks, num_mamba_slots),
             hasher: BlockHasher::new(hash_seed),
-            requests: HashMap::new(),
+            requests: KeyMap::default(),
             ids: HashMap::new(),
             waiting: BTreeSet::new(),
             running: Vec::new(),
@@ -194,7 +216,7 @@ impl Scheduler {
         if self.prefix_caching {
             req.update_hashes(&self.hasher, self.cfg.block_size);
         }
-        self.ids.insert(req.id.clone(), key);
+        self.ids.insert(req.id.to_string(), key);
         self.waiting.insert((req.priority, req.arrival, key));
         self.requests.insert(key, req);
         Ok(())
@@ -223,7 +245,7 @@ impl Scheduler {
             RequestStatus::Finished(_) => {}
         }
         self.stats.num_aborted_total += 1;
-        self.finished_ids.push(req.id);
+        self.finished_ids.push(req.id.to_string());
         true
     }
 
@@ -347,7 +369,7 @@ impl Scheduler {
         self.cache.free(key);
         self.running.retain(|&k| k != key);
         if let Some(req) = self.requests.remove(&key) {
-            self.ids.remove(&req.id);
+            self.ids.remove(&*req.id);
             self.stats.num_finished_total += 1;
             self.pending_deltas.push(RequestDelta {
                 request_id: req.id.clone(),
@@ -357,7 +379,7 @@ impl Scheduler {
                 stop_token_id: None,
                 num_cached_tokens: req.num_cached_tokens,
             });
-            self.finished_ids.push(req.id);
+            self.finished_ids.push(req.id.to_string());
         }
     }
 
@@ -547,7 +569,7 @@ impl Scheduler {
             num_computed_tokens: Vec::with_capacity(nrows),
             seq_lens: Vec::with_capacity(nrows),
             slot_mapping: Vec::with_capacity(num_tokens),
-            block_table: vec![0; nrows * max_blocks],
+            block_table: Vec::with_capacity(nrows * max_blocks),
             max_blocks,
             state_read_slot: Vec::with_capacity(nrows),
             has_initial_state: Vec::with_capacity(nrows),
@@ -606,9 +628,8 @@ impl Scheduler {
             out.query_start_loc.push(out.input_ids.len() as i64);
             out.num_computed_tokens.push(nc as i64);
             out.seq_lens.push(end as i64);
-            for (j, &blk) in table.iter().enumerate() {
-                out.block_table[r * max_blocks + j] = blk as i64;
-            }
+            out.block_table.extend(table.iter().map(|&blk| blk as i64));
+            out.block_table.resize((r + 1) * max_blocks, 0);
             if window.len() < w && self.cfg.has_mamba_layers {
                 return Err(HsError::Internal(format!(
                     "state window of request {:?} is short",
@@ -860,8 +881,8 @@ impl Scheduler {
             for &key in &finished {
                 self.cache.free(key);
                 if let Some(req) = self.requests.remove(&key) {
-                    self.ids.remove(&req.id);
-                    self.finished_ids.push(req.id);
+                    self.ids.remove(&*req.id);
+                    self.finished_ids.push(req.id.to_string());
                 }
                 self.stats.num_finished_total += 1;
             }

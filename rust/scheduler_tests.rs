@@ -13,6 +13,10 @@ use super::*;
 use crate::config::{MambaCacheMode, ResolvedConfig};
 use crate::request::{FinishReason, NewRequest};
 
+fn ids(o: &SchedulerOutput) -> Vec<&str> {
+    o.req_ids.iter().map(|s| &**s).collect()
+}
+
 const H0: u64 = 0x1234_5678_9abc_def0;
 
 fn roll(h: u64, t: u32) -> u64 {
@@ -232,7 +236,7 @@ impl Sim {
         }
         let mut scheduled_ids = std::collections::HashSet::new();
         for (r, row) in o.rows.iter().enumerate() {
-            let id = o.req_ids[r].clone();
+            let id = o.req_ids[r].to_string();
             assert!(seen.insert(id.clone()), "request twice in a batch");
             scheduled_ids.insert(id.clone());
             let residency = self.s.get_request(&id).unwrap().num_preemptions;
@@ -381,7 +385,7 @@ impl Sim {
             drafts.extend(&d);
             sr.drafts = d.iter().map(|&x| x as u32).collect();
         }
-        let before_ids: Vec<String> = o.req_ids.clone();
+        let before_ids: Vec<String> = o.req_ids.iter().map(|s| s.to_string()).collect();
         let deltas = self
             .s
             .update_from_output(&o, &sampled, &num_sampled, Some((&drafts, &num_drafts)))
@@ -395,8 +399,8 @@ impl Sim {
             off += n;
         }
         for d in &deltas {
-            let sr = self.reqs.get_mut(&d.request_id).unwrap();
-            if let Some(s) = per_row.get(d.request_id.as_str()) {
+            let sr = self.reqs.get_mut(&*d.request_id).unwrap();
+            if let Some(s) = per_row.get(&*d.request_id) {
                 assert!(d.new_token_ids.len() <= s.len());
                 for (a, &b) in d.new_token_ids.iter().zip(s.iter()) {
                     assert_eq!(*a, b as u32);
@@ -505,7 +509,7 @@ fn chunked_prefill_respects_budget_and_shares_steps_with_decodes() {
     s.add_request(NewRequest::new("long", (1..=100).collect(), 1))
         .unwrap();
     let o = s.schedule().unwrap();
-    assert_eq!(o.req_ids, vec!["short", "long"]);
+    assert_eq!(ids(&o), vec!["short", "long"]);
     assert_eq!(o.num_decodes, 1);
     assert_eq!(o.num_scheduled_tokens, 32);
     assert_eq!(o.rows[1].num_new_tokens, 31);
@@ -529,14 +533,14 @@ fn chunked_prefill_off_schedules_whole_prompts_or_waits() {
     s.add_request(NewRequest::new("c", vec![3; 30], 3)).unwrap();
     let o = s.schedule().unwrap();
     assert_eq!(
-        o.req_ids,
+        ids(&o),
         vec!["a"],
         "b does not fit whole next to a and is not chunked"
     );
     s.update_from_output(&o, &[5], &[1], None).unwrap();
     let o = s.schedule().unwrap();
     assert_eq!(
-        o.req_ids,
+        ids(&o),
         vec!["a", "b"],
         "1 decode + 30 fits; c (30 > 9 left) waits"
     );
@@ -737,12 +741,12 @@ fn preemption_takes_lowest_priority_then_newest() {
     s.add_request(b).unwrap();
     // Waiting order by priority then arrival: old, new, low.
     let o = s.schedule().unwrap();
-    assert_eq!(o.req_ids, vec!["old", "new", "low"]);
+    assert_eq!(ids(&o), vec!["old", "new", "low"]);
     s.update_from_output(&o, &[1, 1, 1], &[1, 1, 1], None)
         .unwrap();
     // Each holds 4 blocks (16 tokens); the decode at 16 needs a 5th block: "low" goes first.
     let o = s.schedule().unwrap();
-    assert_eq!(o.req_ids, vec!["old", "new"]);
+    assert_eq!(ids(&o), vec!["old", "new"]);
     assert_eq!(
         s.get_request("low").unwrap().status,
         RequestStatus::Preempted
@@ -767,7 +771,11 @@ fn request_that_cannot_fit_alone_finishes_with_length() {
         let n: usize = ns.iter().map(|&x| x as usize).sum();
         for d in s.update_from_output(&o, &vec![3; n], &ns, None).unwrap() {
             if d.finished {
-                reasons.push((d.request_id, d.finish_reason, d.new_token_ids.len()));
+                reasons.push((
+                    d.request_id.to_string(),
+                    d.finish_reason,
+                    d.new_token_ids.len(),
+                ));
             }
         }
         if !s.has_unfinished_requests() {
@@ -792,7 +800,7 @@ fn max_num_seqs_limits_running() {
             .unwrap();
     }
     let o = s.schedule().unwrap();
-    assert_eq!(o.req_ids, vec!["r0", "r1"]);
+    assert_eq!(ids(&o), vec!["r0", "r1"]);
     assert_eq!(s.num_running(), 2);
     assert_eq!(s.num_waiting(), 2);
 }

@@ -306,7 +306,9 @@ impl PySchedulerOutput {
     #[getter]
     fn req_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 0, |py, o| {
-            Ok(PyList::new(py, &o.req_ids)?.into_any().unbind())
+            Ok(PyList::new(py, o.req_ids.iter().map(|s| &**s))?
+                .into_any()
+                .unbind())
         })
     }
     #[getter]
