@@ -80,6 +80,7 @@ struct Driver {
     mamba: bool,
     hybrid: bool,
     k: usize,
+    max_num_seqs: usize,
     m: HybridCacheManager,
     hasher: BlockHasher,
     reqs: BTreeMap<ReqKey, Req>,
@@ -103,6 +104,7 @@ impl Driver {
             mamba: cfg.has_mamba_layers,
             hybrid: cfg.has_mamba_layers && cfg.mamba_cache_mode != MambaCacheMode::None,
             k: cfg.num_speculative_tokens(),
+            max_num_seqs: cfg.max_num_seqs,
             m: HybridCacheManager::new(cfg, kv, slots),
             hasher: BlockHasher::new(3),
             reqs: BTreeMap::new(),
@@ -299,6 +301,20 @@ impl Driver {
             match self.m.allocate_new(key, &hit, new, 0) {
                 None => {
                     assert_eq!(self.snapshot(), before, "a failed allocation takes nothing");
+                    // Windows for up to max_num_seqs requests always fit: with fewer running
+                    // and enough KV blocks, the allocation must succeed.
+                    let running = self.reqs.values().filter(|q| q.running).count();
+                    let n_hit = hit.kv_blocks.len();
+                    let hit_free = hit
+                        .kv_blocks
+                        .iter()
+                        .filter(|&&b| self.m.kv_pool().is_free(b))
+                        .count();
+                    let need = (hit.num_tokens + new).div_ceil(B) - n_hit + hit_free;
+                    assert!(
+                        running >= self.max_num_seqs || self.m.kv_pool().num_free() < need,
+                        "refused although KV fits and fewer than max_num_seqs run"
+                    );
                     assert!(self.m.block_table(key).is_empty());
                     self.reqs.insert(key, r);
                     return;

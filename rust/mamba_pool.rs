@@ -8,8 +8,9 @@
 //! is *pinned* and not evictable.
 //!
 //! Budgets: `window_reserve` slots are kept for running windows; checkpoints (pending + committed)
-//! never take more than `checkpoint_cap = usable - window_reserve` slots (half the usable slots if
-//! the pool is smaller than the reserve). So windows for up to `window_reserve / (1 + K)` requests
+//! never take more than `checkpoint_cap = usable - window_reserve` slots (0 when the pool holds
+//! exactly the reserve; half the usable slots if the pool is smaller than the reserve, which then
+//! cannot be guaranteed anyway). So windows for up to `window_reserve / (1 + K)` requests
 //! are always allocatable without evicting anything. A window that needs more (the pool was sized
 //! for fewer requests) evicts committed checkpoints.
 //!
@@ -64,7 +65,7 @@ impl MambaPool {
     pub fn new(num_slots: usize, window_reserve: usize) -> Self {
         let n = num_slots.clamp(1, u32::MAX as usize - 2);
         let usable = n - 1;
-        let checkpoint_cap = if usable > window_reserve {
+        let checkpoint_cap = if usable >= window_reserve {
             usable - window_reserve
         } else {
             usable / 2
