@@ -22,7 +22,7 @@ PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something about foxes."}]
 
 # Engine flags the shared server runs with (small context so the limit tests stay cheap).
-SERVER_ARGS: tuple[str, ...] = ("--max-model-len", "256")
+SERVER_ARGS: tuple[str, ...] = ("--max-model-len", "256", "--mamba-block-size", "64")
 
 
 @pytest.fixture(scope="module")
@@ -81,30 +81,34 @@ def metrics(server: ServerProcess) -> dict[str, float]:
     return parse_metrics(asyncio.run(go()))
 
 
-def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
-    """Poll /metrics until nothing is running, waiting or holding blocks (or give up)."""
-    keys = [
-        "hybridserve_num_requests_running",
-        "hybridserve_num_requests_waiting",
-        "hybridserve_kv_blocks_used",
-        "hybridserve_mamba_slots_used",
-        "hybridserve_server_inflight_requests",
-    ]
+def held(m: dict[str, float]) -> dict[str, float]:
+    """What requests hold: running/waiting requests, referenced KV blocks, Mamba slots other than
+    prefix-cache checkpoints, and the server's own in-flight count."""
+    return {
+        "running": m["hybridserve_num_requests_running"],
+        "waiting": m["hybridserve_num_requests_waiting"],
+        "kv_blocks": m["hybridserve_kv_blocks_used"],
+        "mamba_windows": m["hybridserve_mamba_slots_used"]
+        - m["hybridserve_mamba_checkpoints_committed"]
+        - m["hybridserve_mamba_checkpoints_pending"],
+        "server_inflight": m["hybridserve_server_inflight_requests"],
+    }
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until requests hold nothing (or give up after `timeout`)."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
-        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
+        if not any(held(m).values()) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
 
 
 def assert_idle(server: ServerProcess) -> None:
     m = wait_idle(server)
-    assert m["hybridserve_num_requests_running"] == 0
-    assert m["hybridserve_num_requests_waiting"] == 0
-    assert m["hybridserve_kv_blocks_used"] == 0
-    assert m["hybridserve_mamba_slots_used"] == 0
-    assert m["hybridserve_server_inflight_requests"] == 0
+    assert held(m) == {"running": 0, "waiting": 0, "kv_blocks": 0, "mamba_windows": 0, "server_inflight": 0}
+    assert m["hybridserve_mamba_checkpoints_pending"] == 0
 
 
 def max_model_len(client: openai.OpenAI) -> int:
@@ -263,8 +267,10 @@ def test_cached_tokens_match_the_engine_counters(server, client):
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     after = wait_idle(server)
     hits = "hybridserve_prefix_cache_hit_tokens_total"
-    assert first.usage.prompt_tokens_details.cached_tokens == mid[hits] - before[hits]
+    assert first.usage.prompt_tokens_details.cached_tokens == mid[hits] - before[hits] == 0
     assert second.usage.prompt_tokens_details.cached_tokens == after[hits] - mid[hits]
+    # 117 prompt tokens, Mamba checkpoints every 64 tokens: the second request hits the first 64
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
     assert second.choices[0].text == first.choices[0].text
     # another tenant's salt never sees this prefix
     salted = client.completions.create(
@@ -369,8 +375,8 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
             return during
 
     during = asyncio.run(go())
-    assert during["hybridserve_num_requests_running"] == 1
-    assert during["hybridserve_kv_blocks_used"] >= 1 and during["hybridserve_mamba_slots_used"] >= 1
+    assert held(during)["running"] == 1
+    assert held(during)["kv_blocks"] >= 1 and held(during)["mamba_windows"] >= 1
     after = wait_idle(server)
     assert_idle(server)
     generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]

@@ -312,6 +312,11 @@ def test_metrics_registry_is_per_app_and_complete():
     assert v2["hybridserve_time_to_first_token_seconds_count"] == 0
     assert "hybridserve_inter_token_latency_seconds_count" in v1
     assert not math.isnan(v1["hybridserve_time_to_first_token_seconds_sum"])
+    # the scheduler's own key names are read when the contract's are absent
+    m3 = ServerMetrics(lambda: {"num_running": 3, "num_waiting": 2, "prefix_hit_tokens": 48})
+    v3 = parse_metrics(m3.render().decode())
+    assert v3["hybridserve_num_requests_running"] == 3 and v3["hybridserve_num_requests_waiting"] == 2
+    assert v3["hybridserve_prefix_cache_hit_tokens_total"] == 48
 
 
 # ------------------------------------------------------------------------- app without a model

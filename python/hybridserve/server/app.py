@@ -307,7 +307,7 @@ async def _error_middleware(
         resp = web.json_response(
             P.error_body("internal server error", type="internal_error", code="internal_error"), status=500
         )
-    if resp.status >= 400:
+    if resp.status >= 400 and request.path != "/health":
         metrics.http_errors.labels(status=str(resp.status)).inc()
     return resp
 

@@ -16,11 +16,30 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # engine.stats() key -> (metric name, help). Gauges are levels, counters are running totals.
+# Keys are those of contracts §6; ENGINE_KEY_ALIASES lists the scheduler's own names, read when
+# the contract key is absent.
 ENGINE_GAUGES = {
     "num_requests_running": ("hybridserve_num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("hybridserve_num_requests_waiting", "Requests waiting to be scheduled."),
-    "kv_blocks_used": ("hybridserve_kv_blocks_used", "KV cache blocks held by requests."),
-    "mamba_slots_used": ("hybridserve_mamba_slots_used", "Mamba state slots held by requests."),
+    "kv_blocks_used": ("hybridserve_kv_blocks_used", "KV cache blocks referenced by requests."),
+    "mamba_slots_used": (
+        "hybridserve_mamba_slots_used",
+        "Mamba state slots in use: running windows plus prefix-cache checkpoints.",
+    ),
+    "checkpoints_committed": (
+        "hybridserve_mamba_checkpoints_committed",
+        "Mamba slots holding committed prefix-cache checkpoints (part of mamba_slots_used).",
+    ),
+    "checkpoints_pending": (
+        "hybridserve_mamba_checkpoints_pending",
+        "Mamba slots reserved for checkpoints being written (part of mamba_slots_used).",
+    ),
+    "kv_blocks_cached_free": (
+        "hybridserve_kv_blocks_cached_free",
+        "KV blocks held by no request but kept for prefix hits.",
+    ),
+    "kv_blocks_total": ("hybridserve_kv_blocks_total", "KV cache blocks in the pool."),
+    "mamba_slots_total": ("hybridserve_mamba_slots_total", "Mamba state slots in the pool."),
 }
 ENGINE_COUNTERS = {
     "prompt_tokens": ("hybridserve_prompt_tokens", "Prompt tokens processed."),
@@ -43,6 +62,25 @@ ENGINE_COUNTERS = {
     ),
     "spec_decode_accepted_tokens": ("hybridserve_spec_decode_accepted_tokens", "Draft tokens accepted."),
 }
+ENGINE_KEY_ALIASES = {
+    "num_requests_running": ("num_running",),
+    "num_requests_waiting": ("num_waiting",),
+    "prefix_cache_queried_tokens": ("prefix_queried_tokens",),
+    "prefix_cache_hit_tokens": ("prefix_hit_tokens",),
+    "prefix_cache_lost_tokens": ("prefix_lost_tokens",),
+    "spec_decode_draft_tokens": ("spec_drafted_tokens",),
+    "spec_decode_accepted_tokens": ("spec_accepted_tokens",),
+}
+
+
+def engine_value(stats: dict[str, Any], key: str) -> float:
+    """stats[key], or the first alias present, else 0."""
+    for k in (key, *ENGINE_KEY_ALIASES.get(key, ())):
+        v = stats.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return 0.0
+
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -76,9 +114,9 @@ class _EngineCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is mid-shutdown
             s = {}
         for key, (name, doc) in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+            yield GaugeMetricFamily(name, doc, value=engine_value(s, key))
         for key, (name, doc) in ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+            yield CounterMetricFamily(name, doc, value=engine_value(s, key))
 
 
 class ServerMetrics:
