@@ -254,6 +254,37 @@ mod tests {
     }
 
     #[test]
+    fn single_bit_flips_avalanche() {
+        // Flipping one bit of one token (or of the parent) flips about half of the 128 output
+        // bits, in both lanes.
+        let h = BlockHasher::new(11);
+        let base: Vec<u32> = (0..16).map(|i| i * 7919 + 3).collect();
+        let root = h.root(None);
+        let h0 = h.hash_block(root, &base).0;
+        let (mut total, mut n) = (0u32, 0u32);
+        let (mut lo_min, mut hi_min) = (64u32, 64u32);
+        for t in 0..16 {
+            for bit in 0..32 {
+                let mut v = base.clone();
+                v[t] ^= 1 << bit;
+                let d = h.hash_block(root, &v).0 ^ h0;
+                lo_min = lo_min.min((d as u64).count_ones());
+                hi_min = hi_min.min(((d >> 64) as u64).count_ones());
+                total += d.count_ones();
+                n += 1;
+            }
+        }
+        for bit in 0..128 {
+            let d = h.hash_block(BlockHash(root.0 ^ (1 << bit)), &base).0 ^ h0;
+            total += d.count_ones();
+            n += 1;
+        }
+        let mean = total as f64 / n as f64;
+        assert!((60.0..68.0).contains(&mean), "mean flipped bits {mean}");
+        assert!(lo_min >= 12 && hi_min >= 12, "weak lane: {lo_min} {hi_min}");
+    }
+
+    #[test]
     fn no_collisions_on_many_similar_blocks() {
         let h = BlockHasher::new(0);
         let mut seen = HashSet::new();
@@ -262,7 +293,6 @@ mod tests {
             for b in 0..200u32 {
                 let blk = [a, b, 0, 0, 0, 0, 0];
                 assert!(seen.insert(h.hash_block(root, &blk)));
-                // And the lanes are not equal to each other.
             }
         }
         // Token order matters, zero tokens are not ignored.
