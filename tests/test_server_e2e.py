@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, parse_metrics, parse_sse
+from server_fixtures import ServerProcess, TokenizerModelInfo, parse_metrics, parse_sse
 
 MODEL = "demo"
 PROMPT = "The quick brown fox"
@@ -174,6 +174,39 @@ def test_chat_stream_matches_non_stream(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     assert full.usage.completion_tokens <= 8
+
+
+def test_chat_prompt_is_the_model_template(client):
+    info = TokenizerModelInfo(ensure_demo_model(), max_model_len=256)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
+    rendered = "<|im_start|>user\nSay something about foxes.<|im_end|>\n<|im_start|>assistant\n"
+    assert r.usage.prompt_tokens == len(info.encode(rendered)) == len(info.encode_chat(CHAT, True))
+
+
+def test_stop_string_echo_and_token_prompt(client):
+    base = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert len(base.text) >= 4
+    stop = base.text[2:4]
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
+    assert cut.text == base.text[: base.text.index(stop)]
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
+    ).choices[0]
+    assert (
+        echoed.text.startswith(PROMPT)
+        and echoed.text[len(PROMPT) :] == base.text[: len(echoed.text) - len(PROMPT)]
+    )
+    # the same prompt as token ids gives the same greedy output
+    ids = TokenizerModelInfo(ensure_demo_model()).encode(PROMPT)
+    by_ids = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert by_ids.text == base.text
 
 
 def test_n_choices_and_seeds(client):
