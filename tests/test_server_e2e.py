@@ -462,6 +462,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (c, "NaN", b'{"prompt": "x", "temperature": NaN}'),
         (c, "lone surrogate", b'{"prompt": "\\ud800"}'),
         (c, "body over the size limit", b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'),
+        (c, "200 KiB prompt (tokenized off the loop), too long", {"prompt": "fox " * 50_000}),
         (c, "huge digit string", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"),
         (c, "deep nesting", b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"),
         (c, "unknown field", {"prompt": "x", "frobnicate": True}),

@@ -400,24 +400,38 @@ def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
     return state.engine, state.info
 
 
-async def _read_body(request: web.Request) -> dict[str, Any]:
+# Bodies larger than this are decoded and tokenized off the event loop, so that one big prompt
+# does not stall the other streams.
+_INLINE_PARSE_BYTES = 64 * 1024
+
+
+async def _parse(
+    request: web.Request,
+    info: EngineModelInfo,
+    served_model_name: str,
+    parse: Callable[..., P.GenerateRequest],
+) -> P.GenerateRequest:
     raw = await request.read()  # raises HTTPRequestEntityTooLarge beyond client_max_size
-    return P.decode_json_body(raw)
+
+    def run() -> P.GenerateRequest:
+        return parse(P.decode_json_body(raw), info, served_model_name)
+
+    if len(raw) <= _INLINE_PARSE_BYTES:
+        return run()
+    return await asyncio.to_thread(run)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
-    body = await _read_body(request)
-    req = P.parse_completion_request(body, info, state.served_model_name)
+    req = await _parse(request, info, state.served_model_name, P.parse_completion_request)
     return await _generate(request, state, engine, info, req, f"cmpl-{uuid.uuid4().hex}")
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
-    body = await _read_body(request)
-    req = P.parse_chat_request(body, info, state.served_model_name)
+    req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
     return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
 
 
@@ -559,6 +573,10 @@ async def _generate(
 def _engine_error(e: BaseException) -> P.APIError:
     if isinstance(e, InvalidRequestError):
         return P.APIError(str(e), status=400, code="invalid_value")
+    if type(e).__name__ == "EngineDeadError":  # (not imported: that module pulls in torch)
+        return P.APIError(
+            f"the engine is not running: {e}", status=503, type="service_unavailable", code="engine_dead"
+        )
     logger.error("engine error: %r", e)
     return P.APIError(f"engine error: {e}", status=500, type="internal_error", code="internal_error")
 

@@ -113,14 +113,20 @@ async def _serve(args: argparse.Namespace) -> int:
     # The engine loads in a daemon thread, so a signal during loading need not wait for it.
     loaded: asyncio.Future[Any] = loop.create_future()
 
+    def report(fn: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop is gone: the server was stopped while loading
+            pass
+
     def load() -> None:
         try:
             engine = _build_engine(engine_args)
         except BaseException as e:  # reported on the event loop
             err = e
-            loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_exception(err))
+            report(lambda: loaded.done() or loaded.set_exception(err))
             return
-        loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(engine))
+        report(lambda: loaded.done() or loaded.set_result(engine))
 
     threading.Thread(target=load, name="hybridserve-load", daemon=True).start()
 
