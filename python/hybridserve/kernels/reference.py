@@ -283,6 +283,21 @@ def _padded_token_index(query_start_loc: torch.Tensor) -> tuple[torch.Tensor, to
     return idx, valid, lmax
 
 
+def _step_index(
+    valid: torch.Tensor, idx: torch.Tensor, t: int, lmax: int, T: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | slice, torch.Tensor | slice]:
+    """(CPU row ids, flat token index, row index) of the rows that have a token t; slices when
+    every row has one (no gather needed)."""
+    R = valid.shape[0]
+    if lmax == 1 and T == R:  # plain decode: token r is row r
+        return torch.arange(R), slice(None), slice(None)
+    col = valid[:, t]
+    if bool(col.all()):
+        return torch.arange(R), idx[:, t].to(dev), slice(None)
+    rows = torch.nonzero(col).flatten()
+    return rows, idx[rows, t].to(dev), rows.to(dev)
+
+
 def selective_state_update(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -335,9 +350,7 @@ def selective_state_update(
     y = torch.empty((T, H, P), dtype=cdt, device=dev)
     ws = write_slots.to("cpu", torch.int64)
     for t in range(lmax):
-        rows = torch.nonzero(valid[:, t]).flatten()
-        ti = idx[rows, t].to(dev)
-        rd = rows.to(dev)
+        rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
         dtt = dtp[ti]  # [r, H]
         a = torch.exp(dtt * Ah)  # [r, H]
         Bt = Bs[ti].repeat_interleave(hpg, dim=1, output_size=H)  # [r, H, N]
@@ -422,11 +435,10 @@ def causal_conv1d_prefill(
             base = qsl[rows] + rows * S  # ext index of the row's first state column
             pos = (base[:, None] + torch.arange(S, dtype=torch.int64)[None, :]).to(dev)  # [r, S]
             ext[pos.reshape(-1)] = init.transpose(1, 2).reshape(-1, Dc)
-    w = weight.to(cdt)
-    e = ext_index_tok.to(dev)
-    acc = torch.zeros((T, Dc), dtype=cdt, device=dev)
-    for k in range(W):
-        acc = acc + ext[e - S + k] * w[:, k]
+    # one depthwise conv over the whole extended sequence: output j sees ext[j .. j + W - 1],
+    # so token t (at ext index e_t) reads output e_t - S
+    conv = F.conv1d(ext.t()[None], weight.to(cdt)[:, None, :], None, groups=Dc)[0]  # [Dc, Text - S]
+    acc = conv.t()[ext_index_tok.to(dev) - S]
     if bias is not None:
         acc = acc + bias.to(cdt)
     y = _conv_act(acc, activation)
@@ -489,11 +501,9 @@ def causal_conv1d_update(
     y = torch.empty((T, Dc), dtype=cdt, device=dev)
     ws = write_slots.to("cpu", torch.int64)
     for t in range(lmax):
-        rows = torch.nonzero(valid[:, t]).flatten()
-        ti = idx[rows, t].to(dev)
-        rd = rows.to(dev)
+        rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
         full = torch.cat([win[rd], xs[ti][:, :, None]], dim=2)  # [r, Dc, W]
-        out = (full * w).sum(-1)
+        out = torch.einsum("rdk,dk->rd", full, w)
         if b is not None:
             out = out + b
         y[ti] = _conv_act(out, activation)

@@ -35,11 +35,8 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [B, H, Lq, D], k/v [B, KVH, Lk, D], mask bool [B, 1, Lq, Lk] (True = attend)."""
-    H, KVH = q.shape[1], k.shape[1]
-    if H != KVH:
-        k = k.repeat_interleave(H // KVH, dim=1)
-        v = v.repeat_interleave(H // KVH, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 class PagedAttention(nn.Module):
