@@ -121,8 +121,8 @@ def bench_burst(reps: int) -> tuple[list[float], int]:
 def report(name: str, times: list[float]) -> None:
     us = sorted(t * 1e6 for t in times)
     print(
-        f"{name:34s} median {statistics.median(us):8.1f} us   p10 {us[len(us) // 10]:8.1f}   "
-        f"p90 {us[len(us) * 9 // 10]:8.1f}   (n={len(us)})"
+        f"{name:34s} median {statistics.median(us):8.1f} us   mean {statistics.fmean(us):8.1f}   "
+        f"p10 {us[len(us) // 10]:8.1f}   p90 {us[len(us) * 9 // 10]:8.1f}   (n={len(us)})"
     )
 
 
