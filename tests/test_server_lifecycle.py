@@ -1,5 +1,6 @@
-"""A second real server with an API key and a queue of one: /health while loading, 401, 503 +
-Retry-After on a full queue, and a graceful SIGINT shutdown with a request in flight (exit 0)."""
+"""A second real server, with an API key, a queue of one and n-gram speculative decoding: /health
+while loading, 401, multi-token streaming deltas and the spec-decode metrics, 503 + Retry-After on
+a full queue, and a graceful SIGINT shutdown with a request in flight (exit 0)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, parse_sse
+from server_fixtures import ServerProcess, parse_metrics, parse_sse
 
 MODEL = "served-demo"
 KEY = "s3cret-key"
@@ -22,13 +23,14 @@ def test_auth_queue_limit_and_graceful_shutdown():
     ensure_demo_model()
     srv = ServerProcess(
         "--max-model-len", "256", "--api-key", KEY, "--max-queue-len", "1", "--served-model-name", MODEL,
-        "--shutdown-timeout", "0",
+        "--shutdown-timeout", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     )  # fmt: skip
     try:
         srv.wait_ready()
         # listening started before the model was loaded: only 503 (loading) until the 200
         assert srv.health_seen[-1] == 200 and set(srv.health_seen[:-1]) == {503}
         _check_auth(srv)
+        _check_speculative_stream(srv)
         asyncio.run(_check_queue_full_then_sigint(srv))
         assert srv.wait_exit(timeout=60) == 0, srv.output()[-3000:]
         assert srv.health_status() is None  # no longer listening
@@ -49,6 +51,33 @@ def _check_auth(srv: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError):  # the served name, not the folder name
         good.completions.create(model="demo", prompt="Hello", max_tokens=2)
     assert srv.health_status() == 200  # /health needs no key
+
+
+def _check_speculative_stream(srv: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    prompt = "one two three one two three one two three one two"
+    kw = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert full.usage.completion_tokens == 16
+    m = parse_metrics(asyncio.run(_get_text(srv, "/metrics")))
+    drafted = m["hybridserve_spec_decode_draft_tokens_total"]
+    accepted = m["hybridserve_spec_decode_accepted_tokens_total"]
+    assert drafted > 0 and 0 <= accepted <= drafted
+
+
+async def _get_text(srv: ServerProcess, path: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(srv.base + path) as r:
+            assert r.status == 200
+            return await r.text()
 
 
 async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
