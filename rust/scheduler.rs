@@ -235,7 +235,7 @@ impl Scheduler {
             RequestStatus::Waiting | RequestStatus::Preempted => {
                 self.waiting.remove(&(req.priority, req.arrival, key));
                 if req.status == RequestStatus::Preempted {
-                    self.stats.num_preempted -= 1;
+                    self.stats.num_preempted = self.stats.num_preempted.saturating_sub(1);
                 }
             }
             RequestStatus::Running => {
@@ -249,8 +249,15 @@ impl Scheduler {
         true
     }
 
+    /// True while any request is waiting or running, or a finish decided inside `schedule()`
+    /// has not been returned by `update_from_output` yet.
     pub fn has_unfinished_requests(&self) -> bool {
-        !self.requests.is_empty()
+        !self.requests.is_empty() || !self.pending_deltas.is_empty()
+    }
+
+    /// Per-slot state size in bytes (all Mamba layers), for the checkpoint_bytes figure.
+    pub fn set_state_bytes_per_slot(&mut self, n: usize) {
+        self.cache.set_state_bytes_per_slot(n);
     }
 
     pub fn num_running(&self) -> usize {
@@ -493,7 +500,7 @@ impl Scheduler {
                 continue;
             };
             if req.status == RequestStatus::Preempted {
-                self.stats.num_preempted -= 1;
+                self.stats.num_preempted = self.stats.num_preempted.saturating_sub(1);
             }
             req.status = RequestStatus::Running;
             req.num_computed_tokens = start;

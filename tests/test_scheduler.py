@@ -305,3 +305,19 @@ def test_stats_keys() -> None:
         "spec_accepted_tokens",
     ):
         assert isinstance(st[key], int)
+
+
+def test_capacity_finish_is_returned_by_an_empty_update() -> None:
+    # 4 usable blocks = 16 tokens: a 14-token prompt cannot grow past 16 tokens even alone.
+    s = make("none", blocks=5)
+    s.add_request("a", np.arange(1, 15, dtype=np.int32), max_tokens=10)  # numpy prompt accepted
+    got = []
+    for _ in range(10):
+        if not s.has_unfinished_requests():
+            break
+        o = s.schedule()
+        nl = o.num_logits
+        got += s.update_from_output(o, np.full(int(nl.sum()), 3, dtype=np.int32), nl)
+    assert [(d.request_id, d.finish_reason) for d in got if d.finished] == [("a", "length")]
+    assert not s.has_unfinished_requests()
+    assert s.stats()["kv_blocks_used"] == 0

@@ -167,8 +167,12 @@ class RequestDelta:
 class Scheduler:
     """Continuous batching with chunked prefill, hybrid prefix caching and speculative bookkeeping.
     Lower `priority` values are served first and preempted last; ties go by arrival (FCFS).
-    Call update_from_output() with every output that has rows before the next schedule(); an output
-    with no rows (nothing fits right now) needs no update and carries no state copies."""
+    Step loop: out = schedule(); if out.num_rows: apply out.state_copies, run the forward, sample;
+    then ALWAYS deltas = update_from_output(out, ...) (with empty arrays when there are no rows: it
+    then returns the deltas of requests the scheduler finished by itself, e.g. a request that
+    cannot fit in the KV cache even alone -> finish_reason "length"). An output with no rows
+    carries no state copies and no emits. schedule() raises InternalError if the previous output
+    with rows was not updated."""
 
     def __init__(
         self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int = 0
@@ -196,7 +200,8 @@ class Scheduler:
         draft_token_ids: npt.NDArray[np.int32] | None = None,
         num_drafts: npt.NDArray[np.int32] | None = None,
     ) -> list[RequestDelta]: ...  # GIL released; int64 arrays and lists are accepted too
-    def has_unfinished_requests(self) -> bool: ...
+    def has_unfinished_requests(self) -> bool: ...  # also True while a finish delta is pending
+    def set_state_bytes_per_slot(self, num_bytes: int) -> None: ...  # extension, for stats
     @property
     def num_running(self) -> int: ...
     @property

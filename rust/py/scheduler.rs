@@ -174,6 +174,11 @@ impl PyScheduler {
         self.inner.has_unfinished_requests()
     }
 
+    /// Per-slot Mamba state size in bytes (all layers), for the `checkpoint_bytes` stat.
+    fn set_state_bytes_per_slot(&mut self, num_bytes: usize) {
+        self.inner.set_state_bytes_per_slot(num_bytes);
+    }
+
     #[getter]
     fn num_running(&self) -> usize {
         self.inner.num_running()
