@@ -391,7 +391,7 @@ impl Scheduler {
     }
 
     /// Picks the next batch. Call `update_from_output` with the result before the next call
-    /// (an output without rows needs none).
+    /// (required for an output with rows; for one without rows it returns pending finishes).
     pub fn schedule(&mut self) -> HsResult<SchedulerOutput> {
         if self.in_flight.is_some() {
             return Err(HsError::Internal(
@@ -472,27 +472,43 @@ impl Scheduler {
             let Some(&(_, _, key)) = self.waiting.first() else {
                 break;
             };
-            let Some(req) = self.requests.get(&key) else {
+            if !self.requests.contains_key(&key) {
                 self.waiting.pop_first();
                 continue;
-            };
-            let known = req.num_tokens();
-            let mut hit = if self.prefix_caching {
-                self.cache.find_longest_cache_hit(&req.block_hashes, known)
-            } else {
-                CacheHit::default()
-            };
-            if hit.num_tokens >= known {
-                hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
             }
+            // A hit can go stale when an earlier allocation of this step evicted its blocks:
+            // allocate_new then takes nothing and the hit is queried once more.
+            let mut admitted = None;
+            for attempt in 0..2 {
+                let Some(req) = self.requests.get(&key) else {
+                    break;
+                };
+                let known = req.num_tokens();
+                let mut hit = if self.prefix_caching {
+                    self.cache.find_longest_cache_hit(&req.block_hashes, known)
+                } else {
+                    CacheHit::default()
+                };
+                if hit.num_tokens >= known {
+                    hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
+                }
+                let num_new = self.prefill_chunk(hit.num_tokens, known, budget);
+                if num_new == 0 {
+                    break;
+                }
+                match self.cache.allocate_new(key, &hit, num_new, 0) {
+                    Some(ops) => {
+                        admitted = Some((hit, known, num_new, ops));
+                        break;
+                    }
+                    None if attempt == 0 && hit.num_tokens > 0 => continue,
+                    None => break,
+                }
+            }
+            let Some((hit, known, num_new, ops)) = admitted else {
+                break;
+            };
             let start = hit.num_tokens;
-            let num_new = self.prefill_chunk(start, known, budget);
-            if num_new == 0 {
-                break;
-            }
-            let Some(ops) = self.cache.allocate_new(key, &hit, num_new, 0) else {
-                break;
-            };
             hit_copies.extend(ops);
             self.waiting.pop_first();
             self.running.push(key);
@@ -525,6 +541,7 @@ impl Scheduler {
         let finished_req_ids = std::mem::take(&mut self.finished_ids);
         if plan.is_empty() {
             // Nothing runs: keep the publishes for the next step that does.
+            self.stats.num_scheduled_tokens_last = 0;
             return Ok(SchedulerOutput {
                 window_len: self.cfg.state_window_len(),
                 query_start_loc: vec![0],
