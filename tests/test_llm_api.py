@@ -1,0 +1,158 @@
+"""The offline API (LLM, SamplingParams, EngineArgs) and `hybridserve generate`, on the demo model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+
+from hybridserve import LLM, ConfigError, InvalidRequestError, SamplingParams
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@cache
+def llm32() -> LLM:
+    return LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=8)
+
+
+def test_generate_text_tokens_and_finish_reason() -> None:
+    llm = llm32()
+    out = llm.generate([PROMPT, {"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, temperature=0))
+    assert len(out) == 2
+    first = out[0].outputs[0]
+    assert out[0].prompt == PROMPT
+    assert out[0].prompt_token_ids == llm.get_tokenizer().encode(PROMPT)
+    assert len(first.token_ids) <= 8
+    assert first.finish_reason in ("length", "stop")
+    if first.finish_reason == "length":
+        assert len(first.token_ids) == 8
+    # The text is the incremental detokenization of the tokens.
+    assert first.text == llm.get_tokenizer().decode(first.token_ids)
+    assert out[1].prompt_token_ids == [5, 6, 7]
+
+
+def test_greedy_is_deterministic_and_batch_independent() -> None:
+    llm = llm32()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    batched = llm.generate(["Hello there", PROMPT, "A third prompt, longer than the others."], params)
+    assert batched[1].outputs[0].token_ids == alone
+
+
+def test_seeded_sampling_reproduces_and_differs_by_seed() -> None:
+    llm = llm32()
+    prompt = {"prompt_token_ids": [311, 47, 598, 12, 733, 140, 402, 9]}
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=16, temperature=2.0, seed=seed, ignore_eos=True)
+        return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_n_sequences_per_prompt() -> None:
+    out = llm32().generate(
+        PROMPT, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+    )
+    assert len(out) == 1
+    seqs = out[0].outputs
+    assert [s.index for s in seqs] == [0, 1, 2]
+    assert len({tuple(s.token_ids) for s in seqs}) > 1
+
+
+def test_logprobs_of_chosen_and_top_tokens() -> None:
+    out = llm32().generate(PROMPT, SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))
+    o = out[0].outputs[0]
+    assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids) == 5
+    for tok, entry in zip(o.token_ids, o.logprobs):
+        assert tok in entry
+        assert entry[tok].rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3  # the chosen token is among the top 3
+        assert all(lp.logprob <= 0.0 for lp in entry.values())
+        assert math.isclose(max(lp.logprob for lp in entry.values()), entry[tok].logprob)
+
+
+def test_stop_strings_cut_the_text() -> None:
+    llm = llm32()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(PROMPT, params)[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    o = cut[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.text == full.text[: full.text.index(stop)]
+    assert len(o.token_ids) < len(full.token_ids)
+
+
+def test_prefix_cache_reports_cached_tokens() -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=1024, mamba_block_size=64, max_num_seqs=4)
+    ids = list(range(10, 210))
+    first = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0))[0]
+    second = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 192  # the last checkpoint (multiple of 64) below 200
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_dtypes_generate(dtype: str) -> None:
+    llm = LLM("demo", dtype=dtype, max_model_len=256, max_num_seqs=2)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
+    llm = llm32()
+    with pytest.raises(InvalidRequestError):
+        llm.generate("", SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError):
+        llm.generate({"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError):
+        llm.generate({"prompt_token_ids": list(range(600))}, SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(temperature=-1)
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+    assert (
+        len(llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    )
+
+
+def test_config_errors_are_typed() -> None:
+    with pytest.raises(ConfigError):
+        LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)
+    with pytest.raises(ConfigError):
+        LLM("/nonexistent/model/folder")
+
+
+def test_generate_cli_prints_json() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridserve",
+            "generate",
+            "demo",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+            "--max-model-len",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["prompt"] == PROMPT and len(rec["token_ids"]) == 5 and rec["finish_reason"] == "length"
