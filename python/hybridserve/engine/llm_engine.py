@@ -75,6 +75,7 @@ class LLMEngine:
         self.scheduler = _core.Scheduler(
             self.config, self.em.sizes.num_kv_blocks, self.em.sizes.num_mamba_slots, int(args.seed)
         )
+        self.scheduler.set_state_bytes_per_slot(int(self.em.sizes.mamba_bytes_per_slot))
         self.sampler = Sampler()
         self.proposer = self.em.proposer
         self.num_speculative_tokens = int(self.config.num_speculative_tokens)
