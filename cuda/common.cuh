@@ -52,6 +52,12 @@ __device__ __forceinline__ float process_dt(float raw, float bias, float dt_min,
   return fminf(fmaxf(v, dt_min), dt_max);
 }
 
+// Raw dt of token t, head h: stored as T (the activation dtype) or as float32 (dt_f32).
+template <typename T>
+__device__ __forceinline__ float load_dt(const void* dt, bool dt_f32, int64_t off) {
+  return dt_f32 ? static_cast<const float*>(dt)[off] : to_float(static_cast<const T*>(dt)[off]);
+}
+
 __device__ __forceinline__ float silu(float v) {
   return v / (1.f + expf(-v));
 }

@@ -37,7 +37,8 @@ struct SsuParams {
   void* out;  // [T, H, P] contiguous
   int T, H, P, N, G, R;
   float dt_min, dt_max;
-  DType x_dtype;  // dtype of x / B / C / dt / out (all the same)
+  DType x_dtype;  // dtype of x / B / C / out (and dt unless dt_f32)
+  bool dt_f32;    // dt is float32 (whatever x_dtype is)
 };
 void launch_ssu(const SsuParams& p, cudaStream_t stream);
 
@@ -72,6 +73,7 @@ struct SsdParams {
   int T, H, P, N, G, R, NC, Q;
   float dt_min, dt_max;
   DType x_dtype;
+  bool dt_f32;  // dt is float32 (whatever x_dtype is)
 };
 void launch_ssd(const SsdParams& p, cudaStream_t stream);
 

@@ -184,7 +184,7 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   Tensor meta = meta_cpu.to(x.device());
 
   const at::ScalarType xt = x.scalar_type();
-  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
+  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, dt.scalar_type() == at::kFloat ? at::kFloat : xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
   Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
   Tensor rs = dev_long(read_slot, x), hi = dev_long(has_initial_state, x);
   auto fopt = x.options().dtype(at::kFloat);
@@ -231,6 +231,7 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   p.dt_min = as_bound(dt_min);
   p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
+  p.dt_f32 = dd.scalar_type() == at::kFloat;
   hs::launch_ssd(p, at::cuda::getCurrentCUDAStream());
   check_launch();
   const int64_t slot_bytes = H * P * N * 4;
@@ -267,7 +268,7 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
                       write_slots.size(1), " columns");
   }
   const at::ScalarType xt = x.scalar_type();
-  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
+  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, dt.scalar_type() == at::kFloat ? at::kFloat : xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
   Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
   Tensor qsl = dev_long(query_start_loc, x), rs = dev_long(read_slot, x), ws = dev_long(write_slots, x);
   Tensor out = at::empty({T, H, P}, x.options());
@@ -303,6 +304,7 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
   p.dt_min = as_bound(dt_min);
   p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
+  p.dt_f32 = dd.scalar_type() == at::kFloat;
   hs::launch_ssu(p, at::cuda::getCurrentCUDAStream());
   check_launch();
   return out;

@@ -77,14 +77,13 @@ __global__ void dt_cumsum_kernel(const SsdParams p) {
   const int c = blockIdx.x;
   const int64_t start = p.chunk_start[c];
   const int len = static_cast<int>(p.chunk_len[c]);
-  const T* dt = static_cast<const T*>(p.dt);
   for (int h = threadIdx.x; h < p.H; h += blockDim.x) {
     const float A = p.A[h];
     const float bias = p.dt_bias[h];
     float acc = 0.f;
     for (int i = 0; i < len; ++i) {
       const int64_t t = start + i;
-      const float v = process_dt(to_float(dt[t * p.dt_st + h * p.dt_sh]), bias, p.dt_min, p.dt_max);
+      const float v = process_dt(load_dt<T>(p.dt, p.dt_f32, t * p.dt_st + h * p.dt_sh), bias, p.dt_min, p.dt_max);
       acc += v * A;
       p.dtp[t * p.H + h] = v;
       p.lam[t * p.H + h] = acc;

@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kWarps * 32) ssu_kernel(const SsuParams p) {
   }
 
   const T* x = static_cast<const T*>(p.x);
-  const T* dtr = static_cast<const T*>(p.dt);
   const T* Bp = static_cast<const T*>(p.B);
   const T* Cp = static_cast<const T*>(p.C);
   T* out = static_cast<T*>(p.out);
@@ -79,7 +78,7 @@ __global__ void __launch_bounds__(kWarps * 32) ssu_kernel(const SsuParams p) {
 
   for (int t = 0; t < ntok; ++t) {
     const int64_t tok = tok0 + t;
-    const float dt = process_dt(to_float(dtr[tok * p.dt_st + h * p.dt_sh]), bias, p.dt_min, p.dt_max);
+    const float dt = process_dt(load_dt<T>(p.dt, p.dt_f32, tok * p.dt_st + h * p.dt_sh), bias, p.dt_min, p.dt_max);
     const float dA = expf(dt * A);
     float bv[NPL], cv[NPL];
 #pragma unroll
