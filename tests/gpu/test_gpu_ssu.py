@@ -245,3 +245,10 @@ def test_too_many_tokens_for_the_window_is_rejected():
             c["read_slot"],
             ws,
         )
+
+
+def test_float32_dt_with_bf16_activations():
+    g = gen()
+    c = _case(8, 64, 128, 2, torch.bfloat16, [2, 5, 1], 6, g)
+    c["dt"] = randn(tuple(c["dt"].shape), g, torch.float32)
+    _check(c, torch.bfloat16)
