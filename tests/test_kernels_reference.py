@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybridserve.kernels import reference as K
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # 2 threads on 2 shared, busy cores is several times slower
 
 
 # ------------------------------------------------------------------------------------------------

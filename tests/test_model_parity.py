@@ -28,7 +28,7 @@ from hybridserve.model.loader import load_model
 from hybridserve.model.model_config import decode_tagged_floats
 from model_fixtures import ALL_CONFIGS, Driver, build_hf_model, hf_greedy, random_prompts, save_hf_model
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # 2 threads on 2 shared, busy cores is several times slower
 
 VOCAB = 256
 NAMES = list(ALL_CONFIGS)

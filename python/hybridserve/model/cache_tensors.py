@@ -144,14 +144,16 @@ class ModelCaches:
             or (dst >= self.num_slots).any()
         ):
             raise ValueError(f"state copy slot out of range [0, {self.num_slots})")
-        for i in self.conv:
-            reference.copy_slots(self.conv[i], src, dst)
-            reference.copy_slots(self.ssm[i], src, dst)
+        with torch.inference_mode():  # works on normal and inference tensors alike
+            for i in self.conv:
+                reference.copy_slots(self.conv[i], src, dst)
+                reference.copy_slots(self.ssm[i], src, dst)
 
     def reset(self) -> None:
-        for d in (self.kv, self.conv, self.ssm):
-            for t in d.values():
-                t.zero_()
+        with torch.inference_mode():
+            for d in (self.kv, self.conv, self.ssm):
+                for t in d.values():
+                    t.zero_()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.kv, self.conv, self.ssm) for t in d.values())
