@@ -25,9 +25,9 @@ from aiohttp import web
 
 from hybridserve.errors import InvalidRequestError
 from hybridserve.server import protocol as P
+from hybridserve.server import sse
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from hybridserve.server.sse import SSE_HEADERS, encode_event
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -694,11 +694,9 @@ async def _stream(
     async def send(choice_json: dict[str, Any]) -> None:
         nonlocal resp
         if resp is None:
-            resp = web.StreamResponse(status=200, headers=dict(SSE_HEADERS))
-            resp.enable_chunked_encoding()
-            await resp.prepare(request)
-        await resp.write(
-            encode_event(chunk(request_id, created, req.model, [choice_json], None, req.include_usage))
+            resp = await sse.start_stream(request)
+        await sse.send_event(
+            resp, chunk(request_id, created, req.model, [choice_json], None, req.include_usage)
         )
 
     try:
@@ -707,14 +705,12 @@ async def _stream(
     except P.APIError as err:
         if resp is None:  # nothing sent yet: a plain error response
             raise
-        await resp.write(encode_event(err.body()))
+        await sse.send_event(resp, err.body())
     if resp is None:  # no output at all (cannot normally happen): still a well-formed stream
-        resp = web.StreamResponse(status=200, headers=dict(SSE_HEADERS))
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
+        resp = await sse.start_stream(request)
     if req.include_usage:
-        await resp.write(encode_event(chunk(request_id, created, req.model, [], _usage(req, choices), True)))
-    await resp.write(b"data: [DONE]\n\n")
+        await sse.send_event(resp, chunk(request_id, created, req.model, [], _usage(req, choices), True))
+    await sse.send_done(resp)
     await resp.write_eof()
     return resp
 
