@@ -1117,3 +1117,30 @@ proptest! {
         });
     }
 }
+
+#[test]
+fn publish_of_a_finishing_request_survives_slot_reuse() {
+    // t1 finishes in the very step whose accepted token reaches the boundary at 8: its window is
+    // freed at once, the publish copy runs first thing next step, before "x" (admitted then, and
+    // possibly handed the freed slots) writes anything. t2 then hits that checkpoint.
+    for k in [0, 2] {
+        let mut c = cfg(MambaCacheMode::Align, k);
+        c.max_num_seqs = 2;
+        // Exactly two windows: x must reuse t1's slots.
+        let slots = 1 + 2 * (1 + k) + 2;
+        let mut sim = Sim::new(c, 256, slots, 5);
+        sim.draft_quality = 8;
+        sim.add("t1", (1..=6).collect(), 3, None);
+        sim.run_to_end(50);
+        assert_eq!(sim.s.stats().checkpoints_published, 1);
+        assert_eq!(sim.s.pending_publishes.len(), 1, "kept until a step runs");
+        sim.add("x", (20..=29).collect(), 4, None);
+        sim.step();
+        let mut p2 = sim.reqs["t1"].seq();
+        p2.extend([7, 7]);
+        sim.add("t2", p2, 2, None);
+        sim.run_to_end(50);
+        sim.check_end();
+        assert_eq!(sim.s.stats().prefix_hit_tokens, 8, "k={k}");
+    }
+}
