@@ -416,6 +416,42 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
     assert 3 <= generated < max_tokens  # aborted, not run to the end
 
 
+def test_client_disconnect_during_non_streaming_request_aborts_it(server, client):
+    limit = max_model_len(client)
+    max_tokens = (
+        limit - client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    )
+    before = wait_idle(server)
+
+    async def go() -> dict[str, float]:
+        body = json.dumps(
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+        ).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        deadline = time.monotonic() + 30
+        while True:  # until the engine runs it
+            during = await asyncio.to_thread(metrics, server)
+            if held(during)["running"] == 1 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        writer.close()  # the client goes away before the response
+        await writer.wait_closed()
+        return during
+
+    during = asyncio.run(go())
+    assert held(during)["running"] == 1
+    after = wait_idle(server)
+    assert_idle(server)
+    generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
+    assert generated < max_tokens  # aborted, not run to the end
+
+
 def test_64_concurrent_streams_match_solo_requests(server, client):
     prompts = [f"Story number {i}: once upon a time" for i in range(8)]
     solo = {
