@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from hybridserve.engine.outputs import TokenLogprobs
@@ -202,7 +202,6 @@ class GenerateRequest:
     # completion: top-n of the `logprobs` field; chat: top_logprobs (None: no logprobs)
     logprobs: int | None = None
     user: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:
@@ -682,9 +681,6 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-
-
-TokenText = Callable[[int, TokenLogprobs], str]
 
 
 def _finite(x: float) -> float:
