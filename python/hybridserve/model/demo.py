@@ -7,7 +7,8 @@
   (transformers 5.x names) and as the legacy `hybrid_override_pattern` string;
 - `model.safetensors`: seeded random float32 weights under the HF state-dict names
   (`backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`, `backbone.layers.{i}.mixer.*`,
-  `backbone.norm_f.weight`, `lm_head.weight`);
+  `backbone.norm_f.weight`, `lm_head.weight`), with a planted induction head so that, like a real
+  language model, it continues repeated patterns (n-gram speculation gets accepted drafts);
 - `tokenizer.json`: a byte-level BPE trained at build time on `demo_corpus.txt` (shipped in the
   package), with the special tokens `<|endoftext|>` (bos/pad), `<|im_start|>`, `<|im_end|>` (eos);
 - `tokenizer_config.json` (ChatML chat template) and `generation_config.json`.
@@ -72,7 +73,7 @@ LAYER_NORM_EPS = 1e-5
 
 # Initialisation scales (chosen so that next-token distributions are neither flat nor one-hot).
 INIT_STD = 0.02
-LM_HEAD_STD = 0.3
+LM_HEAD_STD = 0.15
 DT_MIN, DT_MAX = 1e-3, 0.1  # softplus(dt_bias) is log-uniform in this range
 A_MIN, A_MAX = 1.0, 16.0  # A_log = log(uniform(A_MIN, A_MAX))
 # transformers' NemotronH mixer clamps dt >= time_step_min in prefill but not in decode. With this
@@ -81,8 +82,19 @@ A_MIN, A_MAX = 1.0, 16.0  # A_log = log(uniform(A_MIN, A_MAX))
 # initialiser takes log(time_step_min).
 TIME_STEP_MIN = 1e-9
 
+# The planted induction circuit (see `_plant_induction_circuit`). The residual stream is split into
+# subspaces: [0, CODE_DIM) the current token's code, [CODE_DIM, 2 CODE_DIM) the previous token's
+# code, [2 CODE_DIM, 3 CODE_DIM) the copied (predicted) token's code; the last dimension is a
+# constant 1 carried by every embedding.
+CODE_DIM = 32
+PREV_TOKEN_GAIN = 0.2  # pre-silu scale of the copied code in the Mamba conv path (keeps silu ~linear)
+GATE_Z = 5.0  # constant gate pre-activation: silu(5) ~ 5
+MATCH_GAIN = 2.0  # attention query gain: sharp attention on matching previous tokens
+COPY_READOUT_GAIN = 4.0  # LM-head weight on the copied code
+EMB_NOISE_STD = 0.02
+
 # Bump when the generator changes in a way the hash below does not see.
-DEMO_REVISION = 1
+DEMO_REVISION = 2
 
 
 def _corpus_text() -> str:
@@ -235,7 +247,95 @@ def build_weights(vocab_size: int, seed: int = DEFAULT_SEED) -> dict[str, torch.
         else:
             t = torch.randn(shape, generator=gen) * INIT_STD
         out[name] = t.to(torch.float32).contiguous()
+    _plant_induction_circuit(out, vocab_size, gen)
     return out
+
+
+def _plant_induction_circuit(w: dict[str, torch.Tensor], vocab_size: int, gen: torch.Generator) -> None:
+    """Overwrite parts of the random weights with an induction head ("[A][B] ... [A] -> [B]").
+
+    Random weights alone never continue a repeated pattern, so n-gram speculation would never be
+    accepted on them. Real language models copy; so does this one:
+
+    - embeddings: a random unit code per token in the current-token subspace, plus a constant 1
+      in the last dimension (all embeddings have the same norm, so RMSNorm scales are constant);
+    - first Mamba layer: its causal conv shifts the current code by one position (tap K-2 = 1) and
+      writes it, through the D skip (B = C = 0, so the SSM adds nothing) and a constant gate, into
+      the previous-token subspace;
+    - first attention layer, head 0 (KV head 0): query = current code, key = previous-token code,
+      value = current code: position t attends to the positions whose previous token equals
+      token t, and copies the token found there into the copy subspace;
+    - LM head: reads the copy subspace (on top of its random weights).
+
+    The other layers, heads and channels stay random. HF's NemotronH runs these weights unchanged.
+    """
+    import math
+
+    import torch
+
+    first_mamba = LAYER_PATTERN.index("M")
+    first_attn = LAYER_PATTERN.index("*")
+    if first_attn < first_mamba or HEAD_DIM < CODE_DIM or 3 * CODE_DIM >= HIDDEN_SIZE:
+        raise ValueError("the induction circuit needs a Mamba layer before an attention layer")
+    cur, prev, copy, const = 0, CODE_DIM, 2 * CODE_DIM, HIDDEN_SIZE - 1
+
+    codes = torch.randn(vocab_size, CODE_DIM, generator=gen)
+    codes = codes / codes.norm(dim=1, keepdim=True)
+    emb = torch.randn(vocab_size, HIDDEN_SIZE, generator=gen) * EMB_NOISE_STD
+    emb[:, cur : cur + CODE_DIM] = codes
+    emb[:, const] = 1.0
+    w["backbone.embeddings.weight"] = emb
+
+    d_inner = MAMBA_NUM_HEADS * MAMBA_HEAD_DIM
+    conv_dim = d_inner + 2 * N_GROUPS * SSM_STATE_SIZE
+    idx = torch.arange(CODE_DIM)
+    # Mamba: RMSNorm of an embedding multiplies it by sqrt(H / |e|^2) = sqrt(H / 2).
+    p = f"backbone.layers.{first_mamba}.mixer."
+    s0 = math.sqrt(HIDDEN_SIZE / 2.0)
+    in_proj = torch.zeros_like(w[p + "in_proj.weight"])
+    in_proj[d_inner + conv_dim :] = w[p + "in_proj.weight"][d_inner + conv_dim :]  # dt rows stay random
+    in_proj[d_inner + idx, cur + idx] = PREV_TOKEN_GAIN * math.sqrt(CODE_DIM) / s0  # x channels
+    in_proj[idx, const] = GATE_Z / s0  # z channels: constant gate
+    w[p + "in_proj.weight"] = in_proj
+    conv_w = torch.zeros(conv_dim, 1, CONV_KERNEL)
+    conv_w[idx, 0, CONV_KERNEL - 2] = 1.0  # out(t) = in(t - 1)
+    w[p + "conv1d.weight"] = conv_w
+    w[p + "conv1d.bias"] = torch.zeros(conv_dim)
+    group = d_inner // N_GROUPS  # the gated RMSNorm makes the code's norm sqrt(group)
+    out_proj = torch.zeros_like(w[p + "out_proj.weight"])
+    out_proj[prev + idx, idx] = 1.0 / math.sqrt(group)
+    w[p + "out_proj.weight"] = out_proj
+
+    # Attention: residual = cur + prev codes + const (norm sqrt(3)) -> RMSNorm scale sqrt(H / 3).
+    p = f"backbone.layers.{first_attn}.mixer."
+    s3 = math.sqrt(HIDDEN_SIZE / 3.0)
+    q, k = w[p + "q_proj.weight"].clone(), w[p + "k_proj.weight"].clone()
+    v, o = w[p + "v_proj.weight"].clone(), w[p + "o_proj.weight"].clone()
+    q[:HEAD_DIM] = 0.0
+    k[:HEAD_DIM] = 0.0
+    v[:HEAD_DIM] = 0.0
+    o[:, :HEAD_DIM] = 0.0
+    q[idx, cur + idx] = MATCH_GAIN
+    k[idx, prev + idx] = 1.0
+    v[idx, cur + idx] = 1.0 / s3
+    o[copy + idx, idx] = 1.0
+    w[p + "q_proj.weight"], w[p + "k_proj.weight"] = q.contiguous(), k.contiguous()
+    w[p + "v_proj.weight"], w[p + "o_proj.weight"] = v.contiguous(), o.contiguous()
+
+    # Keep the copy subspace clean: nothing else writes into it.
+    for i, kind in enumerate(LAYER_PATTERN):
+        name = {"M": "out_proj", "*": "o_proj", "-": "down_proj"}[kind]
+        key = f"backbone.layers.{i}.mixer.{name}.weight"
+        wt = w[key].clone()
+        keep = wt[copy : copy + CODE_DIM].clone() if i == first_attn else None
+        wt[copy : copy + CODE_DIM] = 0.0
+        if keep is not None:
+            wt[copy : copy + CODE_DIM, :HEAD_DIM] = keep[:, :HEAD_DIM]
+        w[key] = wt.contiguous()
+
+    lm = w["lm_head.weight"].clone()
+    lm[:, copy : copy + CODE_DIM] += COPY_READOUT_GAIN * codes
+    w["lm_head.weight"] = lm.contiguous()
 
 
 def build_tokenizer_config(vocab: dict[str, int]) -> dict[str, Any]:
@@ -306,6 +406,7 @@ def _spec_digest() -> str:
         "config": build_config(0, 0, 0, 0),
         "shapes": weight_shapes(0),
         "init": [INIT_STD, LM_HEAD_STD, DT_MIN, DT_MAX, A_MIN, A_MAX],
+        "circuit": [CODE_DIM, PREV_TOKEN_GAIN, GATE_Z, MATCH_GAIN, COPY_READOUT_GAIN, EMB_NOISE_STD],
         "tokenizer": [SPECIAL_TOKENS, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_VOCAB_TARGET, CHAT_TEMPLATE],
         "corpus": hashlib.sha256(_corpus_text().encode("utf-8")).hexdigest(),
     }
