@@ -743,7 +743,14 @@ impl Scheduler {
         }
         let mut total = 0usize;
         for (r, (&ns, row)) in num_sampled.iter().zip(&out.rows).enumerate() {
-            let ok = if row.is_decode {
+            let alive = self
+                .requests
+                .get(&row.key)
+                .is_some_and(|q| q.status == RequestStatus::Running);
+            let ok = if !alive {
+                // Aborted after schedule(): its tokens, if any, are dropped.
+                ns >= 0 && ns as usize <= row.num_logits
+            } else if row.is_decode {
                 ns >= 1 && ns as usize <= row.num_logits
             } else {
                 ns as usize == row.num_logits && ns >= 0

@@ -1144,3 +1144,21 @@ fn publish_of_a_finishing_request_survives_slot_reuse() {
         assert_eq!(sim.s.stats().prefix_hit_tokens, 8, "k={k}");
     }
 }
+
+#[test]
+fn rows_of_requests_aborted_mid_step_may_sample_nothing() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 0), 64, 32, 0).unwrap();
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 5))
+        .unwrap();
+    s.add_request(NewRequest::new("b", vec![4, 5, 6], 5))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert!(s.abort_request("a"));
+    let d = s.update_from_output(&o, &[9], &[0, 1], None).unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!(&*d[0].request_id, "b");
+    assert!(
+        s.update_from_output(&o, &[9], &[0, 1], None).is_err(),
+        "already applied"
+    );
+}
