@@ -109,6 +109,9 @@ class ServerProcess:
     def wait_exit(self, timeout: float = 60.0) -> int:
         return self.proc.wait(timeout=timeout)
 
+    def remove_log(self) -> None:
+        Path(self.log.name).unlink(missing_ok=True)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -35,6 +35,8 @@ def server() -> Iterator[ServerProcess]:
     finally:
         rc = srv.stop()  # SIGTERM: a graceful shutdown exits 0
     assert rc == 0, srv.output()[-3000:]
+    assert "stopped" in srv.output()
+    srv.remove_log()
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ def test_auth_queue_limit_and_graceful_shutdown():
         assert srv.health_status() is None  # no longer listening
     finally:
         srv.stop()
+    srv.remove_log()
 
 
 def _check_auth(srv: ServerProcess) -> None:
