@@ -226,7 +226,8 @@ def ssd_prefill(
     his = has_initial_state.to("cpu", torch.bool)
     if bool(his.any()):
         idx = torch.nonzero(his).flatten()
-        init[idx.to(dev)] = ssm_state[read_slot.to("cpu", torch.int64)[idx].to(ssm_state.device)].to(cdt)
+        src = read_slot.to("cpu", torch.int64)[idx].to(ssm_state.device)
+        init.index_copy_(0, idx.to(dev), ssm_state.index_select(0, src).to(cdt))
     init = init.view(R, G, hpg, P, N)
 
     # ---- state passing: sequential over the local chunk index, vectorised over rows ----
@@ -330,7 +331,7 @@ def selective_state_update(
         y ``[T, H, P]`` in ``x.dtype``.
     """
     T, H, P = x.shape
-    G = B.shape[1]
+    G, N = B.shape[1], B.shape[2]
     R = int(query_start_loc.numel()) - 1
     cdt = ssm_state.dtype
     dev = x.device
@@ -340,27 +341,32 @@ def selective_state_update(
     idx, valid, lmax = _padded_token_index(query_start_loc)
     if lmax > write_slots.shape[1]:
         raise ValueError(f"a row has {lmax} tokens but write_slots has only {write_slots.shape[1]} columns")
-    dtp = process_dt(dt.to(cdt), dt_bias.to(cdt), dt_min, dt_max)  # [T, H]
-    Ah = A.to(cdt)
-    xs = x.to(cdt)
+    # grouped layout: head h = (g, j) with g = h // hpg, so B/C broadcast instead of repeating
+    dtp = process_dt(dt.to(cdt), dt_bias.to(cdt), dt_min, dt_max).view(T, G, hpg)
+    Ah = A.to(cdt).view(G, hpg)
+    xs = x.to(cdt).view(T, G, hpg, P)
     Bs = B.to(cdt)
     Cs = C.to(cdt)
-    Ds = D.to(cdt)
-    h = ssm_state[read_slot.to(ssm_state.device, torch.int64)].to(cdt)  # [R, H, P, N]
-    y = torch.empty((T, H, P), dtype=cdt, device=dev)
+    Ds = D.to(cdt).view(G, hpg, 1)
+    h = ssm_state.index_select(0, read_slot.to(ssm_state.device, torch.int64)).to(cdt).view(R, G, hpg, P, N)
+    y = torch.empty((T, G, hpg, P), dtype=cdt, device=dev)
     ws = write_slots.to("cpu", torch.int64)
     for t in range(lmax):
         rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
-        dtt = dtp[ti]  # [r, H]
-        a = torch.exp(dtt * Ah)  # [r, H]
-        Bt = Bs[ti].repeat_interleave(hpg, dim=1, output_size=H)  # [r, H, N]
-        Ct = Cs[ti].repeat_interleave(hpg, dim=1, output_size=H)
-        xt = xs[ti]  # [r, H, P]
-        ht = a[..., None, None] * h[rd] + (dtt[..., None] * xt)[..., None] * Bt[:, :, None, :]
-        h[rd] = ht
-        y[ti] = torch.einsum("rhpn,rhn->rhp", ht, Ct) + Ds[None, :, None] * xt
-        _write_slots(ssm_state, ws[rows, t].to(ssm_state.device), ht)
-    return y.to(x.dtype)
+        dtt = dtp[ti]  # [r, G, hpg]
+        xt = xs[ti]  # [r, G, hpg, P]
+        h_in = h if isinstance(rd, slice) else h[rd]
+        ht = (
+            torch.exp(dtt * Ah)[..., None, None] * h_in
+            + (dtt[..., None] * xt)[..., None] * Bs[ti][:, :, None, None, :]
+        )
+        if isinstance(rd, slice):
+            h = ht
+        else:
+            h[rd] = ht
+        y[ti] = (ht * Cs[ti][:, :, None, None, :]).sum(-1) + Ds * xt
+        _write_slots(ssm_state, ws[rows, t].to(ssm_state.device), ht.reshape(-1, H, P, N))
+    return y.view(T, H, P).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,7 +500,7 @@ def causal_conv1d_update(
     idx, valid, lmax = _padded_token_index(query_start_loc)
     if lmax > write_slots.shape[1]:
         raise ValueError(f"a row has {lmax} tokens but write_slots has only {write_slots.shape[1]} columns")
-    win = conv_state[read_slot.to(conv_state.device, torch.int64)].to(cdt)  # [R, Dc, W-1]
+    win = conv_state.index_select(0, read_slot.to(conv_state.device, torch.int64)).to(cdt)  # [R, Dc, W-1]
     w = weight.to(cdt)
     b = bias.to(cdt) if bias is not None else None
     xs = x.to(cdt)
@@ -502,13 +508,16 @@ def causal_conv1d_update(
     ws = write_slots.to("cpu", torch.int64)
     for t in range(lmax):
         rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
-        full = torch.cat([win[rd], xs[ti][:, :, None]], dim=2)  # [r, Dc, W]
+        full = torch.cat([win if isinstance(rd, slice) else win[rd], xs[ti][:, :, None]], dim=2)  # [r, Dc, W]
         out = torch.einsum("rdk,dk->rd", full, w)
         if b is not None:
             out = out + b
         y[ti] = _conv_act(out, activation)
         new = full[:, :, 1:]
-        win[rd] = new
+        if isinstance(rd, slice):
+            win = new
+        else:
+            win[rd] = new
         _write_slots(conv_state, ws[rows, t].to(conv_state.device), new)
     return y.to(x.dtype)
 

@@ -83,8 +83,8 @@ class PagedAttention(nn.Module):
             L = int(seq_lens[r])
             nb = (L + bs - 1) // bs
             blocks = ctx.block_table[r, :nb]
-            kr = kv_cache[blocks, 0].reshape(nb * bs, KVH, D)[:L]
-            vr = kv_cache[blocks, 1].reshape(nb * bs, KVH, D)[:L]
+            kr = kv_cache[:, 0].index_select(0, blocks).reshape(nb * bs, KVH, D)[:L]
+            vr = kv_cache[:, 1].index_select(0, blocks).reshape(nb * bs, KVH, D)[:L]
             pos = ctx.positions[s:e]
             mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
             o = _attend(
@@ -114,9 +114,9 @@ class PagedAttention(nn.Module):
             valid, qsl[:-1, None] + t[None, :], qsl[:-1, None]
         )  # pad with the row's first token
         idx_d = idx.to(dev)
-        blocks = ctx.block_table[:nd, :nb]  # [nd, nb]
-        kr = kv_cache[blocks, 0].reshape(nd, nb * bs, KVH, D).to(q.dtype)
-        vr = kv_cache[blocks, 1].reshape(nd, nb * bs, KVH, D).to(q.dtype)
+        blocks = ctx.block_table[:nd, :nb].reshape(-1)  # [nd * nb]
+        kr = kv_cache[:, 0].index_select(0, blocks).view(nd, nb * bs, KVH, D).to(q.dtype)
+        vr = kv_cache[:, 1].index_select(0, blocks).view(nd, nb * bs, KVH, D).to(q.dtype)
         qr = q[idx_d]  # [nd, lmax, H, D]
         pos = ctx.positions[idx_d]  # [nd, lmax]
         mask = torch.arange(nb * bs, device=dev)[None, None, :] <= pos[:, :, None]
