@@ -172,7 +172,11 @@ class Scheduler:
     then returns the deltas of requests the scheduler finished by itself, e.g. a request that
     cannot fit in the KV cache even alone -> finish_reason "length"). An output with no rows
     carries no state copies and no emits. schedule() raises InternalError if the previous output
-    with rows was not updated."""
+    with rows was not updated. num_sampled[r] is 0 for partial prefill rows, 1 for the last chunk,
+    1..1+k (accepted drafts + 1) for decode/verify rows, and may be 0 for a row whose request was
+    aborted after schedule(). In align mode the chunk that reaches the end of a prompt is first
+    cut at the prompt's last multiple of mamba_block_size (so that the boundary state is captured
+    for prefix hits): a prompt of L tokens with M < L, L % M != 0, takes two prefill steps."""
 
     def __init__(
         self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int = 0
@@ -206,7 +210,16 @@ class Scheduler:
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
+    # stats() keys: num_running, num_waiting, num_preempted (now), num_preemptions_total, num_steps,
+    # num_scheduled_tokens (last step), num_scheduled_tokens_total, num_finished_total,
+    # num_aborted_total, prefix_queried_tokens, prefix_hit_tokens, prefix_lost_tokens (once per
+    # admission), spec_drafted_tokens, spec_accepted_tokens, checkpoints_emitted,
+    # checkpoints_published, kv_blocks_total, kv_blocks_used, kv_blocks_cached_free,
+    # mamba_slots_total, mamba_slots_used, checkpoints_committed, checkpoints_pending,
+    # checkpoint_bytes, cache_queried_tokens, cache_hit_tokens, cache_kv_hit_tokens,
+    # cache_lost_tokens (every lookup), kv_evictions, checkpoint_evictions, max_num_batched_tokens,
+    # max_num_seqs, num_speculative_tokens.
     def stats(self) -> dict[str, int]: ...
     def reset_prefix_cache(self) -> bool: ...  # False while blocks are in use
-    def get_token_ids(self, request_id: str) -> list[int]: ...  # prompt + output so far
+    def get_token_ids(self, request_id: str) -> list[int]: ...  # prompt + output; raises once finished
     def get_num_computed_tokens(self, request_id: str) -> int | None: ...  # extension
