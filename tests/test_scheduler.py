@@ -290,21 +290,20 @@ def test_invalid_input_raises() -> None:
 
 def test_stats_keys() -> None:
     st = make("align", 2).stats()
-    for key in (
-        "num_running",
-        "num_waiting",
-        "num_preempted",
-        "num_scheduled_tokens",
-        "kv_blocks_used",
-        "kv_blocks_total",
-        "mamba_slots_used",
-        "prefix_queried_tokens",
-        "prefix_hit_tokens",
-        "prefix_lost_tokens",
-        "spec_drafted_tokens",
-        "spec_accepted_tokens",
-    ):
-        assert isinstance(st[key], int)
+    expected = {
+        "num_running", "num_waiting", "num_preempted", "num_preemptions_total", "num_steps",
+        "num_scheduled_tokens", "num_scheduled_tokens_total", "num_finished_total",
+        "num_aborted_total", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_lost_tokens",
+        "spec_drafted_tokens", "spec_accepted_tokens", "checkpoints_emitted",
+        "checkpoints_published", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached_free",
+        "mamba_slots_total", "mamba_slots_used", "checkpoints_committed", "checkpoints_pending",
+        "checkpoint_bytes", "cache_queried_tokens", "cache_hit_tokens", "cache_kv_hit_tokens",
+        "cache_lost_tokens", "kv_evictions", "checkpoint_evictions", "max_num_batched_tokens",
+        "max_num_seqs", "num_speculative_tokens",
+    }  # fmt: skip
+    assert set(st) == expected
+    assert all(isinstance(v, int) for v in st.values())
+    assert st["num_speculative_tokens"] == 2 and st["kv_blocks_total"] == 255
 
 
 def test_capacity_finish_is_returned_by_an_empty_update() -> None:
