@@ -1,1 +1,19 @@
-"""OpenAI-compatible aiohttp server."""
+"""OpenAI-compatible aiohttp server (`hybridserve serve MODEL`).
+
+Routes
+- `POST /v1/completions`, `POST /v1/chat/completions`: non-streaming, or Server-Sent Events
+  (`data: {chunk}` ... `data: [DONE]`; `stream_options.include_usage` adds a last chunk with
+  `choices: []` and the usage). `n` > 1 runs n engine requests (seeded choices get seed + i).
+  Beyond OpenAI's fields: vLLM's `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
+  `repetition_penalty`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, and
+  `cache_salt` (a tenant's prefix-cache isolation). `usage.prompt_tokens_details.cached_tokens` is
+  the engine's prefix-cache hit.
+- `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while the model loads or the server
+  shuts down, 200 when ready), `GET /metrics` (Prometheus text, this app's own registry).
+
+Every request is validated (protocol.py) before anything reaches the engine; errors are
+`{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 404
+(model/route), 405, 413 (body size), 503 + Retry-After (queue full, loading, shutting down).
+Modules: app.py (routes, streaming, admission, shutdown), protocol.py (parsing and response
+shapes), chat.py (chat templates), sse.py (framing), metrics.py, cli.py (`serve`).
+"""
