@@ -7,9 +7,11 @@
 // decode ops (selective_state_update, causal_conv1d_update) validate row lengths only when
 // query_start_loc is on the CPU, so a GPU-resident batch never forces a host sync.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+#ifndef HS_EMULATE
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +21,24 @@
 #include <vector>
 
 #include "kernels.h"
+
+// HS_EMULATE (tests/test_cuda_emulated.py only): the same ops on CPU tensors, registered as
+// torch.ops.hybridserve_emu.*, with the kernels run by the CPU emulation of tests/cuda_emu.
+#ifdef HS_EMULATE
+#define HS_NS hybridserve_emu
+#define HS_KEY CPU
+#define HS_ON_DEVICE(t) ((t).is_cpu())
+#define HS_GUARD(d) (void)(d)
+#define HS_STREAM() static_cast<cudaStream_t>(nullptr)
+#else
+#define HS_NS hybridserve
+#define HS_KEY CUDA
+#define HS_ON_DEVICE(t) ((t).is_cuda())
+#define HS_GUARD(d) const c10::cuda::CUDAGuard hs_device_guard_(d)
+#define HS_STREAM() static_cast<cudaStream_t>(at::cuda::getCurrentCUDAStream())
+#endif
+#define HS_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define HS_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 namespace {
 
@@ -72,7 +92,7 @@ std::vector<int64_t> row_lengths(const Tensor& qsl_cpu, int64_t T) {
 }
 
 void check_state(const Tensor& s, const Tensor& x, const char* name) {
-  TORCH_CHECK(s.is_cuda() && s.device() == x.device(), name, " must be on the device of x");
+  TORCH_CHECK(HS_ON_DEVICE(s) && s.device() == x.device(), name, " must be on the device of x");
   TORCH_CHECK(s.is_contiguous(), name, " must be contiguous");
 }
 
@@ -91,7 +111,7 @@ void scatter_slots(const Tensor& src_buf, const Tensor& dst_state, const std::ve
   p.dst_slot = d.data_ptr<int64_t>() + n;
   p.n = n;
   p.slot_bytes = slot_bytes;
-  hs::launch_slot_copy(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_slot_copy(p, HS_STREAM());
 }
 
 // dt clamp bounds as float: anything beyond the float range (1e300, inf) is "no bound".
@@ -112,8 +132,8 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
                    const Tensor& num_computed_tokens, const Tensor& read_slot, const Tensor& has_initial_state,
                    const Tensor& write_slot, const Tensor& emit_row, const Tensor& emit_token,
                    const Tensor& emit_slot, int64_t chunk_size, double dt_min, double dt_max) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
-  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(HS_ON_DEVICE(x) && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
+  HS_GUARD(x.device());
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
   TORCH_CHECK(B.dim() == 3 && C.dim() == 3 && B.sizes() == C.sizes(), "B and C must be [T, G, N]");
   const int64_t G = B.size(1), N = B.size(2);
@@ -232,7 +252,7 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
   p.dt_f32 = dd.scalar_type() == at::kFloat;
-  hs::launch_ssd(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_ssd(p, HS_STREAM());
   check_launch();
   const int64_t slot_bytes = H * P * N * 4;
   scatter_slots(states, ssm_state, fin_src, fin_dst, slot_bytes);
@@ -246,8 +266,8 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
                               const Tensor& D, const Tensor& dt_bias, Tensor ssm_state,
                               const Tensor& query_start_loc, const Tensor& read_slot, const Tensor& write_slots,
                               double dt_min, double dt_max) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
-  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(HS_ON_DEVICE(x) && x.dim() == 3, "x must be a CUDA tensor [T, H, P]");
+  HS_GUARD(x.device());
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
   TORCH_CHECK(B.dim() == 3 && C.dim() == 3 && B.sizes() == C.sizes(), "B and C must be [T, G, N]");
   const int64_t G = B.size(1), N = B.size(2);
@@ -305,7 +325,7 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
   p.dt_max = as_bound(dt_max);
   p.x_dtype = to_hs(xt);
   p.dt_f32 = dd.scalar_type() == at::kFloat;
-  hs::launch_ssu(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_ssu(p, HS_STREAM());
   check_launch();
   return out;
 }
@@ -334,7 +354,7 @@ void conv_common(hs::ConvParams& p, const Tensor& xx, const Tensor& w, const std
 }
 
 void check_conv(const Tensor& x, const Tensor& weight, const Tensor& conv_state) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x must be a CUDA tensor [T, conv_dim]");
+  TORCH_CHECK(HS_ON_DEVICE(x) && x.dim() == 2, "x must be a CUDA tensor [T, conv_dim]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == x.size(1), "weight must be [conv_dim, W]");
   const int64_t W = weight.size(1);
   TORCH_CHECK(W >= 2 && W <= 8, "CUDA conv1d supports kernel widths 2..8");
@@ -349,7 +369,7 @@ Tensor causal_conv1d_prefill(const Tensor& x, const Tensor& weight, const std::o
                              const Tensor& emit_token, const Tensor& emit_slot,
                              std::optional<c10::string_view> activation) {
   check_conv(x, weight, conv_state);
-  const c10::cuda::CUDAGuard guard(x.device());
+  HS_GUARD(x.device());
   const bool silu = want_silu(activation);
   const int64_t T = x.size(0), Dc = x.size(1), W = weight.size(1);
   const int64_t R = query_start_loc.numel() - 1;
@@ -403,7 +423,7 @@ Tensor causal_conv1d_prefill(const Tensor& x, const Tensor& weight, const std::o
   p.gather_tok = gmeta.data_ptr<int64_t>() + NG;
   p.gather_out = gathered.data_ptr();
   p.n_gather = static_cast<int>(NG);
-  hs::launch_conv_prefill(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_conv_prefill(p, HS_STREAM());
   check_launch();
   const int64_t slot_bytes = Dc * (W - 1) * conv_state.element_size();
   std::vector<int64_t> fin_src(fin_dst.size()), em_src(em_dst.size());
@@ -419,7 +439,7 @@ Tensor causal_conv1d_update(const Tensor& x, const Tensor& weight, const std::op
                             Tensor conv_state, const Tensor& query_start_loc, const Tensor& read_slot,
                             const Tensor& write_slots, std::optional<c10::string_view> activation) {
   check_conv(x, weight, conv_state);
-  const c10::cuda::CUDAGuard guard(x.device());
+  HS_GUARD(x.device());
   const bool silu = want_silu(activation);
   const int64_t T = x.size(0), Dc = x.size(1);
   const int64_t R = query_start_loc.numel() - 1;
@@ -447,15 +467,15 @@ Tensor causal_conv1d_update(const Tensor& x, const Tensor& weight, const std::op
   p.ws_w = ws.stride(1);
   p.R = static_cast<int>(R);
   p.silu = silu;
-  hs::launch_conv_update(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_conv_update(p, HS_STREAM());
   check_launch();
   return out;
 }
 
 // ------------------------------------------------------------------------------------------------
 void copy_slots(Tensor state, const Tensor& src, const Tensor& dst) {
-  TORCH_CHECK(state.is_cuda() && state.is_contiguous(), "state must be a contiguous CUDA tensor");
-  const c10::cuda::CUDAGuard guard(state.device());
+  TORCH_CHECK(HS_ON_DEVICE(state) && state.is_contiguous(), "state must be a contiguous CUDA tensor");
+  HS_GUARD(state.device());
   const int64_t n = src.numel();
   TORCH_CHECK_VALUE(dst.numel() == n, "src and dst must have the same length");
   if (n == 0 || state.size(0) == 0) return;
@@ -496,9 +516,9 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const st
                                             const Tensor& is_greedy, const std::optional<Tensor>& draft_probs,
                                             const std::optional<Tensor>& uniforms, const std::optional<Tensor>& noise,
                                             const Tensor& seeds, const Tensor& offsets) {
-  TORCH_CHECK(target_probs.is_cuda() && target_probs.dim() == 2, "target_probs must be a CUDA tensor [M, V]");
+  TORCH_CHECK(HS_ON_DEVICE(target_probs) && target_probs.dim() == 2, "target_probs must be a CUDA tensor [M, V]");
   TORCH_CHECK(target_probs.scalar_type() == at::kFloat, "CUDA rejection_sample needs float32 probabilities");
-  const c10::cuda::CUDAGuard guard(target_probs.device());
+  HS_GUARD(target_probs.device());
   const Tensor& like = target_probs;
   const int64_t M = target_probs.size(0), V = target_probs.size(1);
   const int64_t R = num_draft_tokens.numel();
@@ -552,7 +572,7 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const st
   p.out_accepted = out_acc.data_ptr<int64_t>();
   p.R = static_cast<int>(R);
   p.V = static_cast<int>(V);
-  hs::launch_rejection(p, at::cuda::getCurrentCUDAStream());
+  hs::launch_rejection(p, HS_STREAM());
   check_launch();
   return {out_tokens, out_acc};
 }
@@ -561,7 +581,7 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const st
 
 // Defaults mirror reference.py; dt_max=1e300 stands for +inf (the schema grammar has no inf; it
 // becomes +inf as a float, i.e. no clamp).
-TORCH_LIBRARY(hybridserve, m) {
+HS_TORCH_LIBRARY(HS_NS, m) {
   m.def(
       "ssd_prefill(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
       "Tensor(a!) ssm_state, Tensor query_start_loc, Tensor num_computed_tokens, Tensor read_slot, "
@@ -585,7 +605,7 @@ TORCH_LIBRARY(hybridserve, m) {
       "Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(hybridserve, CUDA, m) {
+HS_TORCH_LIBRARY_IMPL(HS_NS, HS_KEY, m) {
   m.impl("ssd_prefill", &ssd_prefill);
   m.impl("selective_state_update", &selective_state_update);
   m.impl("causal_conv1d_prefill", &causal_conv1d_prefill);

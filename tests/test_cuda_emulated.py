@@ -1,0 +1,305 @@
+"""The CUDA kernels' own code, run on the CPU: cuda/*.cu are compiled with g++ against the small
+CUDA emulation in tests/cuda_emu/include (one std::thread per CUDA thread, barriers for
+__syncthreads and the warp shuffles), together with cuda/ops.cpp built with -DHS_EMULATE, which
+registers the same ops as torch.ops.hybridserve_emu.* for CPU tensors. The results are compared
+with the float64 twins of kernels/reference.py.
+
+This checks the kernels' indexing, chunking, slot handling and arithmetic on a machine without a
+GPU (CI). It says nothing about timing or GPU memory-model behaviour: tests/gpu does that on a
+device. Shapes are small because every CUDA thread is an OS thread here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve.kernels import dispatch, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DIR = ROOT / "cuda"
+EMU_INC = Path(__file__).resolve().parent / "cuda_emu" / "include"
+CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_emu"
+
+
+def _split_top(s: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return parts
+
+
+_LAUNCH = re.compile(r"([A-Za-z_]\w*(?:<[^;<>]*>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.S)
+
+
+def _to_host(src: str) -> str:
+    """kernel<<<grid, block, smem, stream>>>(args); -> hs_emu::launch(&kernel, grid, block, args);"""
+
+    def repl(m: re.Match[str]) -> str:
+        cfg = _split_top(m.group(2))
+        return f"hs_emu::launch(&{m.group(1)}, dim3({cfg[0]}), dim3({cfg[1]}), {m.group(3)});"
+
+    return _LAUNCH.sub(repl, src)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no host C++ compiler")
+    h = hashlib.sha256()
+    files = sorted(
+        [*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cpp"), *CUDA_DIR.glob("*.h"), *CUDA_DIR.glob("*.cuh")]
+    )
+    for p in [*files, *sorted(EMU_INC.glob("*.h"))]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    key = h.hexdigest()[:16]
+    src_dir = CACHE / f"src_{key}"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for p in files:
+        if p.suffix == ".cu":
+            out = src_dir / (p.stem + "_emu.cpp")
+            out.write_text(_to_host(p.read_text()))
+            sources.append(str(out))
+        elif p.suffix == ".cpp":
+            shutil.copy(p, src_dir / p.name)
+            sources.append(str(src_dir / p.name))
+        else:
+            shutil.copy(p, src_dir / p.name)
+    from torch.utils import cpp_extension
+
+    from hybridserve.kernels.cuda import _ensure_ninja_on_path
+
+    _ensure_ninja_on_path()
+    build = CACHE / f"build_{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"hybridserve_emu_{key}",
+        sources=sources,
+        extra_cflags=[
+            "-O2",
+            "-std=c++20",
+            "-DHS_EMULATE",
+            f"-I{EMU_INC}",
+            f"-I{src_dir}",
+            "-Wno-unknown-pragmas",
+        ],
+        extra_ldflags=["-lpthread"],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.hybridserve_emu
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert bool(torch.isfinite(a).all())
+    return float((a - b).abs().max()) / max(float(b.pow(2).mean().sqrt()), 1e-30)
+
+
+def _qsl(lengths: list[int]) -> torch.Tensor:
+    q = [0]
+    for n in lengths:
+        q.append(q[-1] + n)
+    return torch.tensor(q)
+
+
+def _ssm_inputs(T: int, H: int, P: int, N: int, G: int, dtype: torch.dtype, g: torch.Generator):
+    return dict(
+        x=torch.randn((T, H, P), generator=g).to(dtype),
+        dt=torch.randn((T, H), generator=g).to(dtype),
+        A=-(torch.rand(H, generator=g) + 1),
+        B=(torch.randn((T, G, N), generator=g) * 0.5).to(dtype),
+        C=(torch.randn((T, G, N), generator=g) * 0.5).to(dtype),
+        D=torch.randn(H, generator=g),
+        dt_bias=torch.rand(H, generator=g) - 4,
+    )
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 16, 2), (2, 8, 96, 1), (2, 4, 128, 2), (2, 4, 256, 1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_selective_state_update(emu, shape, dtype):
+    H, P, N, G = shape
+    g = _g(1)
+    lengths = [3, 1, 0, 2]
+    R, Wn = len(lengths), 3
+    c = _ssm_inputs(sum(lengths), H, P, N, G, dtype, g)
+    pool = torch.full((R * Wn + 2, H, P, N), math.nan)
+    pool[0] = 0
+    perm = (torch.randperm(R * Wn + 1, generator=g) + 1).tolist()
+    win = [perm[r * Wn : (r + 1) * Wn] for r in range(R)]
+    read = torch.tensor([win[r][1] for r in range(R)])
+    ws = torch.zeros((R, Wn), dtype=torch.int64)
+    for r in range(R):
+        for t in range(lengths[r]):
+            ws[r, t] = win[r][t]
+    ws[0, 1] = 0  # null entry: skipped
+    for r in range(R):
+        pool[read[r]] = torch.randn((H, P, N), generator=g)
+    args = lambda cast: [cast(c[k]) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]  # noqa: E731
+    p_emu = pool.clone()
+    y = emu.selective_state_update(*args(lambda t: t), p_emu, _qsl(lengths), read, ws, 0.0, math.inf)
+    p_ref = pool.double()
+    y_ref = reference.selective_state_update(*args(lambda t: t.double()), p_ref, _qsl(lengths), read, ws)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(y, y_ref) < tol
+    written = sorted({int(s) for s in ws.flatten().tolist() if s})
+    assert _rel(p_emu[written], p_ref[written]) < 1e-5
+    others = [s for s in range(pool.shape[0]) if s not in written]
+    assert torch.equal(p_emu[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ssd_prefill(emu, dtype):
+    H, P, N, G, Q = 4, 16, 16, 2, 16
+    g = _g(2)
+    lengths = [1, 15, 16, 17, 0, 45, 3]
+    computed = [0, 5, 16, 9, 3, 20, 30]
+    his = torch.tensor([False, True, True, False, False, True, True])
+    R = len(lengths)
+    c = _ssm_inputs(sum(lengths), H, P, N, G, dtype, g)
+    emits = [(r, t) for r in range(R) for t in range(lengths[r]) if (computed[r] + t + 1) % Q == 0]
+    emits.append((5, 44))  # a row's last token
+    S = 2 * R + len(emits) + 2
+    perm = (torch.randperm(S - 1, generator=g) + 1).tolist()
+    read = torch.tensor(perm[:R])
+    write = torch.tensor(perm[R : 2 * R])
+    write[1] = read[1]
+    write[2] = 0
+    eslot = torch.tensor(perm[2 * R : 2 * R + len(emits)])
+    pool = torch.full((S, H, P, N), math.nan)
+    pool[0] = 0
+    for r in range(R):
+        if his[r]:
+            pool[read[r]] = torch.randn((H, P, N), generator=g)
+    er = torch.tensor([e[0] for e in emits])
+    et = torch.tensor([e[1] for e in emits])
+    keys = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+    rest = (_qsl(lengths), torch.tensor(computed), read, his, write, er, et, eslot, Q)
+    p_emu = pool.clone()
+    y = emu.ssd_prefill(*[c[k] for k in keys], p_emu, *rest, 0.0, math.inf)
+    p_ref = pool.double()
+    y_ref = reference.ssd_prefill(*[c[k].double() for k in keys], p_ref, *rest)
+    assert _rel(y, y_ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    written = sorted({int(s) for s, n in zip(write.tolist(), lengths) if s and n} | set(eslot.tolist()))
+    assert _rel(p_emu[written], p_ref[written]) < 1e-5
+    others = [s for s in range(S) if s not in written]
+    assert torch.equal(p_emu[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
+    with pytest.raises(ValueError):
+        emu.ssd_prefill(*[c[k] for k in keys], pool.clone(), *rest[:5], torch.tensor([3]), torch.tensor([2]),
+                        torch.tensor([1]), Q, 0.0, math.inf)  # fmt: skip
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv1d_prefill_and_update(emu, W, sdtype):
+    g = _g(3)
+    Dc = 40
+    lengths = [1, 2, 0, 9]
+    R = len(lengths)
+    T = sum(lengths)
+    x = torch.randn((T, Dc + 8), generator=g)[:, 4 : 4 + Dc]  # strided view
+    w = torch.randn((Dc, W), generator=g)
+    b = torch.randn(Dc, generator=g)
+    S = 3 * R + 6
+    pool = torch.full((S, Dc, W - 1), math.nan).to(sdtype)
+    pool[0] = 0
+    read = torch.tensor([1, 2, 3, 4])
+    his = torch.tensor([True, False, True, True])
+    for r in range(R):
+        pool[read[r]] = torch.randn((Dc, W - 1), generator=g).to(sdtype)
+    write = torch.tensor([5, 6, 7, 4])
+    er, et, es = torch.tensor([3, 3, 1]), torch.tensor([0, 4, 0]), torch.tensor([8, 9, 10])
+    p_emu = pool.clone()
+    y = emu.causal_conv1d_prefill(x, w, b, p_emu, _qsl(lengths), read, his, write, er, et, es, "silu")
+    p_ref = pool.double()
+    y_ref = reference.causal_conv1d_prefill(x.double(), w.double(), b.double(), p_ref, _qsl(lengths), read, his,
+                                            write, er, et, es, "silu")  # fmt: skip
+    assert _rel(y, y_ref) < 1e-5
+    written = [5, 6, 4, 8, 9, 10]
+    assert _rel(p_emu[written], p_ref[written]) < (1e-6 if sdtype == torch.float32 else 1e-2)
+    assert torch.equal(p_emu[[11, 12]].isnan(), pool[[11, 12]].isnan())
+    # multi-token update: window slot t gets the window after token t
+    ul = [3, 1]
+    xu = torch.randn((4, Dc), generator=g)
+    ws = torch.tensor([[11, 12, 13], [14, 0, 0]])
+    ru = torch.tensor([5, 4])
+    p2, p2r = p_emu.clone(), p_emu.double()
+    yu = emu.causal_conv1d_update(xu, w, b, p2, _qsl(ul), ru, ws, "silu")
+    yur = reference.causal_conv1d_update(xu.double(), w.double(), b.double(), p2r, _qsl(ul), ru, ws, "silu")
+    assert _rel(yu, yur) < 1e-5
+    assert _rel(p2[[11, 12, 13, 14]], p2r[[11, 12, 13, 14]]) < (1e-6 if sdtype == torch.float32 else 1e-2)
+
+
+def test_copy_slots(emu):
+    g = _g(4)
+    pool = torch.randn((10, 3, 5), generator=g)
+    src = torch.tensor([1, 2, 5, 3, 7, 4])
+    dst = torch.tensor([2, 3, 1, 6, 0, 8])
+    a, b = pool.clone(), pool.clone()
+    emu.copy_slots(a, src, dst)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        if d:
+            b[d] = b[s].clone()
+    assert torch.equal(a, b)
+    bf = pool.to(torch.bfloat16)[:, :, :3].contiguous()  # 6-byte rows: the byte-wise path
+    c1, c2 = bf.clone(), bf.clone()
+    emu.copy_slots(c1, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    reference.copy_slots(c2, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert torch.equal(c1, c2)
+
+
+def test_rejection_sample_matches_twin(emu):
+    g = _g(5)
+    V = 300
+    ks = [3, 0, 2, 1, 3]
+    greedy = torch.tensor([False, False, True, False, True])
+    M, Kt = sum(k + 1 for k in ks), sum(ks)
+    p = torch.softmax(torch.randn((M, V), generator=g) * 3, -1)
+    q = torch.softmax(torch.randn((Kt, V), generator=g) * 3, -1)
+    logits = torch.randn((M, V), generator=g)
+    drafts = torch.multinomial(q, 1, generator=g).flatten()
+    drafts[3] = int(logits[4].argmax())  # greedy row 2: first draft accepted
+    u = torch.rand(Kt, generator=g)
+    u[0] = 0.0  # accept
+    noise = -torch.log(torch.rand((len(ks), V), generator=g))
+    kt = torch.tensor(ks)
+    zeros = torch.zeros(len(ks), dtype=torch.int64)
+    for dp in (q, None):
+        got = emu.rejection_sample(p, logits, drafts, kt, greedy, dp, u, noise, zeros, zeros)
+        want = dispatch.rejection_sample_reference(p, logits, drafts, kt, greedy, dp, u, noise)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Philox: deterministic per (seed, offset), independent of the other rows
+    seeds = torch.arange(len(ks)) + 3
+    a = emu.rejection_sample(p, None, drafts, kt, greedy, q, None, None, seeds, zeros)
+    b = emu.rejection_sample(p, None, drafts, kt, greedy, q, None, None, seeds, zeros)
+    assert torch.equal(a[0], b[0])
+    s2 = seeds.clone()
+    s2[1:] += 100
+    c = emu.rejection_sample(p, None, drafts, kt, greedy, q, None, None, s2, zeros)
+    assert torch.equal(c[0][:4], a[0][:4])
+    toks = a[0].tolist()
+    assert all(-1 <= t < V for t in toks)
