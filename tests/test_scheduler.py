@@ -320,3 +320,14 @@ def test_capacity_finish_is_returned_by_an_empty_update() -> None:
     assert [(d.request_id, d.finish_reason) for d in got if d.finished] == [("a", "length")]
     assert not s.has_unfinished_requests()
     assert s.stats()["kv_blocks_used"] == 0
+
+
+def test_hash_seed_takes_any_int() -> None:
+    cfg = core.ResolvedConfig.for_tests("align", 0)
+    for seed in (0, -5, 2**64 - 1):
+        s = core.Scheduler(cfg, 64, 32, seed)
+        s.add_request("a", list(range(1, 21)), max_tokens=1)
+        o = s.schedule()
+        assert o.num_scheduled_tokens == 16
+    with pytest.raises(TypeError):
+        core.Scheduler(cfg, 64, 32, "x")

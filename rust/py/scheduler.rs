@@ -69,14 +69,22 @@ pub(crate) struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (config, num_kv_blocks, num_mamba_slots, hash_seed = 0))]
+    #[pyo3(signature = (config, num_kv_blocks, num_mamba_slots, hash_seed = None))]
     fn new(
         config: PyRef<'_, PyResolvedConfig>,
         num_kv_blocks: usize,
         num_mamba_slots: usize,
-        hash_seed: u64,
+        hash_seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let inner = Scheduler::new(&config.inner, num_kv_blocks, num_mamba_slots, hash_seed)
+        // Any int (default 0): a negative seed is taken as its two's-complement bits.
+        let seed = match hash_seed {
+            None => 0,
+            Some(h) => match h.extract::<u64>() {
+                Ok(v) => v,
+                Err(_) => h.extract::<i64>()? as u64,
+            },
+        };
+        let inner = Scheduler::new(&config.inner, num_kv_blocks, num_mamba_slots, seed)
             .map_err(to_pyerr)?;
         Ok(PyScheduler { inner })
     }
