@@ -20,6 +20,10 @@ each position counted as output for penalties and min_tokens), giving p. Then (L
 Each row emits its accepted drafts plus exactly one token. Randomness per row comes from its own
 generator, in a fixed order: k_r uniforms, then V exponentials for the final draw (so a row with no
 drafts draws exactly what `Sampler.sample` draws). Rows without a generator share the batch one.
+
+On CUDA (float32 logits) the acceptance itself runs in the fused op
+`hybridserve.kernels.dispatch.rejection_sample`, fed with the same uniforms and noise, so both
+paths give the same tokens; `RejectionSampler(use_kernel=...)` forces either path.
 """
 
 from __future__ import annotations
@@ -68,8 +72,25 @@ class RejectionOutput:
 class RejectionSampler:
     """Greedy and random rows in one batch; see the module docstring."""
 
-    def __init__(self, logprobs_mode: LogprobsMode = "raw") -> None:
+    def __init__(self, logprobs_mode: LogprobsMode = "raw", use_kernel: bool | None = None) -> None:
+        """`use_kernel`: None (default) runs the fused `hybridserve.kernels.dispatch.rejection_sample`
+        op when the logits are float32 on a CUDA device (and `HYBRIDSERVE_KERNELS` is not
+        `reference`), the vectorised torch code otherwise; True always goes through dispatch (its
+        torch twin on the CPU); False never. Both paths draw the same randomness in the same order
+        and give the same tokens."""
         self._sampler = Sampler(logprobs_mode)
+        self.use_kernel = use_kernel
+
+    def _kernel_path(self, probs: torch.Tensor) -> bool:
+        if type(self).recovery_distribution is not RejectionSampler.recovery_distribution:
+            return False  # a subclass changed the algorithm; only the torch path honours it
+        if self.use_kernel is not None:
+            return self.use_kernel
+        if not probs.is_cuda or probs.dtype != torch.float32:
+            return False
+        from hybridserve.kernels.dispatch import kernel_backend
+
+        return kernel_backend() != "reference"
 
     def recovery_distribution(
         self, p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor
@@ -78,6 +99,140 @@ class RejectionSampler:
         if q is None:
             return p.scatter(1, draft[:, None], 0.0)
         return (p - q).clamp_min(0.0)
+
+    def _sample_torch(
+        self,
+        proc: ProcessedLogits,
+        drafts: torch.Tensor,
+        ks: list[int],
+        ks_t: torch.Tensor,
+        start: torch.Tensor,
+        dstart: torch.Tensor,
+        row_index: torch.Tensor,
+        draft_pos: torch.Tensor,
+        greedy_rows: torch.Tensor,
+        rand_rows: list[int],
+        rows: Sequence[RowSampling],
+        draft_probs: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted counts and final tokens, vectorised torch."""
+        probs = proc.probs
+        device = probs.device
+        num_rows, vocab = len(rows), probs.shape[1]
+        total_k = int(drafts.numel())
+        # Acceptance of every draft (greedy: equality with argmax; random: u * q < p).
+        accept = torch.zeros(total_k, dtype=torch.bool, device=device)
+        if total_k:
+            draft_row = row_index[draft_pos]
+            g_mask = greedy_rows[draft_row]
+            target_argmax = proc.penalized[draft_pos].argmax(dim=-1)
+            accept = torch.where(g_mask, drafts == target_argmax, accept)
+            if rand_rows:
+                u = uniform_draws(
+                    [ks[i] for i in rand_rows],
+                    [rows[i].generator for i in rand_rows],
+                    generator,
+                    probs.dtype,
+                    device,
+                )
+                r_draft = (~g_mask).nonzero().squeeze(1)  # flat draft indices of random rows, in order
+                p_d = probs[draft_pos[r_draft]].gather(1, drafts[r_draft][:, None]).squeeze(1)
+                if draft_probs is None:
+                    q_d = torch.ones_like(p_d)
+                else:
+                    q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
+                accept[r_draft] = u * q_d < p_d
+
+        # Accepted prefix length per row: first rejection, via a padded [R, Kmax] cumprod.
+        kmax = max(ks)
+        if kmax:
+            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
+            col = torch.arange(total_k, device=device) - dstart[row_index[draft_pos]]
+            padded[row_index[draft_pos], col] = accept.to(torch.int64)
+            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
+        else:
+            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        stop_pos = start + num_acc  # logit row of the emitted (recovered or bonus) token
+        rejected = num_acc < ks_t
+
+        final = torch.empty(num_rows, dtype=torch.int64, device=device)
+        g_idx = greedy_rows.nonzero().squeeze(1)
+        if g_idx.numel():
+            final[g_idx] = proc.penalized[stop_pos[g_idx]].argmax(dim=-1)
+        r_list = rand_rows
+        if r_list:
+            r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=device)
+            p_stop = probs[stop_pos[r_idx]]
+            dist = p_stop.clone()
+            rej = rejected[r_idx]
+            if bool(rej.any()):
+                rr = rej.nonzero().squeeze(1)
+                flat_d = dstart[r_idx[rr]] + num_acc[r_idx[rr]]  # the rejected draft, flat index
+                q = None if draft_probs is None else draft_probs[flat_d].to(probs.dtype)
+                rec = self.recovery_distribution(p_stop[rr], q, drafts[flat_d])
+                ok = rec.sum(dim=-1) > 0
+                dist[rr] = torch.where(ok[:, None], rec, p_stop[rr])
+            noise = exponential_noise(
+                len(r_list), vocab, [rows[i].generator for i in r_list], generator, probs.dtype, device
+            )
+            final[r_idx] = race_sample(dist, noise)
+        return num_acc, final
+
+    def _sample_with_kernel(
+        self,
+        penalized: torch.Tensor,
+        probs: torch.Tensor,
+        drafts: torch.Tensor,
+        ks: list[int],
+        ks_t: torch.Tensor,
+        start: torch.Tensor,
+        greedy_rows: torch.Tensor,
+        rand_rows: list[int],
+        rows: Sequence[RowSampling],
+        draft_probs: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted counts and final tokens from the fused op, fed with this sampler's randomness."""
+        from hybridserve.kernels import dispatch
+
+        device = probs.device
+        num_rows, vocab = len(rows), probs.shape[1]
+        total_k = int(drafts.numel())
+        uniforms = torch.zeros(total_k, dtype=torch.float32, device=device)
+        noise = torch.ones((num_rows, vocab), dtype=torch.float32, device=device)
+        if rand_rows:
+            r_idx = torch.as_tensor(rand_rows, dtype=torch.int64, device=device)
+            if total_k:
+                u = uniform_draws(
+                    [ks[i] for i in rand_rows],
+                    [rows[i].generator for i in rand_rows],
+                    generator,
+                    torch.float32,
+                    device,
+                )
+                owner_greedy = torch.repeat_interleave(greedy_rows, ks_t)
+                uniforms[~owner_greedy] = u
+            noise[r_idx] = exponential_noise(
+                len(rand_rows),
+                vocab,
+                [rows[i].generator for i in rand_rows],
+                generator,
+                torch.float32,
+                device,
+            )
+        tokens, num_acc = dispatch.rejection_sample(
+            probs.to(torch.float32),
+            penalized,
+            drafts,
+            ks_t,
+            greedy_rows,
+            None if draft_probs is None else draft_probs.to(device=device, dtype=torch.float32),
+            uniforms,
+            noise,
+        )
+        num_acc = num_acc.to(device=device, dtype=torch.int64)
+        return num_acc, tokens.to(device)[start + num_acc]
 
     def sample(
         self,
@@ -169,63 +324,37 @@ class RejectionSampler:
         greedy_of_row = [r.greedy for r in rows]
         greedy_rows = torch.tensor(greedy_of_row, dtype=torch.bool, device=device)
 
-        # Acceptance of every draft (greedy: equality with argmax; random: u * q < p).
-        accept = torch.zeros(total_k, dtype=torch.bool, device=device)
-        if total_k:
-            draft_row = row_index[draft_pos]
-            g_mask = greedy_rows[draft_row]
-            target_argmax = proc.penalized[draft_pos].argmax(dim=-1)
-            accept = torch.where(g_mask, drafts == target_argmax, accept)
-            rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
-            if rand_rows:
-                u = uniform_draws(
-                    [ks[i] for i in rand_rows],
-                    [rows[i].generator for i in rand_rows],
-                    generator,
-                    probs.dtype,
-                    device,
-                )
-                r_draft = (~g_mask).nonzero().squeeze(1)  # flat draft indices of random rows, in order
-                p_d = probs[draft_pos[r_draft]].gather(1, drafts[r_draft][:, None]).squeeze(1)
-                if draft_probs is None:
-                    q_d = torch.ones_like(p_d)
-                else:
-                    q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
-                accept[r_draft] = u * q_d < p_d
-
-        # Accepted prefix length per row: first rejection, via a padded [R, Kmax] cumprod.
-        kmax = max(ks)
-        if kmax:
-            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
-            col = torch.arange(total_k, device=device) - dstart[row_index[draft_pos]]
-            padded[row_index[draft_pos], col] = accept.to(torch.int64)
-            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
-        else:
-            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        stop_pos = start + num_acc  # logit row of the emitted (recovered or bonus) token
-        rejected = num_acc < ks_t
-
-        final = torch.empty(num_rows, dtype=torch.int64, device=device)
-        g_idx = greedy_rows.nonzero().squeeze(1)
-        if g_idx.numel():
-            final[g_idx] = proc.penalized[stop_pos[g_idx]].argmax(dim=-1)
-        r_list = [i for i in range(num_rows) if not greedy_of_row[i]]
-        if r_list:
-            r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=device)
-            p_stop = probs[stop_pos[r_idx]]
-            dist = p_stop.clone()
-            rej = rejected[r_idx]
-            if bool(rej.any()):
-                rr = rej.nonzero().squeeze(1)
-                flat_d = dstart[r_idx[rr]] + num_acc[r_idx[rr]]  # the rejected draft, flat index
-                q = None if draft_probs is None else draft_probs[flat_d].to(probs.dtype)
-                rec = self.recovery_distribution(p_stop[rr], q, drafts[flat_d])
-                ok = rec.sum(dim=-1) > 0
-                dist[rr] = torch.where(ok[:, None], rec, p_stop[rr])
-            noise = exponential_noise(
-                len(r_list), vocab, [rows[i].generator for i in r_list], generator, probs.dtype, device
+        rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
+        if self._kernel_path(probs):
+            num_acc, final = self._sample_with_kernel(
+                proc.penalized,
+                probs,
+                drafts,
+                ks,
+                ks_t,
+                start,
+                greedy_rows,
+                rand_rows,
+                rows,
+                draft_probs,
+                generator,
             )
-            final[r_idx] = race_sample(dist, noise)
+        else:
+            num_acc, final = self._sample_torch(
+                proc,
+                drafts,
+                ks,
+                ks_t,
+                start,
+                dstart,
+                row_index,
+                draft_pos,
+                greedy_rows,
+                rand_rows,
+                rows,
+                draft_probs,
+                generator,
+            )
 
         num_acc_l = num_acc.tolist()
         final_l = final.tolist()
