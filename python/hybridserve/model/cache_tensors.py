@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hybridserve.errors import ConfigError
-from hybridserve.kernels import reference
+from hybridserve.kernels import dispatch
 from hybridserve.model.model_config import ModelConfig
 
 _DTYPES = {
@@ -146,8 +146,8 @@ class ModelCaches:
             raise ValueError(f"state copy slot out of range [0, {self.num_slots})")
         with torch.inference_mode():  # works on normal and inference tensors alike
             for i in self.conv:
-                reference.copy_slots(self.conv[i], src, dst)
-                reference.copy_slots(self.ssm[i], src, dst)
+                dispatch.copy_slots(self.conv[i], src, dst)
+                dispatch.copy_slots(self.ssm[i], src, dst)
 
     def reset(self) -> None:
         with torch.inference_mode():

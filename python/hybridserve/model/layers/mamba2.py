@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import dispatch as K
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
-from hybridserve.model.layers.ops import get_op
 from hybridserve.model.model_config import ModelConfig
 
 
@@ -56,7 +56,6 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         T = hidden.shape[0]
         dtype = hidden.dtype
-        dev = hidden.device
         proj = self.in_proj(hidden)
         z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         w = self.conv1d.weight[:, 0, :]
@@ -68,7 +67,7 @@ class Mamba2Mixer(nn.Module):
 
         conv_out = torch.empty_like(xbc)
         if ndt > 0:
-            conv_out[:ndt] = get_op("causal_conv1d_update", dev)(
+            conv_out[:ndt] = K.causal_conv1d_update(
                 xbc[:ndt],
                 w,
                 b,
@@ -79,7 +78,7 @@ class Mamba2Mixer(nn.Module):
                 self.activation,
             )
         if ndt < T:
-            conv_out[ndt:] = get_op("causal_conv1d_prefill", dev)(
+            conv_out[ndt:] = K.causal_conv1d_prefill(
                 xbc[ndt:],
                 w,
                 b,
@@ -99,7 +98,7 @@ class Mamba2Mixer(nn.Module):
         C = C.view(T, G, N)
         y = torch.empty_like(x)
         if ndt > 0:
-            y[:ndt] = get_op("selective_state_update", dev)(
+            y[:ndt] = K.selective_state_update(
                 x[:ndt],
                 dt[:ndt],
                 A,
@@ -115,7 +114,7 @@ class Mamba2Mixer(nn.Module):
                 self.dt_max,
             )
         if ndt < T:
-            y[ndt:] = get_op("ssd_prefill", dev)(
+            y[ndt:] = K.ssd_prefill(
                 x[ndt:],
                 dt[ndt:],
                 A,
