@@ -207,14 +207,14 @@ def ssd_prefill(
     dA = dtc * Ah  # [NC, Q, G, hpg], <= 0
     Lam = torch.cumsum(dA, dim=1)  # inclusive cumulative log decay
     # intra-chunk decay exp(Lam_i - Lam_j) for i >= j (masked BEFORE exp -> no inf * 0)
-    LamT = Lam.permute(0, 2, 3, 1)  # [NC, G, hpg, Q]
-    diff = LamT[..., :, None] - LamT[..., None, :]  # [NC, G, hpg, Qi, Qj]
+    LamT = Lam.permute(0, 2, 3, 1).contiguous()  # [NC, G, hpg, Q]
+    M = LamT[..., :, None] - LamT[..., None, :]  # [NC, G, hpg, Qi, Qj]
     causal = torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()
-    decay = torch.exp(diff.masked_fill(~causal, -math.inf))
+    M.masked_fill_(~causal, -math.inf).exp_()  # exp(Lam_i - Lam_j), 0 above the diagonal
     CB = torch.einsum("cign,cjgn->cgij", Cc, Bc)  # [NC, G, Qi, Qj]
+    M.mul_(CB[:, :, None])
     dtx = xc * dtc[..., None]  # [NC, Q, G, hpg, P]
-    M = CB[:, :, None] * decay  # [NC, G, hpg, Qi, Qj]
-    y_diag = torch.einsum("cghij,cjghp->cighp", M, dtx)
+    y_diag = torch.matmul(M, dtx.permute(0, 2, 3, 1, 4)).permute(0, 3, 1, 2, 4)  # [NC, Q, G, hpg, P]
 
     # chunk states from zero init: S_c = sum_j exp(Lam_last - Lam_j) dt_j x_j B_j^T
     decay_to_end = torch.exp(Lam[:, -1:] - Lam)  # [NC, Q, G, hpg]
