@@ -120,6 +120,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.pow(2).mean().sqrt()), 1e-30)
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """fp32 I/O: max error < 1e-5 x rms; 16-bit outputs: |a - b| <= 1.6e-2 |b| + 1e-2 rms
+    (the rounding of the output itself; kernels.md §7.2)."""
+    if dtype == torch.float32:
+        return _rel(a, b) < 1e-5
+    a, b = a.double(), b.double()
+    rms = float(b.pow(2).mean().sqrt())
+    return bool(((a - b).abs() <= 1.6e-2 * b.abs() + 1e-2 * rms).all())
+
+
 def _qsl(lengths: list[int]) -> torch.Tensor:
     q = [0]
     for n in lengths:
@@ -164,25 +174,31 @@ def test_selective_state_update(emu, shape, dtype):
     y = emu.selective_state_update(*args(lambda t: t), p_emu, _qsl(lengths), read, ws, 0.0, math.inf)
     p_ref = pool.double()
     y_ref = reference.selective_state_update(*args(lambda t: t.double()), p_ref, _qsl(lengths), read, ws)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert _rel(y, y_ref) < tol
+    assert _close(y, y_ref, dtype)
     written = sorted({int(s) for s in ws.flatten().tolist() if s})
     assert _rel(p_emu[written], p_ref[written]) < 1e-5
     others = [s for s in range(pool.shape[0]) if s not in written]
     assert torch.equal(p_emu[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
 
 
+SSD_CASES = {
+    # (H, P, N, G, Q), lengths, computed, has_initial_state
+    "small": ((4, 16, 16, 2, 16), [1, 15, 16, 17, 0, 45, 3], [0, 5, 16, 9, 3, 20, 30], [0, 1, 1, 0, 0, 1, 1]),
+    # partial 64x64 GEMM tiles (P = 80, N = 96), two query tiles per chunk (Q = 128), causal tile skip
+    "tiles": ((2, 80, 96, 1, 128), [130, 60, 1], [0, 100, 7], [0, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(SSD_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_ssd_prefill(emu, dtype):
-    H, P, N, G, Q = 4, 16, 16, 2, 16
+def test_ssd_prefill(emu, dtype, case):
+    (H, P, N, G, Q), lengths, computed, init = SSD_CASES[case]
     g = _g(2)
-    lengths = [1, 15, 16, 17, 0, 45, 3]
-    computed = [0, 5, 16, 9, 3, 20, 30]
-    his = torch.tensor([False, True, True, False, False, True, True])
+    his = torch.tensor([bool(v) for v in init])
     R = len(lengths)
     c = _ssm_inputs(sum(lengths), H, P, N, G, dtype, g)
     emits = [(r, t) for r in range(R) for t in range(lengths[r]) if (computed[r] + t + 1) % Q == 0]
-    emits.append((5, 44))  # a row's last token
+    emits.append((0, lengths[0] - 1))  # a row's last token
     S = 2 * R + len(emits) + 2
     perm = (torch.randperm(S - 1, generator=g) + 1).tolist()
     read = torch.tensor(perm[:R])
@@ -203,7 +219,7 @@ def test_ssd_prefill(emu, dtype):
     y = emu.ssd_prefill(*[c[k] for k in keys], p_emu, *rest, 0.0, math.inf)
     p_ref = pool.double()
     y_ref = reference.ssd_prefill(*[c[k].double() for k in keys], p_ref, *rest)
-    assert _rel(y, y_ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert _close(y, y_ref, dtype)
     written = sorted({int(s) for s, n in zip(write.tolist(), lengths) if s and n} | set(eslot.tolist()))
     assert _rel(p_emu[written], p_ref[written]) < 1e-5
     others = [s for s in range(S) if s not in written]
@@ -217,7 +233,7 @@ def test_ssd_prefill(emu, dtype):
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
 def test_conv1d_prefill_and_update(emu, W, sdtype):
     g = _g(3)
-    Dc = 40
+    Dc = 140  # two channel blocks, the second partial
     lengths = [1, 2, 0, 9]
     R = len(lengths)
     T = sum(lengths)
@@ -272,9 +288,9 @@ def test_copy_slots(emu):
     assert torch.equal(c1, c2)
 
 
-def test_rejection_sample_matches_twin(emu):
+@pytest.mark.parametrize("V", [300, 2500])
+def test_rejection_sample_matches_twin(emu, V):
     g = _g(5)
-    V = 300
     ks = [3, 0, 2, 1, 3]
     greedy = torch.tensor([False, False, True, False, True])
     M, Kt = sum(k + 1 for k in ks), sum(ks)
