@@ -441,10 +441,14 @@ def causal_conv1d_prefill(
             base = qsl[rows] + rows * S  # ext index of the row's first state column
             pos = (base[:, None] + torch.arange(S, dtype=torch.int64)[None, :]).to(dev)  # [r, S]
             ext[pos.reshape(-1)] = init.transpose(1, 2).reshape(-1, Dc)
-    # one depthwise conv over the whole extended sequence: output j sees ext[j .. j + W - 1],
-    # so token t (at ext index e_t) reads output e_t - S
-    conv = F.conv1d(ext.t()[None], weight.to(cdt)[:, None, :], None, groups=Dc)[0]  # [Dc, Text - S]
-    acc = conv.t()[ext_index_tok.to(dev) - S]
+    # depthwise conv over the whole extended sequence as W shifted multiply-adds (views, no
+    # gathers): out[j] = sum_k w[:, k] * ext[j + k]; token t (at ext index e_t) reads out[e_t - S]
+    w = weight.to(cdt)
+    n_out = ext.shape[0] - S
+    out = ext[0:n_out] * w[:, 0]
+    for k in range(1, W):
+        out.addcmul_(ext[k : k + n_out], w[:, k])
+    acc = out.index_select(0, ext_index_tok.to(dev) - S)
     if bias is not None:
         acc = acc + bias.to(cdt)
     y = _conv_act(acc, activation)
