@@ -3,6 +3,7 @@ ops and with the pure-torch twins, with and without speculative decoding and pre
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -47,7 +48,11 @@ def _generate(monkeypatch, kernels: str, **kw) -> tuple[list[list[int]], set[str
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
     names = {e.name for e in prof.events()}
     hs = {n for n in names if "hs::" in n}
-    return [list(o.outputs[0].token_ids) for o in outs], hs
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, hs
 
 
 def test_cuda_ops_equal_reference_ops(monkeypatch):
