@@ -356,10 +356,8 @@ def selective_state_update(
         dtt = dtp[ti]  # [r, G, hpg]
         xt = xs[ti]  # [r, G, hpg, P]
         h_in = h if isinstance(rd, slice) else h[rd]
-        ht = (
-            torch.exp(dtt * Ah)[..., None, None] * h_in
-            + (dtt[..., None] * xt)[..., None] * Bs[ti][:, :, None, None, :]
-        )
+        ht = h_in * torch.exp(dtt * Ah)[..., None, None]
+        ht.addcmul_((dtt[..., None] * xt)[..., None], Bs[ti][:, :, None, None, :])
         if isinstance(rd, slice):
             h = ht
         else:
