@@ -335,6 +335,14 @@ def test_loader_tied_embeddings_and_tokenizer(tmp_path):
         ref = hf(torch.tensor([prompt])).logits[0]
     ours = lm.model(_full_prompt_batch(prompt), ModelCaches.for_model(lm.config, lm.dtype, 2, 8, 4))
     assert ((ours - ref).abs().max() / ref.abs().max()) < 1e-4
+    # state-spaces naming of the embedding (`backbone.embedding.weight`) loads too
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["backbone.embedding.weight"] = w.pop("backbone.embeddings.weight")
+    save_file(w, str(tmp_path / "model.safetensors"))
+    old = load_model(str(tmp_path), torch.float32)
+    assert torch.equal(old.model.backbone.embeddings.weight, lm.model.backbone.embeddings.weight)
 
 
 # ------------------------------------------------------------------------------------------------

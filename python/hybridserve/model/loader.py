@@ -122,6 +122,14 @@ def load_model(
     dev = torch.device(device)
     cls, cfg = load_config(model_dir)
     files = _tensor_files(model_dir)
+    stored: dict[str, str] = {}  # parameter name -> key in the checkpoint (an alias if renamed)
+    for name, olds in cls.key_aliases.items():
+        if name not in files:
+            for old in olds:
+                if old in files:
+                    files[name] = files[old]
+                    stored[name] = old
+                    break
 
     with torch.device("meta"):
         model = cls(cfg)
@@ -151,7 +159,7 @@ def load_model(
             f = files[name]
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt", device="cpu")
-            sl = handles[f].get_slice(name)
+            sl = handles[f].get_slice(stored.get(name, name))
             sdt = sl.get_dtype()
             if sdt not in _FLOAT_DTYPES:
                 raise ConfigError(f"{f}: tensor {name!r} has unsupported dtype {sdt} (need F32/BF16/F16/F64)")
@@ -171,7 +179,7 @@ def load_model(
 
             it = tqdm(to_load, desc=f"Loading {model_dir.name}", unit="tensor")
         for name in it:
-            t = handles[files[name]].get_tensor(name)
+            t = handles[files[name]].get_tensor(stored.get(name, name))
             p = params[name]
             p.data = t.to(device=dev, dtype=_param_dtype(cls, name, dt))
         for name, alias in tied.items():
@@ -183,7 +191,7 @@ def load_model(
             _set_param(model, name, src)
     finally:
         handles.clear()
-    unused = sorted(set(files) - set(params))
+    unused = sorted(set(files) - set(params) - set(stored.values()))
     if unused:
         log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
     model.eval()

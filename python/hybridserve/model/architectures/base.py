@@ -38,6 +38,8 @@ class CausalLM(nn.Module):
 
     # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
     tied_weights: ClassVar[dict[str, str]] = {}
+    # parameter name -> older checkpoint names of the same tensor (tried when the name is missing)
+    key_aliases: ClassVar[dict[str, tuple[str, ...]]] = {}
     # parameter-name suffixes kept in fp32 when the model runs in bf16/fp16
     fp32_param_suffixes: ClassVar[tuple[str, ...]] = (
         "A_log",

@@ -47,6 +47,7 @@ class _Backbone(nn.Module):
 @register("Mamba2ForCausalLM")
 class Mamba2ForCausalLM(CausalLM):
     tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+    key_aliases = {"backbone.embeddings.weight": ("backbone.embedding.weight",)}  # state-spaces naming
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
