@@ -1,13 +1,111 @@
-"""`hybridserve bench` (in progress)."""
+"""`hybridserve bench serve | offline`.
+
+    hybridserve bench serve --base-url http://127.0.0.1:8000 --workload shared-prefix \\
+        --num-requests 64 --request-rate 4 --concurrency 16 --result-file r.json --plot charts/
+    hybridserve bench offline --model demo --num-prompts 64 --prompt-len 256 --output-len 128
+
+`serve` works against any OpenAI-compatible server (token-id prompts to /v1/completions, streamed);
+`offline` runs the engine through the LLM API without HTTP. The CLI builds this parser, so no
+torch (nor matplotlib) at module level: the engine and the plots load inside the handlers.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+from hybridserve.benchmarks.workloads import WORKLOADS, WorkloadSpec
+
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if math.isnan(v) or v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0 or inf")
+    return v
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", choices=["serve", "offline"])
+    sub = p.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
+    s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    s.add_argument("--workload", choices=WORKLOADS, default="random")
+    s.add_argument("--num-requests", type=int, default=64, help="requests in all (turns count one each)")
+    s.add_argument(
+        "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+    )
+    s.add_argument(
+        "--concurrency", type=int, default=None, help="most requests in flight (default: no limit)"
+    )
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    s.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (per turn for multi-turn)")
+    s.add_argument(
+        "--prefix-len",
+        type=int,
+        default=None,
+        help="shared-prefix: shared tokens (default 3/4 of --prompt-len)",
+    )
+    s.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct shared prefixes")
+    s.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    s.add_argument("--token-id-max", type=int, default=256, help="prompt token ids are drawn from [3, this)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument(
+        "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests early"
+    )
+    s.add_argument("--api-key", default=None)
+    s.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds without data before a request fails"
+    )
+    s.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for GET /health = 200")
+    s.add_argument("--result-file", default=None, help="write the JSON result here")
+    s.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
+    s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+    o = sub.add_parser("offline", help="engine throughput through the LLM API (no HTTP)")
+    from hybridserve.config import add_engine_args
+
+    o.add_argument("--model", default="demo", help="model folder, or 'demo' (default)")
+    add_engine_args(o, model_positional=False)
+    o.add_argument("--num-prompts", type=int, default=64)
+    o.add_argument("--prompt-len", type=int, default=256)
+    o.add_argument("--output-len", type=int, default=128)
+    o.add_argument("--result-file", default=None, help="write the JSON result here")
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    raise SystemExit("hybridserve bench: not available yet")
+    if args.bench_mode == "serve":
+        from hybridserve.benchmarks.serve_client import ServeConfig, serve_main
+
+        spec = WorkloadSpec(
+            name=args.workload,
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            prefix_len=args.prefix_len,
+            num_prefixes=args.num_prefixes,
+            num_turns=args.num_turns,
+            token_id_max=args.token_id_max,
+        )
+        cfg = ServeConfig(
+            base_url=args.base_url.rstrip("/"),
+            workload=spec,
+            request_rate=args.request_rate,
+            concurrency=args.concurrency,
+            model=args.model,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            request_timeout=args.request_timeout,
+            api_key=args.api_key,
+            progress=args.progress,
+            ready_timeout=args.ready_timeout,
+        )
+        result = serve_main(cfg, args.result_file, args.plot)
+        return 0 if result["summary"]["completed"] > 0 else 1
+    from hybridserve.benchmarks.offline import offline_main
+    from hybridserve.config import EngineArgs
+
+    ea = EngineArgs.from_cli(args)
+    offline_main(ea, args.num_prompts, args.prompt_len, args.output_len, args.seed, args.result_file)
+    return 0

@@ -1,0 +1,442 @@
+"""`hybridserve bench serve`: an async load generator for any OpenAI-compatible server.
+
+Streams `POST /v1/completions` (token-id prompts from `workloads.py`, `stream_options.include_usage`,
+`ignore_eos` so every request generates `max_tokens` tokens) with Poisson arrivals at
+`request_rate` requests/s (`inf`: all at once) under a concurrency limit, and measures per request:
+time to first token (TTFT: first streamed chunk with a choice), the gaps between chunks (ITL), time
+per output token after the first (TPOT), end-to-end latency (E2E), and the server's usage fields
+(prompt, completion and cached tokens). When the server exposes hybridserve's `/metrics`, the
+prefix-cache hit rate is the diff of `hybridserve_prefix_cache_hit_tokens_total` over the diff of
+`hybridserve_prefix_cache_queried_tokens_total` across the run.
+
+No torch here; matplotlib is imported only for `--plot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from hybridserve.benchmarks.workloads import Conversation, WorkloadSpec, build_workload
+
+METRIC_HIT = "hybridserve_prefix_cache_hit_tokens_total"
+METRIC_QUERIED = "hybridserve_prefix_cache_queried_tokens_total"
+METRIC_GENERATED = "hybridserve_generation_tokens_total"
+METRIC_PROMPT = "hybridserve_prompt_tokens_total"
+
+
+@dataclass
+class ServeConfig:
+    base_url: str
+    workload: WorkloadSpec
+    request_rate: float = math.inf
+    concurrency: int | None = None
+    model: str | None = None
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    request_timeout: float = 600.0
+    api_key: str | None = None
+    progress: bool = True
+    ready_timeout: float = 120.0  # wait this long for GET /health to answer 200 (503 = still loading)
+
+
+@dataclass
+class RequestResult:
+    index: int
+    conversation: int
+    turn: int
+    prompt_len: int
+    start: float = 0.0  # seconds since the benchmark started
+    ttft: float | None = None
+    e2e: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the request started
+    num_chunks: int = 0
+    output_tokens: int = 0  # usage.completion_tokens (or the chunk count when the server sent no usage)
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None and self.e2e is not None
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def latency_stats(values_s: Sequence[float]) -> dict[str, float | int | None]:
+    """mean, median, p90, p99, min, max in milliseconds (None when there are no values)."""
+    if not values_s:
+        return {"n": 0, "mean_ms": None, "median_ms": None, "p90_ms": None, "p99_ms": None,
+                "min_ms": None, "max_ms": None}  # fmt: skip
+    ms = [v * 1e3 for v in values_s]
+    return {
+        "n": len(ms),
+        "mean_ms": statistics.fmean(ms),
+        "median_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+    }
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text exposition (`name value`)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) < 2 or "{" in parts[0]:
+            continue
+        try:
+            out[parts[0]] = float(parts[1])
+        except ValueError:
+            continue
+    return out
+
+
+# ----------------------------------------------------------------------------- client
+
+
+async def _get_json(session: Any, url: str) -> Any:
+    async with session.get(url) as resp:
+        if resp.status != 200:
+            return None
+        return await resp.json()
+
+
+async def wait_ready(session: Any, base_url: str, timeout: float) -> None:
+    """Polls GET /health until it answers 200 (a server without /health, 404, counts as ready)."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            async with session.get(f"{base_url}/health") as resp:
+                if resp.status in (200, 404):
+                    return
+                last = f"HTTP {resp.status}"
+        except Exception as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{base_url} is not ready after {timeout:.0f} s ({last})")
+        await asyncio.sleep(0.25)
+
+
+async def scrape_metrics(session: Any, base_url: str) -> dict[str, float] | None:
+    """hybridserve's /metrics counters, or None when the server has none."""
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            values = parse_prometheus(await resp.text())
+    except Exception:
+        return None
+    return values if METRIC_QUERIED in values else None
+
+
+async def _stream_one(
+    session: Any, cfg: ServeConfig, model: str, prompt: list[int], r: RequestResult, t0: float
+) -> None:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": cfg.workload.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    r.start = start - t0
+    texts: list[str] = []
+    try:
+        async with session.post(f"{cfg.base_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            buf = b""
+            async for data in resp.content.iter_any():
+                buf += data
+                while b"\n" in buf:
+                    raw, buf = buf.split(b"\n", 1)
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    now = time.perf_counter() - start
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        r.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                        continue
+                    choices = chunk.get("choices") or []
+                    if choices:
+                        c = choices[0]
+                        if r.ttft is None:
+                            r.ttft = now
+                        r.chunk_times.append(now)
+                        texts.append(c.get("text") or "")
+                        if c.get("finish_reason") is not None:
+                            r.finish_reason = c["finish_reason"]
+                    usage = chunk.get("usage")
+                    if usage:
+                        r.usage_prompt_tokens = usage.get("prompt_tokens")
+                        r.usage_completion_tokens = usage.get("completion_tokens")
+                        details = usage.get("prompt_tokens_details") or {}
+                        r.cached_tokens = details.get("cached_tokens")
+        r.e2e = time.perf_counter() - start
+    except Exception as e:  # the run goes on; the request counts as failed
+        r.error = f"{type(e).__name__}: {e}"[:200]
+    r.num_chunks = len(r.chunk_times)
+    r.text = "".join(texts)
+    r.output_tokens = r.usage_completion_tokens if r.usage_completion_tokens is not None else r.num_chunks
+
+
+async def run_serve(cfg: ServeConfig) -> dict[str, Any]:
+    """Runs the benchmark; returns the result dict (see `summarize`)."""
+    import aiohttp
+
+    convs = build_workload(cfg.workload)
+    results: list[RequestResult] = []
+    plan: list[list[RequestResult]] = []
+    for ci, conv in enumerate(convs):
+        rows = []
+        for ti, p in enumerate(conv.prompts):
+            rr = RequestResult(index=len(results), conversation=ci, turn=ti, prompt_len=len(p))
+            results.append(rr)
+            rows.append(rr)
+        plan.append(rows)
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=cfg.request_timeout)
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0)
+    progress: Any = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(results), desc=f"bench serve {cfg.workload.name}", file=sys.stderr)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        await wait_ready(session, cfg.base_url, cfg.ready_timeout)
+        model = cfg.model
+        if model is None:
+            models = await _get_json(session, f"{cfg.base_url}/v1/models")
+            if not models or not models.get("data"):
+                raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
+            model = str(models["data"][0]["id"])
+        before = await scrape_metrics(session, cfg.base_url)
+        sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+        t0 = time.perf_counter()
+
+        async def conversation(conv: Conversation, rows: list[RequestResult]) -> None:
+            for prompt, rr in zip(conv.prompts, rows):
+                if sem is not None:
+                    async with sem:
+                        await _stream_one(session, cfg, model, prompt, rr, t0)
+                else:
+                    await _stream_one(session, cfg, model, prompt, rr, t0)
+                if progress is not None:
+                    progress.update(1)
+
+        rng = random.Random(cfg.workload.seed + 1)
+        tasks = []
+        for conv, rows in zip(convs, plan):
+            tasks.append(asyncio.create_task(conversation(conv, rows)))
+            if math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(cfg.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after = await scrape_metrics(session, cfg.base_url)
+    if progress is not None:
+        progress.close()
+    return summarize(cfg, model, results, duration, before, after)
+
+
+def _server_prefix(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    if before is None or after is None:
+        return None
+    queried = after.get(METRIC_QUERIED, 0.0) - before.get(METRIC_QUERIED, 0.0)
+    hit = after.get(METRIC_HIT, 0.0) - before.get(METRIC_HIT, 0.0)
+    return {
+        "queried_tokens": queried,
+        "hit_tokens": hit,
+        "hit_rate": hit / queried if queried > 0 else None,
+        "generation_tokens": after.get(METRIC_GENERATED, 0.0) - before.get(METRIC_GENERATED, 0.0),
+        "prompt_tokens": after.get(METRIC_PROMPT, 0.0) - before.get(METRIC_PROMPT, 0.0),
+    }
+
+
+def throughput_over_time(results: Sequence[RequestResult], duration: float, bins: int = 60) -> dict[str, Any]:
+    """Output tokens per second in equal time bins (each chunk carries output_tokens / num_chunks)."""
+    bin_s = max(duration / bins, 1e-3)
+    n = max(1, math.ceil(duration / bin_s))
+    counts = [0.0] * n
+    for r in results:
+        if not r.ok or not r.chunk_times:
+            continue
+        per_chunk = r.output_tokens / len(r.chunk_times)
+        for t in r.chunk_times:
+            counts[min(n - 1, int((r.start + t) / bin_s))] += per_chunk
+    return {"bin_s": bin_s, "output_tok_per_s": [c / bin_s for c in counts]}
+
+
+def summarize(
+    cfg: ServeConfig,
+    model: str,
+    results: list[RequestResult],
+    duration: float,
+    before: dict[str, float] | None,
+    after: dict[str, float] | None,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(
+        r.usage_prompt_tokens if r.usage_prompt_tokens is not None else r.prompt_len for r in ok
+    )
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]  # type: ignore[operator]
+    wl = asdict(cfg.workload)
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (out_tokens + prompt_tokens) / duration if duration > 0 else 0.0,
+        "ttft": latency_stats([r.ttft for r in ok]),  # type: ignore[misc]
+        "tpot": latency_stats(tpot),
+        "itl": latency_stats(itl),
+        "e2e": latency_stats([r.e2e for r in ok]),  # type: ignore[misc]
+        "usage_cached_tokens": sum(cached) if cached else None,
+        "usage_cache_hit_rate": (sum(cached) / prompt_tokens) if cached and prompt_tokens else None,
+        "server_prefix_cache": _server_prefix(before, after),
+    }
+    errors = sorted({r.error for r in results if r.error})[:5]
+    # Raw ITL samples (ms, rounded) for the charts; at most 5000 of them.
+    itl_ms = [round(v * 1e3, 3) for v in itl[:5000]]
+    return {
+        "benchmark": "serve",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "config": {
+            "base_url": cfg.base_url,
+            "model": model,
+            "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+            "concurrency": cfg.concurrency,
+            "ignore_eos": cfg.ignore_eos,
+            "temperature": cfg.temperature,
+            "workload": wl,
+        },
+        "summary": summary,
+        "errors": errors,
+        "throughput_over_time": throughput_over_time(ok, duration),
+        "itl_samples_ms": itl_ms,
+        "requests": [
+            {
+                "conversation": r.conversation,
+                "turn": r.turn,
+                "start_s": r.start,
+                "prompt_len": r.prompt_len,
+                "prompt_tokens": r.usage_prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "num_chunks": r.num_chunks,
+                "cached_tokens": r.cached_tokens,
+                "ttft_ms": None if r.ttft is None else r.ttft * 1e3,
+                "e2e_ms": None if r.e2e is None else r.e2e * 1e3,
+                "finish_reason": r.finish_reason,
+                "error": r.error,
+            }
+            for r in results
+        ],
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "load_average": load,
+    }
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    c = result["config"]
+    lines = [
+        f"== bench serve: {c['workload']['name']}  model={c['model']}  rate={c['request_rate']}  "
+        f"concurrency={c['concurrency']}  requests={c['workload']['num_requests']}",
+        f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s",
+        f"throughput: {s['request_throughput']:.2f} req/s  {s['output_throughput']:.1f} output tok/s  "
+        f"{s['total_token_throughput']:.1f} total tok/s",
+    ]
+    for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        st = s[key]
+        if st["n"]:
+            lines.append(
+                f"{name:5s} ms: mean {st['mean_ms']:9.2f}  median {st['median_ms']:9.2f}  "
+                f"p90 {st['p90_ms']:9.2f}  p99 {st['p99_ms']:9.2f}"
+            )
+    sp = s["server_prefix_cache"]
+    if sp is not None and sp["hit_rate"] is not None:
+        lines.append(
+            f"prefix cache (server /metrics): hit rate {sp['hit_rate']:.3f} "
+            f"({sp['hit_tokens']:.0f} / {sp['queried_tokens']:.0f} tokens)"
+        )
+    if s["usage_cache_hit_rate"] is not None:
+        lines.append(f"prefix cache (usage.cached_tokens / prompt tokens): {s['usage_cache_hit_rate']:.3f}")
+    for e in result["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def serve_main(cfg: ServeConfig, result_file: str | None, plot_dir: str | None) -> dict[str, Any]:
+    result = asyncio.run(run_serve(cfg))
+    print(format_summary(result))
+    if result_file:
+        from pathlib import Path
+
+        Path(result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(result_file).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result: {result_file}")
+    if plot_dir:
+        from hybridserve.benchmarks.plots import plot_serve
+
+        for path in plot_serve(result, plot_dir):
+            print(f"chart: {path}")
+    return result
