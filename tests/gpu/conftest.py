@@ -2,7 +2,9 @@
 
 Skipped when no CUDA device is present. ``HYBRIDSERVE_GPU_TESTS_ON_CPU=1`` runs them on the CPU
 instead, where dispatch picks the pure-torch twins: a self-check of the test harness (inputs,
-oracles, tolerances), not of the kernels.
+oracles, tolerances), not of the kernels. ``HYBRIDSERVE_GPU_TESTS_EMULATED=1`` (implies the
+former) routes dispatch to the CPU emulation of the CUDA kernels (tests/cuda_emu): the real
+kernel code on the test plan, slowly (use -k to pick the small shapes).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ON_CPU = os.environ.get("HYBRIDSERVE_GPU_TESTS_ON_CPU") == "1"
+EMULATED = os.environ.get("HYBRIDSERVE_GPU_TESTS_EMULATED") == "1"
+ON_CPU = os.environ.get("HYBRIDSERVE_GPU_TESTS_ON_CPU") == "1" or EMULATED
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,3 +41,20 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _emulated_kernels():
+    """HYBRIDSERVE_GPU_TESTS_EMULATED=1: dispatch runs the emulated kernels for CPU tensors."""
+    if not EMULATED or torch.cuda.is_available():
+        yield
+        return
+    from cuda_emu.build import build_emulated_ops
+    from hybridserve.kernels import dispatch
+
+    ops = build_emulated_ops()
+    saved = (dispatch._use_cuda, dispatch._ops)
+    dispatch._use_cuda = lambda device_tensor, supported: True
+    dispatch._ops = lambda: ops
+    yield
+    dispatch._use_cuda, dispatch._ops = saved
