@@ -378,3 +378,36 @@ def test_model_caches_shapes_sizing_and_copies(checkpoints):
     assert torch.equal(c.ssm[0][3], s1) and torch.equal(c.conv[0][3], v1) and torch.equal(c.ssm[0][2], s1)
     with pytest.raises(ValueError):
         c.apply_state_copies([[1, 6]])
+
+
+def test_parse_legacy_bamba_and_mamba2_fields():
+    from hybridserve.model.architectures import get_architecture, supported_architectures
+
+    assert {"NemotronHForCausalLM", "BambaForCausalLM", "Mamba2ForCausalLM"} <= set(supported_architectures())
+    bamba = {
+        "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 3, "attn_layer_indices": [2],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "mamba_n_heads": 4,
+        "mamba_d_head": "auto", "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_chunk_size": 16,
+        "rope_theta": 5000.0, "time_step_limit": [0.001, {"__float__": "Infinity"}], "eos_token_id": [7, 9],
+    }  # fmt: skip
+    c = get_architecture("BambaForCausalLM").parse_config(decode_tagged_floats(bamba), "bamba/config.json")
+    assert c.layer_types == ["mamba", "mamba", "attention"]
+    assert (c.headdim, c.d_inner, c.rope_theta, c.partial_rotary_factor, c.rotary_dim) == (
+        16,
+        64,
+        5000.0,
+        0.5,
+        4,
+    )
+    assert (c.dt_min, c.dt_max) == (0.001, math.inf)
+    assert c.eos_token_id == 7 and c.eos_token_ids == [7, 9]
+    m2 = {"vocab_size": 100, "d_model": 32, "n_layer": 2, "head_dim": 16, "expand": 2, "state_size": 8}
+    c = get_architecture("Mamba2ForCausalLM").parse_config(m2, "m2/config.json")
+    assert (c.nheads, c.headdim, c.num_layers, c.num_attention_layers) == (4, 16, 2, 0)
+    bad = dict(bamba, mamba_n_heads=3)
+    with pytest.raises(ConfigError, match="bamba/config.json"):
+        get_architecture("BambaForCausalLM").parse_config(bad, "bamba/config.json")
+    with pytest.raises(ConfigError, match="unknown layer"):
+        get_architecture("NemotronHForCausalLM").parse_config(
+            {"hidden_size": 8, "vocab_size": 10, "layers_block_type": ["mamba", "conv"]}, "nh/config.json"
+        )

@@ -250,9 +250,12 @@ def token_ids(raw: dict[str, Any], name: str) -> tuple[int | None, list[int]]:
 
 
 def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:
-    v = get_field(raw, *names)
+    v = decode_tagged_floats(get_field(raw, *names))
     if v is None:
         return 0.0, math.inf
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"time_step_limit must be a pair, got {v!r}")
-    return float(v[0]), float(v[1])
+    try:
+        return float(v[0]), float(v[1])
+    except (TypeError, ValueError):
+        raise ConfigError(f"time_step_limit must be two numbers, got {v!r}") from None
