@@ -1,0 +1,191 @@
+"""CPU throughput on the demo model: hybridserve vs transformers' `generate`, in one run (issue 6).
+
+    .venv/bin/python benches/cpu_throughput.py [--num-prompts 64 --prompt-len 256 --output-len 128]
+        [--profile benches/results/cpu_throughput_profile.txt] [--result-file F]
+
+Both run the same checkpoint (the built-in demo model, float32) on the same prompts (random token
+ids, seeded), greedy, exactly `output-len` new tokens each:
+
+- hybridserve: `LLM("demo", dtype="float32", max_num_seqs=num_prompts).generate(...)` (defaults
+  otherwise: prefix caching on, chunked prefill, mode `all`);
+- transformers: one batch of all prompts, left padding with an attention mask, KV/SSM cache on,
+  `min_new_tokens = max_new_tokens` (its best setting on CPU: one batched call).
+
+Reports tokens/s (output tokens over wall time) of both and the ratio (target >= 3x), process CPU
+seconds (the machine is shared: wall time is noisy, CPU time less so), and how many of the greedy
+outputs are identical. `--profile FILE` then runs hybridserve once more under cProfile and writes
+the top functions by cumulative and by own time to FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+
+
+def run_hybridserve(prompts: list[list[int]], output_len: int) -> tuple[dict[str, Any], list[list[int]]]:
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    llm = LLM("demo", dtype="float32", max_num_seqs=max(64, len(prompts)))
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0)
+    )
+    steps0 = llm.engine.stats()["num_steps"]
+    c0, t0 = time.process_time(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    n = sum(len(t) for t in toks)
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": n,
+        "tok_per_s": n / wall,
+        "steps": llm.engine.stats()["num_steps"] - steps0,
+        "config": llm.engine.config.to_dict(),
+    }, toks
+
+
+def run_transformers(prompts: list[list[int]], output_len: int) -> tuple[dict[str, Any], list[list[int]]]:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hybridserve.model.demo import ensure_demo_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_demo_model()), dtype=torch.float32).eval()
+    pad = 0
+
+    def batch(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        return ids, mask
+
+    def gen(ps: list[list[int]], n: int) -> torch.Tensor:
+        ids, mask = batch(ps)
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=pad, use_cache=True)  # fmt: skip
+
+    gen(prompts[:2], 4)
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = gen(prompts, output_len)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    width = max(len(p) for p in prompts)
+    toks = [row[width:].tolist() for row in out]
+    n = sum(len(t) for t in toks)
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": n,
+        "tok_per_s": n / wall,
+        "version": transformers.__version__,
+    }, toks
+
+
+def profile_hybridserve(prompts: list[list[int]], output_len: int, path: Path) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    run_hybridserve(prompts, output_len)
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf).strip_dirs()
+    buf.write("=== by cumulative time\n")
+    st.sort_stats("cumulative").print_stats(40)
+    buf.write("=== by own time\n")
+    st.sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(buf.getvalue())
+    print(f"profile: {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="also profile hybridserve (cProfile) into FILE"
+    )
+    ap.add_argument("--result-file", type=Path, default=ROOT / "benches" / "results" / "cpu_throughput.json")
+    a = ap.parse_args()
+    import torch
+
+    prompts = make_prompts(a.num_prompts, a.prompt_len, a.seed)
+    load0 = os.getloadavg()
+    print(
+        f"hybridserve: {a.num_prompts} prompts x {a.prompt_len} tokens, {a.output_len} output tokens ...",
+        flush=True,
+    )
+    hs, hs_toks = run_hybridserve(prompts, a.output_len)
+    print(f"  {hs['tok_per_s']:.1f} tok/s ({hs['wall_s']:.1f} s wall, {hs['cpu_s']:.1f} s CPU)", flush=True)
+    print("transformers generate (one left-padded batch) ...", flush=True)
+    hf, hf_toks = run_transformers(prompts, a.output_len)
+    print(f"  {hf['tok_per_s']:.1f} tok/s ({hf['wall_s']:.1f} s wall, {hf['cpu_s']:.1f} s CPU)", flush=True)
+    load1 = os.getloadavg()
+    same = sum(x == y for x, y in zip(hs_toks, hf_toks))
+    first_diff = [
+        next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(hs_toks, hf_toks)
+    ]
+    ratio = hs["tok_per_s"] / hf["tok_per_s"]
+    cpu_ratio = hf["cpu_s"] / hs["cpu_s"] if hs["cpu_s"] > 0 else None
+    result = {
+        "benchmark": "cpu_throughput",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_before": load0,
+            "load_average_after": load1,
+        },
+        "setup": {
+            "num_prompts": a.num_prompts,
+            "prompt_len": a.prompt_len,
+            "output_len": a.output_len,
+            "dtype": "float32",
+            "model": "demo",
+            "seed": a.seed,
+        },  # fmt: skip
+        "hybridserve": hs,
+        "transformers": hf,
+        "ratio_tok_per_s": ratio,
+        "ratio_cpu_s": cpu_ratio,
+        "identical_outputs": same,
+        "mean_identical_prefix_tokens": sum(first_diff) / len(first_diff),
+    }
+    a.result_file.parent.mkdir(parents=True, exist_ok=True)
+    a.result_file.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"ratio hybridserve / transformers: {ratio:.2f}x tok/s (target >= 3x), CPU-time ratio "
+        f"{cpu_ratio:.2f}x; identical greedy outputs {same}/{len(prompts)}; load {load0[0]:.1f} -> {load1[0]:.1f}"
+    )
+    print(f"result: {a.result_file}")
+    if a.profile is not None:
+        profile_hybridserve(prompts, a.output_len, a.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
