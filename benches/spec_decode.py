@@ -69,7 +69,7 @@ def write_repeating_model(path: Path, keep_layers: list[int] | None = None) -> s
 
 
 def run(
-    model: str, spec: dict[str, Any] | None, prompts: list[list[int]], output_len: int
+    model: str, spec: dict[str, Any] | None, prompts: list[list[int]], output_len: int, repeats: int = 1
 ) -> tuple[dict[str, Any], list[list[int]]]:
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
