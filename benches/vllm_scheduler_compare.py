@@ -20,7 +20,8 @@ max_num_seqs 256) and the same workloads:
 
 The fake "model" outputs (token 7 for every row that produced logits) are built outside the timed
 region for both. Reports per-step times and the ratio vLLM / hybridserve for each workload
-(target: >= 50x at 256 running decode requests).
+(target: >= 50x at 256 running decode requests), by wall time (perf_counter) and by the thread's
+CPU time (thread_time: less sensitive to other processes on a shared machine).
 """
 
 from __future__ import annotations
@@ -259,24 +260,30 @@ def vllm_worker(model_dir: str, steps: int) -> dict[str, Any]:
     for _ in range(20):
         out = s.schedule()
         s.update_from_output(out, _fake_vllm_output(s, out, ModelRunnerOutput))
-    sched_t, upd_t, step_t = [], [], []
+    sched_t, upd_t, step_t, cpu_t = [], [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = s.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         mro = _fake_vllm_output(s, out, ModelRunnerOutput)
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time(), time.perf_counter()
         s.update_from_output(out, mro)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         assert len(out.num_scheduled_tokens) == DECODE_REQUESTS
         sched_t.append(t1 - t0)
         upd_t.append(t3 - t2)
         step_t.append((t1 - t0) + (t3 - t2))
+        cpu_t.append((c1 - c0) + (c3 - c2))
     res: dict[str, Any] = {
         "version": vllm.__version__,
         "torch": torch.__version__,
         "import_s": import_s,
-        "decode": {"step": summarize(step_t), "schedule": summarize(sched_t), "update": summarize(upd_t)},
+        "decode": {
+            "step": summarize(step_t),
+            "step_cpu": summarize(cpu_t),
+            "schedule": summarize(sched_t),
+            "update": summarize(upd_t),
+        },
     }
 
     # prefill bursts
@@ -284,19 +291,21 @@ def vllm_worker(model_dir: str, steps: int) -> dict[str, Any]:
         s = make(BURST_REQUESTS)
         prompts = burst_prompts(shared)
         step_times: list[float] = []
+        cpu_times: list[float] = []
         hit_tokens = 0
         tokens = 0
         t_total = time.perf_counter()
         for i, p in enumerate(prompts):
             s.add_request(request(f"b{i}", p, 1))
         while s.has_unfinished_requests():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             out = s.schedule()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             mro = _fake_vllm_output(s, out, ModelRunnerOutput)
-            t2 = time.perf_counter()
+            c2, t2 = time.thread_time(), time.perf_counter()
             s.update_from_output(out, mro)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
+            cpu_times.append((c1 - c0) + (c3 - c2))
             step_times.append((t1 - t0) + (t3 - t2))
             tokens += out.total_num_scheduled_tokens
             for nr in out.scheduled_new_reqs:
@@ -307,6 +316,7 @@ def vllm_worker(model_dir: str, steps: int) -> dict[str, Any]:
             "total_ms": sum(step_times) * 1e3,
             "wall_incl_add_ms": total * 1e3,
             "per_step_ms": sum(step_times) * 1e3 / max(1, len(step_times)),
+            "cpu_per_step_ms": sum(cpu_times) * 1e3 / max(1, len(cpu_times)),
             "scheduled_tokens": tokens,
             "hit_tokens": hit_tokens,
         }
@@ -352,40 +362,48 @@ def hybridserve_run(steps: int, mode: str) -> dict[str, Any]:
     for _ in range(20):
         out = s.schedule()
         s.update_from_output(out, *fake(out))
-    sched_t, upd_t, step_t = [], [], []
+    sched_t, upd_t, step_t, cpu_t = [], [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = s.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         sampled, num = fake(out)
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time(), time.perf_counter()
         s.update_from_output(out, sampled, num)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         assert out.num_decodes == DECODE_REQUESTS
         sched_t.append(t1 - t0)
         upd_t.append(t3 - t2)
         step_t.append((t1 - t0) + (t3 - t2))
+        cpu_t.append((c1 - c0) + (c3 - c2))
     res: dict[str, Any] = {
         "mode": cfg.mamba_cache_mode,
         "mamba_block_size": cfg.mamba_block_size,
-        "decode": {"step": summarize(step_t), "schedule": summarize(sched_t), "update": summarize(upd_t)},
+        "decode": {
+            "step": summarize(step_t),
+            "step_cpu": summarize(cpu_t),
+            "schedule": summarize(sched_t),
+            "update": summarize(upd_t),
+        },
     }
     for shared in (False, True):
         s, _ = make(BURST_REQUESTS)
         prompts = burst_prompts(shared)
         step_times: list[float] = []
+        cpu_times: list[float] = []
         tokens = 0
         t_total = time.perf_counter()
         for i, p in enumerate(prompts):
             s.add_request(f"b{i}", p, max_tokens=1, ignore_eos=True)
         while s.has_unfinished_requests():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             out = s.schedule()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             sampled, num = fake(out)
-            t2 = time.perf_counter()
+            c2, t2 = time.thread_time(), time.perf_counter()
             s.update_from_output(out, sampled, num)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
+            cpu_times.append((c1 - c0) + (c3 - c2))
             step_times.append((t1 - t0) + (t3 - t2))
             tokens += out.num_scheduled_tokens
         total = time.perf_counter() - t_total
@@ -395,6 +413,7 @@ def hybridserve_run(steps: int, mode: str) -> dict[str, Any]:
             "total_ms": sum(step_times) * 1e3,
             "wall_incl_add_ms": total * 1e3,
             "per_step_ms": sum(step_times) * 1e3 / max(1, len(step_times)),
+            "cpu_per_step_ms": sum(cpu_times) * 1e3 / max(1, len(cpu_times)),
             "scheduled_tokens": tokens,
             "hit_tokens": int(st.get("prefix_hit_tokens", 0)),
             "lost_tokens": int(st.get("prefix_lost_tokens", 0)),
@@ -463,6 +482,11 @@ def main() -> int:
                 "vllm_ms": v["decode"]["step"]["median_ms"],
                 "hybridserve_ms": hr["decode"]["step"]["median_ms"],
                 "ratio": _ratio(v["decode"]["step"]["median_ms"], hr["decode"]["step"]["median_ms"]),
+                "vllm_cpu_ms": v["decode"]["step_cpu"]["median_ms"],
+                "hybridserve_cpu_ms": hr["decode"]["step_cpu"]["median_ms"],
+                "cpu_ratio": _ratio(
+                    v["decode"]["step_cpu"]["median_ms"], hr["decode"]["step_cpu"]["median_ms"]
+                ),
             }
         )
         for key, label in (("burst_unique", "unique prompts"), ("burst_shared", "shared 1536-token prefix")):
@@ -473,6 +497,9 @@ def main() -> int:
                     "vllm_ms": v[key]["per_step_ms"],
                     "hybridserve_ms": hr[key]["per_step_ms"],
                     "ratio": _ratio(v[key]["per_step_ms"], hr[key]["per_step_ms"]),
+                    "vllm_cpu_ms": v[key]["cpu_per_step_ms"],
+                    "hybridserve_cpu_ms": hr[key]["cpu_per_step_ms"],
+                    "cpu_ratio": _ratio(v[key]["cpu_per_step_ms"], hr[key]["cpu_per_step_ms"]),
                     "vllm_steps": v[key]["steps"],
                     "hybridserve_steps": hr[key]["steps"],
                     "vllm_total_ms": v[key]["total_ms"],
@@ -508,14 +535,18 @@ def main() -> int:
     print(
         f"\nvLLM {v['version']} (torch {v['torch']}) vs hybridserve, load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
-    print(f"{'workload':58s} {'hs mode':7s} {'vLLM ms':>9s} {'hs ms':>9s} {'ratio':>8s}")
+    print(
+        f"{'workload':55s} {'hs mode':7s} {'vLLM ms':>8s} {'hs ms':>8s} {'ratio':>7s} | CPU: {'vLLM':>7s} {'hs':>7s} {'ratio':>7s}"
+    )
     for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.0f}x"
+        cratio = "-" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.0f}x"
         print(
-            f"{r['workload']:58s} {r['hybridserve_mode']:7s} {r['vllm_ms']:9.3f} {r['hybridserve_ms']:9.4f} {ratio:>8s}"
+            f"{r['workload']:55s} {r['hybridserve_mode']:7s} {r['vllm_ms']:8.3f} {r['hybridserve_ms']:8.4f} {ratio:>7s} |"
+            f"      {r['vllm_cpu_ms']:7.3f} {r['hybridserve_cpu_ms']:7.4f} {cratio:>7s}"
         )
         if "vllm_steps" in r:
-            print(f"{'':58s} steps vLLM {r['vllm_steps']} / hs {r['hybridserve_steps']}, hit tokens vLLM "
+            print(f"{'':55s} steps vLLM {r['vllm_steps']} / hs {r['hybridserve_steps']}, hit tokens vLLM "
                   f"{r['vllm_hit_tokens']} / hs {r['hybridserve_hit_tokens']}")  # fmt: skip
     print(f"result: {a.result_file}")
     return 0
