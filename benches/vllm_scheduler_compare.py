@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -147,6 +148,7 @@ def ensure_peer_venv(venv: Path) -> Path:
         ],
         check=True,
     )
+    shutil.rmtree(dl, ignore_errors=True)  # the 336 MB wheel is installed now
     marker.write_text(f"vllm {VLLM_VERSION}\n")
     print(f"[peer] ready in {time.time() - t0:.0f} s", flush=True)
     return py
