@@ -97,9 +97,16 @@ SSD_CASES = [
 ]
 
 
+@pytest.fixture(params=["one_group", "chunk_groups"])
+def decay_budget(request, monkeypatch):
+    if request.param == "chunk_groups":  # force the chunk-group loop (one chunk per group)
+        monkeypatch.setattr(K, "SSD_DECAY_BUDGET_BYTES", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("case", SSD_CASES)
 @pytest.mark.parametrize("limits", [(0.0, math.inf), (0.02, 0.3)])
-def test_ssd_prefill_matches_sequential(case, limits):
+def test_ssd_prefill_matches_sequential(case, limits, decay_budget):
     H, P, N, G, Q, lengths, ncomp, his = case
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     T = sum(lengths)

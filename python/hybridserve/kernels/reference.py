@@ -41,6 +41,11 @@ __all__ = [
 ]
 
 
+# Upper bound of the intra-chunk decay matrix of one ssd_prefill step (chunks are processed in
+# groups that fit).
+SSD_DECAY_BUDGET_BYTES = 128 << 20
+
+
 def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
     """``clamp(softplus(dt + dt_bias), dt_min, dt_max)`` with torch's threshold-20 softplus
     (``v`` itself for ``v > 20``: no overflow). ``dt`` is ``[..., H]``, ``dt_bias`` ``[H]``; the
@@ -207,14 +212,21 @@ def ssd_prefill(
     dA = dtc * Ah  # [NC, Q, G, hpg], <= 0
     Lam = torch.cumsum(dA, dim=1)  # inclusive cumulative log decay
     # intra-chunk decay exp(Lam_i - Lam_j) for i >= j (masked BEFORE exp -> no inf * 0)
+    # (in groups of chunks so that the [chunks, H, Q, Q] decay matrix stays within the budget)
     LamT = Lam.permute(0, 2, 3, 1).contiguous()  # [NC, G, hpg, Q]
-    M = LamT[..., :, None] - LamT[..., None, :]  # [NC, G, hpg, Qi, Qj]
     causal = torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()
-    M.masked_fill_(~causal, -math.inf).exp_()  # exp(Lam_i - Lam_j), 0 above the diagonal
-    CB = torch.einsum("cign,cjgn->cgij", Cc, Bc)  # [NC, G, Qi, Qj]
-    M.mul_(CB[:, :, None])
     dtx = xc * dtc[..., None]  # [NC, Q, G, hpg, P]
-    y_diag = torch.matmul(M, dtx.permute(0, 2, 3, 1, 4)).permute(0, 3, 1, 2, 4)  # [NC, Q, G, hpg, P]
+    dtxT = dtx.permute(0, 2, 3, 1, 4)  # [NC, G, hpg, Q, P]
+    y_diag = torch.empty((NC, Q, G, hpg, P), dtype=cdt, device=dev)
+    group = max(1, SSD_DECAY_BUDGET_BYTES // max(1, H * Q * Q * ssm_state.element_size()))
+    for c0 in range(0, NC, group):
+        c1 = min(NC, c0 + group)
+        lt = LamT[c0:c1]
+        M = lt[..., :, None] - lt[..., None, :]  # [c, G, hpg, Qi, Qj]
+        M.masked_fill_(~causal, -math.inf).exp_()  # exp(Lam_i - Lam_j), 0 above the diagonal
+        CB = torch.einsum("cign,cjgn->cgij", Cc[c0:c1], Bc[c0:c1])  # [c, G, Qi, Qj]
+        M.mul_(CB[:, :, None])
+        y_diag[c0:c1] = torch.matmul(M, dtxT[c0:c1]).permute(0, 3, 1, 2, 4)
 
     # chunk states from zero init: S_c = sum_j exp(Lam_last - Lam_j) dt_j x_j B_j^T
     decay_to_end = torch.exp(Lam[:, -1:] - Lam)  # [NC, Q, G, hpg]
