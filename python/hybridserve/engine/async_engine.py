@@ -40,7 +40,7 @@ class AsyncEngine:
     def __init__(self, args: EngineArgs, *, start: bool = True) -> None:
         self.args = args
         self.engine: LLMEngine | None = None
-        self.ready = False
+        self._ready = False
         self.load_error: BaseException | None = None
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -54,6 +54,19 @@ class AsyncEngine:
             self.start()
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def ready(self) -> bool:
+        """Loaded and its thread still running (False again once the thread has died)."""
+        return self._ready and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.em.vocab_size if self.engine is not None else 0
+
+    @property
+    def model_dir(self) -> str | None:
+        return self.engine.em.model_dir if self.engine is not None else None
+
     def start(self) -> None:
         self._thread.start()
 
@@ -133,7 +146,7 @@ class AsyncEngine:
             self._loaded.set()
             return
         self._snapshot_stats()
-        self.ready = True
+        self._ready = True
         self._loaded.set()
         engine = self.engine
         while not self._stop.is_set():
@@ -176,38 +189,43 @@ class AsyncEngine:
                     if stream is not None:
                         stream.put(exc)
             elif cmd[0] == "abort":
-                engine.abort_request(cmd[1])
+                self._abort(engine, cmd[1])
         if handled:
             self._snapshot_stats()
 
+    def _abort(self, engine: LLMEngine, rid: str, exc: BaseException | None = None) -> None:
+        """Aborts `rid` in the engine and ends its stream, if anyone still reads it."""
+        st = engine.requests.get(rid)
+        engine.abort_request(rid)
+        with self._lock:
+            stream = self._streams.get(rid)
+        if stream is None or st is None:
+            return
+        if exc is not None:
+            stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
+            return
+        stream.put(
+            RequestOutput(
+                request_id=rid,
+                prompt=st.prompt,
+                prompt_token_ids=st.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text=st.detokenizer.text,
+                        token_ids=list(st.output_token_ids),
+                        finish_reason="abort",
+                        logprobs=None if st.logprobs is None else list(st.logprobs),
+                    )
+                ],
+                finished=True,
+                num_cached_tokens=st.num_cached_tokens,
+            )
+        )
+
     def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
         for rid in list(engine.requests):
-            st = engine.requests.get(rid)
-            engine.abort_request(rid)
-            with self._lock:
-                stream = self._streams.get(rid)
-            if stream is None or st is None:
-                continue
-            if exc is not None:
-                stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
-            else:
-                stream.put(
-                    RequestOutput(
-                        request_id=rid,
-                        prompt=st.prompt,
-                        prompt_token_ids=st.prompt_token_ids,
-                        outputs=[
-                            CompletionOutput(
-                                index=0,
-                                text=st.detokenizer.text,
-                                token_ids=list(st.output_token_ids),
-                                finish_reason="abort",
-                            )
-                        ],
-                        finished=True,
-                        num_cached_tokens=st.num_cached_tokens,
-                    )
-                )
+            self._abort(engine, rid, exc)
         self._snapshot_stats()
 
     def _snapshot_stats(self) -> None:

@@ -365,7 +365,7 @@ class LLMEngine:
                             token_ids=list(st.output_token_ids),
                             finish_reason=st.finish_reason if finished else None,
                             stop_reason=st.stop_reason if finished else None,
-                            logprobs=st.logprobs,
+                            logprobs=None if st.logprobs is None else list(st.logprobs),
                             delta_text=delta_text,
                             delta_token_ids=new_ids,
                         )
@@ -379,6 +379,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         s = dict(self.scheduler.stats())
+        # The names of the metrics contract, beside the scheduler's own.
+        s.update(
+            num_requests_running=s.get("num_running", 0),
+            num_requests_waiting=s.get("num_waiting", 0),
+            prefix_cache_queried_tokens=s.get("prefix_queried_tokens", 0),
+            prefix_cache_hit_tokens=s.get("prefix_hit_tokens", 0),
+            prefix_cache_lost_tokens=s.get("prefix_lost_tokens", 0),
+        )
         s.update(
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
