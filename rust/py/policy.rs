@@ -322,9 +322,12 @@ fn resolve_policy(
         model: ModelCapabilities {
             has_mamba_layers,
             supports_boundary_states,
-            scan_chunk_size: opt_count("the model's scan chunk size", scan_chunk_size)?,
+            scan_chunk_size: opt_count(
+                "the model's scan chunk size (config.json chunk_size)",
+                scan_chunk_size,
+            )?,
             max_position_embeddings: opt_count(
-                "the model's max_position_embeddings",
+                "the model's max_position_embeddings (config.json)",
                 max_position_embeddings,
             )?,
         },
