@@ -3,14 +3,14 @@ draft model, on a repetitive workload, in one run (issue 7).
 
     .venv/bin/python benches/spec_decode.py [--num-prompts 16 --prompt-len 128 --output-len 128]
 
-The demo model has random weights: on its own it rarely continues a pattern, so n-gram drafts are
-mostly rejected there. The benchmark therefore builds a **repeating model** (as
+The demo model has random weights (plus, since its revision 2, a planted induction head that makes
+it continue repeated patterns). The benchmark also builds a **repeating model** (as
 tests/test_engine_lossless.py does): the demo checkpoint with every mixer's output projection
 (`out_proj`, `o_proj`, `down_proj`) zeroed and the LM head tied to the embeddings, so each position
 predicts its own input token and greedy output repeats the last prompt token forever. Its draft
 model is the same construction cut down to 2 layers (one Mamba2 layer and one attention layer,
 pattern `M*`): it predicts exactly what the target predicts (100% acceptance) for a quarter of the
-layers. The demo model itself is also run with n-gram (what a random-weight model gives).
+layers. The demo model itself is also run with n-gram.
 
 Workload: `repetitive` prompts (a 16-token random pattern repeated to --prompt-len), greedy,
 exactly --output-len tokens each (ignore_eos), all prompts submitted at once, float32; each case
@@ -86,7 +86,8 @@ def run(
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
-    wall, cpu = min(walls), min(cpus)
+    best = min(range(repeats), key=lambda i: walls[i])
+    wall, cpu = walls[best], cpus[best]
     s1 = llm.engine.stats()
     toks = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in toks)
@@ -99,6 +100,7 @@ def run(
         "output_tokens": n,
         "tok_per_s": n / wall,
         "wall_s_all": walls,
+        "cpu_s_all": cpus,
         "steps": steps,
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
@@ -148,12 +150,13 @@ def main() -> int:
             baseline[model_name] = (r, toks)
         base_r, base_toks = baseline[model_name]
         r.update(model=model_name, config=label, speedup=r["tok_per_s"] / base_r["tok_per_s"],
-                 identical_to_no_spec=toks == base_toks)  # fmt: skip
+                 speedup_cpu=base_r["cpu_s"] / r["cpu_s"], identical_to_no_spec=toks == base_toks)  # fmt: skip
         rows.append(r)
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         print(
             f"  {r['tok_per_s']:.1f} tok/s ({r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, {r['steps']} steps), "
-            f"acceptance {acc}, speedup {r['speedup']:.2f}x, identical {r['identical_to_no_spec']}",
+            f"acceptance {acc}, speedup {r['speedup']:.2f}x (CPU time: {r['speedup_cpu']:.2f}x), "
+            f"identical {r['identical_to_no_spec']}",
             flush=True,
         )
     load1 = os.getloadavg()
