@@ -84,3 +84,9 @@ def test_bench_module_imports_neither_torch_nor_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_workloads_do_not_share_tokens_across_names() -> None:
+    a = build_workload(WorkloadSpec(name="random", num_requests=1, prompt_len=64))[0].prompts[0]
+    b = build_workload(WorkloadSpec(name="shared-prefix", num_requests=1, prompt_len=64))[0].prompts[0]
+    assert a[:16] != b[:16]

@@ -57,7 +57,9 @@ def build_workload(spec: WorkloadSpec) -> list[Conversation]:
         raise ValueError("num_requests and prompt_len must be >= 1")
     if not 0 <= spec.token_id_min < spec.token_id_max:
         raise ValueError("token ids: need 0 <= token_id_min < token_id_max")
-    rng = random.Random(spec.seed)
+    # seeded per workload name too, so that two workloads never share tokens by accident (a
+    # random prompt must not be a prefix hit for a later shared-prefix run against the same server)
+    rng = random.Random(f"{spec.name}:{spec.seed}")
     n = spec.num_requests
     if spec.name == "random":
         return [Conversation([_ids(rng, spec.prompt_len, spec)]) for _ in range(n)]
