@@ -130,7 +130,8 @@ void launch_npl(const SsuParams& p, cudaStream_t stream) {
   constexpr int RPW = 4;
   dim3 grid((p.P + kWarps * RPW - 1) / (kWarps * RPW), p.H, p.R);
   dim3 block(kWarps * 32);
-  const bool vec = NPL >= 4 && p.N == 32 * NPL;
+  // float4 state accesses: whole lanes of 4 and a 16-byte aligned pool
+  const bool vec = NPL >= 4 && p.N == 32 * NPL && reinterpret_cast<uintptr_t>(p.state) % 16 == 0;
   if constexpr (NPL >= 4) {
     if (vec) {
       ssu_kernel<T, NPL, RPW, true><<<grid, block, 0, stream>>>(p);
