@@ -44,13 +44,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, extra: list[str]) -> None:
+    def __init__(self, extra: list[str], threads: int = 0) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(RESULTS / "tmp" / f"server-{self.port}.log", "w")  # noqa: SIM115
         cmd = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", str(self.port), *extra]
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads in the server
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -99,12 +102,18 @@ def main() -> int:
     ap.add_argument("--workloads", default="random,shared-prefix,multi-turn,repetitive")
     ap.add_argument("--server-args", default="", help="extra `hybridserve serve` flags")
     ap.add_argument(
+        "--server-threads", type=int, default=0, help="OMP_NUM_THREADS of the server (default: inherit)"
+    )
+    ap.add_argument(
         "--no-spec", action="store_true", help="skip the n-gram server for the repetitive workload"
     )
     a = ap.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
     names = [w for w in a.workloads.split(",") if w]
-    summary: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    summary: dict[str, Any] = {
+        "load_average_before": os.getloadavg(),
+        "server_threads": a.server_threads or None,
+    }
     servers: list[tuple[str, list[str], list[str]]] = [("", shlex.split(a.server_args), names)]
     if not a.no_spec and "repetitive" in names:
         spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
@@ -112,7 +121,7 @@ def main() -> int:
             ("_ngram", [*shlex.split(a.server_args), "--speculative-config", spec], ["repetitive"])
         )
     for suffix, extra, wls in servers:
-        srv = Server(extra)
+        srv = Server(extra, a.server_threads)
         print(f"server: {shlex.join(srv.cmd[1:])}", flush=True)
         try:
             srv.wait_ready()

@@ -117,8 +117,13 @@ def main() -> int:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per case; the fastest counts")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--result-file", type=Path, default=ROOT / "benches" / "results" / "spec_decode.json")
     a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     from hybridserve.benchmarks.workloads import WorkloadSpec, build_workload
     from hybridserve.model.demo import ensure_demo_model
 
