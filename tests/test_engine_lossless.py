@@ -151,6 +151,12 @@ def test_draft_model_speculation_is_lossless(mode: str, k: int) -> None:
     # The draft is the target itself: under greedy sampling every draft is accepted.
     assert stats["spec_decode_draft_tokens"] > 0
     assert stats["spec_decode_accepted_tokens"] == stats["spec_decode_draft_tokens"]
+    per_position = stats["spec_decode_acceptance_per_position"]
+    assert len(per_position) == k and per_position[0] == stats["spec_decode_verify_rows"]
+    assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # later drafts need the earlier
+    assert sum(per_position) == stats["spec_decode_accepted_tokens"]
+    mean = stats["spec_decode_mean_accepted_length"]
+    assert mean == 1 + stats["spec_decode_accepted_tokens"] / stats["spec_decode_verify_rows"] and mean > 1
 
 
 def test_speculation_with_preemption_is_lossless() -> None:

@@ -36,6 +36,7 @@ class EngineCounters:
     generation_tokens: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    spec_decode_verify_rows: int = 0  # rows that verified at least one draft
     num_steps: int = 0
 
 
@@ -251,6 +252,7 @@ class LLMEngine:
                 k = len(drafts[i])
                 accepted = len(tokens) - 1
                 self.counters.spec_decode_draft_tokens += k
+                self.counters.spec_decode_verify_rows += 1
                 self.counters.spec_decode_accepted_tokens += accepted
                 for pos in range(min(accepted, len(self.acceptance_per_position))):
                     self.acceptance_per_position[pos] += 1
@@ -393,6 +395,13 @@ class LLMEngine:
             spec_decode_draft_tokens=self.counters.spec_decode_draft_tokens,
             spec_decode_accepted_tokens=self.counters.spec_decode_accepted_tokens,
             spec_decode_acceptance_per_position=list(self.acceptance_per_position),
+            spec_decode_verify_rows=self.counters.spec_decode_verify_rows,
+            # Tokens a verify row yields on average: accepted drafts + the bonus/correction token.
+            spec_decode_mean_accepted_length=(
+                1.0 + self.counters.spec_decode_accepted_tokens / self.counters.spec_decode_verify_rows
+                if self.counters.spec_decode_verify_rows
+                else 0.0
+            ),
             num_steps=self.counters.num_steps,
         )
         return s

@@ -40,6 +40,10 @@ ENGINE_GAUGES = {
     ),
     "kv_blocks_total": ("hybridserve_kv_blocks_total", "KV cache blocks in the pool."),
     "mamba_slots_total": ("hybridserve_mamba_slots_total", "Mamba state slots in the pool."),
+    "spec_decode_mean_accepted_length": (
+        "hybridserve_spec_decode_mean_accepted_length",
+        "Tokens a verify step yields per request on average (accepted drafts + 1).",
+    ),
 }
 ENGINE_COUNTERS = {
     "prompt_tokens": ("hybridserve_prompt_tokens", "Prompt tokens processed."),
@@ -61,6 +65,10 @@ ENGINE_COUNTERS = {
         "Draft tokens proposed for verification.",
     ),
     "spec_decode_accepted_tokens": ("hybridserve_spec_decode_accepted_tokens", "Draft tokens accepted."),
+    "spec_decode_verify_rows": (
+        "hybridserve_spec_decode_verify_steps",
+        "Request-steps that verified at least one draft token.",
+    ),
 }
 ENGINE_KEY_ALIASES = {
     "num_requests_running": ("num_running",),
@@ -117,6 +125,14 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=engine_value(s, key))
         for key, (name, doc) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=engine_value(s, key))
+        per_position = CounterMetricFamily(
+            "hybridserve_spec_decode_accepted_tokens_per_position",
+            "Verify steps whose draft at this position (0-based) was accepted.",
+            labels=["position"],
+        )
+        for pos, n in enumerate(s.get("spec_decode_acceptance_per_position") or []):
+            per_position.add_metric([str(pos)], float(n))
+        yield per_position
 
 
 class ServerMetrics:
