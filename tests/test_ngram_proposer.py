@@ -20,17 +20,21 @@ def reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         suffix = tokens[length - n :]
         for i in range(length - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                seq = list(tokens)
+                for j in range(k):  # the copy continues into its own drafts
+                    seq.append(seq[i + n + j])
+                return seq[length:]
     return []
 
 
 def test_copies_what_followed_the_last_ngram():
     p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     assert p.propose([[1, 2, 3, 4, 5, 1, 2, 3]], 3) == [[4, 5, 1]]
-    # Fewer than k tokens follow the match: a shorter proposal.
-    assert p.propose([[7, 8, 9, 7, 8]], 5) == [[9, 7, 8]]
+    # Fewer than k tokens follow the match: the copy continues the period (9 7 8 | 9 7).
+    assert p.propose([[7, 8, 9, 7, 8]], 5) == [[9, 7, 8, 9, 7]]
     # Continuation of a repetition overlaps the suffix itself.
-    assert p.propose([[5, 6, 5, 6, 5, 6]], 4) == [[5, 6]]
+    assert p.propose([[5, 6, 5, 6, 5, 6]], 4) == [[5, 6, 5, 6]]
+    assert p.propose([[4, 4, 4]], 3) == [[4, 4, 4]]
 
 
 def test_most_recent_occurrence_and_longest_n_first():

@@ -2,7 +2,9 @@
 
 For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens of a row are looked
 up in its history (prompt + output); at the most recent earlier occurrence, the up to k tokens
-that followed it are the drafts. The first n that matches wins (longest match first). No weights,
+that followed it are the drafts (continued periodically when the copy reaches the end of the
+history, so a short repetition still fills k drafts). The first n that matches wins (longest
+match first). No weights,
 no state: the proposal is a pure function of the history. Lookups are vectorised with numpy.
 """
 
@@ -35,7 +37,13 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
             if cand.size == 0:
                 continue
         i = int(cand[-1])
-        return tokens[i + n : i + n + k].tolist()
+        # Copy what followed the match; where the copy runs into the suffix itself (a repetition
+        # whose period is shorter than k), keep copying from the drafts, i.e. continue the period.
+        drafts: list[int] = tokens[i + n : i + n + k].tolist()
+        period = length - n - i
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
     return []
 
 
