@@ -16,7 +16,7 @@ from typing import Any
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine, Prompt
-from hybridserve.engine.outputs import CompletionOutput, RequestOutput
+from hybridserve.engine.outputs import RequestOutput
 from hybridserve.errors import HybridServeError
 from hybridserve.sampling.params import SamplingParams
 
@@ -204,24 +204,8 @@ class AsyncEngine:
         if exc is not None:
             stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
             return
-        stream.put(
-            RequestOutput(
-                request_id=rid,
-                prompt=st.prompt,
-                prompt_token_ids=st.prompt_token_ids,
-                outputs=[
-                    CompletionOutput(
-                        index=0,
-                        text=st.detokenizer.text,
-                        token_ids=list(st.output_token_ids),
-                        finish_reason="abort",
-                        logprobs=None if st.logprobs is None else list(st.logprobs),
-                    )
-                ],
-                finished=True,
-                num_cached_tokens=st.num_cached_tokens,
-            )
-        )
+        st.finish_reason, st.stop_reason = "abort", None
+        stream.put(st.to_output(finished=True))
 
     def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
         for rid in list(engine.requests):

@@ -18,7 +18,7 @@ from hybridserve import _core
 from hybridserve.config import EngineArgs
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
-from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from hybridserve.engine.outputs import RequestOutput, TokenLogprobs
 from hybridserve.engine.request_state import RequestState
 from hybridserve.errors import InvalidRequestError
 from hybridserve.model.batch import ForwardBatch
@@ -355,27 +355,7 @@ class LLMEngine:
             if finished:
                 st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
                 self._forget(d.request_id)
-            outputs.append(
-                RequestOutput(
-                    request_id=st.request_id,
-                    prompt=st.prompt,
-                    prompt_token_ids=st.prompt_token_ids,
-                    outputs=[
-                        CompletionOutput(
-                            index=0,
-                            text=st.detokenizer.text,
-                            token_ids=list(st.output_token_ids),
-                            finish_reason=st.finish_reason if finished else None,
-                            stop_reason=st.stop_reason if finished else None,
-                            logprobs=None if st.logprobs is None else list(st.logprobs),
-                            delta_text=delta_text,
-                            delta_token_ids=new_ids,
-                        )
-                    ],
-                    finished=finished,
-                    num_cached_tokens=st.num_cached_tokens,
-                )
-            )
+            outputs.append(st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids))
         return outputs
 
     # ------------------------------------------------------------------ introspection

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.outputs import TokenLogprobs
+from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
 
 
@@ -33,3 +33,31 @@ class RequestState:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def to_output(
+        self,
+        *,
+        finished: bool,
+        delta_text: str = "",
+        delta_token_ids: list[int] | None = None,
+    ) -> RequestOutput:
+        """A snapshot of the request for its caller (lists are copies: the state keeps growing)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=self.detokenizer.text,
+                    token_ids=list(self.output_token_ids),
+                    finish_reason=self.finish_reason if finished else None,
+                    stop_reason=self.stop_reason if finished else None,
+                    logprobs=None if self.logprobs is None else list(self.logprobs),
+                    delta_text=delta_text,
+                    delta_token_ids=list(delta_token_ids or []),
+                )
+            ],
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
