@@ -36,6 +36,8 @@ class ForwardContext:
     emit_row: torch.Tensor  # rebased to prefill rows
     emit_token: torch.Tensor
     emit_slot: torch.Tensor
+    # per-forward values that layers build once and share (keyed by the layer kind's own keys)
+    scratch: dict[tuple[object, ...], object] = field(default_factory=dict)
     _rope_cache: dict[tuple[int, float, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
