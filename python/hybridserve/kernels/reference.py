@@ -367,14 +367,13 @@ def selective_state_update(
         rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
         dtt = dtp[ti]  # [r, G, hpg]
         xt = xs[ti]  # [r, G, hpg, P]
-        h_in = h if isinstance(rd, slice) else h[rd]
-        ht = h_in * torch.exp(dtt * Ah)[..., None, None]
+        # h is this call's own copy (index_select) and h[rd] a gathered copy: update in place
+        ht = h if isinstance(rd, slice) else h[rd]
+        ht.mul_(torch.exp(dtt * Ah)[..., None, None])
         ht.addcmul_((dtt[..., None] * xt)[..., None], Bs[ti][:, :, None, None, :])
-        if isinstance(rd, slice):
-            h = ht
-        else:
+        if not isinstance(rd, slice):
             h[rd] = ht
-        y[ti] = (ht * Cs[ti][:, :, None, None, :]).sum(-1) + Ds * xt
+        y[ti] = (ht * Cs[ti][:, :, None, None, :]).sum(-1).add_(Ds * xt)
         _write_slots(ssm_state, ws[rows, t].to(ssm_state.device), ht.reshape(-1, H, P, N))
     return y.view(T, H, P).to(x.dtype)
 
