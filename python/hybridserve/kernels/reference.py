@@ -522,7 +522,10 @@ def causal_conv1d_update(
     for t in range(lmax):
         rows, ti, rd = _step_index(valid, idx, t, lmax, T, dev)
         full = torch.cat([win if isinstance(rd, slice) else win[rd], xs[ti][:, :, None]], dim=2)  # [r, Dc, W]
-        out = torch.einsum("rdk,dk->rd", full, w)
+        # the multiply-adds of causal_conv1d_prefill, in its order (decode and prefill agree)
+        out = full[:, :, 0] * w[:, 0]
+        for k in range(1, w.shape[1]):
+            out.addcmul_(full[:, :, k], w[:, k])
         if b is not None:
             out = out + b
         y[ti] = _conv_act(out, activation)
