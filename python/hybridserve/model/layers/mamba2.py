@@ -65,8 +65,14 @@ class Mamba2Mixer(nn.Module):
         ndt = ctx.num_decode_tokens
         G, N = self.ngroups, self.dstate
 
-        conv_out = torch.empty_like(xbc)
-        if ndt > 0:
+        # decode-only step (ndt == T): the ops' outputs are the whole results (no copies)
+        if ndt == T:
+            conv_out = K.causal_conv1d_update(
+                xbc, w, b, conv_state, ctx.dec_qsl, ctx.dec_read_slot, ctx.dec_write_slots, self.activation
+            )
+        else:
+            conv_out = torch.empty_like(xbc)
+        if 0 < ndt < T:
             conv_out[:ndt] = K.causal_conv1d_update(
                 xbc[:ndt],
                 w,
@@ -96,6 +102,24 @@ class Mamba2Mixer(nn.Module):
         x = x.view(T, self.nheads, self.headdim)
         B = B.view(T, G, N)
         C = C.view(T, G, N)
+        if ndt == T:
+            y = K.selective_state_update(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                self.D,
+                self.dt_bias,
+                ssm_state,
+                ctx.dec_qsl,
+                ctx.dec_read_slot,
+                ctx.dec_write_slots,
+                self.dt_min,
+                self.dt_max,
+            )
+            out = self.norm(y.reshape(T, self.d_inner), z, dtype)
+            return self.out_proj(out)
         y = torch.empty_like(x)
         if ndt > 0:
             y[:ndt] = K.selective_state_update(
