@@ -65,8 +65,7 @@ class PagedAttention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         bs = kv_cache.shape[2]
-        blk = torch.div(ctx.slot_mapping, bs, rounding_mode="floor")
-        off = ctx.slot_mapping - blk * bs
+        blk, off = _slot_index(ctx, bs)
         kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
         kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
 
@@ -126,6 +125,17 @@ class PagedAttention(nn.Module):
         o = _attend(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), mask, self.scale)
         o = o.transpose(1, 2)  # [nd, lmax, H, D]
         out[idx_d[vd]] = o[vd]
+
+
+def _slot_index(ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of every token's KV slot, once per forward."""
+    key = ("attn_slots", bs)
+    hit = ctx.scratch.get(key)
+    if hit is None:
+        blk = torch.div(ctx.slot_mapping, bs, rounding_mode="floor")
+        hit = (blk, ctx.slot_mapping - blk * bs)
+        ctx.scratch[key] = hit
+    return hit  # type: ignore[return-value]
 
 
 # Bytes of K (and of V) gathered per SDPA call of the decode rows: small enough that the gathered
