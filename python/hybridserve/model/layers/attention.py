@@ -80,6 +80,21 @@ class PagedAttention(nn.Module):
             if e == s:
                 continue
             L = int(seq_lens[r])
+            if L == e - s and int(ctx.num_computed[r]) == 0:
+                # a whole prompt from position 0: its keys are this step's own (as the cache
+                # holds them), the mask is the plain causal one
+                kc = k[s:e].to(kv_cache.dtype).to(q.dtype)
+                vc = v[s:e].to(kv_cache.dtype).to(q.dtype)
+                o = F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1)[None],
+                    kc.transpose(0, 1)[None],
+                    vc.transpose(0, 1)[None],
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=H != KVH,
+                )
+                out[s:e] = o[0].transpose(0, 1)
+                continue
             nb = (L + bs - 1) // bs
             blocks = ctx.block_table[r, :nb]
             kr = kv_cache[:, 0].index_select(0, blocks).reshape(nb * bs, KVH, D)[:L]
