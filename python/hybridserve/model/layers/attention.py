@@ -122,7 +122,7 @@ class PagedAttention(nn.Module):
             # plain decode rows (token r is row r): the query heads sharing a KV head are the query
             # positions of one SDPA call per KV head ([nd, KVH, H / KVH, D], no GQA expansion).
             # Rows go in groups whose gathered K/V stay in cache between the gather and the SDPA.
-            qg = q[:nd].view(nd, KVH, self.num_heads // KVH, D)
+            qg = q[:nd].reshape(nd, KVH, self.num_heads // KVH, D)
             og = out[:nd].view(nd, KVH, self.num_heads // KVH, D)
             step = max(1, _GATHER_BYTES // max(1, nb * bs * KVH * D * kv_cache.element_size()))
             for r0 in range(0, nd, step):
