@@ -156,3 +156,36 @@ def test_generate_cli_prints_json() -> None:
     )
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["prompt"] == PROMPT and len(rec["token_ids"]) == 5 and rec["finish_reason"] == "length"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridserve.engine.llm_engine import StepError
+
+    llm = LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=4, mamba_block_size=64)
+    engine = llm.engine
+    ids = list(range(10, 150))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": ids}, params)
+    engine.add_request("b", PROMPT, params)
+
+    def broken_forward(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.em.model, "forward", broken_forward)
+    with pytest.raises(StepError) as info:
+        engine.step()
+    assert sorted(info.value.request_ids) == ["a", "b"]
+    monkeypatch.undo()
+
+    # Nothing of the failed step survives: no request, no block, no checkpoint.
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["checkpoints_committed"] == 0 and stats["checkpoints_pending"] == 0
+    # And the engine serves again, with the same greedy output as a fresh engine.
+    again = llm.generate({"prompt_token_ids": ids}, params)[0]
+    fresh = LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=4, mamba_block_size=64)
+    assert (
+        again.outputs[0].token_ids
+        == fresh.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    )

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hybridserve.config import EngineArgs
-from hybridserve.engine.llm_engine import LLMEngine, Prompt
+from hybridserve.engine.llm_engine import LLMEngine, Prompt, StepError
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.errors import HybridServeError
 from hybridserve.sampling.params import SamplingParams
@@ -157,7 +157,15 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:
+            except StepError as exc:
+                for rid in exc.request_ids:
+                    with self._lock:
+                        stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
+                self._snapshot_stats()
+                continue
+            except Exception as exc:  # outside the forward: fail what is in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(engine, exc)
                 continue

@@ -20,7 +20,7 @@ from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.outputs import RequestOutput, TokenLogprobs
 from hybridserve.engine.request_state import RequestState
-from hybridserve.errors import InvalidRequestError
+from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, request_generator
@@ -28,6 +28,14 @@ from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs,
 logger = logging.getLogger("hybridserve.engine")
 
 Prompt = str | dict[str, Any] | Sequence[int]
+
+
+class StepError(HybridServeError):
+    """An engine step failed; the requests in flight (`request_ids`) failed with it."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -176,27 +184,49 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.counters.num_steps += 1
-        copies = out.state_copies
-        if len(copies):
-            self.em.caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         req_ids: list[str] = list(out.req_ids)
         num_rows = len(req_ids)
-        num_logits = np.asarray(out.num_logits, dtype=np.int64)
-        num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
         sampled_rows: list[list[int]] = [[] for _ in range(num_rows)]
         row_logprobs: list[list[TokenLogprobs] | None] = [None] * num_rows
-        if out.num_scheduled_tokens > 0:
-            batch = _to_batch(out, self.em.device)
-            with torch.inference_mode():
-                logits = self.em.model.forward(batch, self.em.caches)
-            self._sample(req_ids, logits, num_logits, num_drafts, out, sampled_rows, row_logprobs)
-
-        flat = [t for row in sampled_rows for t in row]
-        sampled = np.asarray(flat, dtype=np.int32)
-        num_sampled = np.asarray([len(r) for r in sampled_rows], dtype=np.int32)
-        drafts, n_drafts = self._propose(req_ids, sampled_rows)
+        try:
+            copies = out.state_copies
+            if len(copies):
+                self.em.caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
+            if out.num_scheduled_tokens > 0:
+                num_logits = np.asarray(out.num_logits, dtype=np.int64)
+                num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
+                batch = _to_batch(out, self.em.device)
+                with torch.inference_mode():
+                    logits = self.em.model.forward(batch, self.em.caches)
+                self._sample(req_ids, logits, num_logits, num_drafts, out, sampled_rows, row_logprobs)
+            flat = [t for row in sampled_rows for t in row]
+            sampled = np.asarray(flat, dtype=np.int32)
+            num_sampled = np.asarray([len(r) for r in sampled_rows], dtype=np.int32)
+            drafts, n_drafts = self._propose(req_ids, sampled_rows)
+        except Exception as exc:
+            raise self._recover_from_failed_step(out, num_rows, exc) from exc
         deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
         return self._process_deltas(deltas, req_ids, sampled_rows, row_logprobs)
+
+    def _recover_from_failed_step(
+        self, out: _core.SchedulerOutput, num_rows: int, exc: Exception
+    ) -> StepError:
+        """A forward that failed half-way may have written some state slots and KV blocks and not
+        others, and its checkpoints would be committed by the update. So every request in flight
+        fails, the step is closed, and the prefix cache is emptied: nothing written by the broken
+        step can ever be read. The engine is then idle and consistent."""
+        failed = list(self.requests)
+        for rid in failed:
+            self.scheduler.abort_request(rid)
+        empty = np.zeros(0, dtype=np.int32)
+        self.scheduler.update_from_output(out, empty, np.zeros(num_rows, dtype=np.int32))
+        self.scheduler.update_from_output(self.scheduler.schedule(), empty, empty)  # drains the aborts
+        for rid in failed:
+            self._forget(rid)
+        if not self.scheduler.reset_prefix_cache():
+            logger.error("could not empty the prefix cache after a failed step")
+        logger.exception("engine step failed; %d requests failed with it", len(failed))
+        return StepError(f"the engine step failed: {exc}", failed)
 
     def _sample(
         self,
