@@ -1,8 +1,11 @@
 """Incremental detokenization and stop strings for one sequence.
 
-Text is recomputed from the output ids each step: byte-level BPE tokens can split a UTF-8
-character, so the text of a token on its own is not its contribution to the text. A trailing
-replacement character means an unfinished character; it is held back until the next token.
+Byte-level BPE tokens can split a UTF-8 character, so the text of a token on its own is not its
+contribution to the text. Each step decodes only a short window: the tokens since the last point
+where the text was complete (`_prefix_offset`), and compares it with the decode of the window
+without the new tokens; the difference is the new text. A trailing replacement character means an
+unfinished character, held back until more tokens (or the end) arrive. The cost per token is
+constant, not proportional to the length of the output.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ class IncrementalDetokenizer:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text released so far
     stopped_by: str | None = None  # the stop string that matched, if any
+    _decoded: str = ""  # text decoded so far (complete characters); `text` is a prefix of it
+    _prefix_offset: int = 0  # token_ids[:_prefix_offset] are fully represented in _decoded
+    _read_offset: int = 0  # token_ids[:_read_offset] have been decoded into _decoded
+
+    def _decode_window(self, final: bool) -> str:
+        ids = self.token_ids
+        skip = self.skip_special_tokens
+        before = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
+            return self._decoded  # the new tokens end inside a character: wait for more
+        if after.startswith(before):
+            self._decoded += after[len(before) :]
+        else:  # a new token changed how the window decodes; keep what was decoded before
+            self._decoded += after[len(before) :] if len(after) > len(before) else ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return self._decoded
 
     def add_tokens(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Append tokens; return the newly released text. Once a stop string matched, the text is
@@ -35,9 +56,7 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self.token_ids.extend(int(t) for t in new_ids)
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        if not final and full.endswith(_INCOMPLETE):
-            full = full.rstrip(_INCOMPLETE)
+        full = self._decode_window(final)
         if not full.startswith(self.text):
             # Rare: a later token changed how earlier bytes decode. Never take back released text.
             full = self.text + full[len(self.text) :]
