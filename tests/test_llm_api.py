@@ -117,6 +117,8 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     with pytest.raises(InvalidRequestError):
         llm.generate({"prompt_token_ids": list(range(600))}, SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError):
+        llm.generate({"prompt_token_ids": ["a", "b"]}, SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError):
         SamplingParams(temperature=-1)
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0

@@ -100,13 +100,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        try:
+            return self._encode_prompt(prompt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"prompt: token ids must be integers ({exc})") from exc
+
+    def _encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
-                return self.encode_prompt(str(prompt["prompt"]))
+                return self._encode_prompt(str(prompt["prompt"]))
             raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         return None, [int(t) for t in prompt]
 
