@@ -191,3 +191,40 @@ def test_a_failing_step_fails_its_requests_and_the_engine_recovers(monkeypatch: 
         again.outputs[0].token_ids
         == fresh.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     )
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    llm = llm32()
+    base = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    full = llm.generate(PROMPT, base)[0].outputs[0]
+    stop = full.text[:2]  # matches in the first tokens
+    early = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))
+    assert len(early[0].outputs[0].token_ids) < 8
+    late = llm.generate(
+        PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop], min_tokens=8)
+    )
+    assert len(late[0].outputs[0].token_ids) >= 8
+
+
+def test_n_with_the_largest_seed_and_no_leak() -> None:
+    llm = llm32()
+    out = llm.generate(PROMPT, SamplingParams(n=2, seed=2**63 - 1, max_tokens=4, temperature=1.0))
+    assert len(out[0].outputs) == 2
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_outputs_of_a_step_are_not_lost_when_a_later_one_fails() -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request("b", "Another prompt", SamplingParams(max_tokens=4, temperature=0))
+    state_b = engine.requests["b"]
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("injected detokenizer fault")
+
+    state_b.detokenizer.add_tokens = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        engine.step()
+    # "a" finished in that step; it is still known, so the caller can report to it.
+    assert set(engine.requests) == {"a", "b"}

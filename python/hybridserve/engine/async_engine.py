@@ -218,6 +218,13 @@ class AsyncEngine:
     def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
         for rid in list(engine.requests):
             self._abort(engine, rid, exc)
+        # Streams whose request the engine no longer knows (it failed between finishing them and
+        # handing out their output, or their add never ran) must end too.
+        with self._lock:
+            orphans = [(rid, st) for rid, st in self._streams.items() if rid not in engine.requests]
+        for rid, stream in orphans:
+            engine.abort_request(rid)
+            stream.put(HybridServeError("the engine stopped before this request finished"))
         self._snapshot_stats()
 
     def _snapshot_stats(self) -> None:

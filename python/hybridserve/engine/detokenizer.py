@@ -28,6 +28,8 @@ class IncrementalDetokenizer:
     stop: Sequence[str] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Stop strings are not matched before this many tokens were generated (vLLM's min_tokens).
+    min_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text released so far
     stopped_by: str | None = None  # the stop string that matched, if any
@@ -60,7 +62,7 @@ class IncrementalDetokenizer:
         if not full.startswith(self.text):
             # Rare: a later token changed how earlier bytes decode. Never take back released text.
             full = self.text + full[len(self.text) :]
-        if self.stop:
+        if self.stop and len(self.token_ids) >= self.min_tokens:
             # Search only the region a match could newly end in.
             longest = max(len(s) for s in self.stop)
             start = max(0, len(self.text) - longest + 1)

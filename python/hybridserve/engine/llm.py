@@ -15,6 +15,7 @@ from hybridserve.config import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine, Prompt
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.sampler import derive_seed
 
 
 class LLM:
@@ -58,16 +59,17 @@ class LLM:
         groups: list[list[str]] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                ids = []
+                ids: list[str] = []
+                groups.append(ids)
                 for j in range(params.n):
-                    sub = dataclasses.replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + j
-                    )
+                    # Sequence j > 0 of a seeded request gets a seed mixed from (seed, j), so the
+                    # streams of seed s, sequence 1 and seed s + 1, sequence 0 do not coincide.
+                    seed = params.seed if params.seed is None or j == 0 else derive_seed(params.seed, j)
+                    sub = dataclasses.replace(params, n=1, seed=seed)
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
                     self.engine.add_request(rid, prompt, sub)
                     ids.append(rid)
-                groups.append(ids)
         except Exception:
             for ids in groups:
                 for rid in ids:
@@ -80,12 +82,18 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=sum(len(g) for g in groups), desc="generate")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    if progress is not None:
-                        progress.update(1)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            for ids in groups:  # leave nothing of this call behind in the engine
+                for rid in ids:
+                    self.engine.abort_request(rid)
+            raise
         if progress is not None:
             progress.close()
 

@@ -166,6 +166,7 @@ class LLMEngine:
                 stop=list(params.stop),
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
+                min_tokens=params.min_tokens,
             ),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -209,9 +210,9 @@ class LLMEngine:
             sampled = np.asarray(flat, dtype=np.int32)
             num_sampled = np.asarray([len(r) for r in sampled_rows], dtype=np.int32)
             drafts, n_drafts = self._propose(req_ids, sampled_rows)
+            deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
         except Exception as exc:
             raise self._recover_from_failed_step(out, num_rows, exc) from exc
-        deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
         return self._process_deltas(deltas, req_ids, sampled_rows, row_logprobs)
 
     def _recover_from_failed_step(
@@ -225,7 +226,10 @@ class LLMEngine:
         for rid in failed:
             self.scheduler.abort_request(rid)
         empty = np.zeros(0, dtype=np.int32)
-        self.scheduler.update_from_output(out, empty, np.zeros(num_rows, dtype=np.int32))
+        try:
+            self.scheduler.update_from_output(out, empty, np.zeros(num_rows, dtype=np.int32))
+        except HybridServeError:
+            pass  # the failure came after the update: the step is already closed
         self.scheduler.update_from_output(self.scheduler.schedule(), empty, empty)  # drains the aborts
         for rid in failed:
             self._forget(rid)
@@ -346,6 +350,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         row_of = {rid: r for r, rid in enumerate(req_ids)}
         outputs: list[RequestOutput] = []
+        done: list[str] = []
         now = time.monotonic()
         for d in deltas:
             st = self.requests.get(d.request_id)
@@ -390,8 +395,12 @@ class LLMEngine:
                 st.logprobs.extend(lps[: len(new_ids)])
             if finished:
                 st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
-                self._forget(d.request_id)
+                done.append(d.request_id)
             outputs.append(st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids))
+        # Forgotten only once every output of the step exists: after a failure above they are all
+        # still in self.requests, where the caller can report to them.
+        for rid in done:
+            self._forget(rid)
         return outputs
 
     # ------------------------------------------------------------------ introspection

@@ -38,8 +38,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.validate()
 
     @property
