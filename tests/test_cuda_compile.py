@@ -61,8 +61,9 @@ def _compile(cmd: list[str], name: str, tool_version: str) -> tuple[str, str | N
 @pytest.fixture(scope="module")
 def compile_results() -> dict[str, str | None]:
     cuda_home = find_cuda_home()
-    if cuda_home is None:
-        pytest.skip("nvcc is not installed (pip install nvidia-cuda-nvcc matching torch's CUDA)")
+    # nvcc is a declared test dependency (pyproject's test extra): missing, it is a broken set-up,
+    # and skipping would let CI pass without compiling the kernels.
+    assert cuda_home is not None, "nvcc is not installed (pip install nvidia-cuda-nvcc matching torch's CUDA)"
     nvcc = str(Path(cuda_home) / "bin" / "nvcc")
     ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     assert torch.version.cuda is not None, "torch is not a CUDA build"
@@ -80,11 +81,11 @@ def compile_results() -> dict[str, str | None]:
         cmd += incs + ["-o", str(out_dir / f"{name}.o")]
         jobs.append((cmd, name, ver))
     cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is not None:
-        cxx_ver = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-        for name in CPP_FILES:
-            cmd = [cxx, "-std=c++20", "-fPIC", "-fsyntax-only", name] + incs
-            jobs.append((cmd, name, cxx_ver + ver))
+    assert cxx is not None, "no host C++ compiler for ops.cpp"
+    cxx_ver = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    for name in CPP_FILES:
+        cmd = [cxx, "-std=c++20", "-fPIC", "-fsyntax-only", name] + incs
+        jobs.append((cmd, name, cxx_ver + ver))
     workers = max(1, min(2, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = dict(pool.map(lambda j: _compile(*j), jobs))
@@ -98,8 +99,6 @@ def test_sources_present():
 
 @pytest.mark.parametrize("name", CU_FILES + CPP_FILES)
 def test_compiles_for_sm90(compile_results, name):
-    if name not in compile_results:
-        pytest.skip("no host C++ compiler for ops.cpp")
     err = compile_results[name]
     assert err is None, f"compile of cuda/{name} failed:\n{err}"
 
@@ -109,8 +108,7 @@ def test_extension_builds_and_schemas_mirror_the_twins():
     torch.ops.hybridserve op takes exactly the arguments of its pure-torch twin, in order."""
     import inspect
 
-    if find_cuda_home() is None:
-        pytest.skip("nvcc is not installed")
+    assert find_cuda_home() is not None, "nvcc is not installed"
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     from hybridserve.kernels import cuda, dispatch, reference
 
