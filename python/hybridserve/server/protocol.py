@@ -807,6 +807,27 @@ def chat_response(
     }
 
 
+def _stream_chunk(
+    object_name: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    include_usage: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
 def completion_chunk(
     request_id: str,
     created: int,
@@ -815,16 +836,7 @@ def completion_chunk(
     usage: dict[str, Any] | None = None,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if include_usage:
-        chunk["usage"] = usage
-    return chunk
+    return _stream_chunk("text_completion", request_id, created, model, choices, usage, include_usage)
 
 
 def chat_chunk_choice(
@@ -860,13 +872,4 @@ def chat_chunk(
     usage: dict[str, Any] | None = None,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if include_usage:
-        chunk["usage"] = usage
-    return chunk
+    return _stream_chunk("chat.completion.chunk", request_id, created, model, choices, usage, include_usage)
