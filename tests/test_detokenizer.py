@@ -62,3 +62,24 @@ def test_stop_string_across_token_boundaries(tok: Tokenizer) -> None:
     assert released == d.text == "hello world, the "
     d2 = IncrementalDetokenizer(tok, stop=["lazy dog"], include_stop_str_in_output=True)
     assert "".join(d2.add_tokens([t]) for t in ids) == "hello world, the lazy dog"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deferred_text_equals_streamed_text(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    streamed, deferred = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok, deferred=True)
+    for i, t in enumerate(ids):
+        streamed.add_tokens([t], final=i == len(ids) - 1)
+        released = deferred.add_tokens([t], final=i == len(ids) - 1)
+        assert (released == "") == (i < len(ids) - 1)  # nothing before the end, everything at it
+    assert deferred.text == streamed.text == tok.decode(ids)
+
+
+def test_deferred_still_watches_stop_strings(tok: Tokenizer) -> None:
+    ids = tok.encode("one two three four five")
+    d = IncrementalDetokenizer(tok, stop=["three"], deferred=True)
+    for t in ids:
+        d.add_tokens([t])
+        if d.stopped_by is not None:
+            break
+    assert d.stopped_by == "three" and d.text == "one two "

@@ -198,3 +198,17 @@ def test_float64_logits_stay_float64():
     logits = torch.randn(2, 10, dtype=torch.float64)
     probs = processed_probs(logits, rows_of(2))
     assert probs.dtype == torch.float64
+
+
+def test_plain_greedy_batch_equals_the_processed_path():
+    # A batch of plain greedy rows skips logit processing; a penalised greedy row does not.
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=g)
+    plain = Sampler().sample(logits, rows_of(6, temperature=0.0))
+    assert plain.token_ids.dtype == torch.int64 and plain.logprobs == [None] * 6
+    assert torch.equal(plain.token_ids, logits.argmax(dim=-1))
+    logits[0, 5], logits[0, 9] = logits[0].max() + 1.0, logits[0].max() + 0.5
+    rows = rows_of(6, temperature=0.0)
+    rows[0] = RowSampling(SamplingParams(temperature=0.0, presence_penalty=2.0), output_token_ids=[5])
+    mixed = Sampler().sample(logits, rows)
+    assert int(mixed.token_ids[0]) == 9 and torch.equal(mixed.token_ids[1:], plain.token_ids[1:])

@@ -6,6 +6,10 @@ where the text was complete (`_prefix_offset`), and compares it with the decode 
 without the new tokens; the difference is the new text. A trailing replacement character means an
 unfinished character, held back until more tokens (or the end) arrive. The cost per token is
 constant, not proportional to the length of the output.
+
+`deferred=True` (the offline `LLM.generate` path, where nobody reads the text before the end): with
+no stop strings to watch for, tokens are only collected and the text is decoded once, when the
+final call comes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     # Stop strings are not matched before this many tokens were generated (vLLM's min_tokens).
     min_tokens: int = 0
+    # Decode once at the end instead of per token (only when there are no stop strings).
+    deferred: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text released so far
     stopped_by: str | None = None  # the stop string that matched, if any
@@ -58,6 +64,13 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self.token_ids.extend(int(t) for t in new_ids)
+        if self.deferred and not self.stop:
+            if not final:
+                return ""
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            delta = full[len(self.text) :] if full.startswith(self.text) else ""
+            self.text = full if full.startswith(self.text) else self.text
+            return delta
         full = self._decode_window(final)
         if not full.startswith(self.text):
             # Rare: a later token changed how earlier bytes decode. Never take back released text.

@@ -21,12 +21,14 @@ from hybridserve.sampling.sampler import derive_seed
 class LLM:
     def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self.engine.stream_outputs = False  # generate() only reads finished outputs
         self._next_id = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
+        llm.engine.stream_outputs = False
         llm._next_id = 0
         return llm
 

@@ -97,6 +97,9 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._seed_counter = 0
         self.acceptance_per_position = [0] * self.num_speculative_tokens
+        # False (the offline LLM API): step() returns only finished requests, and their text is
+        # decoded once at the end unless stop strings need watching. Streaming callers keep True.
+        self.stream_outputs = True
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -167,6 +170,7 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
                 min_tokens=params.min_tokens,
+                deferred=not self.stream_outputs,
             ),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -396,7 +400,10 @@ class LLMEngine:
             if finished:
                 st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
                 done.append(d.request_id)
-            outputs.append(st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids))
+            if finished or self.stream_outputs:
+                outputs.append(
+                    st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids)
+                )
         # Forgotten only once every output of the step exists: after a failure above they are all
         # still in self.requests, where the caller can report to them.
         for rid in done:

@@ -393,6 +393,9 @@ class Sampler:
             return SamplerOutput(
                 token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
             )
+        if all(r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)):
+            # Nothing to apply before the argmax: skip the [N, V] copies of process_logits.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=[None] * n)
         proc = process_logits(logits, rows)
         tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         greedy_list = proc.greedy.tolist()
