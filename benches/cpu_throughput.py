@@ -8,11 +8,13 @@ ids, seeded), greedy, exactly `output-len` new tokens each:
 
 - hybridserve: `LLM("demo", dtype="float32", max_num_seqs=num_prompts).generate(...)` (defaults
   otherwise: prefix caching on, chunked prefill, mode `all`);
+- hybridserve_compiled: the same with `compile_cpu_kernels=True` (the Mamba decode of
+  kernels/compiled.py; compiled during the warm-up);
 - transformers: one batch of all prompts, left padding with an attention mask, KV/SSM cache on,
   `min_new_tokens = max_new_tokens` (its best setting on CPU: one batched call).
 
 Both engines are built and warmed up first; then the timed generate runs --repeats times for each,
-interleaved (hybridserve, transformers, hybridserve, ...) so that both see the same machine load;
+interleaved (hybridserve, hybridserve_compiled, transformers, hybridserve, ...) so that both see the same machine load;
 the fastest run of each counts. Reports tokens/s (output tokens over wall time) of both and the
 ratio (target >= 3x), process CPU seconds (the machine is shared: wall time is noisy), and how
 many of the greedy outputs are identical. `--profile FILE` then runs hybridserve once more under cProfile and writes
@@ -52,16 +54,21 @@ def _timed(fn: Callable[[], list[list[int]]]) -> Timed:
     return time.perf_counter() - t0, time.process_time() - c0, toks
 
 
-def make_hybridserve(prompts: list[list[int]], output_len: int) -> tuple[Callable[[], Timed], dict[str, Any]]:
+def make_hybridserve(
+    prompts: list[list[int]], output_len: int, compile_cpu_kernels: bool = False
+) -> tuple[Callable[[], Timed], dict[str, Any]]:
     """Builds the engine and warms it up; returns a function that runs the timed generate once."""
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
-    llm = LLM("demo", dtype="float32", max_num_seqs=max(64, len(prompts)))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(
-        [{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0)
+    llm = LLM(
+        "demo", dtype="float32", max_num_seqs=max(64, len(prompts)), compile_cpu_kernels=compile_cpu_kernels
     )
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for n in (1, 2):  # warm-up; compiles the decode graphs of one row and of several
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:n]], SamplingParams(max_tokens=4, temperature=0.0)
+        )
     info: dict[str, Any] = {"config": llm.engine.config.to_dict(), "steps": []}
 
     def once() -> Timed:
@@ -158,27 +165,23 @@ def main() -> int:
         torch.set_num_threads(a.threads)
     load0 = os.getloadavg()
     print(f"{a.num_prompts} prompts x {a.prompt_len} tokens, {a.output_len} output tokens; {a.repeats} "
-          "interleaved runs each (hybridserve, transformers, ...), the fastest counts", flush=True)  # fmt: skip
-    hs_once, hs_info = make_hybridserve(prompts, a.output_len)
-    hf_once, hf_info = make_transformers(prompts, a.output_len)
-    hs_runs: list[Timed] = []
-    hf_runs: list[Timed] = []
-    for i in range(a.repeats):
-        for name, once, runs in (("hybridserve", hs_once, hs_runs), ("transformers", hf_once, hf_runs)):
-            runs.append(once())
-            w, c, t = runs[-1]
-            n = sum(len(x) for x in t)
-            print(f"  run {i + 1} {name:12s} {n / w:7.1f} tok/s ({w:.1f} s wall, {c:.1f} s CPU)", flush=True)
-    hs, hs_toks = _summary(hs_runs, hs_info), hs_runs[0][2]
-    hf, hf_toks = _summary(hf_runs, hf_info), hf_runs[0][2]
-    load1 = os.getloadavg()
-    same = sum(x == y for x, y in zip(hs_toks, hf_toks))
-    first_diff = [
-        next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(hs_toks, hf_toks)
+          "interleaved runs each, the fastest counts", flush=True)  # fmt: skip
+    contestants: list[tuple[str, Callable[[], Timed], dict[str, Any]]] = [
+        ("hybridserve", *make_hybridserve(prompts, a.output_len)),
+        ("hybridserve_compiled", *make_hybridserve(prompts, a.output_len, compile_cpu_kernels=True)),
+        ("transformers", *make_transformers(prompts, a.output_len)),
     ]
-    ratio = hs["tok_per_s"] / hf["tok_per_s"]
-    cpu_ratio = hf["cpu_s"] / hs["cpu_s"] if hs["cpu_s"] > 0 else None
-    result = {
+    runs: dict[str, list[Timed]] = {name: [] for name, _, _ in contestants}
+    for i in range(a.repeats):
+        for name, once, _ in contestants:
+            runs[name].append(once())
+            w, c, t = runs[name][-1]
+            n = sum(len(x) for x in t)
+            print(f"  run {i + 1} {name:20s} {n / w:7.1f} tok/s ({w:.1f} s wall, {c:.1f} s CPU)", flush=True)
+    summary = {name: _summary(runs[name], info) for name, _, info in contestants}
+    hf, hf_toks = summary["transformers"], runs["transformers"][0][2]
+    load1 = os.getloadavg()
+    result: dict[str, Any] = {
         "benchmark": "cpu_throughput",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": {
@@ -196,19 +199,30 @@ def main() -> int:
             "model": "demo",
             "seed": a.seed,
         },  # fmt: skip
-        "hybridserve": hs,
-        "transformers": hf,
-        "ratio_tok_per_s": ratio,
-        "ratio_cpu_s": cpu_ratio,
-        "identical_outputs": same,
-        "mean_identical_prefix_tokens": sum(first_diff) / len(first_diff),
+        **summary,
     }
+    for name in ("hybridserve", "hybridserve_compiled"):
+        hs, hs_toks = summary[name], runs[name][0][2]
+        same = sum(x == y for x, y in zip(hs_toks, hf_toks))
+        first_diff = [
+            next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+            for x, y in zip(hs_toks, hf_toks)
+        ]
+        ratio = hs["tok_per_s"] / hf["tok_per_s"]
+        cpu_ratio = hf["cpu_s"] / hs["cpu_s"] if hs["cpu_s"] > 0 else float("nan")
+        hs.update(
+            ratio_tok_per_s=ratio,
+            ratio_cpu_s=cpu_ratio,
+            identical_outputs=same,
+            mean_identical_prefix_tokens=sum(first_diff) / len(first_diff),
+        )
+        print(
+            f"ratio {name} / transformers: {ratio:.2f}x tok/s (target >= 3x), CPU-time ratio {cpu_ratio:.2f}x; "
+            f"identical greedy outputs {same}/{len(prompts)}"
+        )
+    print(f"load {load0[0]:.1f} -> {load1[0]:.1f}")
     a.result_file.parent.mkdir(parents=True, exist_ok=True)
     a.result_file.write_text(json.dumps(result, indent=1) + "\n")
-    print(
-        f"ratio hybridserve / transformers: {ratio:.2f}x tok/s (target >= 3x), CPU-time ratio "
-        f"{cpu_ratio:.2f}x; identical greedy outputs {same}/{len(prompts)}; load {load0[0]:.1f} -> {load1[0]:.1f}"
-    )
     print(f"result: {a.result_file}")
     if a.profile is not None:
         profile_hybridserve(prompts, a.output_len, a.profile)

@@ -173,6 +173,7 @@ def test_speculative_config_defaults() -> None:
         ("num_mamba_slots", 0, "--num-mamba-slots"),
         ("max_queue_len", 0, "--max-queue-len"),
         ("enable_prefix_caching", "yes", "--enable-prefix-caching"),
+        ("compile_cpu_kernels", 1, "--compile-cpu-kernels"),
     ],
 )
 def test_bad_field_values_name_the_flag(field: str, value: Any, flag: str) -> None:

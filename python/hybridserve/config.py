@@ -386,6 +386,9 @@ class EngineArgs:
     num_mamba_slots: int | None = None
     #: Requests admitted at once by the server (running + waiting); beyond it, 503.
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
+    #: Run the Mamba layers' plain decode steps on the CPU through torch.compile'd kernels
+    #: (kernels/compiled.py): faster steps, seconds of compilation on the first decode step.
+    compile_cpu_kernels: bool = False
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:
@@ -396,6 +399,10 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")
+        if not isinstance(self.compile_cpu_kernels, bool):
+            raise ConfigError(
+                f"--compile-cpu-kernels must be True or False, got {self.compile_cpu_kernels!r}"
+            )
         try:
             MambaCacheModeRequest(self.mamba_cache_mode)
         except ValueError:
@@ -609,6 +616,7 @@ class ResolvedEngineConfig:
                 "num_kv_blocks": a.num_kv_blocks,
                 "num_mamba_slots": a.num_mamba_slots,
                 "max_queue_len": a.max_queue_len,
+                "compile_cpu_kernels": a.compile_cpu_kernels,
                 "capabilities": self.capabilities.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],
             }
@@ -765,6 +773,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         type=int,
         default=None,
         help="exact Mamba slot count (overrides --mamba-cache-memory)",
+    )
+    g.add_argument(
+        "--compile-cpu-kernels",
+        action="store_true",
+        help="torch.compile the Mamba decode kernels on the CPU (faster steps; the first decode step compiles)",
     )
 
 

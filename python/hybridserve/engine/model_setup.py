@@ -49,6 +49,16 @@ class EngineModel:
     model_dir: str
 
 
+def set_compiled_decode(model: torch.nn.Module, enabled: bool) -> int:
+    """Switches the compiled CPU decode path of every Mamba2 mixer of `model`; returns how many."""
+    from hybridserve.model.layers.mamba2 import Mamba2Mixer
+
+    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+    for m in mixers:
+        m.compiled_decode = enabled
+    return len(mixers)
+
+
 def build_engine_model(args: EngineArgs) -> EngineModel:
     model_dir = resolve_model_path(args.model)
     resolved_engine = args.resolve(read_model_capabilities(model_dir))
@@ -57,6 +67,8 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     device = torch.device(args.device or "cpu")
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
+    if args.compile_cpu_kernels:
+        set_compiled_decode(loaded.model, True)
     log_decisions(resolved_engine, logger)
 
     k = int(resolved.num_speculative_tokens)

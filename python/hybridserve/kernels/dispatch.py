@@ -30,6 +30,7 @@ from hybridserve.kernels import reference as ref
 
 __all__ = [
     "causal_conv1d_prefill",
+    "compiled_decode_slots",
     "causal_conv1d_update",
     "copy_slots",
     "kernel_backend",
@@ -66,6 +67,19 @@ def _use_cuda(device_tensor: torch.Tensor, supported: bool) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def compiled_decode_slots(
+    x: torch.Tensor, query_start_loc: torch.Tensor, write_slots: torch.Tensor
+) -> torch.Tensor | None:
+    """For a layer that opted into the compiled CPU decode path (``--compile-cpu-kernels``): the
+    rows' write slots when ``kernels/compiled.py`` applies to this batch (CPU tensors, automatic
+    kernel choice, one token per row, no null write slot), else None (use the ops above)."""
+    if x.is_cuda or kernel_backend() != "auto":
+        return None
+    from hybridserve.kernels import compiled
+
+    return compiled.plain_decode_slots(query_start_loc, write_slots, int(x.shape[0]))
 
 
 def _ops():  # noqa: ANN202 - torch.ops namespace object

@@ -7,6 +7,9 @@ State-window semantics (model/batch.py): decode rows read `state_read_slot` and 
 after token t to `state_write_slots[r, t]`; prefill rows start from `state_read_slot` when
 `has_initial_state` else from zeros, write their final state to `state_write_slots[r, 0]` and the
 emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
+
+`compiled_decode` (set by the engine for --compile-cpu-kernels): plain decode batches on the CPU
+run the torch.compile'd conv and state update of kernels/compiled.py instead of the eager twins.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import compiled
 from hybridserve.kernels import dispatch as K
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
@@ -50,6 +54,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nheads), requires_grad=False)
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, cfg.mamba_norm_eps)
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+        self.compiled_decode = False
 
     def forward(
         self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -65,6 +70,10 @@ class Mamba2Mixer(nn.Module):
         ndt = ctx.num_decode_tokens
         G, N = self.ngroups, self.dstate
 
+        if ndt == T and self.compiled_decode:
+            slots = K.compiled_decode_slots(hidden, ctx.dec_qsl, ctx.dec_write_slots)
+            if slots is not None:
+                return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, slots)
         # decode-only step (ndt == T): the ops' outputs are the whole results (no copies)
         if ndt == T:
             conv_out = K.causal_conv1d_update(
@@ -161,3 +170,26 @@ class Mamba2Mixer(nn.Module):
             )
         out = self.norm(y.reshape(T, self.d_inner), z, dtype)
         return self.out_proj(out)
+
+    def _compiled_decode(
+        self,
+        z: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        A: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        ctx: ForwardContext,
+        write_slot: torch.Tensor,
+    ) -> torch.Tensor:
+        shape = compiled.MixerShape(
+            self.nheads, self.headdim, self.ngroups, self.dstate, self.norm.group_size, self.norm.eps,
+            float(self.dt_min), float(self.dt_max), self.activation is not None,
+        )  # fmt: skip
+        normed = compiled.mamba_mixer_decode(
+            xbc, dt, z, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, self.norm.weight,
+            ctx.dec_read_slot, write_slot, shape,
+        )  # fmt: skip
+        return self.out_proj(normed)

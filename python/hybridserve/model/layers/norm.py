@@ -26,6 +26,24 @@ class RMSNorm(nn.Module):
         return (self.weight.to(cdt) * h).to(x.dtype)
 
 
+def gated_rms_norm(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``weight * rmsnorm_grouped(y * silu(z))`` (Mamba2 ``RMSNormGated``, norm_before_gate=False)."""
+    cdt = _compute_dtype(out_dtype)
+    h = y.to(cdt) * F.silu(z.to(cdt))
+    *pre, d = h.shape
+    g = h.view(*pre, d // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    h = g.view(*pre, d)
+    return (weight.to(cdt) * h).to(out_dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """Mamba2 ``RMSNormGated`` with norm_before_gate=False: ``w * rmsnorm_grouped(y * silu(z))``,
     the RMS taken over groups of ``group_size`` channels."""
@@ -37,10 +55,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        cdt = _compute_dtype(out_dtype)
-        h = y.to(cdt) * F.silu(z.to(cdt))
-        *pre, d = h.shape
-        g = h.view(*pre, d // self.group_size, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = g.view(*pre, d)
-        return (self.weight.to(cdt) * h).to(out_dtype)
+        return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, out_dtype)
