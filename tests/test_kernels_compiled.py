@@ -62,7 +62,9 @@ def _twins(c: dict, s: compiled.MixerShape) -> torch.Tensor:
         C.reshape(R, s.ngroups, s.dstate), c["D"], c["dt_bias"], c["ssm_state"], qsl, c["read_slot"], ws,
         s.dt_min, s.dt_max,
     )  # fmt: skip
-    return gated_rms_norm(y.reshape(R, d_inner), c["z"], c["norm_weight"], s.norm_group_size, s.norm_eps, y.dtype)
+    return gated_rms_norm(
+        y.reshape(R, d_inner), c["z"], c["norm_weight"], s.norm_group_size, s.norm_eps, y.dtype
+    )
 
 
 CASES = [

@@ -20,9 +20,6 @@ from hybridserve.model.cache_tensors import (
     ModelCaches,
     kv_bytes_per_block,
     mamba_bytes_per_slot,
-    num_blocks_for_budget,
-    num_slots_for_budget,
-    split_budget,
 )
 from hybridserve.model.loader import load_model
 from hybridserve.model.model_config import decode_tagged_floats
@@ -362,14 +359,6 @@ def test_model_caches_shapes_sizing_and_copies(checkpoints):
     assert per_block == 1 * 2 * 16 * 2 * 8 * 4
     per_slot = mamba_bytes_per_slot(cfg, torch.float32)
     assert per_slot == (cfg.conv_dim * 3 + 4 * 12 * 8) * 4
-    assert num_blocks_for_budget(cfg, 10 * per_block + 7, 16, torch.float32) == 10
-    assert num_slots_for_budget(cfg, 9 * per_slot, torch.float32) == 9
-    with pytest.raises(ConfigError):
-        num_slots_for_budget(cfg, per_slot, torch.float32)
-    kv_b, m_b = split_budget(cfg, 1000 * per_slot, torch.float32, 16, min_slots=10)
-    assert kv_b + m_b == 1000 * per_slot and m_b >= 10 * per_slot
-    big = ModelCaches.from_budgets(cfg, torch.float32, 16, 10 * per_block, 9 * per_slot)
-    assert big.num_blocks == 10 and big.num_slots == 9
     # state copies: in order, all Mamba tensors
     c.ssm[0].normal_()
     c.conv[0].normal_()

@@ -174,6 +174,7 @@ def test_speculative_config_defaults() -> None:
         ("max_queue_len", 0, "--max-queue-len"),
         ("enable_prefix_caching", "yes", "--enable-prefix-caching"),
         ("compile_cpu_kernels", 1, "--compile-cpu-kernels"),
+        ("cache_memory", 0, "--cache-memory"),
     ],
 )
 def test_bad_field_values_name_the_flag(field: str, value: Any, flag: str) -> None:

@@ -181,12 +181,15 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
         "--seed",
         "7",
         "--compile-cpu-kernels",
+        "--cache-memory",
+        "1GiB",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["dtype"] == "float64"
     assert d["compile_cpu_kernels"] is True
+    assert d["cache_memory"] == 2**30
     assert d["kv_cache_memory"] == 64 * 2**20
     assert d["num_mamba_slots"] == 40
     assert d["seed"] == 7

@@ -380,6 +380,9 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     #: Bytes for the Mamba state cache. None = the engine's default sizing.
     mamba_cache_memory: int | None = None
+    #: Bytes for both caches together, split as engine/sizing.py documents (with one of the two
+    #: budgets above, the other pool gets the rest). None = no total.
+    cache_memory: int | None = None
     #: Exact number of KV blocks (counting the null block), overriding kv_cache_memory.
     num_kv_blocks: int | None = None
     #: Exact number of Mamba state slots (counting the null slot), overriding mamba_cache_memory.
@@ -422,6 +425,7 @@ class EngineArgs:
             "max_model_len": 1,
             "kv_cache_memory": 1,
             "mamba_cache_memory": 1,
+            "cache_memory": 1,
             "num_kv_blocks": 2,
             "num_mamba_slots": 1,
         }
@@ -433,6 +437,10 @@ class EngineArgs:
                 raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
         if self.seed >= 2**64:
             raise ConfigError(f"--seed must be < 2**64, got {self.seed}")
+        if self.cache_memory is not None and None not in (self.kv_cache_memory, self.mamba_cache_memory):
+            raise ConfigError(
+                "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
+            )
         self.speculative()
 
     def speculative(self) -> SpeculativeConfig | None:
@@ -524,7 +532,7 @@ class EngineArgs:
         sc = kwargs.get("speculative_config")
         if isinstance(sc, str):
             kwargs["speculative_config"] = _parse_speculative_json(sc)
-        for name in ("kv_cache_memory", "mamba_cache_memory"):
+        for name in ("kv_cache_memory", "mamba_cache_memory", "cache_memory"):
             v = kwargs.get(name)
             if isinstance(v, str):
                 kwargs[name] = parse_bytes(v, _flag(name))
@@ -613,6 +621,7 @@ class ResolvedEngineConfig:
                 "speculative": None if self.speculative is None else self.speculative.to_dict(),
                 "kv_cache_memory": a.kv_cache_memory,
                 "mamba_cache_memory": a.mamba_cache_memory,
+                "cache_memory": a.cache_memory,
                 "num_kv_blocks": a.num_kv_blocks,
                 "num_mamba_slots": a.num_mamba_slots,
                 "max_queue_len": a.max_queue_len,
@@ -764,6 +773,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     g.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV cache budget, e.g. 2GiB")
     g.add_argument(
         "--mamba-cache-memory", default=None, metavar="BYTES", help="Mamba state cache budget, e.g. 1GiB"
+    )
+    g.add_argument(
+        "--cache-memory",
+        default=None,
+        metavar="BYTES",
+        help="both caches together, e.g. 3GiB (split: see engine/sizing.py; with one of the two budgets above, the other gets the rest)",
     )
     g.add_argument(
         "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-memory)"

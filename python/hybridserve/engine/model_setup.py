@@ -84,6 +84,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         has_mamba_layers=bool(mcfg.has_mamba_layers),
         kv_cache_memory=args.kv_cache_memory,
         mamba_cache_memory=args.mamba_cache_memory,
+        cache_memory=args.cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         num_mamba_slots=args.num_mamba_slots,
     )

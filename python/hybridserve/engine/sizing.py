@@ -6,6 +6,14 @@ Defaults, when neither a memory budget nor an explicit count is given:
 - Mamba: one window of 1 + K slots per running sequence, plus a checkpoint reserve of
   max(64, 4 * max_num_seqs) slots when prefix caching can hit, capped at DEFAULT_MAMBA_CACHE_MEMORY.
 Windows are never cut: a budget that cannot hold `max_num_seqs` windows is a configuration error.
+
+One total budget (`--cache-memory`) is split before the rules above apply (`split_cache_memory`):
+- with one of `--kv-cache-memory` / `--mamba-cache-memory` also given, the other pool gets the rest;
+- else the Mamba pool gets the bytes of the slots it wants by default (windows + checkpoint
+  reserve), but no more than half of the total unless its windows alone need more; the KV pool
+  gets the rest. A model without Mamba layers gives everything to KV, one without attention
+  everything to the state pool.
+Explicit counts (`--num-kv-blocks`, `--num-mamba-slots`) still override the bytes of their pool.
 """
 
 from __future__ import annotations
@@ -30,6 +38,43 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_cache_memory(
+    cache_memory: int,
+    *,
+    kv_cache_memory: int | None,
+    mamba_cache_memory: int | None,
+    wanted_mamba_slots: int,
+    min_mamba_slots: int,
+    mamba_bytes_per_slot: int,
+    has_attention_layers: bool,
+    has_mamba_layers: bool,
+) -> tuple[int, int]:
+    """(kv bytes, mamba bytes) of one total budget; see the module docstring."""
+    if kv_cache_memory is not None and mamba_cache_memory is not None:
+        raise ConfigError(
+            "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
+        )
+    for given, flag, kv_given in (
+        (kv_cache_memory, "--kv-cache-memory", True),
+        (mamba_cache_memory, "--mamba-cache-memory", False),
+    ):
+        if given is None:
+            continue
+        rest = cache_memory - given
+        if rest < 1:
+            raise ConfigError(
+                f"{flag} {given} leaves nothing of --cache-memory {cache_memory} for the other pool"
+            )
+        return (given, rest) if kv_given else (rest, given)
+    if not has_mamba_layers:
+        return cache_memory, 0
+    if not has_attention_layers:
+        return 0, cache_memory
+    mamba = min(wanted_mamba_slots * mamba_bytes_per_slot, cache_memory // 2)
+    mamba = max(mamba, min(min_mamba_slots * mamba_bytes_per_slot, cache_memory))
+    return cache_memory - mamba, mamba
+
+
 def compute_cache_sizes(
     *,
     block_size: int,
@@ -44,9 +89,24 @@ def compute_cache_sizes(
     mamba_cache_memory: int | None = None,
     num_kv_blocks: int | None = None,
     num_mamba_slots: int | None = None,
+    cache_memory: int | None = None,
 ) -> CacheSizes:
     kv_bytes_per_block = kv_bytes_per_token * block_size
     per_seq_blocks = _cdiv(max_model_len + num_speculative_tokens, block_size)
+    window = 1 + num_speculative_tokens
+    min_slots = 1 + max_num_seqs * window if has_mamba_layers else 1
+    reserve = max(64, 4 * max_num_seqs) if prefix_caching_can_hit else 0
+    if cache_memory is not None:
+        kv_cache_memory, mamba_cache_memory = split_cache_memory(
+            cache_memory,
+            kv_cache_memory=kv_cache_memory,
+            mamba_cache_memory=mamba_cache_memory,
+            wanted_mamba_slots=min_slots + reserve,
+            min_mamba_slots=min_slots,
+            mamba_bytes_per_slot=mamba_bytes_per_slot,
+            has_attention_layers=kv_bytes_per_token > 0,
+            has_mamba_layers=has_mamba_layers,
+        )
     if num_kv_blocks is None:
         wanted = max_num_seqs * per_seq_blocks + 1
         budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
@@ -58,17 +118,14 @@ def compute_cache_sizes(
     if num_kv_blocks < per_seq_blocks + 1:
         raise ConfigError(
             f"the KV cache holds {num_kv_blocks} blocks of {block_size} tokens, fewer than one sequence of "
-            f"--max-model-len {max_model_len} needs ({per_seq_blocks + 1}); raise --kv-cache-memory or "
-            "--num-kv-blocks, or lower --max-model-len"
+            f"--max-model-len {max_model_len} needs ({per_seq_blocks + 1}); raise --kv-cache-memory "
+            "(or --cache-memory) or --num-kv-blocks, or lower --max-model-len"
         )
 
-    window = 1 + num_speculative_tokens
-    min_slots = 1 + max_num_seqs * window if has_mamba_layers else 1
     if num_mamba_slots is None:
         if not has_mamba_layers:
             num_mamba_slots = 1
         else:
-            reserve = max(64, 4 * max_num_seqs) if prefix_caching_can_hit else 0
             wanted = min_slots + reserve
             budget = DEFAULT_MAMBA_CACHE_MEMORY if mamba_cache_memory is None else mamba_cache_memory
             fits = budget // max(1, mamba_bytes_per_slot)
@@ -76,7 +133,7 @@ def compute_cache_sizes(
     if num_mamba_slots < min_slots:
         raise ConfigError(
             f"the Mamba state cache holds {num_mamba_slots} slots but {max_num_seqs} running sequences "
-            f"with windows of {window} slots need {min_slots}; raise --mamba-cache-memory or "
-            "--num-mamba-slots, or lower --max-num-seqs"
+            f"with windows of {window} slots need {min_slots}; raise --mamba-cache-memory "
+            "(or --cache-memory) or --num-mamba-slots, or lower --max-num-seqs"
         )
     return CacheSizes(num_kv_blocks, num_mamba_slots, kv_bytes_per_block, mamba_bytes_per_slot)

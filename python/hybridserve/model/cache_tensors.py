@@ -9,9 +9,8 @@
   null slot (kept at zero), so ``num_slots`` counts it. One slot id addresses the whole state of a
   sequence position across all Mamba layers.
 
-Sizing: `kv_bytes_per_block` / `mamba_bytes_per_slot` and `num_blocks_for_budget` /
-`num_slots_for_budget` turn byte budgets into counts (the null entry is included in the count and
-in the budget). `split_budget` documents the default split of one total budget.
+Sizing: `kv_bytes_per_block` / `mamba_bytes_per_slot` give the bytes of one entry; the engine turns
+its budgets into counts in engine/sizing.py.
 """
 
 from __future__ import annotations
@@ -113,21 +112,6 @@ class ModelCaches:
             device=device,
         )
 
-    @classmethod
-    def from_budgets(
-        cls,
-        config: ModelConfig,
-        model_dtype: torch.dtype,
-        block_size: int,
-        kv_cache_memory: int,
-        mamba_cache_memory: int,
-        device: str | torch.device = "cpu",
-    ) -> ModelCaches:
-        sdt = default_state_dtype(config, model_dtype)
-        nb = num_blocks_for_budget(config, kv_cache_memory, block_size, model_dtype)
-        ns = num_slots_for_budget(config, mamba_cache_memory, sdt)
-        return cls.for_model(config, model_dtype, nb, block_size, ns, device)
-
     # ---- state operations ----
     def apply_state_copies(self, copies: Any) -> None:
         """Executes ``copies`` (int [C, 2] of (src, dst) slot pairs, tensor / ndarray / list), in
@@ -175,56 +159,6 @@ def mamba_bytes_per_slot(
     return config.num_mamba_layers * per_layer
 
 
-def num_blocks_for_budget(config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
-    """KV blocks (null block included) that fit in `budget_bytes`; 0 when the model has no attention."""
-    per = kv_bytes_per_block(config, block_size, dtype)
-    if per == 0:
-        return 0
-    n = int(budget_bytes) // per
-    if n < 2:
-        raise ConfigError(
-            f"--kv-cache-memory {budget_bytes} bytes holds {n} KV blocks of {per} bytes; need at least 2"
-        )
-    return n
-
-
-def num_slots_for_budget(config: ModelConfig, budget_bytes: int, state_dtype: torch.dtype) -> int:
-    """Mamba state slots (null slot included) that fit in `budget_bytes`; 0 without Mamba layers."""
-    per = mamba_bytes_per_slot(config, state_dtype)
-    if per == 0:
-        return 0
-    n = int(budget_bytes) // per
-    if n < 2:
-        raise ConfigError(
-            f"--mamba-cache-memory {budget_bytes} bytes holds {n} state slots of {per} bytes; need at least 2"
-        )
-    return n
-
-
-def split_budget(
-    config: ModelConfig,
-    total_bytes: int,
-    model_dtype: torch.dtype,
-    block_size: int,
-    min_slots: int,
-) -> tuple[int, int]:
-    """Default split of one total budget into (kv_bytes, mamba_bytes): the Mamba pool gets
-    ``max(min_slots, 25% of the total)`` worth of slots (min_slots = running windows + checkpoint
-    reserve, computed by the caller), the KV pool the rest. Pure-attention models give all to KV,
-    pure-Mamba models all to the state pool."""
-    sdt = default_state_dtype(config, model_dtype)
-    per_slot = mamba_bytes_per_slot(config, sdt)
-    if per_slot == 0:
-        return int(total_bytes), 0
-    if config.num_attention_layers == 0:
-        return 0, int(total_bytes)
-    mamba = max(min_slots * per_slot, int(total_bytes) // 4)
-    mamba = min(mamba, int(total_bytes) - 2 * kv_bytes_per_block(config, block_size, model_dtype))
-    if mamba < 2 * per_slot:
-        raise ConfigError(f"a total cache budget of {total_bytes} bytes is too small for this model")
-    return int(total_bytes) - mamba, mamba
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """ "float32" | "bfloat16" | "float16" | "float64" (also "fp32", "bf16", "half", "double" ...)
     or a torch dtype -> torch dtype; ConfigError otherwise."""
@@ -256,8 +190,5 @@ __all__: Sequence[str] = [
     "default_state_dtype",
     "kv_bytes_per_block",
     "mamba_bytes_per_slot",
-    "num_blocks_for_budget",
-    "num_slots_for_budget",
     "parse_dtype",
-    "split_budget",
 ]
