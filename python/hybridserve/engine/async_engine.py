@@ -47,6 +47,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loaded = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Set (under _lock) by the engine thread before its final sweep: a stream registered after
+        # it would never be ended, so generate() refuses instead.
+        self._closed = False
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
@@ -105,6 +108,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine is shutting down")
             if request_id in self._streams:
                 raise HybridServeError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -139,7 +144,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.args)
+            engine = self.engine = LLMEngine(self.args)
         except BaseException as exc:  # reported to every waiter; the thread ends
             logger.exception("engine failed to load")
             self.load_error = exc
@@ -148,7 +153,17 @@ class AsyncEngine:
         self._snapshot_stats()
         self._ready = True
         self._loaded.set()
-        engine = self.engine
+        try:
+            self._serve(engine)
+        finally:
+            # Shutdown (or an unexpected error in the loop): end every stream, including those
+            # whose add command is still queued.
+            with self._lock:
+                self._closed = True
+            self._drain_commands(engine)
+            self._fail_all(engine, None)
+
+    def _serve(self, engine: LLMEngine) -> None:
         while not self._stop.is_set():
             self._drain_commands(engine)
             if not engine.has_unfinished_requests():
@@ -175,9 +190,6 @@ class AsyncEngine:
                 if stream is not None:
                     stream.put(out)
             self._snapshot_stats()
-        # Shutdown: abort whatever is still in flight so every stream ends.
-        self._drain_commands(engine)
-        self._fail_all(engine, None)
 
     def _drain_commands(self, engine: LLMEngine) -> None:
         handled = 0

@@ -1,0 +1,70 @@
+"""AsyncEngine: streams end on every path (finish, shutdown mid-request, a request racing shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hybridserve.config import EngineArgs
+from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError
+from hybridserve.sampling.params import SamplingParams
+
+ARGS = EngineArgs(model="demo", dtype="float32", max_model_len=512, max_num_seqs=4)
+
+
+async def _collect(engine: AsyncEngine, rid: str, params: SamplingParams) -> list:
+    return [o async for o in engine.generate("The quick brown fox", params, rid)]
+
+
+def test_stream_finishes_then_shutdown_refuses_new_requests() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        outs = await asyncio.wait_for(
+            _collect(engine, "a", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)), 60
+        )
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, "b", SamplingParams(max_tokens=5))
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_a_running_stream() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        gen = engine.generate("The quick brown fox", params, "long")
+        first = await asyncio.wait_for(gen.__anext__(), 60)
+        assert not first.finished
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        rest = await asyncio.wait_for(_drain(gen), 30)  # ends instead of waiting forever
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert len(rest[-1].outputs[0].token_ids) < 400
+
+    asyncio.run(main())
+
+
+async def _drain(gen) -> list:  # noqa: ANN001
+    return [o async for o in gen]
+
+
+def test_a_request_racing_shutdown_is_refused_not_left_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate() checked `ready` just before the engine thread began its final sweep: the sweep
+    # has already run when the stream would be registered. Without the closed flag it would wait
+    # forever for an engine that is gone.
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        engine.shutdown()
+        assert not engine._thread.is_alive()
+        monkeypatch.setattr(AsyncEngine, "ready", property(lambda self: True))
+        monkeypatch.setattr(engine._thread, "is_alive", lambda: True)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(_collect(engine, "late", SamplingParams(max_tokens=3)), 10)
+        assert not engine._streams
+
+    asyncio.run(main())
