@@ -225,6 +225,24 @@ impl Scheduler {
     /// Aborts a request in any state, freeing everything it holds. False if the id is unknown
     /// (never added, or already finished).
     pub fn abort_request(&mut self, request_id: &str) -> bool {
+        let found = self.remove_request(request_id);
+        if found {
+            self.stats.num_aborted_total += 1;
+        }
+        found
+    }
+
+    /// Ends a request that finished outside the scheduler (the engine matched a stop string in
+    /// its text): frees it like an abort, but counts it as finished. False if the id is unknown.
+    pub fn finish_request(&mut self, request_id: &str) -> bool {
+        let found = self.remove_request(request_id);
+        if found {
+            self.stats.num_finished_total += 1;
+        }
+        found
+    }
+
+    fn remove_request(&mut self, request_id: &str) -> bool {
         let Some(key) = self.ids.remove(request_id) else {
             return false;
         };
@@ -244,7 +262,6 @@ impl Scheduler {
             }
             RequestStatus::Finished(_) => {}
         }
-        self.stats.num_aborted_total += 1;
         self.finished_ids.push(req.id.to_string());
         true
     }

@@ -838,6 +838,26 @@ fn abort_in_every_state_frees_everything() {
 }
 
 #[test]
+fn finish_request_frees_like_abort_and_counts_as_finished() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 2), 64, 32, 0).unwrap();
+    s.add_request(NewRequest::new("a", vec![1; 20], 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.num_logits, vec![1]);
+    s.update_from_output(&o, &[7], &[1], None).unwrap();
+    assert!(s.stats().cache.kv_blocks_used > 0);
+    assert!(s.finish_request("a"));
+    assert!(!s.finish_request("a"), "only once");
+    assert!(!s.abort_request("a"));
+    let o = s.schedule().unwrap();
+    assert_eq!(o.finished_req_ids, vec!["a"]);
+    let st = s.stats();
+    assert_eq!(st.cache.kv_blocks_used, 0);
+    assert_eq!((st.num_finished_total, st.num_aborted_total), (1, 0));
+    assert!(!s.has_unfinished_requests());
+}
+
+#[test]
 fn update_validates_its_input_and_keeps_state() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 2), 64, 32, 0).unwrap();
     s.add_request(NewRequest::new("a", vec![1, 2, 3], 10))

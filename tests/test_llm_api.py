@@ -89,6 +89,13 @@ def test_stop_strings_cut_the_text() -> None:
     assert o.finish_reason == "stop" and o.stop_reason == stop
     assert o.text == full.text[: full.text.index(stop)]
     assert len(o.token_ids) < len(full.token_ids)
+    # the scheduler counts it as finished, not aborted, and keeps nothing of it
+    before = llm.engine.stats()
+    llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    after = llm.engine.stats()
+    assert after["num_finished_total"] == before["num_finished_total"] + 1
+    assert after["num_aborted_total"] == before["num_aborted_total"]
+    assert after["kv_blocks_used"] == 0 and after["num_running"] == 0
 
 
 def test_prefix_cache_reports_cached_tokens() -> None:

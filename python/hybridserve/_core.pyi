@@ -195,6 +195,7 @@ class Scheduler:
         cache_salt: str | None = None,
     ) -> None: ...  # InvalidRequestError on bad input (empty, too long, duplicate id, ...)
     def abort_request(self, request_id: str) -> bool: ...
+    def finish_request(self, request_id: str) -> bool: ...
     def schedule(self) -> SchedulerOutput: ...  # GIL released
     def update_from_output(
         self,

@@ -135,6 +135,12 @@ impl PyScheduler {
         self.inner.abort_request(request_id)
     }
 
+    /// Ends a request the engine finished itself (a stop string): freed like an abort, counted
+    /// in num_finished_total. False if the id is unknown.
+    fn finish_request(&mut self, request_id: &str) -> bool {
+        self.inner.finish_request(request_id)
+    }
+
     /// The next batch (the GIL is released while it is computed).
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
         let inner = &mut self.inner;

@@ -386,9 +386,9 @@ class LLMEngine:
                 if st.detokenizer.stopped_by is not None:
                     break
             if st.detokenizer.stopped_by is not None:
-                # A stop string ended the request: abort it in the scheduler if it still runs.
+                # A stop string ended the request: end it in the scheduler if it still runs.
                 if not finished:
-                    self.scheduler.abort_request(d.request_id)
+                    self.scheduler.finish_request(d.request_id)
                 finished, reason, stop_reason = True, "stop", st.detokenizer.stopped_by
             elif finished and reason != "abort":
                 delta_text += st.detokenizer.add_tokens([], final=True)
