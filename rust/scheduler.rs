@@ -331,6 +331,24 @@ impl Scheduler {
         (end / m * m).saturating_sub(start)
     }
 
+    /// Align mode, at admission: when the cached KV prefix of a prompt reaches past its Mamba hit
+    /// (no checkpoint was kept at the end of the shared part, e.g. an earlier request prefilled
+    /// that prefix inside one chunk), the first chunk ends at the deepest M boundary inside the
+    /// cached prefix, so that the checkpoint there is published and later requests sharing the
+    /// prefix hit it. `all` mode needs no cut: its scan emits every boundary.
+    fn publish_cut(&self, start: usize, kv_hit_tokens: usize, n: usize) -> usize {
+        if !self.align {
+            return n;
+        }
+        let m = self.cfg.mamba_block_size;
+        let boundary = kv_hit_tokens / m * m;
+        if boundary > start && boundary < start + n {
+            boundary - start
+        } else {
+            n
+        }
+    }
+
     /// Prefill chunk length for a request at `start` of `known` tokens under `budget`.
     fn prefill_chunk(&self, start: usize, known: usize, budget: usize) -> usize {
         let remaining = known - start;
@@ -513,6 +531,7 @@ impl Scheduler {
                 if num_new == 0 {
                     break;
                 }
+                let num_new = self.publish_cut(hit.num_tokens, hit.kv_hit_tokens, num_new);
                 match self.cache.allocate_new(key, &hit, num_new, 0) {
                     Some(ops) => {
                         admitted = Some((hit, known, num_new, ops));

@@ -898,6 +898,29 @@ fn prefix_hit_is_reported_and_reused_state_is_correct() {
 }
 
 #[test]
+fn align_publishes_the_end_of_a_shared_prefix_that_lost_its_state() {
+    // "a" prefills its 40 tokens in one chunk: checkpoints at 40 (and none at 24). "b" shares
+    // the first 26 tokens: its KV hit is 24 tokens (6 blocks of 4) but no state exists there, so
+    // it recomputes from 0 and ends its first chunk at 24, publishing that state. "c", sharing the
+    // same 26 tokens, then hits 24.
+    let mut sim = Sim::new(cfg(MambaCacheMode::Align, 0), 256, 64, 5);
+    let shared: Vec<u32> = (1..=26).collect();
+    let with = |tail: &[u32]| -> Vec<u32> { shared.iter().chain(tail).copied().collect() };
+    sim.add("a", with(&(30..44).collect::<Vec<u32>>()), 3, None);
+    sim.run_to_end(100);
+    sim.add("b", with(&[9; 10]), 3, None);
+    sim.run_to_end(100);
+    let st = sim.s.stats();
+    assert_eq!((st.prefix_hit_tokens, st.prefix_lost_tokens), (0, 24));
+    sim.add("c", with(&[8; 12]), 3, None);
+    sim.run_to_end(100);
+    sim.check_end();
+    let st = sim.s.stats();
+    assert_eq!(st.prefix_hit_tokens, 24, "c hits the state b published");
+    assert_eq!(st.prefix_lost_tokens, 24, "only b lost its prefix");
+}
+
+#[test]
 fn multi_turn_hits_on_decode_published_checkpoints() {
     // The second turn's prompt = first prompt + output: its hit at 24 needs the state published
     // from a decode step (the prompt ends at 10).
