@@ -94,6 +94,8 @@ SSD_CASES = [
     (4, 6, 8, 2, 4, [3, 17, 1, 9], [0, 6, 3, 8], [False, True, True, False]),
     (8, 3, 4, 8, 16, [40, 2], [13, 31], [True, True]),
     (4, 4, 4, 1, 8, [0, 5, 0], [0, 2, 0], [False, True, False]),
+    # every row on chunk boundaries: the packed layout is used as the chunk layout (no padding)
+    (4, 6, 8, 2, 4, [8, 4, 12], [0, 4, 8], [False, True, True]),
 ]
 
 
@@ -202,10 +204,11 @@ def test_ssd_prefill_dt_extremes_no_nan_fp32():
     torch.testing.assert_close(state[1].double(), hs[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_ssd_prefill_strided_views():
+@pytest.mark.parametrize("T", [11, 12])  # padded chunks, and rows on chunk boundaries
+def test_ssd_prefill_strided_views(T: int):
     """Production passes x/B/C/dt as views sliced out of one projection."""
     gen = torch.Generator().manual_seed(4)
-    H, P, N, G, Q, T = 4, 3, 5, 2, 4, 11
+    H, P, N, G, Q = 4, 3, 5, 2, 4
     width = H * P + 2 * G * N + H
     zx = torch.randn(T, width, generator=gen, dtype=torch.float64)
     x = zx[:, : H * P].view(T, H, P) if False else zx[:, : H * P].unflatten(1, (H, P))
