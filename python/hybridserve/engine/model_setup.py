@@ -68,7 +68,10 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
     if args.compile_cpu_kernels:
-        set_compiled_decode(loaded.model, True)
+        if device.type == "cpu":
+            set_compiled_decode(loaded.model, True)
+        else:
+            logger.warning("--compile-cpu-kernels has no effect on %s: the CUDA kernels run there", device)
     log_decisions(resolved_engine, logger)
 
     k = int(resolved.num_speculative_tokens)

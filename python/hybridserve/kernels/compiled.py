@@ -18,6 +18,7 @@ on every call): with every dimension symbolic, inductor's loops over the small f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -120,12 +121,18 @@ def _mixer_decode(
     return gated_rms_norm(y.reshape(R, d_inner), z, norm_weight, s.norm_group_size, s.norm_eps, xbc.dtype)
 
 
+logger = logging.getLogger("hybridserve.kernels")
+
 _compiled: dict[str, Callable[..., Any]] = {}
 
 
 def _get(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     f = _compiled.get(name)
     if f is None:
+        logger.info(
+            "compiling the CPU %s decode kernel with torch.compile (the first decode steps take seconds)",
+            name,
+        )
         f = torch.compile(fn, dynamic=False, fullgraph=True)
         _compiled[name] = f
     return f
