@@ -9,6 +9,7 @@ import sys
 from functools import cache
 
 import pytest
+import torch
 
 from hybridserve import LLM, ConfigError, InvalidRequestError, SamplingParams
 
@@ -235,3 +236,13 @@ def test_outputs_of_a_step_are_not_lost_when_a_later_one_fails() -> None:
         engine.step()
     # "a" finished in that step; it is still known, so the caller can report to it.
     assert set(engine.requests) == {"a", "b"}
+
+
+def test_cpu_threads_sets_torchs_thread_count() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=2, cpu_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -175,6 +175,7 @@ def test_speculative_config_defaults() -> None:
         ("enable_prefix_caching", "yes", "--enable-prefix-caching"),
         ("compile_cpu_kernels", 1, "--compile-cpu-kernels"),
         ("cache_memory", 0, "--cache-memory"),
+        ("cpu_threads", 0, "--cpu-threads"),
     ],
 )
 def test_bad_field_values_name_the_flag(field: str, value: Any, flag: str) -> None:

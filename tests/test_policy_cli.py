@@ -183,6 +183,8 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
         "--compile-cpu-kernels",
         "--cache-memory",
         "1GiB",
+        "--cpu-threads",
+        "1",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
@@ -190,6 +192,7 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
     assert d["dtype"] == "float64"
     assert d["compile_cpu_kernels"] is True
     assert d["cache_memory"] == 2**30
+    assert d["cpu_threads"] == 1
     assert d["kv_cache_memory"] == 64 * 2**20
     assert d["num_mamba_slots"] == 40
     assert d["seed"] == 7

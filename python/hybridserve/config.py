@@ -389,6 +389,9 @@ class EngineArgs:
     num_mamba_slots: int | None = None
     #: Requests admitted at once by the server (running + waiting); beyond it, 503.
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
+    #: torch's intra-op CPU threads (torch.set_num_threads, process-wide). None = torch's default.
+    #: On a shared or small machine 1 is often fastest: spinning OpenMP threads lose to other load.
+    cpu_threads: int | None = None
     #: Run the Mamba layers' plain decode steps on the CPU through torch.compile'd kernels
     #: (kernels/compiled.py): faster steps, seconds of compilation on the first decode step.
     compile_cpu_kernels: bool = False
@@ -428,6 +431,7 @@ class EngineArgs:
             "cache_memory": 1,
             "num_kv_blocks": 2,
             "num_mamba_slots": 1,
+            "cpu_threads": 1,
         }
         for name, lo in [*required.items(), *optional.items()]:
             v = getattr(self, name)
@@ -626,6 +630,7 @@ class ResolvedEngineConfig:
                 "num_mamba_slots": a.num_mamba_slots,
                 "max_queue_len": a.max_queue_len,
                 "compile_cpu_kernels": a.compile_cpu_kernels,
+                "cpu_threads": a.cpu_threads,
                 "capabilities": self.capabilities.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],
             }
@@ -788,6 +793,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         type=int,
         default=None,
         help="exact Mamba slot count (overrides --mamba-cache-memory)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the engine (default: torch's choice; 1 is often fastest on a loaded machine)",
     )
     g.add_argument(
         "--compile-cpu-kernels",

@@ -65,6 +65,9 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     resolved: _core.ResolvedConfig = resolved_engine.core
     dtype = _DTYPES[resolved_engine.dtype]
     device = torch.device(args.device or "cpu")
+    if args.cpu_threads is not None:
+        torch.set_num_threads(int(args.cpu_threads))
+        logger.info("torch CPU threads: %d (--cpu-threads)", torch.get_num_threads())
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
     if args.compile_cpu_kernels:
