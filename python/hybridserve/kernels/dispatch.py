@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from hybridserve.kernels import reference as ref
 
 __all__ = [
     "causal_conv1d_prefill",
-    "compiled_decode_slots",
+    "compiled_decode_rows",
     "causal_conv1d_update",
     "copy_slots",
     "kernel_backend",
@@ -69,17 +70,17 @@ def _use_cuda(device_tensor: torch.Tensor, supported: bool) -> bool:
     return True
 
 
-def compiled_decode_slots(
-    x: torch.Tensor, query_start_loc: torch.Tensor, write_slots: torch.Tensor
-) -> torch.Tensor | None:
+def compiled_decode_rows(x: torch.Tensor, query_start_loc: torch.Tensor, write_slots: torch.Tensor) -> Any:
     """For a layer that opted into the compiled CPU decode path (``--compile-cpu-kernels``): the
-    rows' write slots when ``kernels/compiled.py`` applies to this batch (CPU tensors, automatic
-    kernel choice, one token per row, no null write slot), else None (use the ops above)."""
-    if x.is_cuda or kernel_backend() != "auto":
+    padded rows (``compiled.Rows``) when ``kernels/compiled.py`` takes this decode / verify batch
+    (CPU tensors, float32 / float64 activations, automatic kernel choice, every real token's state
+    going to a real slot), else None (use the ops above). bfloat16 / float16 stay on the twins: the
+    graph would not round each op to them as the eager ops do."""
+    if x.is_cuda or x.dtype not in (torch.float32, torch.float64) or kernel_backend() != "auto":
         return None
     from hybridserve.kernels import compiled
 
-    return compiled.plain_decode_slots(query_start_loc, write_slots, int(x.shape[0]))
+    return compiled.padded_rows(query_start_loc, write_slots, int(x.shape[0]))
 
 
 def _ops():  # noqa: ANN202 - torch.ops namespace object

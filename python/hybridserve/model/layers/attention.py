@@ -115,31 +115,43 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, out: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor, nd: int
     ) -> None:
         KVH, D = self.num_kv_heads, self.head_dim
+        Gq = self.num_heads // KVH
         bs = kv_cache.shape[2]
-        meta = _decode_meta(ctx, nd, bs, q.device)
-        blocks, mask, idx_d, vd, nb = meta
+        blocks, mask, idx_d, vd, nb = _decode_meta(ctx, nd, bs, q.device)
         if idx_d is None:
             # plain decode rows (token r is row r): the query heads sharing a KV head are the query
-            # positions of one SDPA call per KV head ([nd, KVH, H / KVH, D], no GQA expansion).
-            # Rows go in groups whose gathered K/V stay in cache between the gather and the SDPA.
-            qg = q[:nd].reshape(nd, KVH, self.num_heads // KVH, D)
-            og = out[:nd].view(nd, KVH, self.num_heads // KVH, D)
-            step = max(1, _GATHER_BYTES // max(1, nb * bs * KVH * D * kv_cache.element_size()))
-            for r0 in range(0, nd, step):
-                r1 = min(nd, r0 + step)
-                bl = blocks[r0 * nb : r1 * nb]
-                kr = kv_cache[:, 0].index_select(0, bl).view(r1 - r0, nb * bs, KVH, D).to(q.dtype)
-                vr = kv_cache[:, 1].index_select(0, bl).view(r1 - r0, nb * bs, KVH, D).to(q.dtype)
-                og[r0:r1] = F.scaled_dot_product_attention(
-                    qg[r0:r1], kr.transpose(1, 2), vr.transpose(1, 2), attn_mask=mask[r0:r1], scale=self.scale
-                )
+            # positions of one SDPA call per KV head ([nd, KVH, H / KVH, D], no GQA expansion)
+            qg = q[:nd].reshape(nd, KVH, Gq, D)
+            out[:nd] = self._grouped_sdpa(qg, mask, blocks, nb, kv_cache).view(nd, self.num_heads, D)
             return
-        kr = kv_cache[:, 0].index_select(0, blocks).view(nd, nb * bs, KVH, D).to(q.dtype)
-        vr = kv_cache[:, 1].index_select(0, blocks).view(nd, nb * bs, KVH, D).to(q.dtype)
-        qr = q[idx_d]  # [nd, lmax, H, D]
-        o = _attend(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), mask, self.scale)
-        o = o.transpose(1, 2)  # [nd, lmax, H, D]
+        # verify rows (1 + k tokens each, padded to lmax): the query axis of a KV head holds its
+        # query heads x the row's tokens, the mask repeated per query head
+        lmax = idx_d.shape[1]
+        qg = q[idx_d].view(nd, lmax, KVH, Gq, D).permute(0, 2, 3, 1, 4).reshape(nd, KVH, Gq * lmax, D)
+        mg = mask[:, :, None].expand(nd, 1, Gq, lmax, mask.shape[-1]).reshape(nd, 1, Gq * lmax, -1)
+        og = self._grouped_sdpa(qg, mg, blocks, nb, kv_cache)
+        o = og.view(nd, KVH, Gq, lmax, D).permute(0, 3, 1, 2, 4).reshape(nd, lmax, self.num_heads, D)
         out[idx_d[vd]] = o[vd]
+
+    def _grouped_sdpa(
+        self, qg: torch.Tensor, mask: torch.Tensor, blocks: torch.Tensor, nb: int, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA of qg [rows, KVH, q, D] over each row's nb blocks, in groups of rows whose gathered
+        K/V are still in the CPU cache when SDPA reads them (gathering every row's context at once
+        and then reading it again was memory-bound)."""
+        rows, KVH, _, D = qg.shape
+        bs = kv_cache.shape[2]
+        og = torch.empty_like(qg)
+        step = max(1, _GATHER_BYTES // max(1, nb * bs * KVH * D * kv_cache.element_size()))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            bl = blocks[r0 * nb : r1 * nb]
+            kr = kv_cache[:, 0].index_select(0, bl).view(r1 - r0, nb * bs, KVH, D).to(qg.dtype)
+            vr = kv_cache[:, 1].index_select(0, bl).view(r1 - r0, nb * bs, KVH, D).to(qg.dtype)
+            og[r0:r1] = F.scaled_dot_product_attention(
+                qg[r0:r1], kr.transpose(1, 2), vr.transpose(1, 2), attn_mask=mask[r0:r1], scale=self.scale
+            )
+        return og
 
 
 def _slot_index(ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tensor]:

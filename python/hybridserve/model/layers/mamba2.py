@@ -8,8 +8,9 @@ after token t to `state_write_slots[r, t]`; prefill rows start from `state_read_
 `has_initial_state` else from zeros, write their final state to `state_write_slots[r, 0]` and the
 emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
 
-`compiled_decode` (set by the engine for --compile-cpu-kernels): plain decode batches on the CPU
-run the torch.compile'd conv and state update of kernels/compiled.py instead of the eager twins.
+`compiled_decode` (set by the engine for --compile-cpu-kernels): decode and verify steps on the
+CPU (float32 / float64) run the torch.compile'd conv, state update and gated norm of
+kernels/compiled.py instead of the eager twins.
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ class Mamba2Mixer(nn.Module):
         G, N = self.ngroups, self.dstate
 
         if ndt == T and self.compiled_decode:
-            slots = K.compiled_decode_slots(hidden, ctx.dec_qsl, ctx.dec_write_slots)
-            if slots is not None:
-                return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, slots)
+            rows = K.compiled_decode_rows(hidden, ctx.dec_qsl, ctx.dec_write_slots)
+            if rows is not None:
+                return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, rows)
         # decode-only step (ndt == T): the ops' outputs are the whole results (no copies)
         if ndt == T:
             conv_out = K.causal_conv1d_update(
@@ -182,14 +183,14 @@ class Mamba2Mixer(nn.Module):
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
         ctx: ForwardContext,
-        write_slot: torch.Tensor,
+        rows: compiled.Rows,
     ) -> torch.Tensor:
         shape = compiled.MixerShape(
             self.nheads, self.headdim, self.ngroups, self.dstate, self.norm.group_size, self.norm.eps,
             float(self.dt_min), float(self.dt_max), self.activation is not None,
         )  # fmt: skip
-        normed = compiled.mamba_mixer_decode(
+        normed = compiled.mamba_mixer_rows(
             xbc, dt, z, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, self.norm.weight,
-            ctx.dec_read_slot, write_slot, shape,
+            ctx.dec_read_slot, rows, shape,
         )  # fmt: skip
         return self.out_proj(normed)
