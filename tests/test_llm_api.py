@@ -246,3 +246,23 @@ def test_cpu_threads_sets_torchs_thread_count() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_offline_generate_decodes_each_text_once_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = llm32()
+    tok = llm.engine.tokenizer
+    decode = tok.decode
+    lengths: list[int] = []
+
+    def counting(ids: list[int], **kw: object) -> str:
+        lengths.append(len(ids))
+        return decode(ids, **kw)
+
+    monkeypatch.setattr(tok, "decode", counting)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert lengths == [12]  # one decode of the whole output, not one per token
+    assert out.text == decode(out.token_ids)
+    # with a stop string to watch for, the text is followed token by token again
+    lengths.clear()
+    llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["\x00"]))
+    assert len(lengths) > 12

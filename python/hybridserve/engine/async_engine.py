@@ -182,6 +182,8 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # outside the forward: fail what is in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
+                # queued adds first, so that none of them runs later for a stream already ended
+                self._drain_commands(engine)
                 self._fail_all(engine, exc)
                 continue
             for out in outputs:

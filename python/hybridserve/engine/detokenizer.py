@@ -65,8 +65,9 @@ class IncrementalDetokenizer:
             return ""
         self.token_ids.extend(int(t) for t in new_ids)
         if self.deferred and not self.stop:
-            if not final:
-                return ""
+            if not final or (self._read_offset == len(self.token_ids) and self.text):
+                return ""  # not the end yet, or already decoded up to the last token
+            self._read_offset = len(self.token_ids)
             full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
             delta = full[len(self.text) :] if full.startswith(self.text) else ""
             self.text = full if full.startswith(self.text) else self.text

@@ -13,7 +13,8 @@ One total budget (`--cache-memory`) is split before the rules above apply (`spli
   reserve), but no more than half of the total unless its windows alone need more; the KV pool
   gets the rest. A model without Mamba layers gives everything to KV, one without attention
   everything to the state pool.
-Explicit counts (`--num-kv-blocks`, `--num-mamba-slots`) still override the bytes of their pool.
+Explicit counts (`--num-kv-blocks`, `--num-mamba-slots`) still override the bytes of their pool;
+the bytes such a count leaves unused are not moved to the other pool.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from hybridserve.kernels import reference as ref
 
 __all__ = [
     "causal_conv1d_prefill",
-    "compiled_decode_rows",
     "causal_conv1d_update",
+    "compiled_decode_rows",
     "copy_slots",
     "kernel_backend",
     "rejection_sample",

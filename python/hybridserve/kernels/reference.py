@@ -219,7 +219,7 @@ def ssd_prefill(
 
     dA = dtc * Ah  # [NC, Q, G, hpg], <= 0
     Lam = torch.cumsum(dA, dim=1)  # inclusive cumulative log decay
-    # intra-chunk decay exp(Lam_i - Lam_j) for i >= j (masked BEFORE exp -> no inf * 0)
+    # intra-chunk decay exp(Lam_i - Lam_j) for i >= j
     # (in groups of chunks so that the [chunks, H, Q, Q] decay matrix stays within the budget)
     LamT = Lam.permute(0, 2, 3, 1).contiguous()  # [NC, G, hpg, Q]
     causal = torch.ones(Q, Q, dtype=cdt, device=dev).tril()
@@ -232,7 +232,7 @@ def ssd_prefill(
         lt = LamT[c0:c1]
         # exp(Lam_i - Lam_j) for i >= j, where Lam_i - Lam_j <= 0 (dt >= 0, A < 0). Above the
         # diagonal the difference is clamped to 0 (no overflow) and the causal mask, folded into
-        # C.B (4x smaller than M), zeroes it; exp(-inf) would cost twice as much as exp(0).
+        # C.B (smaller than M by the heads per group), zeroes it; exp(-inf) would cost twice as much as exp(0).
         M = (lt[..., :, None] - lt[..., None, :]).clamp_(max=0.0).exp_()  # [c, G, hpg, Qi, Qj]
         CB = torch.einsum("cign,cjgn->cgij", Cc[c0:c1], Bc[c0:c1]).mul_(causal)  # [c, G, Qi, Qj]
         M.mul_(CB[:, :, None])
