@@ -10,11 +10,13 @@ ids, seeded), greedy, exactly `output-len` new tokens each:
   otherwise: prefix caching on, chunked prefill, mode `all`);
 - hybridserve_compiled: the same with `compile_cpu_kernels=True` (the Mamba decode of
   kernels/compiled.py; compiled during the warm-up);
+- hybridserve_compiled_ngram3: the same plus n-gram speculative decoding with K = 3 (mode
+  `align`; greedy outputs are identical with and without speculation, which the run checks);
 - transformers: one batch of all prompts, left padding with an attention mask, KV/SSM cache on,
   `min_new_tokens = max_new_tokens` (its best setting on CPU: one batched call).
 
 Both engines are built and warmed up first; then the timed generate runs --repeats times for each,
-interleaved (hybridserve, hybridserve_compiled, transformers, hybridserve, ...) so that both see the same machine load;
+interleaved (hybridserve, hybridserve_compiled, hybridserve_compiled_ngram3, transformers, ...) so that both see the same machine load;
 the fastest run of each counts. Reports tokens/s (output tokens over wall time) of both and the
 ratio (target >= 3x), process CPU seconds (the machine is shared: wall time is noisy), and how
 many of the greedy outputs are identical. `--profile FILE` then runs hybridserve once more under cProfile and writes
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -55,20 +58,27 @@ def _timed(fn: Callable[[], list[list[int]]]) -> Timed:
 
 
 def make_hybridserve(
-    prompts: list[list[int]], output_len: int, compile_cpu_kernels: bool = False
+    prompts: list[list[int]],
+    output_len: int,
+    compile_cpu_kernels: bool = False,
+    speculative_config: dict[str, Any] | None = None,
 ) -> tuple[Callable[[], Timed], dict[str, Any]]:
     """Builds the engine and warms it up; returns a function that runs the timed generate once."""
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
     llm = LLM(
-        "demo", dtype="float32", max_num_seqs=max(64, len(prompts)), compile_cpu_kernels=compile_cpu_kernels
+        "demo",
+        dtype="float32",
+        max_num_seqs=max(64, len(prompts)),
+        compile_cpu_kernels=compile_cpu_kernels,
+        speculative_config=speculative_config,
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    for n in (1, 2):  # warm-up; compiles the decode graphs of one row and of several
-        llm.generate(
-            [{"prompt_token_ids": p} for p in prompts[:n]], SamplingParams(max_tokens=4, temperature=0.0)
-        )
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, temperature=0.0))
+    # warm-up on the whole workload: compiles every graph it needs (one row, several rows, every
+    # verify length), so the timed runs measure steady state
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     info: dict[str, Any] = {"config": llm.engine.config.to_dict(), "steps": []}
 
     def once() -> Timed:
@@ -107,7 +117,7 @@ def make_transformers(
                                  do_sample=False, pad_token_id=pad, use_cache=True)  # fmt: skip
         return [row[width:].tolist() for row in out]
 
-    gen(prompts[:2], 4)
+    gen(prompts, output_len)  # warm-up on the whole workload, as for hybridserve
     return (lambda: _timed(lambda: gen(prompts, output_len))), {"version": transformers.__version__}
 
 
@@ -169,6 +179,10 @@ def main() -> int:
     contestants: list[tuple[str, Callable[[], Timed], dict[str, Any]]] = [
         ("hybridserve", *make_hybridserve(prompts, a.output_len)),
         ("hybridserve_compiled", *make_hybridserve(prompts, a.output_len, compile_cpu_kernels=True)),
+        (
+            "hybridserve_compiled_ngram3",
+            *make_hybridserve(prompts, a.output_len, compile_cpu_kernels=True, speculative_config=NGRAM3),
+        ),
         ("transformers", *make_transformers(prompts, a.output_len)),
     ]
     runs: dict[str, list[Timed]] = {name: [] for name, _, _ in contestants}
@@ -201,7 +215,7 @@ def main() -> int:
         },  # fmt: skip
         **summary,
     }
-    for name in ("hybridserve", "hybridserve_compiled"):
+    for name in ("hybridserve", "hybridserve_compiled", "hybridserve_compiled_ngram3"):
         hs, hs_toks = summary[name], runs[name][0][2]
         same = sum(x == y for x, y in zip(hs_toks, hf_toks))
         first_diff = [
@@ -211,6 +225,7 @@ def main() -> int:
         ratio = hs["tok_per_s"] / hf["tok_per_s"]
         cpu_ratio = hf["cpu_s"] / hs["cpu_s"] if hs["cpu_s"] > 0 else float("nan")
         hs.update(
+            identical_to_eager_hybridserve=sum(x == y for x, y in zip(hs_toks, runs["hybridserve"][0][2])),
             ratio_tok_per_s=ratio,
             ratio_cpu_s=cpu_ratio,
             identical_outputs=same,
@@ -218,7 +233,8 @@ def main() -> int:
         )
         print(
             f"ratio {name} / transformers: {ratio:.2f}x tok/s (target >= 3x), CPU-time ratio {cpu_ratio:.2f}x; "
-            f"identical greedy outputs {same}/{len(prompts)}"
+            f"identical greedy outputs {same}/{len(prompts)} (to eager hybridserve: "
+            f"{hs['identical_to_eager_hybridserve']}/{len(prompts)})"
         )
     print(f"load {load0[0]:.1f} -> {load1[0]:.1f}")
     a.result_file.parent.mkdir(parents=True, exist_ok=True)
