@@ -119,7 +119,9 @@ def _get() -> Callable[..., Any]:
         logger.info(
             "compiling the CPU Mamba2 decode kernels with torch.compile (the first steps take seconds)"
         )
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(cfg, name, max(int(getattr(cfg, name)), _RECOMPILE_LIMIT))
         _compiled = torch.compile(_mixer_rows, dynamic=False, fullgraph=True)
     return _compiled
 
