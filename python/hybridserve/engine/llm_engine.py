@@ -390,7 +390,8 @@ class LLMEngine:
                 if not finished:
                     self.scheduler.finish_request(d.request_id)
                 finished, reason, stop_reason = True, "stop", st.detokenizer.stopped_by
-            elif finished and reason != "abort":
+            elif finished and (reason != "abort" or st.detokenizer.deferred):
+                # (a deferred text has not been decoded at all yet: an aborted one gets it too)
                 delta_text += st.detokenizer.add_tokens([], final=True)
             new_ids = kept
             st.output_token_ids.extend(new_ids)
