@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -31,10 +32,10 @@ def registered() -> dict[str, type[CausalLM]]:
     return dict(_REGISTRY)
 
 
-class CausalLM(nn.Module):
-    """A decoder-only LM over a ForwardBatch. Subclasses set `embed`, `layers` (each with
-    ``forward(hidden, ctx, caches, layer_idx)``), `final_norm` and `lm_head` (attribute names are
-    free: they only need to match the checkpoint's state-dict names)."""
+class CausalLM(nn.Module, metaclass=abc.ABCMeta):
+    """A decoder-only LM over a ForwardBatch. Subclasses implement the abstract methods below
+    (decoder layers each with ``forward(hidden, ctx, caches, layer_idx)``); their attribute names
+    are free: they only need to match the checkpoint's state-dict names."""
 
     # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
     tied_weights: ClassVar[dict[str, str]] = {}
@@ -54,19 +55,24 @@ class CausalLM(nn.Module):
         self.config = config
 
     @classmethod
+    @abc.abstractmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         raise NotImplementedError
 
     # --- the pieces every subclass provides ---
+    @abc.abstractmethod
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def decoder_layers(self) -> list[nn.Module]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -74,6 +80,7 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_weight().dtype
 
+    @abc.abstractmethod
     def embed_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
