@@ -781,30 +781,29 @@ def chat_choice(
     }
 
 
-def completion_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+def _response(
+    obj: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "id": request_id,
-        "object": "text_completion",
+        "object": obj,
         "created": created,
         "model": model,
         "choices": choices,
         "usage": usage,
     }
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    return _response("text_completion", request_id, created, model, choices, usage)
 
 
 def chat_response(
     request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-    }
+    return _response("chat.completion", request_id, created, model, choices, usage)
 
 
 def _stream_chunk(
