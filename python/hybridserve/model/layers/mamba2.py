@@ -15,6 +15,8 @@ kernels/compiled.py instead of the eager twins.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -23,6 +25,9 @@ from hybridserve.kernels import dispatch as K
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
 from hybridserve.model.model_config import ModelConfig
+
+# ForwardContext.scratch key of the padded decode rows of the compiled path (one per forward)
+_ROWS_KEY = ("compiled_decode_rows",)
 
 
 class Conv1dParams(nn.Module):
@@ -56,6 +61,10 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, cfg.mamba_norm_eps)
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
         self.compiled_decode = False
+        self.mixer_shape = compiled.MixerShape(
+            self.nheads, self.headdim, self.ngroups, self.dstate, self.norm.group_size, self.norm.eps,
+            float(self.dt_min), float(self.dt_max), self.activation is not None,
+        )  # fmt: skip
 
     def forward(
         self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -72,7 +81,10 @@ class Mamba2Mixer(nn.Module):
         G, N = self.ngroups, self.dstate
 
         if ndt == T and self.compiled_decode:
-            rows = K.compiled_decode_rows(hidden, ctx.dec_qsl, ctx.dec_write_slots)
+            # the same for every Mamba layer of the step: computed once per forward
+            if _ROWS_KEY not in ctx.scratch:
+                ctx.scratch[_ROWS_KEY] = K.compiled_decode_rows(hidden, ctx.dec_qsl, ctx.dec_write_slots)
+            rows = cast("compiled.Rows | None", ctx.scratch[_ROWS_KEY])
             if rows is not None:
                 return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, rows)
         # decode-only step (ndt == T): the ops' outputs are the whole results (no copies)
@@ -185,12 +197,8 @@ class Mamba2Mixer(nn.Module):
         ctx: ForwardContext,
         rows: compiled.Rows,
     ) -> torch.Tensor:
-        shape = compiled.MixerShape(
-            self.nheads, self.headdim, self.ngroups, self.dstate, self.norm.group_size, self.norm.eps,
-            float(self.dt_min), float(self.dt_max), self.activation is not None,
-        )  # fmt: skip
         normed = compiled.mamba_mixer_rows(
             xbc, dt, z, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, self.norm.weight,
-            ctx.dec_read_slot, rows, shape,
+            ctx.dec_read_slot, rows, self.mixer_shape,
         )  # fmt: skip
         return self.out_proj(normed)
