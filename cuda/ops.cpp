@@ -127,6 +127,44 @@ void check_launch() {
 }
 
 // ------------------------------------------------------------------------------------------------
+// The inputs the SSD scan and the state update share, laid out alike for both kernels; the
+// tensors own the memory that fill_ssm_inputs points the kernel parameters at.
+struct SsmInputs {
+  Tensor x, dt, B, C, A, D, dt_bias;
+};
+
+SsmInputs ssm_inputs(const Tensor& x, const Tensor& dt, const Tensor& B, const Tensor& C, const Tensor& A,
+                     const Tensor& D, const Tensor& dt_bias) {
+  const at::ScalarType xt = x.scalar_type();
+  return {inner_contig(x, xt), inner_contig(dt, dt.scalar_type() == at::kFloat ? at::kFloat : xt),
+          inner_contig(B, xt), inner_contig(C, xt), f32_param(A, x), f32_param(D, x), f32_param(dt_bias, x)};
+}
+
+// hs::SsdParams and hs::SsuParams name these fields alike.
+template <typename Params>
+void fill_ssm_inputs(Params& p, const SsmInputs& in, const Tensor& ssm_state, double dt_min, double dt_max) {
+  p.x = in.x.data_ptr();
+  p.x_st = in.x.stride(0);
+  p.x_sh = in.x.stride(1);
+  p.dt = in.dt.data_ptr();
+  p.dt_st = in.dt.stride(0);
+  p.dt_sh = in.dt.stride(1);
+  p.B = in.B.data_ptr();
+  p.b_st = in.B.stride(0);
+  p.b_sg = in.B.stride(1);
+  p.C = in.C.data_ptr();
+  p.c_st = in.C.stride(0);
+  p.c_sg = in.C.stride(1);
+  p.A = in.A.data_ptr<float>();
+  p.D = in.D.data_ptr<float>();
+  p.dt_bias = in.dt_bias.data_ptr<float>();
+  p.state = ssm_state.data_ptr<float>();
+  p.dt_min = as_bound(dt_min);
+  p.dt_max = as_bound(dt_max);
+  p.x_dtype = to_hs(in.x.scalar_type());
+  p.dt_f32 = in.dt.scalar_type() == at::kFloat;
+}
+
 Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
                    const Tensor& D, const Tensor& dt_bias, Tensor ssm_state, const Tensor& query_start_loc,
                    const Tensor& num_computed_tokens, const Tensor& read_slot, const Tensor& has_initial_state,
@@ -203,9 +241,7 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   std::copy(rco.begin(), rco.end(), m + 2 * NC);
   Tensor meta = meta_cpu.to(x.device());
 
-  const at::ScalarType xt = x.scalar_type();
-  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, dt.scalar_type() == at::kFloat ? at::kFloat : xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
-  Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
+  const SsmInputs in = ssm_inputs(x, dt, B, C, A, D, dt_bias);
   Tensor rs = dev_long(read_slot, x), hi = dev_long(has_initial_state, x);
   auto fopt = x.options().dtype(at::kFloat);
   Tensor dtp = at::empty({T, H}, fopt), lam = at::empty({T, H}, fopt);
@@ -214,22 +250,7 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   Tensor out = at::empty({T, H, P}, x.options());
 
   hs::SsdParams p{};
-  p.x = xx.data_ptr();
-  p.x_st = xx.stride(0);
-  p.x_sh = xx.stride(1);
-  p.dt = dd.data_ptr();
-  p.dt_st = dd.stride(0);
-  p.dt_sh = dd.stride(1);
-  p.B = BB.data_ptr();
-  p.b_st = BB.stride(0);
-  p.b_sg = BB.stride(1);
-  p.C = CC.data_ptr();
-  p.c_st = CC.stride(0);
-  p.c_sg = CC.stride(1);
-  p.A = Af.data_ptr<float>();
-  p.D = Df.data_ptr<float>();
-  p.dt_bias = bf.data_ptr<float>();
-  p.state = ssm_state.data_ptr<float>();
+  fill_ssm_inputs(p, in, ssm_state, dt_min, dt_max);
   p.out = out.data_ptr();
   p.chunk_start = meta.data_ptr<int64_t>();
   p.chunk_len = meta.data_ptr<int64_t>() + NC;
@@ -248,10 +269,6 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   p.R = static_cast<int>(R);
   p.NC = static_cast<int>(NC);
   p.Q = static_cast<int>(Q);
-  p.dt_min = as_bound(dt_min);
-  p.dt_max = as_bound(dt_max);
-  p.x_dtype = to_hs(xt);
-  p.dt_f32 = dd.scalar_type() == at::kFloat;
   hs::launch_ssd(p, HS_STREAM());
   check_launch();
   const int64_t slot_bytes = H * P * N * 4;
@@ -287,28 +304,11 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
     TORCH_CHECK_VALUE(lmax <= write_slots.size(1), "a row has ", lmax, " tokens but write_slots has only ",
                       write_slots.size(1), " columns");
   }
-  const at::ScalarType xt = x.scalar_type();
-  Tensor xx = inner_contig(x, xt), dd = inner_contig(dt, dt.scalar_type() == at::kFloat ? at::kFloat : xt), BB = inner_contig(B, xt), CC = inner_contig(C, xt);
-  Tensor Af = f32_param(A, x), Df = f32_param(D, x), bf = f32_param(dt_bias, x);
+  const SsmInputs in = ssm_inputs(x, dt, B, C, A, D, dt_bias);
   Tensor qsl = dev_long(query_start_loc, x), rs = dev_long(read_slot, x), ws = dev_long(write_slots, x);
   Tensor out = at::empty({T, H, P}, x.options());
   hs::SsuParams p{};
-  p.x = xx.data_ptr();
-  p.x_st = xx.stride(0);
-  p.x_sh = xx.stride(1);
-  p.dt = dd.data_ptr();
-  p.dt_st = dd.stride(0);
-  p.dt_sh = dd.stride(1);
-  p.B = BB.data_ptr();
-  p.b_st = BB.stride(0);
-  p.b_sg = BB.stride(1);
-  p.C = CC.data_ptr();
-  p.c_st = CC.stride(0);
-  p.c_sg = CC.stride(1);
-  p.A = Af.data_ptr<float>();
-  p.D = Df.data_ptr<float>();
-  p.dt_bias = bf.data_ptr<float>();
-  p.state = ssm_state.data_ptr<float>();
+  fill_ssm_inputs(p, in, ssm_state, dt_min, dt_max);
   p.qsl = qsl.data_ptr<int64_t>();
   p.read_slot = rs.data_ptr<int64_t>();
   p.write_slots = ws.data_ptr<int64_t>();
@@ -321,10 +321,6 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
   p.N = static_cast<int>(N);
   p.G = static_cast<int>(G);
   p.R = static_cast<int>(R);
-  p.dt_min = as_bound(dt_min);
-  p.dt_max = as_bound(dt_max);
-  p.x_dtype = to_hs(xt);
-  p.dt_f32 = dd.scalar_type() == at::kFloat;
   hs::launch_ssu(p, HS_STREAM());
   check_launch();
   return out;
