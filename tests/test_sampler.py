@@ -12,8 +12,9 @@ from hybridserve.sampling.sampler import (
     RowSampling,
     Sampler,
     derive_seed,
+    keyed_noise,
     processed_probs,
-    request_generator,
+    request_seed,
 )
 from sampling_stats import chisquare_pvalue
 
@@ -125,10 +126,8 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 64, generator=g)
 
-    def run(order: list[int], seeds: list[int]) -> list[int]:
-        rows = [
-            RowSampling(SamplingParams(top_k=20), generator=request_generator(seeds[i], 0, i)) for i in order
-        ]
+    def run(order: list[int], seeds: list[int], position: int = 0) -> list[int]:
+        rows = [RowSampling(SamplingParams(top_k=20), seed=seeds[i], position=position) for i in order]
         return Sampler().sample(logits[order], rows).token_ids.tolist()
 
     seeds = [11, 12, 13, 14, 15, 16]
@@ -136,20 +135,50 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
     b = run([5, 3, 1], seeds)
     assert [a[5], a[3], a[1]] == b
     assert run([0, 1, 2, 3, 4, 5], seeds) == a
-    # A generator advances: the next draws of the same requests differ from the first.
-    gens = [request_generator(s, 0, i) for i, s in enumerate(seeds)]
-    rows = [RowSampling(SamplingParams(), generator=gens[i]) for i in range(6)]
-    draws = [tuple(Sampler().sample(logits, rows).token_ids.tolist()) for _ in range(5)]
-    assert len(set(draws)) > 1
+    # The draw is keyed by the output position: later tokens of the same requests see other noise.
+    draws = {tuple(run([0, 1, 2, 3, 4, 5], seeds, position=n)) for n in range(5)}
+    assert len(draws) > 1
+    # And by the seed.
+    assert run([0, 1, 2, 3, 4, 5], [s + 100 for s in seeds]) != a
 
 
-def test_unseeded_generators_derive_from_engine_seed_and_index():
+def test_noise_is_keyed_by_seed_and_output_position():
+    # The position is len(output_token_ids) unless given: the history itself does not matter.
+    a = RowSampling(SamplingParams(), seed=5, output_token_ids=[9, 9, 9])
+    b = RowSampling(SamplingParams(), seed=5, position=3)
+    assert a.noise_key == b.noise_key == (5, 3)
+    assert RowSampling(SamplingParams()).noise_key is None
+    n1 = keyed_noise([(5, 3), (5, 4), (6, 3)], 32, torch.float64, torch.device("cpu"))
+    n2 = keyed_noise([(6, 3), (5, 3)], 32, torch.float64, torch.device("cpu"))
+    assert torch.equal(n1[0], n2[1]) and torch.equal(n1[2], n2[0])
+    assert not torch.equal(n1[0], n1[1]) and not torch.equal(n1[0], n1[2])
+    assert bool((n1 > 0).all())
+    # Exp(1): mean 1 over many keys (power: uniform noise has mean 1/2).
+    many = keyed_noise([(7, i) for i in range(200)], 256, torch.float64, torch.device("cpu"))
+    assert abs(float(many.mean()) - 1.0) < 0.02
+
+
+def test_unseeded_requests_derive_their_seed_from_engine_seed_and_index():
     assert derive_seed(0, 0) == derive_seed(0, 0)
     assert len({derive_seed(0, i) for i in range(1000)}) == 1000
     assert derive_seed(1, 5) != derive_seed(0, 5)
-    a = request_generator(None, 7, 3)
-    b = request_generator(None, 7, 3)
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    assert request_seed(None, 7, 3) == request_seed(None, 7, 3) == derive_seed(7, 3)
+    assert request_seed(42, 7, 3) == 42
+
+
+def test_keyed_draws_follow_the_processed_distribution():
+    # Every (seed, position) key is a fresh draw: one row per key gives the distribution.
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(12, generator=g) * 2
+    n = 20000
+    rows = [
+        RowSampling(SamplingParams(temperature=0.7, top_k=8), seed=i // 50, position=i % 50) for i in range(n)
+    ]
+    out = Sampler().sample(logits[None].repeat(n, 1), rows)
+    target = processed_probs(logits[None], rows[:1])[0]
+    counts = torch.bincount(out.token_ids, minlength=12)
+    assert chisquare_pvalue(counts, target) > 1e-4
+    assert chisquare_pvalue(counts, torch.softmax(logits.double() / 0.7, 0)) < 1e-6
 
 
 def test_draws_follow_the_processed_distribution():
@@ -186,7 +215,7 @@ def test_logprobs_raw_and_processed():
     assert lp[0].logprob == pytest.approx(math.log(0.5), abs=1e-6) and lp[0].rank == 1
     proc = Sampler(logprobs_mode="processed").sample(
         logits[:1],
-        [RowSampling(SamplingParams(top_k=2, logprobs=0), generator=torch.Generator().manual_seed(0))],
+        [RowSampling(SamplingParams(top_k=2, logprobs=0), seed=0)],
     )
     entry = proc.logprobs[0]
     assert entry is not None and len(entry) == 1

@@ -17,7 +17,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling generator")
+    p.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="sampling seed of every prompt (same seed, same output)",
+    )
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")

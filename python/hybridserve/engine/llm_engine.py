@@ -23,7 +23,7 @@ from hybridserve.engine.request_state import RequestState
 from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.sampling.params import SamplingParams
-from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, request_generator
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, request_seed
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -145,7 +145,7 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        generator = request_generator(params.seed, int(self.args.seed), self._seed_counter)
+        seed = request_seed(params.seed, int(self.args.seed), self._seed_counter)
         self._seed_counter += 1
         self.scheduler.add_request(
             request_id,
@@ -163,7 +163,7 @@ class LLMEngine:
             prompt=text,
             prompt_token_ids=ids,
             params=params,
-            generator=generator,
+            seed=seed,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer,
                 stop=list(params.stop),
@@ -310,7 +310,7 @@ class LLMEngine:
         st = self.requests[request_id]
         return RowSampling(
             params=st.params,
-            generator=st.generator,
+            seed=st.seed,
             prompt_token_ids=st.prompt_token_ids,
             output_token_ids=st.output_token_ids,
             eos_token_id=self.eos_token_id,

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
@@ -18,7 +16,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # keys every sampling draw of this request (sampler.keyed_noise)
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None

@@ -7,23 +7,31 @@ the flat concatenation of all rows' drafts; `draft_probs`, when the proposer has
 `[sum k_r, V]` aligned with it (None for n-gram drafts).
 
 Every sampling parameter is applied to the target first (`process_logits`, with the drafts before
-each position counted as output for penalties and min_tokens), giving p. Then (Leviathan et al.):
+each position counted as output for penalties and min_tokens), giving p. Row r's position j is its
+output token `n_r + j` (`n_r = RowSampling.output_position`), and its draws are keyed by that index.
 
-- greedy rows: accept while `d_j == argmax p_j`; emit the argmax at the first mismatch, or the bonus
-  `argmax p_k` when all drafts were accepted;
-- random rows: accept `d_j` when `u_j * q_j(d_j) < p_j(d_j)`, `u_j ~ U[0,1)` (probability
-  `min(1, p/q)`); q_j = the draft distribution, or one-hot at d_j without draft probs. At the first
-  rejection emit a token from `max(p_j - q_j, 0)` normalised (without draft probs: p_j with d_j
-  removed); a row whose residual mass is zero (possible only by rounding) falls back to p_j. When
-  all drafts are accepted emit a bonus token from p_k.
+Drafts without probabilities (point masses: the n-gram and draft-model proposers draft greedily):
+the target draws its own token `y_j` at every position, exactly as the plain `Sampler` would
+(greedy rows: `argmax p_j`; random rows: the race `argmax p_j / E` with the noise keyed by
+(seed, n_r + j)); the row accepts drafts while `d_j == y_j` and emits `y` at the first mismatch,
+or the bonus `y_k`. For a point-mass draft this *is* rejection sampling (Leviathan et al.):
+`d_j` is accepted with probability `p_j(d_j)`, and the emitted `y_j != d_j` follows p_j with d_j
+removed, the recovery distribution. Because the draws are the plain sampler's, a seeded request
+emits the same tokens with and without speculation, token for token.
 
-Each row emits its accepted drafts plus exactly one token. Randomness per row comes from its own
-generator, in a fixed order: k_r uniforms, then V exponentials for the final draw (so a row with no
-drafts draws exactly what `Sampler.sample` draws). Rows without a generator share the batch one.
+Drafts with probabilities q (`draft_probs`): random rows accept `d_j` when `u_j * q_j(d_j) <
+p_j(d_j)`, `u_j ~ U[0,1)` (probability `min(1, p/q)`); at the first rejection they emit a token
+from `max(p_j - q_j, 0)` normalised (a row whose residual mass is zero, possible only by rounding,
+falls back to p_j); when all drafts are accepted, a bonus token from p_k. The k_r uniforms are
+keyed by (seed, n_r) in the uniform stream, the final draw's exponentials by (seed, n_r) in the
+noise stream: every later step starts at a later position, so no draw is ever reused. Greedy rows
+accept while `d_j == argmax p_j` either way. Rows without a seed share the batch generator.
 
-On CUDA (float32 logits) the acceptance itself runs in the fused op
-`hybridserve.kernels.dispatch.rejection_sample`, fed with the same uniforms and noise, so both
-paths give the same tokens; `RejectionSampler(use_kernel=...)` forces either path.
+Each row emits its accepted drafts plus exactly one token. On CUDA (float32 logits) the
+acceptance with draft probabilities runs in the fused op `hybridserve.kernels.dispatch.rejection_sample`,
+fed with the same uniforms and noise, so both paths give the same tokens;
+`RejectionSampler(use_kernel=...)` forces either path. Point-mass verification is a comparison of
+the target's own draws with the drafts and needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -92,13 +100,55 @@ class RejectionSampler:
 
         return kernel_backend() != "reference"
 
-    def recovery_distribution(
-        self, p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor
-    ) -> torch.Tensor:
-        """Unnormalised distribution of the token emitted after rejecting `draft` ([R, V] rows)."""
-        if q is None:
-            return p.scatter(1, draft[:, None], 0.0)
+    def recovery_distribution(self, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        """Unnormalised distribution of the token emitted after rejecting `draft` drawn from q
+        ([R, V] rows). Point-mass drafts need none: the target's own draw is the recovered token."""
         return (p - q).clamp_min(0.0)
+
+    def _sample_point_mass(
+        self,
+        proc: ProcessedLogits,
+        drafts: torch.Tensor,
+        ks_t: torch.Tensor,
+        start: torch.Tensor,
+        dstart: torch.Tensor,
+        row_index: torch.Tensor,
+        pos_in_row: torch.Tensor,
+        draft_pos: torch.Tensor,
+        rows: Sequence[RowSampling],
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted counts and final tokens for drafts without probabilities: each position's
+        own target draw, compared with the draft."""
+        probs = proc.probs
+        device = probs.device
+        num_rows, vocab = len(rows), probs.shape[1]
+        m = probs.shape[0]
+        own = torch.empty(m, dtype=torch.int64, device=device)
+        greedy_list = proc.greedy.tolist()
+        if any(greedy_list):
+            g_idx = proc.greedy.nonzero().squeeze(1)
+            own[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
+        if not all(greedy_list):
+            r_idx = (~proc.greedy).nonzero().squeeze(1)
+            ri, pj = row_index[r_idx].tolist(), pos_in_row[r_idx].tolist()
+            keys: list[tuple[int, int] | None] = []
+            for r, j in zip(ri, pj):
+                key = rows[r].noise_key
+                keys.append(None if key is None else (key[0], key[1] + j))
+            noise = exponential_noise(vocab, keys, generator, probs.dtype, device)
+            own[r_idx] = race_sample(probs[r_idx], noise)
+
+        kmax = int(ks_t.max()) if num_rows else 0
+        if kmax:
+            accept = drafts == own[draft_pos]
+            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
+            col = torch.arange(int(drafts.numel()), device=device) - dstart[row_index[draft_pos]]
+            padded[row_index[draft_pos], col] = accept.to(torch.int64)
+            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
+        else:
+            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        return num_acc, own[start + num_acc]
 
     def _sample_torch(
         self,
@@ -113,10 +163,10 @@ class RejectionSampler:
         greedy_rows: torch.Tensor,
         rand_rows: list[int],
         rows: Sequence[RowSampling],
-        draft_probs: torch.Tensor | None,
+        draft_probs: torch.Tensor,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accepted counts and final tokens, vectorised torch."""
+        """Accepted counts and final tokens for drafts with probabilities, vectorised torch."""
         probs = proc.probs
         device = probs.device
         num_rows, vocab = len(rows), probs.shape[1]
@@ -131,17 +181,14 @@ class RejectionSampler:
             if rand_rows:
                 u = uniform_draws(
                     [ks[i] for i in rand_rows],
-                    [rows[i].generator for i in rand_rows],
+                    [rows[i].noise_key for i in rand_rows],
                     generator,
                     probs.dtype,
                     device,
                 )
                 r_draft = (~g_mask).nonzero().squeeze(1)  # flat draft indices of random rows, in order
                 p_d = probs[draft_pos[r_draft]].gather(1, drafts[r_draft][:, None]).squeeze(1)
-                if draft_probs is None:
-                    q_d = torch.ones_like(p_d)
-                else:
-                    q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
+                q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
                 accept[r_draft] = u * q_d < p_d
 
         # Accepted prefix length per row: first rejection, via a padded [R, Kmax] cumprod.
@@ -169,12 +216,12 @@ class RejectionSampler:
             if bool(rej.any()):
                 rr = rej.nonzero().squeeze(1)
                 flat_d = dstart[r_idx[rr]] + num_acc[r_idx[rr]]  # the rejected draft, flat index
-                q = None if draft_probs is None else draft_probs[flat_d].to(probs.dtype)
+                q = draft_probs[flat_d].to(probs.dtype)
                 rec = self.recovery_distribution(p_stop[rr], q, drafts[flat_d])
                 ok = rec.sum(dim=-1) > 0
                 dist[rr] = torch.where(ok[:, None], rec, p_stop[rr])
             noise = exponential_noise(
-                len(r_list), vocab, [rows[i].generator for i in r_list], generator, probs.dtype, device
+                vocab, [rows[i].noise_key for i in r_list], generator, probs.dtype, device
             )
             final[r_idx] = race_sample(dist, noise)
         return num_acc, final
@@ -190,7 +237,7 @@ class RejectionSampler:
         greedy_rows: torch.Tensor,
         rand_rows: list[int],
         rows: Sequence[RowSampling],
-        draft_probs: torch.Tensor | None,
+        draft_probs: torch.Tensor,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted counts and final tokens from the fused op, fed with this sampler's randomness."""
@@ -206,7 +253,7 @@ class RejectionSampler:
             if total_k:
                 u = uniform_draws(
                     [ks[i] for i in rand_rows],
-                    [rows[i].generator for i in rand_rows],
+                    [rows[i].noise_key for i in rand_rows],
                     generator,
                     torch.float32,
                     device,
@@ -214,12 +261,7 @@ class RejectionSampler:
                 owner_greedy = torch.repeat_interleave(greedy_rows, ks_t)
                 uniforms[~owner_greedy] = u
             noise[r_idx] = exponential_noise(
-                len(rand_rows),
-                vocab,
-                [rows[i].generator for i in rand_rows],
-                generator,
-                torch.float32,
-                device,
+                vocab, [rows[i].noise_key for i in rand_rows], generator, torch.float32, device
             )
         tokens, num_acc = dispatch.rejection_sample(
             probs.to(torch.float32),
@@ -227,7 +269,7 @@ class RejectionSampler:
             drafts,
             ks_t,
             greedy_rows,
-            None if draft_probs is None else draft_probs.to(device=device, dtype=torch.float32),
+            draft_probs.to(device=device, dtype=torch.float32),
             uniforms,
             noise,
         )
@@ -250,7 +292,7 @@ class RejectionSampler:
         flat [sum k_r], `num_draft_tokens` = [k_r], `draft_probs` [sum k_r, V] or None.
         Per-row form (`num_draft_tokens` None): `target_logits` a sequence of [1 + k_r, V] tensors,
         `draft_token_ids` a sequence of per-row draft lists, `draft_probs` a sequence of [k_r, V]
-        tensors or None. `generator` is used by rows that have none of their own.
+        tensors or None. `generator` is used by rows without a seed.
         """
         num_rows = len(rows)
         if num_draft_tokens is None:
@@ -325,7 +367,11 @@ class RejectionSampler:
         greedy_rows = torch.tensor(greedy_of_row, dtype=torch.bool, device=device)
 
         rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
-        if self._kernel_path(probs):
+        if draft_probs is None:
+            num_acc, final = self._sample_point_mass(
+                proc, drafts, ks_t, start, dstart, row_index, pos_in_row, draft_pos, rows, generator
+            )
+        elif self._kernel_path(probs):
             num_acc, final = self._sample_with_kernel(
                 proc.penalized,
                 probs,

@@ -1,7 +1,6 @@
-"""Batched token sampling with per-request parameters and generators.
+"""Batched token sampling with per-request parameters and seeds.
 
-Every row of a batch carries its own `SamplingParams`, its own `torch.Generator` and its token
-history. The processing order follows vLLM v1:
+Every row of a batch carries its own `SamplingParams`, its own seed and its token history. The processing order follows vLLM v1:
 
 1. `min_tokens`: while fewer than `min_tokens` tokens were generated, the stop tokens
    (`stop_token_ids`, and EOS unless `ignore_eos`) get -inf.
@@ -13,9 +12,12 @@ history. The processing order follows vLLM v1:
    `min_p * max_prob`), then `top_k`, then `top_p` (keep the smallest set of most likely tokens
    whose mass reaches `top_p`; the most likely token always stays), renormalise, and draw one token
    with the exponential race `argmax(p / E)`, `E ~ Exp(1)`, which is an exact draw from `p`.
-   A row's noise comes from its own generator (V exponentials per draw), so a seeded request gives
-   the same tokens whatever else is in the batch. Rows without a generator share the batch
-   generator passed to `sample` (one vectorised draw), or torch's default one.
+   A row with a seed draws its noise from a generator keyed by (seed, output position): the n-th
+   output token of a request always sees the same V exponentials (`keyed_noise`), whatever else
+   is in the batch, however the prompt was scheduled, cached or preempted, and whether the token
+   came from a plain decode step or from a speculative verify step (`RejectionSampler` verifies
+   point-mass drafts against exactly these draws). Rows without a seed share the batch generator
+   passed to `sample` (one vectorised draw), or torch's default one.
 
 `processed_probs(logits, rows)` returns the final distribution of each row (steps 1-4, one-hot at
 the argmax for greedy rows): the target distribution that the rejection sampler verifies against.
@@ -55,13 +57,40 @@ def derive_seed(engine_seed: int, request_index: int) -> int:
     return z & ((1 << 63) - 1)
 
 
-def request_generator(
-    seed: int | None, engine_seed: int, request_index: int, device: str | torch.device = "cpu"
-) -> torch.Generator:
-    """The generator of one request: seeded from `seed`, else from (engine seed, request index)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else derive_seed(engine_seed, request_index))
-    return g
+def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
+    """The sampling seed of one request: its own `seed`, else one derived from (engine seed, index)."""
+    return seed if seed is not None else derive_seed(engine_seed, request_index)
+
+
+# Streams of keyed randomness: the exponentials of a token draw, and the acceptance uniforms of a
+# verify step with draft probabilities. Distinct constants keep the streams independent.
+NOISE_STREAM = 0x6E6F697365
+UNIFORM_STREAM = 0x756E69666F726D
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def keyed_seed(seed: int, position: int, stream: int) -> int:
+    """The generator seed of draw `position` of `stream` for a request seeded with `seed`."""
+    z = _mix64((seed * 0x9E3779B97F4A7C15 + stream) & _MASK64)
+    return _mix64((z + (position + 1) * 0xD1B54A32D192ED03) & _MASK64) & ((1 << 63) - 1)
+
+
+def keyed_noise(
+    keys: Sequence[tuple[int, int]], vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[len(keys), vocab] Exp(1) noise; row i depends only on keys[i] = (seed, output position)."""
+    noise = torch.empty((len(keys), vocab), dtype=dtype, device=device)
+    if keys:
+        g = torch.Generator(device=device)
+        for i, (seed, position) in enumerate(keys):
+            g.manual_seed(keyed_seed(seed, position, NOISE_STREAM))
+            noise[i].exponential_(generator=g)
+    return noise.clamp_min_(torch.finfo(dtype).tiny)
 
 
 @dataclass
@@ -71,14 +100,27 @@ class RowSampling:
     `prompt_token_ids` and `output_token_ids` are the request's history (the output so far, not
     including the token being sampled); they are only read when a penalty or `min_tokens` is
     active. `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
-    `params.min_tokens` tokens were generated. `generator` None: the batch generator is used.
+    `params.min_tokens` tokens were generated. `seed` None: the noise comes from the batch
+    generator; otherwise it is keyed by (seed, `position`), the index of the output token being
+    drawn (default: `len(output_token_ids)`, which the engine always passes).
     """
 
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int | None = None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     eos_token_id: int | None = None
+    position: int | None = None
+
+    @property
+    def output_position(self) -> int:
+        """Index (0-based) of the output token this row draws next."""
+        return len(self.output_token_ids) if self.position is None else self.position
+
+    @property
+    def noise_key(self) -> tuple[int, int] | None:
+        """(seed, output position) of this row's next draw, None without a seed."""
+        return None if self.seed is None else (self.seed, self.output_position)
 
     @property
     def greedy(self) -> bool:
@@ -277,20 +319,22 @@ def processed_probs(
 
 
 def exponential_noise(
-    num_rows: int,
     vocab: int,
-    generators: Sequence[torch.Generator | None],
+    keys: Sequence[tuple[int, int] | None],
     batch_generator: torch.Generator | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """[num_rows, vocab] Exp(1) noise: row i from generators[i], rows without one from the batch generator."""
-    noise = torch.empty((num_rows, vocab), dtype=dtype, device=device)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    for i, g in enumerate(generators):
-        if g is not None:
-            e = torch.empty(vocab, dtype=dtype, device=g.device).exponential_(generator=g)
-            noise[i] = e.to(device)
+    """[len(keys), vocab] Exp(1) noise: row i keyed by keys[i] = (seed, position) (`keyed_noise`),
+    rows whose key is None from the batch generator (one vectorised draw)."""
+    noise = torch.empty((len(keys), vocab), dtype=dtype, device=device)
+    own = [i for i, k in enumerate(keys) if k is not None]
+    shared = [i for i, k in enumerate(keys) if k is None]
+    if own:
+        own_keys = [k for k in keys if k is not None]
+        noise[torch.as_tensor(own, dtype=torch.int64, device=device)] = keyed_noise(
+            own_keys, vocab, dtype, device
+        )
     if shared:
         gen_device = batch_generator.device if batch_generator is not None else device
         e = torch.empty((len(shared), vocab), dtype=dtype, device=gen_device)
@@ -306,33 +350,34 @@ def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def uniform_draws(
     counts: Sequence[int],
-    generators: Sequence[torch.Generator | None],
+    keys: Sequence[tuple[int, int] | None],
     batch_generator: torch.Generator | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Concatenated U[0,1) draws, counts[i] of them for row i, from that row's generator."""
+    """Concatenated U[0,1) draws, counts[i] of them for row i: keyed by keys[i] = (seed, position)
+    (the uniform stream), or from the batch generator where keys[i] is None."""
     total = sum(counts)
     out = torch.empty(total, dtype=dtype, device=device)
-    own = [i for i, g in enumerate(generators) if g is not None and counts[i] > 0]
+    own = [i for i, k in enumerate(keys) if k is not None and counts[i] > 0]
     shared = total - sum(counts[i] for i in own)
     if own:
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
+        g = torch.Generator(device=device)
         for i in own:
-            g = generators[i]
-            assert g is not None
-            out[offsets[i] : offsets[i + 1]] = torch.rand(
-                counts[i], dtype=dtype, device=g.device, generator=g
-            ).to(device)
+            key = keys[i]
+            assert key is not None
+            g.manual_seed(keyed_seed(key[0], key[1], UNIFORM_STREAM))
+            out[offsets[i] : offsets[i + 1]] = torch.rand(counts[i], dtype=dtype, device=device, generator=g)
     if shared:
         gen_device = batch_generator.device if batch_generator is not None else device
         u = torch.rand(shared, dtype=dtype, device=gen_device, generator=batch_generator).to(device)
         if not own:
             out.copy_(u)
         else:
-            is_shared = torch.tensor([g is None for g in generators], dtype=torch.bool, device=device)
+            is_shared = torch.tensor([k is None for k in keys], dtype=torch.bool, device=device)
             counts_t = torch.as_tensor(list(counts), dtype=torch.int64, device=device)
             out[torch.repeat_interleave(is_shared, counts_t)] = u
     return out
@@ -406,12 +451,7 @@ class Sampler:
             r_list = [i for i, g in enumerate(greedy_list) if not g]
             r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=logits.device)
             noise = exponential_noise(
-                len(r_list),
-                vocab,
-                [rows[i].generator for i in r_list],
-                generator,
-                proc.probs.dtype,
-                logits.device,
+                vocab, [rows[i].noise_key for i in r_list], generator, proc.probs.dtype, logits.device
             )
             tokens[r_idx] = race_sample(proc.probs[r_idx], noise)
         return SamplerOutput(token_ids=tokens, logprobs=self.logprobs(logits, proc, tokens, rows))
