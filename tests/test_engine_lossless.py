@@ -48,6 +48,15 @@ def _llm(**kw: object) -> LLM:
     return LLM("demo", **base)
 
 
+def mode_args(mode: str) -> dict[str, object]:
+    """Engine arguments of a cache mode ("none": prefix caching off)."""
+    return dict(
+        mamba_cache_mode=mode,
+        enable_prefix_caching=mode != "none",
+        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+    )
+
+
 @cache
 def reference() -> tuple[tuple[int, ...], ...]:
     """One request at a time, no prefix caching, whole prompts in one step."""
@@ -108,9 +117,7 @@ def test_shared_prefix_hit_within_one_batch_run(mode: str) -> None:
 def test_preemption_is_lossless(mode: str) -> None:
     # 30 blocks of 16 tokens cannot hold six sequences of ~200 tokens: requests get preempted.
     llm = _llm(
-        mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        **mode_args(mode),
         max_num_batched_tokens=128,
         num_kv_blocks=30,
         max_model_len=256,
@@ -123,9 +130,7 @@ def test_preemption_is_lossless(mode: str) -> None:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_speculation_is_lossless(mode: str, k: int) -> None:
     llm = _llm(
-        mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        **mode_args(mode),
         max_num_batched_tokens=128,
         speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
     )
@@ -140,9 +145,7 @@ def test_ngram_speculation_is_lossless(mode: str, k: int) -> None:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_draft_model_speculation_is_lossless(mode: str, k: int) -> None:
     llm = _llm(
-        mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        **mode_args(mode),
         max_num_batched_tokens=128,
         speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": "demo"},
     )

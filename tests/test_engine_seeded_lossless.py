@@ -13,7 +13,7 @@ from functools import cache
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from test_engine_lossless import BLOCK, MAMBA_BLOCK, _llm, _prompts
+from test_engine_lossless import BLOCK, MAMBA_BLOCK, _llm, _prompts, mode_args
 
 MAX_TOKENS = 24
 
@@ -69,9 +69,7 @@ def test_reference_is_random_and_seeded() -> None:
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
 def test_cache_modes_chunking_and_prefix_hits(mode: str) -> None:
     llm = _llm(
-        mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        **mode_args(mode),
         max_num_batched_tokens=64,
     )
     _assert_same(_run(llm))
@@ -105,9 +103,7 @@ def test_preemption() -> None:
 )
 def test_speculative_decoding(mode: str, spec: dict[str, object]) -> None:
     llm = _llm(
-        mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        **mode_args(mode),
         max_num_batched_tokens=128,
         speculative_config=spec,
     )

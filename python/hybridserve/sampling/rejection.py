@@ -122,7 +122,7 @@ class RejectionSampler:
         own target draw, compared with the draft."""
         probs = proc.probs
         device = probs.device
-        num_rows, vocab = len(rows), probs.shape[1]
+        vocab = probs.shape[1]
         m = probs.shape[0]
         own = torch.empty(m, dtype=torch.int64, device=device)
         greedy_list = proc.greedy.tolist()
@@ -139,15 +139,8 @@ class RejectionSampler:
             noise = exponential_noise(vocab, keys, generator, probs.dtype, device)
             own[r_idx] = race_sample(probs[r_idx], noise)
 
-        kmax = int(ks_t.max()) if num_rows else 0
-        if kmax:
-            accept = drafts == own[draft_pos]
-            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
-            col = torch.arange(int(drafts.numel()), device=device) - dstart[row_index[draft_pos]]
-            padded[row_index[draft_pos], col] = accept.to(torch.int64)
-            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
-        else:
-            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        accept = drafts == own[draft_pos]
+        num_acc = _accepted_prefix(accept, ks_t, dstart, row_index, draft_pos)
         return num_acc, own[start + num_acc]
 
     def _sample_torch(
@@ -191,15 +184,7 @@ class RejectionSampler:
                 q_d = draft_probs[r_draft].to(probs.dtype).gather(1, drafts[r_draft][:, None]).squeeze(1)
                 accept[r_draft] = u * q_d < p_d
 
-        # Accepted prefix length per row: first rejection, via a padded [R, Kmax] cumprod.
-        kmax = max(ks)
-        if kmax:
-            padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=device)
-            col = torch.arange(total_k, device=device) - dstart[row_index[draft_pos]]
-            padded[row_index[draft_pos], col] = accept.to(torch.int64)
-            num_acc = torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
-        else:
-            num_acc = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        num_acc = _accepted_prefix(accept, ks_t, dstart, row_index, draft_pos)
         stop_pos = start + num_acc  # logit row of the emitted (recovered or bonus) token
         rejected = num_acc < ks_t
 
@@ -428,6 +413,25 @@ class RejectionSampler:
                 logprobs[i] = [e for e in entries[off : off + n] if e is not None]
                 off += n
         return RejectionOutput(token_ids=token_ids, num_accepted=num_acc_l, logprobs=logprobs)
+
+
+def _accepted_prefix(
+    accept: torch.Tensor,
+    ks_t: torch.Tensor,
+    dstart: torch.Tensor,
+    row_index: torch.Tensor,
+    draft_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Per row, how many drafts are accepted before the first rejection (`accept` is flat, in
+    draft order), via a padded [R, Kmax] cumprod."""
+    num_rows = int(ks_t.numel())
+    kmax = int(ks_t.max()) if num_rows else 0
+    if not kmax:
+        return torch.zeros(num_rows, dtype=torch.int64, device=ks_t.device)
+    padded = torch.ones((num_rows, kmax), dtype=torch.int64, device=ks_t.device)
+    col = torch.arange(int(accept.numel()), device=ks_t.device) - dstart[row_index[draft_pos]]
+    padded[row_index[draft_pos], col] = accept.to(torch.int64)
+    return torch.cumprod(padded, dim=1).sum(dim=1).clamp(max=ks_t)
 
 
 def _take(proc: ProcessedLogits, sel: torch.Tensor) -> ProcessedLogits:
