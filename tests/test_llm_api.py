@@ -65,6 +65,16 @@ def test_n_sequences_per_prompt() -> None:
     seqs = out[0].outputs
     assert [s.index for s in seqs] == [0, 1, 2]
     assert len({tuple(s.token_ids) for s in seqs}) > 1
+    # Choice j is the request with seed choice_seed(1, j) (the server's rule too): choice 0 is
+    # the plain seeded request, the others are not seed + j.
+    from hybridserve.sampling.seeds import choice_seed
+
+    for j, s in enumerate(seqs):
+        alone = llm32().generate(
+            PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=choice_seed(1, j), ignore_eos=True)
+        )
+        assert alone[0].outputs[0].token_ids == s.token_ids
+    assert choice_seed(1, 0) == 1 and choice_seed(1, 1) != 2
 
 
 def test_logprobs_of_chosen_and_top_tokens() -> None:

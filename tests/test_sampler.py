@@ -11,11 +11,10 @@ from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.sampler import (
     RowSampling,
     Sampler,
-    derive_seed,
     keyed_noise,
     processed_probs,
-    request_seed,
 )
+from hybridserve.sampling.seeds import derive_seed, request_seed
 from sampling_stats import chisquare_pvalue
 
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)

@@ -10,6 +10,7 @@ import pytest
 
 from hybridserve.engine.outputs import Logprob
 from hybridserve.model.demo import ensure_demo_model
+from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import protocol as P
 from hybridserve.server.app import create_app
 from hybridserve.server.chat import ChatTemplate
@@ -93,7 +94,8 @@ def test_completion_all_fields(info):
     # one engine request per choice, n = 1 each, distinct seeds
     subs = [req.choice_params(i) for i in range(3)]
     assert [s.n for s in subs] == [1, 1, 1]
-    assert [s.seed for s in subs] == [7, 8, 9]
+    assert [s.seed for s in subs] == [7, choice_seed(7, 1), choice_seed(7, 2)]
+    assert len({7, choice_seed(7, 1), choice_seed(7, 2), choice_seed(8, 1)}) == 4
     assert all(s.max_tokens == 9 and s.temperature == 0.0 for s in subs)
 
 

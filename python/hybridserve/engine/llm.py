@@ -15,7 +15,7 @@ from hybridserve.config import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine, Prompt
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.sampling.params import SamplingParams
-from hybridserve.sampling.sampler import derive_seed
+from hybridserve.sampling.seeds import choice_seed
 
 
 class LLM:
@@ -64,10 +64,7 @@ class LLM:
                 ids: list[str] = []
                 groups.append(ids)
                 for j in range(params.n):
-                    # Sequence j > 0 of a seeded request gets a seed mixed from (seed, j), so the
-                    # streams of seed s, sequence 1 and seed s + 1, sequence 0 do not coincide.
-                    seed = params.seed if params.seed is None or j == 0 else derive_seed(params.seed, j)
-                    sub = dataclasses.replace(params, n=1, seed=seed)
+                    sub = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, j))
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
                     self.engine.add_request(rid, prompt, sub)

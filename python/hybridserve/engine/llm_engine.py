@@ -23,7 +23,8 @@ from hybridserve.engine.request_state import RequestState
 from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.sampling.params import SamplingParams
-from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, request_seed
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
+from hybridserve.sampling.seeds import request_seed
 
 logger = logging.getLogger("hybridserve.engine")
 

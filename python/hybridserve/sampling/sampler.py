@@ -39,45 +39,12 @@ import torch
 
 from hybridserve.engine.outputs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
 SAMPLING_EPS = 1e-5
 
 LogprobsMode = Literal["raw", "processed"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(engine_seed: int, request_index: int) -> int:
-    """A well-mixed 63-bit seed for the request_index-th request of an engine (splitmix64)."""
-    z = (engine_seed * 0x9E3779B97F4A7C15 + (request_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return z & ((1 << 63) - 1)
-
-
-def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
-    """The sampling seed of one request: its own `seed`, else one derived from (engine seed, index)."""
-    return seed if seed is not None else derive_seed(engine_seed, request_index)
-
-
-# Streams of keyed randomness: the exponentials of a token draw, and the acceptance uniforms of a
-# verify step with draft probabilities. Distinct constants keep the streams independent.
-NOISE_STREAM = 0x6E6F697365
-UNIFORM_STREAM = 0x756E69666F726D
-
-
-def _mix64(z: int) -> int:
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def keyed_seed(seed: int, position: int, stream: int) -> int:
-    """The generator seed of draw `position` of `stream` for a request seeded with `seed`."""
-    z = _mix64((seed * 0x9E3779B97F4A7C15 + stream) & _MASK64)
-    return _mix64((z + (position + 1) * 0xD1B54A32D192ED03) & _MASK64) & ((1 << 63) - 1)
 
 
 def keyed_noise(

@@ -3,7 +3,8 @@
 Routes
 - `POST /v1/completions`, `POST /v1/chat/completions`: non-streaming, or Server-Sent Events
   (`data: {chunk}` ... `data: [DONE]`; `stream_options.include_usage` adds a last chunk with
-  `choices: []` and the usage). `n` > 1 runs n engine requests (seeded choices get seed + i).
+  `choices: []` and the usage). `n` > 1 runs n engine requests (seeded choices get distinct
+  seeds, `sampling.seeds.choice_seed`, as in the offline `LLM`).
   Beyond OpenAI's fields: vLLM's `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
   `repetition_penalty`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, and
   `cache_salt` (a tenant's prefix-cache isolation). `usage.prompt_tokens_details.cached_tokens` is

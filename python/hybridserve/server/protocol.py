@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 from hybridserve.engine.outputs import TokenLogprobs
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from hybridserve.sampling.seeds import choice_seed
 
 # A request may ask for at most this many sequences in all (prompts x n).
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -208,11 +209,8 @@ class GenerateRequest:
         return len(self.prompts) * self.params.n
 
     def choice_params(self, choice_index: int) -> SamplingParams:
-        """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds)."""
-        seed = self.params.seed
-        j = choice_index % self.params.n
-        if seed is not None:
-            seed = (seed + j) % 2**63
+        """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds, as in `LLM`)."""
+        seed = choice_seed(self.params.seed, choice_index % self.params.n)
         return dataclasses.replace(self.params, n=1, seed=seed)
 
 
