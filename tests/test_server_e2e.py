@@ -5,6 +5,7 @@ bodies, /metrics, disconnects and concurrency."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 from collections.abc import Iterator
@@ -209,6 +210,76 @@ def test_stop_string_echo_and_token_prompt(client):
         model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
     ).choices[0]
     assert by_ids.text == base.text
+    # echo of token ids honours skip_special_tokens (434, 2, 434: "The", <|im_end|>, "The")
+    for skip, want in ((False, "The<|im_end|>The"), (True, "TheThe")):
+        echo_ids = client.completions.create(
+            model=MODEL,
+            prompt=[434, 2, 434],
+            max_tokens=1,
+            temperature=0,
+            echo=True,
+            extra_body={"skip_special_tokens": skip},
+        ).choices[0]
+        assert echo_ids.text.startswith(want), (skip, echo_ids.text)
+
+
+def test_stop_reason_is_null_on_eos_and_the_token_id_on_a_stop_token(client):
+    # [1, 2, 3] leads greedy decoding to EOS (id 2) as its 5th token
+    eos = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0).choices[0]
+    assert eos.finish_reason == "stop" and eos.model_extra["stop_reason"] is None
+    tok = client.completions.create(
+        model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [122]}
+    ).choices[0]
+    assert tok.finish_reason == "stop" and tok.model_extra["stop_reason"] == 122
+    assert (
+        client.completions.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .finish_reason
+        == "length"
+    )
+
+
+def test_a_long_prompt_without_max_tokens_gets_the_room_left(client):
+    limit = max_model_len(client)
+    r = client.completions.create(
+        model=MODEL, prompt=[5] * (limit - 3), temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(
+        model=MODEL, prompt=[5] * 10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 16  # OpenAI's default
+
+
+def _content_length(raw: bytes) -> int:
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):
+    import socket
+
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 99999999999\r\n\r\n{}"
+        )
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    reply = raw.decode("latin-1")
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    body = json.loads(reply.split("\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_too_large"
 
 
 def test_n_choices_and_seeds(client):
@@ -271,6 +342,41 @@ def test_completion_logprobs_shape(client):
     )
     tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == lp.tokens
+
+
+def _label_bytes(label: str) -> bytes:
+    if label.startswith("bytes:"):
+        return bytes(int(h, 16) for h in label[len("bytes:") :].split("\\x")[1:])
+    return label.encode("utf-8")
+
+
+def test_logprobs_of_pieces_of_characters(client):
+    # temperature 2 on the demo model samples byte tokens that are pieces of UTF-8 characters
+    r = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=40, temperature=2.0, seed=5, logprobs=5,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    c = r.choices[0]
+    lp = c.logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens), lp.tokens  # the case under test happened
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # distinct tokens, distinct labels: the top 5 plus the chosen one, nothing overwritten
+        assert len(top) == (5 if tok in list(top)[:5] else 6), top
+        assert top[tok] == pytest.approx(chosen)
+    # the labels' bytes are the text's bytes, and each offset counts the characters completed before
+    assert b"".join(_label_bytes(t) for t in lp.tokens).decode("utf-8", errors="replace") == c.text
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    done = ""
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        assert off == len(done) <= len(c.text) and c.text.startswith(done)
+        done += utf8.decode(_label_bytes(tok))
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=40, temperature=2.0, seed=5, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert any(e.token.startswith("bytes:") for e in content)
+    assert all(bytes(e.bytes) == _label_bytes(e.token) for e in content)
+    assert all(bytes(t.bytes) == _label_bytes(t.token) for e in content for t in e.top_logprobs)
 
 
 def test_chat_logprobs_shape(client):

@@ -118,6 +118,9 @@ def test_completion_max_tokens_default_and_context(info):
         "prompt",
         code="context_length_exceeded",
     )
+    # without max_tokens: OpenAI's 16, or the room the longest prompt leaves
+    assert completion(info, prompt=ids).params.max_tokens == 16
+    assert completion(info, prompt=list(range(3, 63))).params.max_tokens == 4
     assert chat(info, messages=[{"role": "user", "content": "hi"}]).params.max_tokens == 64 - len(
         info.encode_chat([{"role": "user", "content": "hi"}], True)
     )
@@ -193,6 +196,22 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
 def test_completion_rejects(info, body, param):
     expect_error(lambda: completion(info, **body), param)
+
+
+@pytest.mark.parametrize(
+    "name,values,rng",
+    [
+        ("top_p", (0, -1, 1.1), "(0, 1]"),
+        ("repetition_penalty", (0, 11), "(0, 10]"),
+        ("temperature", (-1, 3), "[0, 2]"),
+        ("min_p", (-0.5, 2), "[0, 1]"),
+    ],
+)
+def test_range_errors_name_one_range_per_parameter(info, name, values, rng):
+    for v in values:
+        err = expect_error(lambda v=v: completion(info, prompt="x", **{name: v}), name)
+        assert f"must be in {rng}" in err.message, err.message
+    assert getattr(completion(info, prompt="x", **{name: 1}).params, name) == 1
 
 
 def test_completion_wrong_model_is_404(info):

@@ -367,7 +367,9 @@ class LLMEngine:
             lps = row_logprobs[r] if r is not None else None
             finished = bool(d.finished)
             reason = d.finish_reason
-            stop_reason: int | str | None = d.stop_token_id if reason == "stop" else None
+            stop_reason: int | str | None = None
+            if reason == "stop" and not (d.stop_token_id == self.eos_token_id and not st.params.ignore_eos):
+                stop_reason = d.stop_token_id  # a stop_token_ids match; EOS is no stop reason (vLLM)
             if new_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now

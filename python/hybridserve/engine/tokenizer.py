@@ -4,10 +4,33 @@ tokenizer_config.json."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from hybridserve.errors import ConfigError
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte-fallback pieces
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), inverted: char -> byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), 256),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -29,6 +52,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.chat_template: str | None = self.config.get("chat_template")
+        self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
@@ -46,5 +70,29 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A piece of a multi-byte character decodes to U+FFFD on
+        its own; its bytes come from the vocabulary entry (byte-level BPE or byte fallback)."""
+        text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.id_to_token(int(token_id)) or ""
+        m = _BYTE_FALLBACK.match(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode("utf-8")
+
     def token_to_text(self, token_id: int) -> str:
-        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+        """A token's text for logprobs; a piece of a character is `bytes:\\xNN...` (OpenAI's form),
+        so distinct tokens never share a label."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with skip_special_tokens drops this token."""
+        return int(token_id) in self._special_ids

@@ -95,8 +95,26 @@ class EngineModelInfo:
                 self._token_text_cache[token_id] = s
         return s
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids))
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (chat logprobs' `bytes`; a piece of a character included)."""
+        fn = getattr(self.tokenizer, "token_bytes", None)
+        if callable(fn):
+            try:
+                return bytes(fn(token_id))
+            except Exception:
+                pass
+        return self.token_text(token_id).encode("utf-8")
+
+    def text_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes:
+        """What a token adds to the decoded text: nothing for a special token that is skipped."""
+        if skip_special_tokens:
+            is_special = getattr(self.tokenizer, "is_special", None)
+            if callable(is_special) and is_special(token_id):
+                return b""
+        return self.token_bytes(token_id)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def _str_or_none(v: Any) -> str | None:
@@ -411,6 +429,10 @@ async def _parse(
     served_model_name: str,
     parse: Callable[..., P.GenerateRequest],
 ) -> P.GenerateRequest:
+    declared = request.content_length
+    if declared is not None and declared > request.app._client_max_size:
+        # refused before reading: a client that announces a huge body gets its 413 at once
+        raise web.HTTPRequestEntityTooLarge(max_size=request.app._client_max_size, actual_size=declared)
     raw = await request.read()  # raises HTTPRequestEntityTooLarge beyond client_max_size
 
     def run() -> P.GenerateRequest:
@@ -618,8 +640,11 @@ def _logprobs_json(
     if req.logprobs is None:
         return None
     if req.kind == "completion":
-        return P.completion_logprobs(entries, ids, info.token_text, offset)
-    return P.chat_logprobs(entries, ids, info.token_text, req.logprobs)
+        skip = req.params.skip_special_tokens
+        return P.completion_logprobs(
+            entries, ids, info.token_text, offset, text_bytes=lambda t: info.text_bytes(t, skip)
+        )
+    return P.chat_logprobs(entries, ids, info.token_text, req.logprobs, token_bytes=info.token_bytes)
 
 
 async def _deltas(
@@ -662,7 +687,7 @@ async def _collect(
     for c in choices:
         prefix = ""
         if req.echo:
-            prefix = c.prompt.text if c.prompt.text is not None else info.decode(c.prompt.token_ids)
+            prefix = _echo_text(info, req, c.prompt)
         lps = _logprobs_json(req, info, c, c.logprobs, c.token_ids, len(prefix))
         if req.kind == "completion":
             out.append(P.completion_choice(c.index, prefix + c.text, c.finish_reason, lps, c.stop_reason))
@@ -671,6 +696,14 @@ async def _collect(
     usage = _usage(req, choices)
     build = P.completion_response if req.kind == "completion" else P.chat_response
     return web.json_response(build(request_id, created, req.model, out, usage), dumps=_dumps)
+
+
+def _echo_text(info: EngineModelInfo, req: P.GenerateRequest, prompt: P.PromptInput) -> str:
+    """The prompt as echoed: the client's own text, or its token ids decoded as the completion is
+    (`skip_special_tokens` applies to both)."""
+    if prompt.text is not None:
+        return prompt.text
+    return info.decode(prompt.token_ids, skip_special_tokens=req.params.skip_special_tokens)
 
 
 def _dumps(obj: Any) -> str:
@@ -730,9 +763,7 @@ async def _send_delta(
     if req.kind == "completion":
         text = delta.text
         if req.echo and not choice.started_stream:
-            text = (
-                choice.prompt.text if choice.prompt.text is not None else info.decode(choice.prompt.token_ids)
-            ) + text
+            text = _echo_text(info, req, choice.prompt) + text
         choice.text_offset += len(text)
         cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
                                  choice.stop_reason if delta.finished else None)  # fmt: skip

@@ -9,6 +9,7 @@ that do not fit in `max_model_len`, token ids outside the vocabulary. A bad requ
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -24,6 +25,7 @@ from hybridserve.sampling.seeds import choice_seed
 # A request may ask for at most this many sequences in all (prompts x n).
 MAX_SEQUENCES_PER_REQUEST = 128
 MAX_STOP_SEQUENCES = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_CACHE_SALT_LEN = 1024
 
@@ -117,18 +119,22 @@ def get_int(
     return v
 
 
-def get_float(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def get_float(
+    body: dict[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    """A finite number in [lo, hi] ((lo, hi] with `lo_open`), `default` when absent or null."""
     v = body.get(name)
     if v is None:
         return default
     if not _is_number(v):
         raise _bad(name, f"must be a number, got {type(v).__name__}", "invalid_type")
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
     try:
         f = float(v)
     except OverflowError:
-        raise _bad(name, f"must be in [{lo}, {hi}], got a huge number") from None
-    if not math.isfinite(f) or not (lo <= f <= hi):
-        raise _bad(name, f"must be in [{lo}, {hi}], got {v!r}")
+        raise _bad(name, f"must be in {rng}, got a huge number") from None
+    if not math.isfinite(f) or not (lo < f <= hi if lo_open else lo <= f <= hi):
+        raise _bad(name, f"must be in {rng}, got {v!r}")
     return f
 
 
@@ -390,7 +396,7 @@ def _sampling_params(
             n=n,
             max_tokens=max_tokens,
             temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=top_k if top_k is not None else 0,
             min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
             seed=get_int(body, "seed", None, 0, 2**63 - 1),
@@ -400,7 +406,7 @@ def _sampling_params(
             min_tokens=min_tokens if min_tokens is not None else 0,
             presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 10.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
             logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
@@ -480,13 +486,16 @@ def parse_completion_request(
             param="echo",
             code="unsupported_parameter",
         )
-    requested_max = get_int(body, "max_tokens", 16, 1, None)
+    requested_max = get_int(body, "max_tokens", None, 1, None)
 
     if "prompt" not in body or body["prompt"] is None:
         raise APIError("prompt: a prompt is required", param="prompt", code="missing_field")
     prompts = _parse_prompts(body["prompt"], info)
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
+    if requested_max is None:
+        # OpenAI's default of 16 completion tokens, within the room the prompt leaves
+        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_tokens)
     params = _sampling_params(body, n=n, max_tokens=max_tokens, logprobs=logprobs, vocab_size=info.vocab_size)
     return GenerateRequest(
         kind="completion",
@@ -691,13 +700,21 @@ def completion_logprobs(
     token_ids: Sequence[int],
     token_text: Callable[[int], str],
     start_offset: int,
+    text_bytes: Callable[[int], bytes] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
+
+    `text_offset[i]` is where token i starts in the text: `start_offset` plus the characters that
+    the tokens before it completed, so a character made of several byte tokens is counted once
+    (its pieces share its offset) and a skipped special token adds nothing. `text_bytes(t)` is
+    what token t adds to the text (default: its label's UTF-8 bytes).
+    """
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top: list[dict[str, float]] = []
     offsets: list[int] = []
     offset = start_offset
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for tid, entry in zip(token_ids, entries):
         text = _entry_text(tid, entry, token_text)
         tokens.append(text)
@@ -709,14 +726,24 @@ def completion_logprobs(
             top_d.setdefault(key, _finite(lp.logprob))
         top.append(top_d)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(utf8.decode(text_bytes(tid) if text_bytes is not None else text.encode("utf-8")))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(
-    entries: Sequence[TokenLogprobs], token_ids: Sequence[int], token_text: Callable[[int], str], top_n: int
+    entries: Sequence[TokenLogprobs],
+    token_ids: Sequence[int],
+    token_text: Callable[[int], str],
+    top_n: int,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
+    `token_bytes(t)` is the token's own bytes (default: its label's UTF-8), so that a piece of a
+    multi-byte character reports the bytes it really stands for."""
+
+    def raw(tid: int, text: str) -> list[int]:
+        return list(token_bytes(tid) if token_bytes is not None else text.encode("utf-8"))
+
     content = []
     for tid, entry in zip(token_ids, entries):
         text = _entry_text(tid, entry, token_text)
@@ -726,12 +753,12 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _finite(chosen.logprob) if chosen is not None else -9999.0,
-                "bytes": list(text.encode("utf-8")),
+                "bytes": raw(tid, text),
                 "top_logprobs": [
                     {
                         "token": (t := _entry_text(oid, entry, token_text)),
                         "logprob": _finite(lp.logprob),
-                        "bytes": list(t.encode("utf-8")),
+                        "bytes": raw(oid, t),
                     }
                     for oid, lp in ranked
                 ],
