@@ -701,3 +701,19 @@ def test_http_method_and_route_errors(server):
 
     for status, body in asyncio.run(go()):
         assert status in (404, 405) and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_malformed_http_gets_a_400_and_no_traceback_in_the_log(server, client):
+    import socket
+
+    host, port = server.base.removeprefix("http://").split(":")
+    for raw in (
+        b"GARBAGE\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    ):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(raw)
+            assert sock.recv(65536).startswith(b"HTTP/1.0 400"), raw
+    # the server still serves, and logged no traceback for what its clients sent
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+    assert "Traceback" not in server.output() and "Error handling request" not in server.output()

@@ -166,10 +166,29 @@ async def _serve(args: argparse.Namespace) -> int:
     return rc
 
 
+class _MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a traceback at ERROR for every malformed HTTP message a client sends (it has
+    already answered 400): any client could fill the log. Keep one line, at debug level only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if not logger.isEnabledFor(logging.DEBUG):
+            return False
+        record.msg, record.args = f"malformed HTTP from a client: {exc!r}", ()
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
 def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
     return asyncio.run(_serve(args))
