@@ -23,7 +23,14 @@ PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something about foxes."}]
 
 # Engine flags the shared server runs with (small context so the limit tests stay cheap).
-SERVER_ARGS: tuple[str, ...] = ("--max-model-len", "256", "--mamba-block-size", "64")
+SERVER_ARGS: tuple[str, ...] = (
+    "--max-model-len",
+    "256",
+    "--mamba-block-size",
+    "64",
+    "--body-read-timeout",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -701,6 +708,28 @@ def test_http_method_and_route_errors(server):
 
     for status, body in asyncio.run(go()):
         assert status in (404, 405) and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_client_that_stops_sending_its_body_gets_a_408(server, client):
+    import socket
+
+    host, port = server.base.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"pr'
+        )
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    assert time.monotonic() - t0 < 30  # the server's --body-read-timeout is 5 s
+    assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+    assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
 
 
 def test_malformed_http_gets_a_400_and_no_traceback_in_the_log(server, client):

@@ -34,6 +34,7 @@ logger = logging.getLogger("hybridserve.server")
 DEFAULT_MAX_QUEUE_LEN = 512
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 RETRY_AFTER_S = 1
 _ABORTED = object()  # sink marker: the server aborted this choice
 
@@ -167,6 +168,7 @@ class ServerState:
     max_queue_len: int
     shutdown_grace_s: float
     metrics: ServerMetrics
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     engine: Any = None
     info: EngineModelInfo | None = None
     load_error: str | None = None
@@ -209,6 +211,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     chat_template: ChatTemplate | None = None,
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`."""
@@ -220,6 +223,7 @@ def create_app(
         max_queue_len=max_queue_len,
         shutdown_grace_s=shutdown_grace_s,
         metrics=metrics,
+        body_read_timeout_s=body_read_timeout_s,
     )
     state_holder["s"] = state
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
@@ -293,6 +297,7 @@ def json_error(err: P.APIError) -> web.Response:
 _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
 }
 
@@ -433,7 +438,13 @@ async def _parse(
     if declared is not None and declared > request.app._client_max_size:
         # refused before reading: a client that announces a huge body gets its 413 at once
         raise web.HTTPRequestEntityTooLarge(max_size=request.app._client_max_size, actual_size=declared)
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge beyond client_max_size
+    timeout = request.app[STATE].body_read_timeout_s
+    try:
+        # raises HTTPRequestEntityTooLarge beyond client_max_size; a client that stops sending
+        # its body mid-way must not hold the connection (and its buffer) forever
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout:g} s") from None
 
     def run() -> P.GenerateRequest:
         return parse(P.decode_json_body(raw), info, served_model_name)

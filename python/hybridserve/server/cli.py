@@ -50,6 +50,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted (413 beyond)",
     )
     g.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client has to send a request body once its headers arrived (408 beyond)",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=5.0,
@@ -98,6 +104,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_timeout,
+        body_read_timeout_s=args.body_read_timeout,
     )
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=args.shutdown_timeout + 15.0, access_log=None
