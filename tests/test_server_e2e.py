@@ -29,7 +29,7 @@ SERVER_ARGS: tuple[str, ...] = (
     "--mamba-block-size",
     "64",
     "--body-read-timeout",
-    "2",
+    "5",
 )
 
 
