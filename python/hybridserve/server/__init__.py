@@ -14,7 +14,8 @@ Routes
 
 Every request is validated (protocol.py) before anything reaches the engine; errors are
 `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 404
-(model/route), 405, 413 (body size), 503 + Retry-After (queue full, loading, shutting down).
+(model/route), 405, 408 (body not sent within --body-read-timeout), 413 (body size, refused before
+reading when the declared length is over it), 503 + Retry-After (queue full, loading, shutting down).
 Modules: app.py (routes, streaming, admission, shutdown), protocol.py (parsing and response
 shapes), chat.py (chat templates), sse.py (framing), metrics.py, cli.py (`serve`).
 """
