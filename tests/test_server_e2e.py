@@ -377,6 +377,14 @@ def test_logprobs_of_pieces_of_characters(client):
     for tok, off in zip(lp.tokens, lp.text_offset):
         assert off == len(done) <= len(c.text) and c.text.startswith(done)
         done += utf8.decode(_label_bytes(tok))
+    # streamed: the same tokens and offsets, whatever deltas split the characters
+    chunks = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=40, temperature=2.0, seed=5, logprobs=5,
+        extra_body={"ignore_eos": True}, stream=True,
+    )  # fmt: skip
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for x in streamed for t in x.tokens] == lp.tokens
+    assert [o for x in streamed for o in x.text_offset] == lp.text_offset
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=40, temperature=2.0, seed=5, logprobs=True, top_logprobs=3,
     )  # fmt: skip

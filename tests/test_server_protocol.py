@@ -295,7 +295,7 @@ def test_logprob_shapes():
         {5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "b")},
         {7: Logprob(-2.0, 3, "cc"), 5: Logprob(-0.1, 1, "a"), 8: Logprob(float("-inf"), 9, "z")},
     ]
-    c = P.completion_logprobs(entries, [5, 7], lambda t: f"<{t}>", start_offset=3)
+    c = P.completion_logprobs(entries, [5, 7], lambda t: f"<{t}>", P.TextOffsets(3))
     assert c == {
         "tokens": ["a", "cc"],
         "token_logprobs": [-0.5, -2.0],
@@ -313,6 +313,16 @@ def test_logprob_shapes():
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
+
+
+def test_text_offsets_count_characters_across_deltas():
+    # "é" = c3 a9 split over two tokens (and two stream deltas), then a lone continuation byte
+    # (an invalid sequence: one replacement character), then "x"
+    o = P.TextOffsets(2)
+    first = [o.advance(b"a"), o.advance(b"\xc3")]
+    second = [o.advance(b"\xa9"), o.advance(b"\xb2"), o.advance(b"x"), o.advance(b"")]
+    assert first + second == [2, 3, 3, 4, 5, 6]
+    assert o.offset == 6  # a, é, U+FFFD, x after the start offset 2
 
 
 def test_sse_event_framing():

@@ -482,7 +482,8 @@ class _Choice:
     done: bool = False
     engine_finished: bool = False
     started_stream: bool = False
-    text_offset: int = 0
+    # completions logprobs: where the next token starts in the text, across stream deltas
+    offsets: P.TextOffsets = field(default_factory=P.TextOffsets)
     last_token_time: float | None = None
 
 
@@ -643,17 +644,16 @@ def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:
 def _logprobs_json(
     req: P.GenerateRequest,
     info: EngineModelInfo,
-    choice: _Choice,
     entries: list[Any],
     ids: list[int],
-    offset: int,
+    offsets: P.TextOffsets,
 ) -> dict[str, Any] | None:
     if req.logprobs is None:
         return None
     if req.kind == "completion":
         skip = req.params.skip_special_tokens
         return P.completion_logprobs(
-            entries, ids, info.token_text, offset, text_bytes=lambda t: info.text_bytes(t, skip)
+            entries, ids, info.token_text, offsets, text_bytes=lambda t: info.text_bytes(t, skip)
         )
     return P.chat_logprobs(entries, ids, info.token_text, req.logprobs, token_bytes=info.token_bytes)
 
@@ -699,7 +699,7 @@ async def _collect(
         prefix = ""
         if req.echo:
             prefix = _echo_text(info, req, c.prompt)
-        lps = _logprobs_json(req, info, c, c.logprobs, c.token_ids, len(prefix))
+        lps = _logprobs_json(req, info, c.logprobs, c.token_ids, P.TextOffsets(len(prefix)))
         if req.kind == "completion":
             out.append(P.completion_choice(c.index, prefix + c.text, c.finish_reason, lps, c.stop_reason))
         else:
@@ -770,12 +770,11 @@ async def _send_delta(
         return
     lps = None
     if req.logprobs is not None and delta.logprobs is not None:
-        lps = _logprobs_json(req, info, choice, delta.logprobs, delta.token_ids, choice.text_offset)
+        lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
     if req.kind == "completion":
         text = delta.text
         if req.echo and not choice.started_stream:
             text = _echo_text(info, req, choice.prompt) + text
-        choice.text_offset += len(text)
         cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
                                  choice.stop_reason if delta.finished else None)  # fmt: skip
     else:

@@ -695,26 +695,38 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+class TextOffsets:
+    """Where each token of a completion starts in its text (completions logprobs' `text_offset`),
+    carried across the deltas of a stream: the characters that the tokens so far completed, so a
+    character made of several byte tokens is counted once (its pieces share its offset)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of a token that adds `raw` to the text; moves past it."""
+        at = self.offset
+        self.offset += len(self._utf8.decode(raw))
+        return at
+
+
 def completion_logprobs(
     entries: Sequence[TokenLogprobs],
     token_ids: Sequence[int],
     token_text: Callable[[int], str],
-    start_offset: int,
+    offsets: TextOffsets,
     text_bytes: Callable[[int], bytes] | None = None,
 ) -> dict[str, Any]:
     """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
 
-    `text_offset[i]` is where token i starts in the text: `start_offset` plus the characters that
-    the tokens before it completed, so a character made of several byte tokens is counted once
-    (its pieces share its offset) and a skipped special token adds nothing. `text_bytes(t)` is
-    what token t adds to the text (default: its label's UTF-8 bytes).
+    `text_bytes(t)` is what token t adds to the text (nothing for a skipped special token;
+    default: its label's UTF-8 bytes); `offsets` is advanced past these tokens.
     """
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top: list[dict[str, float]] = []
-    offsets: list[int] = []
-    offset = start_offset
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text_offset: list[int] = []
     for tid, entry in zip(token_ids, entries):
         text = _entry_text(tid, entry, token_text)
         tokens.append(text)
@@ -725,9 +737,15 @@ def completion_logprobs(
             key = _entry_text(other_id, entry, token_text)
             top_d.setdefault(key, _finite(lp.logprob))
         top.append(top_d)
-        offsets.append(offset)
-        offset += len(utf8.decode(text_bytes(tid) if text_bytes is not None else text.encode("utf-8")))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        text_offset.append(
+            offsets.advance(text_bytes(tid) if text_bytes is not None else text.encode("utf-8"))
+        )
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
 
 
 def chat_logprobs(
