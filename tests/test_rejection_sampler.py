@@ -311,6 +311,19 @@ def test_first_token_distribution_without_draft_probs(pq16):
     assert abs(rate - alpha) < 6 * (alpha * (1 - alpha) / n) ** 0.5
 
 
+def test_drafts_drawn_with_the_requests_own_noise_do_not_bias_the_recovery(pq16):
+    # A proposer that samples its drafts through the plain sampler with the request's own seed
+    # uses the noise of (seed, position); the recovered token must not reuse it.
+    p, q, p_next = pq16
+    n = 40_000
+    rows = [RowSampling(SamplingParams(temperature=1.0), seed=i) for i in range(n)]
+    drafts = Sampler().sample(log(q)[None].expand(n, 16), rows).token_ids
+    logits = torch.stack([log(p), log(p_next)])[None].expand(n, 2, 16).reshape(2 * n, 16)
+    out = RejectionSampler().sample(logits, drafts, rows, [1] * n, draft_probs=q[None].expand(n, 16))
+    first = torch.bincount(torch.tensor([t[0] for t in out.token_ids]), minlength=16)
+    assert chisquare_pvalue(first, p) > PASS_P
+
+
 def test_target_params_are_applied_before_acceptance(pq16):
     # With temperature and top-k, the emitted first token follows the processed target.
     p, q, p_next = pq16

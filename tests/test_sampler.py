@@ -157,12 +157,31 @@ def test_noise_is_keyed_by_seed_and_output_position():
     assert abs(float(many.mean()) - 1.0) < 0.02
 
 
+def test_keyed_draws_use_the_whole_key():
+    # torch's CPU generator keeps 32 bits of a seed; keys that differ above bit 31 must still give
+    # other draws (else two positions of a long request could share their noise)
+    from hybridserve.sampling.sampler import _keyed_draws
+
+    cpu = torch.device("cpu")
+    for kind in ("exponential", "uniform"):
+        a = _keyed_draws(12345, 64, kind, torch.float64, cpu)
+        assert torch.equal(a, _keyed_draws(12345, 64, kind, torch.float64, cpu))
+        assert not torch.equal(a, _keyed_draws(12345 + 2**32, 64, kind, torch.float64, cpu))
+        assert not torch.equal(a, _keyed_draws(12345 + 2**62, 64, kind, torch.float64, cpu))
+
+
 def test_unseeded_requests_derive_their_seed_from_engine_seed_and_index():
     assert derive_seed(0, 0) == derive_seed(0, 0)
     assert len({derive_seed(0, i) for i in range(1000)}) == 1000
     assert derive_seed(1, 5) != derive_seed(0, 5)
     assert request_seed(None, 7, 3) == request_seed(None, 7, 3) == derive_seed(7, 3)
     assert request_seed(42, 7, 3) == 42
+    # choice j of a request seeded s is not the j-th unseeded request of an engine seeded s
+    from hybridserve.sampling.seeds import choice_seed
+
+    assert choice_seed(0, 0) == 0 and choice_seed(None, 3) is None
+    assert all(choice_seed(s, j) != derive_seed(s, j) for s in (0, 1, 7) for j in range(1, 5))
+    assert len({choice_seed(s, j) for s in range(20) for j in range(5)}) == 100
 
 
 def test_keyed_draws_follow_the_processed_distribution():

@@ -323,6 +323,10 @@ def test_text_offsets_count_characters_across_deltas():
     second = [o.advance(b"\xa9"), o.advance(b"\xb2"), o.advance(b"x"), o.advance(b"")]
     assert first + second == [2, 3, 3, 4, 5, 6]
     assert o.offset == 6  # a, é, U+FFFD, x after the start offset 2
+    # an unfinished character cut off by a token that does not continue it: one U+FFFD, then " cat"
+    o = P.TextOffsets()
+    assert [o.advance(b) for b in (b"\xf0", b"\x9f", b" c", b"at")] == [0, 0, 1, 3]
+    assert o.offset == len("\ufffd cat")
 
 
 def test_sse_event_framing():

@@ -24,7 +24,7 @@ p_j(d_j)`, `u_j ~ U[0,1)` (probability `min(1, p/q)`); at the first rejection th
 from `max(p_j - q_j, 0)` normalised (a row whose residual mass is zero, possible only by rounding,
 falls back to p_j); when all drafts are accepted, a bonus token from p_k. The k_r uniforms are
 keyed by (seed, n_r) in the uniform stream, the final draw's exponentials by (seed, n_r) in the
-noise stream: every later step starts at a later position, so no draw is ever reused. Greedy rows
+recovery stream: every later step starts at a later position, so no draw is ever reused. Greedy rows
 accept while `d_j == argmax p_j` either way. Rows without a seed share the batch generator.
 
 Each row emits its accepted drafts plus exactly one token. On CUDA (float32 logits) the
@@ -54,6 +54,7 @@ from hybridserve.sampling.sampler import (
     race_sample,
     uniform_draws,
 )
+from hybridserve.sampling.seeds import RECOVERY_STREAM
 
 
 @dataclass
@@ -81,11 +82,11 @@ class RejectionSampler:
     """Greedy and random rows in one batch; see the module docstring."""
 
     def __init__(self, logprobs_mode: LogprobsMode = "raw", use_kernel: bool | None = None) -> None:
-        """`use_kernel`: None (default) runs the fused `hybridserve.kernels.dispatch.rejection_sample`
-        op when the logits are float32 on a CUDA device (and `HYBRIDSERVE_KERNELS` is not
-        `reference`), the vectorised torch code otherwise; True always goes through dispatch (its
-        torch twin on the CPU); False never. Both paths draw the same randomness in the same order
-        and give the same tokens."""
+        """`use_kernel` (drafts with probabilities only; point-mass drafts never need the op):
+        None (default) runs the fused `hybridserve.kernels.dispatch.rejection_sample` op when the
+        logits are float32 on a CUDA device (and `HYBRIDSERVE_KERNELS` is not `reference`), the
+        vectorised torch code otherwise; True always goes through dispatch (its torch twin on the
+        CPU); False never. Both paths draw the same randomness and give the same tokens."""
         self._sampler = Sampler(logprobs_mode)
         self.use_kernel = use_kernel
 
@@ -113,7 +114,6 @@ class RejectionSampler:
         start: torch.Tensor,
         dstart: torch.Tensor,
         row_index: torch.Tensor,
-        pos_in_row: torch.Tensor,
         draft_pos: torch.Tensor,
         rows: Sequence[RowSampling],
         generator: torch.Generator | None,
@@ -124,20 +124,32 @@ class RejectionSampler:
         device = probs.device
         vocab = probs.shape[1]
         m = probs.shape[0]
-        own = torch.empty(m, dtype=torch.int64, device=device)
+        own = torch.full((m,), -1, dtype=torch.int64, device=device)  # -1: never drawn
         greedy_list = proc.greedy.tolist()
         if any(greedy_list):
             g_idx = proc.greedy.nonzero().squeeze(1)
             own[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
         if not all(greedy_list):
-            r_idx = (~proc.greedy).nonzero().squeeze(1)
-            ri, pj = row_index[r_idx].tolist(), pos_in_row[r_idx].tolist()
-            keys: list[tuple[int, int] | None] = []
-            for r, j in zip(ri, pj):
-                key = rows[r].noise_key
-                keys.append(None if key is None else (key[0], key[1] + j))
-            noise = exponential_noise(vocab, keys, generator, probs.dtype, device)
-            own[r_idx] = race_sample(probs[r_idx], noise)
+            # Random rows draw position by position and stop at their first mismatch: a draw
+            # costs V exponentials, and the positions after a rejection are never looked at.
+            ks = ks_t.tolist()
+            start_l, dstart_l = start.tolist(), dstart.tolist()
+            drafts_l = drafts.tolist()
+            alive = [r for r in range(len(rows)) if not rows[r].greedy]
+            j = 0
+            while alive:
+                pos = [start_l[r] + j for r in alive]
+                keys: list[tuple[int, int] | None] = []
+                for r in alive:
+                    key = rows[r].noise_key
+                    keys.append(None if key is None else (key[0], key[1] + j))
+                pos_t = torch.as_tensor(pos, dtype=torch.int64, device=device)
+                noise = exponential_noise(vocab, keys, generator, probs.dtype, device)
+                drawn = race_sample(probs[pos_t], noise)
+                own[pos_t] = drawn
+                drawn_l = drawn.tolist()
+                alive = [r for r, t in zip(alive, drawn_l) if j < ks[r] and t == drafts_l[dstart_l[r] + j]]
+                j += 1
 
         accept = drafts == own[draft_pos]
         num_acc = _accepted_prefix(accept, ks_t, dstart, row_index, draft_pos)
@@ -206,7 +218,7 @@ class RejectionSampler:
                 ok = rec.sum(dim=-1) > 0
                 dist[rr] = torch.where(ok[:, None], rec, p_stop[rr])
             noise = exponential_noise(
-                vocab, [rows[i].noise_key for i in r_list], generator, probs.dtype, device
+                vocab, [rows[i].noise_key for i in r_list], generator, probs.dtype, device, RECOVERY_STREAM
             )
             final[r_idx] = race_sample(dist, noise)
         return num_acc, final
@@ -246,7 +258,12 @@ class RejectionSampler:
                 owner_greedy = torch.repeat_interleave(greedy_rows, ks_t)
                 uniforms[~owner_greedy] = u
             noise[r_idx] = exponential_noise(
-                vocab, [rows[i].noise_key for i in rand_rows], generator, torch.float32, device
+                vocab,
+                [rows[i].noise_key for i in rand_rows],
+                generator,
+                torch.float32,
+                device,
+                RECOVERY_STREAM,
             )
         tokens, num_acc = dispatch.rejection_sample(
             probs.to(torch.float32),
@@ -296,14 +313,14 @@ class RejectionSampler:
                         )
                 target_logits = torch.cat(list(target_logits)) if num_rows else torch.zeros(0, 1)
             if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
-                draft_probs = torch.cat(list(draft_probs)) if len(draft_probs) else None
+                draft_probs = _concat_draft_probs(list(draft_probs))
         else:
             ks = [int(k) for k in num_draft_tokens]
             flat_drafts = draft_token_ids  # type: ignore[assignment]
             if not isinstance(target_logits, torch.Tensor):
                 target_logits = torch.cat(list(target_logits))
             if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
-                draft_probs = torch.cat(list(draft_probs))
+                draft_probs = _concat_draft_probs(list(draft_probs))
         if len(ks) != num_rows:
             raise ValueError(f"num_draft_tokens has {len(ks)} entries for {num_rows} rows")
         if any(k < 0 for k in ks):
@@ -354,7 +371,7 @@ class RejectionSampler:
         rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
         if draft_probs is None:
             num_acc, final = self._sample_point_mass(
-                proc, drafts, ks_t, start, dstart, row_index, pos_in_row, draft_pos, rows, generator
+                proc, drafts, ks_t, start, dstart, row_index, draft_pos, rows, generator
             )
         elif self._kernel_path(probs):
             num_acc, final = self._sample_with_kernel(
@@ -413,6 +430,15 @@ class RejectionSampler:
                 logprobs[i] = [e for e in entries[off : off + n] if e is not None]
                 off += n
         return RejectionOutput(token_ids=token_ids, num_accepted=num_acc_l, logprobs=logprobs)
+
+
+def _concat_draft_probs(blocks: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-row draft probabilities as one tensor; None when no row has them (point masses)."""
+    if all(b is None for b in blocks):
+        return None
+    if any(b is None for b in blocks):
+        raise ValueError("draft_probs: give probabilities for every row or for none")
+    return torch.cat([b for b in blocks if b is not None])
 
 
 def _accepted_prefix(

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 from hybridserve.engine.outputs import Logprob, TokenLogprobs
@@ -47,16 +48,42 @@ SAMPLING_EPS = 1e-5
 LogprobsMode = Literal["raw", "processed"]
 
 
-def keyed_noise(
-    keys: Sequence[tuple[int, int]], vocab: int, dtype: torch.dtype, device: torch.device
+def _keyed_draws(
+    key: int, count: int, kind: Literal["exponential", "uniform"], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[len(keys), vocab] Exp(1) noise; row i depends only on keys[i] = (seed, output position)."""
+    """`count` Exp(1) or U[0, 1) draws that depend only on the 63-bit `key`.
+
+    On the CPU torch's generator (mt19937) keeps only 32 bits of its seed, which would let two
+    positions of one long request share their noise (birthday odds L^2 / 2^33); numpy's Philox
+    takes the whole key. CUDA's Philox generator takes a 64-bit seed as it is."""
+    if device.type == "cpu":
+        rng = np.random.Generator(np.random.Philox(key=key))
+        np_dtype = np.float64 if dtype == torch.float64 else np.float32
+        arr = (
+            rng.standard_exponential(count, dtype=np_dtype)
+            if kind == "exponential"
+            else rng.random(count, dtype=np_dtype)
+        )
+        return torch.from_numpy(arr).to(dtype)
+    g = torch.Generator(device=device)
+    g.manual_seed(key)
+    if kind == "exponential":
+        return torch.empty(count, dtype=dtype, device=device).exponential_(generator=g)
+    return torch.rand(count, dtype=dtype, device=device, generator=g)
+
+
+def keyed_noise(
+    keys: Sequence[tuple[int, int]],
+    vocab: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    stream: int = NOISE_STREAM,
+) -> torch.Tensor:
+    """[len(keys), vocab] Exp(1) noise; row i depends only on keys[i] = (seed, output position)
+    and the stream (the plain token draw by default)."""
     noise = torch.empty((len(keys), vocab), dtype=dtype, device=device)
-    if keys:
-        g = torch.Generator(device=device)
-        for i, (seed, position) in enumerate(keys):
-            g.manual_seed(keyed_seed(seed, position, NOISE_STREAM))
-            noise[i].exponential_(generator=g)
+    for i, (seed, position) in enumerate(keys):
+        noise[i] = _keyed_draws(keyed_seed(seed, position, stream), vocab, "exponential", dtype, device)
     return noise.clamp_min_(torch.finfo(dtype).tiny)
 
 
@@ -65,8 +92,9 @@ class RowSampling:
     """What the sampler needs to know about one row (one request at one position).
 
     `prompt_token_ids` and `output_token_ids` are the request's history (the output so far, not
-    including the token being sampled); they are only read when a penalty or `min_tokens` is
-    active. `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
+    including the token being sampled); their contents are only read when a penalty or
+    `min_tokens` is active, but the length of the output is the position that keys the draw, so a
+    row object reused for the next token must have its output (or `position`) updated. `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
     `params.min_tokens` tokens were generated. `seed` None: the noise comes from the batch
     generator; otherwise it is keyed by (seed, `position`), the index of the output token being
     drawn (default: `len(output_token_ids)`, which the engine always passes).
@@ -291,23 +319,26 @@ def exponential_noise(
     batch_generator: torch.Generator | None,
     dtype: torch.dtype,
     device: torch.device,
+    stream: int = NOISE_STREAM,
 ) -> torch.Tensor:
-    """[len(keys), vocab] Exp(1) noise: row i keyed by keys[i] = (seed, position) (`keyed_noise`),
-    rows whose key is None from the batch generator (one vectorised draw)."""
+    """[len(keys), vocab] Exp(1) noise: row i keyed by keys[i] = (seed, position) in `stream`
+    (`keyed_noise`), rows whose key is None from the batch generator (one vectorised draw)."""
     noise = torch.empty((len(keys), vocab), dtype=dtype, device=device)
     own = [i for i, k in enumerate(keys) if k is not None]
     shared = [i for i, k in enumerate(keys) if k is None]
     if own:
         own_keys = [k for k in keys if k is not None]
         noise[torch.as_tensor(own, dtype=torch.int64, device=device)] = keyed_noise(
-            own_keys, vocab, dtype, device
+            own_keys, vocab, dtype, device, stream
         )
     if shared:
         gen_device = batch_generator.device if batch_generator is not None else device
         e = torch.empty((len(shared), vocab), dtype=dtype, device=gen_device)
         e.exponential_(generator=batch_generator)
-        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = e.to(device)
-    return noise.clamp_min_(torch.finfo(dtype).tiny)
+        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = e.clamp_min_(
+            torch.finfo(dtype).tiny
+        ).to(device)
+    return noise
 
 
 def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -332,12 +363,12 @@ def uniform_draws(
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
-        g = torch.Generator(device=device)
         for i in own:
             key = keys[i]
             assert key is not None
-            g.manual_seed(keyed_seed(key[0], key[1], UNIFORM_STREAM))
-            out[offsets[i] : offsets[i + 1]] = torch.rand(counts[i], dtype=dtype, device=device, generator=g)
+            out[offsets[i] : offsets[i + 1]] = _keyed_draws(
+                keyed_seed(key[0], key[1], UNIFORM_STREAM), counts[i], "uniform", dtype, device
+            )
     if shared:
         gen_device = batch_generator.device if batch_generator is not None else device
         u = torch.rand(shared, dtype=dtype, device=gen_device, generator=batch_generator).to(device)

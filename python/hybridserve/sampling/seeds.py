@@ -19,6 +19,13 @@ _MASK63 = (1 << 63) - 1
 # verify step with draft probabilities. Distinct constants keep the streams independent.
 NOISE_STREAM = 0x6E6F697365
 UNIFORM_STREAM = 0x756E69666F726D
+# The final draw of a verify step with draft probabilities (from the recovery or bonus
+# distribution): its own stream, so that a proposer drafting with the request's plain noise at
+# the same position cannot correlate with it.
+RECOVERY_STREAM = 0x7265636F76657279
+# Choice j > 0 of an n > 1 request: not derive_seed(seed, j), which is what the j-th unseeded
+# request of an engine started with --seed `seed` gets.
+CHOICE_STREAM = 0x63686F696365
 
 
 def _mix64(z: int) -> int:
@@ -42,7 +49,7 @@ def choice_seed(seed: int | None, choice_index: int) -> int | None:
     """The seed of choice `choice_index` of a request seeded with `seed` (None stays None)."""
     if seed is None or choice_index == 0:
         return seed
-    return derive_seed(seed, choice_index)
+    return keyed_seed(seed, choice_index, CHOICE_STREAM)
 
 
 def keyed_seed(seed: int, position: int, stream: int) -> int:

@@ -707,6 +707,9 @@ class TextOffsets:
     def advance(self, raw: bytes) -> int:
         """The offset of a token that adds `raw` to the text; moves past it."""
         at = self.offset
+        pending = self._utf8.getstate()[0]
+        if pending and raw and not 0x80 <= raw[0] <= 0xBF:
+            at += 1  # the unfinished character before it becomes one U+FFFD: the token starts after
         self.offset += len(self._utf8.decode(raw))
         return at
 
