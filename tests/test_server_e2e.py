@@ -372,11 +372,17 @@ def test_logprobs_of_pieces_of_characters(client):
         assert top[tok] == pytest.approx(chosen)
     # the labels' bytes are the text's bytes, and each offset counts the characters completed before
     assert b"".join(_label_bytes(t) for t in lp.tokens).decode("utf-8", errors="replace") == c.text
+    # a token that starts a character starts after everything before it (an unfinished character
+    # before it is one U+FFFD); a piece that continues a character shares that character's offset
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    done = ""
+    before, completed = b"", ""
     for tok, off in zip(lp.tokens, lp.text_offset):
-        assert off == len(done) <= len(c.text) and c.text.startswith(done)
-        done += utf8.decode(_label_bytes(tok))
+        raw = _label_bytes(tok)
+        continues = bool(raw) and 0x80 <= raw[0] <= 0xBF
+        want = len(completed) if continues else len(before.decode("utf-8", errors="replace"))
+        assert off == want <= len(c.text), (tok, off, want)
+        before += raw
+        completed += utf8.decode(raw)
     # streamed: the same tokens and offsets, whatever deltas split the characters
     chunks = client.completions.create(
         model=MODEL, prompt="Once", max_tokens=40, temperature=2.0, seed=5, logprobs=5,
