@@ -211,6 +211,28 @@ def test_a_failing_step_fails_its_requests_and_the_engine_recovers(monkeypatch: 
     )
 
 
+def test_an_interrupt_mid_step_leaves_the_llm_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    real = llm.engine.em.model.forward
+    calls = []
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.em.model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, "Hello"], params)
+    monkeypatch.undo()
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0 and not llm.engine.requests
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == want
+
+
 def test_stop_strings_wait_for_min_tokens() -> None:
     llm = llm32()
     base = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -218,10 +218,15 @@ class LLMEngine:
             deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
         except Exception as exc:
             raise self._recover_from_failed_step(out, num_rows, exc) from exc
+        except BaseException as exc:
+            # Ctrl-C (or SystemExit) mid-step: close the step the same way, so that the engine
+            # stays usable, and let the interrupt through
+            self._recover_from_failed_step(out, num_rows, exc)
+            raise
         return self._process_deltas(deltas, req_ids, sampled_rows, row_logprobs)
 
     def _recover_from_failed_step(
-        self, out: _core.SchedulerOutput, num_rows: int, exc: Exception
+        self, out: _core.SchedulerOutput, num_rows: int, exc: BaseException
     ) -> StepError:
         """A forward that failed half-way may have written some state slots and KV blocks and not
         others, and its checkpoints would be committed by the update. So every request in flight
@@ -240,7 +245,10 @@ class LLMEngine:
             self._forget(rid)
         if not self.scheduler.reset_prefix_cache():
             logger.error("could not empty the prefix cache after a failed step")
-        logger.exception("engine step failed; %d requests failed with it", len(failed))
+        if isinstance(exc, Exception):
+            logger.exception("engine step failed; %d requests failed with it", len(failed))
+        else:
+            logger.warning("engine step interrupted (%r); %d requests aborted", exc, len(failed))
         return StepError(f"the engine step failed: {exc}", failed)
 
     def _sample(
