@@ -138,6 +138,29 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
         llm.generate({"prompt_token_ids": ["a", "b"]}, SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError):
         SamplingParams(temperature=-1)
+    # no silent conversions: a float or a bool is not a token id, bytes are not a prompt
+    for bad in (
+        {"prompt_token_ids": [1.5, 2]},
+        {"prompt_token_ids": [True]},
+        b"hi",
+        "a\ud800b",
+        None,
+        5,
+    ):
+        with pytest.raises(InvalidRequestError):
+            llm.generate(bad, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
+    for kw in (
+        {"temperature": "0.5"},
+        {"temperature": None},
+        {"max_tokens": True},
+        {"n": True},
+        {"seed": True},
+        {"stop_token_ids": 5},
+    ):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[10**6]))
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
     assert (
@@ -150,6 +173,54 @@ def test_config_errors_are_typed() -> None:
         LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)
     with pytest.raises(ConfigError):
         LLM("/nonexistent/model/folder")
+    # values no machine can honour are refused up front, naming the flag
+    for kw, flag in (
+        ({"cpu_threads": 100_000}, "--cpu-threads"),
+        ({"block_size": 2**70}, "--block-size"),
+        ({"max_num_seqs": 2**64}, "--max-num-seqs"),
+        ({"num_kv_blocks": 10**12}, "--num-kv-blocks"),
+    ):
+        with pytest.raises(ConfigError, match=flag):
+            LLM("demo", dtype="float32", **kw)
+    # sizes within the bounds that still cannot be allocated: a ConfigError, not torch's error
+    with pytest.raises(ConfigError, match="cannot allocate the caches"):
+        LLM("demo", dtype="float32", max_model_len=256, kv_cache_memory=10**15)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            LLM("demo", dtype="float32", device="cuda")
+    else:
+        with pytest.raises(ConfigError, match="CUDA device"):
+            LLM("demo", dtype="float32", device=f"cuda:{torch.cuda.device_count()}")
+
+
+def test_the_proposer_uses_the_validated_speculative_config() -> None:
+    # only prompt_lookup_min given: max becomes max(4, min), as `hybridserve config` reports it
+    llm = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6},
+    )
+    from hybridserve import EngineArgs
+
+    spec = EngineArgs(model="demo", speculative_config=llm.engine.args.speculative_config).speculative()
+    assert spec is not None and (spec.prompt_lookup_min, spec.prompt_lookup_max) == (6, 6)
+    assert (llm.engine.proposer.prompt_lookup_min, llm.engine.proposer.prompt_lookup_max) == (6, 6)
+    # the JSON string form EngineArgs accepts builds the same engine
+    as_json = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=256,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+    )
+    assert (as_json.engine.proposer.prompt_lookup_min, as_json.engine.proposer.prompt_lookup_max) == (1, 3)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert (
+        as_json.generate(PROMPT, params)[0].outputs[0].token_ids
+        == llm32().generate(PROMPT, params)[0].outputs[0].token_ids
+    )
 
 
 def test_generate_cli_prints_json() -> None:
@@ -244,6 +315,20 @@ def test_stop_strings_wait_for_min_tokens() -> None:
         PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop], min_tokens=8)
     )
     assert len(late[0].outputs[0].token_ids) >= 8
+
+
+def test_a_rejected_request_takes_no_arrival_index() -> None:
+    # unseeded requests draw from (engine seed, arrival index): a refused one must not shift them
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    fresh = LLM("demo", dtype="float32", max_model_len=256)
+    want = fresh.generate(PROMPT, params)[0].outputs[0].token_ids
+    llm = LLM("demo", dtype="float32", max_model_len=256)
+    with pytest.raises(InvalidRequestError):
+        llm.generate({"prompt_token_ids": list(range(300))}, params)
+    # a batch refused because of its second prompt: the first one was admitted, then withdrawn
+    with pytest.raises(InvalidRequestError):
+        llm.generate([PROMPT, ""], params)
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == want
 
 
 def test_n_with_the_largest_seed_and_no_leak() -> None:

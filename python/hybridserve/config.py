@@ -324,6 +324,25 @@ class SpeculativeConfig:
         return out
 
 
+# Largest accepted values of the integer flags (beyond them nothing can be allocated or indexed;
+# the Rust core takes 32-bit counts and 64-bit byte sizes).
+_UPPER_BOUNDS = {
+    "block_size": 2**20,
+    "max_num_seqs": 2**20,
+    "max_queue_len": 2**31 - 1,
+    "mamba_block_size": 2**20,
+    "max_num_batched_tokens": 2**31 - 1,
+    "max_model_len": 2**31 - 1,
+    "num_kv_blocks": 2**31 - 1,
+    "num_mamba_slots": 2**31 - 1,
+    "kv_cache_memory": 2**62,
+    "mamba_cache_memory": 2**62,
+    "cache_memory": 2**62,
+    "cpu_threads": 1024,
+    "seed": 2**64 - 1,
+}
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -437,10 +456,11 @@ class EngineArgs:
             v = getattr(self, name)
             if v is None and name in optional:
                 continue
-            if not _is_int(v) or v < lo:
-                raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {v!r}")
-        if self.seed >= 2**64:
-            raise ConfigError(f"--seed must be < 2**64, got {self.seed}")
+            hi = _UPPER_BOUNDS.get(name)
+            if not _is_int(v) or v < lo or (hi is not None and v > hi):
+                within = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                shown = v if not _is_int(v) or abs(v) < 10**30 else f"a {len(str(abs(v)))}-digit number"
+                raise ConfigError(f"{_flag(name)} must be an integer {within}, got {shown!r}")
         if self.cache_memory is not None and None not in (self.kv_cache_memory, self.mamba_cache_memory):
             raise ConfigError(
                 "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
@@ -496,6 +516,8 @@ class EngineArgs:
             decisions.append(Decision("dtype_auto", "info", f"dtype = {dtype} ({why})"))
         if spec is not None and spec.method is SpecMethod.NGRAM:
             given = self.speculative_config or {}
+            if isinstance(given, str):
+                given = _parse_speculative_json(given)
             if not isinstance(given, Mapping) or (
                 "prompt_lookup_min" not in given or "prompt_lookup_max" not in given
             ):

@@ -8,12 +8,13 @@ outs[0].outputs[0].text
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine, Prompt
 from hybridserve.engine.outputs import RequestOutput
+from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import choice_seed
 
@@ -46,8 +47,12 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
+            prompt_list = list(prompts)
         else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
+            raise InvalidRequestError(
+                f"prompts: a prompt or a list of prompts (str, token ids or dict), not {type(prompts).__name__}"
+            )
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -59,6 +64,7 @@ class LLM:
 
         # Each of the n sequences of a prompt is one engine request; they are merged afterwards.
         groups: list[list[str]] = []
+        arrival_index = self.engine.arrival_index
         try:
             for prompt, params in zip(prompt_list, params_list):
                 ids: list[str] = []
@@ -70,9 +76,12 @@ class LLM:
                     self.engine.add_request(rid, prompt, sub)
                     ids.append(rid)
         except Exception:
+            # a refused batch changes nothing: its requests are gone and the arrival indices they
+            # took are given back, so later unseeded requests sample as if it was never sent
             for ids in groups:
                 for rid in ids:
                     self.engine.abort_request(rid)
+            self.engine.arrival_index = arrival_index
             raise
 
         final: dict[str, RequestOutput] = {}

@@ -6,6 +6,7 @@ The engine is synchronous and single-threaded; AsyncEngine runs it in a thread o
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +73,18 @@ def _to_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
     )
 
 
+def _token_ids(ids: object) -> list[int]:
+    """Token ids as ints; a float, a bool or a string is an error, not a truncated id."""
+    if isinstance(ids, str | bytes | bytearray):
+        raise TypeError(f"{type(ids).__name__} is not a list of token ids")
+    out = []
+    for t in ids:  # type: ignore[attr-defined]
+        if isinstance(t, bool):
+            raise TypeError("a bool is not a token id")
+        out.append(operator.index(t))
+    return out
+
+
 class LLMEngine:
     """The offline engine: add requests, call `step()` until `has_unfinished_requests()` is False."""
 
@@ -96,7 +109,8 @@ class LLMEngine:
             self.rejection_sampler = RejectionSampler()
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
-        self._seed_counter = 0
+        # index of the next admitted request: keys the seed of requests without their own
+        self.arrival_index = 0
         self.acceptance_per_position = [0] * self.num_speculative_tokens
         # False (the offline LLM API): step() returns only finished requests, and their text is
         # decoded once at the end unless stop strings need watching. Streaming callers keep True.
@@ -111,14 +125,24 @@ class LLMEngine:
 
     def _encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    "prompt: not valid Unicode (it holds an unpaired surrogate)"
+                ) from None
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._encode_prompt(str(prompt["prompt"]))
             raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        return None, [int(t) for t in prompt]
+        if isinstance(prompt, bytes | bytearray) or prompt is None:
+            raise InvalidRequestError(
+                f"prompt: a str, a list of token ids or a dict, not {type(prompt).__name__}"
+            )
+        return None, _token_ids(prompt)
 
     def add_request(
         self,
@@ -146,8 +170,9 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        seed = request_seed(params.seed, int(self.args.seed), self._seed_counter)
-        self._seed_counter += 1
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        seed = request_seed(params.seed, int(self.args.seed), self.arrival_index)
         self.scheduler.add_request(
             request_id,
             ids,
@@ -159,6 +184,7 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
+        self.arrival_index += 1  # only requests that were admitted take an arrival index
         self.requests[request_id] = RequestState(
             request_id=request_id,
             prompt=text,

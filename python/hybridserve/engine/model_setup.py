@@ -10,7 +10,14 @@ from typing import Any
 import torch
 
 from hybridserve import _core
-from hybridserve.config import EngineArgs, log_decisions, read_model_capabilities
+from hybridserve.config import (
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    EngineArgs,
+    SpeculativeConfig,
+    log_decisions,
+    read_model_capabilities,
+)
 from hybridserve.engine.sizing import CacheSizes, compute_cache_sizes
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
@@ -65,6 +72,12 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     resolved: _core.ResolvedConfig = resolved_engine.core
     dtype = _DTYPES[resolved_engine.dtype]
     device = torch.device(args.device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device is available here (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     if args.cpu_threads is not None:
         torch.set_num_threads(int(args.cpu_threads))
         logger.info("torch CPU threads: %d (--cpu-threads)", torch.get_num_threads())
@@ -95,15 +108,22 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         num_mamba_slots=args.num_mamba_slots,
     )
     resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
-    caches = ModelCaches(
-        mcfg,
-        num_blocks=sizes.num_kv_blocks,
-        block_size=int(resolved.block_size),
-        num_slots=sizes.num_mamba_slots,
-        kv_dtype=dtype,
-        state_dtype=state_dtype,
-        device=device,
-    )
+    try:
+        caches = ModelCaches(
+            mcfg,
+            num_blocks=sizes.num_kv_blocks,
+            block_size=int(resolved.block_size),
+            num_slots=sizes.num_mamba_slots,
+            kv_dtype=dtype,
+            state_dtype=state_dtype,
+            device=device,
+        )
+    except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+        raise ConfigError(
+            f"cannot allocate the caches ({sizes.num_kv_blocks} KV blocks, {sizes.num_mamba_slots} "
+            f"Mamba slots) on {device}: {str(exc).splitlines()[0]}; lower --kv-cache-memory / "
+            "--mamba-cache-memory / --cache-memory or --num-kv-blocks / --num-mamba-slots"
+        ) from exc
     tokenizer = Tokenizer(model_dir)
     eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
     vocab_size = int(mcfg.vocab_size)
@@ -116,7 +136,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         int(resolved.block_size),
         sizes.num_mamba_slots,
     )
-    proposer = build_proposer(args, resolved, dtype, device, vocab_size)
+    proposer = build_proposer(resolved_engine.speculative, resolved, dtype, device, vocab_size)
     return EngineModel(
         model=loaded.model,
         model_config=mcfg,
@@ -134,27 +154,27 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
 
 
 def build_proposer(
-    args: EngineArgs,
+    spec: SpeculativeConfig | None,
     resolved: _core.ResolvedConfig,
     dtype: torch.dtype,
     device: torch.device,
     vocab_size: int,
 ) -> Any:
+    """The proposer of the validated speculative config (the one `hybridserve config` shows)."""
     method = resolved.speculative_method
-    if method is None:
+    if method is None or spec is None:
         return None
-    spec = dict(args.speculative_config or {})
     if method == "ngram":
         from hybridserve.spec_decode.ngram import NgramProposer
 
         return NgramProposer(
-            prompt_lookup_min=int(spec.get("prompt_lookup_min", 1)),
-            prompt_lookup_max=int(spec.get("prompt_lookup_max", 4)),
+            prompt_lookup_min=int(spec.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN),
+            prompt_lookup_max=int(spec.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP_MAX),
         )
     if method == "draft_model":
         from hybridserve.spec_decode.draft_model import DraftModelProposer
 
-        draft_dir = resolve_model_path(str(spec.get("model", "")))
+        draft_dir = resolve_model_path(str(spec.model or ""))
         return DraftModelProposer(
             draft_dir,
             dtype=dtype,

@@ -56,35 +56,43 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{name}: {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise bad(name, f"must be a number in {rng}, got {v!r}")
+            f = float(v)
+            if not (lo < f <= hi if lo_open else lo <= f <= hi):
+                raise bad(name, f"must be in {rng}, got {v!r}")
+
+        if not is_int(self.n) or self.n < 1 or self.n > 128:
             raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= float(self.temperature) <= 100.0):
-            raise bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        number("temperature", 0.0, 100.0)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not (0.0 <= float(self.min_p) <= 1.0):
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):
+        number("min_p", 0.0, 1.0)
+        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**63)):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-        if not (-2.0 <= float(self.presence_penalty) <= 2.0):
-            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        if not (-2.0 <= float(self.frequency_penalty) <= 2.0):
-            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not (0.0 < float(self.repetition_penalty) <= 10.0):
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 10.0, lo_open=True)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= MAX_LOGPROBS)
+            not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
         ):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+            is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids
+        ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
