@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,14 +186,49 @@ def test_config_errors_are_typed() -> None:
     # sizes within the bounds that still cannot be allocated: a ConfigError, not torch's error
     with pytest.raises(ConfigError, match="cannot allocate the caches"):
         LLM("demo", dtype="float32", max_model_len=256, kv_cache_memory=10**15)
-    import torch
-
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             LLM("demo", dtype="float32", device="cuda")
     else:
         with pytest.raises(ConfigError, match="CUDA device"):
             LLM("demo", dtype="float32", device=f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize(
+    "argv,rc,says",
+    [
+        (["bench", "offline", "--block-size", "0", "--num-prompts", "1"], 2, "--block-size"),
+        (
+            ["bench", "offline", "--num-prompts", "1", "--prompt-len", "5000", "--output-len", "1"],
+            2,
+            "prompt",
+        ),
+        (["bench", "offline", "--num-prompts", "-3"], 2, "--num-prompts"),
+        (["demo-model", "/proc/hybridserve-nope"], 1, "No such file"),
+        (["demo-model", "DIR", "--seed", str(10**30)], 2, "--seed"),
+        (["generate", "demo", "--prompt", "hi", "--cpu-threads", str(10**20)], 2, "--cpu-threads"),
+    ],
+)
+def test_cli_user_errors_are_one_line_and_no_traceback(
+    argv: list[str], rc: int, says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from hybridserve.cli import main
+
+    argv = [str(tmp_path / "f") if a == "DIR" else a for a in argv]
+    try:
+        got = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        got = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert got == rc and says in err and "Traceback" not in err, (got, err)
+
+
+def test_demo_model_files_share_one_mode(tmp_path: Path) -> None:
+    from hybridserve.model.demo import write_demo_model
+
+    out = write_demo_model(tmp_path / "dm")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes
 
 
 def test_the_proposer_uses_the_validated_speculative_config() -> None:

@@ -67,10 +67,20 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
     o.add_argument("--model", default="demo", help="model folder, or 'demo' (default)")
     add_engine_args(o, model_positional=False)
-    o.add_argument("--num-prompts", type=int, default=64)
-    o.add_argument("--prompt-len", type=int, default=256)
-    o.add_argument("--output-len", type=int, default=128)
+    o.add_argument("--num-prompts", type=_positive_int, default=64)
+    o.add_argument("--prompt-len", type=_positive_int, default=256)
+    o.add_argument("--output-len", type=_positive_int, default=128)
     o.add_argument("--result-file", default=None, help="write the JSON result here")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def bench_main(args: argparse.Namespace) -> int:

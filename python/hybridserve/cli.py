@@ -47,13 +47,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
     module_name, handler_name = args._handler
     handler: Callable[[argparse.Namespace], int | None] = getattr(
         importlib.import_module(module_name), handler_name
     )
-    rc = handler(args)
+    from hybridserve.errors import ConfigError, InvalidRequestError
+
+    try:
+        rc = handler(args)
+    except (ConfigError, InvalidRequestError) as exc:
+        # a user error is one line on stderr and exit status 2, as argparse's own errors are
+        print(f"hybridserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"hybridserve {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

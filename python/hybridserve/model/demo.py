@@ -391,7 +391,10 @@ def write_demo_model(out_dir: str | os.PathLike[str], seed: int = DEFAULT_SEED) 
     (out / "generation_config.json").write_bytes(
         _dump_json({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
     )
-    save_file(build_weights(vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(build_weights(vocab_size, seed), str(weights), metadata={"format": "pt"})
+    # safetensors writes its file private (0600); give it the mode the other files got (umask)
+    os.chmod(weights, (out / "config.json").stat().st_mode & 0o777)
     return out
 
 
@@ -452,9 +455,21 @@ def resolve_model_path(model: str) -> str:
     return ensure_demo_model() if model == DEMO_MODEL_NAME else model
 
 
+def _weight_seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {text}")
+    return v
+
+
 def add_demo_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="folder to write the checkpoint into (created if missing)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=_weight_seed, default=DEFAULT_SEED, help="weight seed (default: %(default)s)"
+    )
 
 
 def demo_model_main(args: argparse.Namespace) -> int:
