@@ -88,6 +88,18 @@ def test_logprobs_of_chosen_and_top_tokens() -> None:
         assert len(entry) == 3  # the chosen token is among the top 3
         assert all(lp.logprob <= 0.0 for lp in entry.values())
         assert math.isclose(max(lp.logprob for lp in entry.values()), entry[tok].logprob)
+    # every entry names its token's text, as vLLM's Logprob.decoded_token does
+    tokenizer = llm32().get_tokenizer()
+    assert all(
+        lp.decoded_token == tokenizer.token_to_text(t) != "" for e in o.logprobs for t, lp in e.items()
+    )
+    raw = b"".join(tokenizer.token_bytes(t) for t in o.token_ids)
+    assert raw.decode("utf-8", errors="replace") == o.text
+    labels = [o.logprobs[i][t].decoded_token for i, t in enumerate(o.token_ids)]
+    assert all(
+        lb.startswith("bytes:") or lb == tokenizer.token_bytes(t).decode()
+        for lb, t in zip(labels, o.token_ids)
+    )
 
 
 def test_stop_strings_cut_the_text() -> None:

@@ -434,7 +434,11 @@ class LLMEngine:
             st.output_token_ids.extend(new_ids)
             self.counters.generation_tokens += len(new_ids)
             if st.logprobs is not None and lps is not None:
-                st.logprobs.extend(lps[: len(new_ids)])
+                kept_lps = lps[: len(new_ids)]
+                for entry in kept_lps:
+                    for tid, lp in entry.items():
+                        lp.decoded_token = lp.decoded_token or self.tokenizer.token_to_text(tid)
+                st.logprobs.extend(kept_lps)
             if finished:
                 st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
                 done.append(d.request_id)

@@ -53,6 +53,7 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.chat_template: str | None = self.config.get("chat_template")
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self._labels: dict[int, str] = {}
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
@@ -87,11 +88,15 @@ class Tokenizer:
     def token_to_text(self, token_id: int) -> str:
         """A token's text for logprobs; a piece of a character is `bytes:\\xNN...` (OpenAI's form),
         so distinct tokens never share a label."""
-        raw = self.token_bytes(token_id)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        label = self._labels.get(token_id)
+        if label is None:
+            raw = self.token_bytes(token_id)
+            try:
+                label = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                label = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._labels[token_id] = label  # at most one entry per vocabulary token
+        return label
 
     def is_special(self, token_id: int) -> bool:
         """Whether decoding with skip_special_tokens drops this token."""
