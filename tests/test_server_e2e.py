@@ -543,6 +543,8 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
     assert_idle(server)
     generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
     assert 3 <= generated < max_tokens  # aborted, not run to the end
+    aborted = 'hybridserve_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1  # counted as finished, by "abort"
 
 
 def test_client_disconnect_during_non_streaming_request_aborts_it(server, client):

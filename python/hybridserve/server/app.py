@@ -599,6 +599,8 @@ async def _generate(
             state.aborters.pop(c.engine_id, None)
             if not c.engine_finished:
                 await _abort(state, c.engine_id)
+            if not c.done:  # the client went away: the request ends here, aborted
+                state.metrics.requests_finished.labels(finish_reason="abort").inc()
             state.release(c.engine_id)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
