@@ -48,6 +48,10 @@ def _llm(**kw: object) -> LLM:
     return LLM("demo", **base)
 
 
+# 30 blocks of 16 tokens cannot hold six sequences of ~200 tokens: requests get preempted.
+PREEMPTING: dict[str, object] = dict(max_num_batched_tokens=128, num_kv_blocks=30, max_model_len=256)
+
+
 def mode_args(mode: str) -> dict[str, object]:
     """Engine arguments of a cache mode ("none": prefix caching off)."""
     return dict(
@@ -115,13 +119,7 @@ def test_shared_prefix_hit_within_one_batch_run(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
 def test_preemption_is_lossless(mode: str) -> None:
-    # 30 blocks of 16 tokens cannot hold six sequences of ~200 tokens: requests get preempted.
-    llm = _llm(
-        **mode_args(mode),
-        max_num_batched_tokens=128,
-        num_kv_blocks=30,
-        max_model_len=256,
-    )
+    llm = _llm(**mode_args(mode), **PREEMPTING)
     _assert_same(_run(llm, _prompts()))
     assert llm.engine.stats()["num_preemptions_total"] > 0
 
@@ -164,11 +162,8 @@ def test_draft_model_speculation_is_lossless(mode: str, k: int) -> None:
 
 def test_speculation_with_preemption_is_lossless() -> None:
     llm = _llm(
-        mamba_cache_mode="align",
-        mamba_block_size=MAMBA_BLOCK,
-        max_num_batched_tokens=128,
-        num_kv_blocks=30,
-        max_model_len=256,
+        **mode_args("align"),
+        **PREEMPTING,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
     _assert_same(_run(llm, _prompts()))

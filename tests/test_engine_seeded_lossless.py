@@ -13,7 +13,7 @@ from functools import cache
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from test_engine_lossless import BLOCK, MAMBA_BLOCK, _llm, _prompts, mode_args
+from test_engine_lossless import PREEMPTING, _llm, _prompts, mode_args
 
 MAX_TOKENS = 24
 
@@ -81,13 +81,7 @@ def test_cache_modes_chunking_and_prefix_hits(mode: str) -> None:
 
 
 def test_preemption() -> None:
-    llm = _llm(
-        mamba_cache_mode="all",
-        mamba_block_size=MAMBA_BLOCK,
-        max_num_batched_tokens=128,
-        num_kv_blocks=30,
-        max_model_len=256,
-    )
+    llm = _llm(**mode_args("all"), **PREEMPTING)
     _assert_same(_run(llm))
     assert llm.engine.stats()["num_preemptions_total"] > 0
 
@@ -117,12 +111,8 @@ def test_speculative_decoding(mode: str, spec: dict[str, object]) -> None:
 
 def test_speculation_with_preemption() -> None:
     llm = _llm(
-        mamba_cache_mode="align",
-        mamba_block_size=MAMBA_BLOCK,
-        max_num_batched_tokens=128,
-        num_kv_blocks=30,
-        max_model_len=256,
-        block_size=BLOCK,
+        **mode_args("align"),
+        **PREEMPTING,
         speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": "demo"},
     )
     _assert_same(_run(llm))
