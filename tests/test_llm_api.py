@@ -181,6 +181,29 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     )
 
 
+def test_numpy_scalars_are_numbers() -> None:
+    import numpy as np
+
+    plain = SamplingParams(max_tokens=4, temperature=0.7, seed=3, top_k=5, ignore_eos=True)
+    from_np = SamplingParams(
+        max_tokens=np.int64(4),
+        temperature=np.float32(0.7),
+        seed=np.int64(3),
+        top_k=np.int32(5),
+        ignore_eos=True,
+    )
+    assert type(from_np.seed) is int and type(from_np.temperature) is float
+    ids = {"prompt_token_ids": np.arange(10, 30)}
+    a = llm32().generate(ids, from_np)[0].outputs[0].token_ids
+    b = llm32().generate({"prompt_token_ids": list(range(10, 30))}, plain)[0].outputs[0].token_ids
+    # float32(0.7) is not 0.7: compare with the temperature it stands for
+    c = llm32().generate(
+        ids,
+        SamplingParams(max_tokens=4, temperature=float(np.float32(0.7)), seed=3, top_k=5, ignore_eos=True),
+    )
+    assert a == c[0].outputs[0].token_ids and len(b) == 4
+
+
 def test_config_errors_are_typed() -> None:
     with pytest.raises(ConfigError):
         LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from hybridserve.errors import InvalidRequestError
@@ -45,6 +46,24 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self.validate()
+        # numpy scalars pass the checks; store plain Python numbers (seeds are mixed as 64-bit
+        # Python ints, and the values travel to JSON and to the Rust core)
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, int(getattr(self, name)))
+        for name in ("max_tokens", "seed", "logprobs"):
+            v = getattr(self, name)
+            setattr(self, name, None if v is None else int(v))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            setattr(self, name, float(getattr(self, name)))
+        self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:
@@ -56,13 +75,13 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{name}: {msg}")
 
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def is_int(v: object) -> bool:  # numpy integers too; a bool is not a count
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
             rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-            if isinstance(v, bool) or not isinstance(v, int | float):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise bad(name, f"must be a number in {rng}, got {v!r}")
             f = float(v)
             if not (lo < f <= hi if lo_open else lo <= f <= hi):
