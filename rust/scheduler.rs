@@ -425,6 +425,11 @@ impl Scheduler {
         }
     }
 
+    /// The id of the step scheduled and not yet updated, if any.
+    pub fn in_flight_step(&self) -> Option<u64> {
+        self.in_flight
+    }
+
     /// Picks the next batch. Call `update_from_output` with the result before the next call
     /// (required for an output with rows; for one without rows it returns pending finishes).
     pub fn schedule(&mut self) -> HsResult<SchedulerOutput> {

@@ -1205,3 +1205,15 @@ fn rows_of_requests_aborted_mid_step_may_sample_nothing() {
         "already applied"
     );
 }
+
+#[test]
+fn in_flight_step_is_the_scheduled_step_until_its_update() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 0), 64, 32, 0).unwrap();
+    assert_eq!(s.in_flight_step(), None);
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 4))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(s.in_flight_step(), Some(o.step_id));
+    s.update_from_output(&o, &[5], &[1], None).unwrap();
+    assert_eq!(s.in_flight_step(), None);
+}

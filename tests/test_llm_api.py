@@ -153,6 +153,8 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
         SamplingParams(temperature=-1)
     # no silent conversions: a float or a bool is not a token id, bytes are not a prompt
     for bad in (
+        {"prompt": None},
+        {"prompt": b"hi"},
         {"prompt_token_ids": [1.5, 2]},
         {"prompt_token_ids": [True]},
         b"hi",
@@ -195,6 +197,10 @@ def test_numpy_scalars_are_numbers() -> None:
     assert type(from_np.seed) is int and type(from_np.temperature) is float
     ids = {"prompt_token_ids": np.arange(10, 30)}
     a = llm32().generate(ids, from_np)[0].outputs[0].token_ids
+    # one prompt as a 1-D array of ids, or a list of numpy ids, is one prompt (not 20)
+    for one in (np.arange(10, 30), [np.int64(t) for t in range(10, 30)], torch.arange(10, 30)):
+        got = llm32().generate(one, from_np)
+        assert len(got) == 1 and got[0].outputs[0].token_ids == a
     b = llm32().generate({"prompt_token_ids": list(range(10, 30))}, plain)[0].outputs[0].token_ids
     # float32(0.7) is not 0.7: compare with the temperature it stands for
     c = llm32().generate(
@@ -202,6 +208,16 @@ def test_numpy_scalars_are_numbers() -> None:
         SamplingParams(max_tokens=4, temperature=float(np.float32(0.7)), seed=3, top_k=5, ignore_eos=True),
     )
     assert a == c[0].outputs[0].token_ids and len(b) == 4
+
+
+def test_only_allocation_failures_become_cache_size_advice() -> None:
+    from hybridserve.engine.model_setup import _is_out_of_memory
+
+    assert _is_out_of_memory(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+    )
+    assert _is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not _is_out_of_memory(RuntimeError("expected scalar type Float but found Half"))
 
 
 def test_config_errors_are_typed() -> None:
@@ -256,6 +272,17 @@ def test_cli_user_errors_are_one_line_and_no_traceback(
         got = int(exc.code or 0)
     err = capsys.readouterr().err
     assert got == rc and says in err and "Traceback" not in err, (got, err)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_serve_refuses_a_body_read_timeout_that_is_not_a_positive_time(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "demo", "--body-read-timeout", value])
+    assert exc.value.code == 2 and "--body-read-timeout" in capsys.readouterr().err
 
 
 def test_demo_model_files_share_one_mode(tmp_path: Path) -> None:
@@ -372,6 +399,24 @@ def test_an_interrupt_mid_step_leaves_the_llm_usable(monkeypatch: pytest.MonkeyP
     monkeypatch.undo()
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0 and not llm.engine.requests
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == want
+
+    # the interrupt can also arrive on the way back from schedule(), before its output is bound
+    real_scheduler = llm.engine.scheduler
+
+    class InterruptedOnReturn:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_scheduler, name)
+
+        def schedule(self) -> object:
+            real_scheduler.schedule()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine, "scheduler", InterruptedOnReturn())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, "Hello"], params)
+    monkeypatch.undo()
+    assert real_scheduler.open_step_output() is None
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == want
 
 

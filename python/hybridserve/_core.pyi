@@ -197,6 +197,9 @@ class Scheduler:
     def abort_request(self, request_id: str) -> bool: ...
     def finish_request(self, request_id: str) -> bool: ...
     def schedule(self) -> SchedulerOutput: ...  # GIL released
+    def open_step_output(self) -> SchedulerOutput | None:
+        """The output of the step scheduled and not yet updated (the same object `schedule`
+        returned), None if no step is open: how a caller that lost it closes the step."""
     def update_from_output(
         self,
         output: SchedulerOutput,

@@ -61,7 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a user error is one line on stderr and exit status 2, as argparse's own errors are
         print(f"hybridserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except (
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+    ) as exc:
+        # a path the user gave (demo-model DIR, --result-file, a model folder); other OSErrors
+        # are not the user's and keep their traceback
         print(f"hybridserve {args.command}: error: {exc}", file=sys.stderr)
         return 1
     return int(rc or 0)

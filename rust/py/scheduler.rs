@@ -64,6 +64,9 @@ fn i32_array<'a, 'py>(
 #[pyclass(name = "Scheduler", module = "hybridserve._core")]
 pub(crate) struct PyScheduler {
     inner: Scheduler,
+    /// The output of the last `schedule()`, for `open_step_output`: a caller interrupted between
+    /// the call's return and the assignment of its result has lost it and must still close the step.
+    last_output: Option<Py<PySchedulerOutput>>,
 }
 
 #[pymethods]
@@ -86,7 +89,10 @@ impl PyScheduler {
         };
         let inner = Scheduler::new(&config.inner, num_kv_blocks, num_mamba_slots, seed)
             .map_err(to_pyerr)?;
-        Ok(PyScheduler { inner })
+        Ok(PyScheduler {
+            inner,
+            last_output: None,
+        })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None))]
@@ -142,10 +148,19 @@ impl PyScheduler {
     }
 
     /// The next batch (the GIL is released while it is computed).
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<Py<PySchedulerOutput>> {
         let inner = &mut self.inner;
         let out = py.detach(move || inner.schedule()).map_err(to_pyerr)?;
-        Ok(PySchedulerOutput::new(out))
+        let obj = Py::new(py, PySchedulerOutput::new(out))?;
+        self.last_output = Some(obj.clone_ref(py));
+        Ok(obj)
+    }
+
+    /// The output of the step that is open (scheduled, not yet updated), None if no step is open.
+    fn open_step_output(&self, py: Python<'_>) -> Option<Py<PySchedulerOutput>> {
+        let step = self.inner.in_flight_step()?;
+        let last = self.last_output.as_ref()?;
+        (last.borrow(py).out.step_id == step).then(|| last.clone_ref(py))
     }
 
     #[pyo3(signature = (output, sampled_token_ids, num_sampled, draft_token_ids = None, num_drafts = None))]

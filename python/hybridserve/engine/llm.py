@@ -8,6 +8,7 @@ outs[0].outputs[0].text
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,6 +18,18 @@ from hybridserve.engine.outputs import RequestOutput
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import choice_seed
+
+
+def _is_token_list(prompts: object) -> bool:
+    """One prompt given as token ids (a list, tuple or 1-D array of integers), not a list of prompts."""
+    if isinstance(prompts, str | bytes | bytearray | dict):
+        return False
+    ndim = getattr(prompts, "ndim", None)
+    if ndim is not None:  # numpy array / torch tensor
+        return ndim == 1
+    if not isinstance(prompts, Sequence) or not prompts:
+        return False
+    return isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool)
 
 
 class LLM:
@@ -43,9 +56,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
             prompt_list = list(prompts)
@@ -75,7 +86,7 @@ class LLM:
                     self._next_id += 1
                     self.engine.add_request(rid, prompt, sub)
                     ids.append(rid)
-        except Exception:
+        except BaseException:  # a refusal, or Ctrl-C while adding
             # a refused batch changes nothing: its requests are gone and the arrival indices they
             # took are given back, so later unseeded requests sample as if it was never sent
             for ids in groups:

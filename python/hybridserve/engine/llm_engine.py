@@ -136,7 +136,9 @@ class LLMEngine:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self._encode_prompt(str(prompt["prompt"]))
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidRequestError("prompt: a dict prompt's 'prompt' must be a str")
+                return self._encode_prompt(prompt["prompt"])
             raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, bytes | bytearray) or prompt is None:
             raise InvalidRequestError(
@@ -220,7 +222,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except BaseException as exc:
+            # An interrupt can land after schedule() returned and before `out` was bound: the
+            # step it opened must still be closed, or every later schedule() fails.
+            lost = self.scheduler.open_step_output()
+            if lost is not None:
+                self._recover_from_failed_step(lost, len(lost.req_ids), exc)
+            raise
         self.counters.num_steps += 1
         req_ids: list[str] = list(out.req_ids)
         num_rows = len(req_ids)

@@ -66,6 +66,16 @@ def set_compiled_decode(model: torch.nn.Module, enabled: bool) -> int:
     return len(mixers)
 
 
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """torch's allocation failures: `torch.OutOfMemoryError` on a GPU, a RuntimeError from the
+    CPU allocator ("can't allocate memory")."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    text = str(exc).lower()
+    return "allocate" in text or "out of memory" in text
+
+
 def build_engine_model(args: EngineArgs) -> EngineModel:
     model_dir = resolve_model_path(args.model)
     resolved_engine = args.resolve(read_model_capabilities(model_dir))
@@ -119,6 +129,8 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
             device=device,
         )
     except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+        if not isinstance(exc, MemoryError) and not _is_out_of_memory(exc):
+            raise
         raise ConfigError(
             f"cannot allocate the caches ({sizes.num_kv_blocks} KV blocks, {sizes.num_mamba_slots} "
             f"Mamba slots) on {device}: {str(exc).splitlines()[0]}; lower --kv-cache-memory / "

@@ -587,10 +587,14 @@ async def _generate(
     for c in choices:
         state.aborters[c.engine_id] = lambda c=c: sink.put_nowait((c, _ABORTED))
     tasks = [asyncio.create_task(run_one(c)) for c in choices]
+    ended_by = "abort"  # the client went away (the handler is cancelled)
     try:
         if req.stream:
             return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
         return await _collect(state, info, req, request_id, created, arrival, choices, sink)
+    except P.APIError:
+        ended_by = "error"  # the engine failed the request
+        raise
     finally:
         for t in tasks:
             if not t.done():
@@ -599,8 +603,8 @@ async def _generate(
             state.aborters.pop(c.engine_id, None)
             if not c.engine_finished:
                 await _abort(state, c.engine_id)
-            if not c.done:  # the client went away: the request ends here, aborted
-                state.metrics.requests_finished.labels(finish_reason="abort").inc()
+            if not c.done:  # it ends here, without a finished output
+                state.metrics.requests_finished.labels(finish_reason=ended_by).inc()
             state.release(c.engine_id)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -20,6 +20,16 @@ from typing import Any
 logger = logging.getLogger("hybridserve.server")
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (v > 0 and v != float("inf")):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from hybridserve.config import DEFAULT_MAX_QUEUE_LEN, add_engine_args
 
@@ -51,7 +61,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--body-read-timeout",
-        type=float,
+        type=_positive_seconds,
         default=60.0,
         help="seconds a client has to send a request body once its headers arrived (408 beyond)",
     )
