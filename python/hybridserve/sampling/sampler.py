@@ -1,6 +1,7 @@
 """Batched token sampling with per-request parameters and seeds.
 
-Every row of a batch carries its own `SamplingParams`, its own seed and its token history. The processing order follows vLLM v1:
+Every row of a batch carries its own `SamplingParams`, its own seed and its token history. The
+processing order follows vLLM v1:
 
 1. `min_tokens`: while fewer than `min_tokens` tokens were generated, the stop tokens
    (`stop_token_ids`, and EOS unless `ignore_eos`) get -inf.
@@ -94,7 +95,8 @@ class RowSampling:
     `prompt_token_ids` and `output_token_ids` are the request's history (the output so far, not
     including the token being sampled); their contents are only read when a penalty or
     `min_tokens` is active, but the length of the output is the position that keys the draw, so a
-    row object reused for the next token must have its output (or `position`) updated. `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
+    row object reused for the next token must have its output (or `position`) updated.
+    `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
     `params.min_tokens` tokens were generated. `seed` None: the noise comes from the batch
     generator; otherwise it is keyed by (seed, `position`), the index of the output token being
     drawn (default: `len(output_token_ids)`, which the engine always passes).
