@@ -130,6 +130,12 @@ def test_random_rows_without_draft_probs_emit_what_step_by_step_sampling_emits(t
         drafts = seq[:a] + [(seq[a] + 1 + trial) % vocab] + seq[a + 1 : k]
         out = RejectionSampler().sample(logits, drafts, [verify_row], [k])
         assert out.token_ids[0] == seq[: a + 1] and out.num_accepted == [a]
+    # Drawing every position at once (what a GPU does) gives the same tokens.
+    every = RejectionSampler()
+    every.draw_all_positions = True
+    for a in range(k):
+        drafts = seq[:a] + [(seq[a] + 1 + trial) % vocab] + seq[a + 1 : k]
+        assert every.sample(logits, drafts, [verify_row], [k]).token_ids[0] == seq[: a + 1]
     # In a batch with other rows (greedy, unseeded random) the row's tokens do not change.
     other_greedy = RowSampling(SamplingParams(temperature=0.0))
     other_random = RowSampling(SamplingParams(temperature=1.0))
@@ -300,10 +306,13 @@ def test_first_token_distribution_with_draft_probs(pq16):
     assert chisquare_pvalue(bad, p) < FAIL_P
 
 
-def test_first_token_distribution_without_draft_probs(pq16):
+@pytest.mark.parametrize("all_at_once", [False, True])
+def test_first_token_distribution_without_draft_probs(pq16, all_at_once: bool):
     p, q, p_next = pq16
     n = 100_000
-    counts, out = first_token_counts(RejectionSampler(), p, p_next, q, n, seed=20, with_probs=False)
+    sampler = RejectionSampler()
+    sampler.draw_all_positions = all_at_once
+    counts, out = first_token_counts(sampler, p, p_next, q, n, seed=20, with_probs=False)
     assert chisquare_pvalue(counts, p) > PASS_P
     # A draft is accepted with probability p(draft): on average sum(q * p).
     alpha = float((p * q).sum())

@@ -89,6 +89,9 @@ class RejectionSampler:
         CPU); False never. Both paths draw the same randomness and give the same tokens."""
         self._sampler = Sampler(logprobs_mode)
         self.use_kernel = use_kernel
+        # point-mass verification: draw every position of a random row at once (True), only up to
+        # its first mismatch (False), or by device (None: all at once off the CPU)
+        self.draw_all_positions: bool | None = None
 
     def _kernel_path(self, probs: torch.Tensor) -> bool:
         if type(self).recovery_distribution is not RejectionSampler.recovery_distribution:
@@ -130,26 +133,40 @@ class RejectionSampler:
             g_idx = proc.greedy.nonzero().squeeze(1)
             own[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
         if not all(greedy_list):
-            # Random rows draw position by position and stop at their first mismatch: a draw
-            # costs V exponentials, and the positions after a rejection are never looked at.
+            # Random rows draw position by position and stop at their first mismatch: on the CPU a
+            # draw costs V exponentials, and the positions after a rejection are never looked at.
+            # On a GPU draws are cheap and each round trip syncs: every position in one round.
             ks = ks_t.tolist()
             start_l, dstart_l = start.tolist(), dstart.tolist()
             drafts_l = drafts.tolist()
             alive = [r for r in range(len(rows)) if not rows[r].greedy]
-            j = 0
-            while alive:
-                pos = [start_l[r] + j for r in alive]
+
+            def draw(pairs: list[tuple[int, int]]) -> torch.Tensor:
+                """The target's own draw at position j of row r, for each (r, j)."""
                 keys: list[tuple[int, int] | None] = []
-                for r in alive:
+                for r, j in pairs:
                     key = rows[r].noise_key
                     keys.append(None if key is None else (key[0], key[1] + j))
-                pos_t = torch.as_tensor(pos, dtype=torch.int64, device=device)
-                noise = exponential_noise(vocab, keys, generator, probs.dtype, device)
-                drawn = race_sample(probs[pos_t], noise)
+                pos_t = torch.as_tensor([start_l[r] + j for r, j in pairs], dtype=torch.int64, device=device)
+                drawn = race_sample(
+                    probs[pos_t], exponential_noise(vocab, keys, generator, probs.dtype, device)
+                )
                 own[pos_t] = drawn
-                drawn_l = drawn.tolist()
-                alive = [r for r, t in zip(alive, drawn_l) if j < ks[r] and t == drafts_l[dstart_l[r] + j]]
-                j += 1
+                return drawn
+
+            all_at_once = self.draw_all_positions
+            if all_at_once is None:
+                all_at_once = device.type != "cpu"
+            if all_at_once:
+                draw([(r, j) for r in alive for j in range(ks[r] + 1)])
+            else:
+                j = 0
+                while alive:
+                    drawn_l = draw([(r, j) for r in alive]).tolist()
+                    alive = [
+                        r for r, t in zip(alive, drawn_l) if j < ks[r] and t == drafts_l[dstart_l[r] + j]
+                    ]
+                    j += 1
 
         accept = drafts == own[draft_pos]
         num_acc = _accepted_prefix(accept, ks_t, dstart, row_index, draft_pos)
