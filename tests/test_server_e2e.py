@@ -30,6 +30,8 @@ SERVER_ARGS: tuple[str, ...] = (
     "64",
     "--body-read-timeout",
     "5",
+    "--keep-alive-timeout",
+    "8",  # above httpx's 5 s pool expiry, so the openai client never reuses a connection we closed
 )
 
 
@@ -748,6 +750,13 @@ def test_a_client_that_stops_sending_its_body_gets_a_408(server, client):
     assert head.startswith(b"HTTP/1.1 408"), head
     assert body["error"]["code"] == "request_timeout"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+
+
+def test_a_client_that_never_finishes_its_headers_is_disconnected(server):
+    # the server's --keep-alive-timeout is 8 s (the default is 15 s)
+    t0 = time.monotonic()
+    head, _ = raw_http(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", timeout=60)
+    assert head == b"" and 6 < time.monotonic() - t0 < 25
 
 
 def test_malformed_http_gets_a_400_and_no_traceback_in_the_log(server, client):

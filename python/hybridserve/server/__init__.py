@@ -16,6 +16,7 @@ Every request is validated (protocol.py) before anything reaches the engine; err
 `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 404
 (model/route), 405, 408 (body not sent within --body-read-timeout), 413 (body size, refused before
 reading when the declared length is over it), 503 + Retry-After (queue full, loading, shutting down).
+A connection whose request headers do not complete within --keep-alive-timeout is closed.
 Modules: app.py (routes, streaming, admission, shutdown), protocol.py (parsing and response
 shapes), chat.py (chat templates), sse.py (framing), metrics.py, cli.py (`serve`).
 """

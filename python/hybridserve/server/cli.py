@@ -66,6 +66,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request body once its headers arrived (408 beyond)",
     )
     g.add_argument(
+        "--keep-alive-timeout",
+        type=_positive_seconds,
+        default=15.0,
+        help="seconds an idle connection is kept open; also how long a client may take to send its "
+        "request headers",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=5.0,
@@ -117,7 +124,13 @@ async def _serve(args: argparse.Namespace) -> int:
         body_read_timeout_s=args.body_read_timeout,
     )
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=args.shutdown_timeout + 15.0, access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=args.shutdown_timeout + 15.0,
+        access_log=None,
+        # aiohttp has no header-read timeout of its own; its keep-alive timer also closes a
+        # connection whose headers never complete
+        keepalive_timeout=args.keep_alive_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
