@@ -131,8 +131,7 @@ def test_random_rows_without_draft_probs_emit_what_step_by_step_sampling_emits(t
         out = RejectionSampler().sample(logits, drafts, [verify_row], [k])
         assert out.token_ids[0] == seq[: a + 1] and out.num_accepted == [a]
     # Drawing every position at once (what a GPU does) gives the same tokens.
-    every = RejectionSampler()
-    every.draw_all_positions = True
+    every = RejectionSampler(draw_all_positions=True)
     for a in range(k):
         drafts = seq[:a] + [(seq[a] + 1 + trial) % vocab] + seq[a + 1 : k]
         assert every.sample(logits, drafts, [verify_row], [k]).token_ids[0] == seq[: a + 1]
@@ -310,8 +309,7 @@ def test_first_token_distribution_with_draft_probs(pq16):
 def test_first_token_distribution_without_draft_probs(pq16, all_at_once: bool):
     p, q, p_next = pq16
     n = 100_000
-    sampler = RejectionSampler()
-    sampler.draw_all_positions = all_at_once
+    sampler = RejectionSampler(draw_all_positions=all_at_once)
     counts, out = first_token_counts(sampler, p, p_next, q, n, seed=20, with_probs=False)
     assert chisquare_pvalue(counts, p) > PASS_P
     # A draft is accepted with probability p(draft): on average sum(q * p).

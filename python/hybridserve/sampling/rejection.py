@@ -81,7 +81,12 @@ class RejectionOutput:
 class RejectionSampler:
     """Greedy and random rows in one batch; see the module docstring."""
 
-    def __init__(self, logprobs_mode: LogprobsMode = "raw", use_kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        logprobs_mode: LogprobsMode = "raw",
+        use_kernel: bool | None = None,
+        draw_all_positions: bool | None = None,
+    ) -> None:
         """`use_kernel` (drafts with probabilities only; point-mass drafts never need the op):
         None (default) runs the fused `hybridserve.kernels.dispatch.rejection_sample` op when the
         logits are float32 on a CUDA device (and `HYBRIDSERVE_KERNELS` is not `reference`), the
@@ -91,7 +96,7 @@ class RejectionSampler:
         self.use_kernel = use_kernel
         # point-mass verification: draw every position of a random row at once (True), only up to
         # its first mismatch (False), or by device (None: all at once off the CPU)
-        self.draw_all_positions: bool | None = None
+        self.draw_all_positions = draw_all_positions
 
     def _kernel_path(self, probs: torch.Tensor) -> bool:
         if type(self).recovery_distribution is not RejectionSampler.recovery_distribution:

@@ -124,13 +124,15 @@ class Mamba2Mixer(nn.Module):
         x = x.view(T, self.nheads, self.headdim)
         B = B.view(T, G, N)
         C = C.view(T, G, N)
-        if ndt == T:
-            y = K.selective_state_update(
-                x,
-                dt,
+
+        def state_update(n: int) -> torch.Tensor:
+            """The decode / verify rows: the first n tokens."""
+            return K.selective_state_update(
+                x[:n],
+                dt[:n],
                 A,
-                B,
-                C,
+                B[:n],
+                C[:n],
                 self.D,
                 self.dt_bias,
                 ssm_state,
@@ -140,25 +142,12 @@ class Mamba2Mixer(nn.Module):
                 self.dt_min,
                 self.dt_max,
             )
-            out = self.norm(y.reshape(T, self.d_inner), z, dtype)
-            return self.out_proj(out)
+
+        if ndt == T:  # decode-only step: no buffer to assemble
+            return self.out_proj(self.norm(state_update(T).reshape(T, self.d_inner), z, dtype))
         y = torch.empty_like(x)
         if ndt > 0:
-            y[:ndt] = K.selective_state_update(
-                x[:ndt],
-                dt[:ndt],
-                A,
-                B[:ndt],
-                C[:ndt],
-                self.D,
-                self.dt_bias,
-                ssm_state,
-                ctx.dec_qsl,
-                ctx.dec_read_slot,
-                ctx.dec_write_slots,
-                self.dt_min,
-                self.dt_max,
-            )
+            y[:ndt] = state_update(ndt)
         if ndt < T:
             y[ndt:] = K.ssd_prefill(
                 x[ndt:],
