@@ -55,13 +55,19 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def post(
-    server: ServerProcess, path: str, body: Any = None, *, data: bytes | None = None, **kw: Any
+    server: ServerProcess,
+    path: str,
+    body: Any = None,
+    *,
+    data: bytes | None = None,
+    content_type: str = "application/json",
+    **kw: Any,
 ) -> tuple[int, Any, dict]:
     async def go() -> tuple[int, Any, dict]:
         async with aiohttp.ClientSession() as s:
             payload = data if data is not None else json.dumps(body).encode()
             async with s.post(
-                server.base + path, data=payload, headers={"Content-Type": "application/json"}, **kw
+                server.base + path, data=payload, headers={"Content-Type": content_type}, **kw
             ) as r:
                 raw = await r.read()
                 try:
@@ -289,6 +295,30 @@ def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tu
         return head, json.loads(body)
     except ValueError:
         return head, body
+
+
+def test_only_json_bodies_are_read(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"):
+        status, parsed, _ = post(server, "/v1/completions", body, content_type=ctype)
+        assert status == 415, (ctype, parsed)
+        assert parsed["error"]["code"] == "unsupported_media_type" and "application/json" in str(parsed), (
+            parsed
+        )
+    for ctype in ("application/json; charset=UTF-8", "Application/JSON", "application/merge-patch+json"):
+        status, parsed, _ = post(server, "/v1/completions", body, content_type=ctype)
+        assert status == 200 and parsed["usage"]["completion_tokens"] == 2, (ctype, parsed)
+    # no Content-Type at all (a bare curl -d sends form-encoded, but a raw client may send none)
+    payload = json.dumps(body).encode()
+    head, parsed = raw_http(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload,
+    )
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert parsed["usage"]["completion_tokens"] == 2
 
 
 def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):

@@ -428,12 +428,36 @@ def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
 _INLINE_PARSE_BYTES = 64 * 1024
 
 
+def _check_content_type(request: web.Request) -> None:
+    """A body is read as JSON only when it says it is JSON (application/json or a ``+json`` type)
+    or says nothing. A browser form post (``text/plain`` or form-encoded, which a page on another
+    site may send without the user knowing) is refused instead of being run as a request."""
+    if "Content-Type" not in request.headers:
+        return
+    media = request.content_type  # lower-cased, parameters removed
+    main, _, sub = media.partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise P.APIError(
+            f"the Content-Type {media!r} is not supported; send the body as application/json",
+            status=415,
+            code="unsupported_media_type",
+        )
+    charset = request.charset
+    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise P.APIError(
+            f"the charset {charset!r} is not supported; send the body as application/json in UTF-8",
+            status=415,
+            code="unsupported_media_type",
+        )
+
+
 async def _parse(
     request: web.Request,
     info: EngineModelInfo,
     served_model_name: str,
     parse: Callable[..., P.GenerateRequest],
 ) -> P.GenerateRequest:
+    _check_content_type(request)
     declared = request.content_length
     if declared is not None and declared > request.app._client_max_size:
         # refused before reading: a client that announces a huge body gets its 413 at once
