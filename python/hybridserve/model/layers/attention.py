@@ -3,7 +3,9 @@
 KV cache of one layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V).
 Token t's K/V are written at ``slot_mapping[t] = block * block_size + offset``; row r reads its keys
 0 .. seq_len - 1 through ``block_table[r]``. A query at absolute position p attends keys 0..p.
-Decode rows are batched (padded to the longest); prefill rows run one at a time.
+Decode and verify rows run in one call of the C++ kernel on the CPU (kernels/native.py: K/V read
+through the block table, nothing gathered), otherwise batched through SDPA (padded to the
+longest); prefill rows run one at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.kernels import native
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.model_config import ModelConfig
 
@@ -114,6 +117,13 @@ class PagedAttention(nn.Module):
     def _decode_rows(
         self, q: torch.Tensor, out: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor, nd: int
     ) -> None:
+        ndt = int(ctx.qsl[nd])
+        fused = native.paged_attention(
+            q[:ndt], kv_cache, ctx.block_table[:nd], ctx.qsl[: nd + 1], ctx.positions[:ndt], self.scale
+        )
+        if fused is not None:
+            out[:ndt] = fused
+            return
         KVH, D = self.num_kv_heads, self.head_dim
         Gq = self.num_heads // KVH
         bs = kv_cache.shape[2]
