@@ -165,3 +165,165 @@ def test_no_compiler_means_the_torch_path(tmp_path):
         )
         assert res.returncode == 0, res.stderr
     assert len(list((tmp_path / "cpu_kernels").glob("*/libhybridserve_cpu.so"))) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba decode: conv update + state update
+# ------------------------------------------------------------------------------------------------
+
+
+def mamba_case(lengths, H, P, G, N, W, dtype, bias=True, slots=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d_inner, conv_dim = H * P, H * P + 2 * G * N
+    n, R = sum(lengths), len(lengths)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    # xbc and dt are column slices of one projection, as in the mixer
+    proj = rnd(n, d_inner + conv_dim + H)
+    case = dict(
+        xbc=proj[:, d_inner : d_inner + conv_dim],
+        dt=proj[:, d_inner + conv_dim :],
+        conv_weight=rnd(conv_dim, W, scale=0.5),
+        conv_bias=rnd(conv_dim) if bias else None,
+        conv_state=rnd(slots, conv_dim, W - 1),
+        A=-torch.rand(H, generator=g, dtype=torch.float64).to(dtype) * 4,
+        D=rnd(H),
+        dt_bias=rnd(H),
+        ssm_state=rnd(slots, H, P, N),
+        query_start_loc=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+    )
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    wmax = max(lengths)
+    case["read_slot"] = perm[:R].clone()
+    case["write_slots"] = perm[R : R + R * wmax].view(R, wmax).clone()
+    return case
+
+
+def run_reference(c, G, silu=True, dt_min=0.0, dt_max=math.inf):
+    from hybridserve.kernels import reference as K
+
+    H, P, N = c["ssm_state"].shape[1:]
+    conv_out = K.causal_conv1d_update(
+        c["xbc"], c["conv_weight"], c["conv_bias"], c["conv_state"], c["query_start_loc"], c["read_slot"],
+        c["write_slots"], "silu" if silu else None,
+    )  # fmt: skip
+    x, B, C = conv_out.split([H * P, G * N, G * N], dim=-1)
+    return K.selective_state_update(
+        x.reshape(-1, H, P), c["dt"], c["A"], B.reshape(-1, G, N), C.reshape(-1, G, N), c["D"], c["dt_bias"],
+        c["ssm_state"], c["query_start_loc"], c["read_slot"], c["write_slots"], dt_min, dt_max,
+    )  # fmt: skip
+
+
+def run_native(c, G, silu=True, dt_min=0.0, dt_max=math.inf):
+    return native.mamba_decode(**c, ngroups=G, silu=silu, dt_min=dt_min, dt_max=dt_max)
+
+
+def clone_case(c):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+
+
+@pytest.mark.parametrize(
+    "H, P, G, N, W",
+    [(8, 32, 2, 32, 4), (4, 6, 1, 12, 4), (6, 5, 3, 16, 2), (2, 8, 2, 128, 3)],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [1, 4, 2, 3]])
+def test_mamba_decode_matches_the_reference_twins(H, P, G, N, W, dtype, lengths):
+    c = mamba_case(lengths, H, P, G, N, W, dtype, bias=H != 6)
+    c["write_slots"][0, 0] = 0  # a null write: skipped
+    if len(lengths) > 2:
+        c["write_slots"][2, 0] = c["read_slot"][2]  # a plain decode's in-place update
+    ref, nat = clone_case(c), clone_case(c)
+    y_ref = run_reference(ref, G)
+    y_nat = run_native(nat, G)
+    tol = 1e-12 if dtype == torch.float64 else 3e-5
+    torch.testing.assert_close(y_nat, y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["conv_state"], ref["conv_state"], rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["ssm_state"], ref["ssm_state"], rtol=tol, atol=tol)
+    assert torch.equal(nat["ssm_state"][0], c["ssm_state"][0])  # the null slot is never written
+
+
+@pytest.mark.parametrize("silu, dt_min, dt_max", [(False, 0.0, math.inf), (True, 0.05, 0.5)])
+def test_mamba_decode_options_and_extremes(silu, dt_min, dt_max):
+    c = mamba_case([2, 1, 3], 4, 8, 2, 16, 4, torch.float32)
+    c["dt"][0, :2] = torch.tensor([60.0, -60.0])  # softplus past its threshold, and ~0
+    c["xbc"][1, :5] = -1e4  # silu of a huge negative input: 0, not NaN
+    c["xbc"][2, 5:9] = 1e4
+    ref, nat = clone_case(c), clone_case(c)
+    y_ref = run_reference(ref, 2, silu, dt_min, dt_max)
+    y_nat = run_native(nat, 2, silu, dt_min, dt_max)
+    assert torch.isfinite(y_nat).all()
+    torch.testing.assert_close(y_nat, y_ref, rtol=3e-5, atol=3e-4)
+    torch.testing.assert_close(nat["ssm_state"], ref["ssm_state"], rtol=3e-5, atol=3e-4)
+
+
+def test_mamba_decode_declines_a_read_after_write_between_rows():
+    # row 1 reads the slot row 0 writes: the reference reads every row first, so the kernel
+    # declines (None) and has written nothing
+    c = mamba_case([1, 1], 4, 8, 2, 16, 4, torch.float64)
+    c["read_slot"][1] = c["write_slots"][0, 0]
+    before = clone_case(c)
+    assert run_native(c, 2) is None
+    assert torch.equal(c["ssm_state"], before["ssm_state"]) and torch.equal(
+        c["conv_state"], before["conv_state"]
+    )
+    # the other way round (a later row writes what an earlier one read) is fine
+    c = mamba_case([1, 1], 4, 8, 2, 16, 4, torch.float64)
+    c["write_slots"][1, 0] = c["read_slot"][0]
+    ref, nat = clone_case(c), clone_case(c)
+    torch.testing.assert_close(run_native(nat, 2), run_reference(ref, 2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("what", ["write slot", "read slot", "too many tokens"])
+def test_mamba_decode_refuses_bad_slots_before_writing(what):
+    c = mamba_case([1, 2], 4, 8, 2, 16, 4, torch.float32)
+    if what == "write slot":
+        c["write_slots"][1, 1] = c["ssm_state"].shape[0]
+    elif what == "read slot":
+        c["read_slot"][0] = -1
+    else:
+        c["write_slots"] = c["write_slots"][:, :1].contiguous()
+    before = clone_case(c)
+    with pytest.raises(ValueError, match="outside the state pools|more tokens"):
+        run_native(c, 2)
+    assert torch.equal(c["ssm_state"], before["ssm_state"]) and torch.equal(
+        c["conv_state"], before["conv_state"]
+    )
+
+
+def test_mamba_decode_declines_what_it_does_not_cover():
+    c = mamba_case([1, 1], 4, 8, 2, 16, 4, torch.float32)
+    bf = {
+        k: (v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in c.items()
+    }
+    assert run_native(bf, 2) is None
+    mixed = clone_case(c)
+    mixed["ssm_state"] = mixed["ssm_state"].double()
+    assert run_native(mixed, 2) is None
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_the_engine_mamba_layers_use_it_and_agree_with_the_twins(spec, monkeypatch):
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    calls = []
+    real = native.mamba_decode
+
+    def counting(*a, **kw):
+        res = real(*a, **kw)
+        calls.append(res is not None)
+        return res
+
+    prompts = ["hello hello hello hello", "1 2 3 4 1 2 3 4 1 2", "The quick brown fox", "abc abc abc abc"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM("demo", dtype="float64", max_num_seqs=8, speculative_config=spec)
+    monkeypatch.setattr(native, "mamba_decode", counting)
+    with_native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls and all(calls)
+    monkeypatch.setattr(native, "mamba_decode", lambda *a, **kw: None)  # the reference twins
+    with_twins = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert with_native == with_twins

@@ -21,6 +21,7 @@ from hybridserve.config import (
 from hybridserve.engine.sizing import CacheSizes, compute_cache_sizes
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
+from hybridserve.kernels import native
 from hybridserve.model.cache_tensors import (
     ModelCaches,
     default_state_dtype,
@@ -93,9 +94,18 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         logger.info("torch CPU threads: %d (--cpu-threads)", torch.get_num_threads())
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
+    if device.type == "cpu" and native.library() is not None:
+        # built here (a second or two the first time, then cached on disk) rather than in a step
+        logger.info("C++ CPU kernels loaded (decode attention, Mamba decode)")
     if args.compile_cpu_kernels:
         if device.type == "cpu":
             set_compiled_decode(loaded.model, True)
+            if native.library() is not None:
+                logger.info(
+                    "--compile-cpu-kernels: the C++ CPU kernels are built and take the Mamba decode steps "
+                    "(faster than the compiled graph); the graph runs only if they are turned off "
+                    "(HYBRIDSERVE_NATIVE_CPU=0)"
+                )
         else:
             logger.warning("--compile-cpu-kernels has no effect on %s: the CUDA kernels run there", device)
     log_decisions(resolved_engine, logger)

@@ -11,6 +11,9 @@ Kernels:
 
 - `paged_attention`: decode and verify rows over the paged KV cache (float32 / float64), reading K
   and V through the block table with no gathered copy.
+- `mamba_decode`: the Mamba2 mixer's decode and verify tokens (conv update + state update, the
+  arithmetic of the two reference twins) in one pass over each row's state, written straight into
+  its window slots.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_paged_attention.cpp",)
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_decode.cpp")
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). The kernels form no inf: a score exists only for a key its
 # query may see, and every exp argument is <= 0.
@@ -106,6 +110,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("hs_paged_attention_f32", "hs_paged_attention_f64"):
         fn = getattr(lib, name)
         fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_double]
+        fn.restype = ctypes.c_int
+    for name in ("hs_mamba_decode_f32", "hs_mamba_decode_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64]
+        fn.argtypes += [_I64] * 7 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P]
         fn.restype = ctypes.c_int
 
 
@@ -200,3 +209,105 @@ def paged_attention(
     if rc != 0:
         raise ValueError("paged_attention: a position is negative or a row reads a block outside the cache")
     return out
+
+
+def _rows_of(t: torch.Tensor) -> bool:
+    """Rows laid out one after the other with unit stride inside a row (a column slice of a
+    contiguous [T, F] tensor qualifies)."""
+    return t.dim() == 2 and t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+
+
+def mamba_decode(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    read_slot: torch.Tensor,
+    write_slots: torch.Tensor,
+    ngroups: int,
+    silu: bool,
+    dt_min: float = 0.0,
+    dt_max: float = math.inf,
+) -> torch.Tensor | None:
+    """Conv update then selective state update of decode / verify rows, as
+    ``reference.causal_conv1d_update`` followed by ``reference.selective_state_update`` (same
+    arguments: xbc ``[n, conv_dim]``, dt ``[n, H]``, conv_state ``[slots, conv_dim, W - 1]``,
+    ssm_state ``[slots, H, P, N]``, A = -exp(A_log)). Returns y ``[n, H, P]``, or None when the
+    kernel does not apply (not the CPU, mixed dtypes, a row reading a slot that an earlier row
+    writes): the caller then runs the reference twins. Out-of-range slots raise ValueError before
+    anything is written."""
+    import torch
+
+    dtype = xbc.dtype
+    if (
+        xbc.device.type != "cpu"
+        or dtype not in (torch.float32, torch.float64)
+        or conv_state.dtype != dtype
+        or ssm_state.dtype != dtype
+        or dt.dtype != dtype
+        or conv_weight.dtype != dtype
+        or not (_rows_of(xbc) and _rows_of(dt))
+        or ssm_state.dim() != 4
+        or conv_state.dim() != 3
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n, conv_dim = xbc.shape
+    _, H, P, N = ssm_state.shape
+    W = conv_weight.shape[1]
+    R = query_start_loc.numel() - 1
+    if (
+        dt.shape != (n, H)
+        or conv_weight.shape != (conv_dim, W)
+        or conv_state.shape[1:] != (conv_dim, W - 1)
+        or (conv_bias is not None and conv_bias.shape != (conv_dim,))
+        or read_slot.shape != (R,)
+        or write_slots.dim() != 2
+        or write_slots.shape[0] != R
+    ):
+        raise ValueError(
+            f"mamba_decode: shapes do not fit (xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, "
+            f"conv_state {tuple(conv_state.shape)}, ssm_state {tuple(ssm_state.shape)}, {R} rows)"
+        )
+    if R > 0 and int(query_start_loc[-1]) != n:
+        raise ValueError(f"mamba_decode: query_start_loc ends at {int(query_start_loc[-1])} for {n} tokens")
+    if n == 0 or R == 0:
+        return torch.empty((n, H, P), dtype=dtype)
+    i64 = torch.int64
+    qsl = query_start_loc.to(i64).contiguous()
+    rs = read_slot.to(i64).contiguous()
+    ws = write_slots.to(i64).contiguous()
+    w = conv_weight.contiguous()
+    b = conv_bias.to(dtype).contiguous() if conv_bias is not None else None
+    A_, D_, db = (v.to(dtype).contiguous() for v in (A, D, dt_bias))
+    if not (conv_state.is_contiguous() and ssm_state.is_contiguous()):
+        return None  # the kernel writes the slots in place
+    y = torch.empty((n, H, P), dtype=dtype)
+    fn = lib.hs_mamba_decode_f32 if dtype == torch.float32 else lib.hs_mamba_decode_f64
+    rc = fn(
+        xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), w.data_ptr(),
+        b.data_ptr() if b is not None else None, conv_state.data_ptr(), conv_state.shape[0],
+        A_.data_ptr(), D_.data_ptr(), db.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0],
+        qsl.data_ptr(), R, rs.data_ptr(), ws.data_ptr(), ws.shape[1],
+        conv_dim, W, H, P, ngroups, N, H * P, int(silu), float(dt_min),
+        float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(),
+    )  # fmt: skip
+    if rc == 3:
+        return None
+    if rc == 1:
+        raise ValueError(
+            f"mamba_decode: bad shapes (conv_dim={conv_dim}, H={H}, P={P}, G={ngroups}, N={N}, W={W})"
+        )
+    if rc != 0:
+        raise ValueError(
+            "mamba_decode: a slot is outside the state pools or a row has more tokens than write slots"
+        )
+    return y

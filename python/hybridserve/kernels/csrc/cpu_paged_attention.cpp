@@ -32,17 +32,22 @@ struct Dim<T, 0> {
     static inline int64_t get(int64_t d) { return d; }
 };
 
+// Keys a row reads: 1 + its largest position (0 for an empty row).
+inline int64_t row_keys(const int64_t* qsl, const int64_t* positions, int64_t r) {
+    int64_t L = 0;
+    for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t) L = positions[t] + 1 > L ? positions[t] + 1 : L;
+    return L;
+}
+
 // 0 when every row's positions are >= 0 and every block it reads is in [0, num_blocks).
 int check_rows(const int64_t* block_table, int64_t bt_stride, const int64_t* qsl, const int64_t* positions,
                int64_t num_rows, int64_t num_blocks, int64_t block_size) {
     for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t t0 = qsl[r], t1 = qsl[r + 1];
         if (t1 < t0 || (r == 0 && t0 != 0)) return 2;
-        int64_t L = 0;
-        for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t t = t0; t < t1; ++t)
             if (positions[t] < 0) return 2;
-            L = positions[t] + 1 > L ? positions[t] + 1 : L;
-        }
+        const int64_t L = row_keys(qsl, positions, r);
         const int64_t nb = (L + block_size - 1) / block_size;
         if (nb > bt_stride) return 2;
         for (int64_t b = 0; b < nb; ++b) {
@@ -63,6 +68,31 @@ inline void prefetch_half(const T* p, int64_t n) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// The halves a row reads, in order: K of its blocks 0 .. nb-1, then V of the same blocks. The
+// kernel prefetches kPrefetchAhead halves ahead along this sequence, into the next row's.
+constexpr int64_t kPrefetchAhead = 4;
+
+template <typename T>
+struct HalfStream {
+    const T* kv;
+    const int64_t* block_table;
+    int64_t bt_stride, block_stride, half_stride, block_size, num_rows;
+    const int64_t* qsl;
+    const int64_t* positions;
+
+    // prefetch step s of row r (s may run past the row's 2 nb steps into the following rows)
+    void prefetch(int64_t r, int64_t nb, int64_t s) const {
+        while (s >= 2 * nb) {
+            s -= 2 * nb;
+            if (++r >= num_rows) return;
+            nb = (row_keys(qsl, positions, r) + block_size - 1) / block_size;
+        }
+        const int64_t b = s < nb ? s : s - nb;
+        const T* p = kv + block_table[r * bt_stride + b] * block_stride + (s < nb ? 0 : half_stride);
+        prefetch_half(p, half_stride);
+    }
+};
+
 template <typename T, int DC>
 void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
@@ -77,11 +107,13 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
     std::vector<int64_t> qv_pos;
     std::vector<int64_t> qv_koff;  // offset of the query's KV head inside a token's row
     std::vector<const T*> qv_ptr;
+    const HalfStream<T> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
+                               positions};
+    bool primed = false;
     for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t t0 = qsl[r], t1 = qsl[r + 1];
         if (t1 <= t0) continue;
-        int64_t L = 0;
-        for (int64_t t = t0; t < t1; ++t) L = positions[t] + 1 > L ? positions[t] + 1 : L;
+        const int64_t L = row_keys(qsl, positions, r);
         // query vectors: every head of every token of the row (i = (t - t0) * H + head), so one
         // pass over a token's K row (all KV heads, contiguous) serves them all
         const int64_t nq = (t1 - t0) * H;
@@ -100,12 +132,14 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
         }
         const int64_t* blocks = block_table + r * bt_stride;
         const int64_t nb = (L + block_size - 1) / block_size;
+        if (!primed) {
+            for (int64_t s = 0; s < kPrefetchAhead; ++s) stream.prefetch(r, nb, s);
+            primed = true;
+        }
         // scores[i][j] = scale * q_i . k_j for j <= pos_i
-        prefetch_half(kv + blocks[0] * block_stride, half_stride);
         for (int64_t b = 0; b < nb; ++b) {
             const T* kblock = kv + blocks[b] * block_stride;
-            if (b + 1 < nb) prefetch_half(kv + blocks[b + 1] * block_stride, half_stride);
-            else prefetch_half(kv + blocks[0] * block_stride + half_stride, half_stride);  // V next
+            stream.prefetch(r, nb, b + kPrefetchAhead);
             const int64_t j0 = b * block_size;
             const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
             for (int64_t jj = 0; jj < jn; ++jj) {
@@ -139,7 +173,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
         // out_i = sum_j p_ij v_j
         for (int64_t b = 0; b < nb; ++b) {
             const T* vblock = kv + blocks[b] * block_stride + half_stride;
-            if (b + 1 < nb) prefetch_half(kv + blocks[b + 1] * block_stride + half_stride, half_stride);
+            stream.prefetch(r, nb, nb + b + kPrefetchAhead);
             const int64_t j0 = b * block_size;
             const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
             for (int64_t jj = 0; jj < jn; ++jj) {

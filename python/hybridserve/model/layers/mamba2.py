@@ -8,9 +8,12 @@ after token t to `state_write_slots[r, t]`; prefill rows start from `state_read_
 `has_initial_state` else from zeros, write their final state to `state_write_slots[r, 0]` and the
 emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
 
-`compiled_decode` (set by the engine for --compile-cpu-kernels): decode and verify steps on the
-CPU (float32 / float64) run the torch.compile'd conv, state update and gated norm of
-kernels/compiled.py instead of the eager twins.
+Decode and verify tokens on the CPU (float32 / float64) take the fused C++ kernel of
+kernels/native.py (conv update + state update in one pass) when it is built; the reference twins
+otherwise. `compiled_decode` (set by the engine for --compile-cpu-kernels): where the C++ kernels
+are not built (no compiler, HYBRIDSERVE_NATIVE_CPU=0), decode and verify steps on the CPU
+(float32 / float64) run the torch.compile'd conv, state update and gated norm of
+kernels/compiled.py instead of the eager twins (the C++ kernel is faster than the graph).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from hybridserve.kernels import compiled
+from hybridserve.kernels import compiled, native
 from hybridserve.kernels import dispatch as K
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
@@ -78,100 +81,77 @@ class Mamba2Mixer(nn.Module):
         sdt = ssm_state.dtype
         A = -torch.exp(self.A_log.to(sdt))
         ndt = ctx.num_decode_tokens
-        G, N = self.ngroups, self.dstate
 
-        if ndt == T and self.compiled_decode:
+        if ndt == T and self.compiled_decode and native.library() is None:
             # the same for every Mamba layer of the step: computed once per forward
             if _ROWS_KEY not in ctx.scratch:
                 ctx.scratch[_ROWS_KEY] = K.compiled_decode_rows(hidden, ctx.dec_qsl, ctx.dec_write_slots)
             rows = cast("compiled.Rows | None", ctx.scratch[_ROWS_KEY])
             if rows is not None:
                 return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, rows)
-        # decode-only step (ndt == T): the ops' outputs are the whole results (no copies)
-        if ndt == T:
-            conv_out = K.causal_conv1d_update(
-                xbc, w, b, conv_state, ctx.dec_qsl, ctx.dec_read_slot, ctx.dec_write_slots, self.activation
-            )
-        else:
-            conv_out = torch.empty_like(xbc)
-        if 0 < ndt < T:
-            conv_out[:ndt] = K.causal_conv1d_update(
-                xbc[:ndt],
-                w,
-                b,
-                conv_state,
-                ctx.dec_qsl,
-                ctx.dec_read_slot,
-                ctx.dec_write_slots,
-                self.activation,
-            )
-        if ndt < T:
-            conv_out[ndt:] = K.causal_conv1d_prefill(
-                xbc[ndt:],
-                w,
-                b,
-                conv_state,
-                ctx.pre_qsl,
-                ctx.pre_read_slot,
-                ctx.pre_has_initial_state,
-                ctx.pre_write_slot,
-                ctx.emit_row,
-                ctx.emit_token,
-                ctx.emit_slot,
-                self.activation,
-            )
-        x, B, C = conv_out.split([self.d_inner, G * N, G * N], dim=-1)
-        x = x.view(T, self.nheads, self.headdim)
-        B = B.view(T, G, N)
-        C = C.view(T, G, N)
-
-        def state_update(n: int) -> torch.Tensor:
-            """The decode / verify rows: the first n tokens."""
-            return K.selective_state_update(
-                x[:n],
-                dt[:n],
-                A,
-                B[:n],
-                C[:n],
-                self.D,
-                self.dt_bias,
-                ssm_state,
-                ctx.dec_qsl,
-                ctx.dec_read_slot,
-                ctx.dec_write_slots,
-                self.dt_min,
-                self.dt_max,
-            )
-
-        if ndt == T:  # decode-only step: no buffer to assemble
-            return self.out_proj(self.norm(state_update(T).reshape(T, self.d_inner), z, dtype))
-        y = torch.empty_like(x)
+        parts = []
         if ndt > 0:
-            y[:ndt] = state_update(ndt)
+            parts.append(self._decode_tokens(xbc[:ndt], dt[:ndt], w, b, A, conv_state, ssm_state, ctx))
         if ndt < T:
-            y[ndt:] = K.ssd_prefill(
-                x[ndt:],
-                dt[ndt:],
-                A,
-                B[ndt:],
-                C[ndt:],
-                self.D,
-                self.dt_bias,
-                ssm_state,
-                ctx.pre_qsl,
-                ctx.pre_num_computed,
-                ctx.pre_read_slot,
-                ctx.pre_has_initial_state,
-                ctx.pre_write_slot,
-                ctx.emit_row,
-                ctx.emit_token,
-                ctx.emit_slot,
-                self.chunk_size,
-                self.dt_min,
-                self.dt_max,
-            )
-        out = self.norm(y.reshape(T, self.d_inner), z, dtype)
-        return self.out_proj(out)
+            parts.append(self._prefill_tokens(xbc[ndt:], dt[ndt:], w, b, A, conv_state, ssm_state, ctx))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.out_proj(self.norm(y.reshape(T, self.d_inner), z, dtype))
+
+    def _split_conv_out(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        G, N = self.ngroups, self.dstate
+        n = conv_out.shape[0]
+        x, B, C = conv_out.split([self.d_inner, G * N, G * N], dim=-1)
+        return x.view(n, self.nheads, self.headdim), B.view(n, G, N), C.view(n, G, N)
+
+    def _decode_tokens(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        A: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """y ``[n, H, P]`` of the decode / verify rows (the first n tokens of the batch)."""
+        fused = native.mamba_decode(
+            xbc, dt, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, ctx.dec_qsl, ctx.dec_read_slot,
+            ctx.dec_write_slots, self.ngroups, self.activation is not None, self.dt_min, self.dt_max,
+        )  # fmt: skip
+        if fused is not None:
+            return fused
+        conv_out = K.causal_conv1d_update(
+            xbc, w, b, conv_state, ctx.dec_qsl, ctx.dec_read_slot, ctx.dec_write_slots, self.activation
+        )
+        x, B, C = self._split_conv_out(conv_out)
+        return K.selective_state_update(
+            x, dt, A, B, C, self.D, self.dt_bias, ssm_state, ctx.dec_qsl, ctx.dec_read_slot,
+            ctx.dec_write_slots, self.dt_min, self.dt_max,
+        )  # fmt: skip
+
+    def _prefill_tokens(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        A: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """y ``[n, H, P]`` of the prefill rows (the batch's tokens after the decode rows')."""
+        conv_out = K.causal_conv1d_prefill(
+            xbc, w, b, conv_state, ctx.pre_qsl, ctx.pre_read_slot, ctx.pre_has_initial_state,
+            ctx.pre_write_slot, ctx.emit_row, ctx.emit_token, ctx.emit_slot, self.activation,
+        )  # fmt: skip
+        x, B, C = self._split_conv_out(conv_out)
+        return K.ssd_prefill(
+            x, dt, A, B, C, self.D, self.dt_bias, ssm_state, ctx.pre_qsl, ctx.pre_num_computed,
+            ctx.pre_read_slot, ctx.pre_has_initial_state, ctx.pre_write_slot, ctx.emit_row,
+            ctx.emit_token, ctx.emit_slot, self.chunk_size, self.dt_min, self.dt_max,
+        )  # fmt: skip
 
     def _compiled_decode(
         self,
