@@ -172,7 +172,7 @@ def test_no_compiler_means_the_torch_path(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def mamba_case(lengths, H, P, G, N, W, dtype, bias=True, slots=64, seed=0):
+def mamba_case(lengths, H, P, G, N, W, dtype, bias=True, slots=64, seed=0, write_cols=None):
     g = torch.Generator().manual_seed(seed)
     d_inner, conv_dim = H * P, H * P + 2 * G * N
     n, R = sum(lengths), len(lengths)
@@ -195,7 +195,7 @@ def mamba_case(lengths, H, P, G, N, W, dtype, bias=True, slots=64, seed=0):
         query_start_loc=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
     )
     perm = torch.randperm(slots - 1, generator=g) + 1
-    wmax = max(lengths)
+    wmax = write_cols or max(lengths)
     case["read_slot"] = perm[:R].clone()
     case["write_slots"] = perm[R : R + R * wmax].view(R, wmax).clone()
     return case
@@ -306,24 +306,162 @@ def test_mamba_decode_declines_what_it_does_not_cover():
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_the_engine_mamba_layers_use_it_and_agree_with_the_twins(spec, monkeypatch):
+def test_the_engine_mamba_layers_use_them_and_agree_with_the_twins(spec, monkeypatch):
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
-    calls = []
-    real = native.mamba_decode
+    calls: dict[str, list[bool]] = {"mamba_decode": [], "mamba_prefill": []}
+    for name in calls:
+        real = getattr(native, name)
 
-    def counting(*a, **kw):
-        res = real(*a, **kw)
-        calls.append(res is not None)
-        return res
+        def counting(*a, _real=real, _name=name, **kw):
+            res = _real(*a, **kw)
+            calls[_name].append(res is not None)
+            return res
 
+        monkeypatch.setattr(native, name, counting)
+    # long prompts (several chunks of a small budget: prefill rows continuing from a state, with
+    # boundary states emitted in mode `all`) and repeated ones (prefix hits)
     prompts = ["hello hello hello hello", "1 2 3 4 1 2 3 4 1 2", "The quick brown fox", "abc abc abc abc"]
+    prompts += [" ".join(str(i % 17) for i in range(150)), " ".join(str(i % 17) for i in range(150))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = LLM("demo", dtype="float64", max_num_seqs=8, speculative_config=spec)
-    monkeypatch.setattr(native, "mamba_decode", counting)
+    llm = LLM(
+        "demo", dtype="float64", max_num_seqs=8, speculative_config=spec, max_num_batched_tokens=128,
+        mamba_block_size=64,
+    )  # fmt: skip
     with_native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls and all(calls)
+    for name, seen in calls.items():
+        assert seen and all(seen), name
     monkeypatch.setattr(native, "mamba_decode", lambda *a, **kw: None)  # the reference twins
+    monkeypatch.setattr(native, "mamba_prefill", lambda *a, **kw: None)
     with_twins = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert with_native == with_twins
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba prefill: the recurrence in place of conv prefill + chunked SSD scan
+# ------------------------------------------------------------------------------------------------
+
+
+def prefill_case(lengths, H, P, G, N, W, dtype, chunk, num_computed, has_init, seed=0):
+    c = mamba_case(lengths, H, P, G, N, W, dtype, slots=96, seed=seed, write_cols=1)
+    R = len(lengths)
+    c["write_slot"] = c.pop("write_slots")[:, 0].clone()
+    c["num_computed_tokens"] = torch.tensor(num_computed, dtype=torch.int64)
+    c["has_initial_state"] = torch.tensor(has_init, dtype=torch.bool)
+    # emit at every chunk end inside each row (absolute positions), to fresh slots
+    er, et = [], []
+    for r in range(R):
+        for t in range(lengths[r]):
+            if (num_computed[r] + t + 1) % chunk == 0:
+                er.append(r)
+                et.append(t)
+    used = set(c["read_slot"].tolist()) | set(c["write_slot"].tolist())
+    free = [s for s in range(1, 96) if s not in used]
+    c["emit_row"] = torch.tensor(er, dtype=torch.int64)
+    c["emit_token"] = torch.tensor(et, dtype=torch.int64)
+    c["emit_slot"] = torch.tensor(free[: len(er)], dtype=torch.int64)
+    c["chunk_size"] = chunk
+    return c
+
+
+def prefill_reference(c, G, silu=True, dt_min=0.0, dt_max=math.inf):
+    from hybridserve.kernels import reference as K
+
+    H, P, N = c["ssm_state"].shape[1:]
+    conv_out = K.causal_conv1d_prefill(
+        c["xbc"], c["conv_weight"], c["conv_bias"], c["conv_state"], c["query_start_loc"], c["read_slot"],
+        c["has_initial_state"], c["write_slot"], c["emit_row"], c["emit_token"], c["emit_slot"],
+        "silu" if silu else None,
+    )  # fmt: skip
+    x, B, C = conv_out.split([H * P, G * N, G * N], dim=-1)
+    return K.ssd_prefill(
+        x.reshape(-1, H, P), c["dt"], c["A"], B.reshape(-1, G, N), C.reshape(-1, G, N), c["D"], c["dt_bias"],
+        c["ssm_state"], c["query_start_loc"], c["num_computed_tokens"], c["read_slot"], c["has_initial_state"],
+        c["write_slot"], c["emit_row"], c["emit_token"], c["emit_slot"], c["chunk_size"], dt_min, dt_max,
+    )  # fmt: skip
+
+
+def prefill_native(c, G, silu=True, dt_min=0.0, dt_max=math.inf):
+    return native.mamba_prefill(**c, ngroups=G, silu=silu, dt_min=dt_min, dt_max=dt_max)
+
+
+@pytest.mark.parametrize(
+    "H, P, G, N, W",
+    [(8, 32, 2, 32, 4), (4, 6, 1, 12, 4), (2, 16, 2, 16, 2), (2, 8, 1, 128, 3)],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mamba_prefill_matches_the_reference_twins(H, P, G, N, W, dtype):
+    # a long row from position 0 (blocks of 64 tokens, several chunks), a row continuing mid-chunk
+    # from a state, a row shorter than the conv window, a row of one token, an empty row
+    lengths = [150, 37, 2, 1, 0]
+    c = prefill_case(
+        lengths, H, P, G, N, W, dtype, chunk=16, num_computed=[0, 21, 5, 9, 0],
+        has_init=[False, True, True, True, False],
+    )  # fmt: skip
+    c["write_slot"][3] = 0  # a null final write
+    assert c["emit_row"].numel() > 8
+    ref, nat = clone_case(c), clone_case(c)
+    y_ref = prefill_reference(ref, G)
+    y_nat = prefill_native(nat, G)
+    assert y_nat is not None
+    # the chunked scan and the recurrence differ in rounding only
+    tol = 1e-10 if dtype == torch.float64 else 2e-4
+    torch.testing.assert_close(y_nat, y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["conv_state"], ref["conv_state"], rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["ssm_state"], ref["ssm_state"], rtol=tol, atol=tol)
+    assert torch.equal(nat["ssm_state"][0], c["ssm_state"][0])
+
+
+def test_mamba_prefill_of_a_split_prompt_equals_the_whole():
+    # two calls (the second continuing from the first's state) give the state of one call:
+    # exactly, since both run the same per-token arithmetic
+    whole = prefill_case([96], 8, 32, 2, 32, 4, torch.float64, chunk=32, num_computed=[0], has_init=[False])
+    first = clone_case(whole)
+    for k in ("xbc", "dt"):
+        first[k] = whole[k][:40]
+    first["query_start_loc"] = torch.tensor([0, 40])
+    keep = whole["emit_token"] < 40
+    for k in ("emit_row", "emit_token", "emit_slot"):
+        first[k] = whole[k][keep]
+    y1 = prefill_native(first, 2)
+    second = clone_case(first)
+    second["conv_state"], second["ssm_state"] = first["conv_state"], first["ssm_state"]
+    for k in ("xbc", "dt"):
+        second[k] = whole[k][40:]
+    second["query_start_loc"] = torch.tensor([0, 56])
+    second["num_computed_tokens"] = torch.tensor([40])
+    second["has_initial_state"] = torch.tensor([True])
+    second["read_slot"] = first["write_slot"].clone()
+    for k, v in (("emit_row", 0 * whole["emit_row"][~keep]), ("emit_token", whole["emit_token"][~keep] - 40)):
+        second[k] = v
+    second["emit_slot"] = whole["emit_slot"][~keep]
+    y2 = prefill_native(second, 2)
+    y = prefill_native(whole, 2)
+    assert torch.equal(torch.cat([y1, y2]), y)
+    assert torch.equal(
+        second["ssm_state"][int(whole["write_slot"][0])], whole["ssm_state"][int(whole["write_slot"][0])]
+    )
+
+
+def test_mamba_prefill_declines_what_the_reference_orders_differently():
+    c = prefill_case(
+        [40, 8], 4, 16, 2, 16, 4, torch.float64, chunk=16, num_computed=[0, 0], has_init=[True, True]
+    )
+    # row 1 reads the slot that row 0 writes: the reference reads first
+    bad = clone_case(c)
+    bad["read_slot"][1] = bad["write_slot"][0]
+    before = clone_case(bad)
+    assert prefill_native(bad, 2) is None
+    assert torch.equal(bad["ssm_state"], before["ssm_state"]) and torch.equal(
+        bad["conv_state"], before["conv_state"]
+    )
+    # an emit and the final state of one row in one slot: the reference writes the final first
+    bad = clone_case(c)
+    bad["emit_slot"][0] = bad["write_slot"][0]
+    assert prefill_native(bad, 2) is None
+    # an emit off a chunk end is the reference's ValueError
+    bad = clone_case(c)
+    bad["emit_token"][0] += 1
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        prefill_native(bad, 2)

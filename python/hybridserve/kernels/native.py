@@ -11,9 +11,10 @@ Kernels:
 
 - `paged_attention`: decode and verify rows over the paged KV cache (float32 / float64), reading K
   and V through the block table with no gathered copy.
-- `mamba_decode`: the Mamba2 mixer's decode and verify tokens (conv update + state update, the
-  arithmetic of the two reference twins) in one pass over each row's state, written straight into
-  its window slots.
+- `mamba_decode` / `mamba_prefill`: the Mamba2 mixer's conv and state recurrence token by token
+  (the arithmetic of the reference conv update and state update) in one pass over each row's
+  state, written straight into its slots: decode and verify rows, and prefill rows (instead of the
+  chunked SSD scan, which on a CPU does the same O(H P N) work per token plus the chunk matrices).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_decode.cpp")
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp")
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). The kernels form no inf: a score exists only for a key its
 # query may see, and every exp argument is <= 0.
@@ -111,10 +112,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_double]
         fn.restype = ctypes.c_int
-    for name in ("hs_mamba_decode_f32", "hs_mamba_decode_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64]
-        fn.argtypes += [_I64] * 7 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P]
+    # the arguments both Mamba entry points share, before and after their own row description
+    common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
+    tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P]
+    for suffix in ("f32", "f64"):
+        fn = getattr(lib, f"hs_mamba_decode_{suffix}")
+        fn.argtypes = [*common, _P, _I64, _P, _P, _I64, *tail]  # qsl, R, read_slot, write_slots, ws_stride
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"hs_mamba_prefill_{suffix}")
+        # qsl, R, read_slot, has_init, write_offsets, write_token, write_slot
+        fn.argtypes = [*common, _P, _I64, _P, _P, _P, _P, _P, *tail]
         fn.restype = ctypes.c_int
 
 
@@ -217,6 +224,95 @@ def _rows_of(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
+class _MixerArgs(NamedTuple):
+    """The checked tensors and sizes shared by the two Mamba entry points."""
+
+    lib: ctypes.CDLL
+    common: tuple[Any, ...]  # the leading arguments of both C functions
+    tail: tuple[Any, ...]  # conv_dim, W, H, P, G, N, act, dt_min, dt_max, y
+    y: torch.Tensor
+    keep: tuple[torch.Tensor | None, ...]  # the converted copies the pointers refer to
+
+
+def _mixer_args(
+    name: str,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    read_slot: torch.Tensor,
+    ngroups: int,
+    silu: bool,
+    dt_min: float,
+    dt_max: float,
+) -> _MixerArgs | None:
+    import torch
+
+    dtype = xbc.dtype
+    if (
+        xbc.device.type != "cpu"
+        or dtype not in (torch.float32, torch.float64)
+        or any(t.dtype != dtype for t in (conv_state, ssm_state, dt, conv_weight))
+        or not (_rows_of(xbc) and _rows_of(dt))
+        or ssm_state.dim() != 4
+        or conv_state.dim() != 3
+        or not (conv_state.is_contiguous() and ssm_state.is_contiguous())  # written in place
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n, conv_dim = xbc.shape
+    _, H, P, N = ssm_state.shape
+    W = conv_weight.shape[1]
+    R = query_start_loc.numel() - 1
+    if (
+        dt.shape != (n, H)
+        or conv_weight.shape != (conv_dim, W)
+        or conv_state.shape[1:] != (conv_dim, W - 1)
+        or (conv_bias is not None and conv_bias.shape != (conv_dim,))
+        or read_slot.shape != (R,)
+        or R < 0
+    ):
+        raise ValueError(
+            f"{name}: shapes do not fit (xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, "
+            f"conv_state {tuple(conv_state.shape)}, ssm_state {tuple(ssm_state.shape)}, {R} rows)"
+        )
+    if int(query_start_loc[-1]) != n:
+        raise ValueError(f"{name}: query_start_loc ends at {int(query_start_loc[-1])} for {n} tokens")
+    w = conv_weight.contiguous()
+    b = conv_bias.to(dtype).contiguous() if conv_bias is not None else None
+    A_, D_, db = (v.to(dtype).contiguous() for v in (A, D, dt_bias))
+    y = torch.empty((n, H, P), dtype=dtype)
+    common = (
+        xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), w.data_ptr(),
+        b.data_ptr() if b is not None else None, conv_state.data_ptr(), conv_state.shape[0],
+        A_.data_ptr(), D_.data_ptr(), db.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0],
+    )  # fmt: skip
+    tail = (
+        conv_dim, W, H, P, ngroups, N, int(silu), float(dt_min),
+        float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(),
+    )  # fmt: skip
+    return _MixerArgs(lib, common, tail, y, (w, b, A_, D_, db))
+
+
+def _mixer_result(name: str, rc: int, args: _MixerArgs) -> torch.Tensor | None:
+    if rc == 3:
+        return None
+    if rc == 1:
+        conv_dim, W, H, P, G, N = args.tail[:6]
+        raise ValueError(f"{name}: bad shapes (conv_dim={conv_dim}, H={H}, P={P}, G={G}, N={N}, W={W})")
+    if rc != 0:
+        raise ValueError(f"{name}: a slot is outside the state pools or a write is outside its row")
+    return args.y
+
+
 def mamba_decode(
     xbc: torch.Tensor,
     dt: torch.Tensor,
@@ -244,70 +340,90 @@ def mamba_decode(
     anything is written."""
     import torch
 
-    dtype = xbc.dtype
-    if (
-        xbc.device.type != "cpu"
-        or dtype not in (torch.float32, torch.float64)
-        or conv_state.dtype != dtype
-        or ssm_state.dtype != dtype
-        or dt.dtype != dtype
-        or conv_weight.dtype != dtype
-        or not (_rows_of(xbc) and _rows_of(dt))
-        or ssm_state.dim() != 4
-        or conv_state.dim() != 3
-    ):
+    args = _mixer_args(
+        "mamba_decode", xbc, dt, conv_weight, conv_bias, conv_state, A, D, dt_bias, ssm_state,
+        query_start_loc, read_slot, ngroups, silu, dt_min, dt_max,
+    )  # fmt: skip
+    if args is None:
         return None
-    lib = library()
-    if lib is None:
-        return None
-    n, conv_dim = xbc.shape
-    _, H, P, N = ssm_state.shape
-    W = conv_weight.shape[1]
     R = query_start_loc.numel() - 1
-    if (
-        dt.shape != (n, H)
-        or conv_weight.shape != (conv_dim, W)
-        or conv_state.shape[1:] != (conv_dim, W - 1)
-        or (conv_bias is not None and conv_bias.shape != (conv_dim,))
-        or read_slot.shape != (R,)
-        or write_slots.dim() != 2
-        or write_slots.shape[0] != R
-    ):
-        raise ValueError(
-            f"mamba_decode: shapes do not fit (xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, "
-            f"conv_state {tuple(conv_state.shape)}, ssm_state {tuple(ssm_state.shape)}, {R} rows)"
-        )
-    if R > 0 and int(query_start_loc[-1]) != n:
-        raise ValueError(f"mamba_decode: query_start_loc ends at {int(query_start_loc[-1])} for {n} tokens")
-    if n == 0 or R == 0:
-        return torch.empty((n, H, P), dtype=dtype)
+    if write_slots.dim() != 2 or write_slots.shape[0] != R:
+        raise ValueError(f"mamba_decode: write_slots of shape {tuple(write_slots.shape)} for {R} rows")
     i64 = torch.int64
     qsl = query_start_loc.to(i64).contiguous()
     rs = read_slot.to(i64).contiguous()
     ws = write_slots.to(i64).contiguous()
-    w = conv_weight.contiguous()
-    b = conv_bias.to(dtype).contiguous() if conv_bias is not None else None
-    A_, D_, db = (v.to(dtype).contiguous() for v in (A, D, dt_bias))
-    if not (conv_state.is_contiguous() and ssm_state.is_contiguous()):
-        return None  # the kernel writes the slots in place
-    y = torch.empty((n, H, P), dtype=dtype)
-    fn = lib.hs_mamba_decode_f32 if dtype == torch.float32 else lib.hs_mamba_decode_f64
-    rc = fn(
-        xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), w.data_ptr(),
-        b.data_ptr() if b is not None else None, conv_state.data_ptr(), conv_state.shape[0],
-        A_.data_ptr(), D_.data_ptr(), db.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0],
-        qsl.data_ptr(), R, rs.data_ptr(), ws.data_ptr(), ws.shape[1],
-        conv_dim, W, H, P, ngroups, N, H * P, int(silu), float(dt_min),
-        float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(),
+    fn = args.lib.hs_mamba_decode_f32 if xbc.dtype == torch.float32 else args.lib.hs_mamba_decode_f64
+    rc = fn(*args.common, qsl.data_ptr(), R, rs.data_ptr(), ws.data_ptr(), ws.shape[1], *args.tail)
+    return _mixer_result("mamba_decode", rc, args)
+
+
+def mamba_prefill(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_computed_tokens: torch.Tensor,
+    read_slot: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    write_slot: torch.Tensor,
+    emit_row: torch.Tensor,
+    emit_token: torch.Tensor,
+    emit_slot: torch.Tensor,
+    chunk_size: int,
+    ngroups: int,
+    silu: bool,
+    dt_min: float = 0.0,
+    dt_max: float = math.inf,
+) -> torch.Tensor | None:
+    """Conv then state recurrence of prefill rows: ``reference.causal_conv1d_prefill`` followed by
+    ``reference.ssd_prefill`` with the same arguments (the final window / state of row r go to
+    ``write_slot[r]``, the emitted ones after ``emit_token[e]`` of row ``emit_row[e]`` to
+    ``emit_slot[e]``; emits must end a chunk, as there). Returns y ``[n, H, P]``, or None when the
+    kernel does not apply: the caller then runs the reference twins."""
+    import torch
+
+    from hybridserve.kernels.reference import _check_emits
+
+    args = _mixer_args(
+        "mamba_prefill", xbc, dt, conv_weight, conv_bias, conv_state, A, D, dt_bias, ssm_state,
+        query_start_loc, read_slot, ngroups, silu, dt_min, dt_max,
     )  # fmt: skip
-    if rc == 3:
+    if args is None:
         return None
-    if rc == 1:
+    R = query_start_loc.numel() - 1
+    if has_initial_state.shape != (R,) or write_slot.shape != (R,) or num_computed_tokens.shape != (R,):
         raise ValueError(
-            f"mamba_decode: bad shapes (conv_dim={conv_dim}, H={H}, P={P}, G={ngroups}, N={N}, W={W})"
+            f"mamba_prefill: has_initial_state, write_slot and num_computed_tokens need {R} rows"
         )
-    if rc != 0:
-        raise ValueError(
-            "mamba_decode: a slot is outside the state pools or a row has more tokens than write slots"
-        )
-    return y
+    if not (emit_row.shape == emit_token.shape == emit_slot.shape and emit_row.dim() == 1):
+        raise ValueError("mamba_prefill: emit_row, emit_token and emit_slot must be 1-D of one length")
+    _check_emits(query_start_loc, num_computed_tokens, emit_row, emit_token, chunk_size)
+    i64 = torch.int64
+    qsl = query_start_loc.to(i64).contiguous()
+    last = qsl[1:] - qsl[:-1] - 1
+    # every write as (row, token, slot): the emits, then the final states (a row with no
+    # tokens writes nothing), sorted by row and token (stable: at one token, emits come first)
+    has_tokens = last >= 0
+    rows_all = torch.cat([emit_row.to(i64), torch.arange(R, dtype=i64)[has_tokens]])
+    toks_all = torch.cat([emit_token.to(i64), last[has_tokens]])
+    slots_all = torch.cat([emit_slot.to(i64), write_slot.to(i64)[has_tokens]])
+    order = torch.argsort(rows_all * (int(qsl[-1]) + 1) + toks_all, stable=True)
+    wtok = toks_all[order].contiguous()
+    wslot = slots_all[order].contiguous()
+    offsets = torch.zeros(R + 1, dtype=i64)
+    offsets[1:] = torch.bincount(rows_all, minlength=R).cumsum(0)
+    rs = read_slot.to(i64).contiguous()
+    his = has_initial_state.to(torch.uint8).contiguous()
+    fn = args.lib.hs_mamba_prefill_f32 if xbc.dtype == torch.float32 else args.lib.hs_mamba_prefill_f64
+    rc = fn(
+        *args.common, qsl.data_ptr(), R, rs.data_ptr(), his.data_ptr(), offsets.data_ptr(), wtok.data_ptr(),
+        wslot.data_ptr(), *args.tail,
+    )  # fmt: skip
+    return _mixer_result("mamba_prefill", rc, args)

@@ -8,9 +8,9 @@ after token t to `state_write_slots[r, t]`; prefill rows start from `state_read_
 `has_initial_state` else from zeros, write their final state to `state_write_slots[r, 0]` and the
 emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
 
-Decode and verify tokens on the CPU (float32 / float64) take the fused C++ kernel of
-kernels/native.py (conv update + state update in one pass) when it is built; the reference twins
-otherwise. `compiled_decode` (set by the engine for --compile-cpu-kernels): where the C++ kernels
+On the CPU (float32 / float64) decode, verify and prefill tokens take the C++ recurrence of
+kernels/native.py (conv + state update token by token, one pass per row) when it is built; the
+reference twins (conv update / state update, conv prefill / chunked SSD scan) otherwise. `compiled_decode` (set by the engine for --compile-cpu-kernels): where the C++ kernels
 are not built (no compiler, HYBRIDSERVE_NATIVE_CPU=0), decode and verify steps on the CPU
 (float32 / float64) run the torch.compile'd conv, state update and gated norm of
 kernels/compiled.py instead of the eager twins (the C++ kernel is faster than the graph).
@@ -142,6 +142,13 @@ class Mamba2Mixer(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         """y ``[n, H, P]`` of the prefill rows (the batch's tokens after the decode rows')."""
+        fused = native.mamba_prefill(
+            xbc, dt, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, ctx.pre_qsl, ctx.pre_num_computed,
+            ctx.pre_read_slot, ctx.pre_has_initial_state, ctx.pre_write_slot, ctx.emit_row, ctx.emit_token,
+            ctx.emit_slot, self.chunk_size, self.ngroups, self.activation is not None, self.dt_min, self.dt_max,
+        )  # fmt: skip
+        if fused is not None:
+            return fused
         conv_out = K.causal_conv1d_prefill(
             xbc, w, b, conv_state, ctx.pre_qsl, ctx.pre_read_slot, ctx.pre_has_initial_state,
             ctx.pre_write_slot, ctx.emit_row, ctx.emit_token, ctx.emit_slot, self.activation,

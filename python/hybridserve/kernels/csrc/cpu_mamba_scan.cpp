@@ -1,0 +1,360 @@
+// The Mamba2 mixer's token recurrence on the CPU (hybridserve.kernels.native): causal conv1d and
+// selective state update token by token, in one pass per row, for decode / verify rows and for
+// prefill rows alike. The arithmetic of reference.causal_conv1d_update followed by
+// reference.selective_state_update:
+//   conv:   out_c = sum_k window_c[k] * w_c[k] (+ b_c), silu
+//   state:  dt_h = clamp(softplus(dt_h + dt_bias_h)), h = exp(dt_h A_h) h + dt_h x_h B_g^T,
+//           y_h = h C_g + D_h x_h
+// For prefill this replaces the chunked SSD scan of reference.ssd_prefill with the plain
+// recurrence: on a CPU, with the state of one head (P x N) held in L1 across a row's tokens, it
+// does the same O(H P N) work per token without the chunk matrices (the chunked form exists for
+// tensor cores).
+//
+// Each row reads its initial conv window and state from read_slot (or zeros, for a prefill row
+// without an initial state) before it writes anything, and writes the window and state after
+// token t to every slot listed for t. The lists come as CSR: the writes of row r are
+// write_token / write_slot[write_offsets[r] .. write_offsets[r + 1]), sorted by token. Slot 0 is
+// the null slot: writes to it are skipped. Layouts (contiguous unless a stride is passed):
+//   xbc [n, conv_dim] with row stride xbc_stride; dt [n, H] with row stride dt_stride
+//   conv_w [conv_dim, W]; conv_b [conv_dim] or null; conv_state [slots, conv_dim, W - 1]
+//   A (already -exp(A_log)), D, dt_bias [H]; ssm_state [slots, H, P, N]
+//   qsl [R + 1] from 0; read_slot [R]; has_init [R] (uint8) or null (= all); y [n, H, P]
+// Return codes: 0 ok, 1 bad shapes, 2 a slot, token or row range out of bounds, 3 the reference's
+// order of reads and writes would differ from this row-by-row order (a row reads a slot that an
+// earlier row writes, two rows write one slot, or, with strict_row_writes, one row writes a slot
+// at two tokens): the caller then takes the reference path. Nothing is written unless the result is 0.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline T softplus20(T v) {
+    return v > T(20) ? v : std::log1p(std::exp(v));
+}
+
+// exp's argument is capped so that no inf appears (the library is built with -ffast-math, which
+// assumes none): below -80, silu is within 1e-33 of 0 either way.
+template <typename T>
+inline T silu(T v) {
+    const T e = -v < T(80) ? -v : T(80);
+    return v / (T(1) + std::exp(e));
+}
+
+// src [rows][cols] -> dst [cols][rows]
+template <typename T>
+inline void transpose(const T* src, T* dst, int64_t rows, int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
+// Rows of at least this many tokens run the state update on a transposed copy of the state, when
+// P is a multiple of the vector width.
+constexpr int64_t kTransposeFrom = 8;
+// One 64-byte vector (GCC's vector extension: kept in a register, unlike a small array).
+template <typename T>
+struct Vec {
+    typedef T type __attribute__((vector_size(64)));
+    static constexpr int64_t lanes = 64 / static_cast<int64_t>(sizeof(T));
+    static inline type load(const T* p) {
+        type v;
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+    }
+    static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+};
+
+// One token's update of one vector of columns p0 .. p0 + lanes of a head's transposed state
+// hT [N][P]: hT[k][p] = a hT[k][p] + d x[p] B[k]; y[p] = sum_k hT[k][p] C[k] + Dskip x[p]. Even
+// and odd k accumulate apart: two independent FMA chains (latency bounds this loop).
+template <typename T>
+inline void transposed_step(T* hT, int64_t P, int64_t N, const T* x, const T* B, const T* C, T d, T a, T Dskip,
+                            T* y) {
+    using V = Vec<T>;
+    using VT = typename V::type;
+    const VT xv = V::load(x);
+    const VT dx = xv * d;
+    VT y0 = xv * T(0), y1 = xv * T(0);
+    int64_t k = 0;
+    for (; k + 1 < N; k += 2) {
+        const VT h0 = V::load(hT + k * P) * a + dx * B[k];
+        const VT h1 = V::load(hT + (k + 1) * P) * a + dx * B[k + 1];
+        V::store(hT + k * P, h0);
+        V::store(hT + (k + 1) * P, h1);
+        y0 += h0 * C[k];
+        y1 += h1 * C[k + 1];
+    }
+    if (k < N) {
+        const VT h0 = V::load(hT + k * P) * a + dx * B[k];
+        V::store(hT + k * P, h0);
+        y0 += h0 * C[k];
+    }
+    V::store(y, (y0 + y1) + xv * Dskip);
+}
+
+struct Rows {
+    const int64_t* qsl;
+    int64_t R;
+    const int64_t* read_slot;
+    const uint8_t* has_init;  // null: every row has an initial state
+    const int64_t* write_offsets;
+    const int64_t* write_token;
+    const int64_t* write_slot;
+
+    bool reads(int64_t r) const { return has_init == nullptr || has_init[r] != 0; }
+};
+
+int check(const Rows& rows, int64_t num_slots, bool strict_row_writes) {
+    const int64_t R = rows.R;
+    if (R > 0 && (rows.qsl[0] != 0 || rows.write_offsets[0] != 0)) return 2;
+    std::unordered_map<int64_t, int64_t> reader;  // slot -> the last row that reads it
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> writer;  // slot -> (row, token) writing it
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t n = rows.qsl[r + 1] - rows.qsl[r];
+        if (n < 0) return 2;
+        if (rows.reads(r)) {
+            const int64_t s = rows.read_slot[r];
+            if (s < 0 || s >= num_slots) return 2;
+            reader[s] = r;
+        }
+        const int64_t e0 = rows.write_offsets[r], e1 = rows.write_offsets[r + 1];
+        if (e1 < e0) return 2;
+        for (int64_t e = e0; e < e1; ++e) {
+            const int64_t t = rows.write_token[e], s = rows.write_slot[e];
+            if (t < 0 || t >= n || s < 0 || s >= num_slots) return 2;
+            if (e > e0 && t < rows.write_token[e - 1]) return 1;
+            if (s == 0) continue;
+            auto it = writer.find(s);
+            if (it == writer.end()) writer[s] = {r, t};
+            else if (it->second.first != r || (strict_row_writes && it->second.second != t)) return 3;
+        }
+    }
+    // rows run in order, each reading before it writes: a slot written by row r may be read by
+    // rows up to r, not by a later row (the reference reads every row first)
+    for (const auto& [s, w] : writer) {
+        auto it = reader.find(s);
+        if (it != reader.end() && it->second > w.first) return 3;
+    }
+    return 0;
+}
+
+// Tokens per block: a row is scanned block by block, so that a block's conv outputs (and every
+// head's state) stay in the core's L2 while each head runs over the block's tokens.
+constexpr int64_t kBlockTokens = 64;
+
+template <typename T, int NC>
+void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+          T* conv_state, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state, const Rows& rows,
+          int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N_runtime, bool act, T dt_min,
+          bool clamp_max, T dt_max, T* y) {
+    const int64_t N = NC > 0 ? NC : N_runtime;
+    const int64_t S = W - 1;
+    const int64_t hpg = H / G;
+    const int64_t d_inner = H * P;
+    const int64_t head_size = P * N;
+    const int64_t state_stride = H * head_size;
+    const size_t head_bytes = sizeof(T) * static_cast<size_t>(head_size);
+    // conv weights as [W][conv_dim], so that the conv runs along the channels
+    std::vector<T> wT(static_cast<size_t>(W * conv_dim));
+    for (int64_t c = 0; c < conv_dim; ++c)
+        for (int64_t k = 0; k < W; ++k) wT[static_cast<size_t>(k * conv_dim + c)] = conv_w[c * W + k];
+    std::vector<T> init_win(static_cast<size_t>((S > 0 ? S : 1) * conv_dim));  // [S][conv_dim]
+    std::vector<T> conv_out(static_cast<size_t>(kBlockTokens * conv_dim));   // one block's
+    std::vector<T> states(static_cast<size_t>(state_stride));                 // every head's
+    std::vector<T> dtv(static_cast<size_t>(kBlockTokens));
+    for (int64_t r = 0; r < rows.R; ++r) {
+        const int64_t t0 = rows.qsl[r], n = rows.qsl[r + 1] - rows.qsl[r];
+        if (n == 0) continue;
+        const bool init = rows.reads(r);
+        const int64_t e1 = rows.write_offsets[r + 1];
+        // A long row keeps each head's state transposed ([N][P]) so that the update and y = h C
+        // both run along P with no horizontal sums; a short one (decode, verify) is not worth the
+        // two transposes.
+        const bool transposed = n >= kTransposeFrom && P % Vec<T>::lanes == 0;
+        // input j of the row (j < 0: column S + j of the initial window)
+        auto input = [&](int64_t j) -> const T* {
+            return j >= 0 ? xbc + (t0 + j) * xbc_stride : init_win.data() + (S + j) * conv_dim;
+        };
+        if (S > 0) {
+            if (init) {
+                const T* src = conv_state + rows.read_slot[r] * conv_dim * S;
+                for (int64_t c = 0; c < conv_dim; ++c)
+                    for (int64_t k = 0; k < S; ++k) init_win[static_cast<size_t>(k * conv_dim + c)] = src[c * S + k];
+            } else {
+                std::fill(init_win.begin(), init_win.end(), T(0));
+            }
+        }
+        for (int64_t hd = 0; hd < H; ++hd) {
+            T* hs = states.data() + hd * head_size;
+            if (!init) {
+                std::fill(hs, hs + head_size, T(0));
+                continue;
+            }
+            const T* src = ssm_state + rows.read_slot[r] * state_stride + hd * head_size;
+            if (transposed) transpose(src, hs, P, N);
+            else std::memcpy(hs, src, head_bytes);
+        }
+        int64_t e_block = rows.write_offsets[r];  // the first write at or after the block's start
+        for (int64_t b0 = 0; b0 < n; b0 += kBlockTokens) {
+            const int64_t bn = n - b0 < kBlockTokens ? n - b0 : kBlockTokens;
+            // conv of the block's tokens: token t's window is inputs t - S .. t
+            for (int64_t i = 0; i < bn; ++i) {
+                const int64_t t = b0 + i;
+                T* co = conv_out.data() + i * conv_dim;
+                const T* x0 = input(t - S);
+                for (int64_t c = 0; c < conv_dim; ++c) co[c] = x0[c] * wT[static_cast<size_t>(c)];
+                for (int64_t k = 1; k < W; ++k) {
+                    const T* xk = input(t - S + k);
+                    const T* wk = wT.data() + k * conv_dim;
+                    for (int64_t c = 0; c < conv_dim; ++c) co[c] += xk[c] * wk[c];
+                }
+                if (conv_b != nullptr)
+                    for (int64_t c = 0; c < conv_dim; ++c) co[c] += conv_b[c];
+                if (act)
+                    for (int64_t c = 0; c < conv_dim; ++c) co[c] = silu(co[c]);
+            }
+            int64_t e_next = e_block;
+            while (e_next < e1 && rows.write_token[e_next] < b0 + bn) ++e_next;
+            if (S > 0) {
+                for (int64_t e = e_block; e < e_next; ++e) {
+                    if (rows.write_slot[e] == 0) continue;
+                    // the window after token t (inputs t - S + 1 .. t), stored as [conv_dim][S]
+                    const int64_t t = rows.write_token[e];
+                    T* dst = conv_state + rows.write_slot[e] * conv_dim * S;
+                    for (int64_t k = 0; k < S; ++k) {
+                        const T* xk = input(t - S + 1 + k);
+                        for (int64_t c = 0; c < conv_dim; ++c) dst[c * S + k] = xk[c];
+                    }
+                }
+            }
+            // state update, one head at a time over the block's tokens
+            for (int64_t hd = 0; hd < H; ++hd) {
+                const int64_t g = hd / hpg;
+                T* hs = states.data() + hd * head_size;
+                for (int64_t i = 0; i < bn; ++i) {
+                    T d = softplus20(dt[(t0 + b0 + i) * dt_stride + hd] + dt_bias[hd]);
+                    d = d < dt_min ? dt_min : d;
+                    if (clamp_max && d > dt_max) d = dt_max;
+                    dtv[static_cast<size_t>(i)] = d;
+                }
+                int64_t e = e_block;
+                for (int64_t i = 0; i < bn; ++i) {
+                    const int64_t t = b0 + i;
+                    const T* co = conv_out.data() + i * conv_dim;
+                    const T* x = co + hd * P;
+                    const T* B = co + d_inner + g * N;
+                    const T* C = co + d_inner + G * N + g * N;
+                    const T d = dtv[static_cast<size_t>(i)];
+                    const T a = std::exp(d * A[hd]);
+                    T* yo = y + ((t0 + t) * H + hd) * P;
+                    if (transposed) {
+                        for (int64_t p0 = 0; p0 < P; p0 += Vec<T>::lanes)
+                            transposed_step<T>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
+                    } else {
+                        for (int64_t p = 0; p < P; ++p) {
+                            T* hp = hs + p * N;
+                            const T coef = d * x[p];
+                            T acc = 0;
+                            for (int64_t k = 0; k < N; ++k) {
+                                hp[k] = hp[k] * a + coef * B[k];
+                                acc += hp[k] * C[k];
+                            }
+                            yo[p] = acc + Dskip[hd] * x[p];
+                        }
+                    }
+                    for (; e < e_next && rows.write_token[e] == t; ++e) {
+                        if (rows.write_slot[e] == 0) continue;
+                        T* dst = ssm_state + rows.write_slot[e] * state_stride + hd * head_size;
+                        if (transposed) transpose(hs, dst, N, P);
+                        else std::memcpy(dst, hs, head_bytes);
+                    }
+                }
+            }
+            e_block = e_next;
+        }
+    }
+}
+
+template <typename T>
+int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+        T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
+        int64_t num_ssm_slots, const Rows& rows, bool strict_row_writes, int64_t conv_dim, int64_t W, int64_t H,
+        int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y) {
+    // dt_max < 0 means no upper clamp (an infinite bound is not passed: see silu)
+    if (W < 1 || H <= 0 || P <= 0 || G <= 0 || N <= 0 || H % G != 0 || conv_dim != H * P + 2 * G * N) return 1;
+    const int64_t num_slots = num_conv_slots < num_ssm_slots ? num_conv_slots : num_ssm_slots;
+    const int rc = check(rows, num_slots, strict_row_writes);
+    if (rc != 0) return rc;
+    const T lo = static_cast<T>(dt_min);
+    const bool clamp_max = dt_max >= 0;
+    const T hi = static_cast<T>(clamp_max ? dt_max : 0.0);
+#define HS_SCAN(NC)                                                                                            \
+    scan<T, NC>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, A, Dskip, dt_bias, ssm_state, rows, \
+                conv_dim, W, H, P, G, N, act != 0, lo, clamp_max, hi, y)
+    switch (N) {
+        case 16: HS_SCAN(16); break;
+        case 32: HS_SCAN(32); break;
+        case 64: HS_SCAN(64); break;
+        case 128: HS_SCAN(128); break;
+        default: HS_SCAN(0);
+    }
+#undef HS_SCAN
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Decode / verify rows: the window and state after token t go to write_slots[r, t] (t < n_r).
+#define HS_MAMBA_DECODE(NAME, T)                                                                                 \
+    int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
+             T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
+             int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
+             const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,   \
+             int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y) {                                \
+        std::vector<int64_t> offsets(static_cast<size_t>(R + 1), 0), tokens, slots;                              \
+        for (int64_t r = 0; r < R; ++r) {                                                                        \
+            const int64_t n = qsl[r + 1] - qsl[r];                                                               \
+            if (n < 0 || n > ws_stride) return 2;                                                                \
+            for (int64_t t = 0; t < n; ++t) {                                                                    \
+                tokens.push_back(t);                                                                             \
+                slots.push_back(write_slots[r * ws_stride + t]);                                                 \
+            }                                                                                                    \
+            offsets[static_cast<size_t>(r + 1)] = static_cast<int64_t>(tokens.size());                           \
+        }                                                                                                        \
+        const Rows rows{qsl, R, read_slot, nullptr, offsets.data(), tokens.data(), slots.data()};                \
+        return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
+                      dt_bias, ssm_state, num_ssm_slots, rows, false, conv_dim, W, H, P, G, N, act, dt_min,      \
+                      dt_max, y);                                                                                \
+    }
+
+// Prefill rows: initial state from read_slot where has_init, writes given as CSR (the final state
+// and the emitted boundary states).
+#define HS_MAMBA_PREFILL(NAME, T)                                                                                \
+    int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
+             T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
+             int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
+             const uint8_t* has_init, const int64_t* write_offsets, const int64_t* write_token,                  \
+             const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N, \
+             int act, double dt_min, double dt_max, T* y) {                                                      \
+        const Rows rows{qsl, R, read_slot, has_init, write_offsets, write_token, write_slot};                    \
+        return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
+                      dt_bias, ssm_state, num_ssm_slots, rows, true, conv_dim, W, H, P, G, N, act, dt_min,       \
+                      dt_max, y);                                                                                \
+    }
+
+HS_MAMBA_DECODE(hs_mamba_decode_f32, float)
+HS_MAMBA_DECODE(hs_mamba_decode_f64, double)
+HS_MAMBA_PREFILL(hs_mamba_prefill_f32, float)
+HS_MAMBA_PREFILL(hs_mamba_prefill_f64, double)
+
+#undef HS_MAMBA_DECODE
+#undef HS_MAMBA_PREFILL
+
+}  // extern "C"
