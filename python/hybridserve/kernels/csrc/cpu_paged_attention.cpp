@@ -19,7 +19,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -30,6 +35,20 @@ struct Dim {
 template <typename T>
 struct Dim<T, 0> {
     static inline int64_t get(int64_t d) { return d; }
+};
+
+// One 64-byte vector (GCC's vector extension: kept in registers, unlike a small array).
+template <typename T>
+struct VecOf {
+    typedef T type __attribute__((vector_size(64)));
+    static constexpr int lanes = 64 / static_cast<int>(sizeof(T));
+    static inline type load(const T* p) {
+        type v;
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+    }
+    static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+    static inline type zero() { return type{} * T(0); }
 };
 
 // Keys a row reads: 1 + its largest position (0 for an empty row).
@@ -93,6 +112,39 @@ struct HalfStream {
     }
 };
 
+#ifdef __AVX512F__
+// q . k_j for 16 keys at once (float, D a multiple of 16): one vector of partial sums per key,
+// then a reduction tree that ends with the 16 sums in key order (15 shuffle-adds instead of 16
+// horizontal sums).
+template <int D>
+inline __m512 dots16(const float* q, const float* k0, int64_t tok_stride) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+        const float* k = k0 + j * tok_stride;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), a);
+        acc[j] = a;
+    }
+    // within each 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for key pairs (a, b)
+    __m512 s1[8];
+    for (int j = 0; j < 8; ++j)
+        s1[j] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * j], acc[2 * j + 1]),
+                              _mm512_unpackhi_ps(acc[2 * j], acc[2 * j + 1]));
+    // within each lane: the lane's sums of keys 4m .. 4m + 3
+    __m512 s2[4];
+    for (int j = 0; j < 4; ++j) {
+        const __m512d x = _mm512_castps_pd(s1[2 * j]), y = _mm512_castps_pd(s1[2 * j + 1]);
+        s2[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    // across lanes
+    __m512 s3[2];
+    for (int j = 0; j < 2; ++j)
+        s3[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0x88),
+                              _mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+#endif
+
 template <typename T, int DC>
 void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
@@ -117,7 +169,9 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
         // query vectors: every head of every token of the row (i = (t - t0) * H + head), so one
         // pass over a token's K row (all KV heads, contiguous) serves them all
         const int64_t nq = (t1 - t0) * H;
-        scores.resize(static_cast<size_t>(nq * L));
+        // a score row: room for every key slot of the row's blocks (the 16-key chunks below)
+        const int64_t Lp = ((L + block_size - 1) / block_size * block_size + 15) / 16 * 16;
+        scores.resize(static_cast<size_t>(nq * Lp));
         acc.assign(static_cast<size_t>(nq * D), T(0));
         qv_pos.resize(static_cast<size_t>(nq));
         qv_koff.resize(static_cast<size_t>(nq));
@@ -142,7 +196,27 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             stream.prefetch(r, nb, b + kPrefetchAhead);
             const int64_t j0 = b * block_size;
             const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
-            for (int64_t jj = 0; jj < jn; ++jj) {
+            int64_t jj = 0;
+#ifdef __AVX512F__
+            if constexpr (std::is_same_v<T, float> && DC > 0 && DC % 16 == 0) {
+                // chunks of 16 key slots (a block of a multiple of 16 tokens holds them), also
+                // past the row's last key: a key's score must not depend on how many keys
+                // follow it (a token verified with drafts gets exactly its decode result). The
+                // scores past a query's position are computed and never read.
+                if (block_size % 16 == 0) {
+                    for (; jj < jn; jj += 16) {
+                        const T* krow = kblock + jj * tok_stride;
+                        for (int64_t i = 0; i < nq; ++i) {
+                            if (j0 + jj > qv_pos[i]) continue;
+                            const __m512 sc = _mm512_mul_ps(dots16<DC>(qv_ptr[i], krow + qv_koff[i], tok_stride),
+                                                            _mm512_set1_ps(scale));
+                            _mm512_storeu_ps(scores.data() + i * Lp + j0 + jj, sc);
+                        }
+                    }
+                }
+            }
+#endif
+            for (; jj < jn; ++jj) {
                 const T* krow = kblock + jj * tok_stride;
                 const int64_t j = j0 + jj;
                 for (int64_t i = 0; i < nq; ++i) {
@@ -151,13 +225,13 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
                     const T* k = krow + qv_koff[i];
                     T s = 0;
                     for (int64_t d = 0; d < D; ++d) s += qi[d] * k[d];
-                    scores[i * L + j] = s * scale;
+                    scores[i * Lp + j] = s * scale;
                 }
             }
         }
         // softmax over each query vector's own keys
         for (int64_t i = 0; i < nq; ++i) {
-            T* s = scores.data() + i * L;
+            T* s = scores.data() + i * Lp;
             const int64_t n = qv_pos[i] + 1;
             T m = s[0];
             for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
@@ -171,20 +245,53 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             for (int64_t j = 0; j < n; ++j) s[j] *= inv;
         }
         // out_i = sum_j p_ij v_j
-        for (int64_t b = 0; b < nb; ++b) {
-            const T* vblock = kv + blocks[b] * block_stride + half_stride;
-            stream.prefetch(r, nb, nb + b + kPrefetchAhead);
-            const int64_t j0 = b * block_size;
-            const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
-            for (int64_t jj = 0; jj < jn; ++jj) {
-                const T* vrow = vblock + jj * tok_stride;
-                const int64_t j = j0 + jj;
-                for (int64_t i = 0; i < nq; ++i) {
-                    if (j > qv_pos[i]) continue;
-                    const T p = scores[i * L + j];
-                    const T* v = vrow + qv_koff[i];
-                    T* a = acc.data() + i * D;
-                    for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        if constexpr (DC > 0 && DC % VecOf<T>::lanes == 0) {
+            // one query at a time with its output in registers: two sets of accumulators (even
+            // and odd keys), so the sum over keys is not one serial chain through memory
+            using V = VecOf<T>;
+            using VT = typename V::type;
+            constexpr int nv = DC / V::lanes;
+            for (int64_t b = 0; b < nb; ++b) stream.prefetch(r, nb, nb + b);
+            for (int64_t i = 0; i < nq; ++i) {
+                VT a0[nv], a1[nv];
+                for (int u = 0; u < nv; ++u) a0[u] = a1[u] = V::zero();
+                const T* p = scores.data() + i * Lp;
+                const int64_t n = qv_pos[i] + 1;
+                int64_t j = 0;
+                for (; j + 1 < n; j += 2) {
+                    const T* v0 = kv + blocks[j / block_size] * block_stride + half_stride +
+                                  (j % block_size) * tok_stride + qv_koff[i];
+                    const int64_t j1 = j + 1;
+                    const T* v1 = kv + blocks[j1 / block_size] * block_stride + half_stride +
+                                  (j1 % block_size) * tok_stride + qv_koff[i];
+                    for (int u = 0; u < nv; ++u) {
+                        a0[u] += V::load(v0 + u * V::lanes) * p[j];
+                        a1[u] += V::load(v1 + u * V::lanes) * p[j1];
+                    }
+                }
+                if (j < n) {
+                    const T* v0 = kv + blocks[j / block_size] * block_stride + half_stride +
+                                  (j % block_size) * tok_stride + qv_koff[i];
+                    for (int u = 0; u < nv; ++u) a0[u] += V::load(v0 + u * V::lanes) * p[j];
+                }
+                for (int u = 0; u < nv; ++u) V::store(acc.data() + i * D + u * V::lanes, a0[u] + a1[u]);
+            }
+        } else {
+            for (int64_t b = 0; b < nb; ++b) {
+                const T* vblock = kv + blocks[b] * block_stride + half_stride;
+                stream.prefetch(r, nb, nb + b + kPrefetchAhead);
+                const int64_t j0 = b * block_size;
+                const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
+                for (int64_t jj = 0; jj < jn; ++jj) {
+                    const T* vrow = vblock + jj * tok_stride;
+                    const int64_t j = j0 + jj;
+                    for (int64_t i = 0; i < nq; ++i) {
+                        if (j > qv_pos[i]) continue;
+                        const T p = scores[i * Lp + j];
+                        const T* v = vrow + qv_koff[i];
+                        T* a = acc.data() + i * D;
+                        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                    }
                 }
             }
         }
