@@ -3,7 +3,7 @@
 The sources are in ``kernels/csrc/``; they use a plain C ABI over raw pointers (no torch headers),
 so a build takes about a second. The library is compiled with ``-O3 -march=native`` (it runs on
 the machine that built it) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
-``/cpu_kernels/<hash of source, flags and compiler>/``, where later processes find it. When no
+``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
 compiler is found or the build fails, `library()` returns None once with a logged warning and the
 callers keep their pure-torch path. ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off.
 
@@ -76,7 +76,26 @@ def _build_key(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = ""
     h.update(version.encode())
+    h.update(_cpu_identity().encode())
     return h.hexdigest()[:16]
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: a library built for another CPU (a cache folder shared
+    between machines) could use instructions this one lacks."""
+    import platform
+
+    ident = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    ident += "|" + line.strip()
+                if line.strip() == "":
+                    break  # the first processor is enough
+    except OSError:
+        pass
+    return ident
 
 
 def _cache_root() -> Path:
