@@ -11,7 +11,7 @@ import torch
 from hybridserve.engine.llm import LLM
 from hybridserve.kernels import compiled
 from hybridserve.kernels import reference as ref
-from hybridserve.model.layers.norm import gated_rms_norm
+from hybridserve.model.layers.norm import gated_rms_norm_torch as gated_rms_norm
 from hybridserve.sampling.params import SamplingParams
 
 NUM_SLOTS = 64  # more than R + the tokens of every case: distinct read and write slots

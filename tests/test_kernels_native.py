@@ -465,3 +465,43 @@ def test_mamba_prefill_declines_what_the_reference_orders_differently():
     bad["emit_token"][0] += 1
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         prefill_native(bad, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm and the gated RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rms_norms_match_the_torch_ops(dtype):
+    from hybridserve.model.layers.norm import RMSNorm, gated_rms_norm_torch
+
+    g = torch.Generator().manual_seed(3)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    norm = RMSNorm(48, 1e-5)
+    norm.weight.data = torch.randn(48, generator=g)
+    wide = torch.randn(7, 60, generator=g, dtype=torch.float64).to(dtype)
+    for x in (wide[:, :48], wide[:, 12:].reshape(7, 1, 48)[:, 0], torch.randn(2, 3, 48, dtype=dtype)):
+        out = native.rms_norm(x, norm.weight, norm.eps)
+        assert out is not None and out.shape == x.shape and out.dtype == dtype
+        h = x.double()
+        ref = norm.weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(norm(x), out, rtol=0, atol=0)  # the module takes the kernel
+    proj = torch.randn(5, 100, generator=g, dtype=torch.float64).to(dtype)
+    y, z = proj[:, :32].contiguous(), proj[:, 40:72]  # z: a column slice, as in the mixer
+    w = torch.randn(32, generator=g, dtype=dtype)
+    for group in (32, 8, 1):
+        out = native.gated_rms_norm(y, z, w, group, 1e-6)
+        ref = gated_rms_norm_torch(y.double(), z.double(), w.double(), group, 1e-6, torch.float64)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_rms_norms_decline_what_they_do_not_cover():
+    w = torch.ones(16)
+    assert native.rms_norm(torch.randn(3, 16).bfloat16(), w, 1e-5) is None
+    assert native.rms_norm(torch.randn(3, 16)[:, ::2], torch.ones(8), 1e-5) is None  # not unit stride
+    assert native.rms_norm(torch.randn(3, 16), torch.ones(15), 1e-5) is None
+    y = torch.randn(3, 16)
+    assert native.gated_rms_norm(y, y.double(), w, 8, 1e-5) is None
+    assert native.gated_rms_norm(y, y, w, 5, 1e-5) is None  # groups must tile the row

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridserve.model.layers.norm import gated_rms_norm
+from hybridserve.model.layers.norm import gated_rms_norm_torch
 
 logger = logging.getLogger("hybridserve.kernels")
 
@@ -104,7 +104,7 @@ def _mixer_rows(
             0, write_slots[:, t], torch.where(keep[:, None, None, None], h.view(R, H, P, N), 0.0)
         )
     y = torch.stack(ys, dim=1).to(xbc.dtype)  # [R, L, G, hpg, P]
-    return gated_rms_norm(y.reshape(R, L, d_inner), z, norm_weight, s.norm_group_size, s.norm_eps, xbc.dtype)
+    return gated_rms_norm_torch(y.reshape(R, L, d_inner), z, norm_weight, s.norm_group_size, s.norm_eps, xbc.dtype)
 
 
 _compiled: Callable[..., Any] | None = None

@@ -11,6 +11,7 @@ Kernels:
 
 - `paged_attention`: decode and verify rows over the paged KV cache (float32 / float64), reading K
   and V through the block table with no gathered copy.
+- `rms_norm` / `gated_rms_norm`: the model's RMSNorms, one pass per row.
 - `mamba_decode` / `mamba_prefill`: the Mamba2 mixer's conv and state recurrence token by token
   (the arithmetic of the reference conv update and state update) in one pass over each row's
   state, written straight into its slots: decode and verify rows, and prefill rows (instead of the
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp")
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). The kernels form no inf: a score exists only for a key its
 # query may see, and every exp argument is <= 0.
@@ -144,6 +145,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
 
 
+def _declare_norms(lib: ctypes.CDLL) -> None:
+    for suffix in ("f32", "f64"):
+        fn = getattr(lib, f"hs_rms_norm_{suffix}")
+        fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"hs_gated_rms_norm_{suffix}")
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_double]
+        fn.restype = ctypes.c_int
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on the first call; None when it is turned off or
     cannot be built (logged once)."""
@@ -161,6 +172,7 @@ def library() -> ctypes.CDLL | None:
                 raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
             lib = ctypes.CDLL(str(_build(cxx)))
             _declare(lib)
+            _declare_norms(lib)
             _lib = lib
         except Exception as e:  # any failure leaves the pure-torch path in place
             logger.warning("native CPU kernels unavailable, using the pure-torch path: %s", e)
@@ -446,3 +458,66 @@ def mamba_prefill(
         wslot.data_ptr(), *args.tail,
     )  # fmt: skip
     return _mixer_result("mamba_prefill", rc, args)
+
+
+def _norm_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and _rows_of(t)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x^2, -1) + eps)`` of a float32 / float64 ``[..., d]`` tensor on the
+    CPU (norm.RMSNorm); None when it does not apply."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.float64) or x.dim() < 1 or x.numel() == 0:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if not (_norm_rows(x2, x.dtype) and weight.shape == (x.shape[-1],)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    w = weight.to(x.dtype).contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    fn = lib.hs_rms_norm_f32 if x.dtype == torch.float32 else lib.hs_rms_norm_f64
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        w.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        x2.shape[0],
+        x2.shape[1],
+        eps,
+    )
+    if rc != 0:
+        return None
+    return out.view(x.shape)
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor | None:
+    """``weight * rmsnorm_grouped(y * silu(z))`` of float32 / float64 ``[T, d]`` tensors on the CPU
+    (norm.gated_rms_norm with the output in the input dtype); None when it does not apply."""
+    import torch
+
+    dtype = y.dtype
+    if dtype not in (torch.float32, torch.float64) or y.dim() != 2 or y.shape != z.shape or y.numel() == 0:
+        return None
+    d = y.shape[1]
+    if not (_norm_rows(y, dtype) and _norm_rows(z, dtype)) or weight.shape != (d,) or group_size <= 0:
+        return None
+    if d % group_size != 0:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    w = weight.to(dtype).contiguous()
+    out = torch.empty(y.shape, dtype=dtype)
+    fn = lib.hs_gated_rms_norm_f32 if dtype == torch.float32 else lib.hs_gated_rms_norm_f64
+    rc = fn(
+        y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
+        y.shape[0], d, group_size, eps,
+    )  # fmt: skip
+    return out if rc == 0 else None

@@ -1,10 +1,13 @@
-"""RMSNorm and the grouped gated RMSNorm of the Mamba2 mixer."""
+"""RMSNorm and the grouped gated RMSNorm of the Mamba2 mixer (on the CPU in float32 / float64, the C++
+kernels of kernels/native.py when they are built; these torch ops otherwise)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridserve.kernels import native
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -20,6 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = native.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         cdt = _compute_dtype(x.dtype)
         h = x.to(cdt)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -35,6 +41,22 @@ def gated_rms_norm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``weight * rmsnorm_grouped(y * silu(z))`` (Mamba2 ``RMSNormGated``, norm_before_gate=False)."""
+    if y.dtype == out_dtype:
+        fused = native.gated_rms_norm(y, z, weight, group_size, eps)
+        if fused is not None:
+            return fused
+    return gated_rms_norm_torch(y, z, weight, group_size, eps, out_dtype)
+
+
+def gated_rms_norm_torch(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`gated_rms_norm` in torch ops only (what torch.compile traces, and the CUDA path)."""
     cdt = _compute_dtype(out_dtype)
     h = y.to(cdt) * F.silu(z.to(cdt))
     *pre, d = h.shape
