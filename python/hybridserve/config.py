@@ -825,7 +825,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     g.add_argument(
         "--compile-cpu-kernels",
         action="store_true",
-        help="torch.compile the Mamba decode kernels on the CPU (faster steps; the first decode step compiles)",
+        help="torch.compile the Mamba decode on the CPU where the C++ CPU kernels are off or unavailable "
+        "(HYBRIDSERVE_NATIVE_CPU=0, no compiler); the first decode step compiles",
     )
 
 

@@ -104,7 +104,9 @@ def _mixer_rows(
             0, write_slots[:, t], torch.where(keep[:, None, None, None], h.view(R, H, P, N), 0.0)
         )
     y = torch.stack(ys, dim=1).to(xbc.dtype)  # [R, L, G, hpg, P]
-    return gated_rms_norm_torch(y.reshape(R, L, d_inner), z, norm_weight, s.norm_group_size, s.norm_eps, xbc.dtype)
+    return gated_rms_norm_torch(
+        y.reshape(R, L, d_inner), z, norm_weight, s.norm_group_size, s.norm_eps, xbc.dtype
+    )
 
 
 _compiled: Callable[..., Any] | None = None
