@@ -1,6 +1,7 @@
 """A second real server, with an API key, a queue of one and n-gram speculative decoding: /health
 while loading, 401, multi-token streaming deltas and the spec-decode metrics, 503 + Retry-After on
-a full queue, and a graceful SIGINT shutdown with a request in flight (exit 0)."""
+a full queue, and a graceful SIGINT shutdown with a request in flight (503 and /health
+"shutting_down" to new connections while it drains, the stream finished, exit 0)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ KEY = "s3cret-key"
 def test_auth_queue_limit_and_graceful_shutdown():
     ensure_demo_model()
     srv = ServerProcess(
-        "--max-model-len", "256", "--api-key", KEY, "--max-queue-len", "1", "--served-model-name", MODEL,
-        "--shutdown-timeout", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--max-model-len", "2048", "--api-key", KEY, "--max-queue-len", "1", "--served-model-name", MODEL,
+        "--shutdown-timeout", "120", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     )  # fmt: skip
     try:
         srv.wait_ready()
@@ -83,7 +84,8 @@ async def _get_text(srv: ServerProcess, path: str) -> str:
 
 async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
-    long_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    # long enough (hundreds of steps) to be still in flight while the drain is checked below
+    long_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(headers=auth) as s:
         r = await s.post(srv.base + "/v1/completions", json=long_body)
         assert r.status == 200
@@ -99,13 +101,29 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
             err = (await r2.json())["error"]
             assert err["code"] == "queue_full" and set(err) == {"message", "type", "param", "code"}
 
-        # SIGINT with the stream in flight: it is finished or aborted cleanly, then the process exits 0
+        # SIGINT with the stream in flight: while it drains, the server still listens and a new
+        # connection learns that it is shutting down (what a load balancer's health check needs)
         srv.signal(signal.SIGINT)
+        async with aiohttp.ClientSession(headers=auth) as fresh:
+            for _ in range(100):
+                async with fresh.get(srv.base + "/health") as h:
+                    if h.status == 503:
+                        assert (await h.json()) == {"status": "shutting_down"}
+                        break
+                await asyncio.sleep(0.01)  # the signal may not have been handled yet
+            else:
+                raise AssertionError("/health never said shutting_down")
+            async with fresh.post(
+                srv.base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+            ) as r3:
+                assert r3.status == 503 and (await r3.json())["error"]["code"] == "shutting_down"
+                assert int(r3.headers["Retry-After"]) >= 1
+        # the in-flight stream finishes within the grace period, then the process exits 0
         rest = await r.content.read()
         events = parse_sse(head + rest)
         assert events[-1] == "[DONE]"
         last = events[-2]
-        assert last["choices"][0]["finish_reason"] in ("length", "abort")
+        assert last["choices"][0]["finish_reason"] == "length"
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
         texts = [e["choices"][0]["text"] for e in events[:-1]]
         assert all(isinstance(t, str) for t in texts)

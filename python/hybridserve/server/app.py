@@ -173,6 +173,7 @@ class ServerState:
     info: EngineModelInfo | None = None
     load_error: str | None = None
     draining: bool = False
+    drained: bool = False  # drain() has run (it runs once)
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: set[str] = field(default_factory=set)
     # engine request id -> ends its stream with finish_reason "abort" (used at shutdown)
@@ -260,8 +261,18 @@ async def _on_startup(app: web.Application) -> None:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    """Stop admitting, let in-flight requests finish for the grace period, abort the rest."""
+    await drain(app)
+
+
+async def drain(app: web.Application) -> None:
+    """Stop admitting, let in-flight requests finish for the grace period, abort the rest. The
+    server's CLI calls it while the listener is still open, so that new connections get 503
+    (and /health "shutting_down") during the drain; the app's on_shutdown calls it too (a no-op
+    after the first time)."""
     state = app[STATE]
+    if state.drained:
+        return
+    state.drained = True
     state.draining = True
     idle = state.idle
     if idle is None or not state.inflight:

@@ -1,8 +1,9 @@
 """`hybridserve serve MODEL [engine flags] [--host --port --api-key --served-model-name --max-queue-len]`.
 
 The server listens before the model is loaded (/health answers 503 until it is), loads the engine
-in a background thread, and shuts down gracefully on SIGINT/SIGTERM: it stops accepting, lets
-in-flight requests finish for `--shutdown-timeout` seconds, aborts the rest and exits 0.
+in a background thread, and shuts down gracefully on SIGINT/SIGTERM: it stops admitting (new
+requests get 503 and /health "shutting_down" while it drains), lets in-flight requests finish for
+`--shutdown-timeout` seconds, aborts the rest, stops listening and exits 0.
 No torch import at module level: this module builds the CLI parser.
 """
 
@@ -101,7 +102,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from hybridserve.config import EngineArgs
     from hybridserve.errors import ConfigError
-    from hybridserve.server.app import create_app, set_engine, set_load_error
+    from hybridserve.server.app import create_app, drain, set_engine, set_load_error
 
     try:
         engine_args = EngineArgs.from_cli(args)  # bad flags fail here, before anything listens
@@ -184,7 +185,9 @@ async def _serve(args: argparse.Namespace) -> int:
             await stop_wait
     stop_wait.cancel()
     logger.info("shutting down")
-    await runner.cleanup()  # stops listening, drains/aborts in-flight requests (app on_shutdown)
+    # drain first, still listening: new connections get 503 and /health says "shutting_down"
+    await drain(app)
+    await runner.cleanup()  # stops listening
     if engine is not None:
         try:
             res = engine.shutdown()
