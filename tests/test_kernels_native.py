@@ -505,3 +505,41 @@ def test_rms_norms_decline_what_they_do_not_cover():
     y = torch.randn(3, 16)
     assert native.gated_rms_norm(y, y.double(), w, 8, 1e-5) is None
     assert native.gated_rms_norm(y, y, w, 5, 1e-5) is None  # groups must tile the row
+
+
+# ------------------------------------------------------------------------------------------------
+# Several threads: the rows of a call split over the kernels' thread pool
+# ------------------------------------------------------------------------------------------------
+
+
+def test_threads_give_the_same_results_bit_for_bit(monkeypatch):
+    # rows are independent, so any split over threads gives exactly the one-thread result
+    def run_all(threads):
+        monkeypatch.setattr(native, "threads", lambda: threads)
+        q, kv, bt, qsl, pos = make_case(
+            [1, 4, 1, 3, 1, 2] * 4, [40, 37, 2, 90, 17, 64] * 4, 4, 2, 32, 16, torch.float32
+        )
+        att = native.paged_attention(q, kv, bt, qsl, pos, 0.17)
+        dec = mamba_case([1, 3, 1, 2, 1, 1, 4, 1] * 3, 8, 32, 2, 32, 4, torch.float32, slots=128)
+        y_dec = run_native(dec, 2)
+        pre = prefill_case(
+            [150, 37, 2, 1, 0, 90], 8, 32, 2, 32, 4, torch.float32, chunk=16, num_computed=[0, 21, 5, 9, 0, 3],
+            has_init=[False, True, True, True, False, True],
+        )  # fmt: skip
+        y_pre = prefill_native(pre, 2)
+        return [att, y_dec, dec["ssm_state"], dec["conv_state"], y_pre, pre["ssm_state"], pre["conv_state"]]
+
+    one = run_all(1)
+    for threads in (2, 3, 8):
+        for a, b in zip(one, run_all(threads), strict=True):
+            assert a is not None and torch.equal(a, b), threads
+
+
+def test_threads_decline_a_slot_shared_between_rows(monkeypatch):
+    # one thread: a later row may write what an earlier row read; in parallel it may not
+    c = mamba_case([1] * 20, 4, 8, 2, 16, 4, torch.float64)
+    c["write_slots"][19, 0] = c["read_slot"][0]
+    monkeypatch.setattr(native, "threads", lambda: 1)
+    assert run_native(clone_case(c), 2) is not None
+    monkeypatch.setattr(native, "threads", lambda: 4)
+    assert run_native(clone_case(c), 2) is None

@@ -5,7 +5,9 @@ so a build takes about a second. The library is compiled with ``-O3 -march=nativ
 the machine that built it) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
 ``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
 compiler is found or the build fails, `library()` returns None once with a logged warning and the
-callers keep their pure-torch path. ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off.
+callers keep their pure-torch path. ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off. A call
+splits its rows over torch's intra-op thread count (`threads()`), on the library's own pool
+(``csrc/cpu_parallel.h``); rows are independent, so the result does not depend on the split.
 
 Kernels:
 
@@ -38,10 +40,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
+_HEADERS = ("cpu_parallel.h",)
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). The kernels form no inf: a score exists only for a key its
 # query may see, and every exp argument is <= 0.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -49,6 +52,14 @@ _tried = False
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
+
+
+def threads() -> int:
+    """The threads a kernel call may use: torch's intra-op thread count (``--cpu-threads``), so
+    the kernels use the cores the torch ops use."""
+    import torch
+
+    return max(1, int(torch.get_num_threads()))
 
 
 def source_dir() -> Path:
@@ -68,7 +79,7 @@ def _compiler() -> str | None:
 
 def _build_key(cxx: str) -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in (*_SOURCES, *_HEADERS):
         h.update(name.encode())
         h.update((source_dir() / name).read_bytes())
     h.update(" ".join(_FLAGS).encode())
@@ -130,11 +141,27 @@ def _build(cxx: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     for name in ("hs_paged_attention_f32", "hs_paged_attention_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_double]
+        fn.argtypes = [
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            ctypes.c_double,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_int
     # the arguments both Mamba entry points share, before and after their own row description
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
-    tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P]
+    tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P, ctypes.c_int]
     for suffix in ("f32", "f64"):
         fn = getattr(lib, f"hs_mamba_decode_{suffix}")
         fn.argtypes = [*common, _P, _I64, _P, _P, _I64, *tail]  # qsl, R, read_slot, write_slots, ws_stride
@@ -239,6 +266,7 @@ def paged_attention(
         D,
         kv_cache.shape[2],
         scale,
+        threads(),
     )
     if rc == 1:
         raise ValueError(
@@ -260,7 +288,7 @@ class _MixerArgs(NamedTuple):
 
     lib: ctypes.CDLL
     common: tuple[Any, ...]  # the leading arguments of both C functions
-    tail: tuple[Any, ...]  # conv_dim, W, H, P, G, N, act, dt_min, dt_max, y
+    tail: tuple[Any, ...]  # conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads
     y: torch.Tensor
     keep: tuple[torch.Tensor | None, ...]  # the converted copies the pointers refer to
 
@@ -328,7 +356,7 @@ def _mixer_args(
     )  # fmt: skip
     tail = (
         conv_dim, W, H, P, ngroups, N, int(silu), float(dt_min),
-        float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(),
+        float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(), threads(),
     )  # fmt: skip
     return _MixerArgs(lib, common, tail, y, (w, b, A_, D_, db))
 

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_parallel.h"
+
 namespace {
 
 template <typename T>
@@ -109,10 +111,10 @@ struct Rows {
     bool reads(int64_t r) const { return has_init == nullptr || has_init[r] != 0; }
 };
 
-int check(const Rows& rows, int64_t num_slots, bool strict_row_writes) {
+int check(const Rows& rows, int64_t num_slots, bool strict_row_writes, bool parallel) {
     const int64_t R = rows.R;
     if (R > 0 && (rows.qsl[0] != 0 || rows.write_offsets[0] != 0)) return 2;
-    std::unordered_map<int64_t, int64_t> reader;  // slot -> the last row that reads it
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> reader;  // slot -> (first, last) row reading it
     std::unordered_map<int64_t, std::pair<int64_t, int64_t>> writer;  // slot -> (row, token) writing it
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = rows.qsl[r + 1] - rows.qsl[r];
@@ -120,7 +122,9 @@ int check(const Rows& rows, int64_t num_slots, bool strict_row_writes) {
         if (rows.reads(r)) {
             const int64_t s = rows.read_slot[r];
             if (s < 0 || s >= num_slots) return 2;
-            reader[s] = r;
+            auto it = reader.find(s);
+            if (it == reader.end()) reader[s] = {r, r};
+            else it->second.second = r;
         }
         const int64_t e0 = rows.write_offsets[r], e1 = rows.write_offsets[r + 1];
         if (e1 < e0) return 2;
@@ -135,10 +139,13 @@ int check(const Rows& rows, int64_t num_slots, bool strict_row_writes) {
         }
     }
     // rows run in order, each reading before it writes: a slot written by row r may be read by
-    // rows up to r, not by a later row (the reference reads every row first)
+    // rows up to r, not by a later row (the reference reads every row first). Rows that run in
+    // parallel may share no slot between a writer and another reader at all.
     for (const auto& [s, w] : writer) {
         auto it = reader.find(s);
-        if (it != reader.end() && it->second > w.first) return 3;
+        if (it == reader.end()) continue;
+        if (it->second.second > w.first) return 3;
+        if (parallel && (it->second.first != w.first || it->second.second != w.first)) return 3;
     }
     return 0;
 }
@@ -147,11 +154,14 @@ int check(const Rows& rows, int64_t num_slots, bool strict_row_writes) {
 // head's state) stay in the core's L2 while each head runs over the block's tokens.
 constexpr int64_t kBlockTokens = 64;
 
+// A call is split over threads only when each gets at least this many tokens.
+constexpr int64_t kMinTokensPerThread = 8;
+
 template <typename T, int NC>
 void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
           T* conv_state, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state, const Rows& rows,
           int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N_runtime, bool act, T dt_min,
-          bool clamp_max, T dt_max, T* y) {
+          bool clamp_max, T dt_max, T* y, int64_t row_begin, int64_t row_end) {
     const int64_t N = NC > 0 ? NC : N_runtime;
     const int64_t S = W - 1;
     const int64_t hpg = H / G;
@@ -167,7 +177,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
     std::vector<T> conv_out(static_cast<size_t>(kBlockTokens * conv_dim));   // one block's
     std::vector<T> states(static_cast<size_t>(state_stride));                 // every head's
     std::vector<T> dtv(static_cast<size_t>(kBlockTokens));
-    for (int64_t r = 0; r < rows.R; ++r) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
         const int64_t t0 = rows.qsl[r], n = rows.qsl[r + 1] - rows.qsl[r];
         if (n == 0) continue;
         const bool init = rows.reads(r);
@@ -284,26 +294,35 @@ template <typename T>
 int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
         T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
         int64_t num_ssm_slots, const Rows& rows, bool strict_row_writes, int64_t conv_dim, int64_t W, int64_t H,
-        int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y) {
+        int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
     // dt_max < 0 means no upper clamp (an infinite bound is not passed: see silu)
     if (W < 1 || H <= 0 || P <= 0 || G <= 0 || N <= 0 || H % G != 0 || conv_dim != H * P + 2 * G * N) return 1;
     const int64_t num_slots = num_conv_slots < num_ssm_slots ? num_conv_slots : num_ssm_slots;
-    const int rc = check(rows, num_slots, strict_row_writes);
+    // rows weighted by their tokens (every row at least one: its state is read and written)
+    std::vector<int64_t> weight(static_cast<size_t>(rows.R + 1), 0);
+    for (int64_t r = 0; r < rows.R; ++r) {
+        const int64_t n = rows.qsl[r + 1] - rows.qsl[r];
+        weight[static_cast<size_t>(r + 1)] = weight[static_cast<size_t>(r)] + (n > 1 ? n : 1);
+    }
+    const bool parallel = threads > 1 && weight[static_cast<size_t>(rows.R)] >= 2 * kMinTokensPerThread;
+    const int rc = check(rows, num_slots, strict_row_writes, parallel);
     if (rc != 0) return rc;
     const T lo = static_cast<T>(dt_min);
     const bool clamp_max = dt_max >= 0;
     const T hi = static_cast<T>(clamp_max ? dt_max : 0.0);
+    hs::parallel_rows(rows.R, parallel ? threads : 1, weight, kMinTokensPerThread, [&](int64_t b, int64_t e) {
 #define HS_SCAN(NC)                                                                                            \
     scan<T, NC>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, A, Dskip, dt_bias, ssm_state, rows, \
-                conv_dim, W, H, P, G, N, act != 0, lo, clamp_max, hi, y)
-    switch (N) {
-        case 16: HS_SCAN(16); break;
-        case 32: HS_SCAN(32); break;
-        case 64: HS_SCAN(64); break;
-        case 128: HS_SCAN(128); break;
-        default: HS_SCAN(0);
-    }
+                conv_dim, W, H, P, G, N, act != 0, lo, clamp_max, hi, y, b, e)
+        switch (N) {
+            case 16: HS_SCAN(16); break;
+            case 32: HS_SCAN(32); break;
+            case 64: HS_SCAN(64); break;
+            case 128: HS_SCAN(128); break;
+            default: HS_SCAN(0);
+        }
 #undef HS_SCAN
+    });
     return 0;
 }
 
@@ -317,7 +336,7 @@ extern "C" {
              T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
              int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
              const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,   \
-             int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y) {                                \
+             int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {                   \
         std::vector<int64_t> offsets(static_cast<size_t>(R + 1), 0), tokens, slots;                              \
         for (int64_t r = 0; r < R; ++r) {                                                                        \
             const int64_t n = qsl[r + 1] - qsl[r];                                                               \
@@ -331,7 +350,7 @@ extern "C" {
         const Rows rows{qsl, R, read_slot, nullptr, offsets.data(), tokens.data(), slots.data()};                \
         return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
                       dt_bias, ssm_state, num_ssm_slots, rows, false, conv_dim, W, H, P, G, N, act, dt_min,      \
-                      dt_max, y);                                                                                \
+                      dt_max, y, threads);                                                                       \
     }
 
 // Prefill rows: initial state from read_slot where has_init, writes given as CSR (the final state
@@ -342,11 +361,11 @@ extern "C" {
              int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
              const uint8_t* has_init, const int64_t* write_offsets, const int64_t* write_token,                  \
              const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N, \
-             int act, double dt_min, double dt_max, T* y) {                                                      \
+             int act, double dt_min, double dt_max, T* y, int threads) {                                         \
         const Rows rows{qsl, R, read_slot, has_init, write_offsets, write_token, write_slot};                    \
         return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
                       dt_bias, ssm_state, num_ssm_slots, rows, true, conv_dim, W, H, P, G, N, act, dt_min,       \
-                      dt_max, y);                                                                                \
+                      dt_max, y, threads);                                                                       \
     }
 
 HS_MAMBA_DECODE(hs_mamba_decode_f32, float)

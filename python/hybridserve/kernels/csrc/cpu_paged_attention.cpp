@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_parallel.h"
+
 namespace {
 
 template <typename T, int DC>
@@ -50,6 +52,9 @@ struct VecOf {
     static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
     static inline type zero() { return type{} * T(0); }
 };
+
+// A call is split over threads only when each gets at least this many (query token, key) pairs.
+constexpr int64_t kMinPairsPerThread = 2048;
 
 // Keys a row reads: 1 + its largest position (0 for an empty row).
 inline int64_t row_keys(const int64_t* qsl, const int64_t* positions, int64_t r) {
@@ -148,7 +153,8 @@ inline __m512 dots16(const float* q, const float* k0, int64_t tok_stride) {
 template <typename T, int DC>
 void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
-                     int64_t KVH, int64_t D_runtime, int64_t block_size, T scale) {
+                     int64_t KVH, int64_t D_runtime, int64_t block_size, T scale, int64_t row_begin,
+                     int64_t row_end) {
     const int64_t D = Dim<T, DC>::get(D_runtime);
     const int64_t Gq = H / KVH;
     const int64_t tok_stride = KVH * D;                   // one token's K (or V) in a block
@@ -162,7 +168,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
     const HalfStream<T> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
                                positions};
     bool primed = false;
-    for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
         const int64_t t0 = qsl[r], t1 = qsl[r + 1];
         if (t1 <= t0) continue;
         const int64_t L = row_keys(qsl, positions, r);
@@ -303,27 +309,27 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
 template <typename T>
 int dispatch(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
              const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_blocks, int64_t H,
-             int64_t KVH, int64_t D, int64_t block_size, double scale) {
+             int64_t KVH, int64_t D, int64_t block_size, double scale, int threads) {
     if (KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return 1;
     if (check_rows(block_table, bt_stride, qsl, positions, num_rows, num_blocks, block_size) != 0) return 2;
     const T s = static_cast<T>(scale);
-    switch (D) {
-        case 32:
-            paged_attention<T, 32>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D,
-                                   block_size, s);
-            break;
-        case 64:
-            paged_attention<T, 64>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D,
-                                   block_size, s);
-            break;
-        case 128:
-            paged_attention<T, 128>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D,
-                                    block_size, s);
-            break;
-        default:
-            paged_attention<T, 0>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D,
-                                  block_size, s);
-    }
+    // rows weighted by their (query token, key) pairs; rows are independent
+    std::vector<int64_t> weight(static_cast<size_t>(num_rows + 1), 0);
+    for (int64_t r = 0; r < num_rows; ++r)
+        weight[static_cast<size_t>(r + 1)] =
+            weight[static_cast<size_t>(r)] + (qsl[r + 1] - qsl[r]) * row_keys(qsl, positions, r);
+    hs::parallel_rows(num_rows, threads, weight, kMinPairsPerThread, [&](int64_t b, int64_t e) {
+#define HS_ATTN(DC)                                                                                       \
+    paged_attention<T, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
+                           s, b, e)
+        switch (D) {
+            case 32: HS_ATTN(32); break;
+            case 64: HS_ATTN(64); break;
+            case 128: HS_ATTN(128); break;
+            default: HS_ATTN(0);
+        }
+#undef HS_ATTN
+    });
     return 0;
 }
 
@@ -334,19 +340,17 @@ extern "C" {
 int hs_paged_attention_f32(const float* q, const float* kv, float* out, const int64_t* block_table,
                            int64_t bt_stride, const int64_t* qsl, const int64_t* positions, int64_t num_rows,
                            int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           double scale) {
+                           double scale, int threads) {
     return dispatch<float>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_blocks, H, KVH, D,
-                           block_size,
-                           scale);
+                           block_size, scale, threads);
 }
 
 int hs_paged_attention_f64(const double* q, const double* kv, double* out, const int64_t* block_table,
                            int64_t bt_stride, const int64_t* qsl, const int64_t* positions, int64_t num_rows,
                            int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           double scale) {
+                           double scale, int threads) {
     return dispatch<double>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_blocks, H, KVH, D,
-                           block_size,
-                            scale);
+                           block_size, scale, threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,109 @@
+// A small persistent thread pool for the CPU kernels (hybridserve.kernels.native): the rows of a
+// call are split into contiguous ranges of about equal weight, one per thread; the calling thread
+// runs the first range. The caller passes the thread count (torch's intra-op count), so that the
+// kernels use the cores torch would.
+#pragma once
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hs {
+
+class Pool {
+   public:
+    // Runs fn(i) for i in 1 .. n - 1 on the workers and fn(0) here; returns when all are done.
+    void run(int n, const std::function<void(int)>& fn) {
+        if (n <= 1) {
+            fn(0);
+            return;
+        }
+        std::lock_guard<std::mutex> one_call(call_mu_);  // one call at a time (two engines, two threads)
+        std::unique_lock<std::mutex> lock(mu_);
+        if (pid_ != getpid()) reset();  // a forked child has none of the parent's threads
+        while (static_cast<int>(workers_) < n - 1) {
+            // a new worker waits for the generation after this one: the call below
+            std::thread([this, id = static_cast<int>(workers_) + 1, gen = generation_] { loop(id, gen); }).detach();
+            ++workers_;
+        }
+        task_ = &fn;
+        active_ = n;
+        pending_ = n - 1;
+        ++generation_;
+        lock.unlock();
+        wake_.notify_all();
+        fn(0);
+        lock.lock();
+        done_.wait(lock, [this] { return pending_ == 0; });
+        task_ = nullptr;
+    }
+
+   private:
+    void reset() {
+        pid_ = getpid();
+        workers_ = 0;
+        pending_ = 0;
+    }
+
+    void loop(int id, uint64_t seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            wake_.wait(lock, [&] { return generation_ != seen; });
+            seen = generation_;
+            if (id >= active_) continue;  // this call uses fewer threads
+            const std::function<void(int)>* task = task_;
+            lock.unlock();
+            (*task)(id);
+            lock.lock();
+            if (--pending_ == 0) done_.notify_one();
+        }
+    }
+
+    std::mutex call_mu_, mu_;
+    std::condition_variable wake_, done_;
+    const std::function<void(int)>* task_ = nullptr;
+    uint64_t generation_ = 0;
+    size_t workers_ = 0;
+    int active_ = 0;
+    int pending_ = 0;
+    pid_t pid_ = getpid();
+};
+
+inline Pool& pool() {
+    static Pool* p = new Pool();  // never destroyed: detached workers may outlive static destructors
+    return *p;
+}
+
+// Splits rows [0, R) into at most `threads` contiguous ranges of about equal total weight
+// (weight_prefix[r] = the weight of rows before r, weight_prefix[R] the total) and runs
+// fn(begin, end) for each, in parallel. One range when threads <= 1 or the work is small.
+inline void parallel_rows(int64_t R, int threads, const std::vector<int64_t>& weight_prefix,
+                          int64_t min_weight_per_thread, const std::function<void(int64_t, int64_t)>& fn) {
+    const int64_t total = R > 0 ? weight_prefix[static_cast<size_t>(R)] : 0;
+    int64_t n = threads < 1 ? 1 : threads;
+    if (min_weight_per_thread > 0 && total / min_weight_per_thread < n) n = total / min_weight_per_thread;
+    if (n > R) n = R;
+    if (n <= 1) {
+        fn(0, R);
+        return;
+    }
+    std::vector<int64_t> bounds(static_cast<size_t>(n + 1), R);
+    bounds[0] = 0;
+    int64_t r = 0;
+    for (int64_t i = 1; i < n; ++i) {
+        const int64_t target = total * i / n;
+        while (r < R && weight_prefix[static_cast<size_t>(r)] < target) ++r;
+        bounds[static_cast<size_t>(i)] = r;
+    }
+    pool().run(static_cast<int>(n), [&](int i) {
+        const int64_t b = bounds[static_cast<size_t>(i)], e = bounds[static_cast<size_t>(i + 1)];
+        if (b < e) fn(b, e);
+    });
+}
+
+}  // namespace hs
