@@ -1,7 +1,7 @@
 """Hand-written C++ kernels for the CPU path, built with the system C++ compiler on first use.
 
 The sources are in ``kernels/csrc/``; they use a plain C ABI over raw pointers (no torch headers),
-so a build takes about a second. The library is compiled with ``-O3 -march=native`` (it runs on
+so a build takes a few seconds. The library is compiled with ``-O3 -march=native`` (it runs on
 the machine that built it) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
 ``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
 compiler is found or the build fails, `library()` returns None once with a logged warning and the
@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
 _HEADERS = ("cpu_parallel.h",)
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
-# (3x faster than scalar expf here). The kernels form no inf: a score exists only for a key its
-# query may see, and every exp argument is <= 0.
+# (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
+# exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read
+# from whatever the pool holds there) are computed but never read.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
 _lock = threading.Lock()
@@ -139,25 +140,12 @@ def _build(cxx: str) -> Path:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    for name in ("hs_paged_attention_f32", "hs_paged_attention_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            ctypes.c_double,
-            ctypes.c_int,
-        ]
+    """Argument types of every entry point (ctypes converts and checks each argument by them)."""
+    for suffix in ("f32", "f64"):
+        fn = getattr(lib, f"hs_paged_attention_{suffix}")
+        # q, kv, out, block_table, bt_stride, qsl, positions, rows, blocks, H, KVH, D, block_size,
+        # scale, threads
+        fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 6 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
     # the arguments both Mamba entry points share, before and after their own row description
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
@@ -170,10 +158,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         # qsl, R, read_slot, has_init, write_offsets, write_token, write_slot
         fn.argtypes = [*common, _P, _I64, _P, _P, _P, _P, _P, *tail]
         fn.restype = ctypes.c_int
-
-
-def _declare_norms(lib: ctypes.CDLL) -> None:
-    for suffix in ("f32", "f64"):
         fn = getattr(lib, f"hs_rms_norm_{suffix}")
         fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
         fn.restype = ctypes.c_int
@@ -199,7 +183,6 @@ def library() -> ctypes.CDLL | None:
                 raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
             lib = ctypes.CDLL(str(_build(cxx)))
             _declare(lib)
-            _declare_norms(lib)
             _lib = lib
         except Exception as e:  # any failure leaves the pure-torch path in place
             logger.warning("native CPU kernels unavailable, using the pure-torch path: %s", e)
@@ -228,9 +211,11 @@ def paged_attention(
     lib = library()
     if lib is None:
         return None
+    if q.dim() != 3 or kv_cache.dim() != 5:
+        return None
     T, H, D = q.shape
     KVH = kv_cache.shape[3]
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != D or KVH <= 0 or H % KVH != 0:
+    if kv_cache.shape[1] != 2 or kv_cache.shape[4] != D or KVH <= 0 or H % KVH != 0:
         return None
     rows = qsl.numel() - 1
     if rows < 0 or block_table.dim() != 2 or block_table.shape[0] < rows:
