@@ -13,6 +13,8 @@ import torch
 
 from hybridserve.kernels import native
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 torch.set_num_threads(1)
 
 pytestmark = pytest.mark.skipif(
@@ -129,7 +131,7 @@ def test_bad_tables_are_refused_before_reading(what):
         pos[1] = -1
     else:
         bt = bt[:, :1].contiguous()  # row 1 needs 2 blocks
-    with pytest.raises(ValueError, match="outside the cache|negative"):
+    with pytest.raises(ValueError, match="out of bounds"):
         native.paged_attention(q, kv, bt, qsl, pos, 0.1)
 
 
@@ -286,7 +288,7 @@ def test_mamba_decode_refuses_bad_slots_before_writing(what):
     else:
         c["write_slots"] = c["write_slots"][:, :1].contiguous()
     before = clone_case(c)
-    with pytest.raises(ValueError, match="outside the state pools|more tokens"):
+    with pytest.raises(ValueError, match="out of bounds"):
         run_native(c, 2)
     assert torch.equal(c["ssm_state"], before["ssm_state"]) and torch.equal(
         c["conv_state"], before["conv_state"]
@@ -543,3 +545,81 @@ def test_threads_decline_a_slot_shared_between_rows(monkeypatch):
     assert run_native(clone_case(c), 2) is not None
     monkeypatch.setattr(native, "threads", lambda: 4)
     assert run_native(clone_case(c), 2) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs that once got past the checks (found by review): each must be an error or a fallback
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["huge position", "qsl not monotone", "one-row slice of a wider table"])
+def test_attention_inputs_that_must_not_read_out_of_bounds(what):
+    q, kv, bt, qsl, pos = make_case([1, 2], [20, 30], 4, 2, 32, 16, torch.float32)
+    if what == "huge position":
+        pos[0] = 2**63 - 2  # position + 1 and the block count would overflow
+    elif what == "qsl not monotone":
+        qsl = torch.tensor([0, 3, 2])  # row 1 ends before it starts; row 0 runs past the tokens
+        q, pos = q[:2], pos[:2].clone()
+    else:
+        wide = torch.zeros(2, 8, dtype=torch.int64)
+        wide[0, :] = bt[1, 0]
+        bt = wide[:1, :1]  # "contiguous", shape [1, 1], row stride 8; the row needs 2 blocks
+        qsl, q, pos = qsl[:2], q[:1], pos[:1].clone()
+        pos[0] = 20
+    with pytest.raises(ValueError):
+        native.paged_attention(q, kv, bt, qsl, pos, 0.1)
+
+
+def test_tensors_off_the_cpu_or_of_other_lengths_are_declined():
+    q, kv, bt, qsl, pos = make_case([1, 1], [5, 6], 4, 2, 32, 16, torch.float32)
+    assert native.paged_attention(q, kv.to("meta"), bt, qsl, pos, 0.1) is None
+    assert native.paged_attention(q, kv, bt, qsl, pos.to("meta"), 0.1) is None
+    c = mamba_case([1, 1], 4, 8, 2, 16, 4, torch.float32)
+    for key, bad in (
+        ("A", c["A"][:1]),
+        ("dt_bias", c["dt_bias"][:1]),
+        ("ssm_state", c["ssm_state"].to("meta")),
+    ):
+        assert native.mamba_decode(**{**c, key: bad}, ngroups=2, silu=True) is None, key
+    for dt_max in (-1.0, -math.inf):  # bounds the reference clamps to as given
+        assert native.mamba_decode(**c, ngroups=2, silu=True, dt_max=dt_max) is None
+    assert native.rms_norm(torch.randn(3, 16), torch.ones(16, device="meta"), 1e-5) is None
+
+
+def test_has_initial_state_is_read_as_truth_values():
+    c = prefill_case(
+        [5, 7], 4, 16, 2, 16, 4, torch.float64, chunk=8, num_computed=[3, 0], has_init=[True, False]
+    )
+    ints = clone_case(c)
+    ints["has_initial_state"] = torch.tensor([2, 0])  # 2 is true, as for the reference
+    torch.testing.assert_close(prefill_native(ints, 2), prefill_native(clone_case(c), 2), rtol=0, atol=0)
+
+
+def test_loading_the_library_keeps_denormals():
+    # -ffast-math at link time would switch the process to flush-to-zero (GCC links crtfastmath.o)
+    assert native.library() is not None
+    assert float(torch.tensor([1e-39], dtype=torch.float32) * 1.0) != 0.0
+    assert float(torch.tensor([1e-310], dtype=torch.float64) * 1.0) != 0.0
+
+
+def test_a_forked_child_can_run_parallel_kernels(tmp_path):
+    code = (
+        "import os, sys, torch\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_kernels_native import mamba_case, run_native\n"
+        "from hybridserve.kernels import native\n"
+        "native.threads = lambda: 4\n"
+        "def once():\n"
+        "    assert run_native(mamba_case([1] * 32, 4, 8, 2, 16, 4, torch.float32, slots=80), 2) is not None\n"
+        "once()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    once(); once()\n"
+        "    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(status) == 0\n"
+        "once()\n"
+        "print('fork ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0 and "fork ok" in res.stdout, res.stderr[-2000:]

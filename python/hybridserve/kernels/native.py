@@ -45,7 +45,8 @@ _HEADERS = ("cpu_parallel.h",)
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
 # exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read
 # from whatever the pool holds there) are computed but never read.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17", "-pthread")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
+_LINK_FLAGS = ("-shared", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -83,7 +84,7 @@ def _build_key(cxx: str) -> str:
     for name in (*_SOURCES, *_HEADERS):
         h.update(name.encode())
         h.update((source_dir() / name).read_bytes())
-    h.update(" ".join(_FLAGS).encode())
+    h.update(" ".join((*_FLAGS, "|", *_LINK_FLAGS)).encode())
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -123,19 +124,32 @@ def _build(cxx: str) -> Path:
     if lib_path.exists():
         return lib_path
     out_dir.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: two processes building at once both end with a whole file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    # build in a private folder beside the target and rename: two processes building at once both
+    # end with a whole file
+    work = Path(tempfile.mkdtemp(dir=out_dir))
     try:
-        cmd = [cxx, *_FLAGS, *(str(source_dir() / s) for s in _SOURCES), "-o", tmp]
+        # one compiler process per source, in parallel; the link has no -ffast-math, which with
+        # GCC 12 would add crtfastmath.o and switch the whole process to flush-to-zero
+        jobs = []
+        for src in _SOURCES:
+            obj = work / (Path(src).stem + ".o")
+            cmd = [cxx, *_FLAGS, "-c", str(source_dir() / src), "-o", str(obj)]
+            jobs.append(
+                (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            )
+        for cmd, proc in jobs:
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.strip()[-2000:]}")
+        tmp = work / "lib.so"
+        cmd = [cxx, *_LINK_FLAGS, *(str(work / (Path(s).stem + ".o")) for s in _SOURCES), "-o", str(tmp)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, lib_path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
     return lib_path
 
 
@@ -143,9 +157,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point (ctypes converts and checks each argument by them)."""
     for suffix in ("f32", "f64"):
         fn = getattr(lib, f"hs_paged_attention_{suffix}")
-        # q, kv, out, block_table, bt_stride, qsl, positions, rows, blocks, H, KVH, D, block_size,
-        # scale, threads
-        fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 6 + [ctypes.c_double, ctypes.c_int]
+        # q, kv, out, block_table, bt_stride, qsl, positions, rows, tokens, blocks, H, KVH, D,
+        # block_size, scale, threads
+        fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
     # the arguments both Mamba entry points share, before and after their own row description
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
@@ -206,7 +220,12 @@ def paged_attention(
     then takes its torch path. Bad block ids or positions raise ValueError before anything is read."""
     import torch
 
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or kv_cache.dtype != q.dtype:
+    if (
+        not _on_cpu(q, kv_cache, block_table, qsl, positions)
+        or q.dtype not in (torch.float32, torch.float64)
+        or kv_cache.dtype != q.dtype
+        or not kv_cache.is_contiguous()  # not copied here: the torch path reads it in place
+    ):
         return None
     lib = library()
     if lib is None:
@@ -230,8 +249,7 @@ def paged_attention(
     if qsl.dtype != torch.int64 or positions.dtype != torch.int64 or block_table.dtype != torch.int64:
         raise ValueError("paged_attention: qsl, positions and block_table must be int64")
     q = q.contiguous()
-    kv_cache = kv_cache.contiguous()
-    block_table = block_table.contiguous()
+    block_table = _dense(block_table)
     qsl = qsl.contiguous()
     positions = positions.contiguous()
     out = torch.empty_like(q)
@@ -245,6 +263,7 @@ def paged_attention(
         qsl.data_ptr(),
         positions.data_ptr(),
         rows,
+        T,
         kv_cache.shape[0],
         H,
         KVH,
@@ -253,13 +272,33 @@ def paged_attention(
         scale,
         threads(),
     )
-    if rc == 1:
-        raise ValueError(
-            f"paged_attention: bad shapes (H={H}, KVH={KVH}, D={D}, block_size={kv_cache.shape[2]})"
-        )
-    if rc != 0:
-        raise ValueError("paged_attention: a position is negative or a row reads a block outside the cache")
+    _check_rc("paged_attention", rc, f"H={H}, KVH={KVH}, D={D}, block_size={kv_cache.shape[2]}, {rows} rows")
     return out
+
+
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t with its rows back to back (a one-row slice of a wider table can be "contiguous" with a
+    row stride of the wider one, and the kernels index rows by the width)."""
+    import torch
+
+    t = t.contiguous()
+    if t.dim() >= 2 and t.shape[0] > 0 and t.stride(0) != math.prod(t.shape[1:]):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _check_rc(name: str, rc: int, shapes: str) -> None:
+    if rc == 0:
+        return
+    if rc == 1:
+        raise ValueError(f"{name}: bad shapes ({shapes})")
+    if rc == 4:
+        raise MemoryError(f"{name}: out of memory in the native CPU kernel")
+    raise ValueError(f"{name}: a row range, position, block or slot is out of bounds ({shapes})")
 
 
 def _rows_of(t: torch.Tensor) -> bool:
@@ -300,7 +339,9 @@ def _mixer_args(
 
     dtype = xbc.dtype
     if (
-        xbc.device.type != "cpu"
+        not _on_cpu(
+            xbc, dt, conv_weight, conv_bias, conv_state, A, D, dt_bias, ssm_state, query_start_loc, read_slot
+        )
         or dtype not in (torch.float32, torch.float64)
         or any(t.dtype != dtype for t in (conv_state, ssm_state, dt, conv_weight))
         or not (_rows_of(xbc) and _rows_of(dt))
@@ -328,6 +369,10 @@ def _mixer_args(
             f"{name}: shapes do not fit (xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, "
             f"conv_state {tuple(conv_state.shape)}, ssm_state {tuple(ssm_state.shape)}, {R} rows)"
         )
+    if A.numel() != H or D.numel() != H or dt_bias.numel() != H:
+        return None  # the reference's broadcasting (or its error)
+    if not (math.isfinite(dt_min) and dt_min >= 0.0 and (dt_max == math.inf or 0.0 <= dt_max < math.inf)):
+        return None  # the clamp the reference applies to odd bounds
     if int(query_start_loc[-1]) != n:
         raise ValueError(f"{name}: query_start_loc ends at {int(query_start_loc[-1])} for {n} tokens")
     w = conv_weight.contiguous()
@@ -349,11 +394,8 @@ def _mixer_args(
 def _mixer_result(name: str, rc: int, args: _MixerArgs) -> torch.Tensor | None:
     if rc == 3:
         return None
-    if rc == 1:
-        conv_dim, W, H, P, G, N = args.tail[:6]
-        raise ValueError(f"{name}: bad shapes (conv_dim={conv_dim}, H={H}, P={P}, G={G}, N={N}, W={W})")
-    if rc != 0:
-        raise ValueError(f"{name}: a slot is outside the state pools or a write is outside its row")
+    conv_dim, W, H, P, G, N = args.tail[:6]
+    _check_rc(name, rc, f"conv_dim={conv_dim}, H={H}, P={P}, G={G}, N={N}, W={W}")
     return args.y
 
 
@@ -389,6 +431,8 @@ def mamba_decode(
         query_start_loc, read_slot, ngroups, silu, dt_min, dt_max,
     )  # fmt: skip
     if args is None:
+        return None
+    if not _on_cpu(write_slots):
         return None
     R = query_start_loc.numel() - 1
     if write_slots.dim() != 2 or write_slots.shape[0] != R:
@@ -441,6 +485,8 @@ def mamba_prefill(
     )  # fmt: skip
     if args is None:
         return None
+    if not _on_cpu(num_computed_tokens, has_initial_state, write_slot, emit_row, emit_token, emit_slot):
+        return None
     R = query_start_loc.numel() - 1
     if has_initial_state.shape != (R,) or write_slot.shape != (R,) or num_computed_tokens.shape != (R,):
         raise ValueError(
@@ -464,7 +510,7 @@ def mamba_prefill(
     offsets = torch.zeros(R + 1, dtype=i64)
     offsets[1:] = torch.bincount(rows_all, minlength=R).cumsum(0)
     rs = read_slot.to(i64).contiguous()
-    his = has_initial_state.to(torch.uint8).contiguous()
+    his = (has_initial_state != 0).to(torch.uint8).contiguous()
     fn = args.lib.hs_mamba_prefill_f32 if xbc.dtype == torch.float32 else args.lib.hs_mamba_prefill_f64
     rc = fn(
         *args.common, qsl.data_ptr(), R, rs.data_ptr(), his.data_ptr(), offsets.data_ptr(), wtok.data_ptr(),
@@ -485,7 +531,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if x.dtype not in (torch.float32, torch.float64) or x.dim() < 1 or x.numel() == 0:
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    if not (_norm_rows(x2, x.dtype) and weight.shape == (x.shape[-1],)):
+    if not (_norm_rows(x2, x.dtype) and weight.shape == (x.shape[-1],) and _on_cpu(weight)):
         return None
     lib = library()
     if lib is None:
@@ -519,7 +565,11 @@ def gated_rms_norm(
     if dtype not in (torch.float32, torch.float64) or y.dim() != 2 or y.shape != z.shape or y.numel() == 0:
         return None
     d = y.shape[1]
-    if not (_norm_rows(y, dtype) and _norm_rows(z, dtype)) or weight.shape != (d,) or group_size <= 0:
+    if (
+        not (_norm_rows(y, dtype) and _norm_rows(z, dtype) and _on_cpu(weight))
+        or weight.shape != (d,)
+        or group_size <= 0
+    ):
         return None
     if d % group_size != 0:
         return None

@@ -310,7 +310,7 @@ int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const 
     const T lo = static_cast<T>(dt_min);
     const bool clamp_max = dt_max >= 0;
     const T hi = static_cast<T>(clamp_max ? dt_max : 0.0);
-    hs::parallel_rows(rows.R, parallel ? threads : 1, weight, kMinTokensPerThread, [&](int64_t b, int64_t e) {
+    const bool ok = hs::parallel_rows(rows.R, parallel ? threads : 1, weight, kMinTokensPerThread, [&](int64_t b, int64_t e) {
 #define HS_SCAN(NC)                                                                                            \
     scan<T, NC>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, A, Dskip, dt_bias, ssm_state, rows, \
                 conv_dim, W, H, P, G, N, act != 0, lo, clamp_max, hi, y, b, e)
@@ -323,38 +323,67 @@ int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const 
         }
 #undef HS_SCAN
     });
-    return 0;
+    return ok ? 0 : 4;
+}
+
+// Decode / verify rows: the window and state after token t go to write_slots[r, t] (t < n_r).
+template <typename T>
+int decode_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+                T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
+                int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,
+                const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,
+                int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
+    if (R < 0 || ws_stride < 0) return 1;
+    std::vector<int64_t> offsets(static_cast<size_t>(R + 1), 0), tokens, slots;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t n = qsl[r + 1] - qsl[r];
+        if (n < 0 || n > ws_stride) return 2;
+        for (int64_t t = 0; t < n; ++t) {
+            tokens.push_back(t);
+            slots.push_back(write_slots[r * ws_stride + t]);
+        }
+        offsets[static_cast<size_t>(r + 1)] = static_cast<int64_t>(tokens.size());
+    }
+    const Rows rows{qsl, R, read_slot, nullptr, offsets.data(), tokens.data(), slots.data()};
+    return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
+                  ssm_state, num_ssm_slots, rows, false, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);
+}
+
+// Prefill rows: initial state from read_slot where has_init, writes given as CSR (the final state
+// and the emitted boundary states).
+template <typename T>
+int prefill_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w,
+                 const T* conv_b, T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip,
+                 const T* dt_bias, T* ssm_state, int64_t num_ssm_slots, const int64_t* qsl, int64_t R,
+                 const int64_t* read_slot, const uint8_t* has_init, const int64_t* write_offsets,
+                 const int64_t* write_token, const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H,
+                 int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
+    if (R < 0) return 1;
+    const Rows rows{qsl, R, read_slot, has_init, write_offsets, write_token, write_slot};
+    return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
+                  ssm_state, num_ssm_slots, rows, true, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Decode / verify rows: the window and state after token t go to write_slots[r, t] (t < n_r).
+// Return codes: those of run() above, and 4 for out of memory (no exception leaves the library).
 #define HS_MAMBA_DECODE(NAME, T)                                                                                 \
     int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
              T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
              int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
              const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,   \
              int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {                   \
-        std::vector<int64_t> offsets(static_cast<size_t>(R + 1), 0), tokens, slots;                              \
-        for (int64_t r = 0; r < R; ++r) {                                                                        \
-            const int64_t n = qsl[r + 1] - qsl[r];                                                               \
-            if (n < 0 || n > ws_stride) return 2;                                                                \
-            for (int64_t t = 0; t < n; ++t) {                                                                    \
-                tokens.push_back(t);                                                                             \
-                slots.push_back(write_slots[r * ws_stride + t]);                                                 \
-            }                                                                                                    \
-            offsets[static_cast<size_t>(r + 1)] = static_cast<int64_t>(tokens.size());                           \
+        try {                                                                                                    \
+            return decode_rows<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, \
+                                  Dskip, dt_bias, ssm_state, num_ssm_slots, qsl, R, read_slot, write_slots,       \
+                                  ws_stride, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);          \
+        } catch (...) {                                                                                          \
+            return 4;                                                                                            \
         }                                                                                                        \
-        const Rows rows{qsl, R, read_slot, nullptr, offsets.data(), tokens.data(), slots.data()};                \
-        return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
-                      dt_bias, ssm_state, num_ssm_slots, rows, false, conv_dim, W, H, P, G, N, act, dt_min,      \
-                      dt_max, y, threads);                                                                       \
     }
 
-// Prefill rows: initial state from read_slot where has_init, writes given as CSR (the final state
-// and the emitted boundary states).
 #define HS_MAMBA_PREFILL(NAME, T)                                                                                \
     int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
              T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
@@ -362,10 +391,14 @@ extern "C" {
              const uint8_t* has_init, const int64_t* write_offsets, const int64_t* write_token,                  \
              const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N, \
              int act, double dt_min, double dt_max, T* y, int threads) {                                         \
-        const Rows rows{qsl, R, read_slot, has_init, write_offsets, write_token, write_slot};                    \
-        return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip,      \
-                      dt_bias, ssm_state, num_ssm_slots, rows, true, conv_dim, W, H, P, G, N, act, dt_min,       \
-                      dt_max, y, threads);                                                                       \
+        try {                                                                                                    \
+            return prefill_rows<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots,  \
+                                   A, Dskip, dt_bias, ssm_state, num_ssm_slots, qsl, R, read_slot, has_init,     \
+                                   write_offsets, write_token, write_slot, conv_dim, W, H, P, G, N, act, dt_min, \
+                                   dt_max, y, threads);                                                          \
+        } catch (...) {                                                                                          \
+            return 4;                                                                                            \
+        }                                                                                                        \
     }
 
 HS_MAMBA_DECODE(hs_mamba_decode_f32, float)

@@ -64,7 +64,12 @@ extern "C" {
     int hs_gated_rms_norm_##SUF(const T* y, int64_t y_stride, const T* z, int64_t z_stride, const T* w, T* out,   \
                                 int64_t out_stride, int64_t rows, int64_t d, int64_t group_size, double eps) {    \
         if (rows < 0 || d <= 0 || group_size <= 0 || d % group_size != 0) return 1;                               \
-        gated_rms_norm<T>(y, y_stride, z, z_stride, w, out, out_stride, rows, d, group_size, static_cast<T>(eps)); \
+        try {                                                                                                     \
+            gated_rms_norm<T>(y, y_stride, z, z_stride, w, out, out_stride, rows, d, group_size,                  \
+                              static_cast<T>(eps));                                                               \
+        } catch (...) { /* the row buffer could not be allocated */                                             \
+            return 4;                                                                                             \
+        }                                                                                                         \
         return 0;                                                                                                 \
     }
 

@@ -65,15 +65,19 @@ inline int64_t row_keys(const int64_t* qsl, const int64_t* positions, int64_t r)
 
 // 0 when every row's positions are >= 0 and every block it reads is in [0, num_blocks).
 int check_rows(const int64_t* block_table, int64_t bt_stride, const int64_t* qsl, const int64_t* positions,
-               int64_t num_rows, int64_t num_blocks, int64_t block_size) {
+               int64_t num_rows, int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+    // the row ranges first (no token is read before they are known to lie in [0, num_tokens))
+    if (num_rows > 0 && qsl[0] != 0) return 2;
+    for (int64_t r = 0; r < num_rows; ++r)
+        if (qsl[r + 1] < qsl[r] || qsl[r + 1] > num_tokens) return 2;
+    // a position must leave its row's keys inside the row's block table (this also keeps
+    // position + 1 and the block count from overflowing)
+    const int64_t max_keys = bt_stride * block_size;
     for (int64_t r = 0; r < num_rows; ++r) {
-        const int64_t t0 = qsl[r], t1 = qsl[r + 1];
-        if (t1 < t0 || (r == 0 && t0 != 0)) return 2;
-        for (int64_t t = t0; t < t1; ++t)
-            if (positions[t] < 0) return 2;
+        for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t)
+            if (positions[t] < 0 || positions[t] >= max_keys) return 2;
         const int64_t L = row_keys(qsl, positions, r);
         const int64_t nb = (L + block_size - 1) / block_size;
-        if (nb > bt_stride) return 2;
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t id = block_table[r * bt_stride + b];
             if (id < 0 || id >= num_blocks) return 2;
@@ -308,17 +312,19 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
 
 template <typename T>
 int dispatch(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
-             const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_blocks, int64_t H,
-             int64_t KVH, int64_t D, int64_t block_size, double scale, int threads) {
-    if (KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return 1;
-    if (check_rows(block_table, bt_stride, qsl, positions, num_rows, num_blocks, block_size) != 0) return 2;
+             const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_tokens,
+             int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size, double scale,
+             int threads) {
+    if (KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || num_rows < 0 || bt_stride < 0) return 1;
+    if (check_rows(block_table, bt_stride, qsl, positions, num_rows, num_tokens, num_blocks, block_size) != 0)
+        return 2;
     const T s = static_cast<T>(scale);
     // rows weighted by their (query token, key) pairs; rows are independent
     std::vector<int64_t> weight(static_cast<size_t>(num_rows + 1), 0);
     for (int64_t r = 0; r < num_rows; ++r)
         weight[static_cast<size_t>(r + 1)] =
             weight[static_cast<size_t>(r)] + (qsl[r + 1] - qsl[r]) * row_keys(qsl, positions, r);
-    hs::parallel_rows(num_rows, threads, weight, kMinPairsPerThread, [&](int64_t b, int64_t e) {
+    const bool ok = hs::parallel_rows(num_rows, threads, weight, kMinPairsPerThread, [&](int64_t b, int64_t e) {
 #define HS_ATTN(DC)                                                                                       \
     paged_attention<T, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
                            s, b, e)
@@ -330,27 +336,30 @@ int dispatch(const T* q, const T* kv, T* out, const int64_t* block_table, int64_
         }
 #undef HS_ATTN
     });
-    return 0;
+    return ok ? 0 : 4;
 }
 
 }  // namespace
 
 extern "C" {
 
-int hs_paged_attention_f32(const float* q, const float* kv, float* out, const int64_t* block_table,
-                           int64_t bt_stride, const int64_t* qsl, const int64_t* positions, int64_t num_rows,
-                           int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           double scale, int threads) {
-    return dispatch<float>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_blocks, H, KVH, D,
-                           block_size, scale, threads);
-}
+// Return codes: 0 ok, 1 bad shapes, 2 a row range, position or block id out of bounds (nothing
+// read), 4 out of memory or no thread could be started.
+#define HS_PAGED_ATTENTION(NAME, T)                                                                               \
+    int NAME(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride, const int64_t* qsl,  \
+             const int64_t* positions, int64_t num_rows, int64_t num_tokens, int64_t num_blocks, int64_t H,        \
+             int64_t KVH, int64_t D, int64_t block_size, double scale, int threads) {                             \
+        try {                                                                                                      \
+            return dispatch<T>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_tokens,          \
+                               num_blocks, H, KVH, D, block_size, scale, threads);                                \
+        } catch (...) {                                                                                            \
+            return 4;                                                                                              \
+        }                                                                                                          \
+    }
 
-int hs_paged_attention_f64(const double* q, const double* kv, double* out, const int64_t* block_table,
-                           int64_t bt_stride, const int64_t* qsl, const int64_t* positions, int64_t num_rows,
-                           int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           double scale, int threads) {
-    return dispatch<double>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_blocks, H, KVH, D,
-                           block_size, scale, threads);
-}
+HS_PAGED_ATTENTION(hs_paged_attention_f32, float)
+HS_PAGED_ATTENTION(hs_paged_attention_f64, double)
+
+#undef HS_PAGED_ATTENTION
 
 }  // extern "C"
