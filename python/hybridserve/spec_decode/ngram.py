@@ -5,7 +5,7 @@ up in its history (prompt + output); at the most recent earlier occurrence, the 
 that followed it are the drafts (continued periodically when the copy reaches the end of the
 history, so a short repetition still fills k drafts). The first n that matches wins (longest
 match first). No weights,
-no state: the proposal is a pure function of the history. Lookups are vectorised with numpy.
+no state: the proposal is a pure function of the history. The lookup is one vectorised pass.
 """
 
 from __future__ import annotations
@@ -19,32 +19,41 @@ from hybridserve.spec_decode.base import Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Drafts for one history (int array); see the module docstring."""
+    """Drafts for one history (int array); see the module docstring.
+
+    One pass instead of one per n: every earlier position j holding the last token is a candidate
+    match end, its match length is how far back it agrees with the history's end (capped at
+    n_max, and at j + 1 and length - 1), and the longest match wins, the most recent among equals:
+    the same choice as trying n = n_max, ..., n_min in turn."""
     length = int(tokens.shape[0])
-    if k <= 0:
+    n_top = min(n_max, length - 1)
+    if k <= 0 or n_top < n_min:
         return []
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n :]
-        # Candidate starts i with i + n <= length - 1: earlier than the suffix itself, and at
-        # least one token follows the match.
-        head = tokens[: length - 1]
-        cand = np.flatnonzero(head[: length - n] == suffix[0])
-        if cand.size == 0:
-            continue
-        if n > 1:
-            windows = np.lib.stride_tricks.sliding_window_view(head, n)
-            cand = cand[(windows[cand] == suffix).all(axis=1)]
-            if cand.size == 0:
-                continue
-        i = int(cand[-1])
-        # Copy what followed the match; where the copy runs into the suffix itself (a repetition
-        # whose period is shorter than k), keep copying from the drafts, i.e. continue the period.
-        drafts: list[int] = tokens[i + n : i + n + k].tolist()
-        period = length - n - i
-        while len(drafts) < k:
-            drafts.append(drafts[len(drafts) - period])
-        return drafts
-    return []
+    # candidate ends j <= length - 2 (a token follows the match)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    if ends.size == 0:
+        return []
+    match = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for t in range(1, n_top):
+        back = ends - t
+        ok = back >= 0
+        alive &= ok
+        alive[ok] &= tokens[back[ok]] == tokens[length - 1 - t]
+        if not alive.any():
+            break
+        match += alive
+    best = int(match.max())
+    if best < n_min:
+        return []
+    j = int(ends[np.flatnonzero(match == best)[-1]])
+    # Copy what followed the match; where the copy runs into the history's end (a repetition
+    # whose period is shorter than k), keep copying from the drafts, i.e. continue the period.
+    drafts: list[int] = tokens[j + 1 : j + 1 + k].tolist()
+    period = length - 1 - j
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
 
 
 class NgramProposer(Proposer):
