@@ -95,8 +95,8 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
     if device.type == "cpu" and native.library() is not None:
-        # built here (a second or two the first time, then cached on disk) rather than in a step
-        logger.info("C++ CPU kernels loaded (decode attention, Mamba decode)")
+        # built here (a few seconds the first time, then cached on disk) rather than in a step
+        logger.info("C++ CPU kernels loaded (decode attention, Mamba recurrence, RMSNorms)")
     if args.compile_cpu_kernels:
         if device.type == "cpu":
             set_compiled_decode(loaded.model, True)
