@@ -624,3 +624,24 @@ def test_a_forked_child_can_run_parallel_kernels(tmp_path):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0 and "fork ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_verify_row_is_bit_identical_to_decoding_its_tokens_one_by_one(dtype):
+    c = mamba_case([3], 8, 32, 2, 32, 4, dtype)
+    together = clone_case(c)
+    y3 = run_native(together, 2)
+    slot = int(c["read_slot"][0])
+    for t in range(3):
+        one = clone_case(c)
+        one.update(
+            xbc=c["xbc"][t : t + 1], dt=c["dt"][t : t + 1], query_start_loc=torch.tensor([0, 1]),
+            read_slot=torch.tensor([slot]), write_slots=c["write_slots"][:, t : t + 1].clone(),
+        )  # fmt: skip
+        y1 = run_native(one, 2)
+        assert torch.equal(y1[0], y3[t]), t
+        slot = int(c["write_slots"][0, t])
+        c["conv_state"], c["ssm_state"] = one["conv_state"], one["ssm_state"]
+    assert torch.equal(c["ssm_state"], together["ssm_state"]) and torch.equal(
+        c["conv_state"], together["conv_state"]
+    )

@@ -27,11 +27,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -150,6 +152,45 @@ int check(const Rows& rows, int64_t num_slots, bool strict_row_writes, bool para
     return 0;
 }
 
+// One token's update of a head's state h [P][N] (the layout of the pool) where the vector path
+// applies (float, AVX-512, N and P multiples of 16): 16 rows p at a time, each row's y partial
+// sums in one vector and the 16 sums formed by one reduction tree, instead of a horizontal sum
+// per row. Returns false where it does not apply (the caller's scalar loop runs). Decode and
+// verify rows both take it, so a verified token gets exactly its decode arithmetic.
+template <typename T, int NC>
+inline bool short_row_step(T* h, int64_t P, const T* x, const T* B, const T* C, T d, T a, T Dskip, T* y) {
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float> && NC > 0 && NC % 16 == 0) {
+        if (P % 16 != 0) return false;
+        const __m512 av = _mm512_set1_ps(a);
+        __m512 Bv[NC / 16], Cv[NC / 16];
+        for (int u = 0; u < NC / 16; ++u) {
+            Bv[u] = _mm512_loadu_ps(B + 16 * u);
+            Cv[u] = _mm512_loadu_ps(C + 16 * u);
+        }
+        for (int64_t p0 = 0; p0 < P; p0 += 16) {
+            __m512 acc[16];
+            for (int j = 0; j < 16; ++j) {
+                float* hp = h + (p0 + j) * NC;
+                const __m512 coef = _mm512_set1_ps(d * x[p0 + j]);
+                __m512 s = _mm512_setzero_ps();
+                for (int u = 0; u < NC / 16; ++u) {
+                    const __m512 hv = _mm512_fmadd_ps(_mm512_loadu_ps(hp + 16 * u), av, _mm512_mul_ps(coef, Bv[u]));
+                    _mm512_storeu_ps(hp + 16 * u, hv);
+                    s = _mm512_fmadd_ps(hv, Cv[u], s);
+                }
+                acc[j] = s;
+            }
+            const __m512 xv = _mm512_loadu_ps(x + p0);
+            _mm512_storeu_ps(y + p0, _mm512_fmadd_ps(xv, _mm512_set1_ps(Dskip), hs::sum16(acc)));
+        }
+        return true;
+    }
+#endif
+    (void)h, (void)P, (void)x, (void)B, (void)C, (void)d, (void)a, (void)Dskip, (void)y;
+    return false;
+}
+
 // Tokens per block: a row is scanned block by block, so that a block's conv outputs (and every
 // head's state) stay in the core's L2 while each head runs over the block's tokens.
 constexpr int64_t kBlockTokens = 64;
@@ -265,7 +306,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                     if (transposed) {
                         for (int64_t p0 = 0; p0 < P; p0 += Vec<T>::lanes)
                             transposed_step<T>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
-                    } else {
+                    } else if (!short_row_step<T, NC>(hs, P, x, B, C, d, a, Dskip[hd], yo)) {
                         for (int64_t p = 0; p < P; ++p) {
                             T* hp = hs + p * N;
                             const T coef = d * x[p];

@@ -22,11 +22,8 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -123,8 +120,7 @@ struct HalfStream {
 
 #ifdef __AVX512F__
 // q . k_j for 16 keys at once (float, D a multiple of 16): one vector of partial sums per key,
-// then a reduction tree that ends with the 16 sums in key order (15 shuffle-adds instead of 16
-// horizontal sums).
+// then hs::sum16.
 template <int D>
 inline __m512 dots16(const float* q, const float* k0, int64_t tok_stride) {
     __m512 acc[16];
@@ -134,23 +130,7 @@ inline __m512 dots16(const float* q, const float* k0, int64_t tok_stride) {
         for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), a);
         acc[j] = a;
     }
-    // within each 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for key pairs (a, b)
-    __m512 s1[8];
-    for (int j = 0; j < 8; ++j)
-        s1[j] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * j], acc[2 * j + 1]),
-                              _mm512_unpackhi_ps(acc[2 * j], acc[2 * j + 1]));
-    // within each lane: the lane's sums of keys 4m .. 4m + 3
-    __m512 s2[4];
-    for (int j = 0; j < 4; ++j) {
-        const __m512d x = _mm512_castps_pd(s1[2 * j]), y = _mm512_castps_pd(s1[2 * j + 1]);
-        s2[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    // across lanes
-    __m512 s3[2];
-    for (int j = 0; j < 2; ++j)
-        s3[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0x88),
-                              _mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+    return hs::sum16(acc);
 }
 #endif
 
