@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
-_HEADERS = ("cpu_parallel.h", "cpu_simd.h")
+_HEADERS = ("cpu_parallel.h", "cpu_common.h")
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
 # exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read

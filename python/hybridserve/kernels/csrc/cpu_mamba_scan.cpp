@@ -33,21 +33,13 @@
 #include <vector>
 
 #include "cpu_parallel.h"
-#include "cpu_simd.h"
+#include "cpu_common.h"
 
 namespace {
 
 template <typename T>
 inline T softplus20(T v) {
     return v > T(20) ? v : std::log1p(std::exp(v));
-}
-
-// exp's argument is capped so that no inf appears (the library is built with -ffast-math, which
-// assumes none): below -80, silu is within 1e-33 of 0 either way.
-template <typename T>
-inline T silu(T v) {
-    const T e = -v < T(80) ? -v : T(80);
-    return v / (T(1) + std::exp(e));
 }
 
 // src [rows][cols] -> dst [cols][rows]
@@ -60,26 +52,13 @@ inline void transpose(const T* src, T* dst, int64_t rows, int64_t cols) {
 // Rows of at least this many tokens run the state update on a transposed copy of the state, when
 // P is a multiple of the vector width.
 constexpr int64_t kTransposeFrom = 8;
-// One 64-byte vector (GCC's vector extension: kept in a register, unlike a small array).
-template <typename T>
-struct Vec {
-    typedef T type __attribute__((vector_size(64)));
-    static constexpr int64_t lanes = 64 / static_cast<int64_t>(sizeof(T));
-    static inline type load(const T* p) {
-        type v;
-        std::memcpy(&v, p, sizeof(v));
-        return v;
-    }
-    static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
-};
-
 // One token's update of one vector of columns p0 .. p0 + lanes of a head's transposed state
 // hT [N][P]: hT[k][p] = a hT[k][p] + d x[p] B[k]; y[p] = sum_k hT[k][p] C[k] + Dskip x[p]. Even
 // and odd k accumulate apart: two independent FMA chains (latency bounds this loop).
 template <typename T>
 inline void transposed_step(T* hT, int64_t P, int64_t N, const T* x, const T* B, const T* C, T d, T a, T Dskip,
                             T* y) {
-    using V = Vec<T>;
+    using V = hs::Vec<T>;
     using VT = typename V::type;
     const VT xv = V::load(x);
     const VT dx = xv * d;
@@ -226,7 +205,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
         // A long row keeps each head's state transposed ([N][P]) so that the update and y = h C
         // both run along P with no horizontal sums; a short one (decode, verify) is not worth the
         // two transposes.
-        const bool transposed = n >= kTransposeFrom && P % Vec<T>::lanes == 0;
+        const bool transposed = n >= kTransposeFrom && P % hs::Vec<T>::lanes == 0;
         // input j of the row (j < 0: column S + j of the initial window)
         auto input = [&](int64_t j) -> const T* {
             return j >= 0 ? xbc + (t0 + j) * xbc_stride : init_win.data() + (S + j) * conv_dim;
@@ -267,7 +246,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                 if (conv_b != nullptr)
                     for (int64_t c = 0; c < conv_dim; ++c) co[c] += conv_b[c];
                 if (act)
-                    for (int64_t c = 0; c < conv_dim; ++c) co[c] = silu(co[c]);
+                    for (int64_t c = 0; c < conv_dim; ++c) co[c] = hs::silu(co[c]);
             }
             int64_t e_next = e_block;
             while (e_next < e1 && rows.write_token[e_next] < b0 + bn) ++e_next;
@@ -304,7 +283,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                     const T a = std::exp(d * A[hd]);
                     T* yo = y + ((t0 + t) * H + hd) * P;
                     if (transposed) {
-                        for (int64_t p0 = 0; p0 < P; p0 += Vec<T>::lanes)
+                        for (int64_t p0 = 0; p0 < P; p0 += hs::Vec<T>::lanes)
                             transposed_step<T>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
                     } else if (!short_row_step<T, NC>(hs, P, x, B, C, d, a, Dskip[hd], yo)) {
                         for (int64_t p = 0; p < P; ++p) {
@@ -336,7 +315,7 @@ int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const 
         T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
         int64_t num_ssm_slots, const Rows& rows, bool strict_row_writes, int64_t conv_dim, int64_t W, int64_t H,
         int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
-    // dt_max < 0 means no upper clamp (an infinite bound is not passed: see silu)
+    // dt_max < 0 means no upper clamp (an infinite bound is not passed: see hs::silu)
     if (W < 1 || H <= 0 || P <= 0 || G <= 0 || N <= 0 || H % G != 0 || conv_dim != H * P + 2 * G * N) return 1;
     const int64_t num_slots = num_conv_slots < num_ssm_slots ? num_conv_slots : num_ssm_slots;
     // rows weighted by their tokens (every row at least one: its state is read and written)

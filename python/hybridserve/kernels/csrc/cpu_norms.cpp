@@ -10,13 +10,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+#include "cpu_common.h"
 
-template <typename T>
-inline T silu(T v) {
-    const T e = -v < T(80) ? -v : T(80);  // no inf under -ffast-math (see cpu_mamba_scan.cpp)
-    return v / (T(1) + std::exp(e));
-}
+namespace {
 
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, const T* w, T* out, int64_t out_stride, int64_t rows, int64_t d,
@@ -39,7 +35,7 @@ void gated_rms_norm(const T* y, int64_t y_stride, const T* z, int64_t z_stride, 
         const T* yr = y + r * y_stride;
         const T* zr = z + r * z_stride;
         T* o = out + r * out_stride;
-        for (int64_t c = 0; c < d; ++c) h[static_cast<size_t>(c)] = yr[c] * silu(zr[c]);
+        for (int64_t c = 0; c < d; ++c) h[static_cast<size_t>(c)] = yr[c] * hs::silu(zr[c]);
         for (int64_t g0 = 0; g0 < d; g0 += group_size) {
             const T* hg = h.data() + g0;
             T ss = 0;

@@ -23,32 +23,9 @@
 #include <vector>
 
 #include "cpu_parallel.h"
-#include "cpu_simd.h"
+#include "cpu_common.h"
 
 namespace {
-
-template <typename T, int DC>
-struct Dim {
-    static inline int64_t get(int64_t) { return DC; }
-};
-template <typename T>
-struct Dim<T, 0> {
-    static inline int64_t get(int64_t d) { return d; }
-};
-
-// One 64-byte vector (GCC's vector extension: kept in registers, unlike a small array).
-template <typename T>
-struct VecOf {
-    typedef T type __attribute__((vector_size(64)));
-    static constexpr int lanes = 64 / static_cast<int>(sizeof(T));
-    static inline type load(const T* p) {
-        type v;
-        std::memcpy(&v, p, sizeof(v));
-        return v;
-    }
-    static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
-    static inline type zero() { return type{} * T(0); }
-};
 
 // A call is split over threads only when each gets at least this many (query token, key) pairs.
 constexpr int64_t kMinPairsPerThread = 2048;
@@ -139,7 +116,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
                      int64_t KVH, int64_t D_runtime, int64_t block_size, T scale, int64_t row_begin,
                      int64_t row_end) {
-    const int64_t D = Dim<T, DC>::get(D_runtime);
+    const int64_t D = DC > 0 ? DC : D_runtime;
     const int64_t Gq = H / KVH;
     const int64_t tok_stride = KVH * D;                   // one token's K (or V) in a block
     const int64_t half_stride = block_size * tok_stride;  // the K part of a block
@@ -235,10 +212,10 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             for (int64_t j = 0; j < n; ++j) s[j] *= inv;
         }
         // out_i = sum_j p_ij v_j
-        if constexpr (DC > 0 && DC % VecOf<T>::lanes == 0) {
+        if constexpr (DC > 0 && DC % hs::Vec<T>::lanes == 0) {
             // one query at a time with its output in registers: two sets of accumulators (even
             // and odd keys), so the sum over keys is not one serial chain through memory
-            using V = VecOf<T>;
+            using V = hs::Vec<T>;
             using VT = typename V::type;
             constexpr int nv = DC / V::lanes;
             for (int64_t b = 0; b < nb; ++b) stream.prefetch(r, nb, nb + b);

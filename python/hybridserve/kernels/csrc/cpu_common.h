@@ -1,10 +1,39 @@
-// SIMD helpers shared by the CPU kernels (hybridserve.kernels.native).
+// Helpers shared by the CPU kernels (hybridserve.kernels.native).
 #pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 namespace hs {
+
+// One 64-byte vector (GCC's vector extension: kept in registers, unlike a small array).
+template <typename T>
+struct Vec {
+    typedef T type __attribute__((vector_size(64)));
+    static constexpr int lanes = 64 / static_cast<int>(sizeof(T));
+    static inline type load(const T* p) {
+        type v;
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+    }
+    static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+    static inline type zero() { return type{} * T(0); }
+};
+
+// exp's argument is capped so that no inf appears (the library is built with -ffast-math, which
+// assumes none): below -80, silu is within 1e-33 of 0 either way.
+template <typename T>
+inline T silu(T v) {
+    const T e = -v < T(80) ? -v : T(80);
+    return v / (T(1) + std::exp(e));
+}
+
+#ifdef __AVX512F__
 
 // acc[j] holds 16 partial sums of value j: returns the 16 sums, value j in lane j. A reduction
 // tree of 15 shuffle-adds instead of 16 horizontal sums.
@@ -28,5 +57,6 @@ inline __m512 sum16(const __m512 (&acc)[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
 }
 
-}  // namespace hs
 #endif
+
+}  // namespace hs
