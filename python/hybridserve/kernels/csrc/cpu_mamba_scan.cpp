@@ -206,6 +206,13 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
         // both run along P with no horizontal sums; a short one (decode, verify) is not worth the
         // two transposes.
         const bool transposed = n >= kTransposeFrom && P % hs::Vec<T>::lanes == 0;
+        // A decode row (one block, its only write the final state) updates its write slot in
+        // place: the state is not copied out and back, which was a third of the row's memory
+        // traffic. check() has made sure that no later row reads that slot.
+        const int64_t e0 = rows.write_offsets[r];
+        const bool in_place = init && !transposed && n <= kBlockTokens && e1 - e0 == 1 &&
+                              rows.write_token[e0] == n - 1 && rows.write_slot[e0] != 0;
+        T* const state_base = in_place ? ssm_state + rows.write_slot[e0] * state_stride : states.data();
         // input j of the row (j < 0: column S + j of the initial window)
         auto input = [&](int64_t j) -> const T* {
             return j >= 0 ? xbc + (t0 + j) * xbc_stride : init_win.data() + (S + j) * conv_dim;
@@ -220,14 +227,14 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
             }
         }
         for (int64_t hd = 0; hd < H; ++hd) {
-            T* hs = states.data() + hd * head_size;
+            T* hs = state_base + hd * head_size;
             if (!init) {
                 std::fill(hs, hs + head_size, T(0));
                 continue;
             }
             const T* src = ssm_state + rows.read_slot[r] * state_stride + hd * head_size;
             if (transposed) transpose(src, hs, P, N);
-            else std::memcpy(hs, src, head_bytes);
+            else if (src != hs) std::memcpy(hs, src, head_bytes);
         }
         int64_t e_block = rows.write_offsets[r];  // the first write at or after the block's start
         for (int64_t b0 = 0; b0 < n; b0 += kBlockTokens) {
@@ -265,7 +272,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
             // state update, one head at a time over the block's tokens
             for (int64_t hd = 0; hd < H; ++hd) {
                 const int64_t g = hd / hpg;
-                T* hs = states.data() + hd * head_size;
+                T* hs = state_base + hd * head_size;
                 for (int64_t i = 0; i < bn; ++i) {
                     T d = softplus20(dt[(t0 + b0 + i) * dt_stride + hd] + dt_bias[hd]);
                     d = d < dt_min ? dt_min : d;
@@ -298,7 +305,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                         }
                     }
                     for (; e < e_next && rows.write_token[e] == t; ++e) {
-                        if (rows.write_slot[e] == 0) continue;
+                        if (rows.write_slot[e] == 0 || in_place) continue;
                         T* dst = ssm_state + rows.write_slot[e] * state_stride + hd * head_size;
                         if (transposed) transpose(hs, dst, N, P);
                         else std::memcpy(dst, hs, head_bytes);

@@ -218,30 +218,28 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             using V = hs::Vec<T>;
             using VT = typename V::type;
             constexpr int nv = DC / V::lanes;
-            for (int64_t b = 0; b < nb; ++b) stream.prefetch(r, nb, nb + b);
-            for (int64_t i = 0; i < nq; ++i) {
-                VT a0[nv], a1[nv];
-                for (int u = 0; u < nv; ++u) a0[u] = a1[u] = V::zero();
-                const T* p = scores.data() + i * Lp;
-                const int64_t n = qv_pos[i] + 1;
-                int64_t j = 0;
-                for (; j + 1 < n; j += 2) {
-                    const T* v0 = kv + blocks[j / block_size] * block_stride + half_stride +
-                                  (j % block_size) * tok_stride + qv_koff[i];
-                    const int64_t j1 = j + 1;
-                    const T* v1 = kv + blocks[j1 / block_size] * block_stride + half_stride +
-                                  (j1 % block_size) * tok_stride + qv_koff[i];
-                    for (int u = 0; u < nv; ++u) {
-                        a0[u] += V::load(v0 + u * V::lanes) * p[j];
-                        a1[u] += V::load(v1 + u * V::lanes) * p[j1];
+            // block by block (its V rows stay in L1 for every query vector), each query's output
+            // in registers within the block; keys in order, so the sum does not depend on how many
+            // keys follow a query's position
+            for (int64_t b = 0; b < nb; ++b) {
+                const T* vblock = kv + blocks[b] * block_stride + half_stride;
+                stream.prefetch(r, nb, nb + b + kPrefetchAhead);
+                const int64_t j0 = b * block_size;
+                for (int64_t i = 0; i < nq; ++i) {
+                    const int64_t n = qv_pos[i] + 1 - j0;  // this query's keys in the block
+                    if (n <= 0) continue;
+                    const int64_t jn = n < block_size ? n : block_size;
+                    const T* p = scores.data() + i * Lp + j0;
+                    const T* v = vblock + qv_koff[i];
+                    T* a = acc.data() + i * D;
+                    VT a0[nv];
+                    for (int u = 0; u < nv; ++u) a0[u] = V::load(a + u * V::lanes);
+                    for (int64_t jj = 0; jj < jn; ++jj) {
+                        const T* vr = v + jj * tok_stride;
+                        for (int u = 0; u < nv; ++u) a0[u] += V::load(vr + u * V::lanes) * p[jj];
                     }
+                    for (int u = 0; u < nv; ++u) V::store(a + u * V::lanes, a0[u]);
                 }
-                if (j < n) {
-                    const T* v0 = kv + blocks[j / block_size] * block_stride + half_stride +
-                                  (j % block_size) * tok_stride + qv_koff[i];
-                    for (int u = 0; u < nv; ++u) a0[u] += V::load(v0 + u * V::lanes) * p[j];
-                }
-                for (int u = 0; u < nv; ++u) V::store(acc.data() + i * D + u * V::lanes, a0[u] + a1[u]);
             }
         } else {
             for (int64_t b = 0; b < nb; ++b) {
