@@ -26,7 +26,8 @@ def activation(name: str) -> nn.Module:
 
 class _ReLU2(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.square(F.relu(x))
+        r = F.relu(x)
+        return r.mul_(r)  # squared in place: relu's output is a fresh tensor (one pass, no copy)
 
 
 class MLP(nn.Module):
