@@ -83,3 +83,64 @@ def test_deferred_still_watches_stop_strings(tok: Tokenizer) -> None:
         if d.stopped_by is not None:
             break
     assert d.stopped_by == "three" and d.text == "one two "
+
+
+class _Chars:
+    """One character per token (id = code point): stop-string cases written as plain text."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+def _run(text: str, **kw: object) -> tuple[str, str, str | None]:
+    """(released text, final text, stop string) of streaming `text` one character at a time."""
+    d = IncrementalDetokenizer(_Chars(), **kw)  # type: ignore[arg-type]
+    released = ""
+    for i, c in enumerate(text):
+        released += d.add_tokens([ord(c)], final=i == len(text) - 1)
+        if d.stopped_by is not None:
+            break
+    return released, d.text, d.stopped_by
+
+
+@pytest.mark.parametrize(
+    "stop, min_tokens, expected",
+    [
+        (["b"], 3, "abca"),  # the b among the first 3 tokens is not a stop
+        (["b", "zzzzz"], 3, "abca"),  # a longer, unrelated stop string changes nothing
+        (["bca"], 3, "a"),  # completed by token 4: the "bc" of tokens 2-3 is cut too
+        (["ca"], 3, "ab"),
+        (["ca"], 4, "abcab"),  # the first "ca" ends with token 4, one of the first min_tokens
+        (["ca"], 0, "ab"),
+        (["bc"], 4, "abca"),  # the first "bc" ends at token 3
+    ],
+)
+def test_stop_strings_respect_min_tokens(stop: list[str], min_tokens: int, expected: str) -> None:
+    released, text, stopped_by = _run("abcabcabc", stop=stop, min_tokens=min_tokens)
+    assert released == text == expected
+    assert stopped_by is not None
+
+
+@pytest.mark.parametrize(
+    "stop, include, expected, stopped_by",
+    [
+        (["l", " ligh"], True, "a l", "l"),  # "l" is completed first, whatever the list order
+        ([" ligh", "l"], True, "a l", "l"),
+        (["l", " ligh"], False, "a ", "l"),
+        (["b c", "c"], False, "a ", "b c"),  # both end at the c: the earlier start cuts more
+        (["c", "b c"], True, "a b c", "b c"),
+    ],
+)
+def test_the_first_completed_stop_string_wins(
+    stop: list[str], include: bool, expected: str, stopped_by: str
+) -> None:
+    for text in ("a light", "a b c d"):
+        if not all(s in text for s in stop):
+            continue
+        released, final, by = _run(text, stop=stop, include_stop_str_in_output=include)
+        assert released == final == expected
+        assert by == stopped_by
+    # the same when the whole text arrives in one step (no character-by-character streaming)
+    text = "a light" if "l" in stop else "a b c d"
+    d = IncrementalDetokenizer(_Chars(), stop=stop, include_stop_str_in_output=include)  # type: ignore[arg-type]
+    assert d.add_tokens([ord(c) for c in text]) == expected and d.stopped_by == stopped_by

@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
     stop: Sequence[str] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Stop strings are not matched before this many tokens were generated (vLLM's min_tokens).
+    # A stop string counts only when it ends in the text of a token after the first min_tokens
+    # (as vLLM; stop tokens are masked for those tokens too).
     min_tokens: int = 0
     # Decode once at the end instead of per token (only when there are no stop strings).
     deferred: bool = False
@@ -76,33 +77,35 @@ class IncrementalDetokenizer:
         if not full.startswith(self.text):
             # Rare: a later token changed how earlier bytes decode. Never take back released text.
             full = self.text + full[len(self.text) :]
-        if self.stop and len(self.token_ids) >= self.min_tokens:
-            # Search only the region a match could newly end in.
-            longest = max(len(s) for s in self.stop)
-            start = max(0, len(self.text) - longest + 1)
-            best: tuple[int, str] | None = None
+        if self.stop and len(self.token_ids) > self.min_tokens:
+            # The first stop string to be completed wins: the match that ends first, as if the
+            # text arrived one character at a time (the one that starts first on a tie). Only
+            # matches that end in text not yet released count: released text was either
+            # searched already or produced by the first min_tokens tokens.
+            best: tuple[int, int, str] | None = None  # (end, start, stop string)
             for s in self.stop:
-                i = full.find(s, start)
-                if i != -1 and (best is None or i < best[0]):
-                    best = (i, s)
+                i = full.find(s, max(0, len(self.text) - len(s) + 1))
+                if i != -1 and (best is None or (i + len(s), i) < best[:2]):
+                    best = (i + len(s), i, s)
             if best is not None:
-                i, s = best
+                end, i, s = best
                 self.stopped_by = s
-                cut = i + len(s) if self.include_stop_str_in_output else i
+                cut = end if self.include_stop_str_in_output else i
                 full = full[: max(cut, len(self.text))]
                 delta = full[len(self.text) :]
                 self.text = full
                 return delta
-            # Hold back a tail that could be the start of a stop string.
-            if not final:
-                hold = 0
-                for s in self.stop:
-                    for n in range(min(len(s) - 1, len(full)), 0, -1):
-                        if full.endswith(s[:n]):
-                            hold = max(hold, n)
-                            break
-                if hold:
-                    full = full[: max(len(full) - hold, len(self.text))]
+        if self.stop and not final:
+            # Hold back a tail that could be the start of a stop string, also before min_tokens:
+            # a stop completed by a later token must still be cut from the text.
+            hold = 0
+            for s in self.stop:
+                for n in range(min(len(s) - 1, len(full)), 0, -1):
+                    if full.endswith(s[:n]):
+                        hold = max(hold, n)
+                        break
+            if hold:
+                full = full[: max(len(full) - hold, len(self.text))]
         delta = full[len(self.text) :]
         self.text = full
         return delta
