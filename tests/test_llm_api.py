@@ -174,6 +174,24 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     ):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**kw)  # type: ignore[arg-type]
+    for kw in (
+        {"ignore_eos": None},
+        {"ignore_eos": "yes"},
+        {"include_stop_str_in_output": "x"},
+        {"skip_special_tokens": 0},
+        {"min_tokens": 10**30, "max_tokens": None},
+        {"max_tokens": 10**30},
+    ):
+        with pytest.raises(InvalidRequestError, match=next(iter(kw))):
+            SamplingParams(**kw)  # type: ignore[arg-type]
+    # a value set after construction is checked when the request is added
+    late = SamplingParams(max_tokens=4)
+    late.skip_special_tokens = None  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="skip_special_tokens"):
+        llm.generate(PROMPT, late)
+    for bad_params in ({"temperature": 0}, "x", [None], 3):
+        with pytest.raises(InvalidRequestError, match="sampling_params"):
+            llm.generate([PROMPT], bad_params)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         llm.generate(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[10**6]))
     stats = llm.engine.stats()
@@ -499,3 +517,21 @@ def test_offline_generate_decodes_each_text_once_at_the_end(monkeypatch: pytest.
     lengths.clear()
     llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["\x00"]))
     assert len(lengths) > 12
+
+
+def test_a_stop_tokens_text_is_kept_with_include_stop_str_in_output() -> None:
+    llm = llm32()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = llm.generate(PROMPT, greedy)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # a stop token whose text is not empty, a few tokens in
+    k = next(i for i in range(2, len(full.token_ids)) if tok.decode([full.token_ids[i]]))
+    stop_id = full.token_ids[k]
+    k = full.token_ids.index(stop_id)
+    for include in (False, True):
+        params = SamplingParams(
+            max_tokens=12, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
+        out = llm.generate(PROMPT, params)[0].outputs[0]
+        assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop_id
+        assert out.text == tok.decode(full.token_ids[: k + 1 if include else k])

@@ -69,7 +69,17 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
+            if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str | bytes):
+                raise InvalidRequestError(
+                    "sampling_params: a SamplingParams or a list of them, "
+                    f"not {type(sampling_params).__name__}"
+                )
             params_list = list(sampling_params)
+            wrong = [type(p).__name__ for p in params_list if not isinstance(p, SamplingParams)]
+            if wrong:
+                raise InvalidRequestError(
+                    f"sampling_params: every item must be a SamplingParams, not {wrong[0]}"
+                )
             if len(params_list) != len(prompt_list):
                 raise ValueError("sampling_params: one per prompt, or a single one for all")
 

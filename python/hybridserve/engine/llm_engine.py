@@ -181,7 +181,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_id=self.eos_token_id,
             stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
+            ignore_eos=bool(params.ignore_eos),
             min_tokens=params.min_tokens,
             priority=priority,
             cache_salt=cache_salt,
@@ -427,7 +427,7 @@ class LLMEngine:
                 is_stop_token = (
                     d.stop_token_id is not None and i == len(new_ids) - 1 and tok == d.stop_token_id
                 )
-                if is_stop_token:
+                if is_stop_token and not st.params.include_stop_str_in_output:
                     break  # the EOS/stop token stays in token_ids but not in the text (as vLLM)
                 delta_text += st.detokenizer.add_tokens([tok], final=finished and i == len(new_ids) - 1)
                 if st.detokenizer.stopped_by is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hybridserve.errors import InvalidRequestError
 
 # Beyond this, a top-n logprobs request costs more than it is worth to anyone.
@@ -17,7 +19,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. Limits enforced by the Rust scheduler (by token):
     `max_tokens`, EOS, `stop_token_ids`, `ignore_eos`, `min_tokens`. Stop strings are checked in
-    Python after detokenization.
+    Python after detokenization, from the `min_tokens`-th token on; the first one completed in
+    the text ends the output.
     """
 
     n: int = 1
@@ -62,6 +65,8 @@ class SamplingParams:
             "repetition_penalty",
         ):
             setattr(self, name, float(getattr(self, name)))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, bool(getattr(self, name)))
         self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
@@ -101,14 +106,20 @@ class SamplingParams:
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         number("repetition_penalty", 0.0, 10.0, lo_open=True)
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens >= 2**63:
+            raise bad("max_tokens", f"must be below 2^63, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not (0 <= self.min_tokens < 2**63):
+            raise bad("min_tokens", f"must be a non-negative integer below 2^63, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
         ):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            v = getattr(self, flag)
+            if not isinstance(v, bool | np.bool_):
+                raise bad(flag, f"must be true or false, got {v!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
