@@ -782,6 +782,45 @@ def test_a_client_that_stops_sending_its_body_gets_a_408(server, client):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
 
 
+def test_a_body_that_is_not_what_its_content_encoding_says_is_a_400(server, client):
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+    for enc in (b"gzip", b"deflate"):
+        head, parsed = raw_http(
+            server,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: "
+            + enc
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body,
+        )
+        assert head.startswith(b"HTTP/1.1 400"), (enc, head)
+        assert parsed["error"]["code"] == "bad_request_body"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+    assert "internal error" not in server.output()
+
+
+def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
+    import socket
+
+    def errors_500() -> float:
+        return metrics(server).get('hybridserve_http_errors_total{status="500"}', 0.0)
+
+    before = errors_500()
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt":'
+        )
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+    assert errors_500() == before
+    assert "internal error" not in server.output() and "Traceback" not in server.output()
+
+
 def test_a_client_that_never_finishes_its_headers_is_disconnected(server):
     # the server's --keep-alive-timeout is 8 s (the default is 15 s)
     t0 = time.monotonic()

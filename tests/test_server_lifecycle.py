@@ -53,6 +53,22 @@ def _check_auth(srv: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError):  # the served name, not the folder name
         good.completions.create(model="demo", prompt="Hello", max_tokens=2)
     assert srv.health_status() == 200  # /health needs no key
+    # a key with a byte that is not UTF-8 is a wrong key (401), not a server error
+    import socket
+
+    host, port = srv.base.removeprefix("http://").split(":")
+    body = b'{"model": "%s", "prompt": "Hello", "max_tokens": 2}' % MODEL.encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer s\xe9cret\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 401"), raw[:200]
+    assert b"invalid_api_key" in raw and "internal error" not in srv.output()
 
 
 def _check_speculative_stream(srv: ServerProcess) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from hybridserve.errors import InvalidRequestError
 from hybridserve.server import protocol as P
@@ -313,6 +314,10 @@ _HTTP_ERROR_TYPES = {
 }
 
 
+class _ClientGone(Exception):
+    """The client closed its connection before the request could be read."""
+
+
 @web.middleware
 async def _error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -336,6 +341,14 @@ async def _error_middleware(
             resp.headers["Allow"] = e.headers["Allow"]
     except asyncio.CancelledError:
         raise
+    except _ClientGone:
+        logger.debug("client closed the connection during %s %s", request.method, request.path)
+        resp = web.json_response(
+            P.error_body(
+                "the client closed the connection", type="invalid_request_error", code="client_gone"
+            ),
+            status=400,
+        )
     except Exception:
         logger.exception("internal error on %s %s", request.method, request.path)
         resp = web.json_response(
@@ -354,7 +367,9 @@ async def _auth_middleware(
     if key is not None and request.path.startswith("/v1"):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # aiohttp keeps a header's non-UTF-8 bytes as surrogate escapes: compare the raw bytes
+        sent = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode()):
             raise P.APIError(
                 "invalid or missing API key (send 'Authorization: Bearer <key>')",
                 status=401,
@@ -480,6 +495,13 @@ async def _parse(
         raw = await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
         raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout:g} s") from None
+    except RequestPayloadError as e:
+        # a body that does not decode as its Content-Encoding or Transfer-Encoding says
+        reason = " ".join(str(e).split())
+        raise P.APIError(f"the request body could not be read: {reason}", code="bad_request_body") from None
+    except ConnectionError:
+        # the client went away before its body arrived: nobody reads the answer, nothing to log
+        raise _ClientGone() from None
 
     def run() -> P.GenerateRequest:
         return parse(P.decode_json_body(raw), info, served_model_name)

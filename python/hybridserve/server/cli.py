@@ -201,13 +201,16 @@ async def _serve(args: argparse.Namespace) -> int:
 
 class _MalformedHttpFilter(logging.Filter):
     """aiohttp logs a traceback at ERROR for every malformed HTTP message a client sends (it has
-    already answered 400): any client could fill the log. Keep one line, at debug level only."""
+    already answered 400), and for a body that does not decode as its Content-Encoding says
+    (answered 400 by the handler): any client could fill the log. Keep one line, at debug level
+    only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
 
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
+        if not isinstance(exc, HttpProcessingError | RequestPayloadError):
             return True
         if not logger.isEnabledFor(logging.DEBUG):
             return False
