@@ -9,6 +9,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,11 @@ def test_dtypes_generate(dtype: str) -> None:
     llm = LLM("demo", dtype=dtype, max_model_len=256, max_num_seqs=2)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+    if dtype == "float64":
+        # logprobs in the model's precision: not all of them are float32 values
+        lp = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0].logprobs
+        values = [e.logprob for step in lp for e in step.values()]
+        assert len(values) >= 4 and any(float(np.float32(v)) != v for v in values)
 
 
 def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:

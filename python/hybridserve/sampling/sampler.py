@@ -395,7 +395,9 @@ def compute_logprobs(
     if not want:
         return out
     idx = torch.as_tensor(want, dtype=torch.int64, device=source.device)
-    lp = source[idx].float()
+    lp = source[idx]
+    if lp.dtype != torch.float64:
+        lp = lp.float()  # a float64 model's logprobs keep their precision (near-tie ranks too)
     chosen = token_ids.to(source.device)[idx]
     chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
     ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
