@@ -140,7 +140,11 @@ def test_dtypes_generate(dtype: str) -> None:
     assert len(out[0].outputs[0].token_ids) == 4
     if dtype == "float64":
         # logprobs in the model's precision: not all of them are float32 values
-        lp = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0].logprobs
+        lp = (
+            llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0]
+            .outputs[0]
+            .logprobs
+        )
         values = [e.logprob for step in lp for e in step.values()]
         assert len(values) >= 4 and any(float(np.float32(v)) != v for v in values)
 
