@@ -329,6 +329,44 @@ def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):
     )
     assert head.startswith(b"HTTP/1.1 413"), head
     assert body["error"]["code"] == "request_too_large"
+    # with Expect: 100-continue the client is not invited to send it first
+    head, body = raw_http(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: 99999999999\r\n\r\n",
+    )
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert body["error"]["code"] == "request_too_large"
+    head, body = raw_http(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: something-else\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    assert head.startswith(b"HTTP/1.1 417"), head
+    assert body["error"]["code"] == "expectation_failed"
+
+
+def test_an_expected_body_of_allowed_size_is_invited_and_served(server):
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    import socket
+
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += sock.recv(1)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert json.loads(payload)["usage"]["completion_tokens"] == 2
 
 
 def test_n_choices_and_seeds(client):

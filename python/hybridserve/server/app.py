@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from hybridserve.errors import InvalidRequestError
@@ -230,8 +230,8 @@ def create_app(
     state_holder["s"] = state
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
     app[STATE] = state
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions, expect_handler=_expect_handler)
+    app.router.add_post("/v1/chat/completions", _chat_completions, expect_handler=_expect_handler)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id}", _model)
     app.router.add_get("/health", _health)
@@ -452,6 +452,38 @@ def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
 # Bodies larger than this are decoded and tokenized off the event loop, so that one big prompt
 # does not stall the other streams.
 _INLINE_PARSE_BYTES = 64 * 1024
+
+
+async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: a body announced larger than the limit gets its 413 instead of the
+    invitation to send it (aiohttp's default handler says 100 Continue to any size). This runs
+    before the middlewares, so it answers and counts its errors itself."""
+    limit = request.app._client_max_size
+    declared = request.content_length
+    expect = request.headers.get("Expect", "").lower()
+    if expect != "100-continue" or request.version != HttpVersion11:
+        resp = web.json_response(
+            P.error_body(
+                f"unsupported Expect: {expect!r}", type="invalid_request_error", code="expectation_failed"
+            ),
+            status=417,
+        )
+    elif declared is not None and declared > limit:
+        resp = web.json_response(
+            P.error_body(
+                f"the request body exceeds the limit of {limit} bytes",
+                type="invalid_request_error",
+                code="request_too_large",
+            ),
+            status=413,
+        )
+    else:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+        return None
+    resp.force_close()  # the client may send the body anyway: it is not read
+    request.app[STATE].metrics.http_errors.labels(status=str(resp.status)).inc()
+    return resp
 
 
 def _check_content_type(request: web.Request) -> None:
