@@ -191,7 +191,11 @@ def test_pool_overrides_are_checked_against_the_config() -> None:
         EngineArgs(model="m", num_kv_blocks=512).resolve(HYBRID)
     with pytest.raises(hybridserve.ConfigError, match="--num-mamba-slots"):
         EngineArgs(model="m", num_mamba_slots=4, speculative_config=NGRAM3).resolve(HYBRID)
-    EngineArgs(model="m", num_mamba_slots=5, speculative_config=NGRAM3).resolve(HYBRID)
+    # the engine needs a window of 1 + K slots for each of max_num_seqs sequences: so does resolve
+    with pytest.raises(hybridserve.ConfigError, match="--num-mamba-slots 5: 2 running sequences"):
+        EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
+    EngineArgs(model="m", num_mamba_slots=9, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
+    EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=1, speculative_config=NGRAM3).resolve(HYBRID)
 
 
 def test_dtype_auto_follows_the_model() -> None:
@@ -460,3 +464,44 @@ def test_resolve_policy_only_raises_config_errors(**kw: Any) -> None:
     d = cfg.to_dict()
     assert d["mamba_cache_mode"] == cfg.mamba_cache_mode
     assert [x["code"] for x in d["decisions"]] == [x.code for x in cfg.decisions]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("has_mamba_layers", "false"),
+        ("supports_boundary_states", 1),
+        ("scan_chunk_size", "abc"),
+        ("scan_chunk_size", 2**63),
+        ("max_position_embeddings", 2**63),
+        ("max_position_embeddings", 4096.9),
+        ("num_mamba_layers", -1),
+    ],
+)
+def test_capabilities_of_the_wrong_type_are_config_errors(field: str, value: object) -> None:
+    caps = {**HYBRID.to_dict(), field: value}
+    with pytest.raises(hybridserve.ConfigError, match=field):
+        EngineArgs(model="m").resolve(caps)
+    with pytest.raises(hybridserve.ConfigError, match=field):
+        ModelCapabilities(**caps)
+
+
+def test_the_way_out_of_align_without_chunked_prefill_exists_on_the_model() -> None:
+    nosup = ModelCapabilities(**{**HYBRID.to_dict(), "supports_boundary_states": False})
+    for kw in (
+        {"mamba_cache_mode": "align"},
+        {"speculative_config": NGRAM3},
+    ):
+        with pytest.raises(hybridserve.ConfigError, match="choose --mamba-cache-mode all"):
+            EngineArgs(model="m", enable_chunked_prefill=False, **kw).resolve(HYBRID)
+        with pytest.raises(hybridserve.ConfigError) as ei:
+            EngineArgs(model="m", enable_chunked_prefill=False, **kw).resolve(nosup)
+        assert "choose --mamba-cache-mode all" not in str(ei.value)
+        assert "--mamba-cache-mode none" in str(ei.value)
+        # and the suggested way out resolves
+        EngineArgs(
+            model="m",
+            enable_chunked_prefill=False,
+            mamba_cache_mode="none",
+            **{k: v for k, v in kw.items() if k != "mamba_cache_mode"},
+        ).resolve(nosup)

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+import hybridserve
+from hybridserve.config import read_model_capabilities
+
 TABLE = Path(__file__).with_name("policy_cases.txt")
 
 HYBRID_CONFIG: dict[str, Any] = {
@@ -177,7 +180,7 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
         "--kv-cache-memory",
         "64MiB",
         "--num-mamba-slots",
-        "40",
+        "80",
         "--seed",
         "7",
         "--compile-cpu-kernels",
@@ -194,8 +197,36 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
     assert d["cache_memory"] == 2**30
     assert d["cpu_threads"] == 1
     assert d["kv_cache_memory"] == 64 * 2**20
-    assert d["num_mamba_slots"] == 40
+    assert d["num_mamba_slots"] == 80
     assert d["seed"] == 7
     assert d["capabilities"]["has_mamba_layers"] is True
     assert d["capabilities"]["scan_chunk_size"] == 128
     assert d["capabilities"]["num_mamba_layers"] == 3
+
+
+@pytest.mark.parametrize(
+    "change, names",
+    [
+        ({"chunk_size": 2**63}, "chunk_size"),
+        ({"chunk_size": 1e30}, "chunk_size"),
+        ({"chunk_size": "abc"}, "chunk_size"),
+        ({"chunk_size": 128.7}, "chunk_size"),
+        ({"max_position_embeddings": 2**63}, "max_position_embeddings"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"max_position_embeddings": "abc"}, "max_position_embeddings"),
+        ({"hybridserve": {"supports_boundary_states": "false"}}, "supports_boundary_states"),
+        ({"hybridserve": {"scan_chunk_size": "x"}}, "scan_chunk_size"),
+        ({"hybridserve": {"scan_chunk_size": 0}}, "scan_chunk_size"),
+    ],
+)
+def test_bad_capability_values_in_config_json_are_one_line_errors(
+    tmp_path: Path, change: dict[str, Any], names: str
+) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**HYBRID_CONFIG, **change}))
+    proc = run_config(str(d))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and names in proc.stderr and "config.json" in proc.stderr
+    with pytest.raises(hybridserve.ConfigError, match=names):
+        read_model_capabilities(d)

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import numbers
 import re
 import sys
 from collections.abc import Mapping
@@ -117,6 +118,31 @@ class ModelCapabilities:
     #: config.json `torch_dtype` / `dtype`, if any.
     torch_dtype: str | None = None
 
+    def __post_init__(self) -> None:
+        # A wrong type here would surface later as a TypeError or OverflowError from the core,
+        # or be read as something else (bool("false") is True): refuse it by name instead.
+        def bad(name: str, what: str) -> ConfigError:
+            return ConfigError(f"model capabilities: {name} must be {what}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.model_type, str):
+            raise bad("model_type", "a string")
+        for name in ("has_mamba_layers", "supports_boundary_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        for name, lo in (
+            ("scan_chunk_size", 1),
+            ("max_position_embeddings", 1),
+            ("num_mamba_layers", 0),
+            ("num_attention_layers", 0),
+        ):
+            v = getattr(self, name)
+            if v is None and name in ("scan_chunk_size", "max_position_embeddings"):
+                continue
+            if not _is_count(v) or not lo <= v <= _MAX_CAPABILITY_COUNT:
+                raise bad(name, f"an integer in [{lo}, 2^40]")
+        if self.torch_dtype is not None and not isinstance(self.torch_dtype, str):
+            raise bad("torch_dtype", "a string")
+
     @classmethod
     def coerce(cls, obj: Any) -> ModelCapabilities:
         """A ModelCapabilities from itself, a mapping, or any object with the same attribute names
@@ -133,20 +159,29 @@ class ModelCapabilities:
         q = get("scan_chunk_size")
         if q is None:
             q = get("chunk_size")
-        has_mamba = bool(get("has_mamba_layers", False))
+        has_mamba = get("has_mamba_layers", False)
         return cls(
             model_type=str(get("model_type", None) or get("architecture", None) or "unknown"),
             has_mamba_layers=has_mamba,
-            supports_boundary_states=bool(get("supports_boundary_states", has_mamba)),
-            scan_chunk_size=None if q is None else int(q),
-            max_position_embeddings=_opt_int(get("max_position_embeddings")),
-            num_mamba_layers=int(get("num_mamba_layers", 0) or 0),
-            num_attention_layers=int(get("num_attention_layers", 0) or 0),
+            supports_boundary_states=get("supports_boundary_states", has_mamba),
+            scan_chunk_size=q,
+            max_position_embeddings=get("max_position_embeddings"),
+            num_mamba_layers=get("num_mamba_layers", 0) or 0,
+            num_attention_layers=get("num_attention_layers", 0) or 0,
             torch_dtype=get("torch_dtype"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Far above any real model's context or chunk size, and far below what the core's 64-bit
+# integers overflow at.
+_MAX_CAPABILITY_COUNT = 1 << 40
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _opt_int(v: Any) -> int | None:
@@ -156,6 +191,17 @@ def _opt_int(v: Any) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def _config_count(cfg: dict[str, Any], key: str, path: Path) -> int | None:
+    """config.json `key` as a positive integer, None when absent or null; anything else is an
+    error naming the file (not a silent default)."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if not _is_count(v) or not 1 <= v <= _MAX_CAPABILITY_COUNT:
+        raise ConfigError(f"MODEL: {str(path)!r}: {key} must be a positive integer, got {v!r}")
+    return int(v)
 
 
 def _layer_counts(cfg: dict[str, Any], model_type: str) -> tuple[int, int]:
@@ -207,9 +253,9 @@ def read_model_capabilities(model_dir: str | Path) -> ModelCapabilities:
     has_mamba = model_type in _MAMBA_MODEL_TYPES and n_mamba > 0
     q: int | None = None
     if has_mamba:
-        q = _opt_int(cfg.get("chunk_size"))
+        q = _config_count(cfg, "chunk_size", path)
         if q is None:
-            q = _opt_int(cfg.get("mamba_chunk_size"))
+            q = _config_count(cfg, "mamba_chunk_size", path)
         if q is None:
             q = _MAMBA_MODEL_TYPES[model_type]
     values: dict[str, Any] = {
@@ -217,7 +263,7 @@ def read_model_capabilities(model_dir: str | Path) -> ModelCapabilities:
         "has_mamba_layers": has_mamba,
         "supports_boundary_states": has_mamba,
         "scan_chunk_size": q,
-        "max_position_embeddings": _opt_int(cfg.get("max_position_embeddings")),
+        "max_position_embeddings": _config_count(cfg, "max_position_embeddings", path),
         "num_mamba_layers": n_mamba if has_mamba else 0,
         "num_attention_layers": n_attn,
         "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -226,7 +272,10 @@ def read_model_capabilities(model_dir: str | Path) -> ModelCapabilities:
     if isinstance(overrides, dict):
         known = {f.name for f in dataclasses.fields(ModelCapabilities)}
         values.update({k: v for k, v in overrides.items() if k in known})
-    return ModelCapabilities(**values)
+    try:
+        return ModelCapabilities(**values)
+    except ConfigError as e:
+        raise ConfigError(f"MODEL: {str(path)!r}: {e}") from None
 
 
 def resolve_model_dir(model: str) -> str:
@@ -507,6 +556,17 @@ class EngineArgs:
             core.validate_pool_sizes(self.num_kv_blocks, huge)
         if self.num_mamba_slots is not None:
             core.validate_pool_sizes(huge, self.num_mamba_slots)
+            from hybridserve.engine.sizing import min_mamba_slots
+
+            # the engine keeps a window for every sequence that may run (engine/sizing.py): a
+            # pool that the engine would refuse at start is refused here already
+            seqs, k = int(core.max_num_seqs), int(core.num_speculative_tokens)
+            need = min_mamba_slots(seqs, k, bool(core.has_mamba_layers))
+            if self.num_mamba_slots < need:
+                raise ConfigError(
+                    f"--num-mamba-slots {self.num_mamba_slots}: {seqs} running sequences with windows "
+                    f"of {1 + k} slots need {need}, counting the null slot; raise it or lower --max-num-seqs"
+                )
         decisions = [Decision(d.code, d.level, d.message) for d in core.decisions]
         dtype = self.dtype
         if dtype == "auto":

@@ -76,6 +76,12 @@ def split_cache_memory(
     return cache_memory - mamba, mamba
 
 
+def min_mamba_slots(max_num_seqs: int, num_speculative_tokens: int, has_mamba_layers: bool) -> int:
+    """The slots the Mamba pool needs at least: a window of 1 + K for every running sequence, and
+    the null slot."""
+    return 1 + max_num_seqs * (1 + num_speculative_tokens) if has_mamba_layers else 1
+
+
 def compute_cache_sizes(
     *,
     block_size: int,
@@ -95,7 +101,7 @@ def compute_cache_sizes(
     kv_bytes_per_block = kv_bytes_per_token * block_size
     per_seq_blocks = _cdiv(max_model_len + num_speculative_tokens, block_size)
     window = 1 + num_speculative_tokens
-    min_slots = 1 + max_num_seqs * window if has_mamba_layers else 1
+    min_slots = min_mamba_slots(max_num_seqs, num_speculative_tokens, has_mamba_layers)
     reserve = max(64, 4 * max_num_seqs) if prefix_caching_can_hit else 0
     if cache_memory is not None:
         kv_cache_memory, mamba_cache_memory = split_cache_memory(
