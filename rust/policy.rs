@@ -578,19 +578,28 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
     };
 
     // --- chunked prefill (rules 3 and 5) ---
+    // The way out besides chunked prefill: mode `all` only where the scan can emit boundary
+    // states (elsewhere `all` falls back to align, and the same error comes back).
+    let other_way = if sup {
+        "choose --mamba-cache-mode all"
+    } else {
+        "turn Mamba prefix caching off (--mamba-cache-mode none or --no-enable-prefix-caching): \
+         this model's scan cannot emit boundary states, so mode all is not available"
+    };
     let chunked = match (align_reason, inputs.enable_chunked_prefill) {
-        (AlignReason::Explicit, ChunkedPrefillRequest::Off) => return config_err(
-            "--mamba-cache-mode align needs chunked prefill, which --no-enable-chunked-prefill \
+        (AlignReason::Explicit, ChunkedPrefillRequest::Off) => {
+            return config_err(format!(
+                "--mamba-cache-mode align needs chunked prefill, which --no-enable-chunked-prefill \
                  turns off: remove --no-enable-chunked-prefill (or pass --enable-chunked-prefill), \
-                 or choose --mamba-cache-mode all",
-        ),
+                 or {other_way}"
+            ))
+        }
         (AlignReason::DefaultForSpeculative, ChunkedPrefillRequest::Off) => {
-            return config_err(
+            return config_err(format!(
                 "with prefix caching and speculative decoding the default mamba cache mode is \
                  align, which needs chunked prefill, but --no-enable-chunked-prefill turns it off: \
-                 either turn chunked prefill on (--enable-chunked-prefill) or choose \
-                 --mamba-cache-mode all",
-            )
+                 either turn chunked prefill on (--enable-chunked-prefill) or {other_way}"
+            ))
         }
         (
             AlignReason::DefaultNoBoundaryStates | AlignReason::FallbackFromAll,
