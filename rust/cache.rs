@@ -454,6 +454,11 @@ impl HybridCacheManager {
         }
     }
 
+    /// Whether any request holds KV blocks or a state window.
+    pub fn holds_requests(&self) -> bool {
+        !self.reqs.is_empty() || self.kv.num_used() > 0
+    }
+
     /// Drops every KV prefix-cache entry and every committed checkpoint. False (nothing changed)
     /// while any request holds blocks or a checkpoint is pending.
     pub fn reset_prefix_cache(&mut self) -> bool {

@@ -296,8 +296,14 @@ impl Scheduler {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if !self.pending_publishes.is_empty() || self.in_flight.is_some() {
+        if self.in_flight.is_some() || self.cache.holds_requests() {
             return false;
+        }
+        // The publishes of the last update (a request that finished on a checkpoint boundary)
+        // would copy into their reserved checkpoints at the start of the next step: with every
+        // checkpoint dropped they are moot. Kept, they made a reset of an idle engine fail.
+        for (_, dst) in self.pending_publishes.drain(..) {
+            self.cache.cancel_checkpoint(dst);
         }
         self.cache.reset_prefix_cache()
     }

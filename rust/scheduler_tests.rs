@@ -1189,6 +1189,38 @@ fn publish_of_a_finishing_request_survives_slot_reuse() {
 }
 
 #[test]
+fn a_reset_of_an_idle_engine_drops_the_last_steps_publish() {
+    // t1 finishes in the step that reaches the boundary at 8: its publish waits for a next step
+    // that an idle engine never runs. The reset must still empty the cache.
+    for k in [0, 2] {
+        let mut c = cfg(MambaCacheMode::Align, k);
+        c.max_num_seqs = 2;
+        let slots = 1 + 2 * (1 + k) + 2;
+        let mut sim = Sim::new(c, 256, slots, 5);
+        sim.draft_quality = 8;
+        sim.add("t1", (1..=6).collect(), 3, None);
+        sim.run_to_end(50);
+        assert_eq!(sim.s.pending_publishes.len(), 1, "k={k}");
+        assert!(sim.s.reset_prefix_cache(), "k={k}");
+        assert!(sim.s.pending_publishes.is_empty());
+        let st = sim.s.stats();
+        assert_eq!(
+            st.cache.checkpoints_pending + st.cache.checkpoints_committed,
+            0
+        );
+        assert_eq!(st.cache.mamba_slots_used, 0);
+        assert_eq!(st.cache.kv_blocks_cached, 0);
+        // the engine runs on, and a prompt sharing t1's prefix now misses
+        let mut p2 = sim.reqs["t1"].seq();
+        p2.extend([7, 7]);
+        sim.add("t2", p2, 2, None);
+        sim.run_to_end(50);
+        sim.check_end();
+        assert_eq!(sim.s.stats().prefix_hit_tokens, 0, "k={k}");
+    }
+}
+
+#[test]
 fn rows_of_requests_aborted_mid_step_may_sample_nothing() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::None, 0), 64, 32, 0).unwrap();
     s.add_request(NewRequest::new("a", vec![1, 2, 3], 5))
