@@ -545,3 +545,32 @@ def test_a_stop_tokens_text_is_kept_with_include_stop_str_in_output() -> None:
         out = llm.generate(PROMPT, params)[0].outputs[0]
         assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop_id
         assert out.text == tok.decode(full.token_ids[: k + 1 if include else k])
+
+
+def test_min_tokens_beyond_the_room_left_ends_with_length() -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=64, max_num_seqs=2)
+    prompt = {"prompt_token_ids": list(range(5, 65))}  # leaves 4 tokens of room
+    for max_tokens in (None, 30):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=8)
+        out = llm.generate(prompt, params)[0].outputs[0]
+        assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_a_reset_after_a_request_that_ended_on_a_checkpoint_boundary() -> None:
+    # 127 prompt tokens + 2 generated: the last step computes token 128 = 2 M, and the checkpoint
+    # it publishes waits for a next step that the idle engine does not run
+    llm = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=2,
+        mamba_cache_mode="all",
+        mamba_block_size=64,
+    )
+    prompt = {"prompt_token_ids": [(7 * i) % 700 + 3 for i in range(127)]}
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert llm.engine.reset_prefix_cache()
+    s = llm.engine.stats()
+    assert s["checkpoints_pending"] == s["checkpoints_committed"] == s["mamba_slots_used"] == 0
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert again[0].num_cached_tokens == 0

@@ -172,6 +172,9 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        # the context may leave less room than min_tokens asks: the request then ends with
+        # `length` when the context is full (as vLLM), it is not refused
+        min_tokens = min(params.min_tokens, max_tokens)
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids: token ids must be in [0, {vocab})")
         seed = request_seed(params.seed, int(self.args.seed), self.arrival_index)
@@ -182,7 +185,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=bool(params.ignore_eos),
-            min_tokens=params.min_tokens,
+            min_tokens=min_tokens,
             priority=priority,
             cache_salt=cache_salt,
         )
@@ -198,7 +201,7 @@ class LLMEngine:
                 stop=list(params.stop),
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
-                min_tokens=params.min_tokens,
+                min_tokens=min_tokens,
                 deferred=not self.stream_outputs,
             ),
             logprobs=[] if params.logprobs is not None else None,
