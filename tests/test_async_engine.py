@@ -68,3 +68,60 @@ def test_a_request_racing_shutdown_is_refused_not_left_waiting(monkeypatch: pyte
         assert not engine._streams
 
     asyncio.run(main())
+
+
+def test_a_request_id_reused_right_after_a_cancel_gets_its_own_outputs() -> None:
+    # The first consumer leaves mid-stream; its abort is still queued when the id is used again.
+    # The old request's abort (and outputs) must not reach the new stream, and the new request
+    # must not be left running with nobody reading it.
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        try:
+            for _ in range(5):
+                old = engine.generate("old prompt", SamplingParams(max_tokens=100, ignore_eos=True), "rid")
+                await asyncio.wait_for(old.__anext__(), 60)
+                await old.aclose()
+                params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+                outs = await asyncio.wait_for(
+                    _drain(engine.generate("a brand new prompt", params, "rid")), 60
+                )
+                assert outs[-1].prompt == "a brand new prompt"
+                assert outs[-1].outputs[0].finish_reason == "length"
+                assert len(outs[-1].outputs[0].token_ids) == 5
+            await asyncio.sleep(0.2)
+            assert engine.stats()["num_running"] == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_consumer_whose_loop_closed_does_not_stop_the_engine() -> None:
+    engine = AsyncEngine(ARGS)
+
+    def abandon() -> None:
+        loop = asyncio.new_event_loop()
+
+        async def first() -> None:
+            await engine.wait_ready()
+            gen = engine.generate("abandoned", SamplingParams(max_tokens=200, ignore_eos=True), "gone")
+            await gen.__anext__()
+
+        loop.run_until_complete(first())
+        loop.close()  # without closing the generator: its stream stays registered
+
+    abandon()
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        outs = await asyncio.wait_for(_drain(engine.generate("innocent", params, "innocent")), 60)
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert engine.ready
+        await asyncio.sleep(0.2)
+        assert engine.stats()["num_running"] == 0  # the abandoned request was aborted too
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -31,9 +31,14 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # Set when the consumer's event loop has closed: nobody can read this stream any more.
+        self.dead = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed; the engine thread must not die of it
+            self.dead = True
 
 
 class AsyncEngine:
@@ -47,6 +52,11 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loaded = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Engine thread only: the stream whose add command created each request in the engine. A
+        # request id can be reused as soon as its stream is gone, while the old request's abort is
+        # still queued: outputs and aborts go to the stream that owns the request, never to a
+        # newer stream under the same id.
+        self._owner: dict[str, _Stream] = {}
         # Set (under _lock) by the engine thread before its final sweep: a stream registered after
         # it would never be ended, so generate() refuses instead.
         self._closed = False
@@ -113,7 +123,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise HybridServeError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._cmds.put(("add", request_id, prompt, params, cache_salt))
+        self._cmds.put(("add", request_id, prompt, params, cache_salt, stream))
         self._wake.set()
         finished = False
         try:
@@ -132,10 +142,11 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 # The consumer went away (client disconnect, cancellation): free it at once.
-                self.abort_nowait(request_id)
+                self._cmds.put(("abort", request_id, stream))
+                self._wake.set()
 
     def abort_nowait(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+        self._cmds.put(("abort", request_id, None))
         self._wake.set()
 
     async def abort(self, request_id: str) -> None:
@@ -174,8 +185,8 @@ class AsyncEngine:
                 outputs = engine.step()
             except StepError as exc:
                 for rid in exc.request_ids:
-                    with self._lock:
-                        stream = self._streams.get(rid)
+                    stream = self._live_owner(rid)
+                    self._owner.pop(rid, None)
                     if stream is not None:
                         stream.put(HybridServeError(f"the engine failed while running this request: {exc}"))
                 self._snapshot_stats()
@@ -187,11 +198,21 @@ class AsyncEngine:
                 self._fail_all(engine, exc)
                 continue
             for out in outputs:
-                with self._lock:
-                    stream = self._streams.get(out.request_id)
+                stream = self._live_owner(out.request_id)
+                if out.finished:
+                    self._owner.pop(out.request_id, None)
                 if stream is not None:
                     stream.put(out)
+                    if stream.dead and not out.finished:
+                        self._abort(engine, out.request_id)
             self._snapshot_stats()
+
+    def _live_owner(self, rid: str) -> _Stream | None:
+        """The stream that owns request `rid` in the engine, if its consumer still reads it."""
+        owner = self._owner.get(rid)
+        with self._lock:
+            live = owner is not None and self._streams.get(rid) is owner
+        return owner if live else None
 
     def _drain_commands(self, engine: LLMEngine) -> None:
         handled = 0
@@ -202,16 +223,21 @@ class AsyncEngine:
                 break
             handled += 1
             if cmd[0] == "add":
-                _, rid, prompt, params, salt = cmd
+                _, rid, prompt, params, salt, stream = cmd
+                with self._lock:
+                    live = self._streams.get(rid) is stream
+                if not live:
+                    continue  # its consumer left before the add ran (its abort follows)
                 try:
                     engine.add_request(rid, prompt, params, cache_salt=salt)
                 except Exception as exc:
-                    with self._lock:
-                        stream = self._streams.get(rid)
-                    if stream is not None:
-                        stream.put(exc)
+                    stream.put(exc)
+                    continue
+                self._owner[rid] = stream
             elif cmd[0] == "abort":
-                self._abort(engine, cmd[1])
+                _, rid, stream = cmd
+                if stream is None or self._owner.get(rid) is stream:
+                    self._abort(engine, rid)
         if handled:
             self._snapshot_stats()
 
@@ -219,8 +245,8 @@ class AsyncEngine:
         """Aborts `rid` in the engine and ends its stream, if anyone still reads it."""
         st = engine.requests.get(rid)
         engine.abort_request(rid)
-        with self._lock:
-            stream = self._streams.get(rid)
+        stream = self._live_owner(rid)
+        self._owner.pop(rid, None)
         if stream is None or st is None:
             return
         if exc is not None:
@@ -238,6 +264,7 @@ class AsyncEngine:
             orphans = [(rid, st) for rid, st in self._streams.items() if rid not in engine.requests]
         for rid, stream in orphans:
             engine.abort_request(rid)
+            self._owner.pop(rid, None)
             stream.put(HybridServeError("the engine stopped before this request finished"))
         self._snapshot_stats()
 
