@@ -19,8 +19,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. Limits enforced by the Rust scheduler (by token):
     `max_tokens`, EOS, `stop_token_ids`, `ignore_eos`, `min_tokens`. Stop strings are checked in
-    Python after detokenization, from the `min_tokens`-th token on; the first one completed in
-    the text ends the output.
+    Python after detokenization, in the text of the tokens after the first `min_tokens`; the first
+    one completed in the text ends the output.
     """
 
     n: int = 1
