@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,6 +305,74 @@ def test_loader_errors(checkpoints, tmp_path):
         load_model(str(d), "int8")
     with pytest.raises(ConfigError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_loader_errors_of_shards_side_files_and_sizes(checkpoints, tmp_path):
+    _, d = checkpoints("nh_g1")
+    from safetensors.torch import load_file, save_file
+
+    def sharded(name: str) -> tuple[Path, dict]:
+        dst = _copy_ckpt(d, tmp_path / name)
+        w = load_file(str(dst / "model.safetensors"))
+        (dst / "model.safetensors").unlink()
+        keys = sorted(w)
+        save_file({k: w[k] for k in keys[:5]}, str(dst / "a.safetensors"))
+        save_file({k: w[k] for k in keys[5:]}, str(dst / "b.safetensors"))
+        wm = {k: ("a.safetensors" if i < 5 else "b.safetensors") for i, k in enumerate(keys)}
+        return dst, wm
+
+    def index(dst: Path, wm: object) -> None:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+
+    # the index names a tensor its shard does not hold
+    dst, wm = sharded("absent")
+    moved = sorted(wm)[0]
+    wm[moved] = "b.safetensors"
+    index(dst, wm)
+    with pytest.raises(ConfigError, match=r"b\.safetensors.*cannot read tensor"):
+        load_model(str(dst))
+    # a truncated shard behind an index
+    dst, wm = sharded("corrupt")
+    index(dst, wm)
+    raw = (dst / "b.safetensors").read_bytes()
+    (dst / "b.safetensors").write_bytes(raw[:40])
+    with pytest.raises(ConfigError, match=r"b\.safetensors"):
+        load_model(str(dst))
+    # weight_map of the wrong type
+    dst, wm = sharded("wm_list")
+    index(dst, list(wm))
+    with pytest.raises(ConfigError, match="weight_map must be an object"):
+        load_model(str(dst))
+    # generation_config.json with a token id that is not one
+    g = _copy_ckpt(d, tmp_path / "genconf")
+    (g / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match=r"generation_config\.json.*eos_token_id"):
+        load_model(str(g))
+    # a true/false field given as a string is not truthy
+    b = _copy_ckpt(d, tmp_path / "boolstr")
+    raw_cfg = json.loads((b / "config.json").read_text())
+    raw_cfg["tie_word_embeddings"] = "false"
+    (b / "config.json").write_text(json.dumps(raw_cfg))
+    with pytest.raises(ConfigError, match="tie_word_embeddings must be true or false"):
+        load_model(str(b))
+    # sizes whose weights cannot be allocated
+    h = _copy_ckpt(d, tmp_path / "huge")
+    raw_cfg = json.loads((h / "config.json").read_text())
+    raw_cfg["intermediate_size"] = 10**12
+    (h / "config.json").write_text(json.dumps(raw_cfg))
+    with pytest.raises(ConfigError, match="do not fit"):
+        load_model(str(h))
+
+
+def test_a_corrupt_tokenizer_config_is_a_config_error(tmp_path):
+    from hybridserve.engine.tokenizer import Tokenizer as HSTokenizer
+    from hybridserve.model.demo import ensure_demo_model
+
+    dst = tmp_path / "tok"
+    shutil.copytree(ensure_demo_model(), dst)
+    (dst / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json"):
+        HSTokenizer(dst)
 
 
 def test_loader_tied_embeddings_and_tokenizer(tmp_path):

@@ -46,7 +46,14 @@ class Tokenizer:
         except Exception as exc:  # the library raises plain Exceptions for bad files
             raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict[str, Any] = {}
+        if cfg_path.is_file():
+            try:
+                self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(f"{cfg_path}: cannot read the tokenizer config: {e}") from None
+            if not isinstance(self.config, dict):
+                raise ConfigError(f"{cfg_path}: the tokenizer config must be a JSON object")
         self.eos_token = self._special("eos_token")
         self.bos_token = self._special("bos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None

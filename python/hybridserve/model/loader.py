@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"{index}: bad sharded index: {e}") from None
+        if not isinstance(wm, dict):
+            raise ConfigError(
+                f"{index}: bad sharded index: weight_map must be an object, not {type(wm).__name__}"
+            )
         for key, fname in wm.items():
             p = model_dir / str(fname)
             if not p.is_file():
@@ -133,7 +138,14 @@ def load_model(
 
     with torch.device("meta"):
         model = cls(cfg)
-    model.to_empty(device=dev)
+    try:
+        model.to_empty(device=dev)
+    except RuntimeError as e:  # the allocator's "can't allocate" / out of memory
+        n = sum(p.numel() for p in model.parameters())
+        raise ConfigError(
+            f"{model_dir}: the model's {n} parameters do not fit in {dev} memory "
+            f"(check config.json's sizes): {str(e).splitlines()[0]}"
+        ) from None
     for p in model.parameters():
         p.requires_grad_(False)
     params = dict(model.named_parameters())
@@ -157,9 +169,12 @@ def load_model(
         total_bytes = 0
         for name in to_load:
             f = files[name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt", device="cpu")
-            sl = handles[f].get_slice(stored.get(name, name))
+            try:
+                if f not in handles:
+                    handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                sl = handles[f].get_slice(stored.get(name, name))
+            except Exception as e:  # noqa: BLE001 - a corrupt shard, or one without the tensor
+                raise ConfigError(f"{f}: cannot read tensor {name!r}: {e}") from None
             sdt = sl.get_dtype()
             if sdt not in _FLOAT_DTYPES:
                 raise ConfigError(f"{f}: tensor {name!r} has unsupported dtype {sdt} (need F32/BF16/F16/F64)")
@@ -174,12 +189,15 @@ def load_model(
             else (len(to_load) >= _PROGRESS_MIN_TENSORS or total_bytes >= _PROGRESS_MIN_BYTES)
         )
         it: Any = to_load
-        if show:
+        if show and sys.stderr is not None:  # no bar where stderr is closed
             from tqdm.auto import tqdm
 
             it = tqdm(to_load, desc=f"Loading {model_dir.name}", unit="tensor")
         for name in it:
-            t = handles[files[name]].get_tensor(stored.get(name, name))
+            try:
+                t = handles[files[name]].get_tensor(stored.get(name, name))
+            except Exception as e:  # noqa: BLE001 - data past the header is corrupt
+                raise ConfigError(f"{files[name]}: cannot read tensor {name!r}: {e}") from None
             p = params[name]
             p.data = t.to(device=dev, dtype=_param_dtype(cls, name, dt))
         for name, alias in tied.items():
@@ -205,6 +223,15 @@ def load_model(
             tokenizer = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"{tok_path}: cannot load tokenizer: {e}") from None
+        n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
+        if n_tok > cfg.vocab_size:
+            # a checkpoint may pad its vocabulary, never the other way round: text that encodes
+            # to the missing ids is refused per request
+            log.warning(
+                "%s: the tokenizer has %d tokens but config.json's vocab_size is %d: prompts "
+                "holding ids >= %d will be refused",
+                model_dir, n_tok, cfg.vocab_size, cfg.vocab_size,
+            )  # fmt: skip
     _fill_token_ids(cfg, model_dir)
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, model_dir=str(model_dir), dtype=dt, device=dev
@@ -229,6 +256,11 @@ def _fill_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
     if not isinstance(g, dict):
         return
     eos = g.get("eos_token_id")
+    bos = g.get("bos_token_id")
+    for key, v in (("eos_token_id", eos), ("bos_token_id", bos)):
+        vals = v if isinstance(v, list) else [] if v is None else [v]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
+            raise ConfigError(f"{gpath}: {key} must be a token id or a list of them, got {v!r}")
     if eos is not None:
         ids = [int(x) for x in (eos if isinstance(eos, list) else [eos])]
         for i in ids:
@@ -236,5 +268,5 @@ def _fill_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
                 cfg.eos_token_ids.append(i)
         if cfg.eos_token_id is None and ids:
             cfg.eos_token_id = ids[0]
-    if cfg.bos_token_id is None and g.get("bos_token_id") is not None:
-        cfg.bos_token_id = int(g["bos_token_id"])
+    if cfg.bos_token_id is None and bos is not None and bos != []:
+        cfg.bos_token_id = int(bos[0] if isinstance(bos, list) else bos)

@@ -239,6 +239,15 @@ def get_field(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+def get_flag(raw: dict[str, Any], *names: str, default: bool) -> bool:
+    """A true/false field (the first of `names` present): a string such as "false" is an error,
+    not truthy. TypeError, which the config parser reports with the file's name."""
+    v = get_field(raw, *names, default=default)
+    if not isinstance(v, bool):
+        raise TypeError(f"{names[0]} must be true or false, got {v!r}")
+    return v
+
+
 def token_ids(raw: dict[str, Any], name: str) -> tuple[int | None, list[int]]:
     v = raw.get(name)
     if v is None:

@@ -16,7 +16,7 @@ from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.norm import RMSNorm
-from hybridserve.model.model_config import MAMBA, ModelConfig, get_field, time_step_limit, token_ids
+from hybridserve.model.model_config import MAMBA, ModelConfig, get_field, get_flag, time_step_limit, token_ids
 
 
 class Mamba2Block(nn.Module):
@@ -90,8 +90,8 @@ class Mamba2ForCausalLM(CausalLM):
             num_layers=n,
             layer_types=[MAMBA] * n,
             norm_eps=eps,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            residual_in_fp32=bool(raw.get("residual_in_fp32", True)),
+            tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
+            residual_in_fp32=get_flag(raw, "residual_in_fp32", default=True),
             bos_token_id=bos,
             eos_token_id=eos,
             eos_token_ids=eos_all,
@@ -104,8 +104,8 @@ class Mamba2ForCausalLM(CausalLM):
             d_conv=int(get_field(raw, "conv_kernel", default=4)),
             chunk_size=int(get_field(raw, "chunk_size", default=256)),
             d_inner=d_inner,
-            mamba_conv_bias=bool(raw.get("use_conv_bias", True)),
-            mamba_proj_bias=bool(raw.get("use_bias", False)),
+            mamba_conv_bias=get_flag(raw, "use_conv_bias", default=True),
+            mamba_proj_bias=get_flag(raw, "use_bias", default=False),
             mamba_act=str(raw.get("hidden_act", "silu")),
             mamba_norm_eps=eps,
             dt_min=dt_min,
