@@ -286,6 +286,18 @@ def test_config_errors_are_typed() -> None:
         (["demo-model", "/proc/hybridserve-nope"], 1, "No such file"),
         (["demo-model", "DIR", "--seed", str(10**30)], 2, "--seed"),
         (["generate", "demo", "--prompt", "hi", "--cpu-threads", str(10**20)], 2, "--cpu-threads"),
+        (["demo-model", ""], 2, "empty path"),
+        (["bench", "serve", "--concurrency", "-1"], 2, "--concurrency"),
+        (["bench", "serve", "--num-requests", "0"], 2, "--num-requests"),
+        (["bench", "serve", "--token-id-max", "2"], 2, "--token-id-max"),
+        (["bench", "serve", "--ready-timeout", "nan"], 2, "--ready-timeout"),
+        (["bench", "serve", "--base-url", "notaurl"], 2, "--base-url"),
+        (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--ready-timeout", "0.5"], 1, "not ready"),
+        (["serve", "demo", "--port", "70000"], 2, "--port"),
+        (["serve", "demo", "--max-body-bytes", "0"], 2, "--max-body-bytes"),
+        (["serve", "demo", "--shutdown-timeout", "nan"], 2, "--shutdown-timeout"),
+        (["serve", "demo", "--max-model-len", "999999"], 2, "max_position_embeddings"),
+        (["serve", "demo", "--host", "999.1.1.1", "--port", "0"], 1, "cannot listen"),
     ],
 )
 def test_cli_user_errors_are_one_line_and_no_traceback(
@@ -574,3 +586,18 @@ def test_a_reset_after_a_request_that_ended_on_a_checkpoint_boundary() -> None:
     assert s["checkpoints_pending"] == s["checkpoints_committed"] == s["mamba_slots_used"] == 0
     again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert again[0].num_cached_tokens == 0
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridserve import bench
+    from hybridserve.cli import main
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "bench_main", interrupted)
+    assert main(["bench", "offline", "--num-prompts", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "hybridserve bench: interrupted" in err and "Traceback" not in err

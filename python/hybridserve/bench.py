@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from collections.abc import Callable
 
 from hybridserve.benchmarks.workloads import WORKLOADS, WorkloadSpec
+from hybridserve.errors import ConfigError
 
 
 def _rate(text: str) -> float:
@@ -29,24 +32,32 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     s.add_argument("--workload", choices=WORKLOADS, default="random")
-    s.add_argument("--num-requests", type=int, default=64, help="requests in all (turns count one each)")
+    s.add_argument(
+        "--num-requests", type=_positive_int, default=64, help="requests in all (turns count one each)"
+    )
     s.add_argument(
         "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
     )
     s.add_argument(
-        "--concurrency", type=int, default=None, help="most requests in flight (default: no limit)"
+        "--concurrency", type=_positive_int, default=None, help="most requests in flight (default: no limit)"
     )
-    s.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    s.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (per turn for multi-turn)")
+    s.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens generated per request")
+    s.add_argument(
+        "--prompt-len", type=_positive_int, default=256, help="prompt tokens (per turn for multi-turn)"
+    )
     s.add_argument(
         "--prefix-len",
-        type=int,
+        type=_positive_int,
         default=None,
         help="shared-prefix: shared tokens (default 3/4 of --prompt-len)",
     )
-    s.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct shared prefixes")
-    s.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
-    s.add_argument("--token-id-max", type=int, default=256, help="prompt token ids are drawn from [3, this)")
+    s.add_argument(
+        "--num-prefixes", type=_positive_int, default=1, help="shared-prefix: distinct shared prefixes"
+    )
+    s.add_argument("--num-turns", type=_positive_int, default=3, help="multi-turn: turns per conversation")
+    s.add_argument(
+        "--token-id-max", type=_int_from(4), default=256, help="prompt token ids are drawn from [3, this)"
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     s.add_argument("--temperature", type=float, default=0.0)
@@ -55,9 +66,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--api-key", default=None)
     s.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds without data before a request fails"
+        "--request-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help="seconds without data before a request fails",
     )
-    s.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for GET /health = 200")
+    s.add_argument(
+        "--ready-timeout", type=_positive_seconds, default=120.0, help="seconds to wait for GET /health = 200"
+    )
     s.add_argument("--result-file", default=None, help="write the JSON result here")
     s.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -73,13 +89,29 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--result-file", default=None, help="write the JSON result here")
 
 
-def _positive_int(text: str) -> int:
+def _int_from(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+_positive_int = _int_from(1)
+
+
+def _positive_seconds(text: str) -> float:
     try:
-        v = int(text)
+        v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return v
 
 
@@ -87,6 +119,10 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.bench_mode == "serve":
         from hybridserve.benchmarks.serve_client import ServeConfig, serve_main
 
+        base_url = args.base_url.rstrip("/")
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+        base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
         spec = WorkloadSpec(
             name=args.workload,
             num_requests=args.num_requests,
@@ -99,7 +135,7 @@ def bench_main(args: argparse.Namespace) -> int:
             token_id_max=args.token_id_max,
         )
         cfg = ServeConfig(
-            base_url=args.base_url.rstrip("/"),
+            base_url=base_url,
             workload=spec,
             request_rate=args.request_rate,
             concurrency=args.concurrency,
@@ -111,7 +147,11 @@ def bench_main(args: argparse.Namespace) -> int:
             progress=args.progress,
             ready_timeout=args.ready_timeout,
         )
-        result = serve_main(cfg, args.result_file, args.plot)
+        try:
+            result = serve_main(cfg, args.result_file, args.plot)
+        except RuntimeError as e:  # the server cannot be reached or used: one line, not a traceback
+            print(f"hybridserve bench serve: error: {e}", file=sys.stderr)
+            return 1
         return 0 if result["summary"]["completed"] > 0 else 1
     from hybridserve.benchmarks.offline import offline_main
     from hybridserve.config import EngineArgs

@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         rc = handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
+        print(f"hybridserve {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, InvalidRequestError) as exc:
         # a user error is one line on stderr and exit status 2, as argparse's own errors are
         print(f"hybridserve {args.command}: error: {exc}", file=sys.stderr)

@@ -248,9 +248,15 @@ async def run_serve(cfg: ServeConfig) -> dict[str, Any]:
         await wait_ready(session, cfg.base_url, cfg.ready_timeout)
         model = cfg.model
         if model is None:
-            models = await _get_json(session, f"{cfg.base_url}/v1/models")
+            url = f"{cfg.base_url}/v1/models"
+            async with session.get(url) as resp:
+                if resp.status in (401, 403):
+                    raise RuntimeError(
+                        f"{url} answers HTTP {resp.status}: the server wants an API key (--api-key)"
+                    )
+            models = await _get_json(session, url)
             if not models or not models.get("data"):
-                raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
+                raise RuntimeError(f"{url} lists no model; pass --model")
             model = str(models["data"][0]["id"])
         before = await scrape_metrics(session, cfg.base_url)
         sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None

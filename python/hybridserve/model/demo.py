@@ -466,13 +466,21 @@ def _weight_seed(text: str) -> int:
 
 
 def add_demo_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="folder to write the checkpoint into (created if missing)")
+    p.add_argument(
+        "dir",
+        help="folder to write the checkpoint into (created if missing; the checkpoint's own files "
+        "in it are replaced, other files are left alone)",
+    )
     p.add_argument(
         "--seed", type=_weight_seed, default=DEFAULT_SEED, help="weight seed (default: %(default)s)"
     )
 
 
 def demo_model_main(args: argparse.Namespace) -> int:
+    if not str(args.dir).strip():
+        from hybridserve.errors import ConfigError
+
+        raise ConfigError("DIR: an empty path (it would write into the current folder)")
     out = write_demo_model(args.dir, seed=args.seed)
     print(f"wrote the demo model (nemotron_h, pattern {LAYER_PATTERN}) to {out}")
     return 0

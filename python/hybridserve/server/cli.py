@@ -31,6 +31,29 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _seconds_or_zero(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (0 <= v < float("inf")):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return v
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return parse
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from hybridserve.config import DEFAULT_MAX_QUEUE_LEN, add_engine_args
 
@@ -38,7 +61,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument(
-        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)"
+        "--port",
+        type=_int_in(0, 65535),
+        default=8000,
+        help="port to listen on (default 8000; 0 picks a free one)",
     )
     g.add_argument(
         "--api-key",
@@ -50,13 +76,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-queue-len",
-        type=int,
+        type=_int_in(1, 2**31 - 1),
         default=DEFAULT_MAX_QUEUE_LEN,
         help="engine requests admitted at once (running + waiting); beyond it requests get 503 + Retry-After",
     )
     g.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_int_in(1, 1 << 40),
         default=4 * 1024 * 1024,
         help="largest request body accepted (413 beyond)",
     )
@@ -75,7 +101,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_seconds_or_zero,
         default=5.0,
         help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted",
     )
@@ -106,6 +132,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     try:
         engine_args = EngineArgs.from_cli(args)  # bad flags fail here, before anything listens
+        # and so do flags that do not fit the model (config.json only: no weights are read)
+        await asyncio.to_thread(engine_args.resolve)
     except ConfigError as e:
         print(f"hybridserve serve: {e}", file=sys.stderr)
         return 2
@@ -135,7 +163,12 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # the port is taken, the host does not resolve or is not ours
+        await runner.cleanup()
+        print(f"hybridserve serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
     server = getattr(site, "_server", None)
     sockets = getattr(server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else args.port
