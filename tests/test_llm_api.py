@@ -601,3 +601,13 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(
     assert main(["bench", "offline", "--num-prompts", "1"]) == 130
     err = capsys.readouterr().err
     assert "hybridserve bench: interrupted" in err and "Traceback" not in err
+
+
+def test_generate_cli_reads_prompts_from_stdin_crlf_or_not() -> None:
+    cmd = [sys.executable, "-m", "hybridserve", "generate", "demo", "--max-tokens", "2", "--json"]
+    cmd += ["--max-model-len", "256"]
+    out = subprocess.run(
+        cmd, input="one two\r\n\r\nthree\n", capture_output=True, text=True, check=True, timeout=120
+    )
+    recs = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in recs] == ["one two", "three"]

@@ -343,6 +343,12 @@ def test_loader_errors_of_shards_side_files_and_sizes(checkpoints, tmp_path):
     index(dst, list(wm))
     with pytest.raises(ConfigError, match="weight_map must be an object"):
         load_model(str(dst))
+    # a shard outside the model folder
+    dst, wm = sharded("outside")
+    wm[sorted(wm)[0]] = "../absent/a.safetensors"
+    index(dst, wm)
+    with pytest.raises(ConfigError, match="outside the model folder"):
+        load_model(str(dst))
     # generation_config.json with a token id that is not one
     g = _copy_ckpt(d, tmp_path / "genconf")
     (g / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))

@@ -35,7 +35,7 @@ def generate_main(args: argparse.Namespace) -> int:
     from hybridserve.errors import HybridServeError
     from hybridserve.sampling.params import SamplingParams
 
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    prompts = args.prompt or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("hybridserve generate: give --prompt (or prompts on stdin, one per line)", file=sys.stderr)
         return 2

@@ -79,7 +79,11 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
                 f"{index}: bad sharded index: weight_map must be an object, not {type(wm).__name__}"
             )
         for key, fname in wm.items():
-            p = model_dir / str(fname)
+            rel = Path(str(fname))
+            if rel.is_absolute() or ".." in rel.parts:
+                # shards live in the model folder (a symlinked shard, as in a hub cache, is fine)
+                raise ConfigError(f"{index}: tensor {key!r} is in {fname!r}, outside the model folder")
+            p = model_dir / rel
             if not p.is_file():
                 raise ConfigError(f"{index}: tensor {key!r} is in {fname}, which does not exist")
             out[str(key)] = p
