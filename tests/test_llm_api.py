@@ -287,6 +287,8 @@ def test_config_errors_are_typed() -> None:
         (["demo-model", "DIR", "--seed", str(10**30)], 2, "--seed"),
         (["generate", "demo", "--prompt", "hi", "--cpu-threads", str(10**20)], 2, "--cpu-threads"),
         (["demo-model", ""], 2, "empty path"),
+        (["bench", "offline", "--result-file", "/nonexistent-dir/r.json"], 2, "--result-file"),
+        (["bench", "serve", "--plot", "/nonexistent-dir/charts"], 2, "--plot"),
         (["bench", "serve", "--concurrency", "-1"], 2, "--concurrency"),
         (["bench", "serve", "--num-requests", "0"], 2, "--num-requests"),
         (["bench", "serve", "--token-id-max", "2"], 2, "--token-id-max"),

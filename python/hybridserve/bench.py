@@ -115,8 +115,25 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _check_output_path(flag: str, path: str | None, is_dir: bool = False) -> None:
+    """Refuses a result path that cannot be written before the benchmark runs, not after it."""
+    if path is None:
+        return
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    parent = p if is_dir and p.exists() else p.parent
+    if p.is_dir() != is_dir and p.exists():
+        raise ConfigError(f"{flag}: {path!r} is {'not ' if is_dir else ''}a folder")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag}: cannot write into {str(parent)!r}")
+
+
 def bench_main(args: argparse.Namespace) -> int:
+    _check_output_path("--result-file", args.result_file)
     if args.bench_mode == "serve":
+        _check_output_path("--plot", args.plot, is_dir=True)
         from hybridserve.benchmarks.serve_client import ServeConfig, serve_main
 
         base_url = args.base_url.rstrip("/")
