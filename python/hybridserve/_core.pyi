@@ -1,9 +1,13 @@
 """Type stubs of the Rust extension module `hybridserve._core` (rust/py/). Keep in step with it."""
 
 from collections.abc import Sequence
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
+
+# Token id arrays the scheduler takes: int32 or int64 arrays, or lists.
+_IntArray = npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int]
 
 __version__: str
 
@@ -25,7 +29,8 @@ MAX_SCAN_CHUNK_SIZE: int  # 4096
 MAX_TOKENS: int  # 2**24: bound on every token count
 MAX_NUM_SEQS: int  # 2**16
 
-class Decision:
+@final
+class Decision:  # made by the extension only: no constructor
     """One decision of the cache-mode policy."""
 
     @property
@@ -36,7 +41,8 @@ class Decision:
     def message(self) -> str: ...
     def to_dict(self) -> dict[str, str]: ...
 
-class ResolvedConfig:
+@final
+class ResolvedConfig:  # made by the extension only: no constructor
     """The validated engine configuration (Rust ResolvedConfig) and the decisions behind it."""
 
     @property
@@ -67,7 +73,8 @@ class ResolvedConfig:
     def state_window_len(self) -> int: ...  # 1 + K
     @property
     def decisions(self) -> list[Decision]: ...
-    def validate_pool_sizes(self, num_kv_blocks: int, num_mamba_slots: int) -> None: ...  # ConfigError
+    def validate_pool_sizes(self, num_kv_blocks: int, num_mamba_slots: int) -> None: ...
+    # ConfigError; OverflowError for a negative count (the counts are unsigned)
     @staticmethod
     def for_tests(mode: str = "align", num_speculative_tokens: int = 0) -> ResolvedConfig: ...
     def to_dict(self) -> dict[str, object]: ...
@@ -93,7 +100,8 @@ def auto_mamba_block_size(block_size: int, scan_chunk_size: int) -> int: ...
 
 # --- scheduler (rust/py/scheduler.rs) -------------------------------------------------------------
 
-class SchedulerOutput:
+@final
+class SchedulerOutput:  # made by the extension only: no constructor
     """One step's batch (the layout of model/batch.py's ForwardBatch). Rows [0, num_decodes) are
     decode/verify rows. Each array getter moves the Rust buffer into numpy on first access (no copy)
     and returns the same array object afterwards. R rows, T tokens, W = 1 + K window slots."""
@@ -148,7 +156,8 @@ class SchedulerOutput:
     def finished_req_ids(self) -> list[str]: ...  # finished or aborted since the previous output
     def __len__(self) -> int: ...
 
-class RequestDelta:
+@final
+class RequestDelta:  # made by the extension only: no constructor
     """What one step changed for one request."""
 
     @property
@@ -164,6 +173,7 @@ class RequestDelta:
     @property
     def num_cached_tokens(self) -> int: ...  # prefix-cache hit at the first admission
 
+@final
 class Scheduler:
     """Continuous batching with chunked prefill, hybrid prefix caching and speculative bookkeeping.
     Lower `priority` values are served first and preempted last; ties go by arrival (FCFS).
@@ -179,8 +189,10 @@ class Scheduler:
     for prefix hits): a prompt of L tokens with M < L, L % M != 0, takes two prefill steps."""
 
     def __init__(
-        self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int = 0
-    ) -> None: ...  # ConfigError on unusable sizes (both counts include the null block/slot 0)
+        self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int | None = None
+    ) -> None: ...
+    # ConfigError on unusable sizes (both counts include the null block/slot 0), OverflowError for
+    # a negative count; hash_seed None = 0, a negative seed counts as its two's-complement bits
     def add_request(
         self,
         request_id: str,
@@ -203,11 +215,11 @@ class Scheduler:
     def update_from_output(
         self,
         output: SchedulerOutput,
-        sampled_token_ids: npt.NDArray[np.int32],
-        num_sampled: npt.NDArray[np.int32],
-        draft_token_ids: npt.NDArray[np.int32] | None = None,
-        num_drafts: npt.NDArray[np.int32] | None = None,
-    ) -> list[RequestDelta]: ...  # GIL released; int64 arrays and lists are accepted too
+        sampled_token_ids: _IntArray,
+        num_sampled: _IntArray,
+        draft_token_ids: _IntArray | None = None,
+        num_drafts: _IntArray | None = None,
+    ) -> list[RequestDelta]: ...  # GIL released
     def has_unfinished_requests(self) -> bool: ...  # also True while a finish delta is pending
     def set_state_bytes_per_slot(self, num_bytes: int) -> None: ...  # extension, for stats
     @property

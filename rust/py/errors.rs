@@ -7,25 +7,25 @@ use pyo3::prelude::*;
 use crate::error::HsError;
 
 create_exception!(
-    _core,
+    hybridserve._core,
     HybridServeError,
     PyException,
     "Base class of every hybridserve error."
 );
 create_exception!(
-    _core,
+    hybridserve._core,
     ConfigError,
     HybridServeError,
     "The engine configuration cannot work."
 );
 create_exception!(
-    _core,
+    hybridserve._core,
     InvalidRequestError,
     HybridServeError,
     "A request is malformed."
 );
 create_exception!(
-    _core,
+    hybridserve._core,
     InternalError,
     HybridServeError,
     "A broken internal invariant."

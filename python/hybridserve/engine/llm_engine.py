@@ -467,7 +467,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
-        s = dict(self.scheduler.stats())
+        s: dict[str, Any] = dict(self.scheduler.stats())
         # The names of the metrics contract, beside the scheduler's own.
         s.update(
             num_requests_running=s.get("num_running", 0),
