@@ -13,6 +13,10 @@ pub const MAX_SCAN_CHUNK_SIZE: usize = 4096;
 pub const MAX_TOKENS: usize = 1 << 24;
 /// Upper bound on `max_num_seqs`.
 pub const MAX_NUM_SEQS: usize = 1 << 16;
+/// Upper bounds on the pools (null block / slot included): the scheduler keeps ~50 bytes of
+/// bookkeeping per block and slot, so a bigger count would cost gigabytes before any KV exists.
+pub const MAX_KV_BLOCKS: usize = 1 << 25;
+pub const MAX_MAMBA_SLOTS: usize = 1 << 22;
 
 /// The Mamba state caching mode after resolution (see DESIGN.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::block_hash::BlockHasher;
 use crate::cache::{CacheHit, CacheStats, HybridCacheManager, ReqKey, SlotId, StateOp};
-use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::config::{MambaCacheMode, ResolvedConfig, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS};
 use crate::error::{HsError, HsResult};
 use crate::output::{RowInfo, SchedulerOutput};
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
@@ -127,6 +127,12 @@ impl Scheduler {
         }
         if num_kv_blocks < 2 {
             return bad(format!("num_kv_blocks is {num_kv_blocks}; at least 2 are needed (block 0 is the null block)"));
+        }
+        if num_kv_blocks > MAX_KV_BLOCKS || num_mamba_slots > MAX_MAMBA_SLOTS {
+            return bad(format!(
+                "{num_kv_blocks} KV blocks and {num_mamba_slots} Mamba slots: at most \
+                 {MAX_KV_BLOCKS} blocks and {MAX_MAMBA_SLOTS} slots"
+            ));
         }
         let checkpoints = cfg.has_mamba_layers
             && cfg.enable_prefix_caching

@@ -331,3 +331,25 @@ def test_hash_seed_takes_any_int() -> None:
         assert o.num_scheduled_tokens == 16
     with pytest.raises(TypeError):
         core.Scheduler(cfg, 64, 32, "x")
+
+
+def test_an_output_of_another_scheduler_cannot_close_this_ones_step() -> None:
+    a, b = make(), make()
+    a.add_request("x", list(range(5, 50)), max_tokens=4)
+    b.add_request("y", [5, 6, 7, 8, 9], max_tokens=4)
+    oa, ob = a.schedule(), b.schedule()
+    assert oa.step_id == ob.step_id  # step ids count from 0 in every scheduler
+    with pytest.raises(core.InvalidRequestError, match="not returned by this scheduler"):
+        b.update_from_output(oa, np.zeros(0, np.int32), np.zeros(oa.num_rows, np.int32))
+    # b's own step is still open and closes normally
+    assert b.open_step_output() is ob
+    d = b.update_from_output(ob, np.array([11], np.int32), np.array([1], np.int32))
+    assert [x.request_id for x in d] == ["y"] and list(d[0].new_token_ids) == [11]
+
+
+@pytest.mark.parametrize(
+    "blocks, slots", [(2**63, 64), (core.MAX_KV_BLOCKS + 1, 64), (256, core.MAX_MAMBA_SLOTS + 1)]
+)
+def test_pools_beyond_what_the_scheduler_tracks_are_config_errors(blocks: int, slots: int) -> None:
+    with pytest.raises(core.ConfigError, match="at most"):
+        core.Scheduler(core.ResolvedConfig.for_tests(), blocks, slots)

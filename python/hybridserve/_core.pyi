@@ -28,6 +28,8 @@ MAX_BLOCK_SIZE: int  # 1024
 MAX_SCAN_CHUNK_SIZE: int  # 4096
 MAX_TOKENS: int  # 2**24: bound on every token count
 MAX_NUM_SEQS: int  # 2**16
+MAX_KV_BLOCKS: int  # 2**25, null block included
+MAX_MAMBA_SLOTS: int  # 2**22, null slot included
 
 @final
 class Decision:  # made by the extension only: no constructor

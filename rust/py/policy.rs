@@ -7,8 +7,8 @@ use pyo3::types::{PyBool, PyDict, PyList, PyString};
 
 use super::errors::to_pyerr;
 use crate::config::{
-    MambaCacheMode, ResolvedConfig, SpecMethod, MAX_BLOCK_SIZE, MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE,
-    MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+    MambaCacheMode, ResolvedConfig, SpecMethod, MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS,
+    MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
 };
 use crate::error::HsError;
 use crate::policy::{
@@ -390,5 +390,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_SCAN_CHUNK_SIZE", MAX_SCAN_CHUNK_SIZE)?;
     m.add("MAX_TOKENS", MAX_TOKENS)?;
     m.add("MAX_NUM_SEQS", MAX_NUM_SEQS)?;
+    m.add("MAX_KV_BLOCKS", MAX_KV_BLOCKS)?;
+    m.add("MAX_MAMBA_SLOTS", MAX_MAMBA_SLOTS)?;
     Ok(())
 }

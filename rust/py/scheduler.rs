@@ -1,8 +1,6 @@
 //! PyO3 wrappers of the scheduler: `Scheduler`, `SchedulerOutput` (numpy arrays, moved out of the
 //! Rust vectors without copying on first access) and `RequestDelta`.
 
-use std::borrow::Cow;
-
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -25,23 +23,12 @@ fn count(v: i64, what: &str) -> PyResult<usize> {
         .map_err(|_| InvalidRequestError::new_err(format!("{what} must be >= 0, got {v}")))
 }
 
-/// A 1-D int array as i32: zero-copy for a contiguous int32 array, converted otherwise.
-fn i32_array<'a, 'py>(
-    obj: &Bound<'py, PyAny>,
-    keep: &'a mut Option<PyReadonlyArray1<'py, i32>>,
-    what: &str,
-) -> PyResult<Cow<'a, [i32]>> {
+/// A 1-D int array as an owned i32 vector. Always a copy: the update reads it with the GIL
+/// released (validated first, then applied), and another Python thread could write to a
+/// borrowed array in between.
+fn i32_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i32>> {
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<i32>>() {
-        if arr.is_contiguous() {
-            *keep = Some(arr);
-            if let Some(a) = keep.as_ref() {
-                if let Ok(s) = a.as_slice() {
-                    return Ok(Cow::Borrowed(s));
-                }
-            }
-        } else {
-            return Ok(Cow::Owned(arr.as_array().iter().copied().collect()));
-        }
+        return Ok(arr.as_array().iter().copied().collect());
     }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<i64>>() {
         let mut v = Vec::with_capacity(arr.len());
@@ -50,14 +37,10 @@ fn i32_array<'a, 'py>(
                 InvalidRequestError::new_err(format!("{what}: {x} is out of range"))
             })?);
         }
-        return Ok(Cow::Owned(v));
+        return Ok(v);
     }
-    match obj.extract::<Vec<i32>>() {
-        Ok(v) => Ok(Cow::Owned(v)),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what} must be a 1-D int32 numpy array"
-        ))),
-    }
+    obj.extract::<Vec<i32>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a 1-D int32 numpy array")))
 }
 
 /// The scheduler: continuous batching, chunked prefill, prefix caching, speculative bookkeeping.
@@ -173,13 +156,24 @@ impl PyScheduler {
         draft_token_ids: Option<&Bound<'py, PyAny>>,
         num_drafts: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let (mut k1, mut k2, mut k3, mut k4) = (None, None, None, None);
-        let sampled = i32_array(sampled_token_ids, &mut k1, "sampled_token_ids")?;
-        let nsampled = i32_array(num_sampled, &mut k2, "num_sampled")?;
+        // An output of another scheduler can carry the open step's id (ids count from 0 in
+        // every scheduler): only the object this scheduler's schedule() returned may close it.
+        let open = self.inner.in_flight_step();
+        let ours = self
+            .last_output
+            .as_ref()
+            .is_some_and(|last| last.as_ptr() == output.as_ptr());
+        if open == Some(output.out.step_id) && !ours {
+            return Err(InvalidRequestError::new_err(
+                "update_from_output: this output was not returned by this scheduler's schedule()",
+            ));
+        }
+        let sampled = i32_array(sampled_token_ids, "sampled_token_ids")?;
+        let nsampled = i32_array(num_sampled, "num_sampled")?;
         let drafts = match (draft_token_ids, num_drafts) {
             (Some(d), Some(n)) => Some((
-                i32_array(d, &mut k3, "draft_token_ids")?,
-                i32_array(n, &mut k4, "num_drafts")?,
+                i32_array(d, "draft_token_ids")?,
+                i32_array(n, "num_drafts")?,
             )),
             (None, None) => None,
             _ => {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridserve import _core
 from hybridserve.errors import ConfigError
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -119,7 +120,10 @@ def compute_cache_sizes(
         budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
         if kv_bytes_per_block > 0:
             fits = budget // kv_bytes_per_block
-            num_kv_blocks = int(min(wanted, fits) if kv_cache_memory is None else fits)
+            # a budget beyond what the scheduler can track is capped (an explicit count is not)
+            num_kv_blocks = min(
+                int(min(wanted, fits) if kv_cache_memory is None else fits), _core.MAX_KV_BLOCKS
+            )
         else:
             num_kv_blocks = wanted
     if num_kv_blocks < per_seq_blocks + 1:
@@ -136,7 +140,9 @@ def compute_cache_sizes(
             wanted = min_slots + reserve
             budget = DEFAULT_MAMBA_CACHE_MEMORY if mamba_cache_memory is None else mamba_cache_memory
             fits = budget // max(1, mamba_bytes_per_slot)
-            num_mamba_slots = int(min(wanted, fits) if mamba_cache_memory is None else fits)
+            num_mamba_slots = min(
+                int(min(wanted, fits) if mamba_cache_memory is None else fits), _core.MAX_MAMBA_SLOTS
+            )
     if num_mamba_slots < min_slots:
         raise ConfigError(
             f"the Mamba state cache holds {num_mamba_slots} slots but {max_num_seqs} running sequences "
