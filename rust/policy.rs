@@ -396,7 +396,7 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
         check_range("--max-num-batched-tokens", t, 1, MAX_TOKENS)?;
     }
     if let Some(l) = inputs.max_model_len {
-        check_range("--max-model-len", l, 1, MAX_TOKENS)?;
+        check_range("--max-model-len", l, 2, MAX_TOKENS)?; // a prompt token and one to generate
     }
     if let Some(spec) = inputs.speculative {
         check_range(

@@ -505,3 +505,10 @@ def test_the_way_out_of_align_without_chunked_prefill_exists_on_the_model() -> N
             mamba_cache_mode="none",
             **{k: v for k, v in kw.items() if k != "mamba_cache_mode"},
         ).resolve(nosup)
+
+
+def test_max_model_len_leaves_room_for_a_prompt_and_a_token() -> None:
+    with pytest.raises(hybridserve.ConfigError, match="--max-model-len must be in 2"):
+        EngineArgs(model="m", max_model_len=1).resolve(HYBRID)
+    r = EngineArgs(model="m", max_model_len=2).resolve(HYBRID)
+    core.Scheduler(r.core, 8, 64)  # what the policy accepts, the scheduler takes
