@@ -1161,20 +1161,27 @@ proptest! {
     }
 }
 
+/// A scheduler with room for exactly two windows in which t1 (6 prompt tokens, 3 to generate)
+/// has finished in the step that reaches the checkpoint boundary at 8: its publish is queued.
+fn finished_on_a_boundary(k: usize) -> Sim {
+    let mut c = cfg(MambaCacheMode::Align, k);
+    c.max_num_seqs = 2;
+    let slots = 1 + 2 * (1 + k) + 2;
+    let mut sim = Sim::new(c, 256, slots, 5);
+    sim.draft_quality = 8;
+    sim.add("t1", (1..=6).collect(), 3, None);
+    sim.run_to_end(50);
+    sim
+}
+
 #[test]
 fn publish_of_a_finishing_request_survives_slot_reuse() {
     // t1 finishes in the very step whose accepted token reaches the boundary at 8: its window is
     // freed at once, the publish copy runs first thing next step, before "x" (admitted then, and
     // possibly handed the freed slots) writes anything. t2 then hits that checkpoint.
     for k in [0, 2] {
-        let mut c = cfg(MambaCacheMode::Align, k);
-        c.max_num_seqs = 2;
         // Exactly two windows: x must reuse t1's slots.
-        let slots = 1 + 2 * (1 + k) + 2;
-        let mut sim = Sim::new(c, 256, slots, 5);
-        sim.draft_quality = 8;
-        sim.add("t1", (1..=6).collect(), 3, None);
-        sim.run_to_end(50);
+        let mut sim = finished_on_a_boundary(k);
         assert_eq!(sim.s.stats().checkpoints_published, 1);
         assert_eq!(sim.s.pending_publishes.len(), 1, "kept until a step runs");
         sim.add("x", (20..=29).collect(), 4, None);
@@ -1193,13 +1200,7 @@ fn a_reset_of_an_idle_engine_drops_the_last_steps_publish() {
     // t1 finishes in the step that reaches the boundary at 8: its publish waits for a next step
     // that an idle engine never runs. The reset must still empty the cache.
     for k in [0, 2] {
-        let mut c = cfg(MambaCacheMode::Align, k);
-        c.max_num_seqs = 2;
-        let slots = 1 + 2 * (1 + k) + 2;
-        let mut sim = Sim::new(c, 256, slots, 5);
-        sim.draft_quality = 8;
-        sim.add("t1", (1..=6).collect(), 3, None);
-        sim.run_to_end(50);
+        let mut sim = finished_on_a_boundary(k);
         assert_eq!(sim.s.pending_publishes.len(), 1, "k={k}");
         assert!(sim.s.reset_prefix_cache(), "k={k}");
         assert!(sim.s.pending_publishes.is_empty());

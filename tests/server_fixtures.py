@@ -147,3 +147,30 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
     return out
+
+
+def _content_length(raw: bytes) -> int:
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tuple[bytes, Any]:
+    """Send `request` bytes as they are (what no HTTP client library would send) and read one
+    response: (status line and headers, parsed JSON body or the raw body)."""
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        return head, json.loads(body)
+    except ValueError:
+        return head, body

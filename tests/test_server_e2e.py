@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, TokenizerModelInfo, parse_metrics, parse_sse
+from server_fixtures import ServerProcess, TokenizerModelInfo, parse_metrics, parse_sse, raw_http
 
 MODEL = "demo"
 PROMPT = "The quick brown fox"
@@ -266,35 +266,6 @@ def test_a_long_prompt_without_max_tokens_gets_the_room_left(client):
         model=MODEL, prompt=[5] * 10, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 16  # OpenAI's default
-
-
-def _content_length(raw: bytes) -> int:
-    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    return 0
-
-
-def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tuple[bytes, Any]:
-    """Send `request` bytes as they are (what no HTTP client library would send) and read one
-    response: (status line and headers, parsed JSON body or the raw body)."""
-    import socket
-
-    host, port = server.base.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.sendall(request)
-        raw = b""
-        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    try:
-        return head, json.loads(body)
-    except ValueError:
-        return head, body
 
 
 def test_only_json_bodies_are_read(server):

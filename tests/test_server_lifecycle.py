@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, parse_metrics, parse_sse
+from server_fixtures import ServerProcess, parse_metrics, parse_sse, raw_http
 
 MODEL = "served-demo"
 KEY = "s3cret-key"
@@ -54,21 +54,15 @@ def _check_auth(srv: ServerProcess) -> None:
         good.completions.create(model="demo", prompt="Hello", max_tokens=2)
     assert srv.health_status() == 200  # /health needs no key
     # a key with a byte that is not UTF-8 is a wrong key (401), not a server error
-    import socket
-
-    host, port = srv.base.removeprefix("http://").split(":")
     body = b'{"model": "%s", "prompt": "Hello", "max_tokens": 2}' % MODEL.encode()
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-            b"Content-Type: application/json\r\nAuthorization: Bearer s\xe9cret\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        raw = b""
-        while chunk := sock.recv(65536):
-            raw += chunk
-    assert raw.startswith(b"HTTP/1.1 401"), raw[:200]
-    assert b"invalid_api_key" in raw and "internal error" not in srv.output()
+    head, parsed = raw_http(
+        srv,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer s\xe9cret\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
+        timeout=60,
+    )
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert parsed["error"]["code"] == "invalid_api_key" and "internal error" not in srv.output()
 
 
 def _check_speculative_stream(srv: ServerProcess) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
-from collections.abc import Callable
+from pathlib import Path
 
+from hybridserve.arg_types import int_in, seconds
 from hybridserve.benchmarks.workloads import WORKLOADS, WorkloadSpec
 from hybridserve.errors import ConfigError
 
@@ -33,30 +35,30 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     s.add_argument("--workload", choices=WORKLOADS, default="random")
     s.add_argument(
-        "--num-requests", type=_positive_int, default=64, help="requests in all (turns count one each)"
+        "--num-requests", type=int_in(1), default=64, help="requests in all (turns count one each)"
     )
     s.add_argument(
         "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
     )
     s.add_argument(
-        "--concurrency", type=_positive_int, default=None, help="most requests in flight (default: no limit)"
+        "--concurrency", type=int_in(1), default=None, help="most requests in flight (default: no limit)"
     )
-    s.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens generated per request")
+    s.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens generated per request")
     s.add_argument(
-        "--prompt-len", type=_positive_int, default=256, help="prompt tokens (per turn for multi-turn)"
+        "--prompt-len", type=int_in(1), default=256, help="prompt tokens (per turn for multi-turn)"
     )
     s.add_argument(
         "--prefix-len",
-        type=_positive_int,
+        type=int_in(1),
         default=None,
         help="shared-prefix: shared tokens (default 3/4 of --prompt-len)",
     )
     s.add_argument(
-        "--num-prefixes", type=_positive_int, default=1, help="shared-prefix: distinct shared prefixes"
+        "--num-prefixes", type=int_in(1), default=1, help="shared-prefix: distinct shared prefixes"
     )
-    s.add_argument("--num-turns", type=_positive_int, default=3, help="multi-turn: turns per conversation")
+    s.add_argument("--num-turns", type=int_in(1), default=3, help="multi-turn: turns per conversation")
     s.add_argument(
-        "--token-id-max", type=_int_from(4), default=256, help="prompt token ids are drawn from [3, this)"
+        "--token-id-max", type=int_in(4), default=256, help="prompt token ids are drawn from [3, this)"
     )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
@@ -67,12 +69,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None)
     s.add_argument(
         "--request-timeout",
-        type=_positive_seconds,
+        type=seconds(),
         default=600.0,
         help="seconds without data before a request fails",
     )
     s.add_argument(
-        "--ready-timeout", type=_positive_seconds, default=120.0, help="seconds to wait for GET /health = 200"
+        "--ready-timeout", type=seconds(), default=120.0, help="seconds to wait for GET /health = 200"
     )
     s.add_argument("--result-file", default=None, help="write the JSON result here")
     s.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
@@ -83,45 +85,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
     o.add_argument("--model", default="demo", help="model folder, or 'demo' (default)")
     add_engine_args(o, model_positional=False)
-    o.add_argument("--num-prompts", type=_positive_int, default=64)
-    o.add_argument("--prompt-len", type=_positive_int, default=256)
-    o.add_argument("--output-len", type=_positive_int, default=128)
+    o.add_argument("--num-prompts", type=int_in(1), default=64)
+    o.add_argument("--prompt-len", type=int_in(1), default=256)
+    o.add_argument("--output-len", type=int_in(1), default=128)
     o.add_argument("--result-file", default=None, help="write the JSON result here")
-
-
-def _int_from(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-_positive_int = _int_from(1)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < v < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return v
 
 
 def _check_output_path(flag: str, path: str | None, is_dir: bool = False) -> None:
     """Refuses a result path that cannot be written before the benchmark runs, not after it."""
     if path is None:
         return
-    import os
-    from pathlib import Path
-
     p = Path(path)
     parent = p if is_dir and p.exists() else p.parent
     if p.is_dir() != is_dir and p.exists():

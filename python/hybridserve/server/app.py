@@ -314,10 +314,6 @@ _HTTP_ERROR_TYPES = {
 }
 
 
-class _ClientGone(Exception):
-    """The client closed its connection before the request could be read."""
-
-
 @web.middleware
 async def _error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -341,14 +337,6 @@ async def _error_middleware(
             resp.headers["Allow"] = e.headers["Allow"]
     except asyncio.CancelledError:
         raise
-    except _ClientGone:
-        logger.debug("client closed the connection during %s %s", request.method, request.path)
-        resp = web.json_response(
-            P.error_body(
-                "the client closed the connection", type="invalid_request_error", code="client_gone"
-            ),
-            status=400,
-        )
     except Exception:
         logger.exception("internal error on %s %s", request.method, request.path)
         resp = web.json_response(
@@ -462,21 +450,12 @@ async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
     declared = request.content_length
     expect = request.headers.get("Expect", "").lower()
     if expect != "100-continue" or request.version != HttpVersion11:
-        resp = web.json_response(
-            P.error_body(
-                f"unsupported Expect: {expect!r}", type="invalid_request_error", code="expectation_failed"
-            ),
-            status=417,
+        resp = json_error(
+            P.APIError(f"unsupported Expect: {expect!r}", status=417, code="expectation_failed")
         )
     elif declared is not None and declared > limit:
-        resp = web.json_response(
-            P.error_body(
-                f"the request body exceeds the limit of {limit} bytes",
-                type="invalid_request_error",
-                code="request_too_large",
-            ),
-            status=413,
-        )
+        msg = f"the request body exceeds the limit of {limit} bytes"
+        resp = json_error(P.APIError(msg, status=413, code="request_too_large"))
     else:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
@@ -533,7 +512,7 @@ async def _parse(
         raise P.APIError(f"the request body could not be read: {reason}", code="bad_request_body") from None
     except ConnectionError:
         # the client went away before its body arrived: nobody reads the answer, nothing to log
-        raise _ClientGone() from None
+        raise P.APIError("the client closed the connection", code="client_gone") from None
 
     def run() -> P.GenerateRequest:
         return parse(P.decode_json_body(raw), info, served_model_name)

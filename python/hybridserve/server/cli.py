@@ -18,40 +18,9 @@ import sys
 import threading
 from typing import Any
 
+from hybridserve.arg_types import int_in, seconds
+
 logger = logging.getLogger("hybridserve.server")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (v > 0 and v != float("inf")):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return v
-
-
-def _seconds_or_zero(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (0 <= v < float("inf")):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return v
-
-
-def _int_in(lo: int, hi: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
-        return v
-
-    return parse
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +31,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument(
         "--port",
-        type=_int_in(0, 65535),
+        type=int_in(0, 65535),
         default=8000,
         help="port to listen on (default 8000; 0 picks a free one)",
     )
@@ -76,32 +45,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-queue-len",
-        type=_int_in(1, 2**31 - 1),
+        type=int_in(1, 2**31 - 1),
         default=DEFAULT_MAX_QUEUE_LEN,
         help="engine requests admitted at once (running + waiting); beyond it requests get 503 + Retry-After",
     )
     g.add_argument(
         "--max-body-bytes",
-        type=_int_in(1, 1 << 40),
+        type=int_in(1, 1 << 40),
         default=4 * 1024 * 1024,
         help="largest request body accepted (413 beyond)",
     )
     g.add_argument(
         "--body-read-timeout",
-        type=_positive_seconds,
+        type=seconds(),
         default=60.0,
         help="seconds a client has to send a request body once its headers arrived (408 beyond)",
     )
     g.add_argument(
         "--keep-alive-timeout",
-        type=_positive_seconds,
+        type=seconds(),
         default=15.0,
         help="seconds an idle connection is kept open; also how long a client may take to send its "
         "request headers",
     )
     g.add_argument(
         "--shutdown-timeout",
-        type=_seconds_or_zero,
+        type=seconds(allow_zero=True),
         default=5.0,
         help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted",
     )

@@ -1,0 +1,42 @@
+"""argparse value types the subcommands share: each refuses a bad value with one message, which
+argparse prints after the flag's name (exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An integer >= lo (and <= hi, when given)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if hi is None and v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if hi is not None and not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return parse
+
+
+def seconds(allow_zero: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds, > 0 (or >= 0 with allow_zero); nan is refused."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if allow_zero and not 0 <= v < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+        if not allow_zero and not 0 < v < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        return v
+
+    return parse
