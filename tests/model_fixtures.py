@@ -235,11 +235,14 @@ class Driver:
         )
 
     def step(
-        self, rows: list[tuple[_Req, list[int], bool]], emits: list[tuple[int, int, int]] | None = None
+        self,
+        rows: list[tuple[_Req, list[int], bool]],
+        emits: list[tuple[int, int, int]] | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """rows: (req, token ids to run, is_decode); decode rows must come first. emits: (row,
         token index in row, slot). Returns the logits of every token of decode rows and of the
-        last token of final prefill chunks."""
+        last token of final prefill chunks (`all_logits`: of every token)."""
         ids, pos, qsl, nct, sl, slot_map = [], [], [0], [], [], []
         read, has_init, wslots, logits_idx = [], [], [], []
         num_decodes = 0
@@ -285,7 +288,7 @@ class Driver:
             emit_row=t([e[0] for e in emits or []]),
             emit_token=t([e[1] for e in emits or []]),
             emit_slot=t([e[2] for e in emits or []]),
-            logits_indices=t(logits_idx).to(dev),
+            logits_indices=t(list(range(len(ids))) if all_logits else logits_idx).to(dev),
         )
         logits = self.lm.model(batch, self.caches)
         for req, toks, is_dec in rows:

@@ -47,13 +47,23 @@ class BambaLayer(nn.Module):
         self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias)
 
     def forward(
-        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        caches: ModelCaches,
+        idx: int,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(hidden)
         if self.kind == MAMBA:
             h = self.mamba(h, ctx, caches.conv[idx], caches.ssm[idx])
+            if keep is not None:
+                hidden, h = hidden[keep], h[keep]
         else:
-            h = self.self_attn(h, ctx, caches.kv[idx])
+            # with `keep`, the queries of the kept tokens only (K / V of every token are written)
+            h = self.self_attn(h, ctx, caches.kv[idx], keep=keep)
+            if keep is not None:
+                hidden = hidden[keep]
         hidden = hidden + h
         return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 

@@ -34,7 +34,7 @@ def registered() -> dict[str, type[CausalLM]]:
 
 class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     """A decoder-only LM over a ForwardBatch. Subclasses implement the abstract methods below
-    (decoder layers each with ``forward(hidden, ctx, caches, layer_idx)``); their attribute names
+    (decoder layers each with ``forward(hidden, ctx, caches, layer_idx, keep=None)``); their attribute names
     are free: they only need to match the checkpoint's state-dict names."""
 
     # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
@@ -96,7 +96,31 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             return torch.empty((int(li.numel()), self.config.vocab_size), dtype=out_dtype, device=dev)
         ctx = ForwardContext.build(batch, dev)
         hidden = self.embed(batch.input_ids.to(dev, torch.int64))
+        # Only the logits rows' outputs are needed after the last layer that writes a cache: that
+        # layer returns those rows alone (an attention layer computes just their queries), and
+        # the cache-free layers after it run on them alone. No row's output there depends on
+        # another row, so only rounding can differ (tests/test_model_tail_rows.py, float64).
+        keep = li if _drops_rows(li, batch.num_tokens) else None
+        cut = self.last_cache_layer()
         for i, layer in enumerate(self.decoder_layers()):
-            hidden = layer(hidden, ctx, caches, i)
-        hidden = self.final_norm(hidden[li])
+            if keep is not None and i == cut:
+                hidden = layer(hidden, ctx, caches, i, keep=keep)
+            else:
+                hidden = layer(hidden, ctx, caches, i)
+        hidden = self.final_norm(hidden if keep is not None else hidden[li])
         return self.head(hidden).to(out_dtype)
+
+    def last_cache_layer(self) -> int:
+        """Index of the last decoder layer that writes a cache (KV or Mamba state): the layers
+        after it must not read the ForwardContext (they run on the logits rows only). Every layer
+        takes ``keep`` (flat token indices, increasing) and then returns those rows only."""
+        return len(self.decoder_layers()) - 1
+
+
+def _drops_rows(logits_indices: torch.Tensor, num_tokens: int) -> bool:
+    """Whether some tokens need no output (prefill tokens before a row's last, or a chunk that
+    does not end its prompt), with the indices strictly increasing as the scheduler emits them."""
+    n = int(logits_indices.numel())
+    if n >= num_tokens:
+        return False
+    return n < 2 or bool((logits_indices[1:] > logits_indices[:-1]).all())

@@ -27,13 +27,19 @@ class Mamba2Block(nn.Module):
         self.mixer = Mamba2Mixer(cfg)
 
     def forward(
-        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        caches: ModelCaches,
+        idx: int,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype = self.norm.weight.dtype
         h = self.mixer(self.norm(hidden.to(dtype)), ctx, caches.conv[idx], caches.ssm[idx])
         if self.residual_in_fp32 and hidden.dtype in (torch.bfloat16, torch.float16):
             hidden = hidden.to(torch.float32)
-        return hidden + h.to(hidden.dtype)
+        out = hidden + h.to(hidden.dtype)
+        return out if keep is None else out[keep]
 
 
 class _Backbone(nn.Module):

@@ -59,16 +59,24 @@ class NemotronHBlock(nn.Module):
             self.mixer = MoE(cfg)
 
     def forward(
-        self, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches, idx: int
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        caches: ModelCaches,
+        idx: int,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.norm(hidden)
+        if self.kind == ATTENTION:
+            # with `keep`, the queries of the kept tokens only (K / V of every token are written)
+            h = self.mixer(h, ctx, caches.kv[idx], keep=keep)
+            return (hidden if keep is None else hidden[keep]) + h
         if self.kind == MAMBA:
             h = self.mixer(h, ctx, caches.conv[idx], caches.ssm[idx])
-        elif self.kind == ATTENTION:
-            h = self.mixer(h, ctx, caches.kv[idx])
         else:
             h = self.mixer(h)
-        return hidden + h
+        out = hidden + h
+        return out if keep is None else out[keep]
 
 
 class _Backbone(nn.Module):
@@ -99,6 +107,11 @@ class NemotronHForCausalLM(CausalLM):
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f(hidden)
+
+    def last_cache_layer(self) -> int:
+        # the MLP / MoE layers after the last Mamba or attention layer write no cache
+        kinds = self.config.layer_types
+        return max((i for i, k in enumerate(kinds) if k in (MAMBA, ATTENTION)), default=len(kinds) - 1)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -10,6 +10,8 @@ longest); prefill rows run one at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,27 +59,42 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        kv_cache: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention output of every token, or with `keep` (flat token indices, increasing)
+        of those tokens only: K and V are still computed and written for every token (later
+        tokens read them), the queries, scores and o_proj only for the kept ones."""
         T = hidden.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(hidden).view(T, H, D)
+        q = self.q_proj(hidden if keep is None else hidden[keep]).view(-1, H, D)
         k = self.k_proj(hidden).view(T, KVH, D)
         v = self.v_proj(hidden).view(T, KVH, D)
         if self.rotary_dim > 0:
             cos, sin = ctx.rope(self.rotary_dim, self.rope_theta, q.dtype)
-            q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
+            q = apply_rotary(q, cos, sin) if keep is None else apply_rotary(q, cos[keep], sin[keep])
         bs = kv_cache.shape[2]
         blk, off = _slot_index(ctx, bs)
         kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
         kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+        if keep is not None:
+            rows = _kept_rows(ctx, keep)
+            out = torch.empty_like(q)
+            if rows.num_rows > 0:
+                self._decode_rows(q, out, rows, kv_cache)
+            return self.o_proj(out.reshape(-1, H * D))
 
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
         nd = ctx.num_decodes
         qsl = ctx.qsl
         seq_lens = ctx.seq_lens
         if nd > 0:
-            self._decode_rows(q, out, ctx, kv_cache, nd)
+            self._decode_rows(q, out, _decode_query_rows(ctx), kv_cache)
         for r in range(nd, ctx.num_rows):
             s, e = int(qsl[r]), int(qsl[r + 1])
             if e == s:
@@ -115,11 +132,14 @@ class PagedAttention(nn.Module):
         return self.o_proj(out.reshape(T, H * D))
 
     def _decode_rows(
-        self, q: torch.Tensor, out: torch.Tensor, ctx: ForwardContext, kv_cache: torch.Tensor, nd: int
+        self, q: torch.Tensor, out: torch.Tensor, rows: QueryRows, kv_cache: torch.Tensor
     ) -> None:
-        ndt = int(ctx.qsl[nd])
+        """out[:n] for the query tokens q[:n] of `rows` (each reading its keys through the block
+        table: decode and verify rows, or the kept tokens of any row)."""
+        nd = rows.num_rows
+        ndt = int(rows.qsl[nd])
         fused = native.paged_attention(
-            q[:ndt], kv_cache, ctx.block_table[:nd], ctx.qsl[: nd + 1], ctx.positions[:ndt], self.scale
+            q[:ndt], kv_cache, rows.block_table, rows.qsl, rows.positions, self.scale
         )
         if fused is not None:
             out[:ndt] = fused
@@ -127,7 +147,7 @@ class PagedAttention(nn.Module):
         KVH, D = self.num_kv_heads, self.head_dim
         Gq = self.num_heads // KVH
         bs = kv_cache.shape[2]
-        blocks, mask, idx_d, vd, nb = _decode_meta(ctx, nd, bs, q.device)
+        blocks, mask, idx_d, vd, nb = _decode_meta(rows, bs, q.device)
         if idx_d is None:
             # plain decode rows (token r is row r): the query heads sharing a KV head are the query
             # positions of one SDPA call per KV head ([nd, KVH, H / KVH, D], no GQA expansion)
@@ -182,22 +202,76 @@ _GATHER_BYTES = 1 << 20
 _DecodeMeta = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 
 
-def _decode_meta(ctx: ForwardContext, nd: int, bs: int, dev: torch.device) -> _DecodeMeta:
-    """The decode rows' block gather index, padded token index and mask, built once per forward
-    (every attention layer of the step shares them)."""
-    key = ("attn_decode", nd, bs)
+@dataclass
+class QueryRows:
+    """Query tokens grouped into rows that read their keys through the block table: row r owns
+    query tokens qsl[r] .. qsl[r + 1] (CPU, from 0) at `positions` (device) and keys 0 .. its
+    largest position (seq_lens[r] bounds it, CPU) through block_table[r] (device). `scratch`
+    holds what the row layout's layers share within one forward, under `key`."""
+
+    qsl: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scratch: dict[tuple[object, ...], object]
+    key: str
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.qsl.numel()) - 1
+
+
+def _decode_query_rows(ctx: ForwardContext) -> QueryRows:
+    """The decode / verify rows (the first num_decodes rows of the batch), once per forward."""
+    key = ("attn_decode_rows",)
+    hit = ctx.scratch.get(key)
+    if hit is None:
+        nd = ctx.num_decodes
+        hit = QueryRows(
+            ctx.qsl[: nd + 1], ctx.positions[: ctx.num_decode_tokens], ctx.seq_lens[:nd], ctx.block_table[:nd],
+            ctx.scratch, "decode",
+        )  # fmt: skip
+        ctx.scratch[key] = hit
+    return hit  # type: ignore[return-value]
+
+
+def _kept_rows(ctx: ForwardContext, keep: torch.Tensor) -> QueryRows:
+    """The kept tokens (flat indices, increasing) as query rows: the rows of the batch that keep
+    at least one token, with their block tables. Built once per forward."""
+    key = ("attn_kept_rows",)
     hit = ctx.scratch.get(key)
     if hit is not None:
-        return hit
-    qsl = ctx.qsl[: nd + 1]
+        return hit  # type: ignore[return-value]
+    keep_cpu = keep.to("cpu", torch.int64)
+    row = torch.searchsorted(ctx.qsl[1:], keep_cpu, right=True)  # qsl[row] <= t < qsl[row + 1]
+    used, counts = torch.unique_consecutive(row, return_counts=True)
+    qsl = torch.zeros(used.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=qsl[1:])
+    rows = QueryRows(
+        qsl, ctx.positions[keep], ctx.seq_lens[used], ctx.block_table[used.to(ctx.block_table.device)],
+        ctx.scratch, "kept",
+    )  # fmt: skip
+    ctx.scratch[key] = rows
+    return rows
+
+
+def _decode_meta(rows: QueryRows, bs: int, dev: torch.device) -> _DecodeMeta:
+    """The rows' block gather index, padded token index and mask, built once per forward (every
+    attention layer of the step shares them)."""
+    nd = rows.num_rows
+    key = ("attn_decode", rows.key, nd, bs)
+    hit = rows.scratch.get(key)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    qsl = rows.qsl
     lengths = qsl[1:] - qsl[:-1]
     lmax = int(lengths.max())
-    Lmax = int(ctx.seq_lens[:nd].max())
+    Lmax = int(rows.seq_lens.max())
     nb = (Lmax + bs - 1) // bs
-    blocks = ctx.block_table[:nd, :nb].reshape(-1)  # [nd * nb]
+    blocks = rows.block_table[:, :nb].reshape(-1)  # [nd * nb]
     keys = torch.arange(nb * bs, device=dev)
     if lmax == 1 and int(qsl[nd]) == nd:
-        pos = ctx.positions[:nd]
+        pos = rows.positions[:nd]
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # [nd, 1, 1, ctx]
         meta: _DecodeMeta = (blocks, mask, None, None, nb)
     else:
@@ -205,8 +279,8 @@ def _decode_meta(ctx: ForwardContext, nd: int, bs: int, dev: torch.device) -> _D
         valid = t[None, :] < lengths[:, None]  # [nd, lmax]
         idx = torch.where(valid, qsl[:-1, None] + t[None, :], qsl[:-1, None])  # pad: row's first token
         idx_d = idx.to(dev)
-        pos = ctx.positions[idx_d]  # [nd, lmax]
+        pos = rows.positions[idx_d]  # [nd, lmax]
         mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
         meta = (blocks, mask, idx_d, valid.to(dev), nb)
-    ctx.scratch[key] = meta
+    rows.scratch[key] = meta
     return meta
