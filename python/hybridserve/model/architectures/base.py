@@ -34,8 +34,8 @@ def registered() -> dict[str, type[CausalLM]]:
 
 class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     """A decoder-only LM over a ForwardBatch. Subclasses implement the abstract methods below
-    (decoder layers each with ``forward(hidden, ctx, caches, layer_idx, keep=None)``); their attribute names
-    are free: they only need to match the checkpoint's state-dict names."""
+    (decoder layers each with ``forward(hidden, ctx, caches, layer_idx, keep=None)``); their
+    attribute names are free: they only need to match the checkpoint's state-dict names."""
 
     # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
     tied_weights: ClassVar[dict[str, str]] = {}
