@@ -142,7 +142,7 @@ def test_shapes_that_do_not_fit_are_refused_or_declined():
     with pytest.raises(ValueError, match="rows but a block table"):
         native.paged_attention(q, kv, bt[:1], qsl, pos, 0.1)
     # not its dtype or layout: None, and the caller keeps its torch path
-    assert native.paged_attention(q.bfloat16(), kv.bfloat16(), bt, qsl, pos, 0.1) is None
+    assert native.paged_attention(q.half(), kv.half(), bt, qsl, pos, 0.1) is None
     assert native.paged_attention(q, kv.double(), bt, qsl, pos, 0.1) is None
     assert native.paged_attention(q[:, :3], kv, bt, qsl, pos, 0.1) is None  # H not a multiple of KVH
 
@@ -502,12 +502,125 @@ def test_rms_norms_match_the_torch_ops(dtype):
 
 def test_rms_norms_decline_what_they_do_not_cover():
     w = torch.ones(16)
-    assert native.rms_norm(torch.randn(3, 16).bfloat16(), w, 1e-5) is None
+    assert native.rms_norm(torch.randint(0, 9, (3, 16)), w, 1e-5) is None
     assert native.rms_norm(torch.randn(3, 16)[:, ::2], torch.ones(8), 1e-5) is None  # not unit stride
     assert native.rms_norm(torch.randn(3, 16), torch.ones(15), 1e-5) is None
     y = torch.randn(3, 16)
     assert native.gated_rms_norm(y, y.double(), w, 8, 1e-5) is None
     assert native.gated_rms_norm(y, y, w, 5, 1e-5) is None  # groups must tile the row
+
+
+# ------------------------------------------------------------------------------------------------
+# bfloat16 activations (float32 Mamba states): computed in float32, rounded once
+# ------------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("H, KVH, D, bs", [(4, 2, 32, 16), (6, 2, 24, 5), (8, 1, 128, 16)])
+def test_bf16_attention_is_the_float32_kernel_on_the_widened_values(H, KVH, D, bs):
+    # K / V stay bfloat16 in the cache (half the bytes to read); the arithmetic is float32's
+    q, kv, bt, qsl, pos = make_case([1, 4, 1, 3, 1], [1, 37, 2 * bs, 9, 3 * bs + 1], H, KVH, D, bs, BF16)
+    out = native.paged_attention(q, kv, bt, qsl, pos, D**-0.5)
+    assert out is not None and out.dtype == BF16 and out.shape == q.shape
+    wide = native.paged_attention(q.float(), kv.float(), bt, qsl, pos, D**-0.5)
+    assert torch.equal(out, wide.to(BF16))
+    ref = attention_ref(q, kv, bt, qsl, pos, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def _narrow(c, names=("xbc", "dt", "conv_weight", "conv_bias")):
+    return {k: (v.to(BF16) if k in names and v is not None else v) for k, v in clone_case(c).items()}
+
+
+def _widened(c):
+    return {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == BF16 else v) for k, v in c.items()}
+
+
+def test_bf16_mamba_kernels_are_the_float32_kernels_on_the_widened_inputs():
+    G = 2
+    # decode and verify rows: y rounded once, every state written as float32 computes it
+    c = _narrow(mamba_case([1, 4, 2, 3], 8, 32, G, 32, 4, torch.float32))
+    mine, wide, twin = clone_case(c), _widened(clone_case(c)), clone_case(c)
+    y = run_native(mine, G)
+    assert y is not None and y.dtype == BF16
+    assert torch.equal(y, run_native(wide, G).to(BF16))
+    assert torch.equal(mine["ssm_state"], wide["ssm_state"]) and torch.equal(
+        mine["conv_state"], wide["conv_state"]
+    )
+    # the twins round the conv output to bfloat16 before the scan: close, not equal
+    torch.testing.assert_close(y.float(), run_reference(twin, G).float(), rtol=3e-2, atol=3e-2)
+    # prefill rows (with boundary-state emits)
+    c = prefill_case([70, 9, 1], 4, 16, G, 16, 4, torch.float32, 16, [0, 5, 3], [False, True, True])
+    c = _narrow(c)
+    mine, wide = clone_case(c), _widened(clone_case(c))
+    y = prefill_native(mine, G)
+    assert y is not None and y.dtype == BF16
+    assert torch.equal(y, prefill_native(wide, G).to(BF16))
+    assert torch.equal(mine["ssm_state"], wide["ssm_state"]) and torch.equal(
+        mine["conv_state"], wide["conv_state"]
+    )
+    assert c["emit_row"].numel() > 0
+
+
+def test_bf16_rms_norms_are_the_float32_kernels_rounded_once():
+    from hybridserve.model.layers.norm import RMSNorm, gated_rms_norm_torch
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(48, 1e-5).to(BF16)
+    norm.weight.data = torch.randn(48, generator=g).to(BF16)
+    x = torch.randn(7, 48, generator=g).to(BF16)
+    out = native.rms_norm(x, norm.weight, norm.eps)
+    assert out is not None and out.dtype == BF16
+    assert torch.equal(out, native.rms_norm(x.float(), norm.weight, norm.eps).to(BF16))
+    assert torch.equal(norm(x), out)  # the module takes the kernel
+    h = x.double()
+    ref = norm.weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    proj = torch.randn(5, 100, generator=g).to(BF16)
+    y, z = proj[:, :32].contiguous(), proj[:, 40:72]
+    w = torch.randn(32, generator=g).to(BF16)
+    out = native.gated_rms_norm(y, z, w, 8, 1e-6)
+    assert out is not None and out.dtype == BF16
+    assert torch.equal(out, native.gated_rms_norm(y.float(), z.float(), w, 8, 1e-6).to(BF16))
+    ref = gated_rms_norm_torch(y, z, w, 8, 1e-6, BF16)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_bf16_engine_runs_every_kernel_and_stays_close_to_its_twins(monkeypatch):
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    names = ("paged_attention", "mamba_decode", "mamba_prefill", "rms_norm", "gated_rms_norm")
+    calls: dict[str, list[bool]] = {n: [] for n in names}
+    for name in names:
+        real = getattr(native, name)
+
+        def counting(*a, _real=real, _name=name, **kw):
+            res = _real(*a, **kw)
+            calls[_name].append(res is not None)
+            return res
+
+        monkeypatch.setattr(native, name, counting)
+    prompts = ["hello hello hello hello", "1 2 3 4 1 2 3 4 1 2", " ".join(str(i % 17) for i in range(90))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = LLM("demo", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64)
+    mine = llm.generate(prompts, params)
+    for name, seen in calls.items():
+        assert seen and all(seen), name
+    for name in names:
+        monkeypatch.setattr(native, name, lambda *a, **kw: None)  # the torch twins
+    twins = llm.generate(prompts, params)
+    # bfloat16 rounding differs between the two: the first token's logprob is close, and most
+    # greedy tokens agree
+    agree = total = 0
+    for a, b in zip(mine, twins):
+        lp_a = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
+        lp_b = b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob
+        assert abs(lp_a - lp_b) < 0.1
+        agree += sum(x == y for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
+        total += len(a.outputs[0].token_ids)
+    assert agree >= total // 2, (agree, total)
 
 
 # ------------------------------------------------------------------------------------------------

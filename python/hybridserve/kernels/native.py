@@ -11,9 +11,13 @@ splits its rows over torch's intra-op thread count (`threads()`), on the library
 
 Kernels:
 
-- `paged_attention`: decode and verify rows over the paged KV cache (float32 / float64), reading K
-  and V through the block table with no gathered copy.
+- `paged_attention`: decode and verify rows over the paged KV cache (float32 / float64, and
+  bfloat16 K / V computed in float32), reading K and V through the block table with no gathered
+  copy.
 - `rms_norm` / `gated_rms_norm`: the model's RMSNorms, one pass per row.
+
+bfloat16 / float16 models: the Mamba and norm kernels run in float32 on widened copies of their
+inputs (the Mamba states are float32 anyway) and round the result once.
 - `mamba_decode` / `mamba_prefill`: the Mamba2 mixer's conv and state recurrence token by token
   (the arithmetic of the reference conv update and state update) in one pass over each row's
   state, written straight into its slots: decode and verify rows, and prefill rows (instead of the
@@ -155,7 +159,7 @@ def _build(cxx: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point (ctypes converts and checks each argument by them)."""
-    for suffix in ("f32", "f64"):
+    for suffix in ("f32", "f64", "bf16"):
         fn = getattr(lib, f"hs_paged_attention_{suffix}")
         # q, kv, out, block_table, bt_stride, qsl, positions, rows, tokens, blocks, H, KVH, D,
         # block_size, scale, threads
@@ -217,12 +221,15 @@ def paged_attention(
     kv_cache ``[num_blocks, 2, block_size, KVH, D]``, block_table ``[rows, >= blocks needed]``
     int64, positions ``[T]`` int64 (token t sees keys 0..positions[t]). Returns ``[T, H, D]``, or
     None when the kernel does not apply (not on the CPU, another dtype, no library): the caller
-    then takes its torch path. Bad block ids or positions raise ValueError before anything is read."""
+    then takes its torch path. Bad block ids or positions raise ValueError before anything is read.
+    bfloat16 q and K/V are computed in float32 (the float32 kernel on the widened values) and the
+    result rounded to bfloat16."""
     import torch
 
+    fn_name = _attention_fn(q.dtype)
     if (
         not _on_cpu(q, kv_cache, block_table, qsl, positions)
-        or q.dtype not in (torch.float32, torch.float64)
+        or fn_name is None
         or kv_cache.dtype != q.dtype
         or not kv_cache.is_contiguous()  # not copied here: the torch path reads it in place
     ):
@@ -253,7 +260,7 @@ def paged_attention(
     qsl = qsl.contiguous()
     positions = positions.contiguous()
     out = torch.empty_like(q)
-    fn = lib.hs_paged_attention_f32 if q.dtype == torch.float32 else lib.hs_paged_attention_f64
+    fn = getattr(lib, fn_name)
     rc = fn(
         q.data_ptr(),
         kv_cache.data_ptr(),
@@ -274,6 +281,14 @@ def paged_attention(
     )
     _check_rc("paged_attention", rc, f"H={H}, KVH={KVH}, D={D}, block_size={kv_cache.shape[2]}, {rows} rows")
     return out
+
+
+def _attention_fn(dtype: torch.dtype) -> str | None:
+    """The entry point of the attention kernel for q / K / V of `dtype`."""
+    import torch
+
+    names = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+    return f"hs_paged_attention_{names[dtype]}" if dtype in names else None
 
 
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -315,6 +330,8 @@ class _MixerArgs(NamedTuple):
     tail: tuple[Any, ...]  # conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads
     y: torch.Tensor
     keep: tuple[torch.Tensor | None, ...]  # the converted copies the pointers refer to
+    suffix: str  # of the entry point: "f32" or "f64"
+    out_dtype: torch.dtype  # of the result (y is widened to it)
 
 
 def _mixer_args(
@@ -337,6 +354,12 @@ def _mixer_args(
 ) -> _MixerArgs | None:
     import torch
 
+    out_dtype = xbc.dtype
+    if out_dtype in (torch.bfloat16, torch.float16) and conv_state.dtype == ssm_state.dtype == torch.float32:
+        # bfloat16 / float16 activations over float32 states (the engine's layout): the float32
+        # kernel on the widened inputs (the reference computes the conv and the scan in float32
+        # too, but rounds the conv output to the input dtype in between; this does not)
+        xbc, dt, conv_weight = xbc.float(), dt.float(), conv_weight.float()
     dtype = xbc.dtype
     if (
         not _on_cpu(
@@ -388,7 +411,8 @@ def _mixer_args(
         conv_dim, W, H, P, ngroups, N, int(silu), float(dt_min),
         float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(), threads(),
     )  # fmt: skip
-    return _MixerArgs(lib, common, tail, y, (w, b, A_, D_, db))
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    return _MixerArgs(lib, common, tail, y, (xbc, dt, w, b, A_, D_, db), suffix, out_dtype)
 
 
 def _mixer_result(name: str, rc: int, args: _MixerArgs) -> torch.Tensor | None:
@@ -396,7 +420,7 @@ def _mixer_result(name: str, rc: int, args: _MixerArgs) -> torch.Tensor | None:
         return None
     conv_dim, W, H, P, G, N = args.tail[:6]
     _check_rc(name, rc, f"conv_dim={conv_dim}, H={H}, P={P}, G={G}, N={N}, W={W}")
-    return args.y
+    return args.y.to(args.out_dtype)
 
 
 def mamba_decode(
@@ -441,7 +465,7 @@ def mamba_decode(
     qsl = query_start_loc.to(i64).contiguous()
     rs = read_slot.to(i64).contiguous()
     ws = write_slots.to(i64).contiguous()
-    fn = args.lib.hs_mamba_decode_f32 if xbc.dtype == torch.float32 else args.lib.hs_mamba_decode_f64
+    fn = getattr(args.lib, f"hs_mamba_decode_{args.suffix}")
     rc = fn(*args.common, qsl.data_ptr(), R, rs.data_ptr(), ws.data_ptr(), ws.shape[1], *args.tail)
     return _mixer_result("mamba_decode", rc, args)
 
@@ -511,7 +535,7 @@ def mamba_prefill(
     offsets[1:] = torch.bincount(rows_all, minlength=R).cumsum(0)
     rs = read_slot.to(i64).contiguous()
     his = (has_initial_state != 0).to(torch.uint8).contiguous()
-    fn = args.lib.hs_mamba_prefill_f32 if xbc.dtype == torch.float32 else args.lib.hs_mamba_prefill_f64
+    fn = getattr(args.lib, f"hs_mamba_prefill_{args.suffix}")
     rc = fn(
         *args.common, qsl.data_ptr(), R, rs.data_ptr(), his.data_ptr(), offsets.data_ptr(), wtok.data_ptr(),
         wslot.data_ptr(), *args.tail,
@@ -525,9 +549,13 @@ def _norm_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``weight * x / sqrt(mean(x^2, -1) + eps)`` of a float32 / float64 ``[..., d]`` tensor on the
-    CPU (norm.RMSNorm); None when it does not apply."""
+    CPU (norm.RMSNorm); None when it does not apply. bfloat16 / float16: computed in float32, as
+    the reference does, and rounded once."""
     import torch
 
+    if x.dtype in (torch.bfloat16, torch.float16):
+        out = rms_norm(x.float(), weight, eps)
+        return None if out is None else out.to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64) or x.dim() < 1 or x.numel() == 0:
         return None
     x2 = x.reshape(-1, x.shape[-1])
@@ -558,9 +586,13 @@ def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor | None:
     """``weight * rmsnorm_grouped(y * silu(z))`` of float32 / float64 ``[T, d]`` tensors on the CPU
-    (norm.gated_rms_norm with the output in the input dtype); None when it does not apply."""
+    (norm.gated_rms_norm with the output in the input dtype); None when it does not apply.
+    bfloat16 / float16: computed in float32, as the reference does, and rounded once."""
     import torch
 
+    if y.dtype in (torch.bfloat16, torch.float16) and z.dtype == y.dtype:
+        out = gated_rms_norm(y.float(), z.float(), weight, group_size, eps)
+        return None if out is None else out.to(y.dtype)
     dtype = y.dtype
     if dtype not in (torch.float32, torch.float64) or y.dim() != 2 or y.shape != z.shape or y.numel() == 0:
         return None

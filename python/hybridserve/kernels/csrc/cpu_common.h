@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -24,6 +25,55 @@ struct Vec {
     static inline void store(T* p, type v) { std::memcpy(p, &v, sizeof(v)); }
     static inline type zero() { return type{} * T(0); }
 };
+
+// bfloat16 storage (the upper half of a float32), for tensors the kernels read and write in
+// bfloat16 while computing in float32.
+struct bf16 {
+    uint16_t bits;
+};
+
+inline float widen(float v) { return v; }
+inline double widen(double v) { return v; }
+inline float widen(bf16 v) {
+    const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// T -> storage type S; for bfloat16 round to nearest even, as torch's .to(torch.bfloat16) (NaN
+// stays a quiet NaN).
+template <typename S, typename T>
+inline S narrow(T v) {
+    if constexpr (std::is_same_v<S, bf16>) {
+        const float f = static_cast<float>(v);
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof(u));
+        if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return bf16{static_cast<uint16_t>(u >> 16)};
+    } else {
+        return static_cast<S>(v);
+    }
+}
+
+// One vector of T from Vec<T>::lanes values of storage type S (S = T, or bfloat16 for float).
+template <typename T, typename S>
+inline typename Vec<T>::type load_as(const S* p) {
+    if constexpr (std::is_same_v<S, T>) {
+        return Vec<T>::load(p);
+    } else {
+        static_assert(std::is_same_v<T, float> && std::is_same_v<S, bf16>, "bf16 is read as float");
+        typename Vec<T>::type v;
+#ifdef __AVX512F__
+        const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+        std::memcpy(&v, &w, sizeof(v));
+#else
+        for (int i = 0; i < Vec<T>::lanes; ++i) v[i] = widen(p[i]);
+#endif
+        return v;
+    }
+}
 
 // exp's argument is capped so that no inf appears (the library is built with -ffast-math, which
 // assumes none): below -80, silu is within 1e-33 of 0 either way.

@@ -4,6 +4,8 @@
 // called through ctypes). Layouts, all contiguous:
 //   q, out        [T, H, D]
 //   kv_cache      [num_blocks, 2, block_size, KVH, D]   (index 0 = K, 1 = V)
+// in float32, float64, or bfloat16 (q, kv_cache and out alike; computed in float32 from the
+// bfloat16 values, so the result is the float32 kernel's on the widened inputs, rounded once).
 //   block_table   [num_rows, bt_stride] int64
 //   qsl           [num_rows + 1] int64: row r owns tokens qsl[r] .. qsl[r+1]
 //   positions     [T] int64: token t attends keys 0 .. positions[t] of its row
@@ -74,9 +76,9 @@ inline void prefetch_half(const T* p, int64_t n) {
 // kernel prefetches kPrefetchAhead halves ahead along this sequence, into the next row's.
 constexpr int64_t kPrefetchAhead = 4;
 
-template <typename T>
+template <typename S>
 struct HalfStream {
-    const T* kv;
+    const S* kv;
     const int64_t* block_table;
     int64_t bt_stride, block_stride, half_stride, block_size, num_rows;
     const int64_t* qsl;
@@ -90,29 +92,35 @@ struct HalfStream {
             nb = (row_keys(qsl, positions, r) + block_size - 1) / block_size;
         }
         const int64_t b = s < nb ? s : s - nb;
-        const T* p = kv + block_table[r * bt_stride + b] * block_stride + (s < nb ? 0 : half_stride);
+        const S* p = kv + block_table[r * bt_stride + b] * block_stride + (s < nb ? 0 : half_stride);
         prefetch_half(p, half_stride);
     }
 };
 
 #ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const hs::bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // q . k_j for 16 keys at once (float, D a multiple of 16): one vector of partial sums per key,
 // then hs::sum16.
-template <int D>
-inline __m512 dots16(const float* q, const float* k0, int64_t tok_stride) {
+template <int D, typename S>
+inline __m512 dots16(const float* q, const S* k0, int64_t tok_stride) {
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
-        const float* k = k0 + j * tok_stride;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-        for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), a);
+        const S* k = k0 + j * tok_stride;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+        for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
         acc[j] = a;
     }
     return hs::sum16(acc);
 }
 #endif
 
-template <typename T, int DC>
-void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
+template <typename T, typename S, int DC>
+void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride,
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
                      int64_t KVH, int64_t D_runtime, int64_t block_size, T scale, int64_t row_begin,
                      int64_t row_end) {
@@ -126,7 +134,8 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
     std::vector<int64_t> qv_pos;
     std::vector<int64_t> qv_koff;  // offset of the query's KV head inside a token's row
     std::vector<const T*> qv_ptr;
-    const HalfStream<T> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
+    std::vector<T> qwide;  // the row's queries in T, where S is narrower
+    const HalfStream<S> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
                                positions};
     bool primed = false;
     for (int64_t r = row_begin; r < row_end; ++r) {
@@ -143,12 +152,17 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
         qv_pos.resize(static_cast<size_t>(nq));
         qv_koff.resize(static_cast<size_t>(nq));
         qv_ptr.resize(static_cast<size_t>(nq));
+        if constexpr (!std::is_same_v<S, T>) {
+            qwide.resize(static_cast<size_t>(nq * D));
+            for (int64_t j = 0; j < nq * D; ++j) qwide[static_cast<size_t>(j)] = hs::widen(q[t0 * H * D + j]);
+        }
         for (int64_t t = t0; t < t1; ++t) {
             for (int64_t h = 0; h < H; ++h) {
                 const int64_t i = (t - t0) * H + h;
                 qv_pos[i] = positions[t];
                 qv_koff[i] = (h / Gq) * D;
-                qv_ptr[i] = q + (t * H + h) * D;
+                if constexpr (std::is_same_v<S, T>) qv_ptr[i] = q + (t * H + h) * D;
+                else qv_ptr[i] = qwide.data() + i * D;
             }
         }
         const int64_t* blocks = block_table + r * bt_stride;
@@ -159,7 +173,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
         }
         // scores[i][j] = scale * q_i . k_j for j <= pos_i
         for (int64_t b = 0; b < nb; ++b) {
-            const T* kblock = kv + blocks[b] * block_stride;
+            const S* kblock = kv + blocks[b] * block_stride;
             stream.prefetch(r, nb, b + kPrefetchAhead);
             const int64_t j0 = b * block_size;
             const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
@@ -172,7 +186,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
                 // scores past a query's position are computed and never read.
                 if (block_size % 16 == 0) {
                     for (; jj < jn; jj += 16) {
-                        const T* krow = kblock + jj * tok_stride;
+                        const S* krow = kblock + jj * tok_stride;
                         for (int64_t i = 0; i < nq; ++i) {
                             if (j0 + jj > qv_pos[i]) continue;
                             const __m512 sc = _mm512_mul_ps(dots16<DC>(qv_ptr[i], krow + qv_koff[i], tok_stride),
@@ -184,14 +198,14 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             }
 #endif
             for (; jj < jn; ++jj) {
-                const T* krow = kblock + jj * tok_stride;
+                const S* krow = kblock + jj * tok_stride;
                 const int64_t j = j0 + jj;
                 for (int64_t i = 0; i < nq; ++i) {
                     if (j > qv_pos[i]) continue;
                     const T* qi = qv_ptr[i];
-                    const T* k = krow + qv_koff[i];
+                    const S* k = krow + qv_koff[i];
                     T s = 0;
-                    for (int64_t d = 0; d < D; ++d) s += qi[d] * k[d];
+                    for (int64_t d = 0; d < D; ++d) s += qi[d] * hs::widen(k[d]);
                     scores[i * Lp + j] = s * scale;
                 }
             }
@@ -222,7 +236,7 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
             // in registers within the block; keys in order, so the sum does not depend on how many
             // keys follow a query's position
             for (int64_t b = 0; b < nb; ++b) {
-                const T* vblock = kv + blocks[b] * block_stride + half_stride;
+                const S* vblock = kv + blocks[b] * block_stride + half_stride;
                 stream.prefetch(r, nb, nb + b + kPrefetchAhead);
                 const int64_t j0 = b * block_size;
                 for (int64_t i = 0; i < nq; ++i) {
@@ -230,43 +244,47 @@ void paged_attention(const T* q, const T* kv, T* out, const int64_t* block_table
                     if (n <= 0) continue;
                     const int64_t jn = n < block_size ? n : block_size;
                     const T* p = scores.data() + i * Lp + j0;
-                    const T* v = vblock + qv_koff[i];
+                    const S* v = vblock + qv_koff[i];
                     T* a = acc.data() + i * D;
                     VT a0[nv];
                     for (int u = 0; u < nv; ++u) a0[u] = V::load(a + u * V::lanes);
                     for (int64_t jj = 0; jj < jn; ++jj) {
-                        const T* vr = v + jj * tok_stride;
-                        for (int u = 0; u < nv; ++u) a0[u] += V::load(vr + u * V::lanes) * p[jj];
+                        const S* vr = v + jj * tok_stride;
+                        for (int u = 0; u < nv; ++u) a0[u] += hs::load_as<T>(vr + u * V::lanes) * p[jj];
                     }
                     for (int u = 0; u < nv; ++u) V::store(a + u * V::lanes, a0[u]);
                 }
             }
         } else {
             for (int64_t b = 0; b < nb; ++b) {
-                const T* vblock = kv + blocks[b] * block_stride + half_stride;
+                const S* vblock = kv + blocks[b] * block_stride + half_stride;
                 stream.prefetch(r, nb, nb + b + kPrefetchAhead);
                 const int64_t j0 = b * block_size;
                 const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
                 for (int64_t jj = 0; jj < jn; ++jj) {
-                    const T* vrow = vblock + jj * tok_stride;
+                    const S* vrow = vblock + jj * tok_stride;
                     const int64_t j = j0 + jj;
                     for (int64_t i = 0; i < nq; ++i) {
                         if (j > qv_pos[i]) continue;
                         const T p = scores[i * Lp + j];
-                        const T* v = vrow + qv_koff[i];
+                        const S* v = vrow + qv_koff[i];
                         T* a = acc.data() + i * D;
-                        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                        for (int64_t d = 0; d < D; ++d) a[d] += p * hs::widen(v[d]);
                     }
                 }
             }
         }
-        for (int64_t t = t0; t < t1; ++t)
-            std::memcpy(out + t * H * D, acc.data() + (t - t0) * H * D, sizeof(T) * static_cast<size_t>(H * D));
+        if constexpr (std::is_same_v<S, T>) {
+            for (int64_t t = t0; t < t1; ++t)
+                std::memcpy(out + t * H * D, acc.data() + (t - t0) * H * D, sizeof(T) * static_cast<size_t>(H * D));
+        } else {
+            for (int64_t j = 0; j < nq * D; ++j) out[t0 * H * D + j] = hs::narrow<S>(acc[static_cast<size_t>(j)]);
+        }
     }
 }
 
-template <typename T>
-int dispatch(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride,
+template <typename T, typename S>
+int dispatch(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride,
              const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_tokens,
              int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size, double scale,
              int threads) {
@@ -281,7 +299,7 @@ int dispatch(const T* q, const T* kv, T* out, const int64_t* block_table, int64_
             weight[static_cast<size_t>(r)] + (qsl[r + 1] - qsl[r]) * row_keys(qsl, positions, r);
     const bool ok = hs::parallel_rows(num_rows, threads, weight, kMinPairsPerThread, [&](int64_t b, int64_t e) {
 #define HS_ATTN(DC)                                                                                       \
-    paged_attention<T, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
+    paged_attention<T, S, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
                            s, b, e)
         switch (D) {
             case 32: HS_ATTN(32); break;
@@ -300,20 +318,21 @@ extern "C" {
 
 // Return codes: 0 ok, 1 bad shapes, 2 a row range, position or block id out of bounds (nothing
 // read), 4 out of memory or no thread could be started.
-#define HS_PAGED_ATTENTION(NAME, T)                                                                               \
-    int NAME(const T* q, const T* kv, T* out, const int64_t* block_table, int64_t bt_stride, const int64_t* qsl,  \
+#define HS_PAGED_ATTENTION(NAME, T, S)                                                                            \
+    int NAME(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride, const int64_t* qsl,  \
              const int64_t* positions, int64_t num_rows, int64_t num_tokens, int64_t num_blocks, int64_t H,        \
              int64_t KVH, int64_t D, int64_t block_size, double scale, int threads) {                             \
         try {                                                                                                      \
-            return dispatch<T>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_tokens,          \
+            return dispatch<T, S>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_tokens,          \
                                num_blocks, H, KVH, D, block_size, scale, threads);                                \
         } catch (...) {                                                                                            \
             return 4;                                                                                              \
         }                                                                                                          \
     }
 
-HS_PAGED_ATTENTION(hs_paged_attention_f32, float)
-HS_PAGED_ATTENTION(hs_paged_attention_f64, double)
+HS_PAGED_ATTENTION(hs_paged_attention_f32, float, float)
+HS_PAGED_ATTENTION(hs_paged_attention_f64, double, double)
+HS_PAGED_ATTENTION(hs_paged_attention_bf16, float, hs::bf16)
 
 #undef HS_PAGED_ATTENTION
 
