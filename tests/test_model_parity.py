@@ -307,6 +307,41 @@ def test_loader_errors(checkpoints, tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "name, field, value, match",
+    [
+        ("nh_g1", "hidden_size", 48.5, "hidden_size must be an integer, got 48.5"),
+        ("nh_g1", "mamba_num_heads", True, "mamba_num_heads must be an integer, got True"),
+        ("nh_g1", "n_groups", "1", "n_groups must be an integer"),
+        ("nh_g1", "eos_token_id", [2, 2.5], "eos_token_id must be an integer"),
+        ("bamba_g1", "attn_layer_indices", [1.5], "attn_layer_indices must be an integer"),
+        ("bamba_g1", "num_attention_heads", 0, "a size that another is derived from is 0"),
+        ("m2_g2", "expand", 1.3, r"expand \* hidden_size must be an integer, got 46\.8"),
+        ("m2_g2", "head_dim", 0, "a size that another is derived from is 0"),
+    ],
+)
+def test_config_sizes_that_are_not_integers_are_errors(checkpoints, tmp_path, name, field, value, match):
+    # a size of 48.5 was silently truncated to 48 before
+    _, d = checkpoints(name)
+    c = _copy_ckpt(d, tmp_path / "c")
+    raw = json.loads((c / "config.json").read_text())
+    raw[field] = value
+    if field == "head_dim":
+        raw.pop("num_heads", None)  # derived from head_dim
+    (c / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match):
+        load_model(str(c))
+
+
+def test_config_sizes_written_as_whole_floats_are_accepted(checkpoints, tmp_path):
+    _, d = checkpoints("nh_g1")
+    c = _copy_ckpt(d, tmp_path / "c")
+    raw = json.loads((c / "config.json").read_text())
+    raw["hidden_size"] = float(raw["hidden_size"])
+    (c / "config.json").write_text(json.dumps(raw))
+    assert load_model(str(c)).config.hidden_size == int(raw["hidden_size"])
+
+
 def test_loader_errors_of_shards_side_files_and_sizes(checkpoints, tmp_path):
     _, d = checkpoints("nh_g1")
     from safetensors.torch import load_file, save_file

@@ -239,6 +239,31 @@ def get_field(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+def integral(v: Any, name: str) -> int:
+    """`v` as an int: an integer, or a float with no fraction (128.0); anything else (128.7, a
+    bool, a string) is a TypeError naming the field, which the config parser reports with the
+    file's name, instead of a silently truncated size."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be an integer, got {v!r}")
+    if isinstance(v, float) and not v.is_integer():
+        raise TypeError(f"{name} must be an integer, got {v!r}")
+    return int(v)
+
+
+_REQUIRED = object()
+
+
+def get_int(raw: dict[str, Any], *names: str, default: Any = _REQUIRED) -> int:
+    """The first of `names` present (and not None) as an int (see `integral`); `default` when
+    none is, KeyError when there is no default."""
+    v = get_field(raw, *names)
+    if v is None:
+        if default is _REQUIRED:
+            raise KeyError(names[0])
+        return integral(default, names[0])
+    return integral(v, next(n for n in names if raw.get(n) is not None))
+
+
 def get_flag(raw: dict[str, Any], *names: str, default: bool) -> bool:
     """A true/false field (the first of `names` present): a string such as "false" is an error,
     not truthy. TypeError, which the config parser reports with the file's name."""
@@ -253,9 +278,9 @@ def token_ids(raw: dict[str, Any], name: str) -> tuple[int | None, list[int]]:
     if v is None:
         return None, []
     if isinstance(v, list):
-        ids = [int(x) for x in v]
+        ids = [integral(x, name) for x in v]
         return (ids[0] if ids else None), ids
-    return int(v), [int(v)]
+    return integral(v, name), [integral(v, name)]
 
 
 def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:

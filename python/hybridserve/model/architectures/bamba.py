@@ -28,6 +28,8 @@ from hybridserve.model.model_config import (
     ModelConfig,
     get_field,
     get_flag,
+    get_int,
+    integral,
     layer_kinds_from_names,
     time_step_limit,
     token_ids,
@@ -102,20 +104,20 @@ class BambaForCausalLM(CausalLM):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
-        n = int(raw["num_hidden_layers"])
+        n = get_int(raw, "num_hidden_layers")
         names = get_field(raw, "layer_types", "layers_block_type")
         if names is not None:
             kinds = layer_kinds_from_names(list(names), source)
         else:
-            attn = set(int(i) for i in (raw.get("attn_layer_indices") or []))
+            attn = set(integral(i, "attn_layer_indices") for i in (raw.get("attn_layer_indices") or []))
             kinds = [ATTENTION if i in attn else MAMBA for i in range(n)]
-        hidden = int(raw["hidden_size"])
+        hidden = get_int(raw, "hidden_size")
         expand = float(get_field(raw, "mamba_expand", default=2))
-        d_inner = int(expand * hidden)
-        nheads = int(get_field(raw, "mamba_n_heads", default=128))
+        d_inner = integral(expand * hidden, "expand * hidden_size")
+        nheads = get_int(raw, "mamba_n_heads", default=128)
         d_head = raw.get("mamba_d_head", "auto")
-        headdim = d_inner // nheads if d_head in (None, "auto") else int(d_head)
-        num_heads = int(raw["num_attention_heads"])
+        headdim = d_inner // nheads if d_head in (None, "auto") else integral(d_head, "mamba_d_head")
+        num_heads = get_int(raw, "num_attention_heads")
         rp = raw.get("rope_parameters") or {}
         if not isinstance(rp, dict):
             raise ConfigError(f"{source}: rope_parameters must be an object")
@@ -132,7 +134,7 @@ class BambaForCausalLM(CausalLM):
         cfg = ModelConfig(
             architecture="BambaForCausalLM",
             model_type=str(raw.get("model_type", "bamba")),
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=get_int(raw, "vocab_size"),
             hidden_size=hidden,
             num_layers=n,
             layer_types=kinds,
@@ -142,13 +144,13 @@ class BambaForCausalLM(CausalLM):
             eos_token_id=eos,
             eos_token_ids=eos_all,
             pad_token_id=pad,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 262144)),
+            max_position_embeddings=get_int(raw, "max_position_embeddings", default=262144),
             nheads=nheads,
             headdim=headdim,
-            dstate=int(get_field(raw, "mamba_d_state", default=256)),
-            ngroups=int(get_field(raw, "mamba_n_groups", default=1)),
-            d_conv=int(get_field(raw, "mamba_d_conv", default=4)),
-            chunk_size=int(get_field(raw, "mamba_chunk_size", default=256)),
+            dstate=get_int(raw, "mamba_d_state", default=256),
+            ngroups=get_int(raw, "mamba_n_groups", default=1),
+            d_conv=get_int(raw, "mamba_d_conv", default=4),
+            chunk_size=get_int(raw, "mamba_chunk_size", default=256),
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),
@@ -157,12 +159,12 @@ class BambaForCausalLM(CausalLM):
             dt_min=dt_min,
             dt_max=dt_max,
             num_heads=num_heads,
-            num_kv_heads=int(get_field(raw, "num_key_value_heads", default=num_heads)),
-            head_dim=int(get_field(raw, "head_dim", default=hidden // num_heads)),
+            num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
+            head_dim=get_int(raw, "head_dim", default=hidden // num_heads),
             attention_bias=get_flag(raw, "attention_bias", default=False),
             rope_theta=theta,
             partial_rotary_factor=partial,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=get_int(raw, "intermediate_size"),
             mlp_act=str(raw.get("hidden_act", "silu")),
             mlp_bias=get_flag(raw, "mlp_bias", default=False),
             mlp_gated=True,

@@ -16,7 +16,15 @@ from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.norm import RMSNorm
-from hybridserve.model.model_config import MAMBA, ModelConfig, get_field, get_flag, time_step_limit, token_ids
+from hybridserve.model.model_config import (
+    MAMBA,
+    ModelConfig,
+    get_flag,
+    get_int,
+    integral,
+    time_step_limit,
+    token_ids,
+)
 
 
 class Mamba2Block(nn.Module):
@@ -77,12 +85,12 @@ class Mamba2ForCausalLM(CausalLM):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
-        hidden = int(get_field(raw, "hidden_size", "d_model"))
-        n = int(get_field(raw, "num_hidden_layers", "n_layer"))
+        hidden = get_int(raw, "hidden_size", "d_model")
+        n = get_int(raw, "num_hidden_layers", "n_layer")
         expand = float(raw.get("expand", 2))
-        d_inner = int(expand * hidden)
-        headdim = int(raw.get("head_dim", 64))
-        nheads = int(raw.get("num_heads", d_inner // headdim))
+        d_inner = integral(expand * hidden, "expand * hidden_size")
+        headdim = get_int(raw, "head_dim", default=64)
+        nheads = get_int(raw, "num_heads", default=d_inner // headdim)
         dt_min, dt_max = time_step_limit(raw, "time_step_limit")
         bos, _ = token_ids(raw, "bos_token_id")
         eos, eos_all = token_ids(raw, "eos_token_id")
@@ -91,7 +99,7 @@ class Mamba2ForCausalLM(CausalLM):
         cfg = ModelConfig(
             architecture="Mamba2ForCausalLM",
             model_type=str(raw.get("model_type", "mamba2")),
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=get_int(raw, "vocab_size"),
             hidden_size=hidden,
             num_layers=n,
             layer_types=[MAMBA] * n,
@@ -102,13 +110,13 @@ class Mamba2ForCausalLM(CausalLM):
             eos_token_id=eos,
             eos_token_ids=eos_all,
             pad_token_id=pad,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 1 << 20)),
+            max_position_embeddings=get_int(raw, "max_position_embeddings", default=1 << 20),
             nheads=nheads,
             headdim=headdim,
-            dstate=int(get_field(raw, "state_size", default=128)),
-            ngroups=int(get_field(raw, "n_groups", default=1)),
-            d_conv=int(get_field(raw, "conv_kernel", default=4)),
-            chunk_size=int(get_field(raw, "chunk_size", default=256)),
+            dstate=get_int(raw, "state_size", default=128),
+            ngroups=get_int(raw, "n_groups", default=1),
+            d_conv=get_int(raw, "conv_kernel", default=4),
+            chunk_size=get_int(raw, "chunk_size", default=256),
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "use_bias", default=False),

@@ -34,6 +34,8 @@ from hybridserve.model.model_config import (
     ModelConfig,
     get_field,
     get_flag,
+    get_int,
+    integral,
     layer_kinds_from_names,
     token_ids,
 )
@@ -133,10 +135,10 @@ class NemotronHForCausalLM(CausalLM):
             if bad:
                 raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
             kinds = [_PATTERN[c] for c in pattern]
-        hidden = int(raw["hidden_size"]) if "hidden_size" in raw else 0
-        nheads = int(get_field(raw, "mamba_num_heads", default=0))
-        headdim = int(get_field(raw, "mamba_head_dim", default=0))
-        num_heads = int(get_field(raw, "num_attention_heads", default=0))
+        hidden = get_int(raw, "hidden_size", default=0)
+        nheads = get_int(raw, "mamba_num_heads", default=0)
+        headdim = get_int(raw, "mamba_head_dim", default=0)
+        num_heads = get_int(raw, "num_attention_heads", default=0)
         bos, _ = token_ids(raw, "bos_token_id")
         eos, eos_all = token_ids(raw, "eos_token_id")
         pad, _ = token_ids(raw, "pad_token_id")
@@ -147,7 +149,7 @@ class NemotronHForCausalLM(CausalLM):
         cfg = ModelConfig(
             architecture="NemotronHForCausalLM",
             model_type=str(raw.get("model_type", "nemotron_h")),
-            vocab_size=int(raw.get("vocab_size", 0)),
+            vocab_size=get_int(raw, "vocab_size", default=0),
             hidden_size=hidden,
             num_layers=len(kinds),
             layer_types=kinds,
@@ -158,13 +160,13 @@ class NemotronHForCausalLM(CausalLM):
             eos_token_id=eos,
             eos_token_ids=eos_all,
             pad_token_id=pad,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=get_int(raw, "max_position_embeddings", default=4096),
             nheads=nheads,
             headdim=headdim,
-            dstate=int(get_field(raw, "ssm_state_size", "mamba_d_state", default=0)),
-            ngroups=int(get_field(raw, "n_groups", "mamba_n_groups", default=1)),
-            d_conv=int(get_field(raw, "conv_kernel", "mamba_d_conv", default=4)),
-            chunk_size=int(get_field(raw, "chunk_size", "mamba_chunk_size", default=256)),
+            dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=0),
+            ngroups=get_int(raw, "n_groups", "mamba_n_groups", default=1),
+            d_conv=get_int(raw, "conv_kernel", "mamba_d_conv", default=4),
+            chunk_size=get_int(raw, "chunk_size", "mamba_chunk_size", default=256),
             d_inner=nheads * headdim,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", "use_bias", default=False),
@@ -174,21 +176,23 @@ class NemotronHForCausalLM(CausalLM):
             dt_max=math.inf,
             mamba_ssm_cache_dtype=str(raw.get("mamba_ssm_cache_dtype", "float32")),
             num_heads=num_heads,
-            num_kv_heads=int(get_field(raw, "num_key_value_heads", default=num_heads)),
-            head_dim=int(head_dim or 0),
+            num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
+            head_dim=integral(head_dim or 0, "head_dim"),
             attention_bias=get_flag(raw, "attention_bias", default=False),
             partial_rotary_factor=0.0,
-            intermediate_size=int(raw.get("intermediate_size", 0)),
+            intermediate_size=get_int(raw, "intermediate_size", default=0),
             mlp_act=str(raw.get("mlp_hidden_act", "relu2")),
             mlp_bias=get_flag(raw, "mlp_bias", default=False),
             mlp_gated=False,
-            n_routed_experts=int(get_field(raw, "n_routed_experts", "num_local_experts", default=0)),
-            num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
-            moe_shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 0)),
+            n_routed_experts=get_int(raw, "n_routed_experts", "num_local_experts", default=0),
+            num_experts_per_tok=get_int(raw, "num_experts_per_tok", default=0),
+            moe_intermediate_size=get_int(raw, "moe_intermediate_size", default=0),
+            moe_shared_expert_intermediate_size=get_int(
+                raw, "moe_shared_expert_intermediate_size", default=0
+            ),
             moe_latent_size=raw.get("moe_latent_size"),
-            n_group=int(raw.get("n_group", 1) or 1),
-            topk_group=int(raw.get("topk_group", 1) or 1),
+            n_group=(get_int(raw, "n_group", default=1) or 1),
+            topk_group=(get_int(raw, "topk_group", default=1) or 1),
             norm_topk_prob=get_flag(raw, "norm_topk_prob", default=True),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
             raw=raw,
