@@ -791,7 +791,7 @@ def test_a_client_that_stops_sending_its_body_gets_a_408(server, client):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
 
 
-def test_a_body_that_is_not_what_its_content_encoding_says_is_a_400(server, client):
+def test_a_body_not_in_its_content_encoding_is_a_400_and_an_unknown_coding_a_415(server, client):
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
     for enc in (b"gzip", b"deflate"):
         head, parsed = raw_http(
@@ -806,6 +806,22 @@ def test_a_body_that_is_not_what_its_content_encoding_says_is_a_400(server, clie
         )
         assert head.startswith(b"HTTP/1.1 400"), (enc, head)
         assert parsed["error"]["code"] == "bad_request_body"
+    # a coding the server does not decode: refused, not read as plain JSON (the body here is
+    # plain JSON, which the server used to run)
+    for enc in (b"foo", b"gzip, br", b"compress"):
+        head, parsed = raw_http(
+            server,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: "
+            + enc
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body,
+        )
+        assert head.startswith(b"HTTP/1.1 415"), (enc, head)
+        assert parsed["error"]["code"] == "unsupported_media_type"
+        assert enc.decode() in parsed["error"]["message"]
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
     assert "internal error" not in server.output()
 

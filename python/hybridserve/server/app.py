@@ -465,10 +465,25 @@ async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
     return resp
 
 
+# Content-Encodings of a request body that aiohttp decodes here (it passes a body of any other
+# coding through undecoded, and refuses br / zstd itself without their optional packages)
+_BODY_CODINGS = ("identity", "gzip", "deflate")
+
+
 def _check_content_type(request: web.Request) -> None:
     """A body is read as JSON only when it says it is JSON (application/json or a ``+json`` type)
     or says nothing. A browser form post (``text/plain`` or form-encoded, which a page on another
-    site may send without the user knowing) is refused instead of being run as a request."""
+    site may send without the user knowing) is refused instead of being run as a request. A body
+    in a content coding the server does not decode is refused too (RFC 9110: 415), instead of
+    being read as if it were not encoded."""
+    coding = request.headers.get("Content-Encoding")
+    if coding is not None and coding.strip().lower() not in ("", *_BODY_CODINGS):
+        raise P.APIError(
+            f"the Content-Encoding {coding!r} is not supported; send the body uncompressed, or "
+            "gzip or deflate encoded",
+            status=415,
+            code="unsupported_media_type",
+        )
     if "Content-Type" not in request.headers:
         return
     media = request.content_type  # lower-cased, parameters removed
