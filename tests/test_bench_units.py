@@ -90,3 +90,17 @@ def test_workloads_do_not_share_tokens_across_names() -> None:
     a = build_workload(WorkloadSpec(name="random", num_requests=1, prompt_len=64))[0].prompts[0]
     b = build_workload(WorkloadSpec(name="shared-prefix", num_requests=1, prompt_len=64))[0].prompts[0]
     assert a[:16] != b[:16]
+
+
+def test_bench_offline_counts_the_tokens_made_and_says_when_they_are_fewer() -> None:
+    from hybridserve.benchmarks.offline import format_offline, run_offline
+    from hybridserve.config import EngineArgs
+
+    r = run_offline(EngineArgs(model="demo", max_num_seqs=4), 3, 20, 6, warmup=False)
+    assert r["total_output_tokens"] == 18 and [len(o) for o in r["outputs"]] == [6, 6, 6]
+    assert r["total_prompt_tokens"] == 60 and "note:" not in format_offline(r)
+    # prompt + output past max_model_len: each request ends there (10 tokens, not 30)
+    r = run_offline(EngineArgs(model="demo", max_num_seqs=4, max_model_len=30), 3, 20, 30, warmup=False)
+    assert r["total_output_tokens"] == 30 and r["max_model_len"] == 30
+    assert math.isclose(r["output_throughput"], 30 / r["elapsed_s"])
+    assert "note: 30 output tokens made of the 90 asked" in format_offline(r)

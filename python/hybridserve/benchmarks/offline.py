@@ -65,6 +65,7 @@ def run_offline(
             "output_len": output_len,
             "seed": seed,
         },
+        "max_model_len": int(llm.engine.config.max_model_len),
         "load_s": load_s,
         "elapsed_s": elapsed,
         "num_steps": int(stats.get("num_steps", 0)) - steps_before,
@@ -81,12 +82,20 @@ def run_offline(
 
 def format_offline(r: dict[str, Any]) -> str:
     c = r["config"]
-    return (
+    text = (
         f"== bench offline: {c['num_prompts']} prompts x {c['prompt_len']} tokens, {c['output_len']} output tokens\n"
         f"elapsed {r['elapsed_s']:.2f} s in {r['num_steps']} steps (model load {r['load_s']:.1f} s)\n"
         f"throughput: {r['request_throughput']:.2f} req/s  {r['output_throughput']:.1f} output tok/s  "
         f"{r['total_token_throughput']:.1f} total tok/s"
     )
+    asked = c["num_prompts"] * c["output_len"]
+    if r["total_output_tokens"] != asked:
+        # the throughput counts the tokens made; say that they are not the ones asked for
+        text += (
+            f"\nnote: {r['total_output_tokens']} output tokens made of the {asked} asked: a request ends "
+            f"where prompt + output reach max_model_len ({r['max_model_len']})"
+        )
+    return text
 
 
 def offline_main(
