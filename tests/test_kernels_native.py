@@ -758,3 +758,30 @@ def test_a_verify_row_is_bit_identical_to_decoding_its_tokens_one_by_one(dtype):
     assert torch.equal(c["ssm_state"], together["ssm_state"]) and torch.equal(
         c["conv_state"], together["conv_state"]
     )
+
+
+def test_bf16_tensors_off_the_cpu_are_declined_without_widening_copies():
+    # (meta tensors stand in for CUDA ones): the torch path gets them untouched, no float32
+    # copy is made first
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    meta = {"device": "meta", "dtype": BF16}
+    x, w = torch.empty(64, 48, **meta), torch.empty(48, **meta)
+    c = mamba_case([1, 1], 4, 8, 2, 16, 4, torch.float32)
+    c = {
+        k: (v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in c.items()
+    }
+    c["xbc"], c["dt"] = c["xbc"].to(BF16), c["dt"].to(BF16)
+    with Record():
+        assert native.rms_norm(x, w, 1e-5) is None
+        assert native.gated_rms_norm(x, x, w, 8, 1e-5) is None
+        assert run_native(c, 2) is None
+    assert [op for op in ops if "_to_copy" in op or "copy_" in op] == [], ops

@@ -318,6 +318,9 @@ def test_loader_errors(checkpoints, tmp_path):
         ("bamba_g1", "num_attention_heads", 0, "a size that another is derived from is 0"),
         ("m2_g2", "expand", 1.3, r"expand \* hidden_size must be an integer, got 46\.8"),
         ("m2_g2", "head_dim", 0, "a size that another is derived from is 0"),
+        ("m2_g2", "layer_norm_epsilon", "1e-5", "layer_norm_epsilon must be a number"),
+        ("bamba_g1", "mamba_expand", True, "mamba_expand must be a number, got True"),
+        ("bamba_g1", "mamba_expand", 10**400, "a size is out of range"),
     ],
 )
 def test_config_sizes_that_are_not_integers_are_errors(checkpoints, tmp_path, name, field, value, match):

@@ -84,3 +84,35 @@ def test_dropping_rows_after_the_last_cache_layer_is_exact(tmp_path, monkeypatch
     assert set(rows_full) == {total}
     assert (5 in rows_kept) == (name in PRUNES), rows_kept
     assert sum(rows_kept) < sum(rows_full) if name in PRUNES else rows_kept == rows_full
+
+
+def test_which_logits_lists_drop_rows():
+    from hybridserve.model.architectures.base import _drops_rows
+
+    t = torch.tensor
+    assert _drops_rows(t([3, 7, 9], dtype=torch.int64), 10)
+    assert _drops_rows(t([], dtype=torch.int64), 10)  # a chunk that ends no prompt: no rows at all
+    assert not _drops_rows(t(list(range(10))), 10)  # every token: nothing to drop
+    # anything but a strictly increasing list inside the batch is taken as it is, by indexing
+    for li in ([7, 3], [3, 3], [-1, 4], [2, 10]):
+        assert not _drops_rows(t(li), 10), li
+
+
+def test_a_forward_with_no_logits_rows_writes_every_cache(tmp_path):
+    kind, ov = ALL_CONFIGS["nh_g2_moe"]
+    lm = load_model(
+        str(save_hf_model(build_hf_model(kind, ov, vocab_size=VOCAB, seed=4), tmp_path)), torch.float64
+    )
+    prompt = random_prompts(1, VOCAB, [14], seed=6)[0]
+    runs = []
+    for all_logits in (False, True):
+        drv = Driver(lm, max_seq=32, max_reqs=1, window=2)
+        req = drv._new_req(0, prompt, 0, [9, 5], 0)
+        first = drv.step([(req, prompt[:9], False)], all_logits=all_logits)  # not the last chunk
+        last = drv.step([(req, prompt[9:], False)])
+        runs.append((first, last, drv))
+    assert runs[0][0].shape == (0, VOCAB) and runs[1][0].shape == (9, VOCAB)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-12, atol=1e-12)
+    for name in ("kv", "conv", "ssm"):
+        for i, t in getattr(runs[0][2].caches, name).items():
+            assert torch.equal(t, getattr(runs[1][2].caches, name)[i]), (name, i)

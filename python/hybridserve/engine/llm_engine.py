@@ -69,7 +69,8 @@ def _to_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
         emit_row=t(out.emit_row),
         emit_token=t(out.emit_token),
         emit_slot=t(out.emit_slot),
-        logits_indices=t(out.logits_indices),
+        # on the CPU: the model moves it to the device itself, and reads it on the CPU too
+        logits_indices=torch.from_numpy(np.ascontiguousarray(out.logits_indices)),
     )
 
 

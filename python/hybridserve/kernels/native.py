@@ -15,13 +15,14 @@ Kernels:
   bfloat16 K / V computed in float32), reading K and V through the block table with no gathered
   copy.
 - `rms_norm` / `gated_rms_norm`: the model's RMSNorms, one pass per row.
-
-bfloat16 / float16 models: the Mamba and norm kernels run in float32 on widened copies of their
-inputs (the Mamba states are float32 anyway) and round the result once.
 - `mamba_decode` / `mamba_prefill`: the Mamba2 mixer's conv and state recurrence token by token
   (the arithmetic of the reference conv update and state update) in one pass over each row's
   state, written straight into its slots: decode and verify rows, and prefill rows (instead of the
   chunked SSD scan, which on a CPU does the same O(H P N) work per token plus the chunk matrices).
+
+bfloat16 / float16 activations: the norm kernels, and the Mamba kernels where both states are
+float32 (the default `mamba_ssm_cache_dtype`), run in float32 on widened copies of their inputs
+and round the result once.
 """
 
 from __future__ import annotations
@@ -355,7 +356,12 @@ def _mixer_args(
     import torch
 
     out_dtype = xbc.dtype
-    if out_dtype in (torch.bfloat16, torch.float16) and conv_state.dtype == ssm_state.dtype == torch.float32:
+    if (
+        out_dtype in (torch.bfloat16, torch.float16)
+        and conv_state.dtype == ssm_state.dtype == torch.float32
+        and _on_cpu(xbc, dt, conv_weight, conv_state, ssm_state)
+        and library() is not None
+    ):
         # bfloat16 / float16 activations over float32 states (the engine's layout): the float32
         # kernel on the widened inputs (the reference computes the conv and the scan in float32
         # too, but rounds the conv output to the input dtype in between; this does not)
@@ -553,7 +559,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     the reference does, and rounded once."""
     import torch
 
-    if x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype in (torch.bfloat16, torch.float16) and _on_cpu(x, weight) and library() is not None:
         out = rms_norm(x.float(), weight, eps)
         return None if out is None else out.to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64) or x.dim() < 1 or x.numel() == 0:
@@ -590,7 +596,12 @@ def gated_rms_norm(
     bfloat16 / float16: computed in float32, as the reference does, and rounded once."""
     import torch
 
-    if y.dtype in (torch.bfloat16, torch.float16) and z.dtype == y.dtype:
+    if (
+        y.dtype in (torch.bfloat16, torch.float16)
+        and z.dtype == y.dtype
+        and _on_cpu(y, z, weight)
+        and library() is not None
+    ):
         out = gated_rms_norm(y.float(), z.float(), weight, group_size, eps)
         return None if out is None else out.to(y.dtype)
     dtype = y.dtype

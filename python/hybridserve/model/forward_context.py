@@ -23,6 +23,7 @@ class ForwardContext:
     qsl: torch.Tensor  # int64 [R + 1] CPU
     seq_lens: torch.Tensor  # int64 [R] CPU
     num_computed: torch.Tensor  # int64 [R] CPU
+    logits_indices: torch.Tensor  # int64 [L] CPU: the tokens whose logits the forward returns
     # decode subset (rows [0, num_decodes))
     dec_qsl: torch.Tensor  # CPU, from 0
     dec_read_slot: torch.Tensor
@@ -70,6 +71,7 @@ class ForwardContext:
             qsl=qsl,
             seq_lens=batch.seq_lens.to(cpu, torch.int64),
             num_computed=batch.num_computed_tokens.to(cpu, torch.int64),
+            logits_indices=batch.logits_indices.to(cpu, torch.int64),
             dec_qsl=qsl[: nd + 1].clone(),
             dec_read_slot=batch.state_read_slot.to(cpu, torch.int64)[:nd],
             dec_write_slots=wslots[:nd],

@@ -60,8 +60,10 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
         cfg = cls.parse_config(raw, str(path))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: bad or missing field: {e}") from None
-    except ArithmeticError as e:
+    except ZeroDivisionError as e:
         raise ConfigError(f"{path}: a size that another is derived from is 0 ({e})") from None
+    except ArithmeticError as e:  # OverflowError: a number too large for what it sizes
+        raise ConfigError(f"{path}: a size is out of range ({e})") from None
     return cls, cfg
 
 

@@ -264,6 +264,15 @@ def get_int(raw: dict[str, Any], *names: str, default: Any = _REQUIRED) -> int:
     return integral(v, next(n for n in names if raw.get(n) is not None))
 
 
+def get_float(raw: dict[str, Any], *names: str, default: Any) -> float:
+    """The first of `names` present (and not None) as a float, else `default`: a number (an int
+    or a float); a bool or a string is a TypeError naming the field."""
+    v = get_field(raw, *names, default=default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{names[0]} must be a number, got {v!r}")
+    return float(v)
+
+
 def get_flag(raw: dict[str, Any], *names: str, default: bool) -> bool:
     """A true/false field (the first of `names` present): a string such as "false" is an error,
     not truthy. TypeError, which the config parser reports with the file's name."""

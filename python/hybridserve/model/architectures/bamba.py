@@ -28,6 +28,7 @@ from hybridserve.model.model_config import (
     ModelConfig,
     get_field,
     get_flag,
+    get_float,
     get_int,
     integral,
     layer_kinds_from_names,
@@ -112,7 +113,7 @@ class BambaForCausalLM(CausalLM):
             attn = set(integral(i, "attn_layer_indices") for i in (raw.get("attn_layer_indices") or []))
             kinds = [ATTENTION if i in attn else MAMBA for i in range(n)]
         hidden = get_int(raw, "hidden_size")
-        expand = float(get_field(raw, "mamba_expand", default=2))
+        expand = get_float(raw, "mamba_expand", default=2)
         d_inner = integral(expand * hidden, "expand * hidden_size")
         nheads = get_int(raw, "mamba_n_heads", default=128)
         d_head = raw.get("mamba_d_head", "auto")
@@ -124,13 +125,13 @@ class BambaForCausalLM(CausalLM):
         rope_type = rp.get("rope_type", rp.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"{source}: unsupported rope_type {rope_type!r}")
-        theta = float(get_field(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0)))
-        partial = float(get_field(rp, "partial_rotary_factor", default=0.5))
+        theta = get_float(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0))
+        partial = get_float(rp, "partial_rotary_factor", default=0.5)
         dt_min, dt_max = time_step_limit(raw, "time_step_limit")
         bos, _ = token_ids(raw, "bos_token_id")
         eos, eos_all = token_ids(raw, "eos_token_id")
         pad, _ = token_ids(raw, "pad_token_id")
-        eps = float(raw.get("rms_norm_eps", 1e-5))
+        eps = get_float(raw, "rms_norm_eps", default=1e-5)
         cfg = ModelConfig(
             architecture="BambaForCausalLM",
             model_type=str(raw.get("model_type", "bamba")),

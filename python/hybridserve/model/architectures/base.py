@@ -100,7 +100,9 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         # layer returns those rows alone (an attention layer computes just their queries), and
         # the cache-free layers after it run on them alone. No row's output there depends on
         # another row, so only rounding can differ (tests/test_model_tail_rows.py, float64).
-        keep = li if _drops_rows(li, batch.num_tokens) else None
+        # (CPU indices: they index device tensors as well, and the attention layer maps them to
+        # rows on the CPU without a device sync)
+        keep = ctx.logits_indices if _drops_rows(ctx.logits_indices, batch.num_tokens) else None
         cut = self.last_cache_layer()
         for i, layer in enumerate(self.decoder_layers()):
             if keep is not None and i == cut:
@@ -119,8 +121,12 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
 
 def _drops_rows(logits_indices: torch.Tensor, num_tokens: int) -> bool:
     """Whether some tokens need no output (prefill tokens before a row's last, or a chunk that
-    does not end its prompt), with the indices strictly increasing as the scheduler emits them."""
+    does not end its prompt), with the indices (CPU) strictly increasing inside [0, num_tokens)
+    as the scheduler emits them; any other list is taken as it is, by indexing."""
     n = int(logits_indices.numel())
     if n >= num_tokens:
         return False
-    return n < 2 or bool((logits_indices[1:] > logits_indices[:-1]).all())
+    if n == 0:
+        return True
+    li = logits_indices
+    return int(li[0]) >= 0 and int(li[-1]) < num_tokens and bool((li[1:] > li[:-1]).all())

@@ -20,6 +20,7 @@ from hybridserve.model.model_config import (
     MAMBA,
     ModelConfig,
     get_flag,
+    get_float,
     get_int,
     integral,
     time_step_limit,
@@ -87,7 +88,7 @@ class Mamba2ForCausalLM(CausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         hidden = get_int(raw, "hidden_size", "d_model")
         n = get_int(raw, "num_hidden_layers", "n_layer")
-        expand = float(raw.get("expand", 2))
+        expand = get_float(raw, "expand", default=2)
         d_inner = integral(expand * hidden, "expand * hidden_size")
         headdim = get_int(raw, "head_dim", default=64)
         nheads = get_int(raw, "num_heads", default=d_inner // headdim)
@@ -95,7 +96,7 @@ class Mamba2ForCausalLM(CausalLM):
         bos, _ = token_ids(raw, "bos_token_id")
         eos, eos_all = token_ids(raw, "eos_token_id")
         pad, _ = token_ids(raw, "pad_token_id")
-        eps = float(raw.get("layer_norm_epsilon", 1e-5))
+        eps = get_float(raw, "layer_norm_epsilon", default=1e-5)
         cfg = ModelConfig(
             architecture="Mamba2ForCausalLM",
             model_type=str(raw.get("model_type", "mamba2")),

@@ -34,6 +34,7 @@ from hybridserve.model.model_config import (
     ModelConfig,
     get_field,
     get_flag,
+    get_float,
     get_int,
     integral,
     layer_kinds_from_names,
@@ -145,7 +146,7 @@ class NemotronHForCausalLM(CausalLM):
         head_dim = get_field(raw, "head_dim", "attention_head_dim")
         if head_dim is None and num_heads > 0:
             head_dim = hidden // num_heads
-        dt_min = float(get_field(raw, "time_step_min", "mamba_dt_min", default=0.001))
+        dt_min = get_float(raw, "time_step_min", "mamba_dt_min", default=0.001)
         cfg = ModelConfig(
             architecture="NemotronHForCausalLM",
             model_type=str(raw.get("model_type", "nemotron_h")),
@@ -153,7 +154,7 @@ class NemotronHForCausalLM(CausalLM):
             hidden_size=hidden,
             num_layers=len(kinds),
             layer_types=kinds,
-            norm_eps=float(get_field(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            norm_eps=get_float(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5),
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
             residual_in_fp32=get_flag(raw, "residual_in_fp32", default=False),
             bos_token_id=bos,
@@ -171,7 +172,7 @@ class NemotronHForCausalLM(CausalLM):
             mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", "use_bias", default=False),
             mamba_act=str(raw.get("mamba_hidden_act", "silu")),
-            mamba_norm_eps=float(get_field(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            mamba_norm_eps=get_float(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5),
             dt_min=dt_min,
             dt_max=math.inf,
             mamba_ssm_cache_dtype=str(raw.get("mamba_ssm_cache_dtype", "float32")),
@@ -194,7 +195,7 @@ class NemotronHForCausalLM(CausalLM):
             n_group=(get_int(raw, "n_group", default=1) or 1),
             topk_group=(get_int(raw, "topk_group", default=1) or 1),
             norm_topk_prob=get_flag(raw, "norm_topk_prob", default=True),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=get_float(raw, "routed_scaling_factor", default=1.0),
             raw=raw,
         )
         cfg.validate(source)

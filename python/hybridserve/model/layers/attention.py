@@ -5,7 +5,9 @@ Token t's K/V are written at ``slot_mapping[t] = block * block_size + offset``; 
 0 .. seq_len - 1 through ``block_table[r]``. A query at absolute position p attends keys 0..p.
 Decode and verify rows run in one call of the C++ kernel on the CPU (kernels/native.py: K/V read
 through the block table, nothing gathered), otherwise batched through SDPA (padded to the
-longest); prefill rows run one at a time.
+longest); prefill rows run one at a time. With `keep` (the last cache-writing layer of a forward
+whose other tokens' outputs nobody reads) only the kept tokens get queries: they run as rows of
+their own through the same decode path.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def _kept_rows(ctx: ForwardContext, keep: torch.Tensor) -> QueryRows:
     hit = ctx.scratch.get(key)
     if hit is not None:
         return hit  # type: ignore[return-value]
-    keep_cpu = keep.to("cpu", torch.int64)
+    keep_cpu = keep.to("cpu", torch.int64)  # CPU already as CausalLM.forward passes it: no sync
     row = torch.searchsorted(ctx.qsl[1:], keep_cpu, right=True)  # qsl[row] <= t < qsl[row + 1]
     used, counts = torch.unique_consecutive(row, return_counts=True)
     qsl = torch.zeros(used.numel() + 1, dtype=torch.int64)
