@@ -307,13 +307,10 @@ def test_mamba_decode_declines_what_it_does_not_cover():
     assert run_native(mixed, 2) is None
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_the_engine_mamba_layers_use_them_and_agree_with_the_twins(spec, monkeypatch):
-    from hybridserve.engine.llm import LLM
-    from hybridserve.sampling.params import SamplingParams
-
-    calls: dict[str, list[bool]] = {"mamba_decode": [], "mamba_prefill": []}
-    for name in calls:
+def _record_kernel_calls(monkeypatch, names) -> dict[str, list[bool]]:
+    """Wraps the named kernels of `native`: per name, whether each call ran (not None)."""
+    calls: dict[str, list[bool]] = {n: [] for n in names}
+    for name in names:
         real = getattr(native, name)
 
         def counting(*a, _real=real, _name=name, **kw):
@@ -322,6 +319,15 @@ def test_the_engine_mamba_layers_use_them_and_agree_with_the_twins(spec, monkeyp
             return res
 
         monkeypatch.setattr(native, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_the_engine_mamba_layers_use_them_and_agree_with_the_twins(spec, monkeypatch):
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    calls = _record_kernel_calls(monkeypatch, ("mamba_decode", "mamba_prefill"))
     # long prompts (several chunks of a small budget: prefill rows continuing from a state, with
     # boundary states emitted in mode `all`) and repeated ones (prefix hits)
     prompts = ["hello hello hello hello", "1 2 3 4 1 2 3 4 1 2", "The quick brown fox", "abc abc abc abc"]
@@ -592,16 +598,7 @@ def test_a_bf16_engine_runs_every_kernel_and_stays_close_to_its_twins(monkeypatc
     from hybridserve.sampling.params import SamplingParams
 
     names = ("paged_attention", "mamba_decode", "mamba_prefill", "rms_norm", "gated_rms_norm")
-    calls: dict[str, list[bool]] = {n: [] for n in names}
-    for name in names:
-        real = getattr(native, name)
-
-        def counting(*a, _real=real, _name=name, **kw):
-            res = _real(*a, **kw)
-            calls[_name].append(res is not None)
-            return res
-
-        monkeypatch.setattr(native, name, counting)
+    calls = _record_kernel_calls(monkeypatch, names)
     prompts = ["hello hello hello hello", "1 2 3 4 1 2 3 4 1 2", " ".join(str(i % 17) for i in range(90))]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     llm = LLM("demo", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64)
