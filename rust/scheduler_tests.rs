@@ -1174,6 +1174,16 @@ fn finished_on_a_boundary(k: usize) -> Sim {
     sim
 }
 
+/// Runs t2 (t1's whole sequence plus two tokens) to the end; returns the prefix hit tokens.
+fn run_t2_on_t1s_prefix(sim: &mut Sim) -> u64 {
+    let mut p2 = sim.reqs["t1"].seq();
+    p2.extend([7, 7]);
+    sim.add("t2", p2, 2, None);
+    sim.run_to_end(50);
+    sim.check_end();
+    sim.s.stats().prefix_hit_tokens
+}
+
 #[test]
 fn publish_of_a_finishing_request_survives_slot_reuse() {
     // t1 finishes in the very step whose accepted token reaches the boundary at 8: its window is
@@ -1186,12 +1196,7 @@ fn publish_of_a_finishing_request_survives_slot_reuse() {
         assert_eq!(sim.s.pending_publishes.len(), 1, "kept until a step runs");
         sim.add("x", (20..=29).collect(), 4, None);
         sim.step();
-        let mut p2 = sim.reqs["t1"].seq();
-        p2.extend([7, 7]);
-        sim.add("t2", p2, 2, None);
-        sim.run_to_end(50);
-        sim.check_end();
-        assert_eq!(sim.s.stats().prefix_hit_tokens, 8, "k={k}");
+        assert_eq!(run_t2_on_t1s_prefix(&mut sim), 8, "k={k}");
     }
 }
 
@@ -1212,12 +1217,7 @@ fn a_reset_of_an_idle_engine_drops_the_last_steps_publish() {
         assert_eq!(st.cache.mamba_slots_used, 0);
         assert_eq!(st.cache.kv_blocks_cached, 0);
         // the engine runs on, and a prompt sharing t1's prefix now misses
-        let mut p2 = sim.reqs["t1"].seq();
-        p2.extend([7, 7]);
-        sim.add("t2", p2, 2, None);
-        sim.run_to_end(50);
-        sim.check_end();
-        assert_eq!(sim.s.stats().prefix_hit_tokens, 0, "k={k}");
+        assert_eq!(run_t2_on_t1s_prefix(&mut sim), 0, "k={k}");
     }
 }
 

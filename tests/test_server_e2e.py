@@ -293,26 +293,19 @@ def test_only_json_bodies_are_read(server):
 
 
 def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):
-    head, body = raw_http(
-        server,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 99999999999\r\n\r\n{}",
-    )
+    def post(rest: bytes) -> tuple[bytes, dict]:
+        return raw_http(
+            server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + rest
+        )
+
+    head, body = post(b"Content-Length: 99999999999\r\n\r\n{}")
     assert head.startswith(b"HTTP/1.1 413"), head
     assert body["error"]["code"] == "request_too_large"
     # with Expect: 100-continue the client is not invited to send it first
-    head, body = raw_http(
-        server,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Expect: 100-continue\r\nContent-Length: 99999999999\r\n\r\n",
-    )
+    head, body = post(b"Expect: 100-continue\r\nContent-Length: 99999999999\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), head
     assert body["error"]["code"] == "request_too_large"
-    head, body = raw_http(
-        server,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Expect: something-else\r\nContent-Length: 2\r\n\r\n{}",
-    )
+    head, body = post(b"Expect: something-else\r\nContent-Length: 2\r\n\r\n{}")
     assert head.startswith(b"HTTP/1.1 417"), head
     assert body["error"]["code"] == "expectation_failed"
 

@@ -243,9 +243,11 @@ def integral(v: Any, name: str) -> int:
     """`v` as an int: an integer, or a float with no fraction (128.0); anything else (128.7, a
     bool, a string) is a TypeError naming the field, which the config parser reports with the
     file's name, instead of a silently truncated size."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be an integer, got {v!r}")
-    if isinstance(v, float) and not v.is_integer():
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (isinstance(v, float) and not v.is_integer())
+    ):
         raise TypeError(f"{name} must be an integer, got {v!r}")
     return int(v)
 
@@ -256,12 +258,12 @@ _REQUIRED = object()
 def get_int(raw: dict[str, Any], *names: str, default: Any = _REQUIRED) -> int:
     """The first of `names` present (and not None) as an int (see `integral`); `default` when
     none is, KeyError when there is no default."""
-    v = get_field(raw, *names)
-    if v is None:
-        if default is _REQUIRED:
-            raise KeyError(names[0])
-        return integral(default, names[0])
-    return integral(v, next(n for n in names if raw.get(n) is not None))
+    for n in names:
+        if raw.get(n) is not None:
+            return integral(raw[n], n)
+    if default is _REQUIRED:
+        raise KeyError(names[0])
+    return integral(default, names[0])
 
 
 def get_float(raw: dict[str, Any], *names: str, default: Any) -> float:

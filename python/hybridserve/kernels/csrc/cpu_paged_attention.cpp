@@ -98,12 +98,6 @@ struct HalfStream {
 };
 
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const hs::bf16* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // q . k_j for 16 keys at once (float, D a multiple of 16): one vector of partial sums per key,
 // then hs::sum16.
 template <int D, typename S>
@@ -111,8 +105,8 @@ inline __m512 dots16(const float* q, const S* k0, int64_t tok_stride) {
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
         const S* k = k0 + j * tok_stride;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
-        for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), hs::load_as<float>(k));
+        for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), hs::load_as<float>(k + d), a);
         acc[j] = a;
     }
     return hs::sum16(acc);

@@ -91,9 +91,9 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         state-window arrays of `batch`."""
         dev = self.embed_weight().device
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        li = batch.logits_indices.to(dev, torch.int64)
         if batch.num_tokens == 0:
-            return torch.empty((int(li.numel()), self.config.vocab_size), dtype=out_dtype, device=dev)
+            n = int(batch.logits_indices.numel())
+            return torch.empty((n, self.config.vocab_size), dtype=out_dtype, device=dev)
         ctx = ForwardContext.build(batch, dev)
         hidden = self.embed(batch.input_ids.to(dev, torch.int64))
         # Only the logits rows' outputs are needed after the last layer that writes a cache: that
@@ -109,7 +109,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 hidden = layer(hidden, ctx, caches, i, keep=keep)
             else:
                 hidden = layer(hidden, ctx, caches, i)
-        hidden = self.final_norm(hidden if keep is not None else hidden[li])
+        hidden = self.final_norm(hidden if keep is not None else hidden[ctx.logits_indices])
         return self.head(hidden).to(out_dtype)
 
     def last_cache_layer(self) -> int:
