@@ -22,6 +22,7 @@ import torch
 
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import dispatch
+from hybridserve.model import host_memory
 from hybridserve.model.model_config import ModelConfig
 
 _DTYPES = {
@@ -73,21 +74,17 @@ class ModelCaches:
         self.conv: dict[int, torch.Tensor] = {}
         self.ssm: dict[int, torch.Tensor] = {}
         for i in config.attention_layer_ids:
-            self.kv[i] = torch.zeros(
+            self.kv[i] = host_memory.zeros(
                 (self.num_blocks, 2, self.block_size, config.num_kv_heads, config.head_dim),
-                dtype=kv_dtype,
-                device=self.device,
+                kv_dtype,
+                self.device,
             )
         for i in config.mamba_layer_ids:
-            self.conv[i] = torch.zeros(
-                (self.num_slots, config.conv_dim, config.d_conv - 1),
-                dtype=self.conv_dtype,
-                device=self.device,
+            self.conv[i] = host_memory.zeros(
+                (self.num_slots, config.conv_dim, config.d_conv - 1), self.conv_dtype, self.device
             )
-            self.ssm[i] = torch.zeros(
-                (self.num_slots, config.nheads, config.headdim, config.dstate),
-                dtype=state_dtype,
-                device=self.device,
+            self.ssm[i] = host_memory.zeros(
+                (self.num_slots, config.nheads, config.headdim, config.dstate), state_dtype, self.device
             )
 
     # ---- construction helpers ----
