@@ -593,6 +593,37 @@ def test_bf16_rms_norms_are_the_float32_kernels_rounded_once():
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
+def _copied_shapes(fn):
+    """The shapes of every tensor that `fn` converts or copies (aten _to_copy / copy_)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes: list[tuple[int, ...]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "_to_copy" in str(func) or "copy_" in str(func):
+                shapes.append(tuple(args[-1].shape if "copy_" in str(func) else args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        out = fn()
+    return out, shapes
+
+
+def test_bf16_kernels_read_and_write_bf16_without_copies_of_the_activations():
+    # the kernels widen and round the activations themselves: only weight vectors are converted
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(10, 48, generator=g).to(BF16), torch.randn(48, generator=g).to(BF16)
+    out, shapes = _copied_shapes(lambda: native.rms_norm(x, w, 1e-5))
+    assert out is not None and out.dtype == BF16 and shapes == [(48,)]
+    out, shapes = _copied_shapes(lambda: native.gated_rms_norm(x, x, w, 8, 1e-5))
+    assert out is not None and out.dtype == BF16 and shapes == [(48,)]
+    c = _narrow(mamba_case([1, 4, 2, 3], 4, 8, 2, 16, 4, torch.float32))  # 10 tokens, conv_dim 96
+    y, shapes = _copied_shapes(lambda: run_native(c, 2))
+    assert y is not None and y.dtype == BF16 and y.shape == (10, 4, 8)
+    assert shapes and all(s[0] != 10 for s in shapes), shapes
+
+
 def test_a_bf16_engine_runs_every_kernel_and_stays_close_to_its_twins(monkeypatch):
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams

@@ -50,6 +50,8 @@ _HEADERS = ("cpu_parallel.h", "cpu_common.h")
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
 # exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read
 # from whatever the pool holds there) are computed but never read.
+# the norm kernels' entry points by row dtype (str(torch dtype): no torch import at module level)
+_NORM_SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
 _LINK_FLAGS = ("-shared", "-pthread")
 
@@ -167,21 +169,22 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
     # the arguments both Mamba entry points share, before and after their own row description
+    for suffix in _NORM_SUFFIX.values():
+        fn = getattr(lib, f"hs_rms_norm_{suffix}")
+        fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"hs_gated_rms_norm_{suffix}")
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_double]
+        fn.restype = ctypes.c_int
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
     tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P, ctypes.c_int]
-    for suffix in ("f32", "f64"):
+    for suffix in ("f32", "f64", "bf16"):
         fn = getattr(lib, f"hs_mamba_decode_{suffix}")
         fn.argtypes = [*common, _P, _I64, _P, _P, _I64, *tail]  # qsl, R, read_slot, write_slots, ws_stride
         fn.restype = ctypes.c_int
         fn = getattr(lib, f"hs_mamba_prefill_{suffix}")
         # qsl, R, read_slot, has_init, write_offsets, write_token, write_slot
         fn.argtypes = [*common, _P, _I64, _P, _P, _P, _P, _P, *tail]
-        fn.restype = ctypes.c_int
-        fn = getattr(lib, f"hs_rms_norm_{suffix}")
-        fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
-        fn.restype = ctypes.c_int
-        fn = getattr(lib, f"hs_gated_rms_norm_{suffix}")
-        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_double]
         fn.restype = ctypes.c_int
 
 
@@ -331,8 +334,8 @@ class _MixerArgs(NamedTuple):
     tail: tuple[Any, ...]  # conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads
     y: torch.Tensor
     keep: tuple[torch.Tensor | None, ...]  # the converted copies the pointers refer to
-    suffix: str  # of the entry point: "f32" or "f64"
-    out_dtype: torch.dtype  # of the result (y is widened to it)
+    suffix: str  # of the entry point: "f32", "f64" or "bf16"
+    out_dtype: torch.dtype  # of the result (y is rounded to it, for float16)
 
 
 def _mixer_args(
@@ -356,23 +359,29 @@ def _mixer_args(
     import torch
 
     out_dtype = xbc.dtype
-    if (
+    # bfloat16 / float16 activations over float32 states (the engine's layout) run the float32
+    # kernel on the widened inputs (the reference computes the conv and the scan in float32 too,
+    # but rounds the conv output to the input dtype in between; this does not). bfloat16 has
+    # entry points that read xbc and dt and write y in bfloat16 themselves; float16 is widened
+    # here.
+    narrow_io = (
         out_dtype in (torch.bfloat16, torch.float16)
         and conv_state.dtype == ssm_state.dtype == torch.float32
         and _on_cpu(xbc, dt, conv_weight, conv_state, ssm_state)
         and library() is not None
-    ):
-        # bfloat16 / float16 activations over float32 states (the engine's layout): the float32
-        # kernel on the widened inputs (the reference computes the conv and the scan in float32
-        # too, but rounds the conv output to the input dtype in between; this does not)
-        xbc, dt, conv_weight = xbc.float(), dt.float(), conv_weight.float()
-    dtype = xbc.dtype
+    )
+    if narrow_io and out_dtype == torch.float16:
+        xbc, dt = xbc.float(), dt.float()
+    if narrow_io:
+        conv_weight = conv_weight.float()
+    dtype = torch.float32 if narrow_io else xbc.dtype  # the kernel computes in
     if (
         not _on_cpu(
             xbc, dt, conv_weight, conv_bias, conv_state, A, D, dt_bias, ssm_state, query_start_loc, read_slot
         )
         or dtype not in (torch.float32, torch.float64)
-        or any(t.dtype != dtype for t in (conv_state, ssm_state, dt, conv_weight))
+        or any(t.dtype != dtype for t in (conv_state, ssm_state, conv_weight))
+        or dt.dtype != xbc.dtype
         or not (_rows_of(xbc) and _rows_of(dt))
         or ssm_state.dim() != 4
         or conv_state.dim() != 3
@@ -407,7 +416,7 @@ def _mixer_args(
     w = conv_weight.contiguous()
     b = conv_bias.to(dtype).contiguous() if conv_bias is not None else None
     A_, D_, db = (v.to(dtype).contiguous() for v in (A, D, dt_bias))
-    y = torch.empty((n, H, P), dtype=dtype)
+    y = torch.empty((n, H, P), dtype=xbc.dtype)
     common = (
         xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), w.data_ptr(),
         b.data_ptr() if b is not None else None, conv_state.data_ptr(), conv_state.shape[0],
@@ -417,7 +426,7 @@ def _mixer_args(
         conv_dim, W, H, P, ngroups, N, int(silu), float(dt_min),
         float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(), threads(),
     )  # fmt: skip
-    suffix = "f32" if dtype == torch.float32 else "f64"
+    suffix = "bf16" if xbc.dtype == torch.bfloat16 else "f32" if dtype == torch.float32 else "f64"
     return _MixerArgs(lib, common, tail, y, (xbc, dt, w, b, A_, D_, db), suffix, out_dtype)
 
 
@@ -553,16 +562,28 @@ def _norm_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and _rows_of(t)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``weight * x / sqrt(mean(x^2, -1) + eps)`` of a float32 / float64 ``[..., d]`` tensor on the
-    CPU (norm.RMSNorm); None when it does not apply. bfloat16 / float16: computed in float32, as
-    the reference does, and rounded once."""
+def _norm_fn(dtype: torch.dtype) -> tuple[str, torch.dtype] | None:
+    """The entry-point suffix of the norm kernels for rows of `dtype`, and the dtype they compute
+    (and take the weights) in."""
     import torch
 
-    if x.dtype in (torch.bfloat16, torch.float16) and _on_cpu(x, weight) and library() is not None:
+    suffix = _NORM_SUFFIX.get(str(dtype))
+    if suffix is None:
+        return None
+    return suffix, torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x^2, -1) + eps)`` of a float32 / float64 / bfloat16 ``[..., d]``
+    tensor on the CPU (norm.RMSNorm); None when it does not apply. bfloat16 (and float16, widened
+    here): computed in float32, as the reference does, and rounded once."""
+    import torch
+
+    if x.dtype == torch.float16 and _on_cpu(x, weight) and library() is not None:
         out = rms_norm(x.float(), weight, eps)
         return None if out is None else out.to(x.dtype)
-    if x.dtype not in (torch.float32, torch.float64) or x.dim() < 1 or x.numel() == 0:
+    kind = _norm_fn(x.dtype)
+    if kind is None or x.dim() < 1 or x.numel() == 0:
         return None
     x2 = x.reshape(-1, x.shape[-1])
     if not (_norm_rows(x2, x.dtype) and weight.shape == (x.shape[-1],) and _on_cpu(weight)):
@@ -570,10 +591,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib = library()
     if lib is None:
         return None
-    w = weight.to(x.dtype).contiguous()
+    suffix, compute = kind
+    w = weight.to(compute).contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype)
-    fn = lib.hs_rms_norm_f32 if x.dtype == torch.float32 else lib.hs_rms_norm_f64
-    rc = fn(
+    rc = getattr(lib, f"hs_rms_norm_{suffix}")(
         x2.data_ptr(),
         x2.stride(0),
         w.data_ptr(),
@@ -591,21 +612,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor | None:
-    """``weight * rmsnorm_grouped(y * silu(z))`` of float32 / float64 ``[T, d]`` tensors on the CPU
-    (norm.gated_rms_norm with the output in the input dtype); None when it does not apply.
-    bfloat16 / float16: computed in float32, as the reference does, and rounded once."""
+    """``weight * rmsnorm_grouped(y * silu(z))`` of float32 / float64 / bfloat16 ``[T, d]`` tensors
+    on the CPU (norm.gated_rms_norm with the output in the input dtype); None when it does not
+    apply. bfloat16 (and float16, widened here): computed in float32, as the reference does, and
+    rounded once."""
     import torch
 
-    if (
-        y.dtype in (torch.bfloat16, torch.float16)
-        and z.dtype == y.dtype
-        and _on_cpu(y, z, weight)
-        and library() is not None
-    ):
+    if y.dtype == torch.float16 and z.dtype == y.dtype and _on_cpu(y, z, weight) and library() is not None:
         out = gated_rms_norm(y.float(), z.float(), weight, group_size, eps)
         return None if out is None else out.to(y.dtype)
     dtype = y.dtype
-    if dtype not in (torch.float32, torch.float64) or y.dim() != 2 or y.shape != z.shape or y.numel() == 0:
+    kind = _norm_fn(dtype)
+    if kind is None or y.dim() != 2 or y.shape != z.shape or y.numel() == 0:
         return None
     d = y.shape[1]
     if (
@@ -619,10 +637,10 @@ def gated_rms_norm(
     lib = library()
     if lib is None:
         return None
-    w = weight.to(dtype).contiguous()
+    suffix, compute = kind
+    w = weight.to(compute).contiguous()
     out = torch.empty(y.shape, dtype=dtype)
-    fn = lib.hs_gated_rms_norm_f32 if dtype == torch.float32 else lib.hs_gated_rms_norm_f64
-    rc = fn(
+    rc = getattr(lib, f"hs_gated_rms_norm_{suffix}")(
         y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
         y.shape[0], d, group_size, eps,
     )  # fmt: skip

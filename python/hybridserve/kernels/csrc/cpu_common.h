@@ -75,6 +75,31 @@ inline typename Vec<T>::type load_as(const S* p) {
     }
 }
 
+// Copies `bytes` bytes of a state into a pool slot the step has not read (a verify token's
+// window slot, an emitted checkpoint): with non-temporal stores where the AVX-512 path applies,
+// so the stores do not first read the slot's old lines from memory (which doubled the traffic of
+// a verify step). Whoever calls it issues stream_fence() before the kernel returns.
+inline void copy_to_unread_slot(void* dst, const void* src, size_t bytes) {
+#ifdef __AVX512F__
+    if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && bytes % 64 == 0) {
+        char* d = static_cast<char*>(dst);
+        const char* s = static_cast<const char*>(src);
+        for (size_t off = 0; off < bytes; off += 64)
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(d + off), _mm512_loadu_si512(s + off));
+        return;
+    }
+#endif
+    std::memcpy(dst, src, bytes);
+}
+
+// Orders the non-temporal stores of copy_to_unread_slot before any later store of this thread
+// (and so before the kernel's caller, or another thread, reads the slots).
+inline void stream_fence() {
+#ifdef __AVX512F__
+    _mm_sfence();
+#endif
+}
+
 // exp's argument is capped so that no inf appears (the library is built with -ffast-math, which
 // assumes none): below -80, silu is within 1e-33 of 0 either way.
 template <typename T>

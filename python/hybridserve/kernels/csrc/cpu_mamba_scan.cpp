@@ -37,8 +37,12 @@
 
 namespace {
 
+// Not inlined: a loop over tokens that inlined it could be vectorised with libmvec's exp and
+// log1p, which round differently from the scalar ones, and then a token's dt would depend on how
+// many tokens share its row (a verify row must give exactly its tokens' decode results) and on
+// the storage type of dt.
 template <typename T>
-inline T softplus20(T v) {
+__attribute__((noinline)) T softplus20(T v) {
     return v > T(20) ? v : std::log1p(std::exp(v));
 }
 
@@ -170,6 +174,26 @@ inline bool short_row_step(T* h, int64_t P, const T* x, const T* B, const T* C, 
     return false;
 }
 
+// The conv of one token, out_c = silu(sum_k window[k][c] w_c[k] + b_c), with wT = w as [W][conv_dim].
+// Not inlined, so that the float and the bfloat16 scans run the same instructions on the same
+// values (-ffast-math leaves the compiler free to vectorise, and so to round, each inlined copy
+// its own way).
+template <typename T>
+__attribute__((noinline)) void conv_token(const T* const* window, const T* wT, const T* b, bool act, int64_t W,
+                                          int64_t conv_dim, T* co) {
+    const T* x0 = window[0];
+    for (int64_t c = 0; c < conv_dim; ++c) co[c] = x0[c] * wT[c];
+    for (int64_t k = 1; k < W; ++k) {
+        const T* xk = window[k];
+        const T* wk = wT + k * conv_dim;
+        for (int64_t c = 0; c < conv_dim; ++c) co[c] += xk[c] * wk[c];
+    }
+    if (b != nullptr)
+        for (int64_t c = 0; c < conv_dim; ++c) co[c] += b[c];
+    if (act)
+        for (int64_t c = 0; c < conv_dim; ++c) co[c] = hs::silu(co[c]);
+}
+
 // Tokens per block: a row is scanned block by block, so that a block's conv outputs (and every
 // head's state) stay in the core's L2 while each head runs over the block's tokens.
 constexpr int64_t kBlockTokens = 64;
@@ -177,11 +201,15 @@ constexpr int64_t kBlockTokens = 64;
 // A call is split over threads only when each gets at least this many tokens.
 constexpr int64_t kMinTokensPerThread = 8;
 
-template <typename T, int NC>
-void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+// xbc, dt and y in the storage type St (T, or bfloat16 computed in float): a bfloat16 block's
+// inputs are widened into a float window first and each head's y computed into a float buffer,
+// then rounded once, so the arithmetic is the float kernel's on the widened inputs.
+template <typename T, typename St, int NC>
+void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
           T* conv_state, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state, const Rows& rows,
           int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N_runtime, bool act, T dt_min,
-          bool clamp_max, T dt_max, T* y, int64_t row_begin, int64_t row_end) {
+          bool clamp_max, T dt_max, St* y, int64_t row_begin, int64_t row_end) {
+    constexpr bool same = std::is_same_v<St, T>;
     const int64_t N = NC > 0 ? NC : N_runtime;
     const int64_t S = W - 1;
     const int64_t hpg = H / G;
@@ -197,6 +225,10 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
     std::vector<T> conv_out(static_cast<size_t>(kBlockTokens * conv_dim));   // one block's
     std::vector<T> states(static_cast<size_t>(state_stride));                 // every head's
     std::vector<T> dtv(static_cast<size_t>(kBlockTokens));
+    // bfloat16 only: the block's inputs b0 - S .. b0 + bn widened, and one head's y
+    std::vector<T> xwin(same ? 0 : static_cast<size_t>((S + kBlockTokens) * conv_dim));
+    std::vector<T> ybuf(same ? 0 : static_cast<size_t>(P));
+    std::vector<const T*> window(static_cast<size_t>(W));  // one token's conv inputs
     for (int64_t r = row_begin; r < row_end; ++r) {
         const int64_t t0 = rows.qsl[r], n = rows.qsl[r + 1] - rows.qsl[r];
         if (n == 0) continue;
@@ -213,9 +245,13 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
         const bool in_place = init && !transposed && n <= kBlockTokens && e1 - e0 == 1 &&
                               rows.write_token[e0] == n - 1 && rows.write_slot[e0] != 0;
         T* const state_base = in_place ? ssm_state + rows.write_slot[e0] * state_stride : states.data();
-        // input j of the row (j < 0: column S + j of the initial window)
+        int64_t b0 = 0;  // the block being scanned
+        // input j of the row (j < 0: column S + j of the initial window); a bfloat16 input is
+        // read from the block's widened window, which holds j = b0 - S .. b0 + bn
         auto input = [&](int64_t j) -> const T* {
-            return j >= 0 ? xbc + (t0 + j) * xbc_stride : init_win.data() + (S + j) * conv_dim;
+            if (j < 0) return init_win.data() + (S + j) * conv_dim;
+            if constexpr (same) return xbc + (t0 + j) * xbc_stride;
+            else return xwin.data() + (j - b0 + S) * conv_dim;
         };
         if (S > 0) {
             if (init) {
@@ -237,23 +273,21 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
             else if (src != hs) std::memcpy(hs, src, head_bytes);
         }
         int64_t e_block = rows.write_offsets[r];  // the first write at or after the block's start
-        for (int64_t b0 = 0; b0 < n; b0 += kBlockTokens) {
+        for (; b0 < n; b0 += kBlockTokens) {
             const int64_t bn = n - b0 < kBlockTokens ? n - b0 : kBlockTokens;
+            if constexpr (!same) {
+                for (int64_t j = b0 - S > 0 ? b0 - S : 0; j < b0 + bn; ++j) {
+                    const St* src = xbc + (t0 + j) * xbc_stride;
+                    T* dst = xwin.data() + (j - b0 + S) * conv_dim;
+                    for (int64_t c = 0; c < conv_dim; ++c) dst[c] = hs::widen(src[c]);
+                }
+            }
             // conv of the block's tokens: token t's window is inputs t - S .. t
             for (int64_t i = 0; i < bn; ++i) {
                 const int64_t t = b0 + i;
                 T* co = conv_out.data() + i * conv_dim;
-                const T* x0 = input(t - S);
-                for (int64_t c = 0; c < conv_dim; ++c) co[c] = x0[c] * wT[static_cast<size_t>(c)];
-                for (int64_t k = 1; k < W; ++k) {
-                    const T* xk = input(t - S + k);
-                    const T* wk = wT.data() + k * conv_dim;
-                    for (int64_t c = 0; c < conv_dim; ++c) co[c] += xk[c] * wk[c];
-                }
-                if (conv_b != nullptr)
-                    for (int64_t c = 0; c < conv_dim; ++c) co[c] += conv_b[c];
-                if (act)
-                    for (int64_t c = 0; c < conv_dim; ++c) co[c] = hs::silu(co[c]);
+                for (int64_t k = 0; k < W; ++k) window[static_cast<size_t>(k)] = input(t - S + k);
+                conv_token<T>(window.data(), wT.data(), conv_b, act, W, conv_dim, co);
             }
             int64_t e_next = e_block;
             while (e_next < e1 && rows.write_token[e_next] < b0 + bn) ++e_next;
@@ -274,7 +308,7 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                 const int64_t g = hd / hpg;
                 T* hs = state_base + hd * head_size;
                 for (int64_t i = 0; i < bn; ++i) {
-                    T d = softplus20(dt[(t0 + b0 + i) * dt_stride + hd] + dt_bias[hd]);
+                    T d = softplus20(static_cast<T>(hs::widen(dt[(t0 + b0 + i) * dt_stride + hd])) + dt_bias[hd]);
                     d = d < dt_min ? dt_min : d;
                     if (clamp_max && d > dt_max) d = dt_max;
                     dtv[static_cast<size_t>(i)] = d;
@@ -288,7 +322,10 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                     const T* C = co + d_inner + G * N + g * N;
                     const T d = dtv[static_cast<size_t>(i)];
                     const T a = std::exp(d * A[hd]);
-                    T* yo = y + ((t0 + t) * H + hd) * P;
+                    St* const yout = y + ((t0 + t) * H + hd) * P;
+                    T* yo;
+                    if constexpr (same) yo = yout;
+                    else yo = ybuf.data();
                     if (transposed) {
                         for (int64_t p0 = 0; p0 < P; p0 += hs::Vec<T>::lanes)
                             transposed_step<T>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
@@ -304,24 +341,27 @@ void scan(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, cons
                             yo[p] = acc + Dskip[hd] * x[p];
                         }
                     }
+                    if constexpr (!same)
+                        for (int64_t p = 0; p < P; ++p) yout[p] = hs::narrow<St>(yo[p]);
                     for (; e < e_next && rows.write_token[e] == t; ++e) {
                         if (rows.write_slot[e] == 0 || in_place) continue;
                         T* dst = ssm_state + rows.write_slot[e] * state_stride + hd * head_size;
                         if (transposed) transpose(hs, dst, N, P);
-                        else std::memcpy(dst, hs, head_bytes);
+                        else hs::copy_to_unread_slot(dst, hs, head_bytes);
                     }
                 }
             }
             e_block = e_next;
         }
     }
+    hs::stream_fence();  // the slots written by copy_to_unread_slot, before the rows are reported done
 }
 
-template <typename T>
-int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+template <typename T, typename St>
+int run(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
         T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
         int64_t num_ssm_slots, const Rows& rows, bool strict_row_writes, int64_t conv_dim, int64_t W, int64_t H,
-        int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
+        int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, St* y, int threads) {
     // dt_max < 0 means no upper clamp (an infinite bound is not passed: see hs::silu)
     if (W < 1 || H <= 0 || P <= 0 || G <= 0 || N <= 0 || H % G != 0 || conv_dim != H * P + 2 * G * N) return 1;
     const int64_t num_slots = num_conv_slots < num_ssm_slots ? num_conv_slots : num_ssm_slots;
@@ -339,7 +379,7 @@ int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const 
     const T hi = static_cast<T>(clamp_max ? dt_max : 0.0);
     const bool ok = hs::parallel_rows(rows.R, parallel ? threads : 1, weight, kMinTokensPerThread, [&](int64_t b, int64_t e) {
 #define HS_SCAN(NC)                                                                                            \
-    scan<T, NC>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, A, Dskip, dt_bias, ssm_state, rows, \
+    scan<T, St, NC>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, A, Dskip, dt_bias, ssm_state, rows, \
                 conv_dim, W, H, P, G, N, act != 0, lo, clamp_max, hi, y, b, e)
         switch (N) {
             case 16: HS_SCAN(16); break;
@@ -354,12 +394,12 @@ int run(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const 
 }
 
 // Decode / verify rows: the window and state after token t go to write_slots[r, t] (t < n_r).
-template <typename T>
-int decode_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
+template <typename T, typename St>
+int decode_rows(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,
                 T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,
                 int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,
                 const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,
-                int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
+                int64_t G, int64_t N, int act, double dt_min, double dt_max, St* y, int threads) {
     if (R < 0 || ws_stride < 0) return 1;
     std::vector<int64_t> offsets(static_cast<size_t>(R + 1), 0), tokens, slots;
     for (int64_t r = 0; r < R; ++r) {
@@ -372,22 +412,22 @@ int decode_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride
         offsets[static_cast<size_t>(r + 1)] = static_cast<int64_t>(tokens.size());
     }
     const Rows rows{qsl, R, read_slot, nullptr, offsets.data(), tokens.data(), slots.data()};
-    return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
+    return run<T, St>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
                   ssm_state, num_ssm_slots, rows, false, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);
 }
 
 // Prefill rows: initial state from read_slot where has_init, writes given as CSR (the final state
 // and the emitted boundary states).
-template <typename T>
-int prefill_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w,
+template <typename T, typename St>
+int prefill_rows(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w,
                  const T* conv_b, T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip,
                  const T* dt_bias, T* ssm_state, int64_t num_ssm_slots, const int64_t* qsl, int64_t R,
                  const int64_t* read_slot, const uint8_t* has_init, const int64_t* write_offsets,
                  const int64_t* write_token, const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H,
-                 int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {
+                 int64_t P, int64_t G, int64_t N, int act, double dt_min, double dt_max, St* y, int threads) {
     if (R < 0) return 1;
     const Rows rows{qsl, R, read_slot, has_init, write_offsets, write_token, write_slot};
-    return run<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
+    return run<T, St>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, Dskip, dt_bias,
                   ssm_state, num_ssm_slots, rows, true, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);
 }
 
@@ -396,14 +436,14 @@ int prefill_rows(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_strid
 extern "C" {
 
 // Return codes: those of run() above, and 4 for out of memory (no exception leaves the library).
-#define HS_MAMBA_DECODE(NAME, T)                                                                                 \
-    int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
+#define HS_MAMBA_DECODE(NAME, T, St)                                                                                 \
+    int NAME(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
              T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
              int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
              const int64_t* write_slots, int64_t ws_stride, int64_t conv_dim, int64_t W, int64_t H, int64_t P,   \
-             int64_t G, int64_t N, int act, double dt_min, double dt_max, T* y, int threads) {                   \
+             int64_t G, int64_t N, int act, double dt_min, double dt_max, St* y, int threads) {                  \
         try {                                                                                                    \
-            return decode_rows<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, \
+            return decode_rows<T, St>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots, A, \
                                   Dskip, dt_bias, ssm_state, num_ssm_slots, qsl, R, read_slot, write_slots,       \
                                   ws_stride, conv_dim, W, H, P, G, N, act, dt_min, dt_max, y, threads);          \
         } catch (...) {                                                                                          \
@@ -411,15 +451,15 @@ extern "C" {
         }                                                                                                        \
     }
 
-#define HS_MAMBA_PREFILL(NAME, T)                                                                                \
-    int NAME(const T* xbc, int64_t xbc_stride, const T* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
+#define HS_MAMBA_PREFILL(NAME, T, St)                                                                                \
+    int NAME(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b, \
              T* conv_state, int64_t num_conv_slots, const T* A, const T* Dskip, const T* dt_bias, T* ssm_state,  \
              int64_t num_ssm_slots, const int64_t* qsl, int64_t R, const int64_t* read_slot,                     \
              const uint8_t* has_init, const int64_t* write_offsets, const int64_t* write_token,                  \
              const int64_t* write_slot, int64_t conv_dim, int64_t W, int64_t H, int64_t P, int64_t G, int64_t N, \
-             int act, double dt_min, double dt_max, T* y, int threads) {                                         \
+             int act, double dt_min, double dt_max, St* y, int threads) {                                        \
         try {                                                                                                    \
-            return prefill_rows<T>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots,  \
+            return prefill_rows<T, St>(xbc, xbc_stride, dt, dt_stride, conv_w, conv_b, conv_state, num_conv_slots,  \
                                    A, Dskip, dt_bias, ssm_state, num_ssm_slots, qsl, R, read_slot, has_init,     \
                                    write_offsets, write_token, write_slot, conv_dim, W, H, P, G, N, act, dt_min, \
                                    dt_max, y, threads);                                                          \
@@ -428,10 +468,12 @@ extern "C" {
         }                                                                                                        \
     }
 
-HS_MAMBA_DECODE(hs_mamba_decode_f32, float)
-HS_MAMBA_DECODE(hs_mamba_decode_f64, double)
-HS_MAMBA_PREFILL(hs_mamba_prefill_f32, float)
-HS_MAMBA_PREFILL(hs_mamba_prefill_f64, double)
+HS_MAMBA_DECODE(hs_mamba_decode_f32, float, float)
+HS_MAMBA_DECODE(hs_mamba_decode_f64, double, double)
+HS_MAMBA_DECODE(hs_mamba_decode_bf16, float, hs::bf16)
+HS_MAMBA_PREFILL(hs_mamba_prefill_f32, float, float)
+HS_MAMBA_PREFILL(hs_mamba_prefill_f64, double, double)
+HS_MAMBA_PREFILL(hs_mamba_prefill_bf16, float, hs::bf16)
 
 #undef HS_MAMBA_DECODE
 #undef HS_MAMBA_PREFILL
