@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from hybridserve.errors import ConfigError
@@ -81,3 +82,15 @@ def test_interface_defaults_and_validation():
         NgramProposer(prompt_lookup_min=0)
     with pytest.raises(ConfigError):
         NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_large_token_ids_and_array_histories():
+    # ids past 2**31 and numpy histories take the same lookup as small ids in lists
+    from hybridserve.spec_decode.ngram import ngram_lookup
+
+    big = [2**40 + t for t in (1, 2, 3, 1, 2)]
+    assert ngram_lookup(big, 2, 1, 3) == [2**40 + 3, 2**40 + 1]
+    rng = random.Random(1)
+    for _ in range(50):
+        row = [rng.randrange(4) * 257 for _ in range(rng.randrange(1, 40))]  # bytes that repeat inside ids
+        assert ngram_lookup(np.asarray(row), 3, 1, 4) == ngram_lookup(row, 3, 1, 4) == reference(row, 3, 1, 4)

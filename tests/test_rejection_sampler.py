@@ -49,10 +49,18 @@ def rows_random(n: int, **kw) -> list[RowSampling]:
 # Greedy rows: exact.
 
 
-def test_greedy_rows_accept_while_draft_is_argmax():
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_greedy_rows_accept_while_draft_is_argmax(path: str, monkeypatch: pytest.MonkeyPatch):
+    # "fast": plain greedy rows take the argmax-only path; "general": the same rows through
+    # process_logits and the point-mass verification (as rows with a history to apply would)
+    from hybridserve.sampling import rejection
+
+    if path == "general":
+        monkeypatch.setattr(rejection, "_needs_history", lambda row: True)
     gen = torch.Generator().manual_seed(0)
     vocab, ks = 11, [0, 1, 3, 3, 5, 2]
     logits = torch.randn(sum(ks) + len(ks), vocab, generator=gen)
+    logits[3, 7] = logits[3, 2] = logits[3].max() + 1  # a tie: the first index is the argmax
     argmax = logits.argmax(-1)
     drafts, expected, off = [], [], 0
     for r, k in enumerate(ks):

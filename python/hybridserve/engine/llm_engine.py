@@ -327,22 +327,31 @@ class LLMEngine:
         if plain_rows:
             rows = [self._row_sampling(req_ids[r]) for r in plain_rows]
             res = self.sampler.sample(logits[plain_logit_idx], rows)
+            token_ids = res.token_ids.tolist()  # one conversion, not one per row
             for i, r in enumerate(plain_rows):
-                sampled_rows[r] = [int(res.token_ids[i])]
+                sampled_rows[r] = [int(token_ids[i])]
                 if res.logprobs is not None and res.logprobs[i] is not None:
                     row_logprobs[r] = [res.logprobs[i]]
         if spec_rows:
             rows = [self._row_sampling(req_ids[r]) for r in spec_rows]
-            target = [logits[logit_starts[r] : logit_starts[r] + int(num_logits[r])] for r in spec_rows]
-            drafts = [
-                [int(t) for t in draft_flat[draft_starts[r] : draft_starts[r] + int(num_drafts[r])]]
-                for r in spec_rows
+            ks = [int(num_drafts[r]) for r in spec_rows]
+            for r, k in zip(spec_rows, ks):
+                if int(num_logits[r]) != k + 1:
+                    raise ValueError(f"row {r}: {int(num_logits[r])} logits for {k} drafts (need {k + 1})")
+            # the flat form: the rows' logits and drafts back to back (one index, no per-row slices)
+            logit_idx = [
+                i for r, k in zip(spec_rows, ks) for i in range(logit_starts[r], logit_starts[r] + k + 1)
             ]
-            emitted = self.rejection_sampler.sample(target, drafts, rows)
+            target = logits if logit_idx == list(range(logits.shape[0])) else logits[logit_idx]
+            all_drafts = draft_flat.tolist()
+            flat_drafts = [
+                t for r, k in zip(spec_rows, ks) for t in all_drafts[draft_starts[r] : draft_starts[r] + k]
+            ]
+            emitted = self.rejection_sampler.sample(target, flat_drafts, rows, ks)
             for i, r in enumerate(spec_rows):
                 tokens = [int(t) for t in emitted[i]]
                 sampled_rows[r] = tokens
-                k = len(drafts[i])
+                k = ks[i]
                 accepted = len(tokens) - 1
                 self.counters.spec_decode_draft_tokens += k
                 self.counters.spec_decode_verify_rows += 1
@@ -351,7 +360,8 @@ class LLMEngine:
                     self.acceptance_per_position[pos] += 1
                 top_n = self.requests[req_ids[r]].params.logprobs
                 if top_n is not None:
-                    source = torch.log_softmax(target[i][: len(tokens)], dim=-1)
+                    start = logit_starts[r]
+                    source = torch.log_softmax(logits[start : start + len(tokens)], dim=-1)
                     entries = compute_logprobs(source, torch.tensor(tokens), [top_n] * len(tokens))
                     row_logprobs[r] = [e for e in entries if e is not None]
 

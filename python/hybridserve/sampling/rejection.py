@@ -365,6 +365,10 @@ class RejectionSampler:
             raise ValueError(f"draft_probs must be [{total_k}, {vocab}], got {tuple(draft_probs.shape)}")
         if num_rows == 0:
             return RejectionOutput(token_ids=[], num_accepted=[], logprobs=[])
+        if draft_probs is None and all(
+            r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)
+        ):
+            return _greedy_point_mass(target_logits, drafts, ks)
 
         # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are
         # drafts[dstart[r] : dstart[r] + k_r].
@@ -452,6 +456,26 @@ class RejectionSampler:
                 logprobs[i] = [e for e in entries[off : off + n] if e is not None]
                 off += n
         return RejectionOutput(token_ids=token_ids, num_accepted=num_acc_l, logprobs=logprobs)
+
+
+def _greedy_point_mass(target_logits: torch.Tensor, drafts: torch.Tensor, ks: list[int]) -> RejectionOutput:
+    """Greedy rows with nothing to apply before the argmax (the sampler's fast path): a draft is
+    accepted while it is the argmax of its position, and the argmax where it stops is emitted,
+    exactly what the general path computes, without its [positions, V] copies."""
+    own = target_logits.argmax(dim=-1).tolist()
+    flat = drafts.tolist()
+    token_ids: list[list[int]] = []
+    num_accepted: list[int] = []
+    pos = d = 0
+    for k in ks:
+        a = 0
+        while a < k and flat[d + a] == own[pos + a]:
+            a += 1
+        token_ids.append(flat[d : d + a] + [own[pos + a]])
+        num_accepted.append(a)
+        pos += k + 1
+        d += k
+    return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=[None] * len(ks))
 
 
 def _concat_draft_probs(blocks: list[torch.Tensor | None]) -> torch.Tensor | None:

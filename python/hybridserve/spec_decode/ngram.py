@@ -5,11 +5,12 @@ up in its history (prompt + output); at the most recent earlier occurrence, the 
 that followed it are the drafts (continued periodically when the copy reaches the end of the
 history, so a short repetition still fills k drafts). The first n that matches wins (longest
 match first). No weights,
-no state: the proposal is a pure function of the history. The lookup is one vectorised pass.
+no state: the proposal is a pure function of the history.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,43 +18,42 @@ import numpy as np
 from hybridserve.errors import ConfigError
 from hybridserve.spec_decode.base import Proposer
 
+_TOKEN_BYTES = 8  # array('q')
 
-def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Drafts for one history (int array); see the module docstring.
 
-    One pass instead of one per n: every earlier position j holding the last token is a candidate
-    match end, its match length is how far back it agrees with the history's end (capped at
-    n_max, and at j + 1 and length - 1), and the longest match wins, the most recent among equals:
-    the same choice as trying n = n_max, ..., n_min in turn."""
-    length = int(tokens.shape[0])
+def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Drafts for one history; see the module docstring.
+
+    The history as 8-byte integers, each n-gram looked up with ``bytes.rfind`` (C speed; a hit at
+    a byte offset that is not a whole token is skipped), n = n_max first: the first n that
+    matches is the longest, and rfind gives its most recent earlier occurrence."""
+    length = len(tokens)
     n_top = min(n_max, length - 1)
     if k <= 0 or n_top < n_min:
         return []
-    # candidate ends j <= length - 2 (a token follows the match)
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
-    if ends.size == 0:
-        return []
-    match = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for t in range(1, n_top):
-        back = ends - t
-        ok = back >= 0
-        alive &= ok
-        alive[ok] &= tokens[back[ok]] == tokens[length - 1 - t]
-        if not alive.any():
-            break
-        match += alive
-    best = int(match.max())
-    if best < n_min:
-        return []
-    j = int(ends[np.flatnonzero(match == best)[-1]])
-    # Copy what followed the match; where the copy runs into the history's end (a repetition
-    # whose period is shorter than k), keep copying from the drafts, i.e. continue the period.
-    drafts: list[int] = tokens[j + 1 : j + 1 + k].tolist()
-    period = length - 1 - j
-    while len(drafts) < k:
-        drafts.append(drafts[len(drafts) - period])
-    return drafts
+    if isinstance(tokens, np.ndarray):
+        buf = tokens.astype(np.int64).tobytes()
+    else:
+        buf = array("q", tokens).tobytes()
+    w = _TOKEN_BYTES
+    for n in range(n_top, n_min - 1, -1):
+        pattern = buf[w * (length - n) :]
+        end = w * (length - 1)  # the occurrence must end before the last token (a token follows)
+        at = buf.rfind(pattern, 0, end)
+        while at > 0 and at % w:
+            end = at + len(pattern) - 1  # the next occurrence to the left, even if it overlaps
+            at = buf.rfind(pattern, 0, end)
+        if at < 0:
+            continue
+        j = at // w + n - 1  # where the match ends
+        # Copy what followed the match; where the copy runs into the history's end (a repetition
+        # whose period is shorter than k), keep copying from the drafts, i.e. continue the period.
+        drafts = [int(t) for t in tokens[j + 1 : j + 1 + k]]
+        period = length - 1 - j
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
+    return []
 
 
 class NgramProposer(Proposer):
@@ -74,6 +74,5 @@ class NgramProposer(Proposer):
 
     def propose(self, token_ids_per_row: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         return [
-            ngram_lookup(np.asarray(row, dtype=np.int64), k, self.prompt_lookup_min, self.prompt_lookup_max)
-            for row in token_ids_per_row
+            ngram_lookup(row, k, self.prompt_lookup_min, self.prompt_lookup_max) for row in token_ids_per_row
         ]
