@@ -17,6 +17,13 @@ ids, seeded), greedy, exactly `output-len` new tokens each:
 - hybridserve_bf16: the plain setting in bfloat16 (the checkpoint's float32 weights cast at
   load; the Mamba states stay float32): bfloat16 GEMMs and K/V, the C++ kernels computing in
   float32. Its greedy outputs differ from the float32 ones where bfloat16 rounding decides;
+- hybridserve_bf16_block128: the same with `block_size=128` (KV blocks of 128 tokens instead of
+  16: the attention kernel reads each row's K and V in 16 KiB runs instead of 2 KiB ones, which
+  this CPU's memory system serves faster; prefix caching then shares prompts in 128-token
+  blocks). Its greedy outputs equal hybridserve_bf16's (the block size changes no arithmetic);
+- hybridserve_bf16_block128_ngram3: that plus n-gram speculation with K = 3 (the fastest
+  setting); the run counts its greedy outputs equal to hybridserve_bf16's (verification runs
+  GEMMs of other shapes, which in bfloat16 can round a near-tie the other way);
 - transformers: one batch of all prompts, left padding with an attention mask, KV/SSM cache on,
   `min_new_tokens = max_new_tokens` (its best setting on CPU: one batched call);
 - transformers_bf16: the same in bfloat16 (slower than float32 for it on this CPU).
@@ -50,6 +57,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
+BLOCK128 = 128  # KV block size of the _block128 contestant
+HYBRIDSERVE_CONTESTANTS = (
+    "hybridserve",
+    "hybridserve_ngram3",
+    "hybridserve_torch_compiled",
+    "hybridserve_bf16",
+    "hybridserve_bf16_block128",
+    "hybridserve_bf16_block128_ngram3",
+)
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -78,6 +94,7 @@ def make_hybridserve(
     speculative_config: dict[str, Any] | None = None,
     native: bool = True,
     dtype: str = "float32",
+    block_size: int | None = None,
 ) -> tuple[Callable[[], Timed], dict[str, Any]]:
     """Builds the engine and warms it up; returns a function that runs the timed generate once.
     native=False runs the pure-torch path (no C++ CPU kernels)."""
@@ -92,6 +109,7 @@ def make_hybridserve(
         max_num_seqs=max(64, len(prompts)),
         compile_cpu_kernels=compile_cpu_kernels,
         speculative_config=speculative_config,
+        **({} if block_size is None else {"block_size": block_size}),
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, temperature=0.0))
@@ -204,6 +222,16 @@ def main() -> int:
             *make_hybridserve(prompts, a.output_len, compile_cpu_kernels=True, native=False),
         ),
         ("hybridserve_bf16", *make_hybridserve(prompts, a.output_len, dtype="bfloat16")),
+        (
+            "hybridserve_bf16_block128",
+            *make_hybridserve(prompts, a.output_len, dtype="bfloat16", block_size=BLOCK128),
+        ),
+        (
+            "hybridserve_bf16_block128_ngram3",
+            *make_hybridserve(
+                prompts, a.output_len, dtype="bfloat16", block_size=BLOCK128, speculative_config=NGRAM3
+            ),
+        ),
         ("transformers", *make_transformers(prompts, a.output_len)),
         ("transformers_bf16", *make_transformers(prompts, a.output_len, dtype="bfloat16")),
     ]
@@ -241,7 +269,7 @@ def main() -> int:
         **summary,
     }
     print(f"transformers' best setting: {hf_name}")
-    for name in ("hybridserve", "hybridserve_ngram3", "hybridserve_torch_compiled", "hybridserve_bf16"):
+    for name in HYBRIDSERVE_CONTESTANTS:
         hs, hs_toks = summary[name], runs[name][0][2]
         same = sum(x == y for x, y in zip(hs_toks, hf_toks))
         first_diff = [
@@ -257,6 +285,13 @@ def main() -> int:
             identical_outputs=same,
             mean_identical_prefix_tokens=sum(first_diff) / len(first_diff),
         )
+        if name.startswith("hybridserve_bf16_block128"):  # block size and speculation change no output
+            hs["identical_to_hybridserve_bf16"] = sum(
+                x == y for x, y in zip(hs_toks, runs["hybridserve_bf16"][0][2])
+            )
+            print(
+                f"{name}: identical to hybridserve_bf16 {hs['identical_to_hybridserve_bf16']}/{len(prompts)}"
+            )
         print(
             f"ratio {name} / {hf_name}: {ratio:.2f}x tok/s (target >= 3x), CPU-time ratio {cpu_ratio:.2f}x; "
             f"identical greedy outputs to float32 transformers' {same}/{len(prompts)} (to hybridserve: "

@@ -37,13 +37,23 @@
 
 namespace {
 
-// Not inlined: a loop over tokens that inlined it could be vectorised with libmvec's exp and
-// log1p, which round differently from the scalar ones, and then a token's dt would depend on how
-// many tokens share its row (a verify row must give exactly its tokens' decode results) and on
-// the storage type of dt.
+// dt = clamp(softplus(v + bias)) (softplus(u) = u above 20) of kDtBatch values at once. Every
+// token's dt goes through this one fixed-width function (a short block is padded), so the
+// compiler's vectorised exp / log1p, which round differently from the scalar ones, apply to all
+// of them alike: a token's dt does not depend on how many tokens share its row (a verify row
+// gives exactly its tokens' decode results) or on the storage type of dt. Not inlined, for the
+// same reason.
+constexpr int64_t kDtBatch = 16;
 template <typename T>
-__attribute__((noinline)) T softplus20(T v) {
-    return v > T(20) ? v : std::log1p(std::exp(v));
+__attribute__((noinline)) void softplus_dt(T* v, T bias, T lo, bool clamp_max, T hi) {
+    for (int64_t j = 0; j < kDtBatch; ++j) {
+        const T u = v[j] + bias;
+        const T e = std::exp(u < T(20) ? u : T(20));  // no inf under -ffast-math
+        T d = u > T(20) ? u : std::log1p(e);
+        d = d < lo ? lo : d;
+        if (clamp_max && d > hi) d = hi;
+        v[j] = d;
+    }
 }
 
 // src [rows][cols] -> dst [cols][rows]
@@ -56,32 +66,44 @@ inline void transpose(const T* src, T* dst, int64_t rows, int64_t cols) {
 // Rows of at least this many tokens run the state update on a transposed copy of the state, when
 // P is a multiple of the vector width.
 constexpr int64_t kTransposeFrom = 8;
-// One token's update of one vector of columns p0 .. p0 + lanes of a head's transposed state
+// One token's update of NV vectors of columns p0 .. p0 + NV lanes of a head's transposed state
 // hT [N][P]: hT[k][p] = a hT[k][p] + d x[p] B[k]; y[p] = sum_k hT[k][p] C[k] + Dskip x[p]. Even
-// and odd k accumulate apart: two independent FMA chains (latency bounds this loop).
-template <typename T>
+// and odd k accumulate apart, for each vector: 2 NV independent FMA chains (latency bounds this
+// loop). Every column gets the same arithmetic whatever NV is.
+template <typename T, int NV>
 inline void transposed_step(T* hT, int64_t P, int64_t N, const T* x, const T* B, const T* C, T d, T a, T Dskip,
                             T* y) {
     using V = hs::Vec<T>;
     using VT = typename V::type;
-    const VT xv = V::load(x);
-    const VT dx = xv * d;
-    VT y0 = xv * T(0), y1 = xv * T(0);
+    constexpr int L = V::lanes;
+    VT xv[NV], dx[NV], y0[NV], y1[NV];
+    for (int u = 0; u < NV; ++u) {
+        xv[u] = V::load(x + u * L);
+        dx[u] = xv[u] * d;
+        y0[u] = xv[u] * T(0);
+        y1[u] = xv[u] * T(0);
+    }
     int64_t k = 0;
     for (; k + 1 < N; k += 2) {
-        const VT h0 = V::load(hT + k * P) * a + dx * B[k];
-        const VT h1 = V::load(hT + (k + 1) * P) * a + dx * B[k + 1];
-        V::store(hT + k * P, h0);
-        V::store(hT + (k + 1) * P, h1);
-        y0 += h0 * C[k];
-        y1 += h1 * C[k + 1];
+        for (int u = 0; u < NV; ++u) {
+            T* h = hT + k * P + u * L;
+            const VT h0 = V::load(h) * a + dx[u] * B[k];
+            const VT h1 = V::load(h + P) * a + dx[u] * B[k + 1];
+            V::store(h, h0);
+            V::store(h + P, h1);
+            y0[u] += h0 * C[k];
+            y1[u] += h1 * C[k + 1];
+        }
     }
     if (k < N) {
-        const VT h0 = V::load(hT + k * P) * a + dx * B[k];
-        V::store(hT + k * P, h0);
-        y0 += h0 * C[k];
+        for (int u = 0; u < NV; ++u) {
+            T* h = hT + k * P + u * L;
+            const VT h0 = V::load(h) * a + dx[u] * B[k];
+            V::store(h, h0);
+            y0[u] += h0 * C[k];
+        }
     }
-    V::store(y, (y0 + y1) + xv * Dskip);
+    for (int u = 0; u < NV; ++u) V::store(y + u * L, (y0[u] + y1[u]) + xv[u] * Dskip);
 }
 
 struct Rows {
@@ -224,7 +246,7 @@ void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, co
     std::vector<T> init_win(static_cast<size_t>((S > 0 ? S : 1) * conv_dim));  // [S][conv_dim]
     std::vector<T> conv_out(static_cast<size_t>(kBlockTokens * conv_dim));   // one block's
     std::vector<T> states(static_cast<size_t>(state_stride));                 // every head's
-    std::vector<T> dtv(static_cast<size_t>(kBlockTokens));
+    std::vector<T> dtv(static_cast<size_t>((kBlockTokens + kDtBatch - 1) / kDtBatch * kDtBatch), T(0));
     // bfloat16 only: the block's inputs b0 - S .. b0 + bn widened, and one head's y
     std::vector<T> xwin(same ? 0 : static_cast<size_t>((S + kBlockTokens) * conv_dim));
     std::vector<T> ybuf(same ? 0 : static_cast<size_t>(P));
@@ -307,12 +329,10 @@ void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, co
             for (int64_t hd = 0; hd < H; ++hd) {
                 const int64_t g = hd / hpg;
                 T* hs = state_base + hd * head_size;
-                for (int64_t i = 0; i < bn; ++i) {
-                    T d = softplus20(static_cast<T>(hs::widen(dt[(t0 + b0 + i) * dt_stride + hd])) + dt_bias[hd]);
-                    d = d < dt_min ? dt_min : d;
-                    if (clamp_max && d > dt_max) d = dt_max;
-                    dtv[static_cast<size_t>(i)] = d;
-                }
+                for (int64_t i = 0; i < bn; ++i)
+                    dtv[static_cast<size_t>(i)] = static_cast<T>(hs::widen(dt[(t0 + b0 + i) * dt_stride + hd]));
+                for (int64_t i = 0; i < bn; i += kDtBatch)
+                    softplus_dt<T>(dtv.data() + i, dt_bias[hd], dt_min, clamp_max, dt_max);
                 int64_t e = e_block;
                 for (int64_t i = 0; i < bn; ++i) {
                     const int64_t t = b0 + i;
@@ -327,8 +347,12 @@ void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, co
                     if constexpr (same) yo = yout;
                     else yo = ybuf.data();
                     if (transposed) {
-                        for (int64_t p0 = 0; p0 < P; p0 += hs::Vec<T>::lanes)
-                            transposed_step<T>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
+                        constexpr int64_t L = hs::Vec<T>::lanes;
+                        int64_t p0 = 0;
+                        for (; p0 + 2 * L <= P; p0 += 2 * L)
+                            transposed_step<T, 2>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
+                        for (; p0 < P; p0 += L)
+                            transposed_step<T, 1>(hs + p0, P, N, x + p0, B, C, d, a, Dskip[hd], yo + p0);
                     } else if (!short_row_step<T, NC>(hs, P, x, B, C, d, a, Dskip[hd], yo)) {
                         for (int64_t p = 0; p < P; ++p) {
                             T* hp = hs + p * N;
