@@ -49,7 +49,7 @@ __attribute__((noinline)) void softplus_dt(T* v, T bias, T lo, bool clamp_max, T
     for (int64_t j = 0; j < kDtBatch; ++j) {
         const T u = v[j] + bias;
         const T e = std::exp(u < T(20) ? u : T(20));  // no inf under -ffast-math
-        T d = u > T(20) ? u : std::log1p(e);
+        T d = u <= T(20) ? std::log1p(e) : u;          // (a NaN takes u, as the reference's NaN)
         d = d < lo ? lo : d;
         if (clamp_max && d > hi) d = hi;
         v[j] = d;
