@@ -285,7 +285,7 @@ def main() -> int:
             identical_outputs=same,
             mean_identical_prefix_tokens=sum(first_diff) / len(first_diff),
         )
-        if name.startswith("hybridserve_bf16_block128"):  # block size and speculation change no output
+        if name.startswith("hybridserve_bf16_block128"):  # how many outputs the setting leaves unchanged
             hs["identical_to_hybridserve_bf16"] = sum(
                 x == y for x, y in zip(hs_toks, runs["hybridserve_bf16"][0][2])
             )

@@ -21,8 +21,10 @@ Kernels:
   chunked SSD scan, which on a CPU does the same O(H P N) work per token plus the chunk matrices).
 
 bfloat16 / float16 activations: the norm kernels, and the Mamba kernels where both states are
-float32 (the default `mamba_ssm_cache_dtype`), run in float32 on widened copies of their inputs
-and round the result once.
+float32 (the default `mamba_ssm_cache_dtype`), compute in float32 and round the result once.
+bfloat16 has entry points that read and write bfloat16 themselves (widening each row or block
+into float buffers: the result is the float32 kernel's on the widened inputs); float16 is widened
+into float32 copies here.
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ _HEADERS = ("cpu_parallel.h", "cpu_common.h")
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
 # exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read
 # from whatever the pool holds there) are computed but never read.
-# the norm kernels' entry points by row dtype (str(torch dtype): no torch import at module level)
-_NORM_SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
 _LINK_FLAGS = ("-shared", "-pthread")
+# the norm kernels' entry points by row dtype (str(torch dtype): no torch import at module level)
+_NORM_SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -168,7 +170,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         # block_size, scale, threads
         fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
-    # the arguments both Mamba entry points share, before and after their own row description
     for suffix in _NORM_SUFFIX.values():
         fn = getattr(lib, f"hs_rms_norm_{suffix}")
         fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
@@ -176,6 +177,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"hs_gated_rms_norm_{suffix}")
         fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_double]
         fn.restype = ctypes.c_int
+    # the arguments both Mamba entry points share, before and after their own row description
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
     tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P, ctypes.c_int]
     for suffix in ("f32", "f64", "bf16"):

@@ -7,8 +7,9 @@ of 320 keys in a 134 MB pool). Linux hands out 2 MiB pages for anonymous memory 
 ``madvise(MADV_HUGEPAGE)`` before it is first touched (`transparent_hugepage` set to ``madvise``
 or ``always``), so the pools are allocated untouched, marked, and only then zeroed.
 
-Where that is not possible (not Linux, not the CPU, a small tensor, madvise refused) this is
-plain ``torch.zeros``: huge pages change speed, never values.
+Not Linux, not the CPU or a small tensor: plain ``torch.zeros``. Where madvise is refused, or the
+kernel has no free huge page, the tensor is the same aligned view on ordinary pages: huge pages
+change speed, never values.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     madvise = _madvise() if device.type == "cpu" else None
     if madvise is None or nbytes < MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    # one extra huge page of room, so the tensor can start on a 2 MiB boundary (the allocator
-    # gives large blocks fresh from mmap, untouched)
+    # one extra huge page of room, so the tensor can start on a 2 MiB boundary (glibc serves
+    # blocks this large from fresh, untouched mmap memory, except below its dynamic threshold,
+    # which can grow to 32 MiB: then the pages may already be small ones)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     base = raw.data_ptr()
     start = (base + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE

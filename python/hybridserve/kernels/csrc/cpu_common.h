@@ -76,7 +76,8 @@ inline typename Vec<T>::type load_as(const S* p) {
 }
 
 // Copies `bytes` bytes of a state into a pool slot the step has not read (a verify token's
-// window slot, an emitted checkpoint): with non-temporal stores where the AVX-512 path applies,
+// window slot; the final or emitted state of a prefill row too short for the transposed update):
+// with non-temporal stores where the AVX-512 path applies,
 // so the stores do not first read the slot's old lines from memory (which doubled the traffic of
 // a verify step). Whoever calls it issues stream_fence() before the kernel returns.
 inline void copy_to_unread_slot(void* dst, const void* src, size_t bytes) {
