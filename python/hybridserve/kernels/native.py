@@ -54,8 +54,9 @@ _HEADERS = ("cpu_parallel.h", "cpu_common.h")
 # from whatever the pool holds there) are computed but never read.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17", "-pthread")
 _LINK_FLAGS = ("-shared", "-pthread")
-# the norm kernels' entry points by row dtype (str(torch dtype): no torch import at module level)
-_NORM_SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
+# every kernel's entry points, by the dtype of the tensors they read and write (str(torch dtype):
+# no torch import at module level); bfloat16 ones compute in float32
+_SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -164,13 +165,13 @@ def _build(cxx: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point (ctypes converts and checks each argument by them)."""
-    for suffix in ("f32", "f64", "bf16"):
+    for suffix in _SUFFIX.values():
         fn = getattr(lib, f"hs_paged_attention_{suffix}")
         # q, kv, out, block_table, bt_stride, qsl, positions, rows, tokens, blocks, H, KVH, D,
         # block_size, scale, threads
         fn.argtypes = [_P, _P, _P, _P, _I64, _P, _P] + [_I64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
-    for suffix in _NORM_SUFFIX.values():
+    for suffix in _SUFFIX.values():
         fn = getattr(lib, f"hs_rms_norm_{suffix}")
         fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_double]
         fn.restype = ctypes.c_int
@@ -180,7 +181,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     # the arguments both Mamba entry points share, before and after their own row description
     common = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
     tail = [_I64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, _P, ctypes.c_int]
-    for suffix in ("f32", "f64", "bf16"):
+    for suffix in _SUFFIX.values():
         fn = getattr(lib, f"hs_mamba_decode_{suffix}")
         fn.argtypes = [*common, _P, _I64, _P, _P, _I64, *tail]  # qsl, R, read_slot, write_slots, ws_stride
         fn.restype = ctypes.c_int
@@ -291,10 +292,8 @@ def paged_attention(
 
 def _attention_fn(dtype: torch.dtype) -> str | None:
     """The entry point of the attention kernel for q / K / V of `dtype`."""
-    import torch
-
-    names = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
-    return f"hs_paged_attention_{names[dtype]}" if dtype in names else None
+    suffix = _SUFFIX.get(str(dtype))
+    return None if suffix is None else f"hs_paged_attention_{suffix}"
 
 
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -428,7 +427,7 @@ def _mixer_args(
         conv_dim, W, H, P, ngroups, N, int(silu), float(dt_min),
         float(dt_max) if math.isfinite(dt_max) else -1.0, y.data_ptr(), threads(),
     )  # fmt: skip
-    suffix = "bf16" if xbc.dtype == torch.bfloat16 else "f32" if dtype == torch.float32 else "f64"
+    suffix = _SUFFIX[str(xbc.dtype)]  # float32, float64 or bfloat16 here
     return _MixerArgs(lib, common, tail, y, (xbc, dt, w, b, A_, D_, db), suffix, out_dtype)
 
 
@@ -569,7 +568,7 @@ def _norm_fn(dtype: torch.dtype) -> tuple[str, torch.dtype] | None:
     (and take the weights) in."""
     import torch
 
-    suffix = _NORM_SUFFIX.get(str(dtype))
+    suffix = _SUFFIX.get(str(dtype))
     if suffix is None:
         return None
     return suffix, torch.float32 if dtype == torch.bfloat16 else dtype

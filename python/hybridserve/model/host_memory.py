@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 from collections.abc import Callable
 
@@ -44,10 +45,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages where it can be."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise() if device.type == "cpu" else None
     if madvise is None or nbytes < MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -18,7 +18,7 @@ import numpy as np
 from hybridserve.errors import ConfigError
 from hybridserve.spec_decode.base import Proposer
 
-_TOKEN_BYTES = 8  # array('q')
+_TOKEN_BYTES = array("q").itemsize
 
 
 def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
