@@ -191,14 +191,40 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   const int64_t* q = qsl.data_ptr<int64_t>();
   const int64_t* nc = nct.data_ptr<int64_t>();
 
-  // chunk metadata: boundaries at absolute multiples of Q
+  // emits, validated, and per row the sorted tokens they end at
+  const int64_t E = emit_row.numel();
+  std::vector<int64_t> em_row, em_tok, em_dst;
+  std::vector<std::vector<int64_t>> row_emits(static_cast<size_t>(R));
+  if (E > 0) {
+    Tensor er = cpu_long(emit_row), et = cpu_long(emit_token), es = cpu_long(emit_slot);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r = er.data_ptr<int64_t>()[e], t = et.data_ptr<int64_t>()[e];
+      TORCH_CHECK_VALUE(r >= 0 && r < R, "emit_row out of range");
+      TORCH_CHECK_VALUE(t >= 0 && t < len[r], "emit_token out of range of its row");
+      em_row.push_back(r);
+      em_tok.push_back(t);
+      em_dst.push_back(es.data_ptr<int64_t>()[e]);
+      row_emits[r].push_back(t);
+    }
+    for (auto& v : row_emits) {
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+    }
+  }
+
+  // chunk metadata: boundaries at absolute multiples of Q, and right after every emitted token,
+  // so that each emitted state is the state after a chunk (the kernels index a chunk's tokens
+  // from its start, so a chunk need not start or end at a multiple of Q)
   std::vector<int64_t> cstart, clen, rco(static_cast<size_t>(R + 1));
   for (int64_t r = 0; r < R; ++r) {
     rco[r] = static_cast<int64_t>(cstart.size());
     TORCH_CHECK_VALUE(nc[r] >= 0, "num_computed_tokens must be >= 0");
+    auto next_emit = row_emits[r].begin();
     for (int64_t i = 0; i < len[r];) {
       const int64_t abs = nc[r] + i;
-      const int64_t l = std::min(Q - abs % Q, len[r] - i);
+      int64_t l = std::min(Q - abs % Q, len[r] - i);
+      while (next_emit != row_emits[r].end() && *next_emit < i) ++next_emit;
+      if (next_emit != row_emits[r].end()) l = std::min(l, *next_emit - i + 1);
       cstart.push_back(q[r] + i);
       clen.push_back(l);
       i += l;
@@ -208,30 +234,22 @@ Tensor ssd_prefill(const Tensor& x, const Tensor& dt, const Tensor& A, const Ten
   rco[R] = NC;
   TORCH_CHECK(NC <= 65535, "ssd_prefill: too many chunks in one call (", NC, ")");
 
-  // state writes: finals first, then emits (src index into the `states` scratch)
+  // state writes: finals first, then emits (src index into the `states` scratch: after state
+  // passing, states[c + 1] holds the state entering chunk c + 1, i.e. the state after chunk c)
   Tensor ws = cpu_long(write_slot);
-  std::vector<int64_t> fin_src, fin_dst, em_src, em_dst;
+  std::vector<int64_t> fin_src, fin_dst, em_src;
   for (int64_t r = 0; r < R; ++r) {
     if (len[r] > 0) {
       fin_src.push_back(NC + r);
       fin_dst.push_back(ws.data_ptr<int64_t>()[r]);
     }
   }
-  const int64_t E = emit_row.numel();
-  if (E > 0) {
-    Tensor er = cpu_long(emit_row), et = cpu_long(emit_token), es = cpu_long(emit_slot);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r = er.data_ptr<int64_t>()[e], t = et.data_ptr<int64_t>()[e];
-      TORCH_CHECK_VALUE(r >= 0 && r < R, "emit_row out of range");
-      TORCH_CHECK_VALUE(t >= 0 && t < len[r], "emit_token out of range of its row");
-      const bool last = t == len[r] - 1;
-      TORCH_CHECK_VALUE((nc[r] + t + 1) % Q == 0 || last,
-                        "emit_token must end on a multiple of chunk_size (absolute position) or be the row's "
-                        "last token");
-      const int64_t ce = rco[r] + ((nc[r] + t) / Q - nc[r] / Q);
-      em_src.push_back(ce == rco[r + 1] - 1 ? NC + r : ce + 1);
-      em_dst.push_back(es.data_ptr<int64_t>()[e]);
-    }
+  for (size_t e = 0; e < em_row.size(); ++e) {
+    const int64_t r = em_row[e];
+    // the chunk of the row that ends at the emitted token (the last one starting at or before it)
+    const auto first = cstart.begin() + rco[r], stop = cstart.begin() + rco[r + 1];
+    const int64_t ce = (std::upper_bound(first, stop, q[r] + em_tok[e]) - cstart.begin()) - 1;
+    em_src.push_back(ce == rco[r + 1] - 1 ? NC + r : ce + 1);
   }
 
   Tensor meta_cpu = at::empty({2 * NC + R + 1}, at::TensorOptions().dtype(at::kLong));

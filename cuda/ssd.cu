@@ -1,7 +1,10 @@
 // Chunked SSD scan for prefill (kernels.md §1.3, §1.5), fp32 compute on CUDA cores.
 //
-// Chunks never mix rows and their boundaries sit at absolute multiples of Q (metadata from the
-// host: chunk_start / chunk_len / row_chunk_off). Pipeline (5 launches, one stream):
+// Chunks never mix rows and hold at most Q tokens; their boundaries sit at absolute multiples of Q
+// and right after every emitted token (metadata from the host: chunk_start / chunk_len /
+// row_chunk_off), so an emitted state is the state after a chunk. Every kernel indexes a chunk's
+// tokens from chunk_start (lam restarts there): nothing assumes that a chunk starts or ends at a
+// multiple of Q. Pipeline (5 launches, one stream):
 //   K0 dt_cumsum   : dtp = clamp(softplus(dt + bias)), lam = inclusive cumsum(dtp * A) per chunk
 //   K1 chunk_state : S_c[p][n] = sum_j exp(lam_last - lam_j) dtp_j x_j[p] B_j[n]   (from zero)
 //   K2 cb          : CB_c[i][j] = C_i . B_j per group (lower-triangular tiles only)

@@ -106,16 +106,36 @@ SSD_CASES = {
 }
 
 
+def _any_emits(lengths: list[int], computed: list[int], Q: int) -> list[tuple[int, int]]:
+    """Emits at tokens of every kind: a row's first and last tokens, tokens inside chunks (in a
+    row's short first chunk too), chunk ends, two consecutive tokens, and one token twice."""
+    emits = []
+    for r, (n, c) in enumerate(zip(lengths, computed)):
+        if n == 0:
+            continue
+        toks = {0, n - 1, n // 2, n // 3}
+        toks |= {t for t in range(n) if (c + t + 1) % Q == 0}
+        toks |= {t for t in range(n) if (c + t + 1) % Q == Q // 2 + 1}  # just past mid-chunk
+        emits += [(r, t) for t in sorted(toks)]
+    emits.append(emits[len(emits) // 2])  # the same token again, to another slot
+    return emits
+
+
+@pytest.mark.parametrize("emit_kind", ["chunk_ends", "any_token"])
 @pytest.mark.parametrize("case", list(SSD_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_ssd_prefill(emu, dtype, case):
+def test_ssd_prefill(emu, dtype, case, emit_kind):
     (H, P, N, G, Q), lengths, computed, init = SSD_CASES[case]
     g = _g(2)
     his = torch.tensor([bool(v) for v in init])
     R = len(lengths)
     c = _ssm_inputs(sum(lengths), H, P, N, G, dtype, g)
-    emits = [(r, t) for r in range(R) for t in range(lengths[r]) if (computed[r] + t + 1) % Q == 0]
-    emits.append((0, lengths[0] - 1))  # a row's last token
+    if emit_kind == "chunk_ends":
+        emits = [(r, t) for r in range(R) for t in range(lengths[r]) if (computed[r] + t + 1) % Q == 0]
+        emits.append((0, lengths[0] - 1))  # a row's last token
+    else:
+        # the host splits chunks after each of these: chunks that start and end off multiples of Q
+        emits = _any_emits(lengths, computed, Q)
     S = 2 * R + len(emits) + 2
     perm = (torch.randperm(S - 1, generator=g) + 1).tolist()
     read = torch.tensor(perm[:R])
@@ -141,9 +161,11 @@ def test_ssd_prefill(emu, dtype, case):
     assert _rel(p_emu[written], p_ref[written]) < 1e-5
     others = [s for s in range(S) if s not in written]
     assert torch.equal(p_emu[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
-    with pytest.raises(ValueError):
-        emu.ssd_prefill(*[c[k] for k in keys], pool.clone(), *rest[:5], torch.tensor([3]), torch.tensor([2]),
-                        torch.tensor([1]), Q, 0.0, math.inf)  # fmt: skip
+    # an emit past its row's end, or of a row the call does not have
+    for row, tok in ((0, lengths[0]), (R, 0)):
+        with pytest.raises(ValueError, match="out of range"):
+            emu.ssd_prefill(*[c[k] for k in keys], pool.clone(), *rest[:5], torch.tensor([row]),
+                            torch.tensor([tok]), torch.tensor([1]), Q, 0.0, math.inf)  # fmt: skip
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -185,6 +207,34 @@ def test_conv1d_prefill_and_update(emu, W, sdtype):
     yur = reference.causal_conv1d_update(xu.double(), w.double(), b.double(), p2r, _qsl(ul), ru, ws, "silu")
     assert _rel(yu, yur) < 1e-5
     assert _rel(p2[[11, 12, 13, 14]], p2r[[11, 12, 13, 14]]) < (1e-6 if sdtype == torch.float32 else 1e-2)
+
+
+def test_conv1d_prefill_emits_at_every_token(emu):
+    """An emit at any token (inside the first W - 2 tokens of a row too, where the window still
+    holds initial state columns) gathers the W - 1 inputs ending there, as the twin does."""
+    g = _g(6)
+    Dc, W = 40, 4
+    lengths = [5, 1, 2]
+    R, T = len(lengths), sum(lengths)
+    x = torch.randn((T, Dc), generator=g)
+    w = torch.randn((Dc, W), generator=g)
+    pool = torch.full((1 + 2 * R + T, Dc, W - 1), math.nan)
+    pool[0] = 0
+    read = torch.arange(1, 1 + R)
+    his = torch.tensor([True, True, False])
+    for r in range(R):
+        pool[read[r]] = torch.randn((Dc, W - 1), generator=g)
+    write = torch.arange(1 + R, 1 + 2 * R)
+    er = torch.tensor([r for r in range(R) for _ in range(lengths[r])])
+    et = torch.tensor([t for r in range(R) for t in range(lengths[r])])
+    es = torch.arange(1 + 2 * R, 1 + 2 * R + T)
+    p_emu, p_ref = pool.clone(), pool.double()
+    args = (_qsl(lengths), read, his, write, er, et, es, None)
+    y = emu.causal_conv1d_prefill(x, w, None, p_emu, *args)
+    y_ref = reference.causal_conv1d_prefill(x.double(), w.double(), None, p_ref, *args)
+    assert _rel(y, y_ref) < 1e-5
+    written = [*write.tolist(), *es.tolist()]
+    assert torch.equal(p_emu[written].double(), p_ref[written])  # copies of the inputs, exactly
 
 
 def test_copy_slots(emu):

@@ -469,11 +469,64 @@ def test_mamba_prefill_declines_what_the_reference_orders_differently():
     bad = clone_case(c)
     bad["emit_slot"][0] = bad["write_slot"][0]
     assert prefill_native(bad, 2) is None
-    # an emit off a chunk end is the reference's ValueError
+    # an emit past its row's end is the reference's ValueError, raised before anything is written
     bad = clone_case(c)
-    bad["emit_token"][0] += 1
-    with pytest.raises(ValueError, match="multiple of chunk_size"):
+    bad["emit_row"][0], bad["emit_token"][0] = 1, 8
+    before = clone_case(bad)
+    with pytest.raises(ValueError, match="out of range"):
         prefill_native(bad, 2)
+    assert torch.equal(bad["ssm_state"], before["ssm_state"]) and torch.equal(
+        bad["conv_state"], before["conv_state"]
+    )
+
+
+def emits_at(c, tokens):
+    """c with its emits replaced by the given tokens of each row (fresh slots)."""
+    c = clone_case(c)
+    er = [r for r, ts in enumerate(tokens) for _ in ts]
+    et = [t for ts in tokens for t in ts]
+    used = set(c["read_slot"].tolist()) | set(c["write_slot"].tolist())
+    free = [s for s in range(1, c["ssm_state"].shape[0]) if s not in used]
+    c["emit_row"] = torch.tensor(er, dtype=torch.int64)
+    c["emit_token"] = torch.tensor(et, dtype=torch.int64)
+    c["emit_slot"] = torch.tensor(free[: len(er)], dtype=torch.int64)
+    return c
+
+
+# rows from position 0 and continuing mid-chunk, one-token rows; emits at the first token, inside
+# chunks, at chunk ends (chunk 16) and at the last token, in row blocks of 64 tokens and across them
+ANY_EMIT_ROWS = dict(
+    lengths=[150, 37, 1, 9, 2],
+    num_computed=[0, 21, 9, 1488, 5],
+    has_init=[False, True, True, True, True],
+    tokens=[[0, 1, 15, 40, 63, 64, 65, 100, 149], [0, 10, 11, 26, 36], [0], [0, 3, 6, 8], [0, 1]],
+)
+
+
+@pytest.mark.parametrize(
+    "H, P, G, N, W",
+    [(8, 32, 2, 32, 4), (4, 6, 1, 12, 4), (2, 16, 2, 16, 2), (2, 8, 1, 128, 3)],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mamba_prefill_emits_at_any_token_match_the_twins(H, P, G, N, W, dtype):
+    rows = ANY_EMIT_ROWS
+    c = prefill_case(
+        rows["lengths"], H, P, G, N, W, dtype, chunk=16, num_computed=rows["num_computed"],
+        has_init=rows["has_init"],
+    )  # fmt: skip
+    c = emits_at(c, rows["tokens"])
+    ref, nat = clone_case(c), clone_case(c)
+    y_ref = prefill_reference(ref, G)
+    y_nat = prefill_native(nat, G)
+    assert y_nat is not None
+    tol = 1e-10 if dtype == torch.float64 else 2e-4
+    torch.testing.assert_close(y_nat, y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["conv_state"], ref["conv_state"], rtol=tol, atol=tol)
+    torch.testing.assert_close(nat["ssm_state"], ref["ssm_state"], rtol=tol, atol=tol)
+    # the emitted slots hold states (not what the pool had there)
+    slots = c["emit_slot"]
+    assert not torch.equal(nat["ssm_state"][slots], c["ssm_state"][slots])
+    assert torch.equal(nat["ssm_state"][0], c["ssm_state"][0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -567,6 +620,23 @@ def test_bf16_mamba_kernels_are_the_float32_kernels_on_the_widened_inputs():
         mine["conv_state"], wide["conv_state"]
     )
     assert c["emit_row"].numel() > 0
+    # emits at any token of a row: the float32 kernel's states, and close to the twins
+    rows = ANY_EMIT_ROWS
+    c = prefill_case(
+        rows["lengths"], 4, 16, G, 16, 4, torch.float32, 16, rows["num_computed"], rows["has_init"]
+    )
+    c = _narrow(emits_at(c, rows["tokens"]))
+    mine, wide, twin = clone_case(c), _widened(clone_case(c)), clone_case(c)
+    y = prefill_native(mine, G)
+    assert y is not None and y.dtype == BF16
+    assert torch.equal(y, prefill_native(wide, G).to(BF16))
+    assert torch.equal(mine["ssm_state"], wide["ssm_state"]) and torch.equal(
+        mine["conv_state"], wide["conv_state"]
+    )
+    torch.testing.assert_close(y.float(), prefill_reference(twin, G).float(), rtol=3e-2, atol=3e-2)
+    slots = c["emit_slot"]
+    torch.testing.assert_close(mine["ssm_state"][slots], twin["ssm_state"][slots], rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(mine["conv_state"][slots], twin["conv_state"][slots], rtol=1e-2, atol=1e-2)
 
 
 def test_bf16_rms_norms_are_the_float32_kernels_rounded_once():

@@ -174,15 +174,122 @@ def test_ssd_prefill_read_slot_equals_write_slot_and_null_write():
     assert torch.equal(state[1], before[1]) and torch.equal(state[3], before[3])
 
 
-def test_ssd_prefill_rejects_emit_off_chunk_end():
+def states_seq(x, dt, A, B, dt_bias, h0, dt_min=0.0, dt_max=math.inf):
+    """One row, token by token in float64, dt through the twin's own pipeline (process_dt).
+    Returns the state after each token [L, H, P, N]."""
+    L, H, P = x.shape
+    hpg = H // B.shape[1]
+    d = K.process_dt(dt.double(), dt_bias.double(), dt_min, dt_max)  # [L, H]
+    h = h0.clone().double()
+    out = []
+    for t in range(L):
+        Bt = B[t].double().repeat_interleave(hpg, dim=0)  # [H, N]: head h uses group h // hpg
+        dx = d[t][:, None] * x[t].double()  # [H, P]
+        h = torch.exp(d[t] * A.double())[:, None, None] * h + dx[:, :, None] * Bt[:, None, :]
+        out.append(h)
+    return torch.stack(out)
+
+
+EMIT_ANY_CASES = [
+    # (H, P, N, G, Q, lengths, num_computed, has_init, emit tokens per row)
+    # one row from 0: the first token, inside chunks, a chunk end, the last token
+    (4, 3, 5, 2, 8, [21], [0], [False], [[0, 3, 7, 12, 13, 20]]),
+    # rows starting mid-chunk (short first chunk with leading padding), one-token rows, G > 1
+    (6, 4, 6, 3, 8, [19, 1, 1, 11, 6], [5, 0, 13, 8, 30], [True, False, True, True, True],
+     [[0, 1, 2, 3, 9, 17, 18], [0], [0], [0, 4, 7, 10], [0, 1, 5]]),
+    # several emits at one token (to different slots), every token of a row, G = H
+    (4, 2, 3, 4, 4, [9, 5], [2, 0], [True, False], [[0, 0, 4, 4, 8], [0, 1, 2, 3, 4]]),
+    # a large Q (a row inside one chunk, another across a chunk start), and an empty row
+    (4, 3, 4, 1, 64, [7, 0, 12], [40, 0, 60], [True, False, True], [[2, 6], [], [1, 3, 4, 11]]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", EMIT_ANY_CASES)
+@pytest.mark.parametrize("limits", [(0.0, math.inf), (0.02, 0.3)])
+def test_ssd_prefill_emits_at_any_token(case, limits, decay_budget):
+    """An emit at any token of a row (inside a chunk as well as at its end) writes exactly the
+    state after that token; the outputs and final states are bit for bit those of the call
+    without emits."""
+    H, P, N, G, Q, lengths, ncomp, his, emit_tokens = case
+    gen = torch.Generator().manual_seed(11)
+    T, R = sum(lengths), len(lengths)
+    x, dt, A, B, C, D, dt_bias = make_ssm_params(H, P, N, G, T, gen)
+    er = [r for r in range(R) for _ in emit_tokens[r]]
+    et = [t for r in range(R) for t in emit_tokens[r]]
+    num_slots = 1 + 2 * R + len(er)
+    state = torch.randn(num_slots, H, P, N, generator=gen, dtype=torch.float64)
+    state[0] = 0
+    read = i64([1 + r for r in range(R)])
+    write = i64([1 + R + r for r in range(R)])
+    es = list(range(1 + 2 * R, num_slots))
+    qsl = qsl_of(lengths)
+    before = state.clone()
+    args = (x, dt, A, B, C, D, dt_bias)
+    y = K.ssd_prefill(
+        *args, state, qsl, i64(ncomp), read, torch.tensor(his), write, i64(er), i64(et), i64(es), Q, *limits
+    )
+    plain = before.clone()
+    e = i64([])
+    y_plain = K.ssd_prefill(
+        *args, plain, qsl, i64(ncomp), read, torch.tensor(his), write, e, e, e, Q, *limits
+    )
+    assert torch.equal(y, y_plain)
+    assert torch.equal(state[: 1 + 2 * R], plain[: 1 + 2 * R])
+    for r in range(R):
+        s, n = int(qsl[r]), lengths[r]
+        if n == 0:
+            continue
+        h0 = before[int(read[r])] if his[r] else torch.zeros(H, P, N, dtype=torch.float64)
+        hs = states_seq(x[s : s + n], dt[s : s + n], A, B[s : s + n], dt_bias, h0, *limits)
+        for row, tok, slot in zip(er, et, es):
+            if row == r:
+                torch.testing.assert_close(state[slot], hs[tok], rtol=1e-10, atol=1e-10)
+                if tok == n - 1:  # the last token: the very state written as the final one
+                    assert torch.equal(state[slot], state[int(write[r])])
+
+
+def test_ssd_prefill_emits_at_chunk_ends_are_unchanged_by_emits_inside_chunks():
+    """Chunk-end emits keep the chunk-end state of the scan (bit for bit), however many emits
+    inside chunks the call also has."""
+    gen = torch.Generator().manual_seed(12)
+    H, P, N, G, Q = 4, 3, 5, 2, 8
+    lengths, ncomp = [30, 17], [3, 8]
+    x, dt, A, B, C, D, dt_bias = make_ssm_params(H, P, N, G, sum(lengths), gen)
+    ends = [(r, t) for r in range(2) for t in range(lengths[r]) if (ncomp[r] + t + 1) % Q == 0]
+    inside = [(0, 0), (0, 9), (1, 3), (1, 15)]
+    base = torch.randn(3 + len(ends) + len(inside), H, P, N, generator=gen, dtype=torch.float64)
+    base[0] = 0
+    common = (x, dt, A, B, C, D, dt_bias)
+    rest = (qsl_of(lengths), i64(ncomp), i64([1, 2]), torch.tensor([True, False]), i64([0, 0]))
+    only_ends = base.clone()
+    slots = list(range(3, 3 + len(ends)))
+    K.ssd_prefill(
+        *common, only_ends, *rest, i64([r for r, _ in ends]), i64([t for _, t in ends]), i64(slots), Q
+    )
+    both = base.clone()
+    emits = ends + inside
+    K.ssd_prefill(
+        *common, both, *rest, i64([r for r, _ in emits]), i64([t for _, t in emits]),
+        i64(list(range(3, 3 + len(emits)))), Q,
+    )  # fmt: skip
+    assert torch.equal(both[slots], only_ends[slots])
+
+
+def test_ssd_prefill_emit_range_checks():
     gen = torch.Generator().manual_seed(2)
     x, dt, A, B, C, D, dt_bias = make_ssm_params(2, 2, 2, 1, 10, gen)
+    common = (x, dt, A, B, C, D, dt_bias)
+    rest = (i64([0, 10]), i64([0]), i64([0]), torch.tensor([False]), i64([1]))
+    # a token inside a chunk is accepted (it used to be refused)
     state = torch.zeros(4, 2, 2, 2, dtype=torch.float64)
-    with pytest.raises(ValueError):
-        K.ssd_prefill(
-            x, dt, A, B, C, D, dt_bias, state, i64([0, 10]), i64([0]), i64([0]), torch.tensor([False]),
-            i64([1]), i64([0]), i64([4]), i64([2]), 4,
-        )  # fmt: skip
+    K.ssd_prefill(*common, state, *rest, i64([0]), i64([4]), i64([2]), 4)
+    hs = states_seq(x, dt, A, B, dt_bias, torch.zeros(2, 2, 2, dtype=torch.float64))
+    torch.testing.assert_close(state[2], hs[4], rtol=1e-12, atol=1e-12)
+    for row, tok in ((1, 0), (-1, 0), (0, 10), (0, -1)):
+        state = torch.zeros(4, 2, 2, 2, dtype=torch.float64)
+        with pytest.raises(ValueError, match="out of range"):
+            K.ssd_prefill(*common, state, *rest, i64([row]), i64([tok]), i64([2]), 4)
+        assert not bool(state.any())  # refused before anything is written
 
 
 def test_ssd_prefill_dt_extremes_no_nan_fp32():
@@ -349,6 +456,37 @@ def test_conv_prefill_matches_sequential(W, with_bias):
     assert torch.equal(cs[0], before[0])
     for sl in read:
         assert torch.equal(cs[sl], before[sl])
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_conv_prefill_emits_at_every_token(W):
+    """An emit at any token writes the W - 1 inputs ending there (initial state columns
+    included when the token is among the first W - 2 of its row)."""
+    gen = torch.Generator().manual_seed(6)
+    Dc = 5
+    lengths = [7, 1, 2]
+    his = [True, True, False]
+    R, T = len(lengths), sum(lengths)
+    x = torch.randn(T, Dc, generator=gen, dtype=torch.float64)
+    w = torch.randn(Dc, W, generator=gen, dtype=torch.float64)
+    er = [r for r in range(R) for _ in range(lengths[r])]
+    et = [t for r in range(R) for t in range(lengths[r])]
+    es = list(range(1 + R, 1 + R + T))
+    cs = torch.randn(1 + R + T, Dc, W - 1, generator=gen, dtype=torch.float64)
+    cs[0] = 0
+    before = cs.clone()
+    qsl = qsl_of(lengths)
+    read = list(range(1, 1 + R))
+    K.causal_conv1d_prefill(
+        x, w, None, cs, qsl, i64(read), torch.tensor(his), i64([0] * R), i64(er), i64(et), i64(es), None
+    )
+    for r in range(R):
+        s, e = int(qsl[r]), int(qsl[r + 1])
+        s0 = before[read[r]] if his[r] else torch.zeros(Dc, W - 1, dtype=torch.float64)
+        _, ss = conv_seq_ref(x[s:e], w, None, s0, act=False)
+        for row, tok, slot in zip(er, et, es):
+            if row == r:
+                assert torch.equal(cs[slot], ss[tok])
 
 
 @pytest.mark.parametrize("W", [2, 4])

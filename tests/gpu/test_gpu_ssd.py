@@ -1,5 +1,5 @@
 """ssd_prefill (chunked SSD scan) vs the float64 reference: varlen rows, initial states by slot,
-absolute chunk alignment, final states and boundary emits."""
+absolute chunk alignment, final states and boundary emits (at chunk ends and inside chunks)."""
 
 from __future__ import annotations
 
@@ -183,12 +183,24 @@ def test_boundary_emits_are_the_states_at_absolute_multiples(computed0):
     assert_close(pool[int(c["emit_slot"][e])], seq[1], 1e-4, what="emitted boundary state")
 
 
-def test_emit_not_on_a_chunk_end_is_rejected():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_emits_inside_chunks_are_the_states_after_their_tokens(dtype):
+    """Checkpoints on block boundaries that are not multiples of Q (b = 48, Q = 64: 1488 sits 16
+    tokens into a chunk), plus a row's first token and tokens just past a chunk start: the host
+    splits the scan's chunks after each, and every emitted state matches the reference."""
     g = gen()
-    c = _case(6, 32, 16, 2, torch.float32, [100], [0], 64, g, init=[False])
-    c["emit_row"] = torch.tensor([0])
-    c["emit_token"] = torch.tensor([10])
-    c["emit_slot"] = torch.tensor([3])
+    Q = 64
+    c = _case(6, 32, 16, 2, dtype, [300, 90, 1], [1440, 5, 77], Q, g, init=[True, True, True], emit_every=48)
+    extra = [(0, 0), (0, 1), (0, 17), (1, 0), (1, 59), (1, 60), (2, 0)]
+    c["emit_row"] = torch.cat([c["emit_row"], torch.tensor([r for r, _ in extra])])
+    c["emit_token"] = torch.cat([c["emit_token"], torch.tensor([t for _, t in extra])])
+    nslots = c["pool"].shape[0]
+    c["pool"] = torch.cat([c["pool"], nan_pool((len(extra), *c["pool"].shape[1:]))])
+    c["emit_slot"] = torch.cat([c["emit_slot"], torch.arange(nslots, nslots + len(extra))])
+    assert bool(((c["nct"][c["emit_row"]] + c["emit_token"] + 1) % Q != 0).any())
+    _check(c, dtype)
+    # an emit past its row's end is still refused
+    c["emit_row"], c["emit_token"], c["emit_slot"] = torch.tensor([1]), torch.tensor([90]), torch.tensor([3])
     with pytest.raises(ValueError):
         _call(K.ssd_prefill, c, c["pool"].clone(), lambda *t: list(t))
 

@@ -513,8 +513,9 @@ def mamba_prefill(
     """Conv then state recurrence of prefill rows: ``reference.causal_conv1d_prefill`` followed by
     ``reference.ssd_prefill`` with the same arguments (the final window / state of row r go to
     ``write_slot[r]``, the emitted ones after ``emit_token[e]`` of row ``emit_row[e]`` to
-    ``emit_slot[e]``; emits must end a chunk, as there). Returns y ``[n, H, P]``, or None when the
-    kernel does not apply: the caller then runs the reference twins."""
+    ``emit_slot[e]``, at any token of the row, as there). Returns y ``[n, H, P]``, or None when the
+    kernel does not apply: the caller then runs the reference twins. ``chunk_size`` is the twin's
+    and does not matter here: the recurrence has the state after every token at hand."""
     import torch
 
     from hybridserve.kernels.reference import _check_emits
@@ -534,7 +535,7 @@ def mamba_prefill(
         )
     if not (emit_row.shape == emit_token.shape == emit_slot.shape and emit_row.dim() == 1):
         raise ValueError("mamba_prefill: emit_row, emit_token and emit_slot must be 1-D of one length")
-    _check_emits(query_start_loc, num_computed_tokens, emit_row, emit_token, chunk_size)
+    _check_emits(query_start_loc, emit_row, emit_token)
     i64 = torch.int64
     qsl = query_start_loc.to(i64).contiguous()
     last = qsl[1:] - qsl[:-1] - 1

@@ -79,13 +79,9 @@ def _row_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     )
 
 
-def _check_emits(
-    query_start_loc: torch.Tensor,
-    num_computed_tokens: torch.Tensor | None,
-    emit_row: torch.Tensor,
-    emit_token: torch.Tensor,
-    chunk_size: int | None,
-) -> None:
+def _check_emits(query_start_loc: torch.Tensor, emit_row: torch.Tensor, emit_token: torch.Tensor) -> None:
+    """Every emit names a row of the call and a token inside it (ValueError otherwise); any token
+    of a row may be emitted."""
     if emit_row.numel() == 0:
         return
     qsl = query_start_loc.to("cpu", torch.int64)
@@ -96,14 +92,6 @@ def _check_emits(
         raise ValueError("emit_row out of range")
     if bool((et < 0).any()) or bool((et >= lengths[er]).any()):
         raise ValueError("emit_token out of range of its row")
-    if chunk_size is not None and num_computed_tokens is not None:
-        nc = num_computed_tokens.to("cpu", torch.int64)
-        on_chunk_end = (nc[er] + et + 1) % chunk_size == 0
-        is_last = et == lengths[er] - 1
-        if not bool((on_chunk_end | is_last).all()):
-            raise ValueError(
-                "emit_token must end on a multiple of chunk_size (absolute position) or be the row's last token"
-            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,8 +141,8 @@ def ssd_prefill(
         write_slot: int64 ``[R]``: the state after the row's last token goes there (0 = skip).
         emit_row, emit_token, emit_slot: int64 ``[E]``: the state after token ``emit_token[e]``
             (index within row ``emit_row[e]``, a row of THIS call) is written to ``emit_slot[e]``
-            (0 = skip). Each emitted token must end a chunk: ``(num_computed + emit_token + 1) %
-            chunk_size == 0``, or be the row's last token. Checked here (ValueError).
+            (0 = skip). Any token of the row may be emitted (a checkpoint may sit on any block
+            boundary, not only on a chunk end); a row or token out of range is a ValueError.
         chunk_size: Q.
         dt_min, dt_max: dt clamp after softplus (``(0, inf)`` = no clamp).
 
@@ -174,7 +162,7 @@ def ssd_prefill(
         raise ValueError(f"nheads {H} not divisible by ngroups {G}")
     if T == 0 or R == 0:
         return torch.empty_like(x)
-    _check_emits(query_start_loc, num_computed_tokens, emit_row, emit_token, Q)
+    _check_emits(query_start_loc, emit_row, emit_token)
     hpg = H // G
 
     qsl = query_start_loc.to("cpu", torch.int64)
@@ -284,12 +272,53 @@ def ssd_prefill(
         er = emit_row.to("cpu", torch.int64)
         et = emit_token.to("cpu", torch.int64)
         ec = chunk_off[er] + ((nct[er] + et) // Q - first_chunk[er])
-        _write_slots(
-            ssm_state,
-            emit_slot.to(ssm_state.device, torch.int64),
-            end[ec.to(dev)].reshape(-1, H, P, N),
-        )
+        ep = (nct[er] + et) % Q  # the emitted token's position in its padded chunk
+        vals = end[ec.to(dev)]
+        # a token that ends its chunk or its row has the chunk-end state (trailing padding has
+        # dt = 0: no decay, no input); a token inside a chunk gets its own state on the side, so
+        # the main scan stays as it is
+        mid = torch.nonzero((ep != Q - 1) & (et != lengths[er] - 1)).flatten()
+        if mid.numel() > 0:
+            vals[mid.to(dev)] = _states_inside_chunks(Lam, dtx, Bc, prev, ec[mid], ep[mid])
+        _write_slots(ssm_state, emit_slot.to(ssm_state.device, torch.int64), vals.reshape(-1, H, P, N))
     return y.to(x.dtype)
+
+
+def _states_inside_chunks(
+    Lam: torch.Tensor,
+    dtx: torch.Tensor,
+    Bc: torch.Tensor,
+    prev: torch.Tensor,
+    chunk: torch.Tensor,
+    pos: torch.Tensor,
+) -> torch.Tensor:
+    """The state after position ``pos[e]`` of padded chunk ``chunk[e]`` (CPU int64 ``[E]``), from
+    the chunk's inputs (``Lam`` ``[NC, Q, G, hpg]``, ``dtx`` ``[NC, Q, G, hpg, P]``, ``Bc``
+    ``[NC, Q, G, N]``) and the state entering it (``prev`` ``[NC, G, hpg, P, N]``):
+    ``h = exp(Lam_i) prev + sum_{j <= i} exp(Lam_i - Lam_j) dt_j x_j B_j^T``. Leading padding has
+    ``dt = 0``, so it adds nothing. Returns ``[E, G, hpg, P, N]``."""
+    NC, Q, G, hpg, P = dtx.shape
+    N = Bc.shape[-1]
+    dev = dtx.device
+    E = int(chunk.numel())
+    out = torch.empty((E, G, hpg, P, N), dtype=dtx.dtype, device=dev)
+    j = torch.arange(Q, dtype=torch.int64)
+    # a group of emits gathers its chunks' weighted inputs (twice: dt x and w dt x) and forms its
+    # states: kept within the decay budget
+    per_emit = G * hpg * P * (2 * Q + N) + Q * G * (hpg + N)
+    group = max(1, SSD_DECAY_BUDGET_BYTES // max(1, per_emit * dtx.element_size()))
+    for e0 in range(0, E, group):
+        e1 = min(E, e0 + group)
+        c = chunk[e0:e1].to(dev)
+        i = pos[e0:e1]
+        lam = Lam[c]  # [e, Q, G, hpg]
+        lam_i = lam[torch.arange(e1 - e0, device=dev), i.to(dev)]  # [e, G, hpg]
+        keep = (j[None, :] <= i[:, None]).to(device=dev, dtype=dtx.dtype)  # [e, Q]
+        # Lam_i - Lam_j <= 0 for j <= i; clamped to 0 past i (masked out) so that exp stays finite
+        w = (lam_i[:, None] - lam).clamp_(max=0.0).exp_().mul_(keep[:, :, None, None])  # [e, Q, G, hpg]
+        S = torch.einsum("ejghp,ejgn->eghpn", w[..., None] * dtx[c], Bc[c])
+        out[e0:e1] = torch.exp(lam_i)[..., None, None] * prev[c] + S
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,7 +459,7 @@ def causal_conv1d_prefill(
             columns included when the row is shorter than W - 1) go there (0 = skip).
         emit_row, emit_token, emit_slot: int64 ``[E]``: the W - 1 inputs ending at (and including)
             token ``emit_token[e]`` of row ``emit_row[e]`` go to ``emit_slot[e]`` (0 = skip). Any
-            token index is accepted here (the SSD op restricts emits to chunk ends).
+            token index is accepted (as by ``ssd_prefill``).
         activation: "silu" or None.
 
     Returns:
@@ -444,7 +473,7 @@ def causal_conv1d_prefill(
     dev = x.device
     if T == 0 or R == 0:
         return torch.empty_like(x)
-    _check_emits(query_start_loc, None, emit_row, emit_token, None)
+    _check_emits(query_start_loc, emit_row, emit_token)
     S = W - 1
     qsl = query_start_loc.to("cpu", torch.int64)
     row = _row_ids(qsl, T)

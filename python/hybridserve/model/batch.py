@@ -33,8 +33,9 @@ class ForwardBatch:
     # Prefill rows: the state after the row's last token goes to [r, 0]. Unused entries are 0.
     state_write_slots: torch.Tensor
     # Boundary-state emissions inside prefill rows (`all` and `align` modes): the state after token
-    # emit_token[e] (index within row emit_row[e]) is written to slot emit_slot[e]. Each such token
-    # ends at an absolute position that is a multiple of mamba_block_size (hence of the scan chunk).
+    # emit_token[e] (index within row emit_row[e]) is written to slot emit_slot[e]. The scan kernels
+    # take any token of the row, so a checkpoint may sit on any block boundary the scheduler picks,
+    # whether or not it is a multiple of the scan's chunk size.
     emit_row: torch.Tensor  # int64 [E]
     emit_token: torch.Tensor  # int64 [E]
     emit_slot: torch.Tensor  # int64 [E]

@@ -143,7 +143,8 @@ class ModelConfig:
 
     @property
     def supports_boundary_states(self) -> bool:
-        """The prefill scan can emit the state at chunk-aligned boundaries (`all` cache mode)."""
+        """The prefill scan can emit the state after any token of a row (the checkpoints of the
+        `all` cache mode, at block boundaries)."""
         return True
 
     @property
