@@ -1,4 +1,4 @@
-//! Criterion benches of the cache manager (issue 4). Run:
+//! Criterion benches of the cache manager. Run:
 //! `cargo bench --bench cache -- --warm-up-time 1 --measurement-time 3`
 //! Configuration: B = 16, M = 256, mode `all`, K = 0 (a Nemotron-H-like setup).
 
@@ -6,7 +6,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use hybridserve::block_hash::{BlockHash, BlockHasher};
-use hybridserve::cache::{CacheHit, HybridCacheManager};
+use hybridserve::cache::{CacheHit, CheckpointKind, HybridCacheManager, Prefix};
 use hybridserve::config::{MambaCacheMode, ResolvedConfig};
 
 const B: usize = 16;
@@ -62,26 +62,38 @@ fn lookup(c: &mut Criterion) {
     m.allocate_new(1, &CacheHit::default(), n, 0).unwrap();
     m.cache_full_blocks(1, &h, n);
     for p in (M..=n).step_by(M) {
-        let s = m.reserve_checkpoint(h[p / B - 1], p).unwrap();
+        let s = m
+            .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid)
+            .unwrap();
         m.commit_checkpoint(s);
     }
     m.free(1);
-    assert_eq!(m.find_longest_cache_hit(&h, n + 1).num_tokens, n);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), n + 1)
+            .num_tokens,
+        n
+    );
     c.bench_function("lookup_32k_tokens_warm", |b| {
-        b.iter(|| black_box(m.find_longest_cache_hit(black_box(&h), n + 1)))
+        b.iter(|| black_box(m.find_longest_cache_hit(Prefix::of_hashes(black_box(&h)), n + 1)))
     });
     // Same prompt, but the checkpoints past 1/4 of it are missing: the scan walks back.
     let mut m2 = HybridCacheManager::new(&cfg(), 8192, 1024);
     m2.allocate_new(1, &CacheHit::default(), n, 0).unwrap();
     m2.cache_full_blocks(1, &h, n);
     for p in (M..=n / 4).step_by(M) {
-        let s = m2.reserve_checkpoint(h[p / B - 1], p).unwrap();
+        let s = m2
+            .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid)
+            .unwrap();
         m2.commit_checkpoint(s);
     }
     m2.free(1);
-    assert_eq!(m2.find_longest_cache_hit(&h, n + 1).num_tokens, n / 4);
+    assert_eq!(
+        m2.find_longest_cache_hit(Prefix::of_hashes(&h), n + 1)
+            .num_tokens,
+        n / 4
+    );
     c.bench_function("lookup_32k_tokens_checkpoint_at_8k", |b| {
-        b.iter(|| black_box(m2.find_longest_cache_hit(black_box(&h), n + 1)))
+        b.iter(|| black_box(m2.find_longest_cache_hit(Prefix::of_hashes(black_box(&h)), n + 1)))
     });
     c.bench_function("hash_32k_tokens", |b| {
         b.iter(|| {
@@ -110,7 +122,7 @@ fn eviction(c: &mut Criterion) {
         m.allocate_new(1, &CacheHit::default(), 2048, 0).unwrap();
         m.cache_full_blocks(1, &h, 2048);
         for p in (M..=2048).step_by(M) {
-            if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p) {
+            if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid) {
                 m.commit_checkpoint(s);
             }
         }
@@ -125,7 +137,7 @@ fn eviction(c: &mut Criterion) {
                 m.allocate_new(1, &CacheHit::default(), 2048, 0).unwrap();
                 m.cache_full_blocks(1, &h, 2048);
                 for p in (M..=2048).step_by(M) {
-                    if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p) {
+                    if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid) {
                         m.commit_checkpoint(s);
                     }
                 }

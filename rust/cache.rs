@@ -1,64 +1,144 @@
-//! The hybrid cache coordinator (contracts §2): longest usable prefix hit over the KV pool and the
-//! Mamba checkpoints, allocation of KV blocks and state windows, checkpoint reservation, freeing.
+//! The hybrid cache coordinator: longest usable prefix hit over the KV pool and the Mamba
+//! checkpoints, allocation of KV blocks and state windows, checkpoint placement (reservation,
+//! commit, adoption of a finished sequence's last state), eviction, freeing.
 //!
-//! Hit rules (DESIGN.md §4 rule 3): a hit of length L needs
+//! Hit rules: a hit of length L needs
 //! - `L <= num_tokens - 1` (the last token is always recomputed to get logits);
-//! - cached KV blocks for all of `[0, L)` (so L is a multiple of B);
-//! - on a Mamba model in mode `align`/`all`: a *committed* checkpoint at exactly L (so L is a
-//!   multiple of M), keyed by the hash of the KV block that ends at L;
-//! - on a model without Mamba layers: KV only;
+//! - cached KV for all of `[0, L)`: the full blocks below L, and when L is not a multiple of B a
+//!   *tail* entry holding exactly the tokens of the partial block (registered when a sequence ended
+//!   there; the hit copies it into a block of the request's own);
+//! - on a Mamba model in mode `align`/`all`: a *committed* checkpoint at exactly L, keyed by the
+//!   hash of the prefix that ends at L (a full block's chained hash, or the tail's);
+//! - on a model without Mamba layers: KV only (full blocks);
 //! - on a Mamba model in mode `none` (or with prefix caching off): no hits, and nothing is cached.
 //!
-//! Every operation whose behaviour depends on the mode has one `match` on `MambaCacheMode`.
-//! `align` and `all` behave alike here: they differ in where the scheduler takes checkpoints from.
+//! Where checkpoints come from is the scheduler's business (the placement); this module keys,
+//! commits, adopts and evicts them. Every operation whose behaviour depends on the mode has one
+//! `match` on `MambaCacheMode`; `align` and `all` behave alike here.
 //!
-//! Copy-on-write: a hit's checkpoint is read-only; `allocate_new` emits a copy into the request's
-//! own window and pins the checkpoint until the copy has run (the request's next `allocate_more`,
-//! which happens in a later step, or `free`).
+//! Copy-on-write: a hit's checkpoint and tail block are read-only; `allocate_new` emits copies into
+//! the request's own window slot and KV block and pins both until the copies have run (the
+//! request's next `allocate_more`, in a later step, or `free`).
 //!
-//! `checkpoint_bytes` in the stats is `(committed + pending) * state_bytes_per_slot`, with the
-//! per-slot size (all Mamba layers, conv + SSM) given by `set_state_bytes_per_slot` (0 until set).
+//! Eviction (`EvictionPolicy`): stale checkpoints (their KV prefix was evicted) always go first.
+//! Then `lru`/`lru-path` take the least recently used; `flops` takes the lowest
+//! `recency + weight * efficiency`, both normalised to [0, 1] over the candidates, where efficiency
+//! is the prefill FLOPs the checkpoint saves over the nearest checkpoint above it on its prefix, per
+//! byte it holds (its state and the KV blocks between the two), on a log scale. A hit refreshes the
+//! checkpoint it consumed (`lru-path`: every checkpoint on its path). With `flops`, KV blocks that no
+//! checkpoint at or below them can use are evicted before any other cached block.
 //!
-//! Counters: `find_longest_cache_hit` adds `num_tokens` to `queried_tokens`, L to `hit_tokens`,
-//! the KV-only hit to `kv_hit_tokens`, and the difference (KV prefix cached, checkpoint missing)
-//! to `lost_tokens` on every call.
+//! Counters: `find_longest_cache_hit` adds `num_tokens` to `queried_tokens`, L to `hit_tokens`, the
+//! KV-only hit to `kv_hit_tokens`, and the difference (KV prefix cached, no checkpoint there) to
+//! `lost_tokens` on every call.
 
 use std::collections::HashMap;
 
 pub use crate::block_hash::BlockHash;
-use crate::block_hash::PassThroughBuild;
+use crate::block_hash::{BlockHasher, PassThroughBuild};
 use crate::block_pool::BlockPool;
 pub use crate::block_pool::{BlockId, NULL_BLOCK};
-use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
+pub use crate::mamba_pool::{CheckpointKind, CheckpointTag, SlotId, NULL_SLOT};
 use crate::mamba_pool::{MambaPool, SlotKind};
-pub use crate::mamba_pool::{SlotId, NULL_SLOT};
 
 /// The scheduler's numeric id of a request.
 pub type ReqKey = u64;
 
-/// A state operation, executed by the runner, in order, before the forward.
+/// The default weight of FLOP efficiency against recency in the `flops` eviction score (the
+/// trace-replay benchmark, `hybridserve bench cache-trace`, sweeps it).
+pub const DEFAULT_FLOP_WEIGHT: f64 = 1.0;
+
+/// An operation the runner executes, in order, before the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StateOp {
+    /// Copy the Mamba state (conv and SSM, every layer) of slot `src` into slot `dst`.
     Copy { src: SlotId, dst: SlotId },
+    /// Copy the KV of block `src` into block `dst` (every attention layer).
+    CopyBlock { src: BlockId, dst: BlockId },
+}
+
+/// The token prefix a lookup or a last-state checkpoint is about: the chained hashes of its full
+/// blocks, its tokens (for tail entries; may be empty when tails are not wanted) and the root of
+/// its hash chain (the salt's).
+#[derive(Clone, Copy, Debug)]
+pub struct Prefix<'a> {
+    pub hashes: &'a [BlockHash],
+    pub tokens: &'a [u32],
+    pub root: BlockHash,
+}
+
+impl<'a> Prefix<'a> {
+    /// Full blocks only (no tail lookups).
+    pub fn of_hashes(hashes: &'a [BlockHash]) -> Self {
+        Prefix {
+            hashes,
+            tokens: &[],
+            root: BlockHash(0),
+        }
+    }
 }
 
 /// The result of `find_longest_cache_hit`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CacheHit {
-    /// L: a multiple of B (and of M when mode != None on a Mamba model).
+    /// L.
     pub num_tokens: usize,
-    /// The L / B cached blocks.
+    /// The L / B (rounded down) cached full blocks.
     pub kv_blocks: Vec<BlockId>,
+    /// When L is not a multiple of B: the cached tail block holding tokens [L / B * B, L).
+    pub tail: Option<BlockId>,
     /// Committed checkpoint holding the state after exactly L tokens.
     pub checkpoint: Option<SlotId>,
-    /// Tokens the KV pool alone could have served (for the "lost" counter).
+    /// Why that checkpoint was placed.
+    pub kind: Option<CheckpointKind>,
+    /// Tokens the KV pool alone could have served (full blocks; for the "lost" counter and for
+    /// branch-point placement).
     pub kv_hit_tokens: usize,
+}
+
+/// What the `flops` eviction score needs to know about the model and its memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CostModel {
+    /// Bytes of one state slot (all Mamba layers, conv + SSM).
+    pub state_bytes: u64,
+    /// Bytes of one KV block (all attention layers).
+    pub kv_bytes_per_block: u64,
+    /// Prefill FLOPs per token that do not depend on the context (projections, MLPs, the scan).
+    pub flops_per_token: f64,
+    /// Attention FLOPs per token per token of context before it.
+    pub attn_flops_per_context_token: f64,
+}
+
+impl CostModel {
+    /// FLOPs to prefill positions [a, b).
+    pub fn prefill_flops(&self, a: usize, b: usize) -> f64 {
+        if b <= a {
+            return 0.0;
+        }
+        let n = (b - a) as f64;
+        // sum of the context lengths a..b-1
+        let ctx = n * (a as f64 + b as f64 - 1.0) / 2.0;
+        n * self.flops_per_token + ctx * self.attn_flops_per_context_token
+    }
+}
+
+/// Why a checkpoint was evicted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvictionCause {
+    /// A new checkpoint needed its slot or the checkpoint budget.
+    ForCheckpoint,
+    /// A running request's state window needed its slot.
+    ForWindow,
+    /// A KV allocation would otherwise have evicted a block that hits can still use: the
+    /// checkpoint that keeps the cheapest such path goes, and its blocks with it.
+    ForKv,
 }
 
 /// Usage figures and counters. Block and slot totals exclude the null block / slot.
 /// After every request has finished: `kv_blocks_used == 0` and
 /// `kv_blocks_free + kv_blocks_cached_free == kv_blocks_total`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct CacheStats {
     pub kv_blocks_total: usize,
     pub kv_blocks_used: usize,
@@ -73,13 +153,22 @@ pub struct CacheStats {
     pub mamba_slots_window: usize,
     pub checkpoints_committed: usize,
     pub checkpoints_pending: usize,
+    /// Committed checkpoints by kind (grid, branch, last token).
+    pub checkpoints_by_kind: [usize; 3],
     pub checkpoint_bytes: u64,
     pub queried_tokens: u64,
     pub hit_tokens: u64,
     pub kv_hit_tokens: u64,
     pub lost_tokens: u64,
     pub kv_evictions: u64,
+    /// Of `kv_evictions`: blocks that no checkpoint could use any more.
+    pub kv_evictions_useless: u64,
     pub checkpoint_evictions: u64,
+    /// Of `checkpoint_evictions`: stale ones, for a new checkpoint, for a window.
+    pub checkpoint_evictions_stale: u64,
+    pub checkpoint_evictions_for_checkpoint: u64,
+    pub checkpoint_evictions_for_window: u64,
+    pub checkpoint_evictions_for_kv: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -90,58 +179,125 @@ struct ReqState {
     num_cached_blocks: usize,
     /// Checkpoint pinned until its hit copy has run.
     pinned: Option<SlotId>,
+    /// Tail block referenced until its hit copy has run.
+    pinned_tail: Option<BlockId>,
 }
 
-/// The hybrid cache manager (see contracts §2).
+/// The hybrid cache manager.
 #[derive(Debug, Clone)]
 pub struct HybridCacheManager {
     mode: MambaCacheMode,
     has_mamba: bool,
     prefix_caching: bool,
+    placement: CheckpointPlacement,
+    eviction: EvictionPolicy,
     block_size: usize,
     mamba_block_size: usize,
     window_len: usize,
+    hasher: BlockHasher,
     kv: BlockPool,
     mamba: MambaPool,
+    /// Per slot: the KV block its checkpoint is attached to (0 = not attached: pending or stale).
+    ck_block: Vec<BlockId>,
+    /// Per slot: the position of the nearest checkpoint above it when it was last attached or its
+    /// neighbours changed (0 = none: a hit would fall back to recomputing from the start).
+    ck_parent_pos: Vec<usize>,
+    cost: CostModel,
+    flop_weight: f64,
     reqs: HashMap<ReqKey, ReqState, PassThroughBuild>,
-    state_bytes_per_slot: usize,
     queried_tokens: u64,
     hit_tokens: u64,
     kv_hit_tokens: u64,
     lost_tokens: u64,
+    evictions_stale: u64,
+    evictions_for_checkpoint: u64,
+    evictions_for_window: u64,
+    evictions_for_kv: u64,
+    scratch: Vec<SlotId>,
 }
 
 impl HybridCacheManager {
     /// `num_kv_blocks` and `num_mamba_slots` include the null block / slot. Windows of
-    /// `max_num_seqs` requests are reserved in the Mamba pool; checkpoints use the rest.
+    /// `max_num_seqs` requests are reserved in the Mamba pool; checkpoints use the rest. Block
+    /// hashes under hash seed 0.
     pub fn new(cfg: &ResolvedConfig, num_kv_blocks: usize, num_mamba_slots: usize) -> Self {
+        Self::with_hasher(cfg, num_kv_blocks, num_mamba_slots, BlockHasher::new(0))
+    }
+
+    /// As `new`, with the hasher whose chains the requests' block hashes come from (tail entries
+    /// are hashed with it).
+    pub fn with_hasher(
+        cfg: &ResolvedConfig,
+        num_kv_blocks: usize,
+        num_mamba_slots: usize,
+        hasher: BlockHasher,
+    ) -> Self {
         let window_len = cfg.state_window_len();
         let window_reserve = if cfg.has_mamba_layers {
             cfg.max_num_seqs.saturating_mul(window_len)
         } else {
             0
         };
+        let mut kv = BlockPool::new(num_kv_blocks);
+        let checkpoints = cfg.has_mamba_layers
+            && cfg.enable_prefix_caching
+            && cfg.mamba_cache_mode != MambaCacheMode::None;
+        kv.set_track_usefulness(checkpoints && cfg.eviction == EvictionPolicy::Flops);
+        let mamba = MambaPool::new(num_mamba_slots, window_reserve);
+        let n_slots = mamba.num_slots();
         HybridCacheManager {
             mode: cfg.mamba_cache_mode,
             has_mamba: cfg.has_mamba_layers,
             prefix_caching: cfg.enable_prefix_caching,
+            placement: cfg.checkpoint_placement,
+            eviction: cfg.eviction,
             block_size: cfg.block_size.max(1),
             mamba_block_size: cfg.mamba_block_size.max(1),
             window_len,
-            kv: BlockPool::new(num_kv_blocks),
-            mamba: MambaPool::new(num_mamba_slots, window_reserve),
+            hasher,
+            kv,
+            mamba,
+            ck_block: vec![NULL_BLOCK; n_slots],
+            ck_parent_pos: vec![0; n_slots],
+            cost: CostModel::default(),
+            flop_weight: DEFAULT_FLOP_WEIGHT,
             reqs: HashMap::with_capacity_and_hasher(cfg.max_num_seqs, PassThroughBuild::default()),
-            state_bytes_per_slot: 0,
             queried_tokens: 0,
             hit_tokens: 0,
             kv_hit_tokens: 0,
             lost_tokens: 0,
+            evictions_stale: 0,
+            evictions_for_checkpoint: 0,
+            evictions_for_window: 0,
+            evictions_for_kv: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The hasher of the block-hash chains.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Sizes and FLOPs for the `flops` eviction score and the memory figures.
+    pub fn set_cost_model(&mut self, cost: CostModel) {
+        self.cost = cost;
+    }
+
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost
+    }
+
+    /// The weight of FLOP efficiency against recency in the `flops` score (finite, >= 0).
+    pub fn set_flop_weight(&mut self, w: f64) {
+        if w.is_finite() && w >= 0.0 {
+            self.flop_weight = w;
         }
     }
 
     /// Per-slot state size in bytes (all Mamba layers), for the `checkpoint_bytes` figure.
     pub fn set_state_bytes_per_slot(&mut self, n: usize) {
-        self.state_bytes_per_slot = n;
+        self.cost.state_bytes = n as u64;
     }
 
     /// The KV pool (read-only, for tests and metrics).
@@ -163,6 +319,14 @@ impl HybridCacheManager {
         self.reqs.contains_key(&req)
     }
 
+    /// Whether this configuration keeps Mamba checkpoints at all.
+    fn checkpoints(&self) -> bool {
+        match (self.mode, self.has_mamba) {
+            (_, false) | (MambaCacheMode::None, true) => false,
+            (MambaCacheMode::Align | MambaCacheMode::All, true) => self.prefix_caching,
+        }
+    }
+
     /// The cached blocks of the longest prefix of `hashes[..max_blocks]` in the prefix cache
     /// (one map lookup per block).
     fn kv_prefix_blocks(&self, hashes: &[BlockHash], max_blocks: usize) -> Vec<BlockId> {
@@ -176,68 +340,136 @@ impl HybridCacheManager {
         out
     }
 
-    /// Longest usable hit for a request whose full-block hashes are `block_hashes` and whose known
-    /// tokens number `num_tokens` (prompt, or prompt + output for a resumed request).
-    /// L <= num_tokens - 1. Pure query apart from counters and the checkpoint's LRU touch; takes
-    /// no references. Call `allocate_new` with it right away (before other allocations).
-    pub fn find_longest_cache_hit(
-        &mut self,
-        block_hashes: &[BlockHash],
-        num_tokens: usize,
-    ) -> CacheHit {
+    /// The committed checkpoint at exactly `position` keyed `hash`, if any.
+    fn checkpoint_at(&self, hash: BlockHash, position: usize) -> Option<SlotId> {
+        let s = self.mamba.lookup(hash)?;
+        (self.mamba.tag(s) == Some((hash, position))).then_some(s)
+    }
+
+    /// The deepest checkpoint usable by `prefix` within `num_kv_blocks` cached full blocks and
+    /// `max_tokens` tokens: `(L, checkpoint, tail block)`.
+    fn deepest_checkpoint(
+        &self,
+        prefix: &Prefix<'_>,
+        num_kv_blocks: usize,
+        max_tokens: usize,
+    ) -> Option<(usize, SlotId, Option<BlockId>)> {
+        let b = self.block_size;
+        for d in (0..=num_kv_blocks).rev() {
+            // Tails right below the first d blocks: positions d*B + t, t in 1..B.
+            let parent = if d == 0 {
+                prefix.root
+            } else {
+                prefix.hashes[d - 1]
+            };
+            let max_t = (b - 1)
+                .min(max_tokens.saturating_sub(d * b))
+                .min(prefix.tokens.len().saturating_sub(d * b));
+            if max_t > 0 && self.kv.has_tails(parent) {
+                for t in (1..=max_t).rev() {
+                    let h = self
+                        .hasher
+                        .hash_block(parent, &prefix.tokens[d * b..d * b + t]);
+                    let Some(blk) = self.kv.get_cached(h) else {
+                        continue;
+                    };
+                    if !self.kv.is_tail(blk) {
+                        continue;
+                    }
+                    if let Some(s) = self.checkpoint_at(h, d * b + t) {
+                        return Some((d * b + t, s, Some(blk)));
+                    }
+                }
+            }
+            if d > 0 && d * b <= max_tokens {
+                if let Some(s) = self.checkpoint_at(prefix.hashes[d - 1], d * b) {
+                    return Some((d * b, s, None));
+                }
+            }
+        }
+        None
+    }
+
+    /// Longest usable hit for a request whose prefix is `prefix` and whose known tokens number
+    /// `num_tokens` (prompt, or prompt + output for a resumed request). L <= num_tokens - 1. A pure
+    /// query apart from counters and the checkpoint's recency; takes no references. Call
+    /// `allocate_new` with it right away (before other allocations).
+    pub fn find_longest_cache_hit(&mut self, prefix: Prefix<'_>, num_tokens: usize) -> CacheHit {
         let b = self.block_size;
         self.queried_tokens += num_tokens as u64;
         if !self.prefix_caching {
             return CacheHit::default();
         }
-        let max_blocks = (num_tokens.saturating_sub(1) / b).min(block_hashes.len());
-        let (mut kv_blocks, l, checkpoint) = match (self.mode, self.has_mamba) {
+        let max_tokens = num_tokens.saturating_sub(1);
+        let max_blocks = (max_tokens / b).min(prefix.hashes.len());
+        let mut hit = match (self.mode, self.has_mamba) {
             // No Mamba layers: the mode has no effect, hits are KV only.
             (_, false) => {
-                let blocks = self.kv_prefix_blocks(block_hashes, max_blocks);
-                let l = blocks.len() * b;
-                (blocks, l, None)
-            }
-            (MambaCacheMode::None, true) => (Vec::new(), 0, None),
-            (MambaCacheMode::Align | MambaCacheMode::All, true) => {
-                let blocks = self.kv_prefix_blocks(block_hashes, max_blocks);
-                let m = self.mamba_block_size;
-                let mut found = (0, None);
-                let mut p = (blocks.len() * b) / m;
-                while p > 0 {
-                    let l = p * m;
-                    let h = block_hashes[l / b - 1];
-                    if let Some(s) = self.mamba.lookup(h) {
-                        if self.mamba.tag(s) == Some((h, l)) {
-                            found = (l, Some(s));
-                            break;
-                        }
-                    }
-                    p -= 1;
+                let blocks = self.kv_prefix_blocks(prefix.hashes, max_blocks);
+                CacheHit {
+                    num_tokens: blocks.len() * b,
+                    kv_hit_tokens: blocks.len() * b,
+                    kv_blocks: blocks,
+                    ..CacheHit::default()
                 }
-                (blocks, found.0, found.1)
+            }
+            (MambaCacheMode::None, true) => CacheHit::default(),
+            (MambaCacheMode::Align | MambaCacheMode::All, true) => {
+                let blocks = self.kv_prefix_blocks(prefix.hashes, max_blocks);
+                let kv_tokens = blocks.len() * b;
+                match self.deepest_checkpoint(&prefix, blocks.len(), max_tokens) {
+                    Some((l, s, tail)) => CacheHit {
+                        num_tokens: l,
+                        kv_blocks: blocks,
+                        tail,
+                        checkpoint: Some(s),
+                        kind: self.mamba.checkpoint_tag(s).map(|t| t.kind),
+                        kv_hit_tokens: kv_tokens,
+                    },
+                    None => CacheHit {
+                        kv_blocks: blocks,
+                        kv_hit_tokens: kv_tokens,
+                        ..CacheHit::default()
+                    },
+                }
             }
         };
-        if let Some(s) = checkpoint {
-            self.mamba.touch(s);
+        if let Some(s) = hit.checkpoint {
+            self.refresh(s);
         }
-        let kv_tokens = kv_blocks.len() * b;
+        let l = hit.num_tokens;
         self.hit_tokens += l as u64;
-        self.kv_hit_tokens += kv_tokens as u64;
-        self.lost_tokens += (kv_tokens - l) as u64;
-        kv_blocks.truncate(l / b);
-        CacheHit {
-            num_tokens: l,
-            kv_blocks,
-            checkpoint,
-            kv_hit_tokens: kv_tokens,
+        self.kv_hit_tokens += hit.kv_hit_tokens as u64;
+        self.lost_tokens += hit.kv_hit_tokens.saturating_sub(l) as u64;
+        hit.kv_blocks.truncate(l / b);
+        hit
+    }
+
+    /// A hit consumed checkpoint `s`: refresh it (and, with `lru-path`, every checkpoint above it
+    /// on its prefix, the shallowest first, so that `s` ends most recent).
+    fn refresh(&mut self, s: SlotId) {
+        if self.eviction == EvictionPolicy::LruPath {
+            let mut path = Vec::new();
+            let mut blk = self.ck_block[s as usize];
+            while blk != NULL_BLOCK {
+                let c = self.kv.tree().checkpoint(blk);
+                if c != NULL_SLOT && c != s {
+                    path.push(c);
+                }
+                blk = self.kv.tree().parent(blk).unwrap_or(NULL_BLOCK);
+            }
+            for &c in path.iter().rev() {
+                self.mamba.touch(c);
+            }
         }
+        self.mamba.touch(s);
     }
 
     /// Whether `hit` is still valid: its blocks cached, its checkpoint committed, shapes right.
     fn hit_is_valid(&self, hit: &CacheHit) -> bool {
         let b = self.block_size;
-        if hit.kv_blocks.len() * b != hit.num_tokens {
+        let l = hit.num_tokens;
+        if hit.kv_blocks.len() != l / b || hit.tail.is_some() != (l % b != 0) {
             return false;
         }
         if hit
@@ -248,27 +480,205 @@ impl HybridCacheManager {
             return false;
         }
         match (self.mode, self.has_mamba) {
-            (_, false) => hit.checkpoint.is_none(),
-            (MambaCacheMode::None, true) => hit.num_tokens == 0 && hit.checkpoint.is_none(),
+            (_, false) => hit.checkpoint.is_none() && hit.tail.is_none(),
+            (MambaCacheMode::None, true) => {
+                l == 0 && hit.checkpoint.is_none() && hit.tail.is_none()
+            }
             (MambaCacheMode::Align | MambaCacheMode::All, true) => match hit.checkpoint {
-                None => hit.num_tokens == 0,
+                None => l == 0,
                 Some(s) => {
-                    // Committed, at L, and keyed by the hash of the hit's last KV block.
-                    let last = hit.kv_blocks.last().and_then(|&x| self.kv.block_hash(x));
+                    // Committed, at L, keyed by the hash of the prefix that ends at L.
+                    let key = match hit.tail {
+                        Some(t) if self.kv.is_tail(t) => self.kv.block_hash(t),
+                        Some(_) => return false,
+                        None => hit.kv_blocks.last().and_then(|&x| self.kv.block_hash(x)),
+                    };
                     self.mamba.kind(s) == Some(SlotKind::Committed)
-                        && self.mamba.tag(s).map(|t| (Some(t.0), t.1))
-                            == Some((last, hit.num_tokens))
+                        && self.mamba.tag(s).map(|t| (Some(t.0), t.1)) == Some((key, l))
                 }
             },
         }
     }
 
+    // ------------------------------------------------------------------ eviction
+
+    /// The `flops` score's victim among live evictable checkpoints (`for_kv`: only those whose
+    /// own KV block is free and holds no other checkpoint below it, so that evicting one frees
+    /// at least that block for reuse).
+    fn flops_victim(&self, for_kv: bool) -> Option<SlotId> {
+        let b = self.block_size as u64;
+        let mut cands: Vec<(SlotId, f64, f64)> = Vec::with_capacity(self.mamba.num_evictable());
+        for s in self.mamba.live_evictable() {
+            if for_kv {
+                let blk = self.ck_block[s as usize];
+                if blk == NULL_BLOCK || !self.kv.is_free(blk) || self.kv.tree().below(blk) != 1 {
+                    continue;
+                }
+            }
+            let Some(tag) = self.mamba.checkpoint_tag(s) else {
+                continue;
+            };
+            let from = self.ck_parent_pos[s as usize].min(tag.position);
+            let saved = self.cost.prefill_flops(from, tag.position);
+            let blocks = ((tag.position - from) as u64).div_ceil(b);
+            let bytes = self.cost.state_bytes + blocks * self.cost.kv_bytes_per_block;
+            // Log scale: savings span orders of magnitude (a few tail tokens to a long context),
+            // and a linear scale would let the largest one flatten every other difference.
+            let eff = (1.0 + saved / bytes.max(1) as f64).ln();
+            cands.push((s, self.mamba.last_use(s) as f64, eff));
+        }
+        let (r_lo, r_hi) = min_max(cands.iter().map(|c| c.1))?;
+        let (e_lo, e_hi) = min_max(cands.iter().map(|c| c.2))?;
+        let norm = |x: f64, lo: f64, hi: f64| if hi > lo { (x - lo) / (hi - lo) } else { 0.0 };
+        let mut best: Option<(f64, f64, SlotId)> = None;
+        for (s, r, e) in cands {
+            let score = norm(r, r_lo, r_hi) + self.flop_weight * norm(e, e_lo, e_hi);
+            // Ties: the least recently used.
+            if best.is_none_or(|(bs, br, _)| score < bs || (score == bs && r < br)) {
+                best = Some((score, r, s));
+            }
+        }
+        best.map(|t| t.2)
+    }
+
+    /// Evicts one committed, unpinned checkpoint (stale first, then by the policy). False if none
+    /// is evictable.
+    fn evict_checkpoint(&mut self, cause: EvictionCause) -> bool {
+        let (victim, stale) = match self.mamba.stale_victim() {
+            Some(s) => (s, true),
+            None => {
+                let v = match self.eviction {
+                    EvictionPolicy::Lru | EvictionPolicy::LruPath => self.mamba.lru_victim(),
+                    EvictionPolicy::Flops => self.flops_victim(false),
+                };
+                let Some(v) = v else {
+                    return false;
+                };
+                (v, false)
+            }
+        };
+        self.detach(victim);
+        if !self.mamba.evict(victim) {
+            return false;
+        }
+        if stale {
+            self.evictions_stale += 1;
+        } else {
+            match cause {
+                EvictionCause::ForCheckpoint => self.evictions_for_checkpoint += 1,
+                EvictionCause::ForWindow => self.evictions_for_window += 1,
+                EvictionCause::ForKv => self.evictions_for_kv += 1,
+            }
+        }
+        true
+    }
+
+    /// Evicts until `n` slots are free. False (having evicted what it could) if impossible.
+    fn make_free_slots(&mut self, n: usize, cause: EvictionCause) -> bool {
+        while self.mamba.num_free() < n {
+            if !self.evict_checkpoint(cause) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Room for one more checkpoint: below the checkpoint budget and a free slot.
+    fn make_checkpoint_room(&mut self) -> bool {
+        while self.mamba.at_checkpoint_cap() {
+            if !self.evict_checkpoint(EvictionCause::ForCheckpoint) {
+                return false;
+            }
+        }
+        self.make_free_slots(1, EvictionCause::ForCheckpoint)
+    }
+
+    /// Links the committed checkpoint `s` to the cached block of its hash (if cached: live, else
+    /// stale) and updates the fallback positions of it and of the checkpoints right below it.
+    fn attach(&mut self, s: SlotId) {
+        let Some(tag) = self.mamba.checkpoint_tag(s) else {
+            return;
+        };
+        let blk = match self.kv.get_cached(tag.hash) {
+            Some(blk) if self.kv.attach_checkpoint(blk, s) => blk,
+            _ => {
+                self.mamba.set_stale(s, true);
+                return;
+            }
+        };
+        self.ck_block[s as usize] = blk;
+        let tree = self.kv.tree();
+        self.ck_parent_pos[s as usize] = tree
+            .nearest_checkpoint_above(blk)
+            .and_then(|p| self.mamba.tag(p))
+            .map_or(0, |t| t.1);
+        let mut below = std::mem::take(&mut self.scratch);
+        below.clear();
+        tree.checkpoints_directly_below(blk, &mut below);
+        for &c in &below {
+            self.ck_parent_pos[c as usize] = tag.position;
+        }
+        below.clear();
+        self.scratch = below;
+        self.mamba.set_stale(s, false);
+    }
+
+    /// Unlinks checkpoint `s` from its block (before it goes): the checkpoints right below it fall
+    /// back to its own fallback position.
+    fn detach(&mut self, s: SlotId) {
+        let blk = std::mem::replace(&mut self.ck_block[s as usize], NULL_BLOCK);
+        if blk == NULL_BLOCK {
+            return;
+        }
+        let mut below = std::mem::take(&mut self.scratch);
+        below.clear();
+        self.kv.tree().checkpoints_directly_below(blk, &mut below);
+        let up = self.ck_parent_pos[s as usize];
+        for &c in &below {
+            self.ck_parent_pos[c as usize] = up;
+        }
+        below.clear();
+        self.scratch = below;
+        self.kv.detach_checkpoint(blk);
+    }
+
+    /// KV allocation that keeps the checkpoints consistent with evicted blocks. With `flops`
+    /// eviction, when the free blocks that no hit can use do not suffice, the checkpoints whose
+    /// paths are worth least go first (by the same score), instead of the LRU cached block.
+    fn allocate_blocks(&mut self, req_blocks: &mut Vec<BlockId>, n: usize) -> bool {
+        if self.eviction == EvictionPolicy::Flops && self.checkpoints() {
+            while self.kv.num_free() >= n && self.kv.num_free() - self.kv.num_useful_free() < n {
+                let Some(v) = self.flops_victim(true) else {
+                    break;
+                };
+                self.detach(v);
+                if !self.mamba.evict(v) {
+                    break;
+                }
+                self.evictions_for_kv += 1;
+            }
+        }
+        let mut gone = Vec::new();
+        let ok = self.kv.allocate(n, req_blocks, |h| gone.push(h));
+        for h in gone {
+            // The pool detached the checkpoint from the tree with the block: it is stale now.
+            if let Some(s) = self.mamba.checkpoint_for(h) {
+                self.ck_block[s as usize] = NULL_BLOCK;
+                self.mamba.set_stale(s, true);
+            }
+        }
+        ok
+    }
+
+    // ------------------------------------------------------------------ allocation
+
     /// First allocation of a (new or resumed) request: takes references on the hit blocks,
     /// allocates its state window (1 + K slots) and the KV blocks for
     /// [L, L + num_new_tokens + num_lookahead_tokens). Emits `StateOp::Copy { src: checkpoint,
-    /// dst: window[0] }` on a hit. None if it does not fit, if the request already has an
-    /// allocation, or if the hit is no longer valid (re-query then); in every None case nothing
-    /// was taken. On a model without Mamba layers the window is `1 + K` null slots.
+    /// dst: window[0] }` on a hit, and `StateOp::CopyBlock { src: tail, dst }` for a tail hit.
+    /// None if it does not fit, if the request already has an allocation, or if the hit is no
+    /// longer valid (re-query then); in every None case nothing was taken. On a model without
+    /// Mamba layers the window is `1 + K` null slots.
     pub fn allocate_new(
         &mut self,
         req: ReqKey,
@@ -290,6 +700,7 @@ impl HybridCacheManager {
         let hit_free = hit
             .kv_blocks
             .iter()
+            .chain(hit.tail.iter())
             .filter(|&&x| self.kv.is_free(x))
             .count();
         if self.kv.num_free() < hit_free + to_alloc {
@@ -297,7 +708,9 @@ impl HybridCacheManager {
         }
         if self.has_mamba {
             // The hit checkpoint itself must not be evicted to make room for the window.
-            let ck_evictable = hit.checkpoint.is_some_and(|s| self.mamba.pin_count(s) == 0);
+            let ck_evictable = hit.checkpoint.is_some_and(|s| {
+                self.mamba.pin_count(s) == 0 && self.mamba.kind(s) == Some(SlotKind::Committed)
+            });
             let avail =
                 self.mamba.num_free() + self.mamba.num_evictable() - usize::from(ck_evictable);
             if avail < self.window_len {
@@ -309,23 +722,30 @@ impl HybridCacheManager {
             window: Vec::with_capacity(self.window_len),
             num_cached_blocks: n_hit,
             pinned: None,
+            pinned_tail: None,
         };
         for &blk in &hit.kv_blocks {
             self.kv.incref(blk);
             st.blocks.push(blk);
         }
-        let mamba = &mut self.mamba;
-        let ok = self
-            .kv
-            .allocate(to_alloc, &mut st.blocks, |h| mamba.mark_stale(h));
+        if let Some(t) = hit.tail {
+            // Read by the copy before the next forward: not to be evicted or handed out before.
+            self.kv.incref(t);
+            st.pinned_tail = Some(t);
+        }
+        if let Some(c) = hit.checkpoint.filter(|_| self.has_mamba) {
+            self.mamba.pin(c);
+            st.pinned = Some(c);
+        }
+        let ok = self.allocate_blocks(&mut st.blocks, to_alloc);
         debug_assert!(ok);
         let mut ops = Vec::new();
+        if let (Some(t), Some(&dst)) = (hit.tail, st.blocks.get(n_hit)) {
+            ops.push(StateOp::CopyBlock { src: t, dst });
+        }
         if self.has_mamba {
-            if let Some(c) = hit.checkpoint {
-                self.mamba.pin(c);
-                st.pinned = Some(c);
-            }
-            let ok = self.mamba.alloc_window(self.window_len, &mut st.window);
+            let ok = self.make_free_slots(self.window_len, EvictionCause::ForWindow)
+                && self.mamba.alloc_window(self.window_len, &mut st.window);
             debug_assert!(ok);
             if let (Some(c), Some(&w0)) = (hit.checkpoint, st.window.first()) {
                 ops.push(StateOp::Copy { src: c, dst: w0 });
@@ -335,6 +755,16 @@ impl HybridCacheManager {
         }
         self.reqs.insert(req, st);
         Some(ops)
+    }
+
+    /// Drops the pins of a request's hit copies (they have run).
+    fn unpin(&mut self, st_pinned: Option<SlotId>, st_tail: Option<BlockId>) {
+        if let Some(c) = st_pinned {
+            self.mamba.unpin(c);
+        }
+        if let Some(t) = st_tail {
+            self.kv.release(&[t]);
+        }
     }
 
     /// Later allocations of a running request: KV blocks so that the request's block table
@@ -348,23 +778,24 @@ impl HybridCacheManager {
         num_lookahead_tokens: usize,
     ) -> Option<()> {
         let st = self.reqs.get_mut(&req)?;
-        // The step that carried the hit copy has run: the checkpoint is no longer read.
-        if let Some(c) = st.pinned.take() {
-            self.mamba.unpin(c);
-        }
+        // The step that carried the hit copies has run: the sources are no longer read.
+        let (pinned, tail) = (st.pinned.take(), st.pinned_tail.take());
+        self.unpin(pinned, tail);
         let total = num_computed_tokens
             .checked_add(num_new_tokens)?
             .checked_add(num_lookahead_tokens)?;
         let need = total.div_ceil(self.block_size);
+        let st = self.reqs.get_mut(&req)?;
         if need <= st.blocks.len() {
             return Some(());
         }
-        let mamba = &mut self.mamba;
-        self.kv
-            .allocate(need - st.blocks.len(), &mut st.blocks, |h| {
-                mamba.mark_stale(h)
-            })
-            .then_some(())
+        let mut blocks = std::mem::take(&mut st.blocks);
+        let have = blocks.len();
+        let ok = self.allocate_blocks(&mut blocks, need - have);
+        if let Some(st) = self.reqs.get_mut(&req) {
+            st.blocks = blocks;
+        }
+        ok.then_some(())
     }
 
     /// The request's KV block table (empty for an unknown request).
@@ -403,42 +834,132 @@ impl HybridCacheManager {
             .min(block_hashes.len())
             .min(st.blocks.len());
         let start = st.num_cached_blocks.min(n);
-        for (&blk, &h) in st.blocks[start..n].iter().zip(&block_hashes[start..n]) {
-            if self.kv.block_hash(blk).is_none() && self.kv.cache_block(blk, h) {
-                self.mamba.mark_live(h);
+        st.num_cached_blocks = st.num_cached_blocks.max(n);
+        let blocks: Vec<BlockId> = st.blocks[start..n].to_vec();
+        for (i, blk) in (start..n).zip(blocks) {
+            let h = block_hashes[i];
+            let parent = i.checked_sub(1).map(|p| block_hashes[p]);
+            if self.kv.block_hash(blk).is_none() && self.kv.cache_block(blk, h, parent) {
+                // A checkpoint that went stale when an earlier copy of this block was evicted
+                // can hit again.
+                if let Some(s) = self.mamba.lookup(h) {
+                    if self.ck_block[s as usize] == NULL_BLOCK {
+                        self.attach(s);
+                    }
+                }
             }
         }
-        st.num_cached_blocks = st.num_cached_blocks.max(n);
     }
 
-    /// A pending checkpoint for the state after `position` tokens (position a multiple of M),
-    /// keyed by block_hashes[position / B - 1]. None if no slot is free after eviction, if a
-    /// committed/pending checkpoint for that hash already exists, if `position` is not a
-    /// positive multiple of M, or if the mode takes no checkpoints.
-    pub fn reserve_checkpoint(&mut self, hash: BlockHash, position: usize) -> Option<SlotId> {
-        match (self.mode, self.has_mamba) {
-            (_, false) | (MambaCacheMode::None, true) => None,
-            (MambaCacheMode::Align | MambaCacheMode::All, true) => {
-                if !self.prefix_caching || position == 0 || position % self.mamba_block_size != 0 {
-                    return None;
-                }
-                self.mamba.reserve(hash, position)
-            }
+    /// A pending checkpoint for the state after `position` tokens (a positive multiple of B),
+    /// keyed by `hash` (block_hashes[position / B - 1]), evicting by the policy to make room.
+    /// None if a committed/pending checkpoint for that hash already exists, nothing can be
+    /// evicted, the position is not a positive multiple of B (of M for a grid checkpoint), or
+    /// the mode takes no checkpoints.
+    pub fn reserve_checkpoint(
+        &mut self,
+        hash: BlockHash,
+        position: usize,
+        kind: CheckpointKind,
+    ) -> Option<SlotId> {
+        let step = match kind {
+            CheckpointKind::Grid => self.mamba_block_size,
+            CheckpointKind::Branch | CheckpointKind::LastToken => self.block_size,
+        };
+        if !self.checkpoints() || position == 0 || position % step != 0 {
+            return None;
         }
+        if self.mamba.has_checkpoint(hash) || !self.make_checkpoint_room() {
+            return None;
+        }
+        self.mamba.reserve(CheckpointTag {
+            hash,
+            position,
+            kind,
+        })
     }
 
     /// The forward that wrote the pending checkpoint `slot` has finished: it becomes a hit.
     pub fn commit_checkpoint(&mut self, slot: SlotId) {
-        let kv_present = self
-            .mamba
-            .tag(slot)
-            .is_some_and(|(h, _)| self.kv.contains(h));
-        self.mamba.commit(slot, kv_present);
+        if self.mamba.kind(slot) != Some(SlotKind::Pending) {
+            return;
+        }
+        self.mamba.commit(slot);
+        self.attach(slot);
     }
 
     /// The pending checkpoint `slot` was never written (request aborted / rejected).
     pub fn cancel_checkpoint(&mut self, slot: SlotId) {
         self.mamba.cancel(slot);
+    }
+
+    /// Keeps the state of a running request after its first `num_computed` tokens (its live
+    /// window slot `live_index`, written by a finished forward) as a `LastToken` checkpoint, so
+    /// that a later prompt extending this sequence hits all of it. When `num_computed` is not a
+    /// multiple of B, the partly filled block is registered as a tail entry keyed by its exact
+    /// tokens. Call before `free`. False (nothing kept) when the placement or mode keeps no such
+    /// checkpoint, one exists for that prefix, or there is no room.
+    pub fn keep_last_state(
+        &mut self,
+        req: ReqKey,
+        prefix: Prefix<'_>,
+        num_computed: usize,
+        live_index: usize,
+    ) -> bool {
+        if !self.checkpoints() || !self.placement.branch() || num_computed == 0 {
+            return false;
+        }
+        let b = self.block_size;
+        let (f, t) = (num_computed / b, num_computed % b);
+        let Some(st) = self.reqs.get(&req) else {
+            return false;
+        };
+        let Some(&slot) = st.window.get(live_index) else {
+            return false;
+        };
+        let hash = if t == 0 {
+            match prefix.hashes.get(f - 1) {
+                Some(&h) if self.kv.contains(h) => h,
+                _ => return false,
+            }
+        } else {
+            if prefix.tokens.len() < num_computed || prefix.hashes.len() < f {
+                return false;
+            }
+            let parent = if f == 0 {
+                prefix.root
+            } else {
+                prefix.hashes[f - 1]
+            };
+            let h = self
+                .hasher
+                .hash_block(parent, &prefix.tokens[f * b..num_computed]);
+            if self.mamba.has_checkpoint(h) {
+                return false;
+            }
+            if !self.kv.contains(h) {
+                let Some(&blk) = st.blocks.get(f) else {
+                    return false;
+                };
+                if !self.kv.cache_tail(blk, h, parent, f == 0) {
+                    return false;
+                }
+            }
+            h
+        };
+        if self.mamba.has_checkpoint(hash) || !self.make_checkpoint_room() {
+            return false;
+        }
+        let tag = CheckpointTag {
+            hash,
+            position: num_computed,
+            kind: CheckpointKind::LastToken,
+        };
+        if !self.mamba.adopt(slot, tag) {
+            return false;
+        }
+        self.attach(slot);
+        true
     }
 
     /// Frees the request's window and KV blocks (cached blocks stay cached, ref 0, in LRU; the
@@ -448,10 +969,9 @@ impl HybridCacheManager {
             return;
         };
         self.kv.release(&st.blocks);
+        // An adopted slot is a checkpoint now: free_window skips it.
         self.mamba.free_window(&st.window);
-        if let Some(c) = st.pinned {
-            self.mamba.unpin(c);
-        }
+        self.unpin(st.pinned, st.pinned_tail);
     }
 
     /// Whether any request holds KV blocks or a state window.
@@ -467,11 +987,21 @@ impl HybridCacheManager {
         }
         let kv_ok = self.kv.reset(|_| {});
         let mamba_ok = self.mamba.clear_checkpoints();
+        self.ck_block.fill(NULL_BLOCK);
+        self.ck_parent_pos.fill(0);
         kv_ok && mamba_ok
     }
 
     pub fn stats(&self) -> CacheStats {
         let ckpts = self.mamba.num_committed() + self.mamba.num_pending();
+        let mut by_kind = [0usize; 3];
+        for s in 1..self.mamba.num_slots() as SlotId {
+            if self.mamba.kind(s) == Some(SlotKind::Committed) {
+                if let Some(t) = self.mamba.checkpoint_tag(s) {
+                    by_kind[t.kind.index()] += 1;
+                }
+            }
+        }
         CacheStats {
             kv_blocks_total: self.kv.num_usable(),
             kv_blocks_used: self.kv.num_used(),
@@ -483,13 +1013,19 @@ impl HybridCacheManager {
             mamba_slots_window: self.mamba.num_window(),
             checkpoints_committed: self.mamba.num_committed(),
             checkpoints_pending: self.mamba.num_pending(),
-            checkpoint_bytes: (ckpts as u64).saturating_mul(self.state_bytes_per_slot as u64),
+            checkpoints_by_kind: by_kind,
+            checkpoint_bytes: (ckpts as u64).saturating_mul(self.cost.state_bytes),
             queried_tokens: self.queried_tokens,
             hit_tokens: self.hit_tokens,
             kv_hit_tokens: self.kv_hit_tokens,
             lost_tokens: self.lost_tokens,
             kv_evictions: self.kv.evictions(),
+            kv_evictions_useless: self.kv.useless_evictions(),
             checkpoint_evictions: self.mamba.evictions(),
+            checkpoint_evictions_stale: self.evictions_stale,
+            checkpoint_evictions_for_checkpoint: self.evictions_for_checkpoint,
+            checkpoint_evictions_for_window: self.evictions_for_window,
+            checkpoint_evictions_for_kv: self.evictions_for_kv,
         }
     }
 
@@ -497,6 +1033,19 @@ impl HybridCacheManager {
     pub fn debug_tag(&self, slot: SlotId) -> Option<(BlockHash, usize)> {
         self.mamba.tag(slot)
     }
+
+    /// The fallback position the `flops` score uses for checkpoint `slot` (for tests).
+    pub fn debug_parent_position(&self, slot: SlotId) -> usize {
+        self.ck_parent_pos.get(slot as usize).copied().unwrap_or(0)
+    }
+}
+
+/// (min, max) of a non-empty sequence.
+fn min_max(xs: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
+    xs.fold(None, |acc, x| match acc {
+        None => Some((x, x)),
+        Some((lo, hi)) => Some((lo.min(x), hi.max(x))),
+    })
 }
 
 #[cfg(test)]

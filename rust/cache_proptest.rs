@@ -1,17 +1,20 @@
 //! Property test: a random driver plays scheduler and model runner against the cache manager
 //! (add / allocate / step with checkpoints / commit or cancel / hit / preempt / finish / reset,
-//! with pools small enough to evict), over all three modes, an attention-only model, and
-//! K in {0, 1, 4}. The driver simulates the state memory: every slot holds the token prefix whose
+//! with pools small enough to evict), over all three modes, an attention-only model,
+//! K in {0, 1, 4}, the three checkpoint placements (grid points; branch points at any block
+//! boundary; last-token states kept at finish and preemption, with tail entries) and the three
+//! eviction policies. The driver simulates the state memory: every slot holds the token prefix whose
 //! state it contains, so a hit is checked for what it really delivers, not only for its tag.
 //!
 //! Invariants checked after every operation: reference counts equal the number of block tables
 //! holding each block; the null block / slot are never handed out; windows are disjoint window
 //! slots; every running request's live state slot holds the state after exactly its computed
 //! tokens; usage figures add up; a `None` allocation takes nothing. Every hit: L <= n - 1, on the
-//! block (and checkpoint) grid, KV blocks carry the request's hashes, the checkpoint's debug tag
-//! is (hash at L, L) and its contents are the state after exactly the request's first L tokens
-//! (same salt), and the hit is the longest one available. At the end (all requests finished):
-//! used = 0 and free + cached = total, no window slot left.
+//! block (and, grid-only, checkpoint) grid unless it is a tail hit, KV blocks carry the request's
+//! hashes and hold exactly its KV (a tail block too, after its copy), the checkpoint's debug tag
+//! is (hash of the prefix ending at L, L) and its contents are the state after exactly the
+//! request's first L tokens (same salt), and the hit is the longest one available. At the end
+//! (all requests finished): used = 0 and free + cached = total, no window slot left.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -19,7 +22,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::block_hash::BlockHasher;
-use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
 use crate::mamba_pool::SlotKind;
 
 const B: usize = 4;
@@ -79,6 +82,7 @@ struct Req {
 struct Driver {
     mamba: bool,
     hybrid: bool,
+    branch: bool,
     k: usize,
     max_num_seqs: usize,
     m: HybridCacheManager,
@@ -92,6 +96,11 @@ struct Driver {
     /// token's KV was written there.
     kv_mem: HashMap<BlockId, [u64; B]>,
     token_ctr: u32,
+    /// Tail blocks a hit holds until its copy has run (the request's next allocation or free).
+    pinned_tail: HashMap<ReqKey, BlockId>,
+    /// Hits by checkpoint kind, and tail hits (for the coverage test).
+    hits_by_kind: [usize; 3],
+    tail_hits: usize,
 }
 
 fn base_prompt(base: u8) -> Vec<u32> {
@@ -103,9 +112,10 @@ impl Driver {
         Driver {
             mamba: cfg.has_mamba_layers,
             hybrid: cfg.has_mamba_layers && cfg.mamba_cache_mode != MambaCacheMode::None,
+            branch: cfg.checkpoint_placement.branch(),
             k: cfg.num_speculative_tokens(),
             max_num_seqs: cfg.max_num_seqs,
-            m: HybridCacheManager::new(cfg, kv, slots),
+            m: HybridCacheManager::with_hasher(cfg, kv, slots, BlockHasher::new(3)),
             hasher: BlockHasher::new(3),
             reqs: BTreeMap::new(),
             next_key: 1,
@@ -113,6 +123,9 @@ impl Driver {
             pending: Vec::new(),
             kv_mem: HashMap::new(),
             token_ctr: 50_000,
+            pinned_tail: HashMap::new(),
+            hits_by_kind: [0; 3],
+            tail_hits: 0,
         }
     }
 
@@ -197,7 +210,9 @@ impl Driver {
             }
             Op::Preempt { pick } => {
                 if let Some(key) = self.pick(pick) {
+                    self.keep_last(key);
                     self.m.free(key);
+                    self.pinned_tail.remove(&key);
                     let r = self.reqs.get_mut(&key).unwrap();
                     r.running = false;
                     r.computed = 0;
@@ -206,7 +221,9 @@ impl Driver {
             }
             Op::Finish { pick } => {
                 if let Some(key) = self.pick(pick) {
+                    self.keep_last(key);
                     self.m.free(key);
+                    self.pinned_tail.remove(&key);
                     self.reqs.remove(&key);
                 }
             }
@@ -225,13 +242,67 @@ impl Driver {
         }
     }
 
+    fn prefix<'a>(&self, r: &'a Req) -> Prefix<'a> {
+        Prefix {
+            hashes: &r.hashes,
+            tokens: &r.tokens,
+            root: self.hasher.root(r.salt.as_deref()),
+        }
+    }
+
+    /// A running request keeps its state after its computed tokens (as the scheduler does when
+    /// it finishes or is preempted).
+    fn keep_last(&mut self, key: ReqKey) {
+        let Some(r) = self.reqs.get(&key) else {
+            return;
+        };
+        if !r.running || r.computed == 0 {
+            return;
+        }
+        let (computed, live) = (r.computed, r.live);
+        let prefix = self.prefix(r);
+        let slot = self.m.state_window(key).get(live).copied();
+        let kept = self.m.keep_last_state(key, prefix, computed, live);
+        if kept {
+            assert!(
+                self.hybrid && self.branch,
+                "a last state only with the branch placement"
+            );
+            let s = slot.unwrap();
+            assert_eq!(self.m.mamba_pool().kind(s), Some(SlotKind::Committed));
+            let (_, pos) = self.m.debug_tag(s).unwrap();
+            assert_eq!(pos, computed);
+            assert_eq!(
+                self.mem.get(&s),
+                Some(&Self::content(&r.salt, &r.tokens[..computed])),
+                "the adopted slot holds the state after exactly the computed tokens"
+            );
+        }
+    }
+
     fn check_hit(&self, r: &Req, hit: &CacheHit) {
         let n = r.tokens.len();
         let l = hit.num_tokens;
         assert!(l < n.max(1), "L <= n - 1");
-        assert_eq!(l % B, 0);
+        assert_eq!(
+            l % B != 0,
+            hit.tail.is_some(),
+            "a hit inside a block is a tail hit"
+        );
+        if let Some(t) = hit.tail {
+            assert!(self.hybrid && self.branch);
+            assert!(self.m.kv_pool().is_tail(t));
+            let written = self.kv_mem.get(&t).copied().unwrap_or([0; B]);
+            for pos in l / B * B..l {
+                assert_eq!(
+                    written[pos % B],
+                    Self::fingerprint(&r.salt, &r.tokens[..pos + 1]),
+                    "the tail block holds the KV of exactly this prefix"
+                );
+            }
+        }
         assert_eq!(hit.kv_blocks.len(), l / B);
-        assert!(hit.kv_hit_tokens >= l);
+        assert!(hit.kv_hit_tokens >= l / B * B);
         for (i, &b) in hit.kv_blocks.iter().enumerate() {
             assert_ne!(b, NULL_BLOCK);
             assert_eq!(self.m.kv_pool().block_hash(b), Some(r.hashes[i]));
@@ -264,13 +335,27 @@ impl Driver {
             assert_eq!(hit.checkpoint, None);
             return;
         }
-        assert_eq!(l % M, 0);
+        if !self.branch {
+            assert_eq!(l % M, 0);
+        }
+        let key_at = |p: usize| -> BlockHash {
+            if p % B == 0 {
+                r.hashes[p / B - 1]
+            } else {
+                let parent = if p < B {
+                    self.hasher.root(r.salt.as_deref())
+                } else {
+                    r.hashes[p / B - 1]
+                };
+                self.hasher.hash_block(parent, &r.tokens[p / B * B..p])
+            }
+        };
         match hit.checkpoint {
             None => assert_eq!(l, 0),
             Some(s) => {
                 assert!(l > 0);
                 assert_ne!(s, NULL_SLOT);
-                assert_eq!(self.m.debug_tag(s), Some((r.hashes[l / B - 1], l)));
+                assert_eq!(self.m.debug_tag(s), Some((key_at(l), l)));
                 assert_eq!(self.m.mamba_pool().kind(s), Some(SlotKind::Committed));
                 assert_eq!(
                     self.mem.get(&s),
@@ -279,11 +364,28 @@ impl Driver {
                 );
             }
         }
-        // No longer hit was available.
-        let mut p = hit.kv_hit_tokens / M;
-        while p * M > l {
-            assert_eq!(self.m.mamba_pool().lookup(r.hashes[p * M / B - 1]), None);
-            p -= 1;
+        // No longer hit was available: no committed checkpoint deeper than L whose KV prefix is
+        // cached (full blocks up to the KV hit, and a cached tail entry for a tail position).
+        let last = (n - 1).min(hit.kv_hit_tokens + B - 1);
+        for p in l + 1..=last {
+            let h = key_at(p);
+            if p % B != 0
+                && !self
+                    .m
+                    .kv_pool()
+                    .get_cached(h)
+                    .is_some_and(|t| self.m.kv_pool().is_tail(t))
+            {
+                continue;
+            }
+            if p % B == 0 && p > hit.kv_hit_tokens {
+                continue;
+            }
+            let deeper = self.m.mamba_pool().lookup(h);
+            assert!(
+                deeper.is_none_or(|s| self.m.debug_tag(s) != Some((h, p))),
+                "a longer hit at {p} was available"
+            );
         }
     }
 
@@ -294,7 +396,14 @@ impl Driver {
             .extend(&mut r.hashes, &r.tokens, B, r.salt.as_deref());
         let n = r.tokens.len();
         if !r.running {
-            let hit = self.m.find_longest_cache_hit(&r.hashes, n);
+            let hit = self.m.find_longest_cache_hit(
+                Prefix {
+                    hashes: &r.hashes,
+                    tokens: &r.tokens,
+                    root: self.hasher.root(r.salt.as_deref()),
+                },
+                n,
+            );
             self.check_hit(&r, &hit);
             let new = chunk.clamp(1, n - hit.num_tokens);
             let before = self.snapshot();
@@ -308,6 +417,7 @@ impl Driver {
                     let hit_free = hit
                         .kv_blocks
                         .iter()
+                        .chain(hit.tail.iter())
                         .filter(|&&b| self.m.kv_pool().is_free(b))
                         .count();
                     let need = (hit.num_tokens + new).div_ceil(B) - n_hit + hit_free;
@@ -322,18 +432,39 @@ impl Driver {
                 Some(ops) => {
                     let w = self.m.state_window(key).to_vec();
                     assert_eq!(w.len(), 1 + k);
+                    let table = self.m.block_table(key).to_vec();
+                    let mut expect = Vec::new();
+                    if let Some(t) = hit.tail {
+                        let dst = table[hit.num_tokens / B];
+                        assert_ne!(dst, t, "a tail is copied, never shared");
+                        assert!(self.m.kv_pool().ref_count(t) >= 1, "pinned until copied");
+                        expect.push(StateOp::CopyBlock { src: t, dst });
+                        self.pinned_tail.insert(key, t);
+                    }
                     match hit.checkpoint {
                         Some(c) => {
-                            assert_eq!(ops, vec![StateOp::Copy { src: c, dst: w[0] }]);
+                            expect.push(StateOp::Copy { src: c, dst: w[0] });
                             assert!(!w.contains(&c), "copy-on-write");
                         }
-                        None => assert!(ops.is_empty()),
+                        None => assert!(hit.tail.is_none()),
                     }
+                    assert_eq!(ops, expect);
                     for op in ops {
-                        let StateOp::Copy { src, dst } = op;
-                        let c = self.mem.get(&src).cloned().flatten();
-                        self.mem.insert(dst, c);
+                        match op {
+                            StateOp::Copy { src, dst } => {
+                                let c = self.mem.get(&src).cloned().flatten();
+                                self.mem.insert(dst, c);
+                            }
+                            StateOp::CopyBlock { src, dst } => {
+                                let c = self.kv_mem.get(&src).copied().unwrap_or([0; B]);
+                                self.kv_mem.insert(dst, c);
+                            }
+                        }
                     }
+                    if let Some(kind) = hit.kind {
+                        self.hits_by_kind[kind.index()] += 1;
+                    }
+                    self.tail_hits += usize::from(hit.tail.is_some());
                     r.running = true;
                     r.computed = hit.num_tokens;
                     r.live = 0;
@@ -349,6 +480,7 @@ impl Driver {
         } else if r.computed + 1 < n {
             // Prefill chunk of a running request.
             let new = chunk.clamp(1, n - r.computed);
+            self.pinned_tail.remove(&key);
             if self.m.allocate_more(key, r.computed, new, 0).is_none() {
                 self.reqs.insert(key, r);
                 return;
@@ -357,6 +489,7 @@ impl Driver {
         } else {
             // Decode / verify: the last token plus k drafts (lookahead slots for them).
             let d = if k == 0 { 0 } else { chunk % (k + 1) };
+            self.pinned_tail.remove(&key);
             if self.m.allocate_more(key, r.computed, 1, d).is_none() {
                 self.reqs.insert(key, r);
                 return;
@@ -436,13 +569,26 @@ impl Driver {
         }
         self.hasher
             .extend(&mut r.hashes, &r.tokens, B, r.salt.as_deref());
-        // Boundaries reached by accepted tokens.
+        // Boundaries reached by accepted tokens: a branch point at one block boundary of the
+        // chunk (picked by the chunk's length), and the grid.
         let mut pending = Vec::new();
+        let mut targets: Vec<(usize, CheckpointKind)> = Vec::new();
+        if self.branch {
+            let first = start / B + 1;
+            let last_blk = end / B;
+            if last_blk >= first {
+                let pos = (first + (new % (last_blk - first + 1))) * B;
+                targets.push((pos, CheckpointKind::Branch));
+            }
+        }
         let mut p = start / M + 1;
         while p * M <= end {
-            let pos = p * M;
+            targets.push((p * M, CheckpointKind::Grid));
+            p += 1;
+        }
+        for (pos, kind) in targets {
             let h = r.hashes[pos / B - 1];
-            let got = self.m.reserve_checkpoint(h, pos);
+            let got = self.m.reserve_checkpoint(h, pos, kind);
             if let Some(s) = got {
                 assert!(self.hybrid, "no checkpoints without a hybrid cache mode");
                 assert_ne!(s, NULL_SLOT);
@@ -451,7 +597,6 @@ impl Driver {
                 self.mem.insert(s, Self::content(&r.salt, &r.tokens[..pos]));
                 pending.push(s);
             }
-            p += 1;
         }
         self.m.cache_full_blocks(key, &r.hashes, r.computed);
         // Pending until `Settle` (the update after the forward), or cancelled right away.
@@ -517,6 +662,9 @@ impl Driver {
                 assert!(window.iter().all(|&w| w == NULL_SLOT));
             }
         }
+        for &t in self.pinned_tail.values() {
+            refs[t as usize] += 1;
+        }
         for (b, &n) in refs.iter().enumerate().skip(1) {
             assert_eq!(
                 self.m.kv_pool().ref_count(b as BlockId),
@@ -547,6 +695,7 @@ impl Driver {
         let keys: Vec<ReqKey> = self.reqs.keys().copied().collect();
         for k in keys {
             self.m.free(k);
+            self.pinned_tail.remove(&k);
         }
         self.reqs.clear();
         let s = self.m.stats();
@@ -564,7 +713,13 @@ impl Driver {
     }
 }
 
-fn config(variant: u8, k: usize, max_num_seqs: usize) -> ResolvedConfig {
+fn config(
+    variant: u8,
+    k: usize,
+    max_num_seqs: usize,
+    placement: CheckpointPlacement,
+    eviction: EvictionPolicy,
+) -> ResolvedConfig {
     let mode = match variant {
         0 => MambaCacheMode::None,
         1 => MambaCacheMode::Align,
@@ -572,6 +727,8 @@ fn config(variant: u8, k: usize, max_num_seqs: usize) -> ResolvedConfig {
     };
     let mut c = ResolvedConfig::for_tests(mode, k);
     c.max_num_seqs = max_num_seqs;
+    c.checkpoint_placement = placement;
+    c.eviction = eviction;
     c.enable_prefix_caching = true;
     if variant == 3 {
         c.has_mamba_layers = false;
@@ -581,7 +738,7 @@ fn config(variant: u8, k: usize, max_num_seqs: usize) -> ResolvedConfig {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 768, ..ProptestConfig::default() })]
 
     #[test]
     fn cache_state_machine(
@@ -590,9 +747,19 @@ proptest! {
         kv_blocks in 8usize..40,
         extra_slots in 0usize..8,
         ops in prop::collection::vec(op(), 1..80),
+        placement in prop_oneof![
+            Just(CheckpointPlacement::Grid),
+            Just(CheckpointPlacement::Branch),
+            Just(CheckpointPlacement::BranchAndGrid),
+        ],
+        eviction in prop_oneof![
+            Just(EvictionPolicy::Flops),
+            Just(EvictionPolicy::Lru),
+            Just(EvictionPolicy::LruPath),
+        ],
     ) {
         let max_num_seqs = 3;
-        let cfg = config(variant, k, max_num_seqs);
+        let cfg = config(variant, k, max_num_seqs, placement, eviction);
         let slots = if cfg.has_mamba_layers { 1 + max_num_seqs * (1 + k) + extra_slots } else { 0 };
         let mut d = Driver::new(&cfg, kv_blocks, slots);
         for op in &ops {
@@ -601,4 +768,48 @@ proptest! {
         }
         d.finish_all();
     }
+}
+
+/// The random driver does reach every kind of hit (the property test above would pass vacuously
+/// otherwise).
+#[test]
+fn random_operations_reach_every_checkpoint_kind() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
+    );
+    let mut by_kind = [0usize; 3];
+    let mut tails = 0;
+    for case in 0..300u64 {
+        let placement = [
+            CheckpointPlacement::Branch,
+            CheckpointPlacement::BranchAndGrid,
+        ][case as usize % 2];
+        let cfg = config(
+            1 + (case % 2) as u8,
+            (case % 3) as usize,
+            3,
+            placement,
+            EvictionPolicy::Flops,
+        );
+        let slots = 1 + 3 * (1 + cfg.num_speculative_tokens()) + 4;
+        let mut d = Driver::new(&cfg, 40, slots);
+        let ops = prop::collection::vec(op(), 40..80)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current();
+        for op in &ops {
+            d.apply(op);
+            d.check_invariants();
+        }
+        d.finish_all();
+        for (total, n) in by_kind.iter_mut().zip(d.hits_by_kind) {
+            *total += n;
+        }
+        tails += d.tail_hits;
+    }
+    assert!(by_kind.iter().all(|&n| n > 0), "{by_kind:?}");
+    assert!(tails > 0);
 }

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::block_hash::BlockHasher;
-use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
 
 const B: usize = 4;
 
@@ -48,7 +48,9 @@ fn run_and_publish(
     ckpts
         .iter()
         .map(|&p| {
-            let s = m.reserve_checkpoint(h[p / B - 1], p).unwrap();
+            let s = m
+                .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid)
+                .unwrap();
             m.commit_checkpoint(s);
             s
         })
@@ -62,31 +64,37 @@ fn checkpoint_published_only_after_commit() {
     let h = hashes(&t, None);
     m.allocate_new(1, &CacheHit::default(), 17, 0).unwrap();
     m.cache_full_blocks(1, &h, 17);
-    let s = m.reserve_checkpoint(h[1], 8).unwrap();
+    let s = m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid).unwrap();
     assert_eq!(m.debug_tag(s), Some((h[1], 8)));
     // Pending: KV prefix is there but the checkpoint is not a hit.
-    let hit = m.find_longest_cache_hit(&h, 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(hit.num_tokens, 0);
     assert_eq!(hit.checkpoint, None);
     assert_eq!(hit.kv_hit_tokens, 16);
     assert_eq!(m.stats().lost_tokens, 16);
     assert_eq!(m.stats().checkpoints_pending, 1);
     // A second reservation for the same prefix is refused (nothing to write).
-    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
+    assert_eq!(m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
     m.commit_checkpoint(s);
-    let hit = m.find_longest_cache_hit(&h, 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(hit.num_tokens, 8);
     assert_eq!(hit.checkpoint, Some(s));
     assert_eq!(hit.kv_blocks, m.block_table(1)[..2].to_vec());
     // Committed: still refused, and a cancelled reservation is never published.
-    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
-    let s2 = m.reserve_checkpoint(h[3], 16).unwrap();
+    assert_eq!(m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
+    let s2 = m
+        .reserve_checkpoint(h[3], 16, CheckpointKind::Grid)
+        .unwrap();
     m.cancel_checkpoint(s2);
     assert_eq!(m.debug_tag(s2), None);
-    assert_eq!(m.find_longest_cache_hit(&h, 17).num_tokens, 8);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 17)
+            .num_tokens,
+        8
+    );
     // Misaligned positions are refused.
-    assert_eq!(m.reserve_checkpoint(h[2], 12), None);
-    assert_eq!(m.reserve_checkpoint(h[0], 0), None);
+    assert_eq!(m.reserve_checkpoint(h[2], 12, CheckpointKind::Grid), None);
+    assert_eq!(m.reserve_checkpoint(h[0], 0, CheckpointKind::Grid), None);
 }
 
 #[test]
@@ -96,26 +104,58 @@ fn hit_is_at_most_num_tokens_minus_one_exact_boundary() {
     run_and_publish(&mut m, 1, &t, None, &[8, 16, 24]);
     let h = hashes(&t, None);
     // A 16-token prompt: the checkpoint at 16 would leave nothing to compute -> 8.
-    assert_eq!(m.find_longest_cache_hit(&h[..4], 16).num_tokens, 8);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h[..4]), 16)
+            .num_tokens,
+        8
+    );
     // 17 tokens: exactly the boundary at 16.
-    let hit = m.find_longest_cache_hit(&h[..4], 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h[..4]), 17);
     assert_eq!(hit.num_tokens, 16);
     assert_eq!(m.debug_tag(hit.checkpoint.unwrap()), Some((h[3], 16)));
     // 23 tokens: 20 is KV-cached but not a checkpoint boundary -> still 16.
-    let hit = m.find_longest_cache_hit(&h[..5], 23);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h[..5]), 23);
     assert_eq!(hit.num_tokens, 16);
     assert_eq!(hit.kv_hit_tokens, 20);
-    assert_eq!(m.find_longest_cache_hit(&h, 24).num_tokens, 16);
-    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 24);
-    assert_eq!(m.find_longest_cache_hit(&h, 1).num_tokens, 0);
-    assert_eq!(m.find_longest_cache_hit(&[], 0).num_tokens, 0);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 24)
+            .num_tokens,
+        16
+    );
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 25)
+            .num_tokens,
+        24
+    );
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 1)
+            .num_tokens,
+        0
+    );
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&[]), 0)
+            .num_tokens,
+        0
+    );
 
     // KV-only model: multiples of B up to num_tokens - 1.
     let mut a = HybridCacheManager::new(&attention_only(), 32, 0);
     run_and_publish(&mut a, 1, &t, None, &[]);
-    assert_eq!(a.find_longest_cache_hit(&h[..4], 16).num_tokens, 12);
-    assert_eq!(a.find_longest_cache_hit(&h[..4], 17).num_tokens, 16);
-    assert_eq!(a.find_longest_cache_hit(&h, 23).num_tokens, 20);
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h[..4]), 16)
+            .num_tokens,
+        12
+    );
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h[..4]), 17)
+            .num_tokens,
+        16
+    );
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h), 23)
+            .num_tokens,
+        20
+    );
 }
 
 #[test]
@@ -127,10 +167,14 @@ fn hit_needs_kv_and_checkpoint() {
     let h = hashes(&t, None);
     // Checkpoint at 16 only; KV for all 24.
     run_and_publish(&mut m, 1, &t, None, &[16]);
-    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 16);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 25)
+            .num_tokens,
+        16
+    );
     // KV all cached, checkpoint at 24 missing: 16, and 8 tokens counted as lost.
     let before = m.stats().lost_tokens;
-    let hit = m.find_longest_cache_hit(&h, 25);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 25);
     assert_eq!((hit.num_tokens, hit.kv_hit_tokens), (16, 24));
     assert_eq!(m.stats().lost_tokens - before, 8);
     m.free(1);
@@ -143,15 +187,23 @@ fn hit_needs_kv_and_checkpoint() {
     );
     m.allocate_more(2, 0, 8, 0).unwrap();
     assert_eq!(m.stats().kv_evictions, 1);
-    assert_eq!(m.find_longest_cache_hit(&h, 25).kv_hit_tokens, 20);
-    assert_eq!(m.find_longest_cache_hit(&h, 25).num_tokens, 16);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 25)
+            .kv_hit_tokens,
+        20
+    );
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 25)
+            .num_tokens,
+        16
+    );
     // Evict the next one (tokens 16..20): [0, 16) is still cached, the hit stays 16.
     m.allocate_more(2, 0, 12, 0).unwrap();
-    let hit = m.find_longest_cache_hit(&h, 25);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 25);
     assert_eq!(hit.kv_hit_tokens, 16);
     assert_eq!(hit.num_tokens, 16, "blocks 0..4 cover [0,16)");
     m.allocate_more(2, 0, 16, 0).unwrap();
-    let hit = m.find_longest_cache_hit(&h, 25);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 25);
     assert_eq!(hit.kv_hit_tokens, 12);
     assert_eq!(hit.num_tokens, 0, "checkpoint at 16 without KV for [12,16)");
     assert_eq!(m.stats().checkpoints_committed, 1);
@@ -166,7 +218,7 @@ fn copy_on_write_and_pin_until_copied() {
     let h = hashes(&t, None);
     let ck = run_and_publish(&mut m, 1, &t, None, &[16])[0];
     m.free(1);
-    let hit = m.find_longest_cache_hit(&h, 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(hit.checkpoint, Some(ck));
     let ops = m.allocate_new(2, &hit, 1, 0).unwrap();
     let w = m.state_window(2).to_vec();
@@ -184,7 +236,7 @@ fn copy_on_write_and_pin_until_copied() {
     }
     // A second request hitting the same checkpoint gets its own window; the pool is full, and
     // the pinned checkpoint is not evicted for it.
-    let hit3 = m.find_longest_cache_hit(&h, 17);
+    let hit3 = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(m.allocate_new(3, &hit3, 1, 0), None);
     assert_eq!(m.stats().checkpoint_evictions, 0);
     // After the copy has run (next allocation of request 2), the checkpoint is evictable again.
@@ -207,10 +259,18 @@ fn cache_salt_isolates_tenants() {
     let ha = hashes(&t, Some("tenant-a"));
     let hb = hashes(&t, Some("tenant-b"));
     let hn = hashes(&t, None);
-    assert_eq!(m.find_longest_cache_hit(&ha, 17).num_tokens, 16);
-    let hit_b = m.find_longest_cache_hit(&hb, 17);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&ha), 17)
+            .num_tokens,
+        16
+    );
+    let hit_b = m.find_longest_cache_hit(Prefix::of_hashes(&hb), 17);
     assert_eq!((hit_b.num_tokens, hit_b.kv_hit_tokens), (0, 0));
-    assert_eq!(m.find_longest_cache_hit(&hn, 17).kv_hit_tokens, 0);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&hn), 17)
+            .kv_hit_tokens,
+        0
+    );
 }
 
 #[test]
@@ -229,13 +289,33 @@ fn kv_eviction_order_is_lru_tail_first() {
     assert_eq!(a.stats().kv_evictions, 0);
     // Next: request 1's tail block, then its head, then request 2's tail.
     a.allocate_more(3, 0, 20, 0).unwrap();
-    assert_eq!(a.find_longest_cache_hit(&h1, 9).num_tokens, 4);
-    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 8);
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h1), 9)
+            .num_tokens,
+        4
+    );
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h2), 9)
+            .num_tokens,
+        8
+    );
     a.allocate_more(3, 0, 24, 0).unwrap();
-    assert_eq!(a.find_longest_cache_hit(&h1, 9).num_tokens, 0);
-    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 8);
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h1), 9)
+            .num_tokens,
+        0
+    );
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h2), 9)
+            .num_tokens,
+        8
+    );
     a.allocate_more(3, 0, 28, 0).unwrap();
-    assert_eq!(a.find_longest_cache_hit(&h2, 9).num_tokens, 4);
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h2), 9)
+            .num_tokens,
+        4
+    );
     assert_eq!(a.stats().kv_evictions, 3);
     // Full pool: more does not fit and nothing is taken.
     a.allocate_more(3, 0, 32, 0).unwrap();
@@ -264,17 +344,20 @@ fn checkpoint_eviction_lru() {
     m.free(3);
     // Touch a: LRU order b, c, a.
     assert_eq!(
-        m.find_longest_cache_hit(&hashes(&ta, None), 9).checkpoint,
+        m.find_longest_cache_hit(Prefix::of_hashes(&hashes(&ta, None)), 9)
+            .checkpoint,
         Some(sa)
     );
     let sd = run_and_publish(&mut m, 4, &td, None, &[8])[0];
     assert_eq!(sd, sb, "b (least recently used) was evicted for d");
     assert_eq!(
-        m.find_longest_cache_hit(&hashes(&tb, None), 9).num_tokens,
+        m.find_longest_cache_hit(Prefix::of_hashes(&hashes(&tb, None)), 9)
+            .num_tokens,
         0
     );
     assert_eq!(
-        m.find_longest_cache_hit(&hashes(&ta, None), 9).num_tokens,
+        m.find_longest_cache_hit(Prefix::of_hashes(&hashes(&ta, None)), 9)
+            .num_tokens,
         8
     );
     assert_eq!(m.stats().checkpoint_evictions, 1);
@@ -291,7 +374,8 @@ fn checkpoint_without_kv_prefix_is_evicted_first() {
     m.free(2);
     // Touch a: by LRU alone b would be evicted first.
     assert_eq!(
-        m.find_longest_cache_hit(&hashes(&ta, None), 9).checkpoint,
+        m.find_longest_cache_hit(Prefix::of_hashes(&hashes(&ta, None)), 9)
+            .checkpoint,
         Some(s1)
     );
     // 4 blocks: the 2 never-used ones, then a's (LRU) cached blocks are evicted.
@@ -306,7 +390,8 @@ fn checkpoint_without_kv_prefix_is_evicted_first() {
     assert_eq!(m.stats().kv_evictions, 2);
     assert_eq!(s4, s1, "the stale checkpoint went first");
     assert_eq!(
-        m.find_longest_cache_hit(&hashes(&tb, None), 9).checkpoint,
+        m.find_longest_cache_hit(Prefix::of_hashes(&hashes(&tb, None)), 9)
+            .checkpoint,
         Some(s2)
     );
     // Re-caching the KV prefix makes a checkpoint live again.
@@ -328,9 +413,9 @@ fn mode_none_on_mamba_model_never_hits() {
     assert_eq!(m.state_window(1).len(), 2);
     m.cache_full_blocks(1, &h, 17);
     assert_eq!(m.stats().kv_blocks_cached, 0);
-    assert_eq!(m.reserve_checkpoint(h[1], 8), None);
+    assert_eq!(m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
     m.free(1);
-    let hit = m.find_longest_cache_hit(&h, 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(hit, CacheHit::default());
 }
 
@@ -349,8 +434,8 @@ fn attention_only_model_gets_kv_hits_and_null_windows() {
     assert_eq!(a.stats().kv_blocks_cached, 2);
     a.cache_full_blocks(1, &h, 13);
     assert_eq!(a.stats().kv_blocks_cached, 3);
-    assert_eq!(a.reserve_checkpoint(h[1], 8), None);
-    let hit = a.find_longest_cache_hit(&h, 13);
+    assert_eq!(a.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
+    let hit = a.find_longest_cache_hit(Prefix::of_hashes(&h), 13);
     assert_eq!((hit.num_tokens, hit.checkpoint), (12, None));
     let ops = a.allocate_new(2, &hit, 1, 0).unwrap();
     assert!(ops.is_empty());
@@ -375,7 +460,11 @@ fn prefix_caching_off_never_caches() {
     let h = hashes(&t, None);
     a.allocate_new(1, &CacheHit::default(), 13, 0).unwrap();
     a.cache_full_blocks(1, &h, 13);
-    assert_eq!(a.find_longest_cache_hit(&h, 13).num_tokens, 0);
+    assert_eq!(
+        a.find_longest_cache_hit(Prefix::of_hashes(&h), 13)
+            .num_tokens,
+        0
+    );
     assert_eq!(a.stats().kv_blocks_cached, 0);
 }
 
@@ -389,7 +478,7 @@ fn windows_always_fit_for_max_num_seqs() {
         let t: Vec<u32> = (0..9).map(|i| 100 * r as u32 + i).collect();
         m.allocate_new(100 + r, &CacheHit::default(), 9, 0).unwrap();
         m.cache_full_blocks(100 + r, &hashes(&t, None), 9);
-        if let Some(s) = m.reserve_checkpoint(hashes(&t, None)[1], 8) {
+        if let Some(s) = m.reserve_checkpoint(hashes(&t, None)[1], 8, CheckpointKind::Grid) {
             n += 1;
             if r % 2 == 0 {
                 m.commit_checkpoint(s); // half stay pending (not evictable)
@@ -417,7 +506,7 @@ fn reset_prefix_cache_refused_while_in_use() {
     assert!(!m.reset_prefix_cache());
     m.free(1);
     let p = m
-        .reserve_checkpoint(hashes(&toks(9), Some("x"))[1], 8)
+        .reserve_checkpoint(hashes(&toks(9), Some("x"))[1], 8, CheckpointKind::Grid)
         .unwrap();
     assert!(!m.reset_prefix_cache(), "a checkpoint is pending");
     m.cancel_checkpoint(p);
@@ -432,7 +521,11 @@ fn reset_prefix_cache_refused_while_in_use() {
         (0, 0, 0)
     );
     assert_eq!(s.checkpoint_bytes, 0);
-    assert_eq!(m.find_longest_cache_hit(&h, 17).kv_hit_tokens, 0);
+    assert_eq!(
+        m.find_longest_cache_hit(Prefix::of_hashes(&h), 17)
+            .kv_hit_tokens,
+        0
+    );
 }
 
 #[test]
@@ -443,7 +536,7 @@ fn stale_hit_is_refused_by_allocate_new() {
     let h = hashes(&t, None);
     run_and_publish(&mut m, 1, &t, None, &[16]);
     m.free(1);
-    let hit = m.find_longest_cache_hit(&h, 17);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(hit.num_tokens, 16);
     // Another request takes every block in between (evicting the hit's blocks).
     m.allocate_new(2, &CacheHit::default(), 20, 0).unwrap();
@@ -462,7 +555,7 @@ fn malformed_hits_are_refused_without_taking_anything() {
     let h = hashes(&t, None);
     let ck = run_and_publish(&mut m, 1, &t, None, &[8, 16]);
     m.free(1);
-    let good = m.find_longest_cache_hit(&h, 17);
+    let good = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
     assert_eq!(good.num_tokens, 16);
     let before = m.stats();
     let bad = [
@@ -503,6 +596,7 @@ fn malformed_hits_are_refused_without_taking_anything() {
         num_tokens: 8,
         checkpoint: Some(ck[0]),
         kv_hit_tokens: 16,
+        ..CacheHit::default()
     };
     let ops = m.allocate_new(2, &eight, 1, 0).unwrap();
     let w0 = m.state_window(2)[0];
@@ -513,4 +607,284 @@ fn malformed_hits_are_refused_without_taking_anything() {
             dst: w0
         }]
     );
+}
+
+// ------------------------------------------------------------------ branch placement, tails,
+// eviction policies
+
+fn cfg_with(
+    mode: MambaCacheMode,
+    max_num_seqs: usize,
+    placement: CheckpointPlacement,
+    eviction: EvictionPolicy,
+) -> ResolvedConfig {
+    let mut c = cfg(mode, 0, max_num_seqs);
+    c.checkpoint_placement = placement;
+    c.eviction = eviction;
+    c
+}
+
+fn prefix<'a>(h: &'a [BlockHash], t: &'a [u32]) -> Prefix<'a> {
+    Prefix {
+        hashes: h,
+        tokens: t,
+        root: BlockHasher::new(0).root(None),
+    }
+}
+
+/// Runs `req` over `tokens` (no hit), caches its blocks and keeps its state after all of them.
+fn run_and_keep(m: &mut HybridCacheManager, req: ReqKey, tokens: &[u32]) -> bool {
+    let h = hashes(tokens, None);
+    m.allocate_new(req, &CacheHit::default(), tokens.len(), 0)
+        .unwrap();
+    m.cache_full_blocks(req, &h, tokens.len());
+    let kept = m.keep_last_state(req, prefix(&h, tokens), tokens.len(), 0);
+    m.free(req);
+    kept
+}
+
+#[test]
+fn last_state_with_a_tail_is_hit_exactly_and_copied() {
+    for mode in [MambaCacheMode::Align, MambaCacheMode::All] {
+        let c = cfg_with(mode, 2, CheckpointPlacement::Branch, EvictionPolicy::Flops);
+        let mut m = HybridCacheManager::new(&c, 32, 16);
+        let t1 = toks(10); // 2 full blocks + a tail of 2 tokens
+        assert!(run_and_keep(&mut m, 1, &t1));
+        let tail_blk = m.kv_pool().get_cached(hashes(&t1, None)[1]).unwrap() + 1;
+        assert!(m.kv_pool().is_tail(tail_blk));
+        assert_eq!(m.stats().checkpoints_by_kind, [0, 0, 1]);
+        // A continuation hits all 10 tokens; without tokens (no tail lookup) nothing.
+        let mut t2 = t1.clone();
+        t2.extend([7, 8, 9]);
+        let h2 = hashes(&t2, None);
+        assert_eq!(
+            m.find_longest_cache_hit(Prefix::of_hashes(&h2), 13)
+                .num_tokens,
+            0
+        );
+        let hit = m.find_longest_cache_hit(prefix(&h2, &t2), 13);
+        assert_eq!((hit.num_tokens, hit.tail), (10, Some(tail_blk)));
+        assert_eq!(hit.kind, Some(CheckpointKind::LastToken));
+        assert_eq!(hit.kv_blocks.len(), 2);
+        let ops = m.allocate_new(2, &hit, 3, 0).unwrap();
+        let table = m.block_table(2).to_vec();
+        assert_eq!(&table[..2], &hit.kv_blocks[..]);
+        assert_eq!(
+            ops,
+            vec![
+                StateOp::CopyBlock {
+                    src: tail_blk,
+                    dst: table[2]
+                },
+                StateOp::Copy {
+                    src: hit.checkpoint.unwrap(),
+                    dst: m.state_window(2)[0]
+                }
+            ]
+        );
+        assert_ne!(table[2], tail_blk, "the tail is copied, never shared");
+        assert_eq!(
+            m.kv_pool().ref_count(tail_blk),
+            1,
+            "pinned until the copy ran"
+        );
+        m.allocate_more(2, 10, 3, 0).unwrap();
+        assert_eq!(m.kv_pool().ref_count(tail_blk), 0);
+        // Other tail tokens, or a prompt that ends inside the tail, do not hit it.
+        let mut t3 = t1[..9].to_vec();
+        t3.extend([5, 5, 5]);
+        let h3 = hashes(&t3, None);
+        assert_eq!(m.find_longest_cache_hit(prefix(&h3, &t3), 12).num_tokens, 0);
+        let h4 = hashes(&t1, None);
+        assert_eq!(m.find_longest_cache_hit(prefix(&h4, &t1), 10).num_tokens, 0);
+        m.free(2);
+    }
+}
+
+#[test]
+fn last_state_needs_the_branch_placement_and_a_checkpoint_mode() {
+    let t = toks(10);
+    for (mode, placement) in [
+        (MambaCacheMode::Align, CheckpointPlacement::Grid),
+        (MambaCacheMode::None, CheckpointPlacement::Branch),
+    ] {
+        let c = cfg_with(mode, 2, placement, EvictionPolicy::Lru);
+        let mut m = HybridCacheManager::new(&c, 32, 16);
+        assert!(!run_and_keep(&mut m, 1, &t), "{mode:?} {placement:?}");
+        assert_eq!(m.stats().checkpoints_committed, 0);
+    }
+    // One checkpoint per prefix: the same sequence again keeps nothing new.
+    let c = cfg_with(
+        MambaCacheMode::All,
+        2,
+        CheckpointPlacement::BranchAndGrid,
+        EvictionPolicy::Lru,
+    );
+    let mut m = HybridCacheManager::new(&c, 32, 16);
+    assert!(run_and_keep(&mut m, 1, &t));
+    assert!(!run_and_keep(&mut m, 2, &t));
+    assert!(run_and_keep(&mut m, 3, &toks(12)), "a block-aligned end");
+    assert_eq!(m.stats().checkpoints_committed, 2);
+}
+
+#[test]
+fn fallback_positions_follow_checkpoints_above() {
+    let c = cfg_with(
+        MambaCacheMode::All,
+        2,
+        CheckpointPlacement::Branch,
+        EvictionPolicy::Flops,
+    );
+    let mut m = HybridCacheManager::new(&c, 64, 32);
+    let t = toks(24);
+    let h = hashes(&t, None);
+    m.allocate_new(1, &CacheHit::default(), 24, 0).unwrap();
+    m.cache_full_blocks(1, &h, 24);
+    let at = |m: &mut HybridCacheManager, p: usize| {
+        let s = m
+            .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Branch)
+            .unwrap();
+        m.commit_checkpoint(s);
+        s
+    };
+    let s8 = at(&mut m, 8);
+    let s24 = at(&mut m, 24);
+    assert_eq!(m.debug_parent_position(s8), 0);
+    assert_eq!(m.debug_parent_position(s24), 8);
+    // A checkpoint between them becomes s24's fallback...
+    let s16 = at(&mut m, 16);
+    assert_eq!(m.debug_parent_position(s16), 8);
+    assert_eq!(m.debug_parent_position(s24), 16);
+    m.free(1);
+    // ... and when it goes (the least recently used), s24 falls back to 8 again.
+    m.mamba.touch(s8);
+    m.mamba.touch(s24);
+    let mut all = Vec::new();
+    m.mamba.alloc_window(m.mamba.num_free(), &mut all);
+    let mut w = Vec::new();
+    assert!(m.make_free_slots(1, EvictionCause::ForWindow));
+    m.mamba.alloc_window(1, &mut w);
+    assert_eq!(m.mamba.kind(s16), Some(SlotKind::Window), "s16 went first");
+    assert_eq!(m.debug_parent_position(s24), 8);
+}
+
+/// A manager with two finished sequences that share nothing: "short" (8 tokens, committed
+/// first) and "long" (40 tokens), each with its state kept at its end, and a pool with room for
+/// exactly two checkpoints.
+fn two_paths(eviction: EvictionPolicy) -> (HybridCacheManager, SlotId, SlotId) {
+    let c = cfg_with(
+        MambaCacheMode::All,
+        1,
+        CheckpointPlacement::Branch,
+        eviction,
+    );
+    let mut m = HybridCacheManager::new(&c, 64, 4); // 3 usable, 1 reserved for a window
+    m.set_cost_model(CostModel {
+        state_bytes: 1000,
+        kv_bytes_per_block: 10,
+        flops_per_token: 100.0,
+        attn_flops_per_context_token: 1.0,
+    });
+    let short: Vec<u32> = (500..508).collect();
+    assert!(run_and_keep(&mut m, 1, &short));
+    let long = toks(40);
+    assert!(run_and_keep(&mut m, 2, &long));
+    let s_short = m.mamba.lookup(hashes(&short, None)[1]).unwrap();
+    let s_long = m.mamba.lookup(hashes(&long, None)[9]).unwrap();
+    (m, s_short, s_long)
+}
+
+#[test]
+fn flops_eviction_keeps_the_checkpoint_that_saves_more_per_byte() {
+    // The long checkpoint is also the more recent one; touch the short one last so that LRU
+    // and the FLOP score disagree.
+    for (eviction, survivor_is_long) in
+        [(EvictionPolicy::Lru, false), (EvictionPolicy::Flops, true)]
+    {
+        let (mut m, s_short, s_long) = two_paths(eviction);
+        // With two candidates the normalised scores are (1, 0) against (0, w): the FLOP term
+        // wins for a weight above 1.
+        m.set_flop_weight(2.0);
+        m.mamba.touch(s_short);
+        let third: Vec<u32> = (900..912).collect();
+        assert!(run_and_keep(&mut m, 3, &third));
+        let alive = |s| m.mamba.kind(s) == Some(SlotKind::Committed);
+        assert_eq!(
+            (alive(s_long), alive(s_short)),
+            (survivor_is_long, !survivor_is_long)
+        );
+        assert_eq!(m.stats().checkpoint_evictions_for_checkpoint, 1);
+    }
+}
+
+#[test]
+fn flops_eviction_spends_useless_kv_first_then_the_cheapest_path() {
+    let (mut m, s_short, s_long) = two_paths(EvictionPolicy::Flops);
+    let s = m.stats();
+    // 2 + 10 cached blocks, all useful: a checkpoint sits at the end of each path.
+    assert_eq!(
+        (s.kv_blocks_cached, m.kv_pool().num_useful_free()),
+        (12, 12)
+    );
+    let free = m.kv_pool().num_free();
+    // Take every block nobody can use, then one more: the short path (cheapest per byte) goes
+    // with its checkpoint, the long one stays.
+    m.allocate_new(9, &CacheHit::default(), (free - 12) * B, 0)
+        .unwrap();
+    assert_eq!(m.stats().kv_evictions, 0);
+    m.allocate_more(9, (free - 12) * B, B, 0).unwrap();
+    let st = m.stats();
+    assert_eq!((st.kv_evictions, st.kv_evictions_useless), (1, 1));
+    assert_eq!(st.checkpoint_evictions_for_kv, 1);
+    assert_eq!(m.mamba.kind(s_short), Some(SlotKind::Free));
+    assert_eq!(m.mamba.kind(s_long), Some(SlotKind::Committed));
+    // The short path's other block is now useless and goes before any of the long path's.
+    m.allocate_more(9, (free - 11) * B, B, 0).unwrap();
+    assert_eq!(m.stats().kv_evictions_useless, 2);
+    assert_eq!(m.mamba.kind(s_long), Some(SlotKind::Committed));
+    let long = toks(40);
+    let h = hashes(&long, None);
+    let mut more = long.clone();
+    more.push(1);
+    assert_eq!(
+        m.find_longest_cache_hit(prefix(&h, &more), 41).num_tokens,
+        40
+    );
+}
+
+#[test]
+fn lru_path_refreshes_every_checkpoint_on_the_hit_path() {
+    for (eviction, refreshed) in [
+        (EvictionPolicy::Lru, false),
+        (EvictionPolicy::LruPath, true),
+    ] {
+        let c = cfg_with(
+            MambaCacheMode::All,
+            2,
+            CheckpointPlacement::Branch,
+            eviction,
+        );
+        let mut m = HybridCacheManager::new(&c, 64, 32);
+        let t = toks(24);
+        let h = hashes(&t, None);
+        m.allocate_new(1, &CacheHit::default(), 24, 0).unwrap();
+        m.cache_full_blocks(1, &h, 24);
+        let mut slots = Vec::new();
+        for p in [8, 24] {
+            let s = m
+                .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Branch)
+                .unwrap();
+            m.commit_checkpoint(s);
+            slots.push(s);
+        }
+        m.free(1);
+        let other: Vec<u32> = (700..712).collect();
+        assert!(run_and_keep(&mut m, 2, &other));
+        let s_other = m.mamba.lookup(hashes(&other, None)[2]).unwrap();
+        let mut t2 = t.clone();
+        t2.push(3);
+        assert_eq!(m.find_longest_cache_hit(prefix(&h, &t2), 25).num_tokens, 24);
+        let (u8, u_other) = (m.mamba.last_use(slots[0]), m.mamba.last_use(s_other));
+        assert_eq!(u8 > u_other, refreshed, "{eviction:?}");
+    }
 }

@@ -39,6 +39,71 @@ impl MambaCacheMode {
     }
 }
 
+/// Where Mamba checkpoints are placed (DESIGN: the prefix cache can only resume a hybrid model
+/// where a copy of the state was kept).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CheckpointPlacement {
+    /// Where prompts really share: at the deepest cached KV block of a prompt whose KV prefix hit
+    /// reaches past its state hit (a prefix an earlier request shared, block granularity), and
+    /// after the last computed token of every finished or preempted sequence.
+    Branch,
+    /// Every multiple of `mamba_block_size` (mode `all`) or the chunk ends on it (mode `align`),
+    /// and decode steps that cross one.
+    Grid,
+    /// Both.
+    BranchAndGrid,
+}
+
+impl CheckpointPlacement {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointPlacement::Branch => "branch",
+            CheckpointPlacement::Grid => "grid",
+            CheckpointPlacement::BranchAndGrid => "branch+grid",
+        }
+    }
+
+    /// Branch points and last tokens.
+    pub fn branch(self) -> bool {
+        match self {
+            CheckpointPlacement::Branch | CheckpointPlacement::BranchAndGrid => true,
+            CheckpointPlacement::Grid => false,
+        }
+    }
+
+    /// Multiples of `mamba_block_size`.
+    pub fn grid(self) -> bool {
+        match self {
+            CheckpointPlacement::Grid | CheckpointPlacement::BranchAndGrid => true,
+            CheckpointPlacement::Branch => false,
+        }
+    }
+}
+
+/// Which committed checkpoint goes when the Mamba pool is full (stale ones always go first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvictionPolicy {
+    /// Recency combined with the prefill FLOPs a checkpoint saves per byte it holds (its state
+    /// and the KV blocks only it keeps useful); a hit refreshes only the checkpoint it consumed;
+    /// KV blocks that no hit can use any more are evicted before those that can.
+    Flops,
+    /// Least recently used; a hit refreshes only the checkpoint it consumed.
+    Lru,
+    /// Least recently used; a hit refreshes every checkpoint on its path (the baseline of
+    /// engines that refresh a whole radix-tree path).
+    LruPath,
+}
+
+impl EvictionPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionPolicy::Flops => "flops",
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::LruPath => "lru-path",
+        }
+    }
+}
+
 /// Speculative decoding method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SpecMethod {
@@ -73,7 +138,7 @@ pub struct ResolvedConfig {
     pub enable_chunked_prefill: bool,
     /// B: tokens per KV block.
     pub block_size: usize,
-    /// M: tokens between Mamba checkpoints (a multiple of B, and of Q in `all` mode).
+    /// M: tokens between grid Mamba checkpoints (a multiple of B).
     pub mamba_block_size: usize,
     /// Q: the scan chunk size of the model.
     pub scan_chunk_size: usize,
@@ -81,6 +146,8 @@ pub struct ResolvedConfig {
     pub max_num_seqs: usize,
     pub max_model_len: usize,
     pub speculative: Option<SpecConfig>,
+    pub checkpoint_placement: CheckpointPlacement,
+    pub eviction: EvictionPolicy,
 }
 
 impl ResolvedConfig {
@@ -195,14 +262,8 @@ impl ResolvedConfig {
                     ));
                 }
             }
-            MambaCacheMode::All => {
-                if m % q != 0 {
-                    return err(format!(
-                        "--mamba-cache-mode all needs --mamba-block-size ({m}) to be a multiple of \
-                         the model's scan chunk size ({q})"
-                    ));
-                }
-            }
+            // The scan emits a state at any token, so `all` puts no condition on M.
+            MambaCacheMode::All => {}
         }
         Ok(())
     }
@@ -256,6 +317,8 @@ impl ResolvedConfig {
                 method: SpecMethod::Ngram,
                 num_speculative_tokens,
             }),
+            checkpoint_placement: CheckpointPlacement::Grid,
+            eviction: EvictionPolicy::Lru,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod mamba_pool;
 pub mod output;
 pub mod policy;
+pub mod prefix_tree;
 pub mod request;
 pub mod scheduler;
 

@@ -1,21 +1,23 @@
 //! The Mamba state slot pool: a fixed number of slots (slot 0 the null/pad slot), running windows
-//! of `1 + K` slots per request, and checkpoints keyed by the chained prefix hash at multiples of
-//! `mamba_block_size`.
+//! of `1 + K` slots per request, and checkpoints keyed by the chained prefix hash of the position
+//! whose state they hold (a block boundary, or the exact end of a finished sequence's tail).
 //!
 //! A checkpoint is *pending* from `reserve` until its forward has finished (`commit`), and it is
 //! never a hit while pending. Committed checkpoints are read-only (a hit copies them into the
 //! request's window) and evictable; a checkpoint that is the source of a not-yet-executed hit copy
-//! is *pinned* and not evictable.
+//! is *pinned* and not evictable. `adopt` turns a window slot whose state is already written (the
+//! live state of a finished request) into a committed checkpoint without a copy.
 //!
 //! Budgets: `window_reserve` slots are kept for running windows; checkpoints (pending + committed)
 //! never take more than `checkpoint_cap = usable - window_reserve` slots (0 when the pool holds
 //! exactly the reserve; half the usable slots if the pool is smaller than the reserve, which then
 //! cannot be guaranteed anyway). So windows for up to `window_reserve / (1 + K)` requests
-//! are always allocatable without evicting anything. A window that needs more (the pool was sized
-//! for fewer requests) evicts committed checkpoints.
+//! are always allocatable without evicting anything.
 //!
-//! Eviction order: LRU among committed, unpinned checkpoints, those marked *stale* (the KV block
-//! they are keyed by left the prefix cache, so they can never hit again) first.
+//! The pool does not choose what to evict: it keeps committed, unpinned checkpoints in two LRU
+//! lists, *stale* ones (their KV prefix left the cache, so they can never hit again) and live ones,
+//! and a use clock per checkpoint; the cache manager picks the victim (`cache.rs`) and calls
+//! `evict`. Allocations take free slots only.
 
 use std::collections::HashMap;
 
@@ -36,6 +38,49 @@ pub enum SlotKind {
     Committed,
 }
 
+/// Why a checkpoint was placed where it is (hits are counted by it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CheckpointKind {
+    /// A multiple of `mamba_block_size` (the grid placement).
+    Grid,
+    /// The end of a prefix that an earlier request shared (the deepest cached KV block of a hit).
+    Branch,
+    /// The last computed token of a finished (or preempted) sequence.
+    LastToken,
+}
+
+impl CheckpointKind {
+    pub const ALL: [CheckpointKind; 3] = [
+        CheckpointKind::Grid,
+        CheckpointKind::Branch,
+        CheckpointKind::LastToken,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointKind::Grid => "grid",
+            CheckpointKind::Branch => "branch",
+            CheckpointKind::LastToken => "last_token",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        match self {
+            CheckpointKind::Grid => 0,
+            CheckpointKind::Branch => 1,
+            CheckpointKind::LastToken => 2,
+        }
+    }
+}
+
+/// `(hash, position, kind)` of a pending or committed checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckpointTag {
+    pub hash: BlockHash,
+    pub position: usize,
+    pub kind: CheckpointKind,
+}
+
 const NONE: u8 = 0;
 const LIVE: u8 = 1;
 const STALE: u8 = 2;
@@ -43,9 +88,11 @@ const STALE: u8 = 2;
 #[derive(Debug, Clone)]
 pub struct MambaPool {
     kind: Vec<SlotKind>,
-    tag: Vec<Option<(BlockHash, usize)>>,
+    tag: Vec<Option<CheckpointTag>>,
     pins: Vec<u32>,
     stale: Vec<bool>,
+    last_use: Vec<u64>,
+    clock: u64,
     free: Vec<SlotId>,
     /// LRU links over `n + 2` nodes: node `n` is the LIVE sentinel, `n + 1` the STALE sentinel.
     prev: Vec<u32>,
@@ -81,6 +128,8 @@ impl MambaPool {
             tag: vec![None; n],
             pins: vec![0; n],
             stale: vec![false; n],
+            last_use: vec![0; n],
+            clock: 0,
             // Popped from the back: lowest ids first.
             free: (1..n as u32).rev().collect(),
             prev,
@@ -117,12 +166,20 @@ impl MambaPool {
     pub fn num_committed(&self) -> usize {
         self.num_committed
     }
+    /// Pending + committed checkpoints.
+    pub fn num_checkpoints(&self) -> usize {
+        self.num_pending + self.num_committed
+    }
     /// Committed checkpoints that are not pinned.
     pub fn num_evictable(&self) -> usize {
         self.num_evictable
     }
     pub fn checkpoint_cap(&self) -> usize {
         self.checkpoint_cap
+    }
+    /// Whether one more checkpoint would exceed the checkpoint budget.
+    pub fn at_checkpoint_cap(&self) -> bool {
+        self.num_checkpoints() >= self.checkpoint_cap
     }
     pub fn evictions(&self) -> u64 {
         self.evictions
@@ -132,10 +189,22 @@ impl MambaPool {
     }
     /// `(hash, position)` of a pending or committed checkpoint slot.
     pub fn tag(&self, s: SlotId) -> Option<(BlockHash, usize)> {
+        self.tag
+            .get(s as usize)
+            .copied()
+            .flatten()
+            .map(|t| (t.hash, t.position))
+    }
+    /// The full tag (with the kind) of a pending or committed checkpoint slot.
+    pub fn checkpoint_tag(&self, s: SlotId) -> Option<CheckpointTag> {
         self.tag.get(s as usize).copied().flatten()
     }
     pub fn is_stale(&self, s: SlotId) -> bool {
         self.stale.get(s as usize).copied().unwrap_or(false)
+    }
+    /// The use clock value of the last commit or touch of a checkpoint.
+    pub fn last_use(&self, s: SlotId) -> u64 {
+        self.last_use.get(s as usize).copied().unwrap_or(0)
     }
 
     #[inline]
@@ -175,11 +244,40 @@ impl MambaPool {
         (f != head).then_some(f as SlotId)
     }
 
-    /// Evicts the LRU evictable checkpoint (stale ones first). False if none is evictable.
-    pub fn evict_one(&mut self) -> bool {
-        let Some(s) = self.front(STALE).or_else(|| self.front(LIVE)) else {
+    fn tick(&mut self, s: SlotId) {
+        self.clock += 1;
+        self.last_use[s as usize] = self.clock;
+    }
+
+    /// The least recently used stale evictable checkpoint.
+    pub fn stale_victim(&self) -> Option<SlotId> {
+        self.front(STALE)
+    }
+
+    /// The least recently used live evictable checkpoint.
+    pub fn lru_victim(&self) -> Option<SlotId> {
+        self.front(LIVE)
+    }
+
+    /// The live evictable checkpoints, least recently used first.
+    pub fn live_evictable(&self) -> impl Iterator<Item = SlotId> + '_ {
+        let head = self.sentinel(LIVE) as u32;
+        let mut s = self.next[head as usize];
+        std::iter::from_fn(move || {
+            if s == head {
+                return None;
+            }
+            let cur = s;
+            s = self.next[s as usize];
+            Some(cur)
+        })
+    }
+
+    /// Drops an evictable (committed, unpinned) checkpoint. False for any other slot.
+    pub fn evict(&mut self, s: SlotId) -> bool {
+        if !self.valid(s) || self.list[s as usize] == NONE {
             return false;
-        };
+        }
         self.unlink(s);
         self.drop_checkpoint(s);
         self.num_committed -= 1;
@@ -188,24 +286,19 @@ impl MambaPool {
     }
 
     fn drop_checkpoint(&mut self, s: SlotId) {
-        if let Some((h, _)) = self.tag[s as usize].take() {
-            self.by_hash.remove(&h);
+        if let Some(t) = self.tag[s as usize].take() {
+            self.by_hash.remove(&t.hash);
         }
         self.stale[s as usize] = false;
         self.kind[s as usize] = SlotKind::Free;
         self.free.push(s);
     }
 
-    /// Appends `n` window slots to `out`, evicting committed checkpoints if the free slots do not
-    /// suffice. False (nothing taken, nothing evicted) if even that is not enough.
+    /// Appends `n` free slots to `out` as window slots. False (nothing taken) if fewer are free:
+    /// the caller evicts first.
     pub fn alloc_window(&mut self, n: usize, out: &mut Vec<SlotId>) -> bool {
-        if self.free.len() + self.num_evictable < n {
+        if self.free.len() < n {
             return false;
-        }
-        while self.free.len() < n {
-            if !self.evict_one() {
-                return false;
-            }
         }
         for _ in 0..n {
             let Some(s) = self.free.pop() else {
@@ -229,44 +322,54 @@ impl MambaPool {
         }
     }
 
-    /// Whether `n` window slots could be allocated now.
-    pub fn can_alloc_window(&self, n: usize) -> bool {
-        self.free.len() + self.num_evictable >= n
-    }
-
-    /// A pending checkpoint for `(hash, position)`, evicting the LRU checkpoint if the checkpoint
-    /// budget or the pool is full. None if one exists for `hash` or nothing can be evicted.
-    pub fn reserve(&mut self, hash: BlockHash, position: usize) -> Option<SlotId> {
-        if self.by_hash.contains_key(&hash) || self.checkpoint_cap == 0 {
-            return None;
-        }
-        if self.num_pending + self.num_committed >= self.checkpoint_cap && !self.evict_one() {
-            return None;
-        }
-        if self.free.is_empty() && !self.evict_one() {
+    /// A pending checkpoint for `tag` in a free slot. None if one exists for the hash, the
+    /// checkpoint budget is used up, or no slot is free (the caller evicts first).
+    pub fn reserve(&mut self, tag: CheckpointTag) -> Option<SlotId> {
+        if self.by_hash.contains_key(&tag.hash) || self.at_checkpoint_cap() {
             return None;
         }
         let s = self.free.pop()?;
         self.kind[s as usize] = SlotKind::Pending;
-        self.tag[s as usize] = Some((hash, position));
+        self.tag[s as usize] = Some(tag);
         self.stale[s as usize] = false;
-        self.by_hash.insert(hash, s);
+        self.by_hash.insert(tag.hash, s);
         self.num_pending += 1;
         Some(s)
     }
 
-    /// Pending -> committed (most recently used). `kv_present`: whether the KV block the
-    /// checkpoint is keyed by is in the prefix cache now (if not, it is stale from the start).
-    /// Other slots are ignored.
-    pub fn commit(&mut self, s: SlotId, kv_present: bool) {
+    /// Turns the window slot `s` (its state already written) into a committed checkpoint for
+    /// `tag`, stale until `set_live`. False (nothing changed) if `s` is not a window slot, a
+    /// checkpoint for the hash exists, or the checkpoint budget is used up.
+    pub fn adopt(&mut self, s: SlotId, tag: CheckpointTag) -> bool {
+        if !self.valid(s)
+            || self.kind[s as usize] != SlotKind::Window
+            || self.by_hash.contains_key(&tag.hash)
+            || self.at_checkpoint_cap()
+        {
+            return false;
+        }
+        self.num_window -= 1;
+        self.kind[s as usize] = SlotKind::Committed;
+        self.tag[s as usize] = Some(tag);
+        self.by_hash.insert(tag.hash, s);
+        self.num_committed += 1;
+        self.stale[s as usize] = true;
+        self.tick(s);
+        self.link_back(s, STALE);
+        true
+    }
+
+    /// Pending -> committed (most recently used), stale until `set_live`. Other slots are ignored.
+    pub fn commit(&mut self, s: SlotId) {
         if !self.valid(s) || self.kind[s as usize] != SlotKind::Pending {
             return;
         }
         self.kind[s as usize] = SlotKind::Committed;
         self.num_pending -= 1;
         self.num_committed += 1;
-        self.stale[s as usize] = !kv_present;
-        self.link_back(s, if kv_present { LIVE } else { STALE });
+        self.stale[s as usize] = true;
+        self.tick(s);
+        self.link_back(s, STALE);
     }
 
     /// Frees a pending checkpoint that was never written. Other slots are ignored.
@@ -285,6 +388,11 @@ impl MambaPool {
         (self.kind[s as usize] == SlotKind::Committed).then_some(s)
     }
 
+    /// The checkpoint (pending or committed) for `hash`.
+    pub fn checkpoint_for(&self, hash: BlockHash) -> Option<SlotId> {
+        self.by_hash.get(&hash).copied()
+    }
+
     /// Whether a checkpoint (pending or committed) exists for `hash`.
     pub fn has_checkpoint(&self, hash: BlockHash) -> bool {
         self.by_hash.contains_key(&hash)
@@ -292,7 +400,11 @@ impl MambaPool {
 
     /// Marks a committed checkpoint most recently used.
     pub fn touch(&mut self, s: SlotId) {
-        if self.valid(s) && self.list[s as usize] != NONE {
+        if !self.valid(s) || self.kind[s as usize] != SlotKind::Committed {
+            return;
+        }
+        self.tick(s);
+        if self.list[s as usize] != NONE {
             let which = self.list[s as usize];
             self.unlink(s);
             self.link_back(s, which);
@@ -324,27 +436,18 @@ impl MambaPool {
         self.pins.get(s as usize).copied().unwrap_or(0)
     }
 
-    /// The KV block keyed `hash` left the prefix cache: its checkpoint (if any) goes stale.
-    pub fn mark_stale(&mut self, hash: BlockHash) {
-        let Some(&s) = self.by_hash.get(&hash) else {
+    /// A committed checkpoint can (no longer) be reached through the KV prefix cache.
+    pub fn set_stale(&mut self, s: SlotId, stale: bool) {
+        if !self.valid(s)
+            || self.kind[s as usize] != SlotKind::Committed
+            || self.stale[s as usize] == stale
+        {
             return;
-        };
-        self.stale[s as usize] = true;
-        if self.list[s as usize] == LIVE {
-            self.unlink(s);
-            self.link_back(s, STALE);
         }
-    }
-
-    /// The KV block keyed `hash` is (again) in the prefix cache.
-    pub fn mark_live(&mut self, hash: BlockHash) {
-        let Some(&s) = self.by_hash.get(&hash) else {
-            return;
-        };
-        self.stale[s as usize] = false;
-        if self.list[s as usize] == STALE {
+        self.stale[s as usize] = stale;
+        if self.list[s as usize] != NONE {
             self.unlink(s);
-            self.link_back(s, LIVE);
+            self.link_back(s, if stale { STALE } else { LIVE });
         }
     }
 
@@ -353,7 +456,9 @@ impl MambaPool {
         if self.num_pending > 0 || self.num_committed > self.num_evictable {
             return false;
         }
-        while self.evict_one() {}
+        while let Some(s) = self.stale_victim().or_else(|| self.lru_victim()) {
+            self.evict(s);
+        }
         true
     }
 }
@@ -362,8 +467,19 @@ impl MambaPool {
 mod tests {
     use super::*;
 
-    fn h(x: u128) -> BlockHash {
-        BlockHash(x)
+    fn t(x: u128, position: usize) -> CheckpointTag {
+        CheckpointTag {
+            hash: BlockHash(x),
+            position,
+            kind: CheckpointKind::Grid,
+        }
+    }
+
+    fn committed(p: &mut MambaPool, x: u128, pos: usize) -> SlotId {
+        let s = p.reserve(t(x, pos)).unwrap();
+        p.commit(s);
+        p.set_stale(s, false);
+        s
     }
 
     #[test]
@@ -371,24 +487,23 @@ mod tests {
         // 1 null + 6 usable, reserve 4 for windows -> 2 checkpoints at most.
         let mut p = MambaPool::new(7, 4);
         assert_eq!(p.checkpoint_cap(), 2);
-        let a = p.reserve(h(1), 8).unwrap();
-        let b = p.reserve(h(2), 16).unwrap();
-        p.commit(a, true);
-        p.commit(b, true);
-        // Third checkpoint evicts the LRU one (a).
-        let c = p.reserve(h(3), 24).unwrap();
-        assert_eq!(p.lookup(h(1)), None);
+        let a = committed(&mut p, 1, 8);
+        committed(&mut p, 2, 16);
+        assert!(p.at_checkpoint_cap());
+        assert_eq!(p.reserve(t(3, 24)), None, "the budget is used up");
+        assert_eq!(p.lru_victim(), Some(a));
+        assert!(p.evict(a));
+        assert_eq!(p.lookup(BlockHash(1)), None);
         assert_eq!(p.evictions(), 1);
-        p.commit(c, true);
-        // Windows of 4 slots fit without eviction.
+        let c = p.reserve(t(3, 24)).unwrap();
+        p.commit(c);
         let mut w = Vec::new();
         assert!(p.alloc_window(4, &mut w));
-        assert_eq!(p.evictions(), 1);
         assert!(!w.contains(&NULL_SLOT));
-        // A fifth window slot evicts a checkpoint.
-        assert!(p.alloc_window(1, &mut w));
-        assert_eq!(p.evictions(), 2);
-        assert_eq!(p.num_committed(), 1);
+        assert!(
+            !p.alloc_window(1, &mut w),
+            "allocations take free slots only"
+        );
         p.free_window(&w);
         assert_eq!(p.num_window(), 0);
     }
@@ -396,42 +511,60 @@ mod tests {
     #[test]
     fn pending_is_not_a_hit_and_cancel_frees() {
         let mut p = MambaPool::new(4, 0);
-        let a = p.reserve(h(5), 8).unwrap();
-        assert_eq!(p.lookup(h(5)), None);
-        assert_eq!(p.reserve(h(5), 8), None, "duplicate");
-        assert!(!p.evict_one(), "pending is not evictable");
+        let a = p.reserve(t(5, 8)).unwrap();
+        assert_eq!(p.lookup(BlockHash(5)), None);
+        assert_eq!(p.reserve(t(5, 8)), None, "duplicate");
+        assert!(!p.evict(a), "pending is not evictable");
         p.cancel(a);
         assert_eq!(p.num_pending(), 0);
         assert_eq!(p.tag(a), None);
-        let b = p.reserve(h(5), 8).unwrap();
-        p.commit(b, true);
-        assert_eq!(p.lookup(h(5)), Some(b));
-        assert_eq!(p.tag(b), Some((h(5), 8)));
+        let b = p.reserve(t(5, 8)).unwrap();
+        p.commit(b);
+        assert_eq!(p.lookup(BlockHash(5)), Some(b));
+        assert_eq!(p.tag(b), Some((BlockHash(5), 8)));
+        assert!(
+            p.is_stale(b),
+            "stale until its KV block is known to be cached"
+        );
     }
 
     #[test]
     fn stale_first_then_lru_and_pins() {
         let mut p = MambaPool::new(10, 0);
         let s: Vec<SlotId> = (1..=4)
-            .map(|i| {
-                let x = p.reserve(h(i), i as usize * 8).unwrap();
-                p.commit(x, true);
-                x
-            })
+            .map(|i| committed(&mut p, i, i as usize * 8))
             .collect();
         p.touch(s[0]); // order now 2,3,4,1
-        p.mark_stale(h(3));
+        assert!(p.last_use(s[0]) > p.last_use(s[3]));
+        p.set_stale(s[2], true);
         assert!(p.pin(s[1])); // 2 pinned
-        assert!(p.evict_one());
-        assert_eq!(p.lookup(h(3)), None, "stale goes first");
-        assert!(p.evict_one());
-        assert_eq!(p.lookup(h(4)), None, "then LRU, skipping the pinned one");
-        assert!(p.evict_one());
-        assert_eq!(p.lookup(h(1)), None);
-        assert!(!p.evict_one(), "pinned is not evictable");
+        assert_eq!(p.stale_victim(), Some(s[2]));
+        assert_eq!(p.live_evictable().collect::<Vec<_>>(), vec![s[3], s[0]]);
+        assert!(p.evict(s[2]));
+        assert_eq!(p.lru_victim(), Some(s[3]), "LRU, skipping the pinned one");
+        assert!(!p.evict(s[1]), "pinned is not evictable");
         assert!(!p.clear_checkpoints());
         p.unpin(s[1]);
         assert!(p.clear_checkpoints());
         assert_eq!(p.num_used(), 0);
+    }
+
+    #[test]
+    fn adopt_turns_a_window_slot_into_a_checkpoint() {
+        let mut p = MambaPool::new(6, 2);
+        let mut w = Vec::new();
+        assert!(p.alloc_window(2, &mut w));
+        let mut tag = t(9, 13);
+        tag.kind = CheckpointKind::LastToken;
+        assert!(!p.adopt(NULL_SLOT, tag));
+        assert!(p.adopt(w[1], tag));
+        assert_eq!(p.kind(w[1]), Some(SlotKind::Committed));
+        assert_eq!(p.checkpoint_tag(w[1]), Some(tag));
+        assert_eq!((p.num_window(), p.num_committed()), (1, 1));
+        assert!(!p.adopt(w[0], tag), "one checkpoint per hash");
+        p.free_window(&w); // the adopted slot is not a window slot any more
+        assert_eq!(p.num_window(), 0);
+        assert_eq!(p.kind(w[1]), Some(SlotKind::Committed));
+        assert_eq!(p.num_free(), 4);
     }
 }

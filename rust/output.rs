@@ -43,8 +43,11 @@ pub struct SchedulerOutput {
     pub emit_row: Vec<i64>,
     pub emit_token: Vec<i64>,
     pub emit_slot: Vec<i64>,
-    /// Row-major [C, 2] (src, dst), executed in order before the forward.
+    /// Row-major [C, 2] (src, dst) state slot copies, executed in order before the forward.
     pub state_copies: Vec<i64>,
+    /// Row-major [C, 2] (src, dst) KV block copies (every attention layer), executed before the
+    /// forward: a hit on a tail entry copies it into a block of the request's own.
+    pub kv_copies: Vec<i64>,
     pub logits_indices: Vec<i64>,
     pub num_logits: Vec<i32>,
     pub num_draft_tokens: Vec<i32>,

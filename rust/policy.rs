@@ -12,7 +12,11 @@
 //! 4. explicit `all` on a model that cannot emit boundary states → `align` with a warning;
 //! 5. explicit `align` with chunked prefill explicitly off → an error;
 //! 6. explicit `none` with prefix caching on, on a hybrid model → a warning (no hit is possible);
-//! 7. validation of the result ([`ResolvedConfig::validate`]).
+//! 7. validation of the result ([`ResolvedConfig::validate`]);
+//! 8. where a Mamba checkpoint can exist (prefix caching on, a Mamba model, mode `align`/`all`):
+//!    the checkpoint placement defaults to `branch` (branch points and last tokens) and eviction
+//!    to `flops`, each stated as a decision; an explicit placement or eviction where no checkpoint
+//!    can exist is reported as ignored (warning).
 //!
 //! `mamba_block_size` (M) in mode `none`: M is unused there; the resolved value is the same auto
 //! value as in the other modes (the smallest multiple of lcm(B, Q) that is at least 256), so that it
@@ -23,8 +27,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::config::{
-    MambaCacheMode, ResolvedConfig, SpecConfig, SpecMethod, MAX_BLOCK_SIZE, MAX_NUM_SEQS,
-    MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+    CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig, SpecConfig, SpecMethod,
+    MAX_BLOCK_SIZE, MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
 };
 use crate::error::{HsError, HsResult};
 
@@ -156,6 +160,34 @@ impl FromStr for PrefixCachingRequest {
     }
 }
 
+impl FromStr for CheckpointPlacement {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        match s {
+            "branch" => Ok(CheckpointPlacement::Branch),
+            "grid" => Ok(CheckpointPlacement::Grid),
+            "branch+grid" => Ok(CheckpointPlacement::BranchAndGrid),
+            other => Err(HsError::Config(format!(
+                "--mamba-checkpoint-placement must be one of branch, grid, branch+grid; got {other:?}"
+            ))),
+        }
+    }
+}
+
+impl FromStr for EvictionPolicy {
+    type Err = HsError;
+    fn from_str(s: &str) -> HsResult<Self> {
+        match s {
+            "flops" => Ok(EvictionPolicy::Flops),
+            "lru" => Ok(EvictionPolicy::Lru),
+            "lru-path" => Ok(EvictionPolicy::LruPath),
+            other => Err(HsError::Config(format!(
+                "--prefix-cache-eviction must be one of flops, lru, lru-path; got {other:?}"
+            ))),
+        }
+    }
+}
+
 impl FromStr for SpecMethod {
     type Err = HsError;
     fn from_str(s: &str) -> HsResult<Self> {
@@ -201,6 +233,10 @@ pub struct PolicyInputs {
     pub max_num_batched_tokens: Option<usize>,
     pub max_num_seqs: usize,
     pub max_model_len: Option<usize>,
+    /// `--mamba-checkpoint-placement` (None = not given).
+    pub checkpoint_placement: Option<CheckpointPlacement>,
+    /// `--prefix-cache-eviction` (None = not given).
+    pub eviction: Option<EvictionPolicy>,
 }
 
 impl PolicyInputs {
@@ -217,6 +253,8 @@ impl PolicyInputs {
             max_num_batched_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_model_len: None,
+            checkpoint_placement: None,
+            eviction: None,
         }
     }
 }
@@ -272,6 +310,12 @@ pub enum DecisionCode {
     MaxModelLenDefault,
     /// max_num_batched_tokens was not given: the default for this configuration.
     MaxNumBatchedTokensDefault,
+    /// The checkpoint placement was not given: branch points and last tokens.
+    CheckpointPlacementDefault,
+    /// An explicit checkpoint placement or eviction policy has no effect (no Mamba checkpoints).
+    CheckpointSettingsIgnored,
+    /// The eviction policy was not given: FLOP-aware.
+    EvictionDefault,
 }
 
 impl DecisionCode {
@@ -295,6 +339,9 @@ impl DecisionCode {
             }
             DecisionCode::MaxModelLenDefault => "max_model_len_default",
             DecisionCode::MaxNumBatchedTokensDefault => "max_num_batched_tokens_default",
+            DecisionCode::CheckpointPlacementDefault => "checkpoint_placement_default",
+            DecisionCode::CheckpointSettingsIgnored => "checkpoint_settings_ignored",
+            DecisionCode::EvictionDefault => "eviction_default",
         }
     }
 }
@@ -659,13 +706,6 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
                     "--mamba-block-size {given} must be a multiple of --block-size {b}"
                 ));
             }
-            if mode == MambaCacheMode::All && given % q != 0 {
-                return config_err(format!(
-                    "--mamba-block-size {given} must be a multiple of the model's scan chunk size \
-                     {q} in mamba_cache_mode all: choose a multiple of {q} (e.g. {auto_m}), or \
-                     --mamba-cache-mode align"
-                ));
-            }
             given
         }
         (MambaCacheMode::Align | MambaCacheMode::All, None) => {
@@ -674,7 +714,8 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
                 DecisionLevel::Info,
                 format!(
                     "mamba_block_size = {auto_m}: the smallest multiple of lcm(block_size {b}, scan \
-                     chunk size {q}) that is at least {MIN_AUTO_MAMBA_BLOCK_SIZE}"
+                     chunk size {q}) that is at least {MIN_AUTO_MAMBA_BLOCK_SIZE} (the interval of \
+                     grid checkpoints)"
                 ),
             );
             auto_m
@@ -743,6 +784,71 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
         ));
     }
 
+    // --- checkpoint placement and eviction (only where Mamba checkpoints exist) ---
+    let checkpoints = mode != MambaCacheMode::None;
+    if !checkpoints {
+        let given: Vec<&str> = [
+            inputs
+                .checkpoint_placement
+                .map(|_| "--mamba-checkpoint-placement"),
+            inputs.eviction.map(|_| "--prefix-cache-eviction"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !given.is_empty() {
+            decide(
+                DecisionCode::CheckpointSettingsIgnored,
+                DecisionLevel::Warning,
+                format!(
+                    "{} has no effect: mamba_cache_mode is none, so no Mamba checkpoint is kept",
+                    given.join(" and ")
+                ),
+            );
+        }
+    }
+    let placement = match inputs.checkpoint_placement {
+        Some(p) => p,
+        None => {
+            if checkpoints {
+                let how = match mode {
+                    MambaCacheMode::All => "the scan emits it there",
+                    MambaCacheMode::Align | MambaCacheMode::None => "a prefill chunk ends there",
+                };
+                decide(
+                    DecisionCode::CheckpointPlacementDefault,
+                    DecisionLevel::Info,
+                    format!(
+                        "mamba checkpoint placement = branch (default): the state is kept where \
+                         prompts share a prefix (when a prompt's cached KV prefix reaches past its \
+                         state hit, at the deepest cached block; {how}) and after the last token \
+                         of every finished sequence, so hits land on the real shared-prefix \
+                         boundary instead of a grid of {m} tokens; --mamba-checkpoint-placement \
+                         grid or branch+grid keeps the grid"
+                    ),
+                );
+            }
+            CheckpointPlacement::Branch
+        }
+    };
+    let eviction = match inputs.eviction {
+        Some(e) => e,
+        None => {
+            if checkpoints {
+                decide(
+                    DecisionCode::EvictionDefault,
+                    DecisionLevel::Info,
+                    "prefix cache eviction = flops (default): a full Mamba pool evicts the \
+                     checkpoint with the lowest mix of recency and prefill FLOPs saved per byte \
+                     held; a hit refreshes only the checkpoint it used; KV blocks no hit can use \
+                     go first; --prefix-cache-eviction lru for plain LRU"
+                        .into(),
+                );
+            }
+            EvictionPolicy::Flops
+        }
+    };
+
     let config = ResolvedConfig {
         has_mamba_layers: mamba,
         enable_prefix_caching: pc_on,
@@ -755,6 +861,8 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
         max_num_seqs: inputs.max_num_seqs,
         max_model_len,
         speculative: spec,
+        checkpoint_placement: placement,
+        eviction,
     };
     // The rules above are meant to make this unreachable; a failure is a bug in the policy.
     if let Err(e) = config.validate() {
@@ -840,6 +948,17 @@ mod tests {
                 "--max-num-batched-tokens" => inputs.max_num_batched_tokens = Some(num(it.next())),
                 "--max-num-seqs" => inputs.max_num_seqs = num(it.next()),
                 "--max-model-len" => inputs.max_model_len = Some(num(it.next())),
+                "--mamba-checkpoint-placement" => {
+                    inputs.checkpoint_placement = Some(
+                        it.next()
+                            .expect("a placement")
+                            .parse()
+                            .expect("a placement"),
+                    )
+                }
+                "--prefix-cache-eviction" => {
+                    inputs.eviction = Some(it.next().expect("a policy").parse().expect("a policy"))
+                }
                 other => panic!("flag {other} not known to the table parser"),
             }
         }
@@ -930,7 +1049,7 @@ mod tests {
         }
         assert!(n >= 30, "only {n} cases");
         let want: std::collections::BTreeSet<String> =
-            (1..=7).map(|r| format!("rule{r}")).collect();
+            (1..=8).map(|r| format!("rule{r}")).collect();
         assert_eq!(rules_seen, want, "every rule of DESIGN.md §5 has a case");
     }
 
@@ -962,6 +1081,34 @@ mod tests {
         assert_eq!(res.config.mamba_cache_mode, MambaCacheMode::All);
         assert!(res.has_decision(DecisionCode::ModeAllDefault));
         assert_eq!(res.config.mamba_block_size % res.config.scan_chunk_size, 0);
+        assert_eq!(res.config.checkpoint_placement, CheckpointPlacement::Branch);
+        assert_eq!(res.config.eviction, EvictionPolicy::Flops);
+    }
+
+    #[test]
+    fn placement_and_eviction_parse_and_reject_unknown_names() {
+        for p in [
+            CheckpointPlacement::Branch,
+            CheckpointPlacement::Grid,
+            CheckpointPlacement::BranchAndGrid,
+        ] {
+            assert_eq!(p.as_str().parse::<CheckpointPlacement>(), Ok(p));
+        }
+        for e in [
+            EvictionPolicy::Flops,
+            EvictionPolicy::Lru,
+            EvictionPolicy::LruPath,
+        ] {
+            assert_eq!(e.as_str().parse::<EvictionPolicy>(), Ok(e));
+        }
+        match "everywhere".parse::<CheckpointPlacement>() {
+            Err(HsError::Config(m)) => assert!(m.contains("--mamba-checkpoint-placement"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        match "fifo".parse::<EvictionPolicy>() {
+            Err(HsError::Config(m)) => assert!(m.contains("--prefix-cache-eviction"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -1093,12 +1240,6 @@ mod tests {
                 ..good.clone()
             },
             ResolvedConfig {
-                mamba_block_size: 12,
-                mamba_cache_mode: MambaCacheMode::All,
-                scan_chunk_size: 8,
-                ..good.clone()
-            },
-            ResolvedConfig {
                 has_mamba_layers: false,
                 ..good.clone()
             },
@@ -1201,6 +1342,8 @@ mod tests {
                     max_num_batched_tokens: t,
                     max_num_seqs: seqs,
                     max_model_len: l,
+                    checkpoint_placement: None,
+                    eviction: None,
                 },
             )
     }

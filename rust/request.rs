@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::{BlockHash, BlockHasher};
-use crate::cache::ReqKey;
+use crate::cache::{CheckpointKind, Prefix, ReqKey};
 use crate::error::{HsError, HsResult};
 
 /// Why a request finished.
@@ -106,6 +106,12 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// Chained hashes of the full blocks of `all_token_ids` (only with prefix caching on).
     pub block_hashes: Vec<BlockHash>,
+    /// The parent hash of block 0 (the chain root of the request's cache salt).
+    pub root_hash: BlockHash,
+    /// Where this residency keeps a checkpoint for later sharers (a branch point found at
+    /// admission, or the deepest grid point of the cached KV prefix in align mode), and why;
+    /// cleared once a chunk has passed it.
+    pub branch_at: Option<(usize, CheckpointKind)>,
     /// Drafts proposed for the next step.
     pub drafts: Vec<u32>,
     /// Index in the state window of the slot holding the live state (a_prev - 1, or 0).
@@ -133,6 +139,8 @@ impl Request {
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
             block_hashes: Vec::new(),
+            root_hash: BlockHash(0),
+            branch_at: None,
             drafts: Vec::new(),
             live_window_index: 0,
             num_cached_tokens: 0,
@@ -216,6 +224,15 @@ impl Request {
             return Some(FinishReason::Length);
         }
         None
+    }
+
+    /// The request's tokens and hash chain, for cache lookups.
+    pub fn prefix(&self) -> Prefix<'_> {
+        Prefix {
+            hashes: &self.block_hashes,
+            tokens: &self.all_token_ids,
+            root: self.root_hash,
+        }
     }
 
     /// Brings `block_hashes` up to date with `all_token_ids`.

@@ -1,15 +1,29 @@
 //! Continuous batching (DESIGN.md §2, §4, §6): running requests first (decodes, then unfinished
 //! chunked prefills), then waiting ones with their prefix hits; chunked prefill under a token
-//! budget; align-mode splits; boundary checkpoints (emits inside prefill chunks, publishes of
-//! accepted decode positions); speculative bookkeeping; preemption by recompute; aborts.
+//! budget; checkpoint placement; speculative bookkeeping; preemption by recompute; aborts.
+//!
+//! Checkpoint placement (`CheckpointPlacement`):
+//! - branch points: when a prompt's cached KV prefix reaches past its state hit (a prefix an
+//!   earlier request computed, with no state kept at its end), the state at the deepest cached
+//!   block is kept for the next sharer: mode `all` emits it from inside the prefill row, mode
+//!   `align` ends a chunk there;
+//! - last tokens: a finished (or preempted, or stop-string-finished) request keeps the state after
+//!   its last computed token, so a prompt extending the sequence (the next turn of a chat) hits
+//!   all of it;
+//! - grid: every multiple of `mamba_block_size` (`all`: emitted inside chunks; `align`: chunks end
+//!   on it) and decode steps whose accepted tokens cross one (published by a copy next step).
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use crate::block_hash::BlockHasher;
-use crate::cache::{CacheHit, CacheStats, HybridCacheManager, ReqKey, SlotId, StateOp};
-use crate::config::{MambaCacheMode, ResolvedConfig, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS};
+use crate::cache::{
+    CacheHit, CacheStats, CheckpointKind, HybridCacheManager, ReqKey, SlotId, StateOp,
+};
+use crate::config::{
+    CheckpointPlacement, MambaCacheMode, ResolvedConfig, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS,
+};
 use crate::error::{HsError, HsResult};
 use crate::output::{RowInfo, SchedulerOutput};
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
@@ -47,7 +61,7 @@ pub struct RequestDelta {
 }
 
 /// Figures for metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct SchedulerStats {
     pub num_running: usize,
     pub num_waiting: usize,
@@ -64,6 +78,14 @@ pub struct SchedulerStats {
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lost_tokens: u64,
+    /// Hits and hit tokens by where the checkpoint came from (grid, branch point, last token).
+    pub prefix_hits_by_kind: [u64; 3],
+    pub prefix_hit_tokens_by_kind: [u64; 3],
+    /// Prefill FLOPs of the admitted prompts, and those their hits saved (the cost model's).
+    pub prefill_flops_queried: f64,
+    pub prefill_flops_saved: f64,
+    /// Last-token checkpoints kept by finished and preempted requests.
+    pub checkpoints_kept: u64,
     pub spec_drafted_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub checkpoints_emitted: u64,
@@ -84,7 +106,6 @@ struct Planned {
 pub struct Scheduler {
     cfg: ResolvedConfig,
     cache: HybridCacheManager,
-    hasher: BlockHasher,
     requests: KeyMap<Request>,
     ids: HashMap<String, ReqKey>,
     /// (priority, arrival, key): lower priority values first, then FCFS.
@@ -104,6 +125,7 @@ pub struct Scheduler {
     prefix_caching: bool,
     checkpoints: bool,
     align: bool,
+    placement: CheckpointPlacement,
     usable_kv_blocks: usize,
     stats: SchedulerStats,
 }
@@ -159,8 +181,12 @@ impl Scheduler {
         }
         Ok(Scheduler {
             cfg: cfg.clone(),
-            cache: HybridCacheManager::new(cfg, num_kv_blocks, num_mamba_slots),
-            hasher: BlockHasher::new(hash_seed),
+            cache: HybridCacheManager::with_hasher(
+                cfg,
+                num_kv_blocks,
+                num_mamba_slots,
+                BlockHasher::new(hash_seed),
+            ),
             requests: KeyMap::default(),
             ids: HashMap::new(),
             waiting: BTreeSet::new(),
@@ -175,6 +201,7 @@ impl Scheduler {
             prefix_caching: cfg.enable_prefix_caching,
             checkpoints,
             align,
+            placement: cfg.checkpoint_placement,
             usable_kv_blocks: num_kv_blocks - 1,
             stats: SchedulerStats::default(),
         })
@@ -220,7 +247,9 @@ impl Scheduler {
         self.next_arrival += 1;
         let mut req = Request::new(key, arrival, new);
         if self.prefix_caching {
-            req.update_hashes(&self.hasher, self.cfg.block_size);
+            let hasher = self.cache.hasher();
+            req.root_hash = hasher.root(req.cache_salt.as_deref());
+            req.update_hashes(hasher, self.cfg.block_size);
         }
         self.ids.insert(req.id.to_string(), key);
         self.waiting.insert((req.priority, req.arrival, key));
@@ -231,7 +260,7 @@ impl Scheduler {
     /// Aborts a request in any state, freeing everything it holds. False if the id is unknown
     /// (never added, or already finished).
     pub fn abort_request(&mut self, request_id: &str) -> bool {
-        let found = self.remove_request(request_id);
+        let found = self.remove_request(request_id, false);
         if found {
             self.stats.num_aborted_total += 1;
         }
@@ -241,14 +270,16 @@ impl Scheduler {
     /// Ends a request that finished outside the scheduler (the engine matched a stop string in
     /// its text): frees it like an abort, but counts it as finished. False if the id is unknown.
     pub fn finish_request(&mut self, request_id: &str) -> bool {
-        let found = self.remove_request(request_id);
+        let found = self.remove_request(request_id, true);
         if found {
             self.stats.num_finished_total += 1;
         }
         found
     }
 
-    fn remove_request(&mut self, request_id: &str) -> bool {
+    /// Removes a request in any state. `finished`: it ended normally (its last state is worth
+    /// keeping for a continuation); otherwise it was aborted.
+    fn remove_request(&mut self, request_id: &str, finished: bool) -> bool {
         let Some(key) = self.ids.remove(request_id) else {
             return false;
         };
@@ -263,6 +294,11 @@ impl Scheduler {
                 }
             }
             RequestStatus::Running => {
+                if finished && self.in_flight.is_none() {
+                    // Between steps the live window slot holds the state after exactly the
+                    // computed tokens (with a step in flight it may be half written).
+                    self.keep_last_state(key, &req);
+                }
                 self.cache.free(key);
                 self.running.retain(|&k| k != key);
             }
@@ -281,6 +317,15 @@ impl Scheduler {
     /// Per-slot state size in bytes (all Mamba layers), for the checkpoint_bytes figure.
     pub fn set_state_bytes_per_slot(&mut self, n: usize) {
         self.cache.set_state_bytes_per_slot(n);
+    }
+
+    /// The model's sizes and FLOPs for eviction and the FLOP counters; `flop_weight` overrides the
+    /// weight of FLOP efficiency against recency in the `flops` eviction score.
+    pub fn set_cost_model(&mut self, cost: crate::cache::CostModel, flop_weight: Option<f64>) {
+        self.cache.set_cost_model(cost);
+        if let Some(w) = flop_weight {
+            self.cache.set_flop_weight(w);
+        }
     }
 
     pub fn num_running(&self) -> usize {
@@ -322,13 +367,29 @@ impl Scheduler {
         s
     }
 
+    /// Keeps the running request's state after its computed tokens as a last-token checkpoint
+    /// (placement permitting). Call before freeing its cache.
+    fn keep_last_state(&mut self, key: ReqKey, req: &Request) {
+        if !self.checkpoints || !self.placement.branch() {
+            return;
+        }
+        if self.cache.keep_last_state(
+            key,
+            req.prefix(),
+            req.num_computed_tokens,
+            req.live_window_index,
+        ) {
+            self.stats.checkpoints_kept += 1;
+        }
+    }
+
     // ---------------------------------------------------------------- schedule
 
     /// Ends a prefill chunk [start, start + n) of a request with `known` tokens on a multiple of M
-    /// (align mode): the chunk that reaches `known` is cut at the last boundary before it, so that
-    /// the state there is captured. 0 = cannot advance this step.
+    /// (align mode with grid checkpoints): the chunk that reaches `known` is cut at the last
+    /// boundary before it, so that the state there is captured. 0 = cannot advance this step.
     fn align_chunk(&self, start: usize, n: usize, known: usize) -> usize {
-        if !self.align || n == 0 {
+        if !self.align || !self.placement.grid() || n == 0 {
             return n;
         }
         let m = self.cfg.mamba_block_size;
@@ -343,26 +404,40 @@ impl Scheduler {
         (end / m * m).saturating_sub(start)
     }
 
-    /// Align mode, at admission: when the cached KV prefix of a prompt reaches past its Mamba hit
-    /// (no checkpoint was kept at the end of the shared part, e.g. an earlier request prefilled
-    /// that prefix inside one chunk), the first chunk ends at the deepest M boundary inside the
-    /// cached prefix, so that the checkpoint there is published and later requests sharing the
-    /// prefix hit it. `all` mode needs no cut: its scan emits every boundary.
-    fn publish_cut(&self, start: usize, kv_hit_tokens: usize, n: usize) -> usize {
-        if !self.align {
-            return n;
+    /// Where a newly admitted request keeps a checkpoint for later sharers, from its hit: when the
+    /// cached KV prefix reaches past the state hit (an earlier request computed the prefix and no
+    /// state was kept at its end), at the deepest cached block (branch placement), or, with grid
+    /// checkpoints only and mode `align`, at the deepest M boundary inside it (mode `all` emits
+    /// every boundary anyway).
+    fn branch_target(&self, hit: &CacheHit) -> Option<(usize, CheckpointKind)> {
+        if !self.checkpoints || hit.kv_hit_tokens <= hit.num_tokens {
+            return None;
+        }
+        if self.placement.branch() {
+            return Some((hit.kv_hit_tokens, CheckpointKind::Branch));
         }
         let m = self.cfg.mamba_block_size;
-        let boundary = kv_hit_tokens / m * m;
-        if boundary > start && boundary < start + n {
-            boundary - start
-        } else {
-            n
+        let boundary = hit.kv_hit_tokens / m * m;
+        (self.align && boundary > hit.num_tokens).then_some((boundary, CheckpointKind::Grid))
+    }
+
+    /// Align mode: a chunk [start, start + n) that would run past the request's branch target ends
+    /// on it, so that the state there is captured at the chunk end.
+    fn branch_cut(&self, start: usize, n: usize, target: Option<(usize, CheckpointKind)>) -> usize {
+        match target {
+            Some((p, _)) if self.align && p > start && p < start + n => p - start,
+            _ => n,
         }
     }
 
     /// Prefill chunk length for a request at `start` of `known` tokens under `budget`.
-    fn prefill_chunk(&self, start: usize, known: usize, budget: usize) -> usize {
+    fn prefill_chunk(
+        &self,
+        start: usize,
+        known: usize,
+        budget: usize,
+        target: Option<(usize, CheckpointKind)>,
+    ) -> usize {
         let remaining = known - start;
         let n = remaining.min(budget);
         if !self.cfg.enable_chunked_prefill
@@ -371,7 +446,8 @@ impl Scheduler {
         {
             return 0;
         }
-        self.align_chunk(start, n, known)
+        let n = self.align_chunk(start, n, known);
+        self.branch_cut(start, n, target)
     }
 
     /// (tokens, drafts, is_decode) for a running request.
@@ -390,7 +466,11 @@ impl Scheduler {
                 .min(budget.saturating_sub(1));
             (if budget == 0 { 0 } else { 1 + k }, k, true)
         } else {
-            (self.prefill_chunk(nc, known, budget), 0, false)
+            (
+                self.prefill_chunk(nc, known, budget, req.branch_at),
+                0,
+                false,
+            )
         }
     }
 
@@ -404,6 +484,16 @@ impl Scheduler {
     }
 
     fn preempt(&mut self, key: ReqKey) {
+        if let Some(req) = self.requests.remove(&key) {
+            // Resuming then costs no recompute while the checkpoint survives.
+            self.keep_last_state(key, &req);
+            self.requests.insert(key, req);
+        }
+        self.evict_to_waiting(key);
+    }
+
+    /// Frees a running request's cache and puts it back in the waiting queue (recompute on resume).
+    fn evict_to_waiting(&mut self, key: ReqKey) {
         self.cache.free(key);
         self.running.retain(|&k| k != key);
         if let Some(req) = self.requests.get_mut(&key) {
@@ -537,28 +627,28 @@ impl Scheduler {
                 };
                 let known = req.num_tokens();
                 let mut hit = if self.prefix_caching {
-                    self.cache.find_longest_cache_hit(&req.block_hashes, known)
+                    self.cache.find_longest_cache_hit(req.prefix(), known)
                 } else {
                     CacheHit::default()
                 };
                 if hit.num_tokens >= known {
                     hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
                 }
-                let num_new = self.prefill_chunk(hit.num_tokens, known, budget);
+                let target = self.branch_target(&hit);
+                let num_new = self.prefill_chunk(hit.num_tokens, known, budget, target);
                 if num_new == 0 {
                     break;
                 }
-                let num_new = self.publish_cut(hit.num_tokens, hit.kv_hit_tokens, num_new);
                 match self.cache.allocate_new(key, &hit, num_new, 0) {
                     Some(ops) => {
-                        admitted = Some((hit, known, num_new, ops));
+                        admitted = Some((hit, known, num_new, ops, target));
                         break;
                     }
                     None if attempt == 0 && hit.num_tokens > 0 => continue,
                     None => break,
                 }
             }
-            let Some((hit, known, num_new, ops)) = admitted else {
+            let Some((hit, known, num_new, ops, target)) = admitted else {
                 break;
             };
             let start = hit.num_tokens;
@@ -575,6 +665,7 @@ impl Scheduler {
             req.num_computed_tokens = start;
             req.live_window_index = 0;
             req.drafts.clear();
+            req.branch_at = target;
             if !req.was_admitted {
                 req.was_admitted = true;
                 req.num_cached_tokens = start;
@@ -582,6 +673,13 @@ impl Scheduler {
             self.stats.prefix_queried_tokens += known as u64;
             self.stats.prefix_hit_tokens += start as u64;
             self.stats.prefix_lost_tokens += hit.kv_hit_tokens.saturating_sub(start) as u64;
+            if let Some(kind) = hit.kind {
+                self.stats.prefix_hits_by_kind[kind.index()] += 1;
+                self.stats.prefix_hit_tokens_by_kind[kind.index()] += start as u64;
+            }
+            let cost = self.cache.cost_model();
+            self.stats.prefill_flops_queried += cost.prefill_flops(0, known);
+            self.stats.prefill_flops_saved += cost.prefill_flops(0, start);
             plan.push(Planned {
                 key,
                 num_new,
@@ -667,12 +765,22 @@ impl Scheduler {
             out.pending_checkpoints.push(dst);
         }
         for op in hit_copies {
-            let StateOp::Copy { src, dst } = op;
-            out.state_copies.push(src as i64);
-            out.state_copies.push(dst as i64);
+            match op {
+                StateOp::Copy { src, dst } => {
+                    out.state_copies.push(src as i64);
+                    out.state_copies.push(dst as i64);
+                }
+                StateOp::CopyBlock { src, dst } => {
+                    out.kv_copies.push(src as i64);
+                    out.kv_copies.push(dst as i64);
+                }
+            }
         }
+        let grid = self.placement.grid();
+        let mut passed_targets: Vec<ReqKey> = Vec::new();
         out.query_start_loc.push(0);
         for (r, p) in plan.iter().enumerate() {
+            let p_key = p.key;
             let Some(req) = self.requests.get(&p.key) else {
                 return Err(HsError::Internal("a scheduled request vanished".into()));
             };
@@ -737,23 +845,39 @@ impl Scheduler {
                     num_logits = 0;
                 }
                 if self.checkpoints {
-                    // Boundaries inside the chunk: only the chunk end in align mode, every
-                    // multiple of M in all mode.
-                    let first = if self.align { end } else { (nc / m + 1) * m };
-                    let mut bnd = first;
-                    while bnd <= end {
-                        if bnd % m == 0 && bnd > nc {
-                            if let Some(&hash) = req.block_hashes.get(bnd / b - 1) {
-                                if let Some(ck) = self.cache.reserve_checkpoint(hash, bnd) {
-                                    out.emit_row.push(r as i64);
-                                    out.emit_token.push((bnd - nc - 1) as i64);
-                                    out.emit_slot.push(ck as i64);
-                                    out.pending_checkpoints.push(ck);
-                                    self.stats.checkpoints_emitted += 1;
-                                }
+                    // (position, kind) of the states this row keeps: its branch target, then
+                    // the grid boundaries inside the chunk (only the chunk end in align mode,
+                    // every multiple of M in all mode). A position kept twice is reserved once.
+                    let mut keep: Vec<(usize, CheckpointKind)> = Vec::new();
+                    if let Some((p, kind)) = req.branch_at {
+                        if p <= end {
+                            passed_targets.push(p_key);
+                            if p > nc {
+                                keep.push((p, kind));
                             }
                         }
-                        bnd += m;
+                    }
+                    if grid {
+                        let first = if self.align { end } else { (nc / m + 1) * m };
+                        let mut bnd = first;
+                        while bnd <= end {
+                            if bnd % m == 0 && bnd > nc {
+                                keep.push((bnd, CheckpointKind::Grid));
+                            }
+                            bnd += m;
+                        }
+                    }
+                    for (pos, kind) in keep {
+                        let Some(&hash) = req.block_hashes.get(pos / b - 1) else {
+                            continue;
+                        };
+                        if let Some(ck) = self.cache.reserve_checkpoint(hash, pos, kind) {
+                            out.emit_row.push(r as i64);
+                            out.emit_token.push((pos - nc - 1) as i64);
+                            out.emit_slot.push(ck as i64);
+                            out.pending_checkpoints.push(ck);
+                            self.stats.checkpoints_emitted += 1;
+                        }
                     }
                 }
             }
@@ -761,13 +885,18 @@ impl Scheduler {
             out.num_draft_tokens.push(p.num_drafts as i32);
             out.req_ids.push(req.id.clone());
             out.rows.push(RowInfo {
-                key: p.key,
+                key: p_key,
                 num_computed_before: nc,
                 num_new_tokens: p.num_new,
                 is_decode: p.is_decode,
                 num_drafts: p.num_drafts,
                 num_logits,
             });
+        }
+        for key in passed_targets {
+            if let Some(req) = self.requests.get_mut(&key) {
+                req.branch_at = None;
+            }
         }
         Ok(out)
     }
@@ -849,6 +978,38 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Closes the step of `out` whose forward did not complete (it failed or was interrupted):
+    /// nothing it would have written is trusted. Its pending checkpoints (emits and publish copies)
+    /// are cancelled instead of committed, and its requests that are still running are preempted
+    /// without keeping their state (their windows may be half written): they recompute from their
+    /// prefix hits. Returns the finishes decided inside `schedule()` that were pending.
+    pub fn cancel_step(&mut self, out: &SchedulerOutput) -> HsResult<Vec<RequestDelta>> {
+        let deltas = std::mem::take(&mut self.pending_deltas);
+        if out.rows.is_empty() {
+            return Ok(deltas);
+        }
+        if self.in_flight != Some(out.step_id) {
+            self.pending_deltas = deltas;
+            return Err(HsError::InvalidRequest(
+                "cancel_step() got an output that is not the last scheduled step".into(),
+            ));
+        }
+        self.in_flight = None;
+        for &slot in &out.pending_checkpoints {
+            self.cache.cancel_checkpoint(slot);
+        }
+        for row in &out.rows {
+            let running = self
+                .requests
+                .get(&row.key)
+                .is_some_and(|r| r.status == RequestStatus::Running);
+            if running {
+                self.evict_to_waiting(row.key);
+            }
+        }
+        Ok(deltas)
+    }
+
     /// Applies a step's results: tokens (with stop conditions token by token), accepted counts,
     /// live state slots, KV caching of accepted blocks, checkpoint publishes and commits, frees.
     pub fn update_from_output(
@@ -907,7 +1068,9 @@ impl Scheduler {
             let after = if row.is_decode {
                 self.stats.spec_drafted_tokens += row.num_drafts as u64;
                 self.stats.spec_accepted_tokens += (ns - 1) as u64;
-                req.live_window_index = ns - 1;
+                // The state after the last accepted token (fewer than ns when a stop token among
+                // the drafts ended the request).
+                req.live_window_index = new_tokens.len().max(1) - 1;
                 before + new_tokens.len()
             } else {
                 req.live_window_index = 0;
@@ -915,11 +1078,11 @@ impl Scheduler {
             };
             req.num_computed_tokens = after;
             if self.prefix_caching {
-                req.update_hashes(&self.hasher, b);
+                req.update_hashes(self.cache.hasher(), b);
                 self.cache
                     .cache_full_blocks(row.key, &req.block_hashes, after);
             }
-            if row.is_decode && self.checkpoints {
+            if row.is_decode && self.checkpoints && self.placement.grid() {
                 // Accepted tokens crossed or reached boundaries: the state after p·M tokens is in
                 // window[p·M - before - 1]; copy it out first thing next step.
                 let mut bnd = (before / m + 1) * m;
@@ -927,7 +1090,10 @@ impl Scheduler {
                     let idx = bnd - before - 1;
                     let src = self.cache.state_window(row.key).get(idx).copied();
                     if let (Some(src), Some(&hash)) = (src, req.block_hashes.get(bnd / b - 1)) {
-                        if let Some(dst) = self.cache.reserve_checkpoint(hash, bnd) {
+                        if let Some(dst) =
+                            self.cache
+                                .reserve_checkpoint(hash, bnd, CheckpointKind::Grid)
+                        {
                             self.pending_publishes.push((src, dst));
                             self.stats.checkpoints_published += 1;
                         }
@@ -963,6 +1129,10 @@ impl Scheduler {
         }
         if !finished.is_empty() {
             for &key in &finished {
+                if let Some(req) = self.requests.remove(&key) {
+                    self.keep_last_state(key, &req);
+                    self.requests.insert(key, req);
+                }
                 self.cache.free(key);
                 if let Some(req) = self.requests.remove(&key) {
                     self.ids.remove(&*req.id);

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::*;
-use crate::config::{MambaCacheMode, ResolvedConfig};
+use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
 use crate::request::{FinishReason, NewRequest};
 
 fn ids(o: &SchedulerOutput) -> Vec<&str> {
@@ -102,6 +102,12 @@ struct Sim {
     max_wait: usize,
     emits: usize,
     publishes_seen: usize,
+    kv_copies: usize,
+    /// Every row: (request, computed before, tokens, emitted token indices).
+    row_log: Vec<(String, usize, usize, Vec<usize>)>,
+    /// Admissions that started from a hit, and those that started inside a block (tail hits).
+    hits: usize,
+    tail_hits: usize,
 }
 
 impl Sim {
@@ -119,6 +125,10 @@ impl Sim {
             max_wait: 0,
             emits: 0,
             publishes_seen: 0,
+            kv_copies: 0,
+            row_log: Vec::new(),
+            hits: 0,
+            tail_hits: 0,
         }
     }
 
@@ -222,6 +232,20 @@ impl Sim {
         if o.num_copies() > 0 {
             self.publishes_seen += o.num_copies();
         }
+        // KV block copies (tail hits): the whole block, before the forward.
+        let bs = self.cfg.block_size as i64;
+        for c in o.kv_copies.chunks_exact(2) {
+            let (src, dst) = (c[0], c[1]);
+            assert!(src > 0 && dst > 0 && src != dst);
+            for off in 0..bs {
+                match self.kv.get(&(src * bs + off)).copied() {
+                    Some(v) => self.kv.insert(dst * bs + off, v),
+                    None => self.kv.remove(&(dst * bs + off)),
+                };
+            }
+            self.kv_copies += 1;
+        }
+        let grid_only = !self.cfg.checkpoint_placement.branch();
         let mut sampled: Vec<i32> = Vec::new();
         let mut num_sampled: Vec<i32> = Vec::new();
         let mut drafts: Vec<i32> = Vec::new();
@@ -253,13 +277,21 @@ impl Sim {
             if residency == sr.residency && sr.last_end > 0 {
                 assert_eq!(nc, sr.last_end, "request {id} skipped or recomputed tokens");
             } else {
-                assert_eq!(
-                    nc % self.cfg.block_size,
-                    0,
-                    "a hit is a whole number of blocks"
-                );
-                if self.s.checkpoints && nc > 0 {
+                if grid_only || !self.s.checkpoints {
+                    assert_eq!(
+                        nc % self.cfg.block_size,
+                        0,
+                        "a hit is a whole number of blocks"
+                    );
+                }
+                if self.s.checkpoints && nc > 0 && grid_only {
                     assert_eq!(nc % m, 0, "a hybrid hit ends on a checkpoint");
+                }
+                if nc > 0 {
+                    self.hits += 1;
+                    if nc % self.cfg.block_size != 0 {
+                        self.tail_hits += 1;
+                    }
                 }
                 assert!(nc < seq.len());
                 sr.residency = residency;
@@ -296,7 +328,9 @@ impl Sim {
             };
             let ws = o.write_slots_row(r);
             let row_emits = emits_by_row.remove(&r).unwrap_or_default();
-            if self.s.align && !row.is_decode && nc + n < seq.len() {
+            self.row_log
+                .push((id.clone(), nc, n, row_emits.iter().map(|e| e.0).collect()));
+            if self.s.align && grid_only && !row.is_decode && nc + n < seq.len() {
                 assert_eq!((nc + n) % m, 0, "align chunk ends off a boundary");
             }
             for (t, flat) in range.clone().enumerate() {
@@ -319,7 +353,11 @@ impl Sim {
                 }
                 for &(et, es) in &row_emits {
                     if et == t {
-                        assert_eq!((pos + 1) % m, 0);
+                        if grid_only {
+                            assert_eq!((pos + 1) % m, 0);
+                        } else {
+                            assert_eq!((pos + 1) % self.cfg.block_size, 0);
+                        }
                         self.slots.insert(es, st);
                         self.emits += 1;
                     }
@@ -485,6 +523,16 @@ impl Sim {
 fn cfg(mode: MambaCacheMode, k: usize) -> ResolvedConfig {
     ResolvedConfig::for_tests(mode, k)
 }
+
+/// `cfg` with the branch placement (branch points and last tokens) and an eviction policy.
+fn cfg_branch(mode: MambaCacheMode, k: usize, eviction: EvictionPolicy) -> ResolvedConfig {
+    let mut c = ResolvedConfig::for_tests(mode, k);
+    c.checkpoint_placement = CheckpointPlacement::Branch;
+    c.eviction = eviction;
+    c
+}
+
+const CHECKPOINT_MODES: [MambaCacheMode; 2] = [MambaCacheMode::Align, MambaCacheMode::All];
 
 // ------------------------------------------------------------------ behaviours
 
@@ -940,6 +988,121 @@ fn multi_turn_hits_on_decode_published_checkpoints() {
     }
 }
 
+#[test]
+fn branch_point_is_kept_for_the_next_sharer() {
+    // "a" computes 40 tokens; "b" shares the first 26: its KV hit is 24 tokens (6 blocks of 4)
+    // with no state there, so it starts from 0 and keeps the state at 24 itself (align: its first
+    // chunk ends there; all: the scan emits it from inside the row). "c" then hits exactly 24,
+    // off the grid of 8.
+    for mode in CHECKPOINT_MODES {
+        for k in [0, 2] {
+            let mut sim = Sim::new(cfg_branch(mode, k, EvictionPolicy::Flops), 256, 64, 5);
+            let shared: Vec<u32> = (1..=26).collect();
+            let with = |tail: &[u32]| -> Vec<u32> { shared.iter().chain(tail).copied().collect() };
+            sim.add("a", with(&(30..44).collect::<Vec<u32>>()), 3, None);
+            sim.run_to_end(100);
+            sim.add("b", with(&[9; 10]), 3, None);
+            sim.run_to_end(100);
+            let first_b = sim.row_log.iter().find(|r| r.0 == "b").unwrap().clone();
+            match mode {
+                // The first chunk ends at the branch point; its last token is emitted.
+                MambaCacheMode::Align => assert_eq!(first_b, ("b".into(), 0, 24, vec![23])),
+                // One chunk; the scan emits the state after token 24 from inside it.
+                _ => assert_eq!(first_b, ("b".into(), 0, 36, vec![23])),
+            }
+            let st = sim.s.stats();
+            assert_eq!((st.prefix_hit_tokens, st.prefix_lost_tokens), (0, 24));
+            sim.add("c", with(&[8; 12]), 3, None);
+            sim.run_to_end(100);
+            sim.check_end();
+            let st = sim.s.stats();
+            assert_eq!(
+                st.prefix_hit_tokens, 24,
+                "{mode:?} k={k}: c hits b's branch point"
+            );
+            assert_eq!(st.prefix_hits_by_kind, [0, 1, 0]);
+            assert_eq!(st.cache.checkpoints_by_kind[0], 0, "no grid checkpoint");
+        }
+    }
+}
+
+#[test]
+fn last_token_checkpoint_serves_the_next_turn_exactly() {
+    // t1 (10 prompt tokens, 20 generated) has computed 29 tokens when it finishes: a state at 29,
+    // inside block 7, and a tail entry for tokens 28..29. The next turn (t1's 30 tokens + 3) hits
+    // 29 exactly: the tail block is copied into one of t2's own, the state into its window.
+    for mode in CHECKPOINT_MODES {
+        for k in [0, 2] {
+            for (max_tokens, expect) in [(20, 29), (19, 28)] {
+                let mut sim = Sim::new(cfg_branch(mode, k, EvictionPolicy::Flops), 256, 64, 11);
+                sim.draft_quality = 8;
+                sim.add("t1", (1..=10).collect(), max_tokens, None);
+                sim.run_to_end(200);
+                assert_eq!(sim.s.stats().checkpoints_kept, 1);
+                let mut p2 = sim.reqs["t1"].seq();
+                p2.extend([3, 4, 5]);
+                sim.add("t2", p2, 3, None);
+                sim.run_to_end(200);
+                sim.check_end();
+                let st = sim.s.stats();
+                assert_eq!(st.prefix_hit_tokens, expect, "{mode:?} k={k}");
+                assert_eq!(st.prefix_hits_by_kind, [0, 0, 1]);
+                let tail = expect % 4 != 0;
+                assert_eq!(
+                    (sim.tail_hits, sim.kv_copies),
+                    (tail as usize, tail as usize)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_finish_by_stop_string_keeps_the_last_state_and_an_abort_does_not() {
+    for (finish, kept) in [(true, 1), (false, 0)] {
+        let mut sim = Sim::new(
+            cfg_branch(MambaCacheMode::Align, 0, EvictionPolicy::Lru),
+            256,
+            64,
+            3,
+        );
+        sim.add("a", (1..=10).collect(), 20, None);
+        for _ in 0..4 {
+            sim.step();
+        }
+        if finish {
+            assert!(sim.s.finish_request("a"));
+        } else {
+            assert!(sim.s.abort_request("a"));
+        }
+        assert_eq!(sim.s.stats().checkpoints_kept, kept);
+        assert_eq!(sim.s.stats().cache.kv_blocks_used, 0);
+    }
+}
+
+#[test]
+fn a_cancelled_step_commits_nothing_and_its_requests_recompute() {
+    // The forward of a step that emits a checkpoint never runs: the checkpoint must not become a
+    // hit (its slot holds whatever was there before), and the request starts over.
+    for mode in CHECKPOINT_MODES {
+        let mut sim = Sim::new(cfg(mode, 0), 256, 64, 13);
+        sim.add("a", (1..=20).collect(), 4, None);
+        let o = sim.s.schedule().unwrap();
+        assert!(!o.pending_checkpoints.is_empty(), "{mode:?}: the step emits");
+        assert!(sim.s.update_from_output(&o, &[], &[], None).is_err());
+        assert!(sim.s.cancel_step(&o).unwrap().is_empty());
+        assert!(sim.s.cancel_step(&o).is_err(), "already closed");
+        let st = sim.s.stats();
+        assert_eq!(
+            (st.cache.checkpoints_pending, st.cache.checkpoints_committed),
+            (0, 0)
+        );
+        assert_eq!((st.num_running, st.num_waiting, st.cache.kv_blocks_used), (0, 1, 0));
+        sim.run_to_end(100);
+        sim.check_end();
+    }
+}
+
 // ------------------------------------------------------------------ simulation
 
 fn workload(
@@ -1112,6 +1275,42 @@ fn simulation_all_modes_with_spec_and_preemption() {
 }
 
 #[test]
+fn simulation_branch_placements_and_evictions() {
+    let placements = [
+        CheckpointPlacement::Branch,
+        CheckpointPlacement::BranchAndGrid,
+    ];
+    let evictions = [
+        EvictionPolicy::Flops,
+        EvictionPolicy::Lru,
+        EvictionPolicy::LruPath,
+    ];
+    let mut tail_hits = 0;
+    for (i, mode) in CHECKPOINT_MODES.into_iter().enumerate() {
+        for (j, placement) in placements.into_iter().enumerate() {
+            for (e, eviction) in evictions.into_iter().enumerate() {
+                for k in [0, 3] {
+                    let seed = 300 + (i * 100 + j * 10 + e) as u64 * 7 + k as u64;
+                    let sim = simulate_with(mode, k, 40, 24, 48, true, 24, 0, seed, |c| {
+                        c.checkpoint_placement = placement;
+                        c.eviction = eviction;
+                    });
+                    let st = sim.s.stats();
+                    assert!(st.num_preemptions_total > 0, "tiny pool should preempt");
+                    assert!(
+                        st.prefix_hit_tokens > 0,
+                        "{mode:?} {placement:?} {eviction:?}"
+                    );
+                    assert!(st.cache.checkpoint_evictions > 0, "a small pool evicts");
+                    tail_hits += sim.tail_hits;
+                }
+            }
+        }
+    }
+    assert!(tail_hits > 0, "preempted requests resumed inside a block");
+}
+
+#[test]
 fn simulation_with_aborts_and_chunked_prefill_off() {
     let sim = simulate(MambaCacheMode::All, 2, 64, 40, 64, false, 20, 6, 9);
     assert!(sim.s.stats().num_aborted_total > 0);
@@ -1147,16 +1346,30 @@ proptest! {
         abort_every in prop_oneof![Just(0usize), Just(4), Just(12)],
         seed in any::<u64>(),
         variant in 0usize..4,
+        placement in prop_oneof![
+            Just(CheckpointPlacement::Grid),
+            Just(CheckpointPlacement::Branch),
+            Just(CheckpointPlacement::BranchAndGrid),
+        ],
+        eviction in prop_oneof![
+            Just(EvictionPolicy::Flops),
+            Just(EvictionPolicy::Lru),
+            Just(EvictionPolicy::LruPath),
+        ],
     ) {
         // At least one state window must fit next to the null slot.
         let slots = slots.max(1 + (1 + k));
-        simulate_with(mode, k, blocks, slots, budget, chunked, n, abort_every, seed, |c| match variant {
-            1 => {
-                c.has_mamba_layers = false;
-                c.enable_prefix_caching = true;
+        simulate_with(mode, k, blocks, slots, budget, chunked, n, abort_every, seed, |c| {
+            c.checkpoint_placement = placement;
+            c.eviction = eviction;
+            match variant {
+                1 => {
+                    c.has_mamba_layers = false;
+                    c.enable_prefix_caching = true;
+                }
+                2 => c.enable_prefix_caching = true,
+                _ => {}
             }
-            2 => c.enable_prefix_caching = true,
-            _ => {}
         });
     }
 }

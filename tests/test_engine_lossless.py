@@ -52,13 +52,26 @@ def _llm(**kw: object) -> LLM:
 PREEMPTING: dict[str, object] = dict(max_num_batched_tokens=128, num_kv_blocks=30, max_model_len=256)
 
 
-def mode_args(mode: str) -> dict[str, object]:
-    """Engine arguments of a cache mode ("none": prefix caching off)."""
+def mode_args(mode: str, placement: str = "branch") -> dict[str, object]:
+    """Engine arguments of a cache mode ("none": prefix caching off) and checkpoint placement."""
+    if mode == "none":
+        return dict(mamba_cache_mode=mode, enable_prefix_caching=False)
     return dict(
         mamba_cache_mode=mode,
-        enable_prefix_caching=mode != "none",
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
+        enable_prefix_caching=True,
+        mamba_block_size=MAMBA_BLOCK,
+        mamba_checkpoint_placement=placement,
     )
+
+
+def _continuations(outputs: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    """The next turn of each prompt: the prompt, its output, and a few new tokens. Its prefix hit
+    can reach the last token the first turn computed (prompt + output - 1), inside a block."""
+    rng = random.Random(77)
+    return [
+        p + list(o) + [rng.randrange(3, 780) for _ in range(3 + i)]
+        for i, (p, o) in enumerate(zip(_prompts(), outputs))
+    ]
 
 
 @cache
@@ -68,11 +81,31 @@ def reference() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t) for t in _run(llm, _prompts()))
 
 
-def _assert_same(got: list[list[int]]) -> None:
-    ref = reference()
+@cache
+def reference_next_turn() -> tuple[tuple[int, ...], ...]:
+    """The same for the continuations of the prompts."""
+    llm = _llm(enable_prefix_caching=False, max_num_batched_tokens=1024, max_num_seqs=1)
+    return tuple(tuple(t) for t in _run(llm, _continuations(reference())))
+
+
+def _assert_same(got: list[list[int]], ref: tuple[tuple[int, ...], ...] | None = None) -> None:
+    ref = reference() if ref is None else ref
     for i, (g, r) in enumerate(zip(got, ref)):
         assert tuple(g) == r, f"prompt {i}: {g} != {r}"
     assert len(got) == len(ref)
+
+
+def _three_passes(llm: LLM) -> tuple[list[int], list[int]]:
+    """The prompts, the same prompts again (hits on branch points or grid checkpoints), then their
+    next turns (hits on the first pass's last tokens); every output equals the reference.
+    Returns the hit lengths of the second and third passes."""
+    prompts = _prompts()
+    _assert_same(_run(llm, prompts))
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    _assert_same([o.outputs[0].token_ids for o in again])
+    turns = llm.generate([{"prompt_token_ids": p} for p in _continuations(reference())], PARAMS)
+    _assert_same([o.outputs[0].token_ids for o in turns], reference_next_turn())
+    return [o.num_cached_tokens for o in again], [o.num_cached_tokens for o in turns]
 
 
 def test_reference_generates_full_length() -> None:
@@ -84,42 +117,64 @@ def test_reference_generates_full_length() -> None:
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
 @pytest.mark.parametrize("budget", [64, 128, 1024])
 def test_cache_modes_and_chunking_are_lossless(mode: str, budget: int) -> None:
-    llm = _llm(
-        enable_prefix_caching=True,
-        mamba_cache_mode=mode,
-        mamba_block_size=MAMBA_BLOCK if mode != "none" else None,
-        max_num_batched_tokens=budget,
-    )
+    llm = _llm(**mode_args(mode), max_num_batched_tokens=budget)
+    again, turns = _three_passes(llm)
     prompts = _prompts()
-    _assert_same(_run(llm, prompts))
-    # Second pass: prefix hits (align/all) must not change anything.
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-    _assert_same([o.outputs[0].token_ids for o in outs])
-    cached = [o.num_cached_tokens for o in outs]
     if mode == "none":
-        assert cached == [0] * len(prompts)
+        assert again == [0] * len(prompts) and turns == [0] * len(prompts)
+        return
+    if budget < 1024:
+        # prompts 0, 1 and 5 share 131..150 tokens, and are prefilled over several steps: the
+        # later ones found the first one's KV without a state and kept one at their deepest cached
+        # block, on the 16-token block grid (not the 64-token one), which the second pass hits
+        shared_hits = [again[i] for i in (0, 1, 5)]
+        assert all(h in (128, 144) for h in shared_hits), shared_hits
+        assert llm.engine.stats()["prefix_hits_branch"] >= 3
     else:
-        # Every prompt of >= 65 tokens has a checkpoint at 64 from the first pass.
-        for p, c in zip(prompts, cached):
-            if len(p) > MAMBA_BLOCK:
-                assert c > 0 and c % MAMBA_BLOCK == 0 and c <= len(p) - 1, (len(p), c)
+        # one step prefills every prompt: nobody saw another's KV, and the first pass kept states
+        # only after each sequence's last token, deeper than any repeated prompt can hit
+        assert again == [0] * len(prompts)
+    # every next turn resumes at the last token its first turn computed
+    for p, t in zip(prompts, turns):
+        assert t == len(p) + MAX_TOKENS - 1, (len(p), t)
+    assert llm.engine.stats()["prefix_hits_last_token"] == len(prompts)
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_grid_placement_is_lossless(mode: str) -> None:
+    llm = _llm(**mode_args(mode, "grid"), max_num_batched_tokens=64)
+    again, _ = _three_passes(llm)
+    # Every prompt of >= 65 tokens has a checkpoint at 64 from the first pass.
+    for p, c in zip(_prompts(), again):
+        if len(p) > MAMBA_BLOCK:
+            assert c > 0 and c % MAMBA_BLOCK == 0 and c <= len(p) - 1, (len(p), c)
+    assert llm.engine.stats()["prefix_hits_last_token"] == 0
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])
 def test_shared_prefix_hit_within_one_batch_run(mode: str) -> None:
-    llm = _llm(mamba_cache_mode=mode, mamba_block_size=MAMBA_BLOCK, max_num_batched_tokens=256)
-    prompts = _prompts()
-    first = llm.generate({"prompt_token_ids": prompts[0]}, PARAMS)[0]
-    assert first.num_cached_tokens == 0
-    second = llm.generate({"prompt_token_ids": prompts[1]}, PARAMS)[0]
-    # prompts 0 and 1 share 150 tokens: a hit at 128 (two checkpoints of 64).
-    assert second.num_cached_tokens == 128
-    assert tuple(second.outputs[0].token_ids) == reference()[1]
+    def hits(placement: str) -> list[int]:
+        llm = _llm(**mode_args(mode, placement), max_num_batched_tokens=256)
+        got = []
+        for i in (0, 1, 0):
+            out = llm.generate({"prompt_token_ids": _prompts()[i]}, PARAMS)[0]
+            assert tuple(out.outputs[0].token_ids) == reference()[i]
+            got.append(out.num_cached_tokens)
+        return got
+
+    # prompts 0 and 1 share 150 tokens; prompt 0 comes back third. Grid: the 2nd and 3rd requests
+    # hit 128 (two checkpoints of 64). Branch: the 2nd misses (no state was kept in the shared
+    # part) and keeps one at the end of the shared blocks, 144, which the 3rd hits.
+    assert hits("grid") == [0, 128, 128]
+    assert hits("branch") == [0, 0, 144]
 
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
-def test_preemption_is_lossless(mode: str) -> None:
-    llm = _llm(**mode_args(mode), **PREEMPTING)
+@pytest.mark.parametrize("placement", ["branch", "grid"])
+def test_preemption_is_lossless(mode: str, placement: str) -> None:
+    if mode == "none" and placement == "grid":
+        pytest.skip("the placement has no effect without prefix caching")
+    llm = _llm(**mode_args(mode, placement), **PREEMPTING)
     _assert_same(_run(llm, _prompts()))
     assert llm.engine.stats()["num_preemptions_total"] > 0
 
@@ -132,11 +187,11 @@ def test_ngram_speculation_is_lossless(mode: str, k: int) -> None:
         max_num_batched_tokens=128,
         speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
     )
-    prompts = _prompts()
-    _assert_same(_run(llm, prompts))
-    _assert_same(_run(llm, prompts))  # again, with prefix hits
+    again, turns = _three_passes(llm)
     stats = llm.engine.stats()
     assert stats["spec_decode_draft_tokens"] > 0  # drafts were verified (and, here, rejected)
+    if mode != "none":
+        assert sum(again) > 0 and stats["prefix_hits_last_token"] > 0
 
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
@@ -147,8 +202,10 @@ def test_draft_model_speculation_is_lossless(mode: str, k: int) -> None:
         max_num_batched_tokens=128,
         speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": "demo"},
     )
-    _assert_same(_run(llm, _prompts()))
+    _, turns = _three_passes(llm)
     stats = llm.engine.stats()
+    if mode != "none":
+        assert stats["prefix_hits_last_token"] > 0
     # The draft is the target itself: under greedy sampling every draft is accepted.
     assert stats["spec_decode_draft_tokens"] > 0
     assert stats["spec_decode_accepted_tokens"] == stats["spec_decode_draft_tokens"]
@@ -171,20 +228,14 @@ def test_speculation_with_preemption_is_lossless() -> None:
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])
-def test_prefix_hit_rate_is_the_same_with_speculation(mode: str) -> None:
+@pytest.mark.parametrize("placement", ["branch", "grid"])
+def test_prefix_hit_rate_is_the_same_with_speculation(mode: str, placement: str) -> None:
     """Other engines lose their hybrid prefix hits under speculative decoding; we must not."""
 
     def hit_tokens(spec: dict[str, object] | None) -> list[int]:
-        llm = _llm(
-            mamba_cache_mode=mode,
-            mamba_block_size=MAMBA_BLOCK,
-            max_num_batched_tokens=128,
-            speculative_config=spec,
-        )
-        prompts = _prompts()
-        _run(llm, prompts)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-        return [o.num_cached_tokens for o in outs]
+        llm = _llm(**mode_args(mode, placement), max_num_batched_tokens=128, speculative_config=spec)
+        again, turns = _three_passes(llm)
+        return again + turns
 
     without = hit_tokens(None)
     with_spec = hit_tokens({"method": "ngram", "num_speculative_tokens": 3})

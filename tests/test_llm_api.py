@@ -126,11 +126,19 @@ def test_stop_strings_cut_the_text() -> None:
 def test_prefix_cache_reports_cached_tokens() -> None:
     llm = LLM("demo", dtype="float32", max_model_len=1024, mamba_block_size=64, max_num_seqs=4)
     ids = list(range(10, 210))
-    first = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0))[0]
-    second = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0))[0]
-    assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 192  # the last checkpoint (multiple of 64) below 200
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first, second, third = (llm.generate({"prompt_token_ids": ids}, params)[0] for _ in range(3))
+    # The first run keeps the state after its last computed token (200 prompt + 3 output tokens):
+    # a repeat of the prompt alone cannot use it. The repeat finds 192 tokens of KV (12 blocks)
+    # without a state, keeps one there, and the third run hits it.
+    assert (first.num_cached_tokens, second.num_cached_tokens, third.num_cached_tokens) == (0, 0, 192)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids == third.outputs[0].token_ids
+    # The next turn of the conversation resumes right after the first run's last computed token.
+    out = list(first.outputs[0].token_ids)
+    turn = llm.generate({"prompt_token_ids": ids + out + [5, 6, 7]}, params)[0]
+    assert turn.num_cached_tokens == len(ids) + len(out) - 1
+    stats = llm.engine.stats()
+    assert (stats["prefix_hits_branch"], stats["prefix_hits_last_token"]) == (1, 1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])

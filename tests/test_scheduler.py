@@ -299,10 +299,17 @@ def test_stats_keys() -> None:
         "mamba_slots_total", "mamba_slots_used", "checkpoints_committed", "checkpoints_pending",
         "checkpoint_bytes", "cache_queried_tokens", "cache_hit_tokens", "cache_kv_hit_tokens",
         "cache_lost_tokens", "kv_evictions", "checkpoint_evictions", "max_num_batched_tokens",
-        "max_num_seqs", "num_speculative_tokens",
+        "max_num_seqs", "num_speculative_tokens", "prefix_hits_grid", "prefix_hits_branch",
+        "prefix_hits_last_token", "prefix_hit_tokens_grid", "prefix_hit_tokens_branch",
+        "prefix_hit_tokens_last_token", "checkpoints_kept", "checkpoints_grid", "checkpoints_branch",
+        "checkpoints_last_token", "kv_evictions_useless", "checkpoint_evictions_stale",
+        "checkpoint_evictions_for_checkpoint", "checkpoint_evictions_for_window",
+        "checkpoint_evictions_for_kv", "kv_blocks_cached", "mamba_slots_window",
     }  # fmt: skip
-    assert set(st) == expected
-    assert all(isinstance(v, int) for v in st.values())
+    flops = {"prefill_flops_queried", "prefill_flops_saved"}
+    assert set(st) == expected | flops
+    assert all(isinstance(st[k], int) for k in expected)
+    assert all(isinstance(st[k], float) for k in flops)
     assert st["num_speculative_tokens"] == 2 and st["kv_blocks_total"] == 255
 
 

@@ -74,6 +74,10 @@ class ResolvedConfig:  # made by the extension only: no constructor
     @property
     def state_window_len(self) -> int: ...  # 1 + K
     @property
+    def checkpoint_placement(self) -> str: ...  # "branch" | "grid" | "branch+grid"
+    @property
+    def eviction(self) -> str: ...  # "flops" | "lru" | "lru-path"
+    @property
     def decisions(self) -> list[Decision]: ...
     def validate_pool_sizes(self, num_kv_blocks: int, num_mamba_slots: int) -> None: ...
     # ConfigError; OverflowError for a negative count (the counts are unsigned)
@@ -97,6 +101,8 @@ def resolve_policy(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 64,
     max_model_len: int | None = None,
+    mamba_checkpoint_placement: str | None = None,  # "branch" | "grid" | "branch+grid"; None = branch
+    prefix_cache_eviction: str | None = None,  # "flops" | "lru" | "lru-path"; None = flops
 ) -> ResolvedConfig: ...  # ConfigError naming the flag(s) to change
 def auto_mamba_block_size(block_size: int, scan_chunk_size: int) -> int: ...
 
@@ -145,7 +151,11 @@ class SchedulerOutput:  # made by the extension only: no constructor
     @property
     def emit_slot(self) -> npt.NDArray[np.int64]: ...  # [E]
     @property
-    def state_copies(self) -> npt.NDArray[np.int64]: ...  # [C, 2] (src, dst), in order, BEFORE the forward
+    def state_copies(
+        self,
+    ) -> npt.NDArray[np.int64]: ...  # [C, 2] (src, dst) slots, in order, BEFORE the forward
+    @property
+    def kv_copies(self) -> npt.NDArray[np.int64]: ...  # [C, 2] (src, dst) KV blocks, BEFORE the forward
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]: ...  # [sum num_logits], flat token indices
     @property
@@ -186,9 +196,13 @@ class Scheduler:
     carries no state copies and no emits. schedule() raises InternalError if the previous output
     with rows was not updated. num_sampled[r] is 0 for partial prefill rows, 1 for the last chunk,
     1..1+k (accepted drafts + 1) for decode/verify rows, and may be 0 for a row whose request was
-    aborted after schedule(). In align mode the chunk that reaches the end of a prompt is first
-    cut at the prompt's last multiple of mamba_block_size (so that the boundary state is captured
-    for prefix hits): a prompt of L tokens with M < L, L % M != 0, takes two prefill steps."""
+    aborted after schedule(). Checkpoint placement: with "branch", a prompt whose cached KV prefix
+    reaches past its state hit keeps the state at the deepest cached block (mode all: an emit
+    inside the row; mode align: a chunk ends there), and a finished, preempted or
+    finish_request()-ed request keeps the state after its last computed token (a prompt that
+    extends it hits it, the partly filled block copied by kv_copies). With "grid", in align mode the
+    chunk that reaches the end of a prompt is first cut at the prompt's last multiple of
+    mamba_block_size: a prompt of L tokens with M < L, L % M != 0, takes two prefill steps."""
 
     def __init__(
         self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int | None = None
@@ -222,8 +236,20 @@ class Scheduler:
         draft_token_ids: _IntArray | None = None,
         num_drafts: _IntArray | None = None,
     ) -> list[RequestDelta]: ...  # GIL released
+    def cancel_step(self, output: SchedulerOutput) -> list[RequestDelta]: ...
+    # closes the open step whose forward did not complete: its pending checkpoints are cancelled,
+    # its still-running requests go back to waiting; InvalidRequestError if it is not the open step
     def has_unfinished_requests(self) -> bool: ...  # also True while a finish delta is pending
     def set_state_bytes_per_slot(self, num_bytes: int) -> None: ...  # extension, for stats
+    def set_cost_model(
+        self,
+        *,
+        state_bytes: int,
+        kv_bytes_per_block: int,
+        flops_per_token: float,
+        attn_flops_per_context_token: float,
+        flop_weight: float | None = None,
+    ) -> None: ...  # the flops eviction score and the FLOP stats; InvalidRequestError if negative
     @property
     def num_running(self) -> int: ...
     @property
@@ -236,8 +262,12 @@ class Scheduler:
     # mamba_slots_total, mamba_slots_used, checkpoints_committed, checkpoints_pending,
     # checkpoint_bytes, cache_queried_tokens, cache_hit_tokens, cache_kv_hit_tokens,
     # cache_lost_tokens (every lookup), kv_evictions, checkpoint_evictions, max_num_batched_tokens,
-    # max_num_seqs, num_speculative_tokens.
-    def stats(self) -> dict[str, int]: ...
+    # max_num_seqs, num_speculative_tokens; by checkpoint kind (grid, branch, last_token):
+    # prefix_hits_{kind}, prefix_hit_tokens_{kind} (admissions), checkpoints_{kind} (committed now);
+    # checkpoints_kept (last-token states kept), kv_evictions_useless (blocks no hit could use),
+    # checkpoint_evictions_{stale,for_checkpoint,for_window,for_kv}, kv_blocks_cached,
+    # mamba_slots_window; floats: prefill_flops_queried, prefill_flops_saved (cost model's).
+    def stats(self) -> dict[str, int | float]: ...
     def reset_prefix_cache(self) -> bool: ...  # False while blocks are in use
     def get_token_ids(self, request_id: str) -> list[int]: ...  # prompt + output; raises once finished
     def get_num_computed_tokens(self, request_id: str) -> int | None: ...  # extension

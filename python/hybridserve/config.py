@@ -34,9 +34,11 @@ from hybridserve.errors import ConfigError, HybridServeError
 
 __all__ = [
     "DTYPES",
+    "CheckpointPlacement",
     "ChunkedPrefillRequest",
     "Decision",
     "EngineArgs",
+    "EvictionPolicy",
     "MambaCacheModeRequest",
     "ModelCapabilities",
     "ResolvedEngineConfig",
@@ -62,6 +64,22 @@ class MambaCacheModeRequest(StrEnum):
     NONE = "none"
     ALIGN = "align"
     ALL = "all"
+
+
+class CheckpointPlacement(StrEnum):
+    """`--mamba-checkpoint-placement`: where Mamba states are kept for prefix hits."""
+
+    BRANCH = "branch"
+    GRID = "grid"
+    BRANCH_AND_GRID = "branch+grid"
+
+
+class EvictionPolicy(StrEnum):
+    """`--prefix-cache-eviction`: which checkpoint goes when the Mamba pool is full."""
+
+    FLOPS = "flops"
+    LRU = "lru"
+    LRU_PATH = "lru-path"
 
 
 class ChunkedPrefillRequest(StrEnum):
@@ -422,6 +440,13 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     #: "auto" | "none" | "align" | "all" (DESIGN.md §4, §5).
     mamba_cache_mode: str = MambaCacheModeRequest.AUTO
+    #: Where Mamba checkpoints are kept: "branch" (where prompts share a prefix, and at the last
+    #: token of every finished sequence), "grid" (every mamba_block_size tokens), "branch+grid".
+    #: None = auto (branch).
+    mamba_checkpoint_placement: str | None = None
+    #: Which checkpoint goes when the state pool is full: "flops" (recency and FLOPs saved per
+    #: byte), "lru", "lru-path" (LRU refreshing a hit's whole path). None = auto (flops).
+    prefix_cache_eviction: str | None = None
     #: Chunked prefill. None = auto (on; `align` requires it).
     enable_chunked_prefill: bool | None = None
     #: {"method": "ngram" | "draft_model", "num_speculative_tokens": K, "model": draft folder,
@@ -483,6 +508,15 @@ class EngineArgs:
             raise ConfigError(
                 f"--mamba-cache-mode must be one of auto, none, align, all; got {self.mamba_cache_mode!r}"
             ) from None
+        for name, enum in (
+            ("mamba_checkpoint_placement", CheckpointPlacement),
+            ("prefix_cache_eviction", EvictionPolicy),
+        ):
+            v = getattr(self, name)
+            if v is not None and v not in {e.value for e in enum}:
+                raise ConfigError(
+                    f"{_flag(name)} must be one of {', '.join(e.value for e in enum)}; got {v!r}"
+                )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.device is not None and not (
@@ -550,6 +584,12 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
+            mamba_checkpoint_placement=(
+                None if self.mamba_checkpoint_placement is None else str(self.mamba_checkpoint_placement)
+            ),
+            prefix_cache_eviction=None
+            if self.prefix_cache_eviction is None
+            else str(self.prefix_cache_eviction),
         )
         huge = 1 << 62
         if self.num_kv_blocks is not None:
@@ -723,6 +763,8 @@ class ResolvedEngineConfig:
 _SUMMARY_KEYS = (
     "enable_prefix_caching",
     "mamba_cache_mode",
+    "checkpoint_placement",
+    "eviction",
     "enable_chunked_prefill",
     "block_size",
     "mamba_block_size",
@@ -776,10 +818,13 @@ def log_decisions(resolved: Any, log: logging.Logger | None = None) -> None:
     core = getattr(resolved, "core", resolved)
     spec = core.speculative_method
     log.info(
-        "config: prefix caching %s, mamba_cache_mode %s, chunked prefill %s, block_size %d, "
-        "mamba_block_size %d, max_num_batched_tokens %d, max_num_seqs %d, max_model_len %d, speculative %s",
+        "config: prefix caching %s, mamba_cache_mode %s (checkpoints: %s, eviction: %s), chunked prefill %s, "
+        "block_size %d, mamba_block_size %d, max_num_batched_tokens %d, max_num_seqs %d, max_model_len %d, "
+        "speculative %s",
         _fmt_value(core.enable_prefix_caching),
         core.mamba_cache_mode,
+        core.checkpoint_placement,
+        core.eviction,
         _fmt_value(core.enable_chunked_prefill),
         core.block_size,
         core.mamba_block_size,
@@ -815,6 +860,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         help="how Mamba states are checkpointed for prefix hits (default: auto; see `hybridserve config --explain`)",
     )
     g.add_argument(
+        "--mamba-checkpoint-placement",
+        choices=[m.value for m in CheckpointPlacement],
+        default=None,
+        help="where Mamba states are kept for prefix hits: branch (where prompts share a prefix, and at the "
+        "last token of finished sequences), grid (every --mamba-block-size tokens), branch+grid (default: branch)",
+    )
+    g.add_argument(
+        "--prefix-cache-eviction",
+        choices=[m.value for m in EvictionPolicy],
+        default=None,
+        help="which Mamba checkpoint goes when the state pool is full: flops (recency and prefill FLOPs saved "
+        "per byte), lru, lru-path (LRU refreshing a hit's whole path) (default: flops)",
+    )
+    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -834,7 +893,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "--mamba-block-size",
         type=int,
         default=None,
-        help="tokens between Mamba checkpoints (default: the smallest multiple of lcm(block size, scan chunk) >= 256)",
+        help="tokens between grid Mamba checkpoints (default: the smallest multiple of lcm(block size, scan chunk) >= 256)",
     )
     g.add_argument(
         "--max-num-seqs",

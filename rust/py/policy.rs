@@ -7,8 +7,9 @@ use pyo3::types::{PyBool, PyDict, PyList, PyString};
 
 use super::errors::to_pyerr;
 use crate::config::{
-    MambaCacheMode, ResolvedConfig, SpecMethod, MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS,
-    MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+    CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig, SpecMethod,
+    MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS, MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE,
+    MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
 };
 use crate::error::HsError;
 use crate::policy::{
@@ -131,6 +132,16 @@ impl PyResolvedConfig {
     fn speculative_method(&self) -> Option<&'static str> {
         self.inner.speculative.map(|s| s.method.as_str())
     }
+    /// "branch" | "grid" | "branch+grid"
+    #[getter]
+    fn checkpoint_placement(&self) -> &'static str {
+        self.inner.checkpoint_placement.as_str()
+    }
+    /// "flops" | "lru" | "lru-path"
+    #[getter]
+    fn eviction(&self) -> &'static str {
+        self.inner.eviction.as_str()
+    }
     /// 1 + K: state slots in a running request's window.
     #[getter]
     fn state_window_len(&self) -> usize {
@@ -181,6 +192,8 @@ impl PyResolvedConfig {
         out.set_item("max_num_seqs", c.max_num_seqs)?;
         out.set_item("max_model_len", c.max_model_len)?;
         out.set_item("num_speculative_tokens", c.num_speculative_tokens())?;
+        out.set_item("checkpoint_placement", c.checkpoint_placement.as_str())?;
+        out.set_item("eviction", c.eviction.as_str())?;
         match c.speculative {
             Some(s) => {
                 let spec = PyDict::new(py);
@@ -284,6 +297,8 @@ fn tristate(flag: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<bool>> 
     max_num_batched_tokens = None,
     max_num_seqs = DEFAULT_MAX_NUM_SEQS as i64,
     max_model_len = None,
+    mamba_checkpoint_placement = None,
+    prefix_cache_eviction = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn resolve_policy(
@@ -301,6 +316,8 @@ fn resolve_policy(
     max_num_batched_tokens: Option<i64>,
     max_num_seqs: i64,
     max_model_len: Option<i64>,
+    mamba_checkpoint_placement: Option<&str>,
+    prefix_cache_eviction: Option<&str>,
 ) -> PyResult<PyResolvedConfig> {
     let k = count(
         "--speculative-config num_speculative_tokens",
@@ -348,6 +365,14 @@ fn resolve_policy(
         max_num_batched_tokens: opt_count("--max-num-batched-tokens", max_num_batched_tokens)?,
         max_num_seqs: count("--max-num-seqs", max_num_seqs)?,
         max_model_len: opt_count("--max-model-len", max_model_len)?,
+        checkpoint_placement: mamba_checkpoint_placement
+            .map(str::parse::<CheckpointPlacement>)
+            .transpose()
+            .map_err(to_pyerr)?,
+        eviction: prefix_cache_eviction
+            .map(str::parse::<EvictionPolicy>)
+            .transpose()
+            .map_err(to_pyerr)?,
     };
     let res = policy::resolve(&inputs).map_err(to_pyerr)?;
     Ok(PyResolvedConfig {

@@ -9,6 +9,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::{to_pyerr, InternalError, InvalidRequestError};
 use super::policy::PyResolvedConfig;
+use crate::cache::CostModel;
 use crate::output::SchedulerOutput;
 use crate::request::{FinishReason, NewRequest, StopParams};
 use crate::scheduler::{RequestDelta, Scheduler};
@@ -193,6 +194,28 @@ impl PyScheduler {
         PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
     }
 
+    /// Closes the open step whose forward did not complete: its pending checkpoints are
+    /// cancelled, its still-running requests go back to waiting (recompute). Returns the pending
+    /// finish deltas, like update_from_output.
+    fn cancel_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        output: PyRef<'py, PySchedulerOutput>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let open = self.inner.in_flight_step();
+        let ours = self
+            .last_output
+            .as_ref()
+            .is_some_and(|last| last.as_ptr() == output.as_ptr());
+        if open == Some(output.out.step_id) && !ours {
+            return Err(InvalidRequestError::new_err(
+                "cancel_step: this output was not returned by this scheduler's schedule()",
+            ));
+        }
+        let deltas = self.inner.cancel_step(&output.out).map_err(to_pyerr)?;
+        PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
+    }
+
     fn has_unfinished_requests(&self) -> bool {
         self.inner.has_unfinished_requests()
     }
@@ -200,6 +223,43 @@ impl PyScheduler {
     /// Per-slot Mamba state size in bytes (all layers), for the `checkpoint_bytes` stat.
     fn set_state_bytes_per_slot(&mut self, num_bytes: usize) {
         self.inner.set_state_bytes_per_slot(num_bytes);
+    }
+
+    /// The sizes and prefill FLOPs of the model, for the `flops` eviction score and the FLOP
+    /// counters: bytes of one state slot and of one KV block, FLOPs per prefilled token that do not
+    /// depend on the context, and attention FLOPs per token per token of context.
+    #[pyo3(signature = (*, state_bytes, kv_bytes_per_block, flops_per_token, attn_flops_per_context_token, flop_weight = None))]
+    fn set_cost_model(
+        &mut self,
+        state_bytes: u64,
+        kv_bytes_per_block: u64,
+        flops_per_token: f64,
+        attn_flops_per_context_token: f64,
+        flop_weight: Option<f64>,
+    ) -> PyResult<()> {
+        let ok = |x: f64| x.is_finite() && x >= 0.0;
+        if !ok(flops_per_token) || !ok(attn_flops_per_context_token) {
+            return Err(InvalidRequestError::new_err(
+                "set_cost_model: FLOP counts must be finite and >= 0",
+            ));
+        }
+        if let Some(w) = flop_weight {
+            if !ok(w) {
+                return Err(InvalidRequestError::new_err(
+                    "set_cost_model: flop_weight must be finite and >= 0",
+                ));
+            }
+        }
+        self.inner.set_cost_model(
+            CostModel {
+                state_bytes,
+                kv_bytes_per_block,
+                flops_per_token,
+                attn_flops_per_context_token,
+            },
+            flop_weight,
+        );
+        Ok(())
     }
 
     #[getter]
@@ -217,7 +277,7 @@ impl PyScheduler {
         let s = self.inner.stats();
         let c = &s.cache;
         let d = PyDict::new(py);
-        let items: [(&str, u64); 33] = [
+        let items: [(&str, u64); 50] = [
             ("num_running", s.num_running as u64),
             ("num_waiting", s.num_waiting as u64),
             ("num_preempted", s.num_preempted as u64),
@@ -230,6 +290,16 @@ impl PyScheduler {
             ("prefix_queried_tokens", s.prefix_queried_tokens),
             ("prefix_hit_tokens", s.prefix_hit_tokens),
             ("prefix_lost_tokens", s.prefix_lost_tokens),
+            ("prefix_hits_grid", s.prefix_hits_by_kind[0]),
+            ("prefix_hits_branch", s.prefix_hits_by_kind[1]),
+            ("prefix_hits_last_token", s.prefix_hits_by_kind[2]),
+            ("prefix_hit_tokens_grid", s.prefix_hit_tokens_by_kind[0]),
+            ("prefix_hit_tokens_branch", s.prefix_hit_tokens_by_kind[1]),
+            (
+                "prefix_hit_tokens_last_token",
+                s.prefix_hit_tokens_by_kind[2],
+            ),
+            ("checkpoints_kept", s.checkpoints_kept),
             ("spec_drafted_tokens", s.spec_drafted_tokens),
             ("spec_accepted_tokens", s.spec_accepted_tokens),
             ("checkpoints_emitted", s.checkpoints_emitted),
@@ -241,13 +311,29 @@ impl PyScheduler {
             ("mamba_slots_used", c.mamba_slots_used as u64),
             ("checkpoints_committed", c.checkpoints_committed as u64),
             ("checkpoints_pending", c.checkpoints_pending as u64),
+            ("checkpoints_grid", c.checkpoints_by_kind[0] as u64),
+            ("checkpoints_branch", c.checkpoints_by_kind[1] as u64),
+            ("checkpoints_last_token", c.checkpoints_by_kind[2] as u64),
             ("checkpoint_bytes", c.checkpoint_bytes),
             ("cache_queried_tokens", c.queried_tokens),
             ("cache_hit_tokens", c.hit_tokens),
             ("cache_kv_hit_tokens", c.kv_hit_tokens),
             ("cache_lost_tokens", c.lost_tokens),
             ("kv_evictions", c.kv_evictions),
+            ("kv_evictions_useless", c.kv_evictions_useless),
             ("checkpoint_evictions", c.checkpoint_evictions),
+            ("checkpoint_evictions_stale", c.checkpoint_evictions_stale),
+            (
+                "checkpoint_evictions_for_checkpoint",
+                c.checkpoint_evictions_for_checkpoint,
+            ),
+            (
+                "checkpoint_evictions_for_window",
+                c.checkpoint_evictions_for_window,
+            ),
+            ("checkpoint_evictions_for_kv", c.checkpoint_evictions_for_kv),
+            ("kv_blocks_cached", c.kv_blocks_cached as u64),
+            ("mamba_slots_window", c.mamba_slots_window as u64),
             (
                 "max_num_batched_tokens",
                 self.inner.config().max_num_batched_tokens as u64,
@@ -261,6 +347,8 @@ impl PyScheduler {
         for (k, v) in items {
             d.set_item(k, v)?;
         }
+        d.set_item("prefill_flops_queried", s.prefill_flops_queried)?;
+        d.set_item("prefill_flops_saved", s.prefill_flops_saved)?;
         Ok(d)
     }
 
@@ -284,7 +372,7 @@ impl PyScheduler {
     }
 }
 
-const N_ARRAYS: usize = 20;
+const N_ARRAYS: usize = 21;
 
 /// One step's batch. Array getters move the Rust buffer into numpy on first access (no copy) and
 /// return the same array afterwards.
@@ -431,6 +519,10 @@ impl PySchedulerOutput {
         self.cached(py, 15, |py, o| vec2(py, &mut o.state_copies, 2))
     }
     #[getter]
+    fn kv_copies(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.cached(py, 20, |py, o| vec2(py, &mut o.kv_copies, 2))
+    }
+    #[getter]
     fn logits_indices(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 16, |py, o| Ok(vec1(py, &mut o.logits_indices)))
     }
@@ -453,12 +545,13 @@ impl PySchedulerOutput {
 
     fn __repr__(&self) -> String {
         format!(
-            "SchedulerOutput(step_id={}, rows={}, num_decodes={}, num_scheduled_tokens={}, copies={}, emits={})",
+            "SchedulerOutput(step_id={}, rows={}, num_decodes={}, num_scheduled_tokens={}, copies={}, kv_copies={}, emits={})",
             self.out.step_id,
             self.out.rows.len(),
             self.out.num_decodes,
             self.out.num_scheduled_tokens,
             self.out.num_copies(),
+            self.out.kv_copies.len() / 2,
             self.out.num_emits()
         )
     }

@@ -23,6 +23,7 @@ from hybridserve.engine.outputs import RequestOutput, TokenLogprobs
 from hybridserve.engine.request_state import RequestState
 from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.flops import prefill_cost
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
 from hybridserve.sampling.seeds import request_seed
@@ -99,7 +100,13 @@ class LLMEngine:
         self.scheduler = _core.Scheduler(
             self.config, self.em.sizes.num_kv_blocks, self.em.sizes.num_mamba_slots, int(args.seed)
         )
-        self.scheduler.set_state_bytes_per_slot(int(self.em.sizes.mamba_bytes_per_slot))
+        cost = prefill_cost(self.em.model_config)
+        self.scheduler.set_cost_model(
+            state_bytes=int(self.em.sizes.mamba_bytes_per_slot),
+            kv_bytes_per_block=int(self.em.sizes.kv_bytes_per_block),
+            flops_per_token=cost.per_token,
+            attn_flops_per_context_token=cost.attn_per_context_token,
+        )
         self.sampler = Sampler()
         self.proposer = self.em.proposer
         self.num_speculative_tokens = int(self.config.num_speculative_tokens)
@@ -233,7 +240,7 @@ class LLMEngine:
             # step it opened must still be closed, or every later schedule() fails.
             lost = self.scheduler.open_step_output()
             if lost is not None:
-                self._recover_from_failed_step(lost, len(lost.req_ids), exc)
+                self._recover_from_failed_step(lost, exc)
             raise
         self.counters.num_steps += 1
         req_ids: list[str] = list(out.req_ids)
@@ -241,6 +248,9 @@ class LLMEngine:
         sampled_rows: list[list[int]] = [[] for _ in range(num_rows)]
         row_logprobs: list[list[TokenLogprobs] | None] = [None] * num_rows
         try:
+            kv_copies = out.kv_copies
+            if len(kv_copies):
+                self.em.caches.apply_kv_copies(torch.from_numpy(np.ascontiguousarray(kv_copies)))
             copies = out.state_copies
             if len(copies):
                 self.em.caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
@@ -257,27 +267,25 @@ class LLMEngine:
             drafts, n_drafts = self._propose(req_ids, sampled_rows)
             deltas = self.scheduler.update_from_output(out, sampled, num_sampled, drafts, n_drafts)
         except Exception as exc:
-            raise self._recover_from_failed_step(out, num_rows, exc) from exc
+            raise self._recover_from_failed_step(out, exc) from exc
         except BaseException as exc:
             # Ctrl-C (or SystemExit) mid-step: close the step the same way, so that the engine
             # stays usable, and let the interrupt through
-            self._recover_from_failed_step(out, num_rows, exc)
+            self._recover_from_failed_step(out, exc)
             raise
         return self._process_deltas(deltas, req_ids, sampled_rows, row_logprobs)
 
-    def _recover_from_failed_step(
-        self, out: _core.SchedulerOutput, num_rows: int, exc: BaseException
-    ) -> StepError:
+    def _recover_from_failed_step(self, out: _core.SchedulerOutput, exc: BaseException) -> StepError:
         """A forward that failed half-way may have written some state slots and KV blocks and not
-        others, and its checkpoints would be committed by the update. So every request in flight
-        fails, the step is closed, and the prefix cache is emptied: nothing written by the broken
-        step can ever be read. The engine is then idle and consistent."""
+        others. So every request in flight fails, the step is closed without committing any
+        checkpoint it would have written (`cancel_step`), and the prefix cache is emptied: nothing
+        written by the broken step can ever be read. The engine is then idle and consistent."""
         failed = list(self.requests)
         for rid in failed:
             self.scheduler.abort_request(rid)
         empty = np.zeros(0, dtype=np.int32)
         try:
-            self.scheduler.update_from_output(out, empty, np.zeros(num_rows, dtype=np.int32))
+            self.scheduler.cancel_step(out)
         except HybridServeError:
             pass  # the failure came after the update: the step is already closed
         self.scheduler.update_from_output(self.scheduler.schedule(), empty, empty)  # drains the aborts

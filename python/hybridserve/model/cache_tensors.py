@@ -130,6 +130,27 @@ class ModelCaches:
                 dispatch.copy_slots(self.conv[i], src, dst)
                 dispatch.copy_slots(self.ssm[i], src, dst)
 
+    def apply_kv_copies(self, copies: Any) -> None:
+        """Executes ``copies`` (int [C, 2] of (src, dst) KV block pairs), in order, on every
+        attention layer's KV (before the forward): a prefix hit on the partly filled last block of
+        an earlier sequence gets its own copy of that block."""
+        t = torch.as_tensor(copies, dtype=torch.int64)
+        if t.numel() == 0:
+            return
+        t = t.reshape(-1, 2)
+        src, dst = t[:, 0], t[:, 1]
+        if bool(
+            (src <= 0).any()
+            or (dst <= 0).any()
+            or (src >= self.num_blocks).any()
+            or (dst >= self.num_blocks).any()
+        ):
+            raise ValueError(f"KV block copy out of range [1, {self.num_blocks})")
+        with torch.inference_mode():
+            for kv in self.kv.values():
+                for s, d in zip(src.tolist(), dst.tolist()):
+                    kv[d].copy_(kv[s])
+
     def reset(self) -> None:
         with torch.inference_mode():
             for d in (self.kv, self.conv, self.ssm):
