@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -104,3 +107,114 @@ def test_bench_offline_counts_the_tokens_made_and_says_when_they_are_fewer() -> 
     assert r["total_output_tokens"] == 30 and r["max_model_len"] == 30
     assert math.isclose(r["output_throughput"], 30 / r["elapsed_s"])
     assert "note: 30 output tokens made of the 90 asked" in format_offline(r)
+
+
+def test_multi_turn_prompts_take_the_real_answers_where_given() -> None:
+    spec = WorkloadSpec(name="multi-turn", num_requests=3, prompt_len=6, max_tokens=2, num_turns=3)
+    (conv,) = build_workload(spec)
+    m, st = conv.messages, conv.stand_ins
+    assert [len(x) for x in m] == [6, 6, 6] and [len(x) for x in st] == [2, 2]
+    assert [conv.prompt(t) for t in range(3)] == conv.prompts
+    assert conv.prompts[2] == m[0] + st[0] + m[1] + st[1] + m[2]
+    # an answer of any length replaces its stand-in; None keeps the stand-in
+    assert conv.prompt(2, [[9, 9, 9], None]) == m[0] + [9, 9, 9] + m[1] + st[1] + m[2]
+    assert conv.prompt(1, [[9]]) == m[0] + [9] + m[1]
+    single = build_workload(WorkloadSpec(name="random", num_requests=1, prompt_len=5))[0]
+    assert single.prompt(0, [[1]]) == single.prompts[0]
+
+
+def _serve_args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "serve", *extra])
+
+
+def test_trace_flags() -> None:
+    from hybridserve.bench import _load_trace
+    from hybridserve.benchmarks.traces import generate
+    from hybridserve.errors import ConfigError
+
+    trace, source = _load_trace(_serve_args("--workload", "trace", "--trace", "t2", "--trace-scale", "0.05",
+                                            "--trace-seed", "4", "--token-id-max", "100"))  # fmt: skip
+    assert trace == generate("T2", seed=4, scale=0.05, token_id_max=100)
+    assert source == "T2 seed=4 scale=0.05"
+    assert _load_trace(_serve_args("--workload", "random")) == (None, None)
+    a = _serve_args("--workload", "trace", "--trace", "T1")
+    assert (a.trace_seed, a.trace_scale, a.trace_time_scale) == (None, None, 1.0)
+    for bad, msg in (
+        (["--workload", "trace"], "needs --trace"),
+        (["--trace", "T1"], "--trace needs --workload trace"),
+        (["--trace-scale", "2"], "--trace-scale needs --workload trace"),
+        (["--workload", "trace", "--trace", "some.jsonl", "--trace-seed", "1"], "apply to a generated trace"),
+        (["--workload", "trace", "--trace", "/nonexistent/t.jsonl"], "cannot read"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            _load_trace(_serve_args(*bad))
+    for flag, value in (("--trace-scale", "0"), ("--trace-time-scale", "-1"), ("--trace-seed", "-1")):
+        with pytest.raises(SystemExit):
+            _serve_args("--workload", "trace", "--trace", "T1", flag, value)
+
+
+async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> Any:
+    """An OpenAI-compatible stand-in: streams `max_tokens` chunks of token 7. `mode`: "ids" returns
+    the ids for return_token_ids, "ignore" never returns them, "refuse" answers a request that asks
+    for them with a 400 naming the field (as a strict server does with an unknown field)."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        if mode == "refuse" and "return_token_ids" in body:
+            err = {"message": "unknown field 'return_token_ids'", "param": "return_token_ids"}
+            return web.json_response({"error": err}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for i in range(n):
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": "x",
+                "finish_reason": "length" if i == n - 1 else None,
+            }
+            if mode == "ids" and body.get("return_token_ids"):
+                choice["token_ids"] = [7]
+            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    return await aiohttp_server(app)
+
+
+@pytest.mark.parametrize("mode", ["ids", "ignore", "refuse"])
+async def test_follow_ups_use_the_returned_ids_or_fall_back_to_stand_ins(
+    aiohttp_server: Any, mode: str
+) -> None:
+    from hybridserve.benchmarks.serve_client import ServeConfig, run_serve
+
+    bodies: list[dict] = []
+    srv = await _fake_server(aiohttp_server, mode, bodies)
+    spec = WorkloadSpec(name="multi-turn", num_requests=4, prompt_len=5, max_tokens=3, num_turns=2)
+    cfg = ServeConfig(
+        base_url=str(srv.make_url("")).rstrip("/"), workload=spec, concurrency=1, progress=False
+    )
+    r = await run_serve(cfg)
+    assert r["summary"]["completed"] == 4
+    real = mode == "ids"
+    fu = r["summary"]["follow_ups"]
+    assert (fu["requests"], fu["real_answers"], fu["stand_in_answers"]) == (2, 2 * real, 2 * (not real))
+    assert fu["return_token_ids_refused"] is (mode == "refuse")
+    assert [q["prompt_answers"] for q in r["requests"]] == [None, "real" if real else "stand-in"] * 2
+    sent = [b["prompt"] for b in bodies if not (mode == "refuse" and "return_token_ids" in b)]
+    convs = build_workload(spec)
+    want = [c.prompt(t, [[7, 7, 7]] if real else []) for c in convs for t in range(2)]
+    assert sorted(sent) == sorted(want)  # (the two conversations run side by side)
+    # ids are asked for until the server refuses them: then once more without, and never again
+    asked = ["return_token_ids" in b for b in bodies]
+    assert asked == ([True, False, False, False, False] if mode == "refuse" else [True] * 4)

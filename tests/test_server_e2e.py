@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -465,19 +466,157 @@ def test_chat_logprobs_shape(client):
         )
 
 
+# ------------------------------------------------------------------------- return_token_ids
+
+
+@functools.cache
+def offline_llm() -> Any:
+    """The engine of the server's configuration, without HTTP (float32, as the server's "auto")."""
+    from hybridserve import LLM
+
+    return LLM("demo", dtype="float32", max_model_len=256, mamba_block_size=64)
+
+
+def _stream_events(server: ServerProcess, path: str, body: dict) -> list[dict]:
+    status, _, raw = stream_raw(server, path, {**body, "stream": True})
+    assert status == 200, raw[:300]
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def test_return_token_ids_are_the_engines_tokens(server, client):
+    from hybridserve import SamplingParams
+
+    prompts = [PROMPT, "Hello"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 10, "temperature": 0, "n": 2,
+            "return_token_ids": True}  # fmt: skip
+    status, full, _ = post(server, "/v1/completions", body)
+    assert status == 200, full
+    ref = offline_llm().generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    choices = sorted(full["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        want = ref[c["index"] // 2]  # n = 2 choices per prompt, each with its own prompt's ids
+        assert c["prompt_token_ids"] == want.prompt_token_ids
+        assert c["token_ids"] == want.outputs[0].token_ids
+        assert c["text"] == want.outputs[0].text
+    assert full["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    # streamed: every chunk carries the ids new in it, the first chunk of each choice the prompt's
+    events = _stream_events(server, "/v1/completions", body)
+    for c in choices:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+        assert all("prompt_token_ids" not in x for x in mine[1:])
+        assert all("token_ids" in x for x in mine)
+        assert [t for x in mine for t in x["token_ids"]] == c["token_ids"]
+        assert "".join(x["text"] for x in mine) == c["text"]
+    # the openai client reads them too (as vLLM's extra fields)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert r.choices[0].model_extra["token_ids"] == ref[0].outputs[0].token_ids
+    # not asked for: not there
+    status, plain, _ = post(server, "/v1/completions", {**body, "return_token_ids": False})
+    assert status == 200
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    events = _stream_events(server, "/v1/completions", {**body, "n": 1, "return_token_ids": False})
+    assert all(
+        "token_ids" not in e["choices"][0] and "prompt_token_ids" not in e["choices"][0] for e in events
+    )
+
+
+def test_return_token_ids_end_at_the_token_that_stopped(server):
+    def complete(**extra: Any) -> dict:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        status, r, _ = post(server, "/v1/completions", {**body, **extra})
+        assert status == 200, r
+        return r["choices"][0]
+
+    tok = TokenizerModelInfo(ensure_demo_model()).tokenizer
+    base = complete(ignore_eos=True)
+    assert len(base["token_ids"]) == 12 and len(base["text"]) >= 6
+    stop = base["text"][3:6]
+    # a stop string cuts the text, not the ids: they run up to and including the token whose text
+    # completed the stop string (as vLLM), which is what the engine generated and caches
+    for include in (False, True):
+        cut = complete(stop=[stop], include_stop_str_in_output=include)
+        assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+        ids = cut["token_ids"]
+        assert ids == base["token_ids"][: len(ids)]
+        assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+        assert cut["text"] == base["text"][: base["text"].index(stop) + (len(stop) if include else 0)]
+        streamed = _stream_events(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                  "temperature": 0, "return_token_ids": True, "stop": [stop],
+                                  "include_stop_str_in_output": include})  # fmt: skip
+        assert [t for e in streamed for t in e["choices"][0]["token_ids"]] == ids
+        assert "".join(e["choices"][0]["text"] for e in streamed) == cut["text"]
+    # EOS and a stop token id are the last ids (neither is in the text)
+    status, eos, _ = post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0,
+                                                      "return_token_ids": True})  # fmt: skip
+    assert eos["choices"][0]["finish_reason"] == "stop" and eos["choices"][0]["token_ids"][-1] == 2
+    status, st, _ = post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0,
+                                                     "return_token_ids": True, "stop_token_ids": [122]})  # fmt: skip
+    assert st["choices"][0]["stop_reason"] == 122 and st["choices"][0]["token_ids"][-1] == 122
+
+
+def test_chat_return_token_ids(server):
+    from hybridserve import SamplingParams
+
+    info = TokenizerModelInfo(ensure_demo_model(), max_model_len=256)
+    prompt_ids = info.encode_chat(CHAT, True)
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "n": 2,
+        "return_token_ids": True,
+    }
+    status, full, _ = post(server, "/v1/chat/completions", body)
+    assert status == 200, full
+    # as vLLM: a chat request has one prompt, its ids are on the response; the output ids on each choice
+    assert full["prompt_token_ids"] == prompt_ids
+    want = offline_llm().generate(
+        {"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=8, temperature=0)
+    )
+    for c in full["choices"]:
+        assert c["token_ids"] == want[0].outputs[0].token_ids and "prompt_token_ids" not in c
+        assert c["message"]["content"] == want[0].outputs[0].text
+    events = _stream_events(server, "/v1/chat/completions", body)
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert (
+            mine[0]["prompt_token_ids"] == prompt_ids
+            and mine[0]["choices"][0]["delta"]["role"] == "assistant"
+        )
+        assert all("prompt_token_ids" not in e for e in mine[1:])
+        assert [t for e in mine for t in e["choices"][0]["token_ids"]] == want[0].outputs[0].token_ids
+    status, plain, _ = post(server, "/v1/chat/completions", {**body, "return_token_ids": None})
+    assert "prompt_token_ids" not in plain and all("token_ids" not in c for c in plain["choices"])
+
+
 def test_cached_tokens_match_the_engine_counters(server, client):
     prompt = "A long shared prefix about mamba state caching and attention blocks. " * 4
-    before = wait_idle(server)
-    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    mid = wait_idle(server)
-    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    after = wait_idle(server)
     hits = "hybridserve_prefix_cache_hit_tokens_total"
-    assert first.usage.prompt_tokens_details.cached_tokens == mid[hits] - before[hits] == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == after[hits] - mid[hits]
-    # 117 prompt tokens, Mamba checkpoints every 64 tokens: the second request hits the first 64
-    assert second.usage.prompt_tokens_details.cached_tokens == 64
-    assert second.choices[0].text == first.choices[0].text
+    counted = []
+    for _ in range(3):
+        start = wait_idle(server)
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        counted.append((done, wait_idle(server)[hits] - start[hits]))
+    (first, _), (second, _), (third, _) = counted
+    for c, diff in counted:
+        assert c.usage.prompt_tokens_details.cached_tokens == diff
+        assert c.choices[0].text == first.choices[0].text
+    # 117 prompt tokens: the first run keeps its state after its last token only, so the repeat
+    # finds 112 tokens of KV (7 blocks) without a state and keeps one there; the third hits it
+    assert [c.usage.prompt_tokens_details.cached_tokens for c, _ in counted] == [0, 0, 112]
     # another tenant's salt never sees this prefix
     salted = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"}
@@ -709,6 +848,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (c, "min_tokens > max_tokens", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
         (c, "wrong model", {"model": "gpt-4", "prompt": "x"}),
         (c, "logit_bias", {"prompt": "x", "logit_bias": {"5": 100}}),
+        (c, "return_token_ids not a bool", {"prompt": "x", "return_token_ids": 1}),
         (ch, "messages missing", {"max_tokens": 3}),
         (ch, "messages empty", {"messages": []}),
         (ch, "message not an object", {"messages": ["hi"]}),
@@ -719,6 +859,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (ch, "tools", {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}),
         (ch, "chat unknown field", {"messages": msgs, "prompt": "x"}),
         (ch, "chat too long", {"messages": [{"role": "user", "content": "fox " * (2 * limit)}]}),
+        (ch, "chat return_token_ids not a bool", {"messages": msgs, "return_token_ids": "yes"}),
     ]
 
 

@@ -190,6 +190,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "best_of": 4}, "best_of"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "return_token_ids": 1}, "return_token_ids"),
+    ({"prompt": "x", "return_token_ids": "true"}, "return_token_ids"),
+    ({"prompt": "x", "return_token_ids": [True]}, "return_token_ids"),
 ]
 
 
@@ -218,6 +221,17 @@ def test_completion_wrong_model_is_404(info):
     expect_error(
         lambda: completion(info, model="gpt-4", prompt="x"), "model", status=404, code="model_not_found"
     )
+
+
+def test_return_token_ids_is_a_bool_defaulting_to_false(info):
+    assert completion(info, prompt="x").return_token_ids is False
+    assert completion(info, prompt="x", return_token_ids=None).return_token_ids is False
+    assert completion(info, prompt="x", return_token_ids=True).return_token_ids is True
+    msgs = [{"role": "user", "content": "x"}]
+    assert chat(info, messages=msgs).return_token_ids is False
+    assert chat(info, messages=msgs, return_token_ids=True).return_token_ids is True
+    err = expect_error(lambda: completion(info, prompt="x", return_token_ids=1), "return_token_ids")
+    assert err.code == "invalid_type" and "must be a boolean" in err.message
 
 
 # ------------------------------------------------------------------------- chat
@@ -267,6 +281,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "return_token_ids": 0}, "return_token_ids"),
 ]
 
 
@@ -288,6 +303,23 @@ def test_chat_template_raise_exception_is_a_400(info):
 
 
 # ------------------------------------------------------------------------- response shapes
+
+
+def test_token_id_fields_are_vllms_and_only_there_when_asked_for():
+    plain = P.completion_choice(0, "t", "length", None)
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    c = P.completion_choice(1, "t", "stop", None, "x", prompt_token_ids=(5, 6), token_ids=[7])
+    assert (c["prompt_token_ids"], c["token_ids"]) == ([5, 6], [7])
+    # chat: the prompt's ids go on the response (and on the chunk), the output ids on the choice
+    ch = P.chat_choice(0, "t", "length", None, token_ids=[7, 8])
+    assert ch["token_ids"] == [7, 8] and "prompt_token_ids" not in ch
+    resp = P.chat_response("id", 0, MODEL, [ch], P.usage_dict(2, 2, 0), prompt_token_ids=[5, 6])
+    assert resp["prompt_token_ids"] == [5, 6]
+    assert "prompt_token_ids" not in P.chat_response("id", 0, MODEL, [], P.usage_dict(2, 0, 0))
+    chunk = P.chat_chunk("id", 0, MODEL, [P.chat_chunk_choice(0, content="t", token_ids=[7])],
+                         prompt_token_ids=[5])  # fmt: skip
+    assert chunk["prompt_token_ids"] == [5] and chunk["choices"][0]["token_ids"] == [7]
+    assert "token_ids" not in P.chat_chunk_choice(0, content="t")
 
 
 def test_logprob_shapes():

@@ -2,11 +2,13 @@
 
     hybridserve bench serve --base-url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-requests 64 --request-rate 4 --concurrency 16 --result-file r.json --plot charts/
+    hybridserve bench serve --workload trace --trace T2 --trace-scale 0.25 --result-file t2.json
     hybridserve bench offline --model demo --num-prompts 64 --prompt-len 256 --output-len 128
 
 `serve` works against any OpenAI-compatible server (token-id prompts to /v1/completions, streamed);
-`offline` runs the engine through the LLM API without HTTP. The CLI builds this parser, so no
-torch (nor matplotlib) at module level: the engine and the plots load inside the handlers.
+`--workload trace` replays a request trace (`benchmarks/traces.py`: a JSONL file, or a generated
+T1-T4). `offline` runs the engine through the LLM API without HTTP. The CLI builds this parser, so
+no torch (nor matplotlib) at module level: the engine and the plots load inside the handlers.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hybridserve.arg_types import int_in, seconds
+from hybridserve.benchmarks.traces import TRACE_KINDS, Trace, TraceError, generate, read_trace
 from hybridserve.benchmarks.workloads import WORKLOADS, WorkloadSpec
 from hybridserve.errors import ConfigError
+
+TRACE_WORKLOAD = "trace"
 
 
 def _rate(text: str) -> float:
@@ -29,11 +35,34 @@ def _rate(text: str) -> float:
     return v
 
 
+def _factor(allow_zero: bool) -> Callable[[str], float]:
+    """A finite number > 0 (>= 0 with allow_zero)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (0 <= v if allow_zero else 0 < v) or not v < math.inf:
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text}"
+            )
+        return v
+
+    return parse
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
     s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
-    s.add_argument("--workload", choices=WORKLOADS, default="random")
+    s.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, TRACE_WORKLOAD),
+        default="random",
+        help="trace: replay --trace (its own requests, times and lengths: --num-requests, "
+        "--request-rate, --prompt-len and --max-tokens do not apply)",
+    )
     s.add_argument(
         "--num-requests", type=int_in(1), default=64, help="requests in all (turns count one each)"
     )
@@ -57,6 +86,27 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--num-prefixes", type=int_in(1), default=1, help="shared-prefix: distinct shared prefixes"
     )
     s.add_argument("--num-turns", type=int_in(1), default=3, help="multi-turn: turns per conversation")
+    s.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE|T1|T2|T3|T4",
+        help="trace: a JSONL trace file, or the kind of trace to generate (a file named like a kind: ./T1)",
+    )
+    s.add_argument(
+        "--trace-seed", type=int_in(0), default=None, help="trace: seed of a generated trace (default 0)"
+    )
+    s.add_argument(
+        "--trace-scale",
+        type=_factor(allow_zero=False),
+        default=None,
+        help="trace: a generated trace's requests (T1, T4) or sessions (T2, T3) times this (default 1)",
+    )
+    s.add_argument(
+        "--trace-time-scale",
+        type=_factor(allow_zero=True),
+        default=1.0,
+        help="trace: multiplies arrival and think times (0.5: twice as fast; 0: no waiting)",
+    )
     s.add_argument(
         "--token-id-max", type=int_in(4), default=256, help="prompt token ids are drawn from [3, this)"
     )
@@ -103,6 +153,37 @@ def _check_output_path(flag: str, path: str | None, is_dir: bool = False) -> Non
         raise ConfigError(f"{flag}: cannot write into {str(parent)!r}")
 
 
+def _load_trace(args: argparse.Namespace) -> tuple[Trace | None, str | None]:
+    """The trace of `--workload trace` and where it came from, (None, None) for other workloads.
+    Every problem with the flags or the file is a ConfigError (one line, exit status 2); a
+    malformed file's message names the line."""
+    if args.workload != TRACE_WORKLOAD:
+        used = [f for f, v in (("--trace", args.trace), ("--trace-seed", args.trace_seed),
+                               ("--trace-scale", args.trace_scale)) if v is not None]  # fmt: skip
+        if used:
+            raise ConfigError(f"{used[0]} needs --workload trace")
+        return None, None
+    if args.trace is None:
+        raise ConfigError("--workload trace needs --trace FILE (a JSONL trace) or --trace T1|T2|T3|T4")
+    kind = args.trace.upper()
+    if kind in TRACE_KINDS:
+        seed = 0 if args.trace_seed is None else args.trace_seed
+        scale = 1.0 if args.trace_scale is None else args.trace_scale
+        try:
+            trace = generate(kind, seed=seed, scale=scale, token_id_max=args.token_id_max)
+        except ValueError as e:
+            raise ConfigError(f"--trace {kind}: {e}") from None
+        return trace, f"{kind} seed={seed} scale={scale:g}"
+    if args.trace_seed is not None or args.trace_scale is not None:
+        raise ConfigError("--trace-seed and --trace-scale apply to a generated trace (T1-T4), not to a file")
+    try:
+        return read_trace(args.trace), args.trace
+    except TraceError as e:
+        raise ConfigError(f"--trace: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--trace: cannot read {args.trace!r}: {e.strerror or e}") from None
+
+
 def bench_main(args: argparse.Namespace) -> int:
     _check_output_path("--result-file", args.result_file)
     if args.bench_mode == "serve":
@@ -113,6 +194,7 @@ def bench_main(args: argparse.Namespace) -> int:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
         base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
+        trace, trace_source = _load_trace(args)
         spec = WorkloadSpec(
             name=args.workload,
             num_requests=args.num_requests,
@@ -136,6 +218,9 @@ def bench_main(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             progress=args.progress,
             ready_timeout=args.ready_timeout,
+            trace=trace,
+            trace_source=trace_source,
+            trace_time_scale=args.trace_time_scale,
         )
         try:
             result = serve_main(cfg, args.result_file, args.plot)

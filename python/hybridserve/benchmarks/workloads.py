@@ -5,9 +5,12 @@
 - `shared-prefix`: `num_prefixes` groups; the first `prefix_len` tokens of a prompt are its group's
   (default 3/4 of the prompt), the rest unique. Prefix caching serves the shared part.
 - `multi-turn`: conversations of `num_turns` turns, sent one turn after the other; turn t's prompt is
-  turn t-1's prompt + a stand-in for the assistant's answer (`max_tokens` random ids: the completions
-  API does not return output ids) + a new user message of `prompt_len` tokens. Each turn's prompt
-  extends the previous one, as in a chat, so the previous turn's prompt is a prefix hit.
+  turn t-1's prompt + the assistant's answer to it + a new user message of `prompt_len` tokens.
+  Each turn's prompt extends the previous one, as in a chat. The answer is the server's real output
+  (`Conversation.prompt(turn, answers)` with the ids a server returns for `return_token_ids`), so
+  the whole previous turn, prompt and answer, can be a prefix hit; `max_tokens` random stand-in ids
+  take its place where a server does not return output ids (`Conversation.prompts` holds the
+  prompts built with stand-ins only).
 - `repetitive`: a short random pattern repeated to `prompt_len` tokens (text that repeats itself:
   where n-gram speculation gets its drafts accepted).
 
@@ -18,6 +21,7 @@ byte-level vocabulary and avoids the demo model's special tokens 0-2.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "repetitive")
@@ -40,9 +44,28 @@ class WorkloadSpec:
 
 @dataclass
 class Conversation:
-    """Requests sent one after the other (one request for the single-turn workloads)."""
+    """Requests sent one after the other (one request for the single-turn workloads).
+
+    `prompts` are the prompts as built with stand-in answers. A multi-turn conversation also keeps
+    its parts, so that a client can put the server's real answers in their place: `messages[t]` is
+    turn t's new user message and `stand_ins[t]` the stand-in for the answer to turn t.
+    """
 
     prompts: list[list[int]] = field(default_factory=list)
+    messages: list[list[int]] = field(default_factory=list)
+    stand_ins: list[list[int]] = field(default_factory=list)
+
+    def prompt(self, turn: int, answers: Sequence[Sequence[int] | None] = ()) -> list[int]:
+        """Turn `turn`'s prompt, with `answers[t]` as the answer to turn t where given and not None
+        (the stand-in elsewhere); `prompt(t)` is `prompts[t]`."""
+        if not self.messages:
+            return list(self.prompts[turn])
+        out = list(self.messages[0])
+        for t in range(1, turn + 1):
+            answer = answers[t - 1] if t - 1 < len(answers) else None
+            out += self.stand_ins[t - 1] if answer is None else answer
+            out += self.messages[t]
+        return out
 
 
 def _ids(rng: random.Random, n: int, spec: WorkloadSpec) -> list[int]:
@@ -84,13 +107,12 @@ def build_workload(spec: WorkloadSpec) -> list[Conversation]:
     remaining = n
     while remaining > 0:
         k = min(turns, remaining)
-        prompts: list[list[int]] = []
-        context: list[int] = []
+        conv = Conversation()
         for t in range(k):
             if t > 0:
-                context = context + _ids(rng, spec.max_tokens, spec)  # the previous answer, stood in
-            context = context + _ids(rng, spec.prompt_len, spec)
-            prompts.append(list(context))
-        convs.append(Conversation(prompts))
+                conv.stand_ins.append(_ids(rng, spec.max_tokens, spec))  # the previous answer, stood in
+            conv.messages.append(_ids(rng, spec.prompt_len, spec))
+            conv.prompts.append(conv.prompt(t))
+        convs.append(conv)
         remaining -= k
     return convs

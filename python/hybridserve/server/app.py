@@ -784,18 +784,42 @@ async def _collect(
     async for _choice, _delta in _deltas(state, choices, sink, arrival):
         pass
     out = []
+    ids = req.return_token_ids
     for c in choices:
         prefix = ""
         if req.echo:
             prefix = _echo_text(info, req, c.prompt)
         lps = _logprobs_json(req, info, c.logprobs, c.token_ids, P.TextOffsets(len(prefix)))
         if req.kind == "completion":
-            out.append(P.completion_choice(c.index, prefix + c.text, c.finish_reason, lps, c.stop_reason))
+            out.append(
+                P.completion_choice(
+                    c.index,
+                    prefix + c.text,
+                    c.finish_reason,
+                    lps,
+                    c.stop_reason,
+                    prompt_token_ids=c.prompt.token_ids if ids else None,
+                    token_ids=c.token_ids if ids else None,
+                )  # fmt: skip
+            )
         else:
-            out.append(P.chat_choice(c.index, c.text, c.finish_reason, lps, c.stop_reason))
+            out.append(
+                P.chat_choice(
+                    c.index,
+                    c.text,
+                    c.finish_reason,
+                    lps,
+                    c.stop_reason,
+                    token_ids=c.token_ids if ids else None,
+                )
+            )
     usage = _usage(req, choices)
-    build = P.completion_response if req.kind == "completion" else P.chat_response
-    return web.json_response(build(request_id, created, req.model, out, usage), dumps=_dumps)
+    if req.kind == "completion":
+        body = P.completion_response(request_id, created, req.model, out, usage)
+    else:
+        prompt_ids = req.prompts[0].token_ids if ids else None
+        body = P.chat_response(request_id, created, req.model, out, usage, prompt_token_ids=prompt_ids)
+    return web.json_response(body, dumps=_dumps)
 
 
 def _echo_text(info: EngineModelInfo, req: P.GenerateRequest, prompt: P.PromptInput) -> str:
@@ -824,13 +848,16 @@ async def _stream(
     chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
     resp: web.StreamResponse | None = None
 
-    async def send(choice_json: dict[str, Any]) -> None:
+    async def send(choice_json: dict[str, Any], prompt_token_ids: list[int] | None = None) -> None:
         nonlocal resp
         if resp is None:
             resp = await sse.start_stream(request)
-        await sse.send_event(
-            resp, chunk(request_id, created, req.model, [choice_json], None, req.include_usage)
-        )
+        if req.kind == "chat":
+            event = P.chat_chunk(request_id, created, req.model, [choice_json], None, req.include_usage,
+                                 prompt_token_ids=prompt_token_ids)  # fmt: skip
+        else:  # (a completion choice carries its prompt's ids itself)
+            event = P.completion_chunk(request_id, created, req.model, [choice_json], None, req.include_usage)
+        await sse.send_event(resp, event)
 
     try:
         async for choice, delta in _deltas(state, choices, sink, arrival):
@@ -853,19 +880,27 @@ async def _send_delta(
     info: EngineModelInfo,
     choice: _Choice,
     delta: _Delta,
-    send: Callable[[dict[str, Any]], Awaitable[None]],
+    send: Callable[[dict[str, Any], list[int] | None], Awaitable[None]],
 ) -> None:
+    """One chunk of a choice. With `return_token_ids` every chunk carries the ids new in it
+    (`token_ids`, maybe empty) and the first chunk of each choice its prompt's ids (as vLLM: in the
+    choice for completions, on the chunk for chat), so the chunks' ids add up to the
+    non-streamed `token_ids`."""
     if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
         return
     lps = None
     if req.logprobs is not None and delta.logprobs is not None:
         lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
+    ids = delta.token_ids if req.return_token_ids else None
+    prompt_ids = choice.prompt.token_ids if req.return_token_ids and not choice.started_stream else None
     if req.kind == "completion":
         text = delta.text
         if req.echo and not choice.started_stream:
             text = _echo_text(info, req, choice.prompt) + text
         cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
-                                 choice.stop_reason if delta.finished else None)  # fmt: skip
+                                 choice.stop_reason if delta.finished else None,
+                                 prompt_token_ids=prompt_ids, token_ids=ids)  # fmt: skip
+        prompt_ids = None  # (in the choice, not on the chunk)
     else:
         cj = P.chat_chunk_choice(
             choice.index,
@@ -874,6 +909,7 @@ async def _send_delta(
             finish_reason=choice.finish_reason if delta.finished else None,
             logprobs=lps,
             stop_reason=choice.stop_reason if delta.finished else None,
+            token_ids=ids,
         )
     choice.started_stream = True
-    await send(cj)
+    await send(cj, prompt_ids)

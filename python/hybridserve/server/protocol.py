@@ -209,6 +209,10 @@ class GenerateRequest:
     # completion: top-n of the `logprobs` field; chat: top_logprobs (None: no logprobs)
     logprobs: int | None = None
     user: str | None = None
+    # vLLM's `return_token_ids`: the prompt's and each choice's output token ids in the response.
+    # The output ids are all the engine generated, as vLLM's: an EOS / stop token included, and up
+    # to and including the token that completed a stop string, where the text is cut before it.
+    return_token_ids: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -242,6 +246,8 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    # vLLM's extra response field: the prompt and output token ids of each choice
+    "return_token_ids",
     # hybridserve extension: isolates a tenant's prefix cache
     "cache_salt",
 }
@@ -479,6 +485,7 @@ def parse_completion_request(
             "best_of: only best_of == n is supported", param="best_of", code="unsupported_parameter"
         )
     echo = get_bool(body, "echo", False)
+    return_token_ids = get_bool(body, "return_token_ids", False)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise APIError(
@@ -508,6 +515,7 @@ def parse_completion_request(
         cache_salt=cache_salt,
         logprobs=logprobs,
         user=user,
+        return_token_ids=return_token_ids,
     )
 
 
@@ -648,6 +656,7 @@ def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name:
             raise _bad("max_completion_tokens", "conflicts with max_tokens")
         max_tokens, max_param = max_completion, "max_completion_tokens"
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    return_token_ids = get_bool(body, "return_token_ids", False)
 
     messages = _parse_messages(body.get("messages"))
     _check_sequences(1, n)
@@ -674,6 +683,7 @@ def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name:
         cache_salt=cache_salt,
         logprobs=logprobs,
         user=user,
+        return_token_ids=return_token_ids,
     )
 
 
@@ -801,14 +811,24 @@ def completion_choice(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
     stop_reason: int | str | None = None,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A completions choice (also a streamed one). `prompt_token_ids` / `token_ids` (vLLM's
+    `return_token_ids` fields) are added only when given."""
+    choice: dict[str, Any] = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
 
 
 def chat_choice(
@@ -817,20 +837,33 @@ def chat_choice(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
     stop_reason: int | str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A chat choice; `token_ids` (vLLM's `return_token_ids`) is added only when given (the
+    prompt's ids go on the response: `chat_response(prompt_token_ids=...)`)."""
+    choice: dict[str, Any] = {
         "index": index,
         "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
 
 
 def _response(
-    obj: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+    obj: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return {
+    resp: dict[str, Any] = {
         "id": request_id,
         "object": obj,
         "created": created,
@@ -838,6 +871,9 @@ def _response(
         "choices": choices,
         "usage": usage,
     }
+    if prompt_token_ids is not None:
+        resp["prompt_token_ids"] = list(prompt_token_ids)
+    return resp
 
 
 def completion_response(
@@ -847,9 +883,16 @@ def completion_response(
 
 
 def chat_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return _response("chat.completion", request_id, created, model, choices, usage)
+    """A chat response; with `prompt_token_ids` (vLLM's `return_token_ids`: a chat request has one
+    prompt, so its ids go on the response, not on each choice)."""
+    return _response("chat.completion", request_id, created, model, choices, usage, prompt_token_ids)
 
 
 def _stream_chunk(
@@ -860,6 +903,7 @@ def _stream_chunk(
     choices: list[dict[str, Any]],
     usage: dict[str, Any] | None,
     include_usage: bool,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -870,6 +914,8 @@ def _stream_chunk(
     }
     if include_usage:
         chunk["usage"] = usage
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = list(prompt_token_ids)
     return chunk
 
 
@@ -892,6 +938,7 @@ def chat_chunk_choice(
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
     stop_reason: int | str | None = None,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
@@ -906,6 +953,8 @@ def chat_chunk_choice(
     }
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
     return choice
 
 
@@ -916,5 +965,10 @@ def chat_chunk(
     choices: list[dict[str, Any]],
     usage: dict[str, Any] | None = None,
     include_usage: bool = False,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return _stream_chunk("chat.completion.chunk", request_id, created, model, choices, usage, include_usage)
+    """A chat stream chunk; `prompt_token_ids` (vLLM's `return_token_ids`) goes on the chunk itself,
+    as on a chat response."""
+    return _stream_chunk(
+        "chat.completion.chunk", request_id, created, model, choices, usage, include_usage, prompt_token_ids
+    )
