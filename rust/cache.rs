@@ -21,12 +21,16 @@
 //! request's next `allocate_more`, in a later step, or `free`).
 //!
 //! Eviction (`EvictionPolicy`): stale checkpoints (their KV prefix was evicted) always go first.
-//! Then `lru`/`lru-path` take the least recently used; `flops` takes the lowest
-//! `recency + weight * efficiency`, both normalised to [0, 1] over the candidates, where efficiency
-//! is the prefill FLOPs the checkpoint saves over the nearest checkpoint above it on its prefix, per
-//! byte it holds (its state and the KV blocks between the two), on a log scale. A hit refreshes the
-//! checkpoint it consumed (`lru-path`: every checkpoint on its path). With `flops`, KV blocks that no
-//! checkpoint at or below them can use are evicted before any other cached block.
+//! Then `lru`/`lru-path` take the least recently used. `flops` first takes checkpoints superseded
+//! by a deeper one of the same sequence (a request resumed from a last-token state and kept its
+//! own: the conversation moved on), then the lowest `recency + weight * efficiency`
+//! (`flops_victim`): recency is the rank by last use, efficiency the expected prefill FLOPs the
+//! checkpoint saves over the nearest checkpoint above it on its prefix (FLOPs times its kind's
+//! running reuse rate) per byte it holds (its state and the KV blocks between the two), on a log
+//! scale. A hit refreshes the checkpoint it consumed (`lru-path`: every checkpoint on its path).
+//! With `flops`, KV blocks that no checkpoint at or below them can use are evicted before any other
+//! cached block, a KV shortage evicts the checkpoint whose path is worth least, and last-token
+//! states are not kept while almost none of them get used (single-turn traffic), but for a probe.
 //!
 //! Counters: `find_longest_cache_hit` adds `num_tokens` to `queried_tokens`, L to `hit_tokens`, the
 //! KV-only hit to `kv_hit_tokens`, and the difference (KV prefix cached, no checkpoint there) to
@@ -48,6 +52,14 @@ pub type ReqKey = u64;
 /// The default weight of FLOP efficiency against recency in the `flops` eviction score (the
 /// trace-replay benchmark, `hybridserve bench cache-trace`, sweeps it).
 pub const DEFAULT_FLOP_WEIGHT: f64 = 1.0;
+
+/// Weight of the newest outcome in the running reuse rate of each checkpoint kind.
+const REUSE_RATE_STEP: f64 = 1.0 / 32.0;
+
+/// Below this reuse rate of last-token states, the FLOP-aware policy keeps only every
+/// `LAST_STATE_PROBE`-th of them.
+const MIN_LAST_STATE_REUSE: f64 = 0.05;
+const LAST_STATE_PROBE: u64 = 16;
 
 /// An operation the runner executes, in order, before the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,6 +181,8 @@ pub struct CacheStats {
     pub checkpoint_evictions_for_checkpoint: u64,
     pub checkpoint_evictions_for_window: u64,
     pub checkpoint_evictions_for_kv: u64,
+    /// The running rate at which checkpoints of each kind get used before they go.
+    pub checkpoint_reuse_rate: [f64; 3],
 }
 
 #[derive(Clone, Debug, Default)]
@@ -181,6 +195,9 @@ struct ReqState {
     pinned: Option<SlotId>,
     /// Tail block referenced until its hit copy has run.
     pinned_tail: Option<BlockId>,
+    /// The last-token checkpoint this residency resumed from: superseded once the request keeps a
+    /// deeper last state (the conversation it belongs to moved on).
+    resumed_from: Option<SlotId>,
 }
 
 /// The hybrid cache manager.
@@ -202,6 +219,15 @@ pub struct HybridCacheManager {
     /// Per slot: the position of the nearest checkpoint above it when it was last attached or its
     /// neighbours changed (0 = none: a hit would fall back to recomputing from the start).
     ck_parent_pos: Vec<usize>,
+    /// Per slot: a hit has used this checkpoint since it was placed.
+    ck_consumed: Vec<bool>,
+    /// Per checkpoint kind (grid, branch, last token): a running rate of checkpoints used by a hit
+    /// before they were evicted. Shared system prompts make branch points pay; single-turn traffic
+    /// makes last-token states useless, chat makes them the most valuable of all. The `flops` score
+    /// weighs the FLOPs a checkpoint saves by its kind's rate.
+    reuse_rate: [f64; 3],
+    /// Last-token states offered while their kind's reuse rate was too low to keep them.
+    declined_last_states: u64,
     cost: CostModel,
     flop_weight: f64,
     reqs: HashMap<ReqKey, ReqState, PassThroughBuild>,
@@ -259,6 +285,9 @@ impl HybridCacheManager {
             mamba,
             ck_block: vec![NULL_BLOCK; n_slots],
             ck_parent_pos: vec![0; n_slots],
+            ck_consumed: vec![false; n_slots],
+            reuse_rate: [0.5; 3],
+            declined_last_states: 0,
             cost: CostModel::default(),
             flop_weight: DEFAULT_FLOP_WEIGHT,
             reqs: HashMap::with_capacity_and_hasher(cfg.max_num_seqs, PassThroughBuild::default()),
@@ -505,9 +534,15 @@ impl HybridCacheManager {
     /// The `flops` score's victim among live evictable checkpoints (`for_kv`: only those whose
     /// own KV block is free and holds no other checkpoint below it, so that evicting one frees
     /// at least that block for reuse).
+    ///
+    /// score = recency + weight * efficiency, lowest evicted, where
+    /// - recency is the checkpoint's rank by last use among the candidates, scaled to [0, 1]
+    ///   (ranks, not times: the spread of use times says little, their order says a lot);
+    /// - efficiency is log(1 + expected FLOPs saved per byte held), scaled to [0, 1] over the
+    ///   candidates: the prefill FLOPs from the checkpoint above it on its prefix to it, times its
+    ///   kind's reuse rate, per byte of its state and of the KV blocks between the two.
     fn flops_victim(&self, for_kv: bool) -> Option<SlotId> {
-        let b = self.block_size as u64;
-        let mut cands: Vec<(SlotId, f64, f64)> = Vec::with_capacity(self.mamba.num_evictable());
+        let mut cands: Vec<(SlotId, u64, f64)> = Vec::with_capacity(self.mamba.num_evictable());
         for s in self.mamba.live_evictable() {
             if for_kv {
                 let blk = self.ck_block[s as usize];
@@ -518,46 +553,76 @@ impl HybridCacheManager {
             let Some(tag) = self.mamba.checkpoint_tag(s) else {
                 continue;
             };
-            let from = self.ck_parent_pos[s as usize].min(tag.position);
-            let saved = self.cost.prefill_flops(from, tag.position);
-            let blocks = ((tag.position - from) as u64).div_ceil(b);
-            let bytes = self.cost.state_bytes + blocks * self.cost.kv_bytes_per_block;
+            let expected = self.reuse_rate[tag.kind.index()] * self.saved_flops(s);
             // Log scale: savings span orders of magnitude (a few tail tokens to a long context),
             // and a linear scale would let the largest one flatten every other difference.
-            let eff = (1.0 + saved / bytes.max(1) as f64).ln();
-            cands.push((s, self.mamba.last_use(s) as f64, eff));
+            let eff = (1.0 + expected / self.bytes_held(s) as f64).ln();
+            cands.push((s, self.mamba.last_use(s), eff));
         }
-        let (r_lo, r_hi) = min_max(cands.iter().map(|c| c.1))?;
+        if cands.is_empty() {
+            return None;
+        }
+        // The live list runs from least to most recently used: a candidate's index is its rank.
+        let top = (cands.len().max(2) - 1) as f64;
         let (e_lo, e_hi) = min_max(cands.iter().map(|c| c.2))?;
-        let norm = |x: f64, lo: f64, hi: f64| if hi > lo { (x - lo) / (hi - lo) } else { 0.0 };
-        let mut best: Option<(f64, f64, SlotId)> = None;
-        for (s, r, e) in cands {
-            let score = norm(r, r_lo, r_hi) + self.flop_weight * norm(e, e_lo, e_hi);
+        let eff_norm = |e: f64| {
+            if e_hi > e_lo {
+                (e - e_lo) / (e_hi - e_lo)
+            } else {
+                0.0
+            }
+        };
+        let mut best: Option<(f64, u64, SlotId)> = None;
+        for (rank, &(s, used, e)) in cands.iter().enumerate() {
+            let score = rank as f64 / top + self.flop_weight * eff_norm(e);
             // Ties: the least recently used.
-            if best.is_none_or(|(bs, br, _)| score < bs || (score == bs && r < br)) {
-                best = Some((score, r, s));
+            if best.is_none_or(|(bs, bu, _)| score < bs || (score == bs && used < bu)) {
+                best = Some((score, used, s));
             }
         }
         best.map(|t| t.2)
     }
 
+    /// Prefill FLOPs the committed checkpoint `s` saves a hit over the checkpoint above it.
+    fn saved_flops(&self, s: SlotId) -> f64 {
+        let Some(tag) = self.mamba.checkpoint_tag(s) else {
+            return 0.0;
+        };
+        let from = self.ck_parent_pos[s as usize].min(tag.position);
+        self.cost.prefill_flops(from, tag.position)
+    }
+
+    /// Bytes checkpoint `s` keeps: its state and the KV blocks between it and the one above it.
+    fn bytes_held(&self, s: SlotId) -> u64 {
+        let Some(tag) = self.mamba.checkpoint_tag(s) else {
+            return 1;
+        };
+        let from = self.ck_parent_pos[s as usize].min(tag.position);
+        let blocks = ((tag.position - from) as u64).div_ceil(self.block_size as u64);
+        (self.cost.state_bytes + blocks * self.cost.kv_bytes_per_block).max(1)
+    }
+
     /// Evicts one committed, unpinned checkpoint (stale first, then by the policy). False if none
     /// is evictable.
     fn evict_checkpoint(&mut self, cause: EvictionCause) -> bool {
-        let (victim, stale) = match self.mamba.stale_victim() {
-            Some(s) => (s, true),
-            None => {
-                let v = match self.eviction {
-                    EvictionPolicy::Lru | EvictionPolicy::LruPath => self.mamba.lru_victim(),
-                    EvictionPolicy::Flops => self.flops_victim(false),
-                };
-                let Some(v) = v else {
-                    return false;
-                };
-                (v, false)
-            }
+        // Stale checkpoints can never hit; superseded ones (FLOP-aware policy) almost never will.
+        let (victim, stale) = if let Some(s) = self.mamba.stale_victim() {
+            (s, true)
+        } else {
+            let v = match self.eviction {
+                EvictionPolicy::Lru | EvictionPolicy::LruPath => self.mamba.lru_victim(),
+                EvictionPolicy::Flops => self
+                    .mamba
+                    .superseded_victim()
+                    .or_else(|| self.flops_victim(false)),
+            };
+            let Some(v) = v else {
+                return false;
+            };
+            (v, false)
         };
         self.detach(victim);
+        self.learn_outcome(victim);
         if !self.mamba.evict(victim) {
             return false;
         }
@@ -571,6 +636,39 @@ impl HybridCacheManager {
             }
         }
         true
+    }
+
+    /// Admission of last-token states (FLOP-aware policy): while fewer than
+    /// `MIN_LAST_STATE_REUSE` of them get used (single-turn traffic: a state after a unique answer
+    /// is never resumed), keeping one would only push out checkpoints that do get hit. Every
+    /// `LAST_STATE_PROBE`-th is still kept, so that the rate notices when conversations start.
+    fn last_state_worth_keeping(&mut self) -> bool {
+        if self.reuse_rate[CheckpointKind::LastToken.index()] >= MIN_LAST_STATE_REUSE {
+            return true;
+        }
+        self.declined_last_states += 1;
+        self.declined_last_states % LAST_STATE_PROBE == 0
+    }
+
+    /// Checkpoint `s` is about to go: if no hit used it, its kind's reuse rate learns a miss.
+    fn learn_outcome(&mut self, s: SlotId) {
+        let used = std::mem::take(&mut self.ck_consumed[s as usize]);
+        if !used {
+            if let Some(t) = self.mamba.checkpoint_tag(s) {
+                let r = &mut self.reuse_rate[t.kind.index()];
+                *r += REUSE_RATE_STEP * (0.0 - *r);
+            }
+        }
+    }
+
+    /// A hit uses checkpoint `s`: the first use teaches its kind's reuse rate a success.
+    fn learn_use(&mut self, s: SlotId) {
+        if !std::mem::replace(&mut self.ck_consumed[s as usize], true) {
+            if let Some(t) = self.mamba.checkpoint_tag(s) {
+                let r = &mut self.reuse_rate[t.kind.index()];
+                *r += REUSE_RATE_STEP * (1.0 - *r);
+            }
+        }
     }
 
     /// Evicts until `n` slots are free. False (having evicted what it could) if impossible.
@@ -648,10 +746,16 @@ impl HybridCacheManager {
     fn allocate_blocks(&mut self, req_blocks: &mut Vec<BlockId>, n: usize) -> bool {
         if self.eviction == EvictionPolicy::Flops && self.checkpoints() {
             while self.kv.num_free() >= n && self.kv.num_free() - self.kv.num_useful_free() < n {
-                let Some(v) = self.flops_victim(true) else {
+                let frees_a_block = |s: &SlotId| {
+                    let blk = self.ck_block[*s as usize];
+                    blk != NULL_BLOCK && self.kv.is_free(blk) && self.kv.tree().below(blk) == 1
+                };
+                let superseded = self.mamba.superseded_evictable().find(frees_a_block);
+                let Some(v) = superseded.or_else(|| self.flops_victim(true)) else {
                     break;
                 };
                 self.detach(v);
+                self.learn_outcome(v);
                 if !self.mamba.evict(v) {
                     break;
                 }
@@ -723,6 +827,9 @@ impl HybridCacheManager {
             num_cached_blocks: n_hit,
             pinned: None,
             pinned_tail: None,
+            resumed_from: hit
+                .checkpoint
+                .filter(|_| hit.kind == Some(CheckpointKind::LastToken)),
         };
         for &blk in &hit.kv_blocks {
             self.kv.incref(blk);
@@ -736,6 +843,7 @@ impl HybridCacheManager {
         if let Some(c) = hit.checkpoint.filter(|_| self.has_mamba) {
             self.mamba.pin(c);
             st.pinned = Some(c);
+            self.learn_use(c);
         }
         let ok = self.allocate_blocks(&mut st.blocks, to_alloc);
         debug_assert!(ok);
@@ -909,6 +1017,9 @@ impl HybridCacheManager {
         if !self.checkpoints() || !self.placement.branch() || num_computed == 0 {
             return false;
         }
+        if self.eviction == EvictionPolicy::Flops && !self.last_state_worth_keeping() {
+            return false;
+        }
         let b = self.block_size;
         let (f, t) = (num_computed / b, num_computed % b);
         let Some(st) = self.reqs.get(&req) else {
@@ -959,6 +1070,18 @@ impl HybridCacheManager {
             return false;
         }
         self.attach(slot);
+        // The state this residency resumed from is the same sequence, shorter: a continuation
+        // will want the new one. (Only the FLOP-aware policy acts on it; LRU baselines do not.)
+        let resumed = self.reqs.get(&req).and_then(|st| st.resumed_from);
+        if let Some(old) = resumed.filter(|_| self.eviction == EvictionPolicy::Flops) {
+            if self
+                .mamba
+                .checkpoint_tag(old)
+                .is_some_and(|t| t.kind == CheckpointKind::LastToken && t.position < num_computed)
+            {
+                self.mamba.set_superseded(old);
+            }
+        }
         true
     }
 
@@ -989,6 +1112,7 @@ impl HybridCacheManager {
         let mamba_ok = self.mamba.clear_checkpoints();
         self.ck_block.fill(NULL_BLOCK);
         self.ck_parent_pos.fill(0);
+        self.ck_consumed.fill(false);
         kv_ok && mamba_ok
     }
 
@@ -1026,6 +1150,7 @@ impl HybridCacheManager {
             checkpoint_evictions_for_checkpoint: self.evictions_for_checkpoint,
             checkpoint_evictions_for_window: self.evictions_for_window,
             checkpoint_evictions_for_kv: self.evictions_for_kv,
+            checkpoint_reuse_rate: self.reuse_rate,
         }
     }
 

@@ -888,3 +888,92 @@ fn lru_path_refreshes_every_checkpoint_on_the_hit_path() {
         assert_eq!(u8 > u_other, refreshed, "{eviction:?}");
     }
 }
+
+/// Runs `req` over `tokens` starting from `hit` (already queried), caches its blocks and keeps
+/// its state after all of them; returns whether it was kept.
+fn resume_and_keep(
+    m: &mut HybridCacheManager,
+    req: ReqKey,
+    tokens: &[u32],
+    hit: &CacheHit,
+) -> bool {
+    let h = hashes(tokens, None);
+    m.allocate_new(req, hit, tokens.len() - hit.num_tokens, 0)
+        .unwrap();
+    m.cache_full_blocks(req, &h, tokens.len());
+    let kept = m.keep_last_state(req, prefix(&h, tokens), tokens.len(), 0);
+    m.free(req);
+    kept
+}
+
+#[test]
+fn a_resumed_last_state_is_superseded_by_the_next_one() {
+    for (eviction, first_goes) in [(EvictionPolicy::Flops, true), (EvictionPolicy::Lru, false)] {
+        let c = cfg_with(
+            MambaCacheMode::All,
+            1,
+            CheckpointPlacement::Branch,
+            eviction,
+        );
+        let mut m = HybridCacheManager::new(&c, 128, 4); // room for two checkpoints
+        let other: Vec<u32> = (900..911).collect();
+        assert!(run_and_keep(&mut m, 1, &other)); // the older live checkpoint
+        let turn1 = toks(10);
+        assert!(run_and_keep(&mut m, 2, &turn1));
+        // turn 1's state (after 10 tokens: a tail entry)
+        let mut probe = turn1.clone();
+        probe.push(1);
+        let hp = hashes(&probe, None);
+        let s1 = m
+            .find_longest_cache_hit(prefix(&hp, &probe), 11)
+            .checkpoint
+            .unwrap();
+        // The next turn resumes from turn 1's state and keeps its own: turn 1's state is replaced.
+        let mut turn2 = turn1.clone();
+        turn2.extend([7, 8, 9, 10, 11]);
+        let h2 = hashes(&turn2, None);
+        let hit = m.find_longest_cache_hit(prefix(&h2, &turn2), turn2.len());
+        assert_eq!((hit.num_tokens, hit.checkpoint), (10, Some(s1)));
+        assert!(resume_and_keep(&mut m, 3, &turn2, &hit));
+        assert_eq!(m.mamba.is_superseded(s1), first_goes, "{eviction:?}");
+        // A third sequence needs a slot: flops takes the superseded state, LRU the oldest one.
+        let third: Vec<u32> = (500..509).collect();
+        assert!(run_and_keep(&mut m, 4, &third));
+        let alive = m.mamba.kind(s1) == Some(SlotKind::Committed);
+        assert_eq!(alive, !first_goes, "{eviction:?}");
+    }
+}
+
+#[test]
+fn last_states_that_nobody_resumes_stop_being_kept() {
+    let c = cfg_with(
+        MambaCacheMode::All,
+        1,
+        CheckpointPlacement::Branch,
+        EvictionPolicy::Flops,
+    );
+    let mut m = HybridCacheManager::new(&c, 512, 4);
+    let mut kept = Vec::new();
+    for i in 0..400u32 {
+        let t: Vec<u32> = (0..9).map(|j| 10_000 + i * 16 + j).collect();
+        kept.push(run_and_keep(&mut m, 100 + i as u64, &t));
+    }
+    let rate = m.stats().checkpoint_reuse_rate[CheckpointKind::LastToken.index()];
+    assert!(rate < 0.05, "{rate}");
+    // At first every state is kept; once the rate has dropped, only one in 16 (to keep learning).
+    assert!(kept[..50].iter().all(|&k| k));
+    let late = kept[300..].iter().filter(|&&k| k).count();
+    assert!((5..=8).contains(&late), "{late} of 100 kept");
+    // LRU keeps them all (the gate is part of the FLOP-aware policy).
+    let c = cfg_with(
+        MambaCacheMode::All,
+        1,
+        CheckpointPlacement::Branch,
+        EvictionPolicy::Lru,
+    );
+    let mut m = HybridCacheManager::new(&c, 512, 4);
+    for i in 0..100u32 {
+        let t: Vec<u32> = (0..9).map(|j| 10_000 + i * 16 + j).collect();
+        assert!(run_and_keep(&mut m, 100 + i as u64, &t));
+    }
+}

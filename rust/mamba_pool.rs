@@ -84,6 +84,7 @@ pub struct CheckpointTag {
 const NONE: u8 = 0;
 const LIVE: u8 = 1;
 const STALE: u8 = 2;
+const SUPERSEDED: u8 = 3;
 
 #[derive(Debug, Clone)]
 pub struct MambaPool {
@@ -94,7 +95,10 @@ pub struct MambaPool {
     last_use: Vec<u64>,
     clock: u64,
     free: Vec<SlotId>,
-    /// LRU links over `n + 2` nodes: node `n` is the LIVE sentinel, `n + 1` the STALE sentinel.
+    /// Checkpoints that a deeper checkpoint on the same sequence replaced (a conversation moved on).
+    superseded: Vec<bool>,
+    /// LRU links over `n + 3` nodes: node `n` is the LIVE sentinel, `n + 1` the STALE sentinel,
+    /// `n + 2` the SUPERSEDED sentinel.
     prev: Vec<u32>,
     next: Vec<u32>,
     list: Vec<u8>,
@@ -117,9 +121,9 @@ impl MambaPool {
         } else {
             usable / 2
         };
-        let mut prev = vec![0u32; n + 2];
-        let mut next = vec![0u32; n + 2];
-        for s in [n, n + 1] {
+        let mut prev = vec![0u32; n + 3];
+        let mut next = vec![0u32; n + 3];
+        for s in [n, n + 1, n + 2] {
             prev[s] = s as u32;
             next[s] = s as u32;
         }
@@ -128,6 +132,7 @@ impl MambaPool {
             tag: vec![None; n],
             pins: vec![0; n],
             stale: vec![false; n],
+            superseded: vec![false; n],
             last_use: vec![0; n],
             clock: 0,
             // Popped from the back: lowest ids first.
@@ -213,7 +218,23 @@ impl MambaPool {
     }
 
     fn sentinel(&self, which: u8) -> usize {
-        self.kind.len() + usize::from(which == STALE)
+        self.kind.len()
+            + match which {
+                STALE => 1,
+                SUPERSEDED => 2,
+                _ => 0,
+            }
+    }
+
+    /// The list an evictable committed checkpoint belongs on.
+    fn home(&self, s: SlotId) -> u8 {
+        if self.stale[s as usize] {
+            STALE
+        } else if self.superseded[s as usize] {
+            SUPERSEDED
+        } else {
+            LIVE
+        }
     }
 
     fn link_back(&mut self, s: SlotId, which: u8) {
@@ -254,6 +275,11 @@ impl MambaPool {
         self.front(STALE)
     }
 
+    /// The least recently used superseded evictable checkpoint.
+    pub fn superseded_victim(&self) -> Option<SlotId> {
+        self.front(SUPERSEDED)
+    }
+
     /// The least recently used live evictable checkpoint.
     pub fn lru_victim(&self) -> Option<SlotId> {
         self.front(LIVE)
@@ -261,7 +287,16 @@ impl MambaPool {
 
     /// The live evictable checkpoints, least recently used first.
     pub fn live_evictable(&self) -> impl Iterator<Item = SlotId> + '_ {
-        let head = self.sentinel(LIVE) as u32;
+        self.evictable_on(LIVE)
+    }
+
+    /// The superseded evictable checkpoints, least recently used first.
+    pub fn superseded_evictable(&self) -> impl Iterator<Item = SlotId> + '_ {
+        self.evictable_on(SUPERSEDED)
+    }
+
+    fn evictable_on(&self, which: u8) -> impl Iterator<Item = SlotId> + '_ {
+        let head = self.sentinel(which) as u32;
         let mut s = self.next[head as usize];
         std::iter::from_fn(move || {
             if s == head {
@@ -290,6 +325,7 @@ impl MambaPool {
             self.by_hash.remove(&t.hash);
         }
         self.stale[s as usize] = false;
+        self.superseded[s as usize] = false;
         self.kind[s as usize] = SlotKind::Free;
         self.free.push(s);
     }
@@ -427,8 +463,7 @@ impl MambaPool {
         }
         self.pins[s as usize] -= 1;
         if self.pins[s as usize] == 0 && self.kind[s as usize] == SlotKind::Committed {
-            let which = if self.stale[s as usize] { STALE } else { LIVE };
-            self.link_back(s, which);
+            self.link_back(s, self.home(s));
         }
     }
 
@@ -447,8 +482,28 @@ impl MambaPool {
         self.stale[s as usize] = stale;
         if self.list[s as usize] != NONE {
             self.unlink(s);
-            self.link_back(s, if stale { STALE } else { LIVE });
+            self.link_back(s, self.home(s));
         }
+    }
+
+    /// A deeper checkpoint on the same sequence replaced committed checkpoint `s` (the request that
+    /// resumed from it kept its own last state): it goes before the live ones.
+    pub fn set_superseded(&mut self, s: SlotId) {
+        if !self.valid(s)
+            || self.kind[s as usize] != SlotKind::Committed
+            || self.superseded[s as usize]
+        {
+            return;
+        }
+        self.superseded[s as usize] = true;
+        if self.list[s as usize] != NONE {
+            self.unlink(s);
+            self.link_back(s, self.home(s));
+        }
+    }
+
+    pub fn is_superseded(&self, s: SlotId) -> bool {
+        self.superseded.get(s as usize).copied().unwrap_or(false)
     }
 
     /// Drops every committed checkpoint. Refused (false) while any checkpoint is pending or pinned.
@@ -456,7 +511,11 @@ impl MambaPool {
         if self.num_pending > 0 || self.num_committed > self.num_evictable {
             return false;
         }
-        while let Some(s) = self.stale_victim().or_else(|| self.lru_victim()) {
+        while let Some(s) = self
+            .stale_victim()
+            .or_else(|| self.superseded_victim())
+            .or_else(|| self.lru_victim())
+        {
             self.evict(s);
         }
         true

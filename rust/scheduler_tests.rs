@@ -1088,7 +1088,10 @@ fn a_cancelled_step_commits_nothing_and_its_requests_recompute() {
         let mut sim = Sim::new(cfg(mode, 0), 256, 64, 13);
         sim.add("a", (1..=20).collect(), 4, None);
         let o = sim.s.schedule().unwrap();
-        assert!(!o.pending_checkpoints.is_empty(), "{mode:?}: the step emits");
+        assert!(
+            !o.pending_checkpoints.is_empty(),
+            "{mode:?}: the step emits"
+        );
         assert!(sim.s.update_from_output(&o, &[], &[], None).is_err());
         assert!(sim.s.cancel_step(&o).unwrap().is_empty());
         assert!(sim.s.cancel_step(&o).is_err(), "already closed");
@@ -1097,7 +1100,10 @@ fn a_cancelled_step_commits_nothing_and_its_requests_recompute() {
             (st.cache.checkpoints_pending, st.cache.checkpoints_committed),
             (0, 0)
         );
-        assert_eq!((st.num_running, st.num_waiting, st.cache.kv_blocks_used), (0, 1, 0));
+        assert_eq!(
+            (st.num_running, st.num_waiting, st.cache.kv_blocks_used),
+            (0, 1, 0)
+        );
         sim.run_to_end(100);
         sim.check_end();
     }

@@ -347,6 +347,12 @@ impl PyScheduler {
         for (k, v) in items {
             d.set_item(k, v)?;
         }
+        for (kind, r) in ["grid", "branch", "last_token"]
+            .iter()
+            .zip(c.checkpoint_reuse_rate)
+        {
+            d.set_item(format!("checkpoint_reuse_rate_{kind}"), r)?;
+        }
         d.set_item("prefill_flops_queried", s.prefill_flops_queried)?;
         d.set_item("prefill_flops_saved", s.prefill_flops_saved)?;
         Ok(d)
