@@ -691,6 +691,34 @@ impl HybridCacheManager {
         self.make_free_slots(1, EvictionCause::ForCheckpoint)
     }
 
+    /// Room for one more grid checkpoint next to branch points and last tokens: free capacity,
+    /// else the least recently used grid checkpoint goes.
+    fn make_grid_room(&mut self) -> bool {
+        while self.mamba.at_checkpoint_cap() || self.mamba.num_free() == 0 {
+            let grid = self
+                .mamba
+                .stale_victim()
+                .or_else(|| self.mamba.superseded_victim())
+                .or_else(|| {
+                    self.mamba.live_evictable().find(|&s| {
+                        self.mamba
+                            .checkpoint_tag(s)
+                            .is_some_and(|t| t.kind == CheckpointKind::Grid)
+                    })
+                });
+            let Some(v) = grid else {
+                return false;
+            };
+            self.detach(v);
+            self.learn_outcome(v);
+            if !self.mamba.evict(v) {
+                return false;
+            }
+            self.evictions_for_checkpoint += 1;
+        }
+        true
+    }
+
     /// Links the committed checkpoint `s` to the cached block of its hash (if cached: live, else
     /// stale) and updates the fallback positions of it and of the checkpoints right below it.
     fn attach(&mut self, s: SlotId) {
@@ -977,7 +1005,18 @@ impl HybridCacheManager {
         if !self.checkpoints() || position == 0 || position % step != 0 {
             return None;
         }
-        if self.mamba.has_checkpoint(hash) || !self.make_checkpoint_room() {
+        if self.mamba.has_checkpoint(hash) {
+            return None;
+        }
+        // Beside branch points and last tokens, grid checkpoints are a bet on a sharer to come
+        // that nothing tells of yet: they take spare room, or the place of another grid
+        // checkpoint, never that of a checkpoint placed for a reason.
+        let room = if kind == CheckpointKind::Grid && self.placement.branch() {
+            self.make_grid_room()
+        } else {
+            self.make_checkpoint_room()
+        };
+        if !room {
             return None;
         }
         self.mamba.reserve(CheckpointTag {

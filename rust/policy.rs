@@ -14,9 +14,10 @@
 //! 6. explicit `none` with prefix caching on, on a hybrid model → a warning (no hit is possible);
 //! 7. validation of the result ([`ResolvedConfig::validate`]);
 //! 8. where a Mamba checkpoint can exist (prefix caching on, a Mamba model, mode `align`/`all`):
-//!    the checkpoint placement defaults to `branch` (branch points and last tokens) and eviction
-//!    to `flops`, each stated as a decision; an explicit placement or eviction where no checkpoint
-//!    can exist is reported as ignored (warning).
+//!    the checkpoint placement defaults to branch points and last tokens (`branch`), plus grid
+//!    points in spare room in mode `all` (`branch+grid`), and eviction to `flops`, each stated as a
+//!    decision; an explicit placement or eviction where no checkpoint can exist is reported as
+//!    ignored (warning).
 //!
 //! `mamba_block_size` (M) in mode `none`: M is unused there; the resolved value is the same auto
 //! value as in the other modes (the smallest multiple of lcm(B, Q) that is at least 256), so that it
@@ -810,25 +811,42 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
     let placement = match inputs.checkpoint_placement {
         Some(p) => p,
         None => {
+            let (placement, how) = match mode {
+                // The scan emits a grid state at no cost: grid points ride along, in spare room.
+                MambaCacheMode::All => (
+                    CheckpointPlacement::BranchAndGrid,
+                    format!(
+                        "the scan emits it there), after the last token of every finished \
+                         sequence, and every {m} tokens where the state pool has spare room \
+                         (grid points never push out a checkpoint placed for a reason); \
+                         --mamba-checkpoint-placement branch drops the grid points, grid keeps \
+                         only them"
+                    ),
+                ),
+                // A grid point would cut a prefill chunk short: branch points and last tokens only.
+                MambaCacheMode::Align | MambaCacheMode::None => (
+                    CheckpointPlacement::Branch,
+                    format!(
+                        "a prefill chunk ends there) and after the last token of every finished \
+                         sequence, so hits land on the real shared-prefix boundary instead of a \
+                         grid of {m} tokens; --mamba-checkpoint-placement grid or branch+grid keeps \
+                         the grid"
+                    ),
+                ),
+            };
             if checkpoints {
-                let how = match mode {
-                    MambaCacheMode::All => "the scan emits it there",
-                    MambaCacheMode::Align | MambaCacheMode::None => "a prefill chunk ends there",
-                };
                 decide(
                     DecisionCode::CheckpointPlacementDefault,
                     DecisionLevel::Info,
                     format!(
-                        "mamba checkpoint placement = branch (default): the state is kept where \
-                         prompts share a prefix (when a prompt's cached KV prefix reaches past its \
-                         state hit, at the deepest cached block; {how}) and after the last token \
-                         of every finished sequence, so hits land on the real shared-prefix \
-                         boundary instead of a grid of {m} tokens; --mamba-checkpoint-placement \
-                         grid or branch+grid keeps the grid"
+                        "mamba checkpoint placement = {} (default): the state is kept where prompts \
+                         share a prefix (when a prompt's cached KV prefix reaches past its state \
+                         hit, at the deepest cached block; {how}",
+                        placement.as_str()
                     ),
                 );
             }
-            CheckpointPlacement::Branch
+            placement
         }
     };
     let eviction = match inputs.eviction {
@@ -1004,6 +1022,8 @@ mod tests {
                             "T" => c.max_num_batched_tokens.to_string(),
                             "L" => c.max_model_len.to_string(),
                             "k" => c.num_speculative_tokens().to_string(),
+                            "place" => c.checkpoint_placement.as_str().to_string(),
+                            "evict" => c.eviction.as_str().to_string(),
                             other => panic!("unknown key {other}"),
                         };
                         if got != want {
@@ -1081,7 +1101,10 @@ mod tests {
         assert_eq!(res.config.mamba_cache_mode, MambaCacheMode::All);
         assert!(res.has_decision(DecisionCode::ModeAllDefault));
         assert_eq!(res.config.mamba_block_size % res.config.scan_chunk_size, 0);
-        assert_eq!(res.config.checkpoint_placement, CheckpointPlacement::Branch);
+        assert_eq!(
+            res.config.checkpoint_placement,
+            CheckpointPlacement::BranchAndGrid
+        );
         assert_eq!(res.config.eviction, EvictionPolicy::Flops);
     }
 

@@ -52,8 +52,9 @@ def _llm(**kw: object) -> LLM:
 PREEMPTING: dict[str, object] = dict(max_num_batched_tokens=128, num_kv_blocks=30, max_model_len=256)
 
 
-def mode_args(mode: str, placement: str = "branch") -> dict[str, object]:
-    """Engine arguments of a cache mode ("none": prefix caching off) and checkpoint placement."""
+def mode_args(mode: str, placement: str | None = None) -> dict[str, object]:
+    """Engine arguments of a cache mode ("none": prefix caching off) and checkpoint placement
+    (None: the engine's default, branch+grid in mode all, branch in align)."""
     if mode == "none":
         return dict(mamba_cache_mode=mode, enable_prefix_caching=False)
     return dict(
@@ -129,11 +130,15 @@ def test_cache_modes_and_chunking_are_lossless(mode: str, budget: int) -> None:
         # block, on the 16-token block grid (not the 64-token one), which the second pass hits
         shared_hits = [again[i] for i in (0, 1, 5)]
         assert all(h in (128, 144) for h in shared_hits), shared_hits
-        assert llm.engine.stats()["prefix_hits_branch"] >= 3
-    else:
+        stats = llm.engine.stats()
+        assert stats["prefix_hits_branch"] + stats["prefix_hits_grid"] >= 3
+    elif mode == "align":
         # one step prefills every prompt: nobody saw another's KV, and the first pass kept states
         # only after each sequence's last token, deeper than any repeated prompt can hit
         assert again == [0] * len(prompts)
+    else:
+        # ... and in mode all the grid points every 64 tokens, in spare room
+        assert again == [len(p) - 1 - (len(p) - 1) % MAMBA_BLOCK for p in prompts]
     # every next turn resumes at the last token its first turn computed
     for p, t in zip(prompts, turns):
         assert t == len(p) + MAX_TOKENS - 1, (len(p), t)
@@ -170,9 +175,9 @@ def test_shared_prefix_hit_within_one_batch_run(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
-@pytest.mark.parametrize("placement", ["branch", "grid"])
-def test_preemption_is_lossless(mode: str, placement: str) -> None:
-    if mode == "none" and placement == "grid":
+@pytest.mark.parametrize("placement", [None, "branch", "grid"])
+def test_preemption_is_lossless(mode: str, placement: str | None) -> None:
+    if mode == "none" and placement is not None:
         pytest.skip("the placement has no effect without prefix caching")
     llm = _llm(**mode_args(mode, placement), **PREEMPTING)
     _assert_same(_run(llm, _prompts()))
@@ -228,7 +233,7 @@ def test_speculation_with_preemption_is_lossless() -> None:
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])
-@pytest.mark.parametrize("placement", ["branch", "grid"])
+@pytest.mark.parametrize("placement", ["branch+grid", "branch", "grid"])
 def test_prefix_hit_rate_is_the_same_with_speculation(mode: str, placement: str) -> None:
     """Other engines lose their hybrid prefix hits under speculative decoding; we must not."""
 

@@ -45,3 +45,6 @@ def test_nemotron_h_8b_shape_is_an_8b_hybrid() -> None:
     tokens_per_state = shape.state_bytes / (shape.kv_bytes_per_block / 16)
     assert 3000 < tokens_per_state < 10000
     assert NEMOTRON_H_8B["hybrid_override_pattern"].count("*") == 4
+    # vLLM pads an attention page to one Mamba layer's state (conv in bf16, SSM in fp32: 4.26 MB),
+    # 4 KiB of K and V per token and layer: blocks of 16 * ceil(4255744 / 65536) tokens
+    assert shape.vllm_block_size == 1040

@@ -124,7 +124,14 @@ def test_stop_strings_cut_the_text() -> None:
 
 
 def test_prefix_cache_reports_cached_tokens() -> None:
-    llm = LLM("demo", dtype="float32", max_model_len=1024, mamba_block_size=64, max_num_seqs=4)
+    llm = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=1024,
+        mamba_block_size=64,
+        max_num_seqs=4,
+        mamba_checkpoint_placement="branch",
+    )
     ids = list(range(10, 210))
     params = SamplingParams(max_tokens=4, temperature=0)
     first, second, third = (llm.generate({"prompt_token_ids": ids}, params)[0] for _ in range(3))
@@ -139,6 +146,13 @@ def test_prefix_cache_reports_cached_tokens() -> None:
     assert turn.num_cached_tokens == len(ids) + len(out) - 1
     stats = llm.engine.stats()
     assert (stats["prefix_hits_branch"], stats["prefix_hits_last_token"]) == (1, 1)
+    # The default in mode all adds grid points (every 64 tokens here) in spare room: the repeat
+    # already hits the one at 192.
+    grid = LLM("demo", dtype="float32", max_model_len=1024, mamba_block_size=64, max_num_seqs=4)
+    assert [grid.generate({"prompt_token_ids": ids}, params)[0].num_cached_tokens for _ in range(2)] == [
+        0,
+        192,
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])

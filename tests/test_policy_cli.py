@@ -83,6 +83,8 @@ def check_ok(d: dict[str, Any], expect: list[str]) -> list[str]:
         "T": str(d["max_num_batched_tokens"]),
         "L": str(d["max_model_len"]),
         "k": str(0 if d["speculative"] is None else d["speculative"]["num_speculative_tokens"]),
+        "place": d["checkpoint_placement"],
+        "evict": d["eviction"],
     }
     for tok in expect:
         if tok.startswith("+"):
@@ -101,7 +103,7 @@ def check_ok(d: dict[str, Any], expect: list[str]) -> list[str]:
 
 def test_table_has_every_rule() -> None:
     rules = {name.split("_")[0] for name, *_ in CASES}
-    assert rules == {f"rule{i}" for i in range(1, 8)}
+    assert rules == {f"rule{i}" for i in range(1, 9)}
     assert len(CASES) >= 30
 
 

@@ -606,11 +606,21 @@ def test_cached_tokens_match_the_engine_counters(server, client):
     prompt = "A long shared prefix about mamba state caching and attention blocks. " * 4
     hits = "hybridserve_prefix_cache_hit_tokens_total"
     counted = []
+    first_seen = wait_idle(server)
     for _ in range(3):
         start = wait_idle(server)
         done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
         counted.append((done, wait_idle(server)[hits] - start[hits]))
     (first, _), (second, _), (third, _) = counted
+    # the hit is reported by where its checkpoint came from: a branch point
+    last = wait_idle(server)
+    for source, n in (("branch", 1), ("grid", 0), ("last_token", 0)):
+        for name, want in (("hits_by_source", n), ("hit_tokens_by_source", 112 * n)):
+            key = f'hybridserve_prefix_cache_{name}_total{{source="{source}"}}'
+            assert last[key] - first_seen[key] == want, key
+    lost = "hybridserve_prefix_cache_lost_tokens_total"
+    assert last[lost] - first_seen[lost] == 112  # the repeat found KV without a state
+    assert last["hybridserve_mamba_checkpoint_bytes"] > 0
     for c, diff in counted:
         assert c.usage.prompt_tokens_details.cached_tokens == diff
         assert c.choices[0].text == first.choices[0].text
@@ -676,6 +686,15 @@ def test_metrics_names_and_counters(server, client):
         "hybridserve_prefix_cache_lost_tokens_total",
         "hybridserve_spec_decode_draft_tokens_total",
         "hybridserve_spec_decode_accepted_tokens_total",
+        "hybridserve_mamba_checkpoint_bytes",
+        "hybridserve_kv_cache_evictions_total",
+        "hybridserve_kv_cache_evictions_useless_total",
+        "hybridserve_mamba_checkpoints_kept_last_token_total",
+        'hybridserve_mamba_checkpoint_evictions_total{cause="stale"}',
+        'hybridserve_mamba_checkpoint_evictions_total{cause="for_kv"}',
+        'hybridserve_prefix_cache_hits_by_source_total{source="last_token"}',
+        'hybridserve_mamba_checkpoints{source="branch"}',
+        'hybridserve_mamba_checkpoint_reuse_rate{source="grid"}',
     ]
     for name in required:
         assert name in before, name

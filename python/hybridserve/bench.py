@@ -4,10 +4,12 @@
         --num-requests 64 --request-rate 4 --concurrency 16 --result-file r.json --plot charts/
     hybridserve bench serve --workload trace --trace T2 --trace-scale 0.25 --result-file t2.json
     hybridserve bench offline --model demo --num-prompts 64 --prompt-len 256 --output-len 128
+    hybridserve bench cache-trace --traces T1,T2,T3:3,T4 --budgets 10,3,1.5 --report r.md --plot charts/
 
 `serve` works against any OpenAI-compatible server (token-id prompts to /v1/completions, streamed);
 `--workload trace` replays a request trace (`benchmarks/traces.py`: a JSONL file, or a generated
-T1-T4). `offline` runs the engine through the LLM API without HTTP. The CLI builds this parser, so
+T1-T4). `offline` runs the engine through the LLM API without HTTP. `cache-trace` replays traces
+through the engine's scheduler and cache with the model faked (`benchmarks/cache_replay.py`). The CLI builds this parser, so
 no torch (nor matplotlib) at module level: the engine and the plots load inside the handlers.
 """
 
@@ -130,6 +132,53 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
+    c = sub.add_parser(
+        "cache-trace",
+        help="prefix-cache placement and eviction policies replayed on request traces (no model)",
+    )
+    c.add_argument(
+        "--traces",
+        type=_trace_specs,
+        default=None,
+        help="generated traces, comma-separated KIND[:SCALE] (T1..T4; default T1,T2,T3:3,T4 without "
+        "--trace-file)",
+    )
+    c.add_argument(
+        "--trace-file", action="append", default=[], metavar="FILE", help="a JSONL trace (repeatable)"
+    )
+    c.add_argument("--seed", type=int_in(0), default=0, help="seed of the generated traces")
+    c.add_argument(
+        "--budgets",
+        type=_numbers(_factor(False)),
+        default=(10.0, 3.0, 1.5),
+        help="state pools, in multiples of the running windows (default 10,3,1.5)",
+    )
+    c.add_argument(
+        "--policies",
+        type=_names,
+        default=None,
+        help="comma-separated, of oracle, grid-lru, vllm-like, sglang-like, branch-lru, hybridserve, "
+        "per-block-lru (default: all but per-block-lru)",
+    )
+    c.add_argument(
+        "--modes",
+        type=_names,
+        default=("auto",),
+        help="mamba cache modes: auto (the engine's default), all, align (comma-separated)",
+    )
+    c.add_argument("--speculation", type=_names, default=("off",), help="off and/or ngram (comma-separated)")
+    c.add_argument(
+        "--flop-weights",
+        type=_numbers(_factor(True)),
+        default=(),
+        help="also run hybridserve with these weights of FLOPs against recency (a sweep)",
+    )
+    c.add_argument("--max-num-seqs", type=int_in(1), default=32, help="running sequences (default 32)")
+    c.add_argument("--workers", type=int_in(1), default=1, help="processes (default 1)")
+    c.add_argument("--result-file", default=None, help="write every cell as JSON here")
+    c.add_argument("--report", default=None, metavar="FILE", help="write the markdown tables here")
+    c.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
+
     o = sub.add_parser("offline", help="engine throughput through the LLM API (no HTTP)")
     from hybridserve.config import add_engine_args
 
@@ -139,6 +188,31 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--prompt-len", type=int_in(1), default=256)
     o.add_argument("--output-len", type=int_in(1), default=128)
     o.add_argument("--result-file", default=None, help="write the JSON result here")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("needs at least one name")
+    return names
+
+
+def _numbers(parse: Callable[[str], float]) -> Callable[[str], tuple[float, ...]]:
+    def parse_all(text: str) -> tuple[float, ...]:
+        return tuple(parse(x) for x in _names(text))
+
+    return parse_all
+
+
+def _trace_specs(text: str) -> tuple[tuple[str, float], ...]:
+    """'T1,T3:3' -> (("T1", 1.0), ("T3", 3.0))."""
+    out = []
+    for item in _names(text):
+        kind, _, scale = item.partition(":")
+        if kind.upper() not in TRACE_KINDS:
+            raise argparse.ArgumentTypeError(f"unknown trace {kind!r}: one of {', '.join(TRACE_KINDS)}")
+        out.append((kind.upper(), _factor(False)(scale) if scale else 1.0))
+    return tuple(out)
 
 
 def _check_output_path(flag: str, path: str | None, is_dir: bool = False) -> None:
@@ -228,9 +302,65 @@ def bench_main(args: argparse.Namespace) -> int:
             print(f"hybridserve bench serve: error: {e}", file=sys.stderr)
             return 1
         return 0 if result["summary"]["completed"] > 0 else 1
+    if args.bench_mode == "cache-trace":
+        return _cache_trace_main(args)
     from hybridserve.benchmarks.offline import offline_main
     from hybridserve.config import EngineArgs
 
     ea = EngineArgs.from_cli(args)
     offline_main(ea, args.num_prompts, args.prompt_len, args.output_len, args.seed, args.result_file)
+    return 0
+
+
+def _cache_trace_main(args: argparse.Namespace) -> int:
+    _check_output_path("--report", args.report)
+    _check_output_path("--plot", args.plot, is_dir=True)
+    from hybridserve.benchmarks import cache_replay as cr
+
+    policies = args.policies or cr.DEFAULT_POLICIES
+    unknown = [p for p in policies if p not in cr.POLICIES]
+    if unknown:
+        raise ConfigError(f"--policies: unknown {unknown[0]!r}; one of {', '.join(cr.POLICIES)}")
+    bad_mode = [m for m in args.modes if m not in ("auto", "all", "align")]
+    if bad_mode:
+        raise ConfigError(f"--modes: {bad_mode[0]!r} is not one of auto, all, align")
+    bad_spec = [x for x in args.speculation if x not in ("off", "ngram")]
+    if bad_spec:
+        raise ConfigError(f"--speculation: {bad_spec[0]!r} is not one of off, ngram")
+    traces: list[Trace] = []
+    for path in args.trace_file:
+        try:
+            traces.append(read_trace(path))
+        except TraceError as e:
+            raise ConfigError(f"--trace-file: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--trace-file: cannot read {path!r}: {e.strerror or e}") from None
+    specs = args.traces if args.traces is not None else (() if traces else cr.DEFAULT_TRACES)
+    traces += [generate(kind, seed=args.seed, scale=scale) for kind, scale in specs]
+    exp = cr.Experiment(
+        traces=tuple(traces),
+        budgets=tuple(args.budgets),
+        policies=tuple(policies),
+        modes=tuple(None if m == "auto" else m for m in args.modes),
+        speculation=tuple(x == "ngram" for x in args.speculation),
+        flop_weights=tuple(args.flop_weights),
+        max_num_seqs=args.max_num_seqs,
+    )
+    results = cr.run_experiment(exp, workers=args.workers)
+    text = cr.report(results)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text)
+    if args.result_file:
+        import json
+
+        payload = {
+            "traces": [t.name for t in traces],
+            "cost_model": cr.nemotron_h_8b().name,
+            "cells": [r.to_dict() for r in results],
+        }
+        Path(args.result_file).write_text(json.dumps(payload, indent=1))
+    if args.plot:
+        for path in cr.plot(results, args.plot):
+            print(f"wrote {path}")
     return 0

@@ -44,6 +44,10 @@ ENGINE_GAUGES = {
         "hybridserve_spec_decode_mean_accepted_length",
         "Tokens a verify step yields per request on average (accepted drafts + 1).",
     ),
+    "checkpoint_bytes": (
+        "hybridserve_mamba_checkpoint_bytes",
+        "Bytes of Mamba state held by prefix-cache checkpoints (committed and pending).",
+    ),
 }
 ENGINE_COUNTERS = {
     "prompt_tokens": ("hybridserve_prompt_tokens", "Prompt tokens processed."),
@@ -69,7 +73,66 @@ ENGINE_COUNTERS = {
         "hybridserve_spec_decode_verify_steps",
         "Request-steps that verified at least one draft token.",
     ),
+    "kv_evictions": ("hybridserve_kv_cache_evictions", "Cached KV blocks evicted."),
+    "kv_evictions_useless": (
+        "hybridserve_kv_cache_evictions_useless",
+        "Cached KV blocks evicted that no prefix hit could use any more (no checkpoint at or below).",
+    ),
+    "checkpoints_kept": (
+        "hybridserve_mamba_checkpoints_kept_last_token",
+        "States kept after the last computed token of a finished or preempted request.",
+    ),
 }
+
+# Labelled families: (metric name, help, label, {label value: engine.stats() key}).
+ENGINE_LABELLED_COUNTERS = (
+    (
+        "hybridserve_prefix_cache_hits_by_source",
+        "Admissions that resumed from a Mamba checkpoint, by where the checkpoint was placed.",
+        "source",
+        {"grid": "prefix_hits_grid", "branch": "prefix_hits_branch", "last_token": "prefix_hits_last_token"},
+    ),
+    (
+        "hybridserve_prefix_cache_hit_tokens_by_source",
+        "Prompt tokens served from the prefix cache, by where the checkpoint was placed.",
+        "source",
+        {
+            "grid": "prefix_hit_tokens_grid",
+            "branch": "prefix_hit_tokens_branch",
+            "last_token": "prefix_hit_tokens_last_token",
+        },
+    ),
+    (
+        "hybridserve_mamba_checkpoint_evictions",
+        "Mamba checkpoints evicted, by cause: stale (their KV prefix was gone), for a new checkpoint, "
+        "for a running window, for KV blocks.",
+        "cause",
+        {
+            "stale": "checkpoint_evictions_stale",
+            "for_checkpoint": "checkpoint_evictions_for_checkpoint",
+            "for_window": "checkpoint_evictions_for_window",
+            "for_kv": "checkpoint_evictions_for_kv",
+        },
+    ),
+)
+ENGINE_LABELLED_GAUGES = (
+    (
+        "hybridserve_mamba_checkpoints",
+        "Committed Mamba checkpoints, by where they were placed.",
+        "source",
+        {"grid": "checkpoints_grid", "branch": "checkpoints_branch", "last_token": "checkpoints_last_token"},
+    ),
+    (
+        "hybridserve_mamba_checkpoint_reuse_rate",
+        "Running rate at which checkpoints of each kind get used by a hit before they are evicted.",
+        "source",
+        {
+            "grid": "checkpoint_reuse_rate_grid",
+            "branch": "checkpoint_reuse_rate_branch",
+            "last_token": "checkpoint_reuse_rate_last_token",
+        },
+    ),
+)
 ENGINE_KEY_ALIASES = {
     "num_requests_running": ("num_running",),
     "num_requests_waiting": ("num_waiting",),
@@ -125,6 +188,15 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=engine_value(s, key))
         for key, (name, doc) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=engine_value(s, key))
+        for family, table in (
+            (CounterMetricFamily, ENGINE_LABELLED_COUNTERS),
+            (GaugeMetricFamily, ENGINE_LABELLED_GAUGES),
+        ):
+            for name, doc, label, keys in table:
+                m = family(name, doc, labels=[label])
+                for value, key in keys.items():
+                    m.add_metric([value], engine_value(s, key))
+                yield m
         per_position = CounterMetricFamily(
             "hybridserve_spec_decode_accepted_tokens_per_position",
             "Verify steps whose draft at this position (0-based) was accepted.",

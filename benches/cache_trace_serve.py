@@ -1,0 +1,179 @@
+"""Request traces through the real HTTP server, checkpoint placements side by side, in one run.
+
+    .venv/bin/python benches/cache_trace_serve.py [--traces T1:0.5,T2:0.5] [--time-scale 1]
+        [--server-args "..."] [--result-file benches/results/cache_trace_serve.json]
+
+For each configuration (`grid`: a checkpoint every mamba_block_size tokens with LRU eviction, what
+the engine did before; `branch`: branch points and last tokens with FLOP-aware eviction, the
+default), a `hybridserve serve demo` subprocess is started and every trace is replayed through it
+with `bench serve --workload trace` (follow-up turns built from the server's real answers). Per
+trace and configuration: the token hit rate the requests saw (`cached_tokens`), TTFT p50 / p95 /
+p99, and the hit rate of the model-free replay (`hybridserve bench cache-trace`'s engine) of the
+same trace with the same pool sizes, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+from hybridserve.benchmarks import cache_replay as cr  # noqa: E402
+from hybridserve.benchmarks.serve_client import ServeConfig, serve_main  # noqa: E402
+from hybridserve.benchmarks.traces import generate  # noqa: E402
+from hybridserve.benchmarks.workloads import WorkloadSpec  # noqa: E402
+
+CONFIGS = {
+    "grid": ["--mamba-checkpoint-placement", "grid", "--prefix-cache-eviction", "lru"],
+    "branch": [],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+    return out
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+        self.log = log.open("w")
+        cmd = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: see {log}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not become ready: see {log}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", default="T1:0.5,T2:0.5", help="KIND:SCALE, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-scale", type=float, default=1.0, help="scales arrivals and think times")
+    ap.add_argument("--configs", default="grid,branch")
+    ap.add_argument(
+        "--server-args",
+        default="--max-num-seqs 32 --max-model-len 4096 --dtype float32 --cpu-threads 1",
+        help="flags for every server",
+    )
+    ap.add_argument("--result-file", default=str(ROOT / "benches/results/cache_trace_serve.json"))
+    a = ap.parse_args()
+    traces = []
+    for item in a.traces.split(","):
+        kind, _, scale = item.partition(":")
+        traces.append(generate(kind, seed=a.seed, scale=float(scale or 1)))
+    rows: list[dict[str, Any]] = []
+    for name in a.configs.split(","):
+        args = shlex.split(a.server_args) + CONFIGS[name]
+        for trace in traces:
+            # a fresh server per trace: the caches start empty, as in the replay
+            server = Server(args, Path(f"/tmp/cache_trace_serve_{name}.log"))
+            try:
+                before = _metrics(server.base)
+                cfg = ServeConfig(
+                    base_url=server.base,
+                    workload=WorkloadSpec(name="trace", num_requests=len(trace.requests)),
+                    progress=False,
+                    trace=trace,
+                    trace_source=trace.name,
+                    trace_time_scale=a.time_scale,
+                )
+                t0 = time.monotonic()
+                result = serve_main(cfg, None, None)
+                wall = time.monotonic() - t0
+                after = _metrics(server.base)
+            finally:
+                server.stop()
+            summary = result["summary"]["trace"]
+            kv = int(after.get("hybridserve_kv_blocks_total", 0)) + 1
+            slots = int(after.get("hybridserve_mamba_slots_total", 0)) + 1
+            placement, eviction = ("grid", "lru") if name == "grid" else ("branch", "flops")
+            policy = cr.Policy(name, placement, eviction, 256 if name == "grid" else None)
+            replayed = cr.replay(
+                trace,
+                cr.Cell(policy, 0.0, max_num_seqs=32, num_kv_blocks=kv, num_mamba_slots=slots),
+                cr.demo_shape(),
+            )
+            failed = result["summary"]["failed"]
+            rows.append(
+                {
+                    "config": name,
+                    "trace": trace.name,
+                    "requests": len(trace.requests),
+                    "failed": failed,
+                    "hit_rate": summary["token_hit_rate"],
+                    "replay_hit_rate": replayed.hit_rate,
+                    "ttft_p50_ms": summary["ttft_p50_ms"],
+                    "ttft_p95_ms": summary["ttft_p95_ms"],
+                    "ttft_p99_ms": summary["ttft_p99_ms"],
+                    "wall_s": wall,
+                    "server_hit_tokens": after.get("hybridserve_prefix_cache_hit_tokens_total", 0)
+                    - before.get("hybridserve_prefix_cache_hit_tokens_total", 0),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| trace | config | hit rate (server) | hit rate (replay) | TTFT p50 / p95 / p99 ms |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['trace']} | {r['config']} | {r['hit_rate']:.3f} | {r['replay_hit_rate']:.3f} | "
+            f"{r['ttft_p50_ms']:.1f} / {r['ttft_p95_ms']:.1f} / {r['ttft_p99_ms']:.1f} |"
+        )
+    by = {(r["trace"], r["config"]): r for r in rows}
+    for t in traces:
+        g, b = by.get((t.name, "grid")), by.get((t.name, "branch"))
+        if g and b:
+            print(
+                f"{t.name}: P95 TTFT branch vs grid {100 * (b['ttft_p95_ms'] / g['ttft_p95_ms'] - 1):+.0f}%"
+            )
+    Path(a.result_file).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The trace replay of the prefix cache (benchmarks/cache_replay.py): the real scheduler and cache,
+the model faked by the trace's outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridserve.benchmarks import cache_replay as cr
+from hybridserve.benchmarks.traces import Trace, TraceRequest, generate
+
+SHARED = tuple(range(3, 103))  # 100 tokens: 6 whole blocks of 16 (96) and 4 more
+
+
+def _tokens(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(3 + (seed * 7919 + i * 104729) % 250 for i in range(n))
+
+
+def _sharers() -> Trace:
+    """Three prompts sharing 100 tokens, one at a time, then a follow-up turn of the first."""
+    reqs = [
+        TraceRequest(id=f"s{i}", arrival=float(i), prompt=SHARED + _tokens(i, 40), output=_tokens(50 + i, 6))
+        for i in range(3)
+    ]
+    reqs.append(
+        TraceRequest(id="s0-next", after="s0", think_time=5.0, prompt_append=_tokens(99, 9), output=(7, 8))
+    )
+    return Trace("sharers", tuple(reqs))
+
+
+def _hits(trace: Trace, policy: str, spec: bool = False) -> list[int]:
+    r = cr.replay(trace, cr.Cell(cr.POLICIES[policy], 10.0, speculation=spec, max_num_seqs=4))
+    assert r.requests == len(trace.requests)
+    return [r.hit_tokens, r.hits_by_kind["branch"], r.hits_by_kind["last_token"], r.hits_by_kind["grid"]]
+
+
+def test_hits_land_where_the_placement_puts_checkpoints() -> None:
+    t = _sharers()
+    turn = 140 + 6 - 1  # the first request's prompt + output, but for the last output token
+    # branch points and last tokens: the 2nd sharer keeps the state at 96, the 3rd hits it; the
+    # next turn resumes at the first request's last computed token
+    assert _hits(t, "hybridserve") == [96 + turn, 1, 1, 0]
+    assert _hits(t, "hybridserve", spec=True) == [96 + turn, 1, 1, 0]
+    # a 256-token grid has no point inside 100 or 140 tokens
+    assert _hits(t, "grid-lru") == [0, 0, 0, 0]
+    # every block boundary kept: the 2nd and 3rd sharers hit 96, the next turn its whole prefix
+    oracle = cr.replay(t, cr.Cell(cr.POLICIES["oracle"], 0.0, max_num_seqs=4))
+    assert oracle.hit_tokens == 96 + 96 + turn
+
+
+def test_replay_is_deterministic_and_bounded_by_the_oracle() -> None:
+    trace = generate("T2", seed=3, scale=0.1)
+    cell = cr.Cell(cr.POLICIES["hybridserve"], 1.5, max_num_seqs=8)
+    a, b = cr.replay(trace, cell), cr.replay(trace, cell)
+    assert a.to_dict() | {"wall_s": 0} == b.to_dict() | {"wall_s": 0}
+    assert a.requests == len(trace.requests) and 0 < a.hit_rate < 1
+    oracle = cr.replay(trace, cr.Cell(cr.POLICIES["oracle"], 0.0, max_num_seqs=8))
+    for name in ("grid-lru", "sglang-like", "hybridserve"):
+        r = cr.replay(trace, cr.Cell(cr.POLICIES[name], 1.5, max_num_seqs=8))
+        assert r.hit_tokens <= oracle.hit_tokens, name
+        assert r.flops_saved <= r.prefill_flops
+    # a tight pool evicts, and says why
+    assert a.evictions["checkpoint"] > 0
+    assert sum(a.evictions[k] for k in ("checkpoint_stale", "checkpoint_for_checkpoint",
+                                        "checkpoint_for_window", "checkpoint_for_kv")) == a.evictions["checkpoint"]  # fmt: skip
+
+
+def test_experiment_report_has_every_cell() -> None:
+    trace = generate("T4", seed=1, scale=0.05)
+    exp = cr.Experiment(traces=(trace,), budgets=(3.0,), policies=("oracle", "sglang-like", "hybridserve"))
+    results = cr.run_experiment(exp)
+    assert [r.policy for r in results] == ["oracle", "sglang-like", "hybridserve"]
+    text = cr.report(results)
+    assert "| T4 x0.05 | 3x | auto | off |" in text
+    assert "hybridserve / sglang-like" in text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hybridserve", "bench", "cache-trace", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_writes_the_report_and_the_cells(tmp_path: Path) -> None:
+    p = _cli("--traces", "T1:0.03", "--budgets", "2", "--policies", "oracle,hybridserve",
+             "--result-file", str(tmp_path / "r.json"), "--report", str(tmp_path / "r.md"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cells = json.loads((tmp_path / "r.json").read_text())["cells"]
+    assert {c["policy"] for c in cells} == {"oracle", "hybridserve"}
+    assert all(0.0 <= c["hit_rate"] <= 1.0 for c in cells)
+    assert "Token hit rate" in (tmp_path / "r.md").read_text()
+
+
+def test_cli_names_the_line_of_a_malformed_trace(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"id": "a", "arrival": 0, "prompt": [5, 6], "output": [7]}\n\n{"id": "b", "prompt": [1]}\n'
+    )
+    p = _cli("--trace-file", str(bad))
+    assert p.returncode == 2
+    assert f"{bad}:3:" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--policies", "fifo"), ("--modes", "sometimes"), ("--speculation", "eagle")]
+)
+def test_cli_refuses_unknown_names(flag: str, value: str) -> None:
+    p = _cli("--traces", "T1:0.01", flag, value)
+    assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr
