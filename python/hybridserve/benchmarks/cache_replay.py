@@ -24,7 +24,10 @@ Policies (`POLICIES`), each the engine's own code under a configuration:
   on the grid), a prefill chunk cut at the deepest grid point of a shared prefix, LRU refreshing
   whole paths;
 - `sglang-like`: branch points and last tokens, LRU refreshing whole paths (a radix cache's LRU);
-- `hybridserve`: branch points and last tokens, FLOP-aware eviction (the engine's default);
+- `branch-lru`: branch points and last tokens, LRU (the eviction the FLOP-aware one is held
+  against);
+- `hybridserve`: the engine's defaults: branch points and last tokens, in mode `all` also grid
+  points in spare room, FLOP-aware eviction;
 - `oracle`: infinite memory, the state kept at every block boundary (what any placement could
   hit at best, at block granularity).
 
@@ -88,7 +91,8 @@ class Policy:
     speculation setting, `all` without and `align` with)."""
 
     name: str
-    placement: str
+    #: None: the engine's default for the mode
+    placement: str | None
     eviction: str
     mamba_block_size: int | None = None
     mode: str | None = None
@@ -104,7 +108,7 @@ POLICIES: dict[str, Policy] = {
         # grid: the cost shape's `vllm_block_size`, set at replay time
         Policy("vllm-like", "grid", "lru-path", 0, mode="align"),
         Policy("sglang-like", "branch", "lru-path"),
-        Policy("hybridserve", "branch", "flops"),
+        Policy("hybridserve", None, "flops"),
         Policy("oracle", "branch+grid", "lru", 16, mode="all", oracle=True),
     )
 }
