@@ -634,8 +634,19 @@ fn prefix<'a>(h: &'a [BlockHash], t: &'a [u32]) -> Prefix<'a> {
 
 /// Runs `req` over `tokens` (no hit), caches its blocks and keeps its state after all of them.
 fn run_and_keep(m: &mut HybridCacheManager, req: ReqKey, tokens: &[u32]) -> bool {
+    resume_and_keep(m, req, tokens, &CacheHit::default())
+}
+
+/// Runs `req` over `tokens` starting from `hit` (already queried), caches its blocks and keeps
+/// its state after all of them; returns whether it was kept.
+fn resume_and_keep(
+    m: &mut HybridCacheManager,
+    req: ReqKey,
+    tokens: &[u32],
+    hit: &CacheHit,
+) -> bool {
     let h = hashes(tokens, None);
-    m.allocate_new(req, &CacheHit::default(), tokens.len(), 0)
+    m.allocate_new(req, hit, tokens.len() - hit.num_tokens, 0)
         .unwrap();
     m.cache_full_blocks(req, &h, tokens.len());
     let kept = m.keep_last_state(req, prefix(&h, tokens), tokens.len(), 0);
@@ -887,23 +898,6 @@ fn lru_path_refreshes_every_checkpoint_on_the_hit_path() {
         let (u8, u_other) = (m.mamba.last_use(slots[0]), m.mamba.last_use(s_other));
         assert_eq!(u8 > u_other, refreshed, "{eviction:?}");
     }
-}
-
-/// Runs `req` over `tokens` starting from `hit` (already queried), caches its blocks and keeps
-/// its state after all of them; returns whether it was kept.
-fn resume_and_keep(
-    m: &mut HybridCacheManager,
-    req: ReqKey,
-    tokens: &[u32],
-    hit: &CacheHit,
-) -> bool {
-    let h = hashes(tokens, None);
-    m.allocate_new(req, hit, tokens.len() - hit.num_tokens, 0)
-        .unwrap();
-    m.cache_full_blocks(req, &h, tokens.len());
-    let kept = m.keep_last_state(req, prefix(&h, tokens), tokens.len(), 0);
-    m.free(req);
-    kept
 }
 
 #[test]

@@ -480,6 +480,15 @@ def test_model_caches_shapes_sizing_and_copies(checkpoints):
     assert torch.equal(c.ssm[0][3], s1) and torch.equal(c.conv[0][3], v1) and torch.equal(c.ssm[0][2], s1)
     with pytest.raises(ValueError):
         c.apply_state_copies([[1, 6]])
+    # KV block copies (a tail hit): whole blocks, every attention layer; block 0 is the null block
+    c.kv[1].normal_()
+    b1 = c.kv[1][1].clone()
+    c.apply_kv_copies([[1, 4]])
+    assert torch.equal(c.kv[1][4], b1) and not torch.equal(c.kv[1][3], b1)
+    for bad in ([[0, 2]], [[1, 0]], [[1, 5]]):
+        with pytest.raises(ValueError, match="KV block copy"):
+            c.apply_kv_copies(bad)
+    c.apply_kv_copies([])
 
 
 def test_parse_legacy_bamba_and_mamba2_fields():

@@ -53,6 +53,24 @@ pub(crate) struct PyScheduler {
     last_output: Option<Py<PySchedulerOutput>>,
 }
 
+impl PyScheduler {
+    /// An output of another scheduler can carry the open step's id (ids count from 0 in every
+    /// scheduler): only the object this scheduler's schedule() returned may close the step.
+    fn check_own_output(&self, output: &PyRef<'_, PySchedulerOutput>, what: &str) -> PyResult<()> {
+        let open = self.inner.in_flight_step();
+        let ours = self
+            .last_output
+            .as_ref()
+            .is_some_and(|last| last.as_ptr() == output.as_ptr());
+        if open == Some(output.out.step_id) && !ours {
+            return Err(InvalidRequestError::new_err(format!(
+                "{what}: this output was not returned by this scheduler's schedule()"
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
@@ -157,18 +175,7 @@ impl PyScheduler {
         draft_token_ids: Option<&Bound<'py, PyAny>>,
         num_drafts: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        // An output of another scheduler can carry the open step's id (ids count from 0 in
-        // every scheduler): only the object this scheduler's schedule() returned may close it.
-        let open = self.inner.in_flight_step();
-        let ours = self
-            .last_output
-            .as_ref()
-            .is_some_and(|last| last.as_ptr() == output.as_ptr());
-        if open == Some(output.out.step_id) && !ours {
-            return Err(InvalidRequestError::new_err(
-                "update_from_output: this output was not returned by this scheduler's schedule()",
-            ));
-        }
+        self.check_own_output(&output, "update_from_output")?;
         let sampled = i32_array(sampled_token_ids, "sampled_token_ids")?;
         let nsampled = i32_array(num_sampled, "num_sampled")?;
         let drafts = match (draft_token_ids, num_drafts) {
@@ -202,16 +209,7 @@ impl PyScheduler {
         py: Python<'py>,
         output: PyRef<'py, PySchedulerOutput>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let open = self.inner.in_flight_step();
-        let ours = self
-            .last_output
-            .as_ref()
-            .is_some_and(|last| last.as_ptr() == output.as_ptr());
-        if open == Some(output.out.step_id) && !ours {
-            return Err(InvalidRequestError::new_err(
-                "cancel_step: this output was not returned by this scheduler's schedule()",
-            ));
-        }
+        self.check_own_output(&output, "cancel_step")?;
         let deltas = self.inner.cancel_step(&output.out).map_err(to_pyerr)?;
         PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
     }

@@ -113,18 +113,10 @@ class ModelCaches:
     def apply_state_copies(self, copies: Any) -> None:
         """Executes ``copies`` (int [C, 2] of (src, dst) slot pairs, tensor / ndarray / list), in
         order, on every Mamba layer's conv and ssm tensors (before the forward)."""
-        t = torch.as_tensor(copies, dtype=torch.int64)
-        if t.numel() == 0:
+        pairs = _copy_pairs(copies, 0, self.num_slots, "state copy slot")
+        if pairs is None:
             return
-        t = t.reshape(-1, 2)
-        src, dst = t[:, 0], t[:, 1]
-        if bool(
-            (src < 0).any()
-            or (dst < 0).any()
-            or (src >= self.num_slots).any()
-            or (dst >= self.num_slots).any()
-        ):
-            raise ValueError(f"state copy slot out of range [0, {self.num_slots})")
+        src, dst = pairs
         with torch.inference_mode():  # works on normal and inference tensors alike
             for i in self.conv:
                 dispatch.copy_slots(self.conv[i], src, dst)
@@ -134,18 +126,10 @@ class ModelCaches:
         """Executes ``copies`` (int [C, 2] of (src, dst) KV block pairs), in order, on every
         attention layer's KV (before the forward): a prefix hit on the partly filled last block of
         an earlier sequence gets its own copy of that block."""
-        t = torch.as_tensor(copies, dtype=torch.int64)
-        if t.numel() == 0:
+        pairs = _copy_pairs(copies, 1, self.num_blocks, "KV block copy")
+        if pairs is None:
             return
-        t = t.reshape(-1, 2)
-        src, dst = t[:, 0], t[:, 1]
-        if bool(
-            (src <= 0).any()
-            or (dst <= 0).any()
-            or (src >= self.num_blocks).any()
-            or (dst >= self.num_blocks).any()
-        ):
-            raise ValueError(f"KV block copy out of range [1, {self.num_blocks})")
+        src, dst = pairs
         with torch.inference_mode():
             for kv in self.kv.values():
                 for s, d in zip(src.tolist(), dst.tolist()):
@@ -159,6 +143,18 @@ class ModelCaches:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.kv, self.conv, self.ssm) for t in d.values())
+
+
+def _copy_pairs(copies: Any, lo: int, hi: int, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(src, dst) int64 tensors of a [C, 2] copy list whose ids lie in [lo, hi); None when empty.
+    ValueError naming `what` for an id out of range (nothing is copied then)."""
+    t = torch.as_tensor(copies, dtype=torch.int64)
+    if t.numel() == 0:
+        return None
+    t = t.reshape(-1, 2)
+    if bool((t < lo).any() or (t >= hi).any()):
+        raise ValueError(f"{what} out of range [{lo}, {hi})")
+    return t[:, 0], t[:, 1]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
