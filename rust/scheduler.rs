@@ -368,18 +368,42 @@ impl Scheduler {
     }
 
     /// Keeps the running request's state after its computed tokens as a last-token checkpoint
-    /// (placement permitting). Call before freeing its cache.
-    fn keep_last_state(&mut self, key: ReqKey, req: &Request) {
+    /// (placement permitting). Call before freeing its cache. Whether it was kept.
+    fn keep_last_state(&mut self, key: ReqKey, req: &Request) -> bool {
         if !self.checkpoints || !self.placement.branch() {
-            return;
+            return false;
         }
-        if self.cache.keep_last_state(
+        let kept = self.cache.keep_last_state(
             key,
             req.prefix(),
             req.num_computed_tokens,
             req.live_window_index,
-        ) {
+        );
+        if kept {
             self.stats.checkpoints_kept += 1;
+        }
+        kept
+    }
+
+    /// Publishes the grid checkpoint at a finished request's last computed token (its live window
+    /// slot, copied out first thing next step), for a request whose last state was not kept.
+    fn publish_last_boundary(&mut self, key: ReqKey, req: &Request) {
+        let (b, pos) = (self.cfg.block_size, req.num_computed_tokens);
+        let Some(&src) = self.cache.state_window(key).get(req.live_window_index) else {
+            return;
+        };
+        let Some(&hash) = (pos / b)
+            .checked_sub(1)
+            .and_then(|i| req.block_hashes.get(i))
+        else {
+            return;
+        };
+        if let Some(dst) = self
+            .cache
+            .reserve_checkpoint(hash, pos, CheckpointKind::Grid)
+        {
+            self.pending_publishes.push((src, dst));
+            self.stats.checkpoints_published += 1;
         }
     }
 
@@ -1034,6 +1058,8 @@ impl Scheduler {
         let b = self.cfg.block_size;
         let m = self.cfg.mamba_block_size.max(1);
         let mut finished: Vec<ReqKey> = Vec::new();
+        // finished decode rows whose last computed token is a grid boundary
+        let mut final_boundary: Vec<ReqKey> = Vec::new();
         let mut s_off = 0usize;
         let mut d_off = 0usize;
         for (r, row) in out.rows.iter().enumerate() {
@@ -1085,8 +1111,20 @@ impl Scheduler {
             if row.is_decode && self.checkpoints && self.placement.grid() {
                 // Accepted tokens crossed or reached boundaries: the state after p·M tokens is in
                 // window[p·M - before - 1]; copy it out first thing next step.
+                // A request that ends on a boundary keeps its last state there itself (branch
+                // placement), committed at once; a publish would stay pending until a next step
+                // and hide that state from a follow-up admitted before it. (If the state is not
+                // kept after all, the publish follows then.)
+                let last = if finish.is_some() && self.placement.branch() {
+                    if after % m == 0 {
+                        final_boundary.push(row.key);
+                    }
+                    after - 1
+                } else {
+                    after
+                };
                 let mut bnd = (before / m + 1) * m;
-                while bnd <= after {
+                while bnd <= last {
                     let idx = bnd - before - 1;
                     let src = self.cache.state_window(row.key).get(idx).copied();
                     if let (Some(src), Some(&hash)) = (src, req.block_hashes.get(bnd / b - 1)) {
@@ -1130,7 +1168,9 @@ impl Scheduler {
         if !finished.is_empty() {
             for &key in &finished {
                 if let Some(req) = self.requests.remove(&key) {
-                    self.keep_last_state(key, &req);
+                    if !self.keep_last_state(key, &req) && final_boundary.contains(&key) {
+                        self.publish_last_boundary(key, &req);
+                    }
                     self.requests.insert(key, req);
                 }
                 self.cache.free(key);

@@ -1058,6 +1058,24 @@ fn last_token_checkpoint_serves_the_next_turn_exactly() {
 }
 
 #[test]
+fn a_follow_up_right_after_a_finish_on_a_grid_boundary_hits_it() {
+    // t1 computes 8 tokens (6 + 3 - 1), M = 8: the last state is kept at once, not published by a
+    // copy that would wait for a next step; t2, admitted in the very next schedule(), hits it.
+    for k in [0, 2] {
+        let mut c = cfg(MambaCacheMode::All, k);
+        c.checkpoint_placement = CheckpointPlacement::BranchAndGrid;
+        c.eviction = EvictionPolicy::Flops;
+        let mut sim = Sim::new(c, 256, 64, 5);
+        sim.draft_quality = 8;
+        sim.add("t1", (1..=6).collect(), 3, None);
+        sim.run_to_end(50);
+        assert_eq!(sim.s.pending_publishes.len(), 0, "k={k}");
+        assert_eq!(run_t2_on_t1s_prefix(&mut sim), 8, "k={k}");
+        assert_eq!(sim.s.stats().prefix_hits_by_kind, [0, 0, 1]);
+    }
+}
+
+#[test]
 fn a_finish_by_stop_string_keeps_the_last_state_and_an_abort_does_not() {
     for (finish, kept) in [(true, 1), (false, 0)] {
         let mut sim = Sim::new(

@@ -123,9 +123,9 @@ def test_shared_prefix_hit_rate_from_metrics(server: ServerProcess, tmp_path: Pa
     assert sp["queried_tokens"] == 8 * 96
     assert 0.0 < sp["hit_rate"] <= 1.0
     # a request that found the shared 80 tokens cached without a state kept one there (80 is a
-    # whole number of 16-token blocks): every hit is exactly the shared prefix
-    assert {q["cached_tokens"] for q in r["requests"]} <= {0, 80}
-    assert sp["hit_tokens"] % 80 == 0 and sp["hit_tokens"] > 0
+    # whole number of 16-token blocks); before that, a request may hit the grid point at 64
+    cached = [q["cached_tokens"] for q in r["requests"]]
+    assert set(cached) <= {0, 64, 80} and 80 in cached
     # the usage fields (cached_tokens per request) add up to the server's hit counter
     assert s["usage_cached_tokens"] == sp["hit_tokens"]
     assert math.isclose(s["usage_cache_hit_rate"], sp["hit_rate"])

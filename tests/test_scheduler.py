@@ -306,7 +306,9 @@ def test_stats_keys() -> None:
         "checkpoint_evictions_for_checkpoint", "checkpoint_evictions_for_window",
         "checkpoint_evictions_for_kv", "kv_blocks_cached", "mamba_slots_window",
     }  # fmt: skip
-    flops = {"prefill_flops_queried", "prefill_flops_saved"}
+    flops = {"prefill_flops_queried", "prefill_flops_saved"} | {
+        f"checkpoint_reuse_rate_{kind}" for kind in ("grid", "branch", "last_token")
+    }
     assert set(st) == expected | flops
     assert all(isinstance(st[k], int) for k in expected)
     assert all(isinstance(st[k], float) for k in flops)

@@ -612,21 +612,22 @@ def test_cached_tokens_match_the_engine_counters(server, client):
         done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
         counted.append((done, wait_idle(server)[hits] - start[hits]))
     (first, _), (second, _), (third, _) = counted
-    # the hit is reported by where its checkpoint came from: a branch point
+    # hits are reported by where their checkpoint came from: a grid point, then a branch point
     last = wait_idle(server)
-    for source, n in (("branch", 1), ("grid", 0), ("last_token", 0)):
-        for name, want in (("hits_by_source", n), ("hit_tokens_by_source", 112 * n)):
+    for source, n, tokens in (("grid", 1, 64), ("branch", 1, 112), ("last_token", 0, 0)):
+        for name, want in (("hits_by_source", n), ("hit_tokens_by_source", tokens)):
             key = f'hybridserve_prefix_cache_{name}_total{{source="{source}"}}'
             assert last[key] - first_seen[key] == want, key
     lost = "hybridserve_prefix_cache_lost_tokens_total"
-    assert last[lost] - first_seen[lost] == 112  # the repeat found KV without a state
+    assert last[lost] - first_seen[lost] == 112 - 64  # the repeat found KV past its state
     assert last["hybridserve_mamba_checkpoint_bytes"] > 0
     for c, diff in counted:
         assert c.usage.prompt_tokens_details.cached_tokens == diff
         assert c.choices[0].text == first.choices[0].text
-    # 117 prompt tokens: the first run keeps its state after its last token only, so the repeat
-    # finds 112 tokens of KV (7 blocks) without a state and keeps one there; the third hits it
-    assert [c.usage.prompt_tokens_details.cached_tokens for c, _ in counted] == [0, 0, 112]
+    # 117 prompt tokens: the first run keeps its state after its last token and, in spare room,
+    # at the grid point 64; the repeat hits 64, finds 112 tokens of KV (7 blocks) past it and keeps
+    # a state there; the third hits 112
+    assert [c.usage.prompt_tokens_details.cached_tokens for c, _ in counted] == [0, 64, 112]
     # another tenant's salt never sees this prefix
     salted = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"}
