@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from hybridserve.config import EngineArgs
-from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError
+from hybridserve.engine.async_engine import AsyncEngine
+from hybridserve.errors import EngineDeadError
 from hybridserve.sampling.params import SamplingParams
 
 ARGS = EngineArgs(model="demo", dtype="float32", max_model_len=512, max_num_seqs=4)

@@ -369,7 +369,8 @@ def test_the_proposer_uses_the_validated_speculative_config() -> None:
 
     spec = EngineArgs(model="demo", speculative_config=llm.engine.args.speculative_config).speculative()
     assert spec is not None and (spec.prompt_lookup_min, spec.prompt_lookup_max) == (6, 6)
-    assert (llm.engine.proposer.prompt_lookup_min, llm.engine.proposer.prompt_lookup_max) == (6, 6)
+    proposer = llm.engine.runner.proposer
+    assert (proposer.prompt_lookup_min, proposer.prompt_lookup_max) == (6, 6)
     # the JSON string form EngineArgs accepts builds the same engine
     as_json = LLM(
         "demo",
@@ -377,7 +378,8 @@ def test_the_proposer_uses_the_validated_speculative_config() -> None:
         max_model_len=256,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
     )
-    assert (as_json.engine.proposer.prompt_lookup_min, as_json.engine.proposer.prompt_lookup_max) == (1, 3)
+    proposer = as_json.engine.runner.proposer
+    assert (proposer.prompt_lookup_min, proposer.prompt_lookup_max) == (1, 3)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert (
         as_json.generate(PROMPT, params)[0].outputs[0].token_ids
@@ -412,7 +414,7 @@ def test_generate_cli_prints_json() -> None:
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridserve.engine.llm_engine import StepError
+    from hybridserve.errors import StepError
 
     llm = LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=4, mamba_block_size=64)
     engine = llm.engine

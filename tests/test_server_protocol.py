@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from hybridserve.engine.outputs import Logprob
 from hybridserve.model.demo import ensure_demo_model
+from hybridserve.sampling.logprobs import Logprob
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import protocol as P
 from hybridserve.server.app import create_app

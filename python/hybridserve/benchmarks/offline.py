@@ -65,7 +65,7 @@ def run_offline(
             "output_len": output_len,
             "seed": seed,
         },
-        "max_model_len": int(llm.engine.config.max_model_len),
+        "max_model_len": llm.engine.max_model_len,
         "load_s": load_s,
         "elapsed_s": elapsed,
         "num_steps": int(stats.get("num_steps", 0)) - steps_before,

@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hybridserve.config import EngineArgs
-from hybridserve.engine.llm_engine import LLMEngine, Prompt, StepError
+from hybridserve.engine.input_processor import Prompt
+from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
-from hybridserve.errors import HybridServeError
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.errors import EngineDeadError, HybridServeError, StepError
 from hybridserve.sampling.params import SamplingParams
 
 logger = logging.getLogger("hybridserve.engine")
 
-
-class EngineDeadError(HybridServeError):
-    """The engine failed to load or its thread has stopped."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class _Stream:
@@ -42,6 +42,9 @@ class _Stream:
 
 
 class AsyncEngine:
+    """An `EngineClient` (engine/protocol.py): the model loads and the steps run in the engine
+    thread; `generate` streams each request's outputs to the caller's event loop."""
+
     def __init__(self, args: EngineArgs, *, start: bool = True) -> None:
         self.args = args
         self.engine: LLMEngine | None = None
@@ -72,13 +75,26 @@ class AsyncEngine:
         """Loaded and its thread still running (False again once the thread has died)."""
         return self._ready and self._thread.is_alive() and not self._stop.is_set()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.em.vocab_size if self.engine is not None else 0
+    def _loaded_engine(self) -> LLMEngine:
+        if self.engine is None or not self._loaded.is_set():
+            raise EngineDeadError("the engine has not loaded a model")
+        return self.engine
 
     @property
-    def model_dir(self) -> str | None:
-        return self.engine.em.model_dir if self.engine is not None else None
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded_engine().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded_engine().vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded_engine().max_model_len
+
+    @property
+    def model_dir(self) -> str:
+        return self._loaded_engine().model_dir
 
     def start(self) -> None:
         self._thread.start()
@@ -93,14 +109,6 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer if self.engine is not None else None
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len if self.engine is not None else 0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

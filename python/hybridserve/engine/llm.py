@@ -13,8 +13,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybridserve.config import EngineArgs
-from hybridserve.engine.llm_engine import LLMEngine, Prompt
+from hybridserve.engine.input_processor import Prompt
+from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.protocol import OfflineEngine
+from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import choice_seed
@@ -34,19 +37,20 @@ def _is_token_list(prompts: object) -> bool:
 
 class LLM:
     def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
-        self.engine.stream_outputs = False  # generate() only reads finished outputs
-        self._next_id = 0
+        self._attach(LLMEngine(EngineArgs(model=model, **engine_kwargs)))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args)
-        llm.engine.stream_outputs = False
-        llm._next_id = 0
+        llm._attach(LLMEngine(args))
         return llm
 
-    def get_tokenizer(self) -> Any:
+    def _attach(self, engine: OfflineEngine) -> None:
+        self.engine = engine
+        self.engine.stream_outputs = False  # generate() only reads finished outputs
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

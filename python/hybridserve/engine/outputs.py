@@ -4,18 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 
-@dataclass
-class Logprob:
-    """Log-probability of one token, with its decoded text."""
-
-    logprob: float
-    rank: int
-    decoded_token: str = ""
-
-
-# One entry per generated token: token id -> Logprob (the chosen token plus the top-n).
-TokenLogprobs = dict[int, Logprob]
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "TokenLogprobs"]
 
 
 @dataclass

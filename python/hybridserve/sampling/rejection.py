@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.engine.outputs import TokenLogprobs
+from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import (
     LogprobsMode,
     ProcessedLogits,

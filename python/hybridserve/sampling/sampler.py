@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from hybridserve.engine.outputs import Logprob, TokenLogprobs
+from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
 

@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from hybridserve.errors import InvalidRequestError
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.protocol import EngineClient, ServedModel
+from hybridserve.errors import EngineDeadError, InvalidRequestError
 from hybridserve.server import protocol as P
 from hybridserve.server import sse
 from hybridserve.server.chat import ChatTemplate
@@ -43,23 +44,20 @@ _ABORTED = object()  # sink marker: the server aborted this choice
 class EngineModelInfo:
     """protocol.ModelInfo over the engine: tokenizer, vocabulary size, context length, chat template."""
 
-    def __init__(self, engine: Any, chat_template: ChatTemplate | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: ServedModel, chat_template: ChatTemplate | None = None) -> None:
         self.tokenizer = engine.tokenizer
         self._max_model_len = int(engine.max_model_len)
-        self._vocab_size = _find_vocab_size(engine)
+        self._vocab_size = int(engine.vocab_size)
         if chat_template is None:
-            source = getattr(self.tokenizer, "chat_template", None)
+            source = self.tokenizer.chat_template
             if isinstance(source, str) and source:
                 chat_template = ChatTemplate(
-                    source,
-                    bos_token=_str_or_none(getattr(self.tokenizer, "bos_token", None)),
-                    eos_token=_str_or_none(getattr(self.tokenizer, "eos_token", None)),
+                    source, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token
                 )
-            else:
-                chat_template = ChatTemplate.from_model_dir(_find_model_dir(engine))
+            else:  # none, or named templates: the template file decides
+                chat_template = ChatTemplate.from_model_dir(engine.model_dir)
         self.chat_template = chat_template
-        self._bos_id = _find_special_id(engine, "bos_token_id")
+        self._bos_id = self.tokenizer.bos_token_id
         self._token_text_cache: dict[int, str] = {}
 
     @property
@@ -71,10 +69,7 @@ class EngineModelInfo:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        if hasattr(ids, "ids"):  # a tokenizers.Encoding
-            ids = ids.ids
-        return [int(t) for t in ids]
+        return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -89,9 +84,8 @@ class EngineModelInfo:
         s = self._token_text_cache.get(token_id)
         if s is None:
             try:
-                fn = getattr(self.tokenizer, "token_to_text", None)
-                s = str(fn(token_id)) if callable(fn) else str(self.tokenizer.decode([token_id]))
-            except Exception:
+                s = self.tokenizer.token_to_text(token_id)
+            except Exception:  # an id outside the vocabulary: no label rather than a failed response
                 s = ""
             if len(self._token_text_cache) < 200_000:
                 self._token_text_cache[token_id] = s
@@ -99,67 +93,19 @@ class EngineModelInfo:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (chat logprobs' `bytes`; a piece of a character included)."""
-        fn = getattr(self.tokenizer, "token_bytes", None)
-        if callable(fn):
-            try:
-                return bytes(fn(token_id))
-            except Exception:
-                pass
-        return self.token_text(token_id).encode("utf-8")
+        try:
+            return self.tokenizer.token_bytes(token_id)
+        except Exception:
+            return self.token_text(token_id).encode("utf-8")
 
     def text_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes:
         """What a token adds to the decoded text: nothing for a special token that is skipped."""
-        if skip_special_tokens:
-            is_special = getattr(self.tokenizer, "is_special", None)
-            if callable(is_special) and is_special(token_id):
-                return b""
+        if skip_special_tokens and self.tokenizer.is_special(token_id):
+            return b""
         return self.token_bytes(token_id)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-
-
-def _str_or_none(v: Any) -> str | None:
-    return v if isinstance(v, str) else None
-
-
-def _find_vocab_size(engine: Any) -> int | None:
-    for obj, attr in (
-        (engine, "vocab_size"),
-        (getattr(engine, "model_config", None), "vocab_size"),
-        (getattr(engine, "tokenizer", None), "vocab_size"),
-    ):
-        v = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(v, int) and v > 0:
-            return v
-    tok = getattr(engine, "tokenizer", None)
-    for name in ("get_vocab_size", "__len__"):
-        fn = getattr(tok, name, None)
-        if callable(fn):
-            try:
-                v = int(fn())
-            except Exception:
-                continue
-            if v > 0:
-                return v
-    return None
-
-
-def _find_model_dir(engine: Any) -> str | None:
-    for obj in (engine, getattr(engine, "tokenizer", None), getattr(engine, "model_config", None)):
-        for attr in ("model_dir", "model_path", "name_or_path"):
-            v = getattr(obj, attr, None) if obj is not None else None
-            if isinstance(v, str | Path) and Path(v).is_dir():
-                return str(v)
-    return None
-
-
-def _find_special_id(engine: Any, attr: str) -> int | None:
-    for obj in (getattr(engine, "tokenizer", None), getattr(engine, "model_config", None), engine):
-        v = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(v, int):
-            return v
-    return None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 @dataclass
@@ -170,7 +116,7 @@ class ServerState:
     shutdown_grace_s: float
     metrics: ServerMetrics
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
-    engine: Any = None
+    engine: EngineClient | None = None
     info: EngineModelInfo | None = None
     load_error: str | None = None
     draining: bool = False
@@ -186,7 +132,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and bool(getattr(self.engine, "ready", True)) and self.info is not None
+        return self.engine is not None and self.engine.ready and self.info is not None
 
     def admit(self, ids: list[str]) -> None:
         self.inflight.update(ids)
@@ -205,7 +151,7 @@ STATE = web.AppKey("hybridserve_state", ServerState)
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient | None,
     *,
     served_model_name: str,
     api_key: str | None = None,
@@ -243,7 +189,9 @@ def create_app(
     return app
 
 
-def set_engine(app: web.Application, engine: Any, *, chat_template: ChatTemplate | None = None) -> None:
+def set_engine(
+    app: web.Application, engine: EngineClient, *, chat_template: ChatTemplate | None = None
+) -> None:
     """Attach a loaded engine; from now on /health is 200 (while engine.ready)."""
     state = app[STATE]
     state.info = EngineModelInfo(engine, chat_template)
@@ -578,28 +526,21 @@ class _Delta:
     finished: bool
 
 
-def _apply_output(choice: _Choice, out: Any) -> _Delta:
-    """Fold one RequestOutput into the choice; returns what is new."""
+def _apply_output(choice: _Choice, out: RequestOutput) -> _Delta:
+    """Fold one RequestOutput into the choice; returns what is new (the output's delta fields)."""
     co = out.outputs[0]
-    if co.delta_token_ids or co.delta_text:
-        new_ids = list(co.delta_token_ids)
-        new_text = co.delta_text
-    else:  # an engine that only fills cumulative fields
-        new_ids = list(co.token_ids[len(choice.token_ids) :])
-        new_text = co.text[len(choice.text) :]
+    new_ids = list(co.delta_token_ids)
+    new_text = co.delta_text
     new_lps: list[Any] | None = None
     if co.logprobs is not None:
-        total = len(choice.token_ids) + len(new_ids)
-        if len(co.logprobs) >= total:  # cumulative (possibly grown since: slice by position)
-            start = len(choice.logprobs)
-            new_lps = list(co.logprobs[start : start + len(new_ids)])
-        else:  # per-delta
-            new_lps = list(co.logprobs[: len(new_ids)])
+        # the output's logprobs are cumulative: this delta's are those after the ones already seen
+        start = len(choice.logprobs)
+        new_lps = list(co.logprobs[start : start + len(new_ids)])
         choice.logprobs.extend(new_lps)
     choice.token_ids.extend(new_ids)
     choice.text += new_text
-    choice.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
-    finished = bool(out.finished or co.finish_reason is not None)
+    choice.num_cached_tokens = out.num_cached_tokens
+    finished = out.finished
     if finished:
         choice.finish_reason = co.finish_reason or "stop"
         choice.stop_reason = co.stop_reason
@@ -619,7 +560,7 @@ async def _abort(state: ServerState, engine_id: str) -> None:
 async def _generate(
     request: web.Request,
     state: ServerState,
-    engine: Any,
+    engine: EngineClient,
     info: EngineModelInfo,
     req: P.GenerateRequest,
     request_id: str,
@@ -696,7 +637,7 @@ async def _generate(
 def _engine_error(e: BaseException) -> P.APIError:
     if isinstance(e, InvalidRequestError):
         return P.APIError(str(e), status=400, code="invalid_value")
-    if type(e).__name__ == "EngineDeadError":  # (not imported: that module pulls in torch)
+    if isinstance(e, EngineDeadError):
         return P.APIError(
             f"the engine is not running: {e}", status=503, type="service_unavailable", code="engine_dead"
         )

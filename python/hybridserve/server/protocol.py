@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from hybridserve.engine.outputs import TokenLogprobs
 from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from hybridserve.sampling.seeds import choice_seed
 

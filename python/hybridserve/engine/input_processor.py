@@ -1,0 +1,139 @@
+"""Input processing: a prompt and its sampling parameters become an `EngineRequest` the scheduler
+can admit (token ids checked against the vocabulary and the context, the generation budget, the
+sampling seed). Nothing here touches the scheduler or the model: a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.seeds import request_seed
+
+# A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (as vLLM's inputs).
+Prompt = str | dict[str, Any] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the engine runs it: what the scheduler and the output processor need."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # the generation budget: the request's own limit within the context
+    min_tokens: int  # params.min_tokens, capped at max_tokens
+    seed: int  # keys every sampling draw of this request
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+def token_ids(ids: object) -> list[int]:
+    """Token ids as ints; a float, a bool or a string is an error, not a truncated id."""
+    if isinstance(ids, str | bytes | bytearray):
+        raise TypeError(f"{type(ids).__name__} is not a list of token ids")
+    out = []
+    for t in ids:  # type: ignore[attr-defined]
+        if isinstance(t, bool):
+            raise TypeError("a bool is not a token id")
+        out.append(operator.index(t))
+    return out
+
+
+class InputProcessor:
+    """Tokenizes and validates requests, and gives each its sampling seed.
+
+    A request without a seed of its own draws from (engine seed, arrival index); the index advances
+    only when the scheduler admitted the request (`admitted`), so a refused request does not shift
+    the draws of the requests after it.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, engine_seed: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.engine_seed = engine_seed
+        self.arrival_index = 0  # index of the next admitted request
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; a malformed prompt is an InvalidRequestError."""
+        try:
+            return self._encode_prompt(prompt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"prompt: token ids must be integers ({exc})") from exc
+
+    def _encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    "prompt: not valid Unicode (it holds an unpaired surrogate)"
+                ) from None
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidRequestError("prompt: a dict prompt's 'prompt' must be a str")
+                return self._encode_prompt(prompt["prompt"])
+            raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, bytes | bytearray) or prompt is None:
+            raise InvalidRequestError(
+                f"prompt: a str, a list of token ids or a dict, not {type(prompt).__name__}"
+            )
+        return None, token_ids(prompt)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> EngineRequest:
+        params.validate()
+        if params.n != 1:
+            raise InvalidRequestError("n: LLMEngine takes one sequence per request; fan out n above it")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty")
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len {self.max_model_len}"
+            )
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        return EngineRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            # the context may leave less room than min_tokens asks: the request then ends with
+            # `length` when the context is full (as vLLM), it is not refused
+            min_tokens=min(params.min_tokens, max_tokens),
+            seed=request_seed(params.seed, self.engine_seed, self.arrival_index),
+            cache_salt=cache_salt,
+            priority=priority,
+        )
+
+    def admitted(self) -> None:
+        """The request last processed was admitted: the next one takes the next arrival index."""
+        self.arrival_index += 1

@@ -1,0 +1,216 @@
+"""The model runner: owns the model, its caches, the kernels they run on, the sampler, the
+rejection sampler and the draft proposer, and turns one `SchedulerOutput` into sampled tokens.
+
+It holds no request state of its own: what it needs about each row (sampling parameters, seed,
+history) comes with the call, so a worker process that owns a shard of the model can run it from
+the scheduler's output alone. The engine keeps the scheduler and the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridserve import _core
+from hybridserve.engine.model_setup import EngineModel
+from hybridserve.model.batch import ForwardBatch
+from hybridserve.sampling.logprobs import TokenLogprobs
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, row by row in the order of the scheduler output's `req_ids`."""
+
+    sampled: list[list[int]]  # tokens emitted by each row (none for a partial prefill chunk)
+    logprobs: list[list[TokenLogprobs] | None]  # per row, when the request asked for logprobs
+    draft_token_ids: np.ndarray  # int32, the next step's drafts of every row back to back
+    num_draft_tokens: np.ndarray  # int32, per row
+    # (drafts verified, drafts accepted) of each row that verified drafts this step
+    verified: list[tuple[int, int]] = field(default_factory=list)
+
+    def sampled_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every sampled token back to back, the count of each row) as the scheduler takes them."""
+        flat = [t for row in self.sampled for t in row]
+        counts = [len(r) for r in self.sampled]
+        return np.asarray(flat, dtype=np.int32), np.asarray(counts, dtype=np.int32)
+
+
+def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
+    """The scheduler's numpy arrays as the tensors the model reads."""
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    def host(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    return ForwardBatch(
+        input_ids=t(out.input_ids),
+        positions=t(out.positions),
+        query_start_loc=host(out.query_start_loc),
+        num_computed_tokens=host(out.num_computed_tokens),
+        seq_lens=host(out.seq_lens),
+        num_decodes=int(out.num_decodes),
+        slot_mapping=t(out.slot_mapping),
+        block_table=t(out.block_table),
+        state_read_slot=t(out.state_read_slot),
+        has_initial_state=t(out.has_initial_state),
+        state_write_slots=t(out.state_write_slots),
+        emit_row=t(out.emit_row),
+        emit_token=t(out.emit_token),
+        emit_slot=t(out.emit_slot),
+        # on the CPU: the model moves it to the device itself, and reads it on the CPU too
+        logits_indices=host(out.logits_indices),
+    )
+
+
+class ModelRunner:
+    def __init__(self, em: EngineModel, num_speculative_tokens: int) -> None:
+        self.em = em
+        self.num_speculative_tokens = num_speculative_tokens
+        self.sampler = Sampler()
+        self.proposer: Any = em.proposer
+        self.rejection_sampler: Any = None
+        if num_speculative_tokens > 0:
+            from hybridserve.sampling.rejection import RejectionSampler
+
+            self.rejection_sampler = RejectionSampler()
+
+    def free_request(self, request_id: str) -> None:
+        """The request is gone: a proposer that keeps state per request drops it."""
+        free = getattr(self.proposer, "free", None)
+        if free is not None:
+            free(request_id)
+
+    def execute(self, out: _core.SchedulerOutput, rows: Sequence[RowSampling | None]) -> ModelRunnerOutput:
+        """Copy the cache blocks and states the scheduler asked for, run the forward, sample (or
+        verify drafts), and propose the next drafts. `rows[r]` describes request `out.req_ids[r]`;
+        None for a request that is gone (its row is computed and nothing is sampled for it)."""
+        req_ids: list[str] = list(out.req_ids)
+        num_rows = len(req_ids)
+        result = ModelRunnerOutput(
+            sampled=[[] for _ in range(num_rows)],
+            logprobs=[None] * num_rows,
+            draft_token_ids=np.zeros(0, dtype=np.int32),
+            num_draft_tokens=np.zeros(num_rows, dtype=np.int32),
+        )
+        caches = self.em.caches
+        kv_copies = out.kv_copies
+        if len(kv_copies):
+            caches.apply_kv_copies(torch.from_numpy(np.ascontiguousarray(kv_copies)))
+        copies = out.state_copies
+        if len(copies):
+            caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
+        if out.num_scheduled_tokens > 0:
+            batch = to_forward_batch(out, self.em.device)
+            with torch.inference_mode():
+                logits = self.em.model.forward(batch, caches)
+            self._sample(out, rows, logits, result)
+        result.draft_token_ids, result.num_draft_tokens = self._propose(req_ids, rows, result.sampled)
+        return result
+
+    def _sample(
+        self,
+        out: _core.SchedulerOutput,
+        rows: Sequence[RowSampling | None],
+        logits: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+        num_logits = np.asarray(out.num_logits, dtype=np.int64)
+        num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
+        plain_rows: list[int] = []
+        plain_logit_idx: list[int] = []
+        spec_rows: list[int] = []
+        offset = 0
+        draft_offset = 0
+        draft_starts: dict[int, int] = {}
+        logit_starts: dict[int, int] = {}
+        for r in range(len(rows)):
+            n = int(num_logits[r])
+            k = int(num_drafts[r])
+            logit_starts[r] = offset
+            draft_starts[r] = draft_offset
+            if n > 0 and rows[r] is not None:
+                if k > 0:
+                    spec_rows.append(r)
+                else:
+                    plain_rows.append(r)
+                    plain_logit_idx.append(offset + n - 1)
+            offset += n
+            draft_offset += k
+
+        if plain_rows:
+            plain = [_known(rows[r]) for r in plain_rows]
+            res = self.sampler.sample(logits[plain_logit_idx], plain)
+            token_ids = res.token_ids.tolist()  # one conversion, not one per row
+            for i, r in enumerate(plain_rows):
+                result.sampled[r] = [int(token_ids[i])]
+                if res.logprobs is not None and res.logprobs[i] is not None:
+                    result.logprobs[r] = [res.logprobs[i]]
+        if not spec_rows:
+            return
+        spec = [_known(rows[r]) for r in spec_rows]
+        ks = [int(num_drafts[r]) for r in spec_rows]
+        for r, k in zip(spec_rows, ks):
+            if int(num_logits[r]) != k + 1:
+                raise ValueError(f"row {r}: {int(num_logits[r])} logits for {k} drafts (need {k + 1})")
+        # the flat form: the rows' logits and drafts back to back (one index, no per-row slices)
+        logit_idx = [
+            i for r, k in zip(spec_rows, ks) for i in range(logit_starts[r], logit_starts[r] + k + 1)
+        ]
+        target = logits if logit_idx == list(range(logits.shape[0])) else logits[logit_idx]
+        all_drafts = np.asarray(out.draft_token_ids, dtype=np.int64).tolist()
+        flat_drafts = [
+            t for r, k in zip(spec_rows, ks) for t in all_drafts[draft_starts[r] : draft_starts[r] + k]
+        ]
+        emitted = self.rejection_sampler.sample(target, flat_drafts, spec, ks)
+        for i, r in enumerate(spec_rows):
+            tokens = [int(t) for t in emitted[i]]
+            result.sampled[r] = tokens
+            result.verified.append((ks[i], len(tokens) - 1))
+            top_n = spec[i].params.logprobs
+            if top_n is not None:
+                start = logit_starts[r]
+                source = torch.log_softmax(logits[start : start + len(tokens)], dim=-1)
+                entries = compute_logprobs(source, torch.tensor(tokens), [top_n] * len(tokens))
+                result.logprobs[r] = [e for e in entries if e is not None]
+
+    def _propose(
+        self, req_ids: list[str], rows: Sequence[RowSampling | None], sampled: list[list[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        num_rows = len(req_ids)
+        counts = np.zeros(num_rows, dtype=np.int32)
+        if self.proposer is None or self.num_speculative_tokens == 0:
+            return np.zeros(0, dtype=np.int32), counts
+        histories: list[list[int]] = []
+        proposing: list[int] = []
+        for r in range(num_rows):
+            row = rows[r]
+            if row is None or not sampled[r]:
+                continue
+            proposing.append(r)
+            histories.append([*row.prompt_token_ids, *row.output_token_ids, *sampled[r]])
+        flat: list[int] = []
+        if proposing:
+            k = self.num_speculative_tokens
+            if hasattr(self.proposer, "propose_for"):
+                proposals = self.proposer.propose_for([req_ids[r] for r in proposing], histories, k)
+            else:
+                proposals = self.proposer.propose(histories, k)
+            per_row = {r: list(p)[:k] for r, p in zip(proposing, proposals)}
+            for r in range(num_rows):
+                p = per_row.get(r, [])
+                counts[r] = len(p)
+                flat.extend(int(t) for t in p)
+        return np.asarray(flat, dtype=np.int32), counts
+
+
+def _known(row: RowSampling | None) -> RowSampling:
+    assert row is not None  # the callers only pass rows of known requests
+    return row

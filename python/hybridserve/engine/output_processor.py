@@ -1,0 +1,129 @@
+"""Output processing: the scheduler's per-request deltas become `RequestOutput`s — tokens through
+the incremental detokenizer, stop strings watched for, logprobs given their text, finish reasons
+set. Holds the Python-side state of every request (`RequestState`): what the Rust scheduler does
+not keep (sampling parameters, text).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
+from hybridserve.engine.input_processor import EngineRequest
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.request_state import RequestState
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.sampling.logprobs import TokenLogprobs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.requests: dict[str, RequestState] = {}
+        # False (the offline LLM API): only finished requests get an output, and their text is
+        # decoded once at the end unless stop strings need watching. Streaming callers keep True.
+        self.stream_outputs = True
+        self.num_generation_tokens = 0
+
+    def add_request(self, req: EngineRequest) -> RequestState:
+        params = req.params
+        state = RequestState(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            params=params,
+            seed=req.seed,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                min_tokens=req.min_tokens,
+                deferred=not self.stream_outputs,
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[req.request_id] = state
+        return state
+
+    def process(
+        self,
+        deltas: Sequence[Any],
+        req_ids: Sequence[str],
+        row_logprobs: Sequence[list[TokenLogprobs] | None],
+        finish_in_scheduler: Callable[[str], None],
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """The outputs of one step, and the ids of the requests that finished in it.
+
+        `deltas` are the scheduler's `RequestDelta`s; `row_logprobs[r]` the logprobs of the tokens
+        sampled for row r of the step (`req_ids[r]`). A request that a stop string ends while the
+        scheduler still runs it is ended there through `finish_in_scheduler`. Finished requests
+        stay in `requests` until the caller forgets them, so that after a failure half-way every
+        request of the step can still be reported to.
+        """
+        row_of = {rid: r for r, rid in enumerate(req_ids)}
+        outputs: list[RequestOutput] = []
+        done: list[str] = []
+        now = time.monotonic()
+        for d in deltas:
+            st = self.requests.get(d.request_id)
+            if st is None:
+                continue
+            new_ids = [int(t) for t in d.new_token_ids]
+            st.num_cached_tokens = int(d.num_cached_tokens)
+            r = row_of.get(d.request_id)
+            lps = row_logprobs[r] if r is not None else None
+            finished = bool(d.finished)
+            reason = d.finish_reason
+            stop_reason: int | str | None = None
+            if reason == "stop" and not (d.stop_token_id == self.eos_token_id and not st.params.ignore_eos):
+                stop_reason = d.stop_token_id  # a stop_token_ids match; EOS is no stop reason (vLLM)
+            if new_ids:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                st.last_token_time = now
+            # Tokens go to the detokenizer one at a time so that a stop string ends the output at
+            # the token that completed it, however many tokens this step produced.
+            delta_text = ""
+            kept: list[int] = []
+            for i, tok in enumerate(new_ids):
+                kept.append(tok)
+                is_stop_token = (
+                    d.stop_token_id is not None and i == len(new_ids) - 1 and tok == d.stop_token_id
+                )
+                if is_stop_token and not st.params.include_stop_str_in_output:
+                    break  # the EOS/stop token stays in token_ids but not in the text (as vLLM)
+                delta_text += st.detokenizer.add_tokens([tok], final=finished and i == len(new_ids) - 1)
+                if st.detokenizer.stopped_by is not None:
+                    break
+            if st.detokenizer.stopped_by is not None:
+                # A stop string ended the request: end it in the scheduler if it still runs.
+                if not finished:
+                    finish_in_scheduler(d.request_id)
+                finished, reason, stop_reason = True, "stop", st.detokenizer.stopped_by
+            elif finished and (reason != "abort" or st.detokenizer.deferred):
+                # (a deferred text has not been decoded at all yet: an aborted one gets it too)
+                delta_text += st.detokenizer.add_tokens([], final=True)
+            new_ids = kept
+            st.output_token_ids.extend(new_ids)
+            self.num_generation_tokens += len(new_ids)
+            if st.logprobs is not None and lps is not None:
+                kept_lps = lps[: len(new_ids)]
+                for entry in kept_lps:
+                    for tid, lp in entry.items():
+                        lp.decoded_token = lp.decoded_token or self.tokenizer.token_to_text(tid)
+                st.logprobs.extend(kept_lps)
+            if finished:
+                st.finished, st.finish_reason, st.stop_reason = True, reason, stop_reason
+                done.append(d.request_id)
+            if finished or self.stream_outputs:
+                outputs.append(
+                    st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids)
+                )
+        return outputs, done
+
+    def forget(self, request_id: str) -> RequestState | None:
+        return self.requests.pop(request_id, None)

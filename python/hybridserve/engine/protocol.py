@@ -1,0 +1,92 @@
+"""The typed faces of the engine that its callers program against.
+
+- `EngineClient`: the asynchronous engine the HTTP server serves from (`AsyncEngine`).
+- `OfflineEngine`: the synchronous step loop the offline `LLM` API and the offline benchmark
+  drive (`LLMEngine`).
+
+Both describe the model they serve the same way (`ServedModel`). Nothing here imports torch: the
+server imports this module before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from hybridserve.engine.input_processor import Prompt
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.sampling.params import SamplingParams
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What a caller may know about the model an engine serves."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_dir(self) -> str: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges of the engine (the names /metrics exports)."""
+        ...
+
+
+@runtime_checkable
+class EngineClient(ServedModel, Protocol):
+    """An engine running in the background: requests stream their outputs as they are produced."""
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and running; False before loading ends and after the engine stopped."""
+        ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request (one sequence), each carrying what is new since the last
+        (`delta_text`, `delta_token_ids`); the last one has `finished` set. Raises
+        InvalidRequestError for a request the engine refuses, EngineDeadError when it is not
+        running, and a HybridServeError when the engine failed while running the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+@runtime_checkable
+class OfflineEngine(ServedModel, Protocol):
+    """An engine driven step by step by its caller."""
+
+    stream_outputs: bool
+    arrival_index: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def reset_prefix_cache(self) -> bool: ...
