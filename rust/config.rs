@@ -18,7 +18,49 @@ pub const MAX_NUM_SEQS: usize = 1 << 16;
 pub const MAX_KV_BLOCKS: usize = 1 << 25;
 pub const MAX_MAMBA_SLOTS: usize = 1 << 22;
 
-/// The Mamba state caching mode after resolution (see DESIGN.md §4).
+/// The range of every integer setting the core checks, by its `EngineArgs` name (the CLI flag
+/// with underscores): `(name, smallest, largest)`. The policy checks its inputs against this
+/// table and the Python side validates the same settings with it (`_core.FLAG_LIMITS`), so a value
+/// is accepted or refused by one rule wherever it is given.
+pub const FLAG_LIMITS: [(&str, usize, usize); 8] = [
+    ("block_size", 1, MAX_BLOCK_SIZE),
+    ("mamba_block_size", 1, MAX_TOKENS),
+    ("max_num_seqs", 1, MAX_NUM_SEQS),
+    ("max_num_batched_tokens", 1, MAX_TOKENS),
+    // a prompt token and one to generate
+    ("max_model_len", 2, MAX_TOKENS),
+    // the null block and one usable block
+    ("num_kv_blocks", 2, MAX_KV_BLOCKS),
+    ("num_mamba_slots", 1, MAX_MAMBA_SLOTS),
+    ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+];
+
+/// Checks `value` against the `FLAG_LIMITS` entry of `name`; the error names the flag.
+pub fn check_flag(name: &str, value: usize) -> HsResult<()> {
+    let Some(&(_, lo, hi)) = FLAG_LIMITS.iter().find(|(n, _, _)| *n == name) else {
+        return Err(HsError::Internal(format!(
+            "no limits are defined for {name}"
+        )));
+    };
+    if value < lo || value > hi {
+        let flag = if name == "num_speculative_tokens" {
+            "--speculative-config num_speculative_tokens".to_string()
+        } else {
+            format!("--{}", name.replace('_', "-"))
+        };
+        return Err(HsError::Config(format!(
+            "{flag} must be in {lo}..={hi}, got {value}"
+        )));
+    }
+    Ok(())
+}
+
+/// "a, b, c": the names of every variant, for the error that lists what is accepted.
+pub fn one_of<T: Copy>(all: &[T], name: impl Fn(T) -> &'static str) -> String {
+    all.iter().map(|v| name(*v)).collect::<Vec<_>>().join(", ")
+}
+
+/// The Mamba state caching mode after resolution (docs/cache-modes.md, "Modes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MambaCacheMode {
     /// No Mamba checkpoints: hybrid prefix hits are impossible.
@@ -30,6 +72,12 @@ pub enum MambaCacheMode {
 }
 
 impl MambaCacheMode {
+    pub const ALL: [Self; 3] = [
+        MambaCacheMode::None,
+        MambaCacheMode::Align,
+        MambaCacheMode::All,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             MambaCacheMode::None => "none",
@@ -39,8 +87,8 @@ impl MambaCacheMode {
     }
 }
 
-/// Where Mamba checkpoints are placed (DESIGN: the prefix cache can only resume a hybrid model
-/// where a copy of the state was kept).
+/// Where Mamba checkpoints are placed (docs/cache-modes.md, "Checkpoint placement"): the prefix
+/// cache can only resume a hybrid model where a copy of the state was kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CheckpointPlacement {
     /// Where prompts really share: at the deepest cached KV block of a prompt whose KV prefix hit
@@ -55,6 +103,12 @@ pub enum CheckpointPlacement {
 }
 
 impl CheckpointPlacement {
+    pub const ALL: [Self; 3] = [
+        CheckpointPlacement::Branch,
+        CheckpointPlacement::Grid,
+        CheckpointPlacement::BranchAndGrid,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             CheckpointPlacement::Branch => "branch",
@@ -95,6 +149,12 @@ pub enum EvictionPolicy {
 }
 
 impl EvictionPolicy {
+    pub const ALL: [Self; 3] = [
+        EvictionPolicy::Flops,
+        EvictionPolicy::Lru,
+        EvictionPolicy::LruPath,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             EvictionPolicy::Flops => "flops",
@@ -112,6 +172,8 @@ pub enum SpecMethod {
 }
 
 impl SpecMethod {
+    pub const ALL: [Self; 2] = [SpecMethod::Ngram, SpecMethod::DraftModel];
+
     pub fn as_str(self) -> &'static str {
         match self {
             SpecMethod::Ngram => "ngram",
@@ -161,7 +223,8 @@ impl ResolvedConfig {
         1 + self.num_speculative_tokens()
     }
 
-    /// Checks every invariant the cache manager and the scheduler rely on (DESIGN.md §4, §5 rule 7).
+    /// Checks every invariant the cache manager and the scheduler rely on (docs/cache-modes.md,
+    /// "The policy", rule 7).
     /// `policy::resolve` only returns configurations that pass; the error names the flag to change.
     pub fn validate(&self) -> HsResult<()> {
         let err = |m: String| Err(HsError::Config(m));
@@ -169,48 +232,24 @@ impl ResolvedConfig {
         let m = self.mamba_block_size;
         let q = self.scan_chunk_size;
         let k = self.num_speculative_tokens();
-        if b == 0 || b > MAX_BLOCK_SIZE {
-            return err(format!(
-                "--block-size must be in 1..={MAX_BLOCK_SIZE}, got {b}"
-            ));
-        }
+        check_flag("block_size", b)?;
         if q == 0 || q > MAX_SCAN_CHUNK_SIZE {
             return err(format!(
                 "the scan chunk size must be in 1..={MAX_SCAN_CHUNK_SIZE}, got {q}"
             ));
         }
-        if m == 0 || m > MAX_TOKENS || m % b != 0 {
+        check_flag("mamba_block_size", m)?;
+        if m % b != 0 {
             return err(format!(
                 "--mamba-block-size ({m}) must be a positive multiple of --block-size ({b})"
             ));
         }
-        if self.max_num_seqs == 0 || self.max_num_seqs > MAX_NUM_SEQS {
-            return err(format!(
-                "--max-num-seqs must be in 1..={MAX_NUM_SEQS}, got {}",
-                self.max_num_seqs
-            ));
-        }
-        if self.max_model_len == 0 || self.max_model_len > MAX_TOKENS {
-            return err(format!(
-                "--max-model-len must be in 1..={MAX_TOKENS}, got {}",
-                self.max_model_len
-            ));
-        }
+        check_flag("max_num_seqs", self.max_num_seqs)?;
+        check_flag("max_model_len", self.max_model_len)?;
         let t = self.max_num_batched_tokens;
-        if t == 0 || t > MAX_TOKENS {
-            return err(format!(
-                "--max-num-batched-tokens must be in 1..={MAX_TOKENS}, got {t}"
-            ));
-        }
+        check_flag("max_num_batched_tokens", t)?;
         if let Some(spec) = self.speculative {
-            if spec.num_speculative_tokens == 0
-                || spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS
-            {
-                return err(format!(
-                    "--speculative-config num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {}",
-                    spec.num_speculative_tokens
-                ));
-            }
+            check_flag("num_speculative_tokens", spec.num_speculative_tokens)?;
             if k >= self.max_model_len {
                 return err(format!(
                     "--speculative-config num_speculative_tokens ({k}) must be less than --max-model-len ({})",

@@ -1,7 +1,7 @@
-//! The cache-mode policy (DESIGN.md §5): typed requests in, one resolution, a validated
-//! [`ResolvedConfig`] plus the list of [`Decision`]s that explain every choice out.
+//! The cache-mode policy (docs/cache-modes.md, "The policy"): typed requests in, one resolution,
+//! a validated [`ResolvedConfig`] plus the list of [`Decision`]s that explain every choice out.
 //!
-//! The rules, in the order DESIGN.md §5 states them:
+//! The rules (the `ruleN` cases of tests/policy_cases.txt):
 //! 1. prefix caching off → mode `none`; an explicit `align`/`all` is ignored with a warning; an
 //!    explicit `mamba_block_size` is an error;
 //! 2. a model without Mamba layers → the mode has no effect (`none`), stated once;
@@ -28,8 +28,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::config::{
-    CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig, SpecConfig, SpecMethod,
-    MAX_BLOCK_SIZE, MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+    check_flag, one_of, CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig,
+    SpecConfig, SpecMethod, MAX_SCAN_CHUNK_SIZE, MAX_TOKENS,
 };
 use crate::error::{HsError, HsResult};
 
@@ -73,6 +73,13 @@ pub enum PrefixCachingRequest {
 }
 
 impl MambaCacheModeRequest {
+    pub const ALL: [Self; 4] = [
+        MambaCacheModeRequest::Auto,
+        MambaCacheModeRequest::None,
+        MambaCacheModeRequest::Align,
+        MambaCacheModeRequest::All,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             MambaCacheModeRequest::Auto => "auto",
@@ -124,16 +131,23 @@ impl PrefixCachingRequest {
 impl FromStr for MambaCacheModeRequest {
     type Err = HsError;
     fn from_str(s: &str) -> HsResult<Self> {
-        match s {
-            "auto" => Ok(MambaCacheModeRequest::Auto),
-            "none" => Ok(MambaCacheModeRequest::None),
-            "align" => Ok(MambaCacheModeRequest::Align),
-            "all" => Ok(MambaCacheModeRequest::All),
-            other => Err(HsError::Config(format!(
-                "--mamba-cache-mode must be one of auto, none, align, all; got {other:?}"
-            ))),
-        }
+        parse_named("--mamba-cache-mode", s, &Self::ALL, Self::as_str)
     }
+}
+
+/// The variant of `all` named `s`; the error lists every name.
+fn parse_named<T: Copy>(
+    flag: &str,
+    s: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> HsResult<T> {
+    all.iter().copied().find(|v| name(*v) == s).ok_or_else(|| {
+        HsError::Config(format!(
+            "{flag} must be one of {}; got {s:?}",
+            one_of(all, name)
+        ))
+    })
 }
 
 fn parse_tristate(flag: &str, s: &str) -> HsResult<Option<bool>> {
@@ -164,41 +178,21 @@ impl FromStr for PrefixCachingRequest {
 impl FromStr for CheckpointPlacement {
     type Err = HsError;
     fn from_str(s: &str) -> HsResult<Self> {
-        match s {
-            "branch" => Ok(CheckpointPlacement::Branch),
-            "grid" => Ok(CheckpointPlacement::Grid),
-            "branch+grid" => Ok(CheckpointPlacement::BranchAndGrid),
-            other => Err(HsError::Config(format!(
-                "--mamba-checkpoint-placement must be one of branch, grid, branch+grid; got {other:?}"
-            ))),
-        }
+        parse_named("--mamba-checkpoint-placement", s, &Self::ALL, Self::as_str)
     }
 }
 
 impl FromStr for EvictionPolicy {
     type Err = HsError;
     fn from_str(s: &str) -> HsResult<Self> {
-        match s {
-            "flops" => Ok(EvictionPolicy::Flops),
-            "lru" => Ok(EvictionPolicy::Lru),
-            "lru-path" => Ok(EvictionPolicy::LruPath),
-            other => Err(HsError::Config(format!(
-                "--prefix-cache-eviction must be one of flops, lru, lru-path; got {other:?}"
-            ))),
-        }
+        parse_named("--prefix-cache-eviction", s, &Self::ALL, Self::as_str)
     }
 }
 
 impl FromStr for SpecMethod {
     type Err = HsError;
     fn from_str(s: &str) -> HsResult<Self> {
-        match s {
-            "ngram" => Ok(SpecMethod::Ngram),
-            "draft_model" => Ok(SpecMethod::DraftModel),
-            other => Err(HsError::Config(format!(
-                "--speculative-config method must be \"ngram\" or \"draft_model\"; got {other:?}"
-            ))),
-        }
+        parse_named("--speculative-config method", s, &Self::ALL, Self::as_str)
     }
 }
 
@@ -401,13 +395,6 @@ fn config_err<T>(m: impl Into<String>) -> HsResult<T> {
     Err(HsError::Config(m.into()))
 }
 
-fn check_range(flag: &str, value: usize, lo: usize, hi: usize) -> HsResult<()> {
-    if value < lo || value > hi {
-        return config_err(format!("{flag} must be in {lo}..={hi}, got {value}"));
-    }
-    Ok(())
-}
-
 /// Why the mode came out as it did (the chunked-prefill errors depend on it).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum AlignReason {
@@ -435,24 +422,19 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
 
     // --- the inputs on their own ---
     let b = inputs.block_size;
-    check_range("--block-size", b, 1, MAX_BLOCK_SIZE)?;
-    check_range("--max-num-seqs", inputs.max_num_seqs, 1, MAX_NUM_SEQS)?;
+    check_flag("block_size", b)?;
+    check_flag("max_num_seqs", inputs.max_num_seqs)?;
     if let Some(m) = inputs.mamba_block_size {
-        check_range("--mamba-block-size", m, 1, MAX_TOKENS)?;
+        check_flag("mamba_block_size", m)?;
     }
     if let Some(t) = inputs.max_num_batched_tokens {
-        check_range("--max-num-batched-tokens", t, 1, MAX_TOKENS)?;
+        check_flag("max_num_batched_tokens", t)?;
     }
     if let Some(l) = inputs.max_model_len {
-        check_range("--max-model-len", l, 2, MAX_TOKENS)?; // a prompt token and one to generate
+        check_flag("max_model_len", l)?;
     }
     if let Some(spec) = inputs.speculative {
-        check_range(
-            "--speculative-config num_speculative_tokens",
-            spec.num_speculative_tokens,
-            1,
-            MAX_SPECULATIVE_TOKENS,
-        )?;
+        check_flag("num_speculative_tokens", spec.num_speculative_tokens)?;
     }
     let q = match (caps.has_mamba_layers, caps.scan_chunk_size) {
         (true, Some(q)) if (1..=MAX_SCAN_CHUNK_SIZE).contains(&q) => q,
@@ -520,7 +502,7 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
         }
     };
 
-    // --- the mode: one exhaustive match over the rules of DESIGN.md §5 ---
+    // --- the mode: one exhaustive match over the rules above ---
     let spec_on = spec.is_some();
     let sup = caps.supports_boundary_states;
     let mamba = caps.has_mamba_layers;
@@ -894,6 +876,7 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{MAX_BLOCK_SIZE, MAX_SPECULATIVE_TOKENS};
     use proptest::prelude::*;
 
     const HYBRID: ModelCapabilities = ModelCapabilities {
@@ -1070,7 +1053,7 @@ mod tests {
         assert!(n >= 30, "only {n} cases");
         let want: std::collections::BTreeSet<String> =
             (1..=8).map(|r| format!("rule{r}")).collect();
-        assert_eq!(rules_seen, want, "every rule of DESIGN.md §5 has a case");
+        assert_eq!(rules_seen, want, "every policy rule has a case");
     }
 
     fn spec(k: usize) -> Option<SpecRequest> {

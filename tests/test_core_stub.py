@@ -19,6 +19,8 @@ def _stub_names() -> dict[str, set[str] | None]:
         elif isinstance(node, ast.FunctionDef):
             names[node.name] = None
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(node.annotation, ast.Name) and node.annotation.id == "TypeAlias":
+                continue  # a type of the stub only (the Literal of an enum's names)
             names[node.target.id] = None
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             names[node.targets[0].id] = None
@@ -72,3 +74,35 @@ def test_scheduler_hash_seed_may_be_none() -> None:
     a = core.Scheduler(cfg, 256, 64, None)
     b = core.Scheduler(cfg, 256, 64)
     assert a.num_running == b.num_running == 0
+
+
+def _stub_literal(alias: str) -> tuple[str, ...]:
+    for node in ast.parse(STUB.read_text()).body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == alias:
+            assert isinstance(node.value, ast.Subscript)
+            elts = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+            return tuple(ast.literal_eval(e) for e in elts)
+    raise AssertionError(f"{alias} is not in the stub")
+
+
+def test_the_stubs_literals_are_the_rust_enums_names() -> None:
+    assert _stub_literal("MambaCacheModeName") == core.MAMBA_CACHE_MODES
+    assert _stub_literal("CheckpointPlacementName") == core.CHECKPOINT_PLACEMENTS
+    assert _stub_literal("EvictionPolicyName") == core.EVICTION_POLICIES
+    assert _stub_literal("SpeculativeMethodName") == core.SPECULATIVE_METHODS
+    assert _stub_literal("ResolvedMambaCacheMode") == tuple(m for m in core.MAMBA_CACHE_MODES if m != "auto")
+    for mode in _stub_literal("ResolvedMambaCacheMode"):  # each is a mode the core resolves to
+        assert core.ResolvedConfig.for_tests(mode).mamba_cache_mode == mode
+
+
+def test_flag_limits_are_what_the_policy_enforces() -> None:
+    import pytest
+
+    limits = core.FLAG_LIMITS
+    assert limits["block_size"] == (1, core.MAX_BLOCK_SIZE)
+    caps = {"has_mamba_layers": True, "supports_boundary_states": True, "scan_chunk_size": 8}
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "mamba_block_size"):
+        lo, hi = limits[name]
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(core.ConfigError, match="--" + name.replace("_", "-")):
+                core.resolve_policy(**caps, **{name: bad})

@@ -19,10 +19,8 @@ import hybridserve
 import hybridserve._core as core
 from hybridserve.config import (
     EngineArgs,
-    MambaCacheModeRequest,
     ModelCapabilities,
     ResolvedEngineConfig,
-    SpecMethod,
     SpeculativeConfig,
     add_config_args,
     add_engine_args,
@@ -93,7 +91,7 @@ def test_defaults_and_auto_mamba_block_size() -> None:
 
 
 def test_enums_and_strings_are_both_accepted() -> None:
-    a = EngineArgs(model="m", mamba_cache_mode=MambaCacheModeRequest.ALIGN).resolve(HYBRID)
+    a = EngineArgs(model="m", mamba_cache_mode="align").resolve(HYBRID)
     b = EngineArgs(model="m", mamba_cache_mode="align").resolve(HYBRID)
     assert a.core.mamba_cache_mode == b.core.mamba_cache_mode == "align"
     direct = core.resolve_policy(
@@ -102,8 +100,8 @@ def test_enums_and_strings_are_both_accepted() -> None:
         scan_chunk_size=128,
         enable_prefix_caching="on",
         enable_chunked_prefill="off",
-        mamba_cache_mode=MambaCacheModeRequest.ALL,
-        speculative_method=SpecMethod.DRAFT_MODEL,
+        mamba_cache_mode="all",
+        speculative_method="draft_model",
         num_speculative_tokens=2,
     )
     assert direct.mamba_cache_mode == "all"
@@ -508,7 +506,9 @@ def test_the_way_out_of_align_without_chunked_prefill_exists_on_the_model() -> N
 
 
 def test_max_model_len_leaves_room_for_a_prompt_and_a_token() -> None:
-    with pytest.raises(hybridserve.ConfigError, match="--max-model-len must be in 2"):
+    with pytest.raises(hybridserve.ConfigError, match=r"--max-model-len must be an integer in \[2, "):
         EngineArgs(model="m", max_model_len=1).resolve(HYBRID)
+    with pytest.raises(hybridserve.ConfigError, match="--max-model-len must be in 2"):
+        core.resolve_policy(has_mamba_layers=False, supports_boundary_states=False, max_model_len=1)
     r = EngineArgs(model="m", max_model_len=2).resolve(HYBRID)
     core.Scheduler(r.core, 8, 64)  # what the policy accepts, the scheduler takes

@@ -1,4 +1,4 @@
-"""Cache sizing from budgets (engine/sizing.py): the two per-pool budgets, one total split between
+"""Cache sizing from budgets (config/sizing.py): the two per-pool budgets, one total split between
 them (--cache-memory), explicit counts, and the errors naming the flags."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from hybridserve.config.sizing import compute_cache_sizes
 from hybridserve.engine.llm import LLM
-from hybridserve.engine.sizing import compute_cache_sizes
 from hybridserve.errors import ConfigError
 from hybridserve.sampling.params import SamplingParams
 

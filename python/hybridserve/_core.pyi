@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module `hybridserve._core` (rust/py/). Keep in step with it."""
 
 from collections.abc import Sequence
-from typing import final
+from typing import Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,19 @@ MAX_NUM_SEQS: int  # 2**16
 MAX_KV_BLOCKS: int  # 2**25, null block included
 MAX_MAMBA_SLOTS: int  # 2**22, null slot included
 
+# The names each enum setting accepts (the Rust enums' names: rust/config.rs, rust/policy.rs).
+MambaCacheModeName: TypeAlias = Literal["auto", "none", "align", "all"]  # as requested
+ResolvedMambaCacheMode: TypeAlias = Literal["none", "align", "all"]
+CheckpointPlacementName: TypeAlias = Literal["branch", "grid", "branch+grid"]
+EvictionPolicyName: TypeAlias = Literal["flops", "lru", "lru-path"]
+SpeculativeMethodName: TypeAlias = Literal["ngram", "draft_model"]
+MAMBA_CACHE_MODES: tuple[MambaCacheModeName, ...]
+CHECKPOINT_PLACEMENTS: tuple[CheckpointPlacementName, ...]
+EVICTION_POLICIES: tuple[EvictionPolicyName, ...]
+SPECULATIVE_METHODS: tuple[SpeculativeMethodName, ...]
+# (smallest, largest) of every integer setting the core checks, by EngineArgs field name
+FLAG_LIMITS: dict[str, tuple[int, int]]
+
 @final
 class Decision:  # made by the extension only: no constructor
     """One decision of the cache-mode policy."""
@@ -52,7 +65,7 @@ class ResolvedConfig:  # made by the extension only: no constructor
     @property
     def enable_prefix_caching(self) -> bool: ...
     @property
-    def mamba_cache_mode(self) -> str: ...  # "none" | "align" | "all"
+    def mamba_cache_mode(self) -> ResolvedMambaCacheMode: ...
     @property
     def enable_chunked_prefill(self) -> bool: ...
     @property
@@ -70,19 +83,21 @@ class ResolvedConfig:  # made by the extension only: no constructor
     @property
     def num_speculative_tokens(self) -> int: ...  # K, 0 without speculative decoding
     @property
-    def speculative_method(self) -> str | None: ...  # "ngram" | "draft_model" | None
+    def speculative_method(self) -> SpeculativeMethodName | None: ...
     @property
     def state_window_len(self) -> int: ...  # 1 + K
     @property
-    def checkpoint_placement(self) -> str: ...  # "branch" | "grid" | "branch+grid"
+    def checkpoint_placement(self) -> CheckpointPlacementName: ...
     @property
-    def eviction(self) -> str: ...  # "flops" | "lru" | "lru-path"
+    def eviction(self) -> EvictionPolicyName: ...
     @property
     def decisions(self) -> list[Decision]: ...
     def validate_pool_sizes(self, num_kv_blocks: int, num_mamba_slots: int) -> None: ...
     # ConfigError; OverflowError for a negative count (the counts are unsigned)
     @staticmethod
-    def for_tests(mode: str = "align", num_speculative_tokens: int = 0) -> ResolvedConfig: ...
+    def for_tests(
+        mode: ResolvedMambaCacheMode = "align", num_speculative_tokens: int = 0
+    ) -> ResolvedConfig: ...
     def to_dict(self) -> dict[str, object]: ...
 
 def resolve_policy(
@@ -92,17 +107,17 @@ def resolve_policy(
     scan_chunk_size: int | None = None,
     max_position_embeddings: int | None = None,
     enable_prefix_caching: bool | str | None = None,  # None/"auto", True/"on", False/"off"
-    mamba_cache_mode: str = "auto",  # "auto" | "none" | "align" | "all"
+    mamba_cache_mode: MambaCacheModeName = "auto",
     enable_chunked_prefill: bool | str | None = None,
-    speculative_method: str | None = None,  # "ngram" | "draft_model"
+    speculative_method: SpeculativeMethodName | None = None,
     num_speculative_tokens: int = 0,
     block_size: int = 16,
     mamba_block_size: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 64,
     max_model_len: int | None = None,
-    mamba_checkpoint_placement: str | None = None,  # "branch" | "grid" | "branch+grid"; None = branch
-    prefix_cache_eviction: str | None = None,  # "flops" | "lru" | "lru-path"; None = flops
+    mamba_checkpoint_placement: CheckpointPlacementName | None = None,  # None: the policy decides
+    prefix_cache_eviction: EvictionPolicyName | None = None,  # None: flops
 ) -> ResolvedConfig: ...  # ConfigError naming the flag(s) to change
 def auto_mamba_block_size(block_size: int, scan_chunk_size: int) -> int: ...
 

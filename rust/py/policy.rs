@@ -3,13 +3,13 @@
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyString};
+use pyo3::types::{PyBool, PyDict, PyList, PyString, PyTuple};
 
 use super::errors::to_pyerr;
 use crate::config::{
-    CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig, SpecMethod,
-    MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS, MAX_NUM_SEQS, MAX_SCAN_CHUNK_SIZE,
-    MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
+    check_flag, one_of, CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig,
+    SpecMethod, FLAG_LIMITS, MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS, MAX_NUM_SEQS,
+    MAX_SCAN_CHUNK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_TOKENS,
 };
 use crate::error::HsError;
 use crate::policy::{
@@ -69,14 +69,16 @@ pub(crate) struct PyResolvedConfig {
 }
 
 fn parse_mode(s: &str) -> PyResult<MambaCacheMode> {
-    match s {
-        "none" => Ok(MambaCacheMode::None),
-        "align" => Ok(MambaCacheMode::Align),
-        "all" => Ok(MambaCacheMode::All),
-        other => Err(to_pyerr(HsError::Config(format!(
-            "mamba_cache_mode must be one of none, align, all; got {other:?}"
-        )))),
-    }
+    let all = MambaCacheMode::ALL;
+    all.iter()
+        .copied()
+        .find(|m| m.as_str() == s)
+        .ok_or_else(|| {
+            to_pyerr(HsError::Config(format!(
+                "mamba_cache_mode must be one of {}; got {s:?}",
+                one_of(&all, MambaCacheMode::as_str)
+            )))
+        })
 }
 
 #[pymethods]
@@ -278,8 +280,9 @@ fn tristate(flag: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<bool>> 
     )))
 }
 
-/// Resolves the cache-mode policy (DESIGN.md §5). Raises ConfigError with a message that names the
-/// flag(s) to change. String arguments take the lowercase names of the Rust enums.
+/// Resolves the cache-mode policy (docs/cache-modes.md, "The policy"). Raises ConfigError with a
+/// message that names the flag(s) to change. String arguments take the lowercase names of the Rust
+/// enums.
 #[pyfunction]
 #[pyo3(signature = (
     *,
@@ -384,11 +387,7 @@ fn resolve_policy(
 /// The auto mamba_block_size: the smallest multiple of lcm(block_size, scan_chunk_size) >= 256.
 #[pyfunction]
 fn auto_mamba_block_size(block_size: usize, scan_chunk_size: usize) -> PyResult<usize> {
-    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-        return Err(config_error(format!(
-            "--block-size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
-        )));
-    }
+    check_flag("block_size", block_size).map_err(to_pyerr)?;
     if scan_chunk_size == 0 || scan_chunk_size > MAX_SCAN_CHUNK_SIZE {
         return Err(config_error(format!(
             "the scan chunk size must be in 1..={MAX_SCAN_CHUNK_SIZE}, got {scan_chunk_size}"
@@ -417,5 +416,35 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_NUM_SEQS", MAX_NUM_SEQS)?;
     m.add("MAX_KV_BLOCKS", MAX_KV_BLOCKS)?;
     m.add("MAX_MAMBA_SLOTS", MAX_MAMBA_SLOTS)?;
+    // The names every enum setting accepts, and the range of every integer setting: the Python
+    // side validates and lists choices with these, so that the rule is written once, here.
+    let py = m.py();
+    m.add(
+        "MAMBA_CACHE_MODES",
+        PyTuple::new(
+            py,
+            MambaCacheModeRequest::ALL.map(MambaCacheModeRequest::as_str),
+        )?,
+    )?;
+    m.add(
+        "CHECKPOINT_PLACEMENTS",
+        PyTuple::new(
+            py,
+            CheckpointPlacement::ALL.map(CheckpointPlacement::as_str),
+        )?,
+    )?;
+    m.add(
+        "EVICTION_POLICIES",
+        PyTuple::new(py, EvictionPolicy::ALL.map(EvictionPolicy::as_str))?,
+    )?;
+    m.add(
+        "SPECULATIVE_METHODS",
+        PyTuple::new(py, SpecMethod::ALL.map(SpecMethod::as_str))?,
+    )?;
+    let limits = PyDict::new(py);
+    for (name, lo, hi) in FLAG_LIMITS {
+        limits.set_item(name, (lo, hi))?;
+    }
+    m.add("FLAG_LIMITS", limits)?;
     Ok(())
 }

@@ -18,7 +18,7 @@ from hybridserve.config import (
     log_decisions,
     read_model_capabilities,
 )
-from hybridserve.engine.sizing import CacheSizes, compute_cache_sizes
+from hybridserve.config.sizing import CacheSizes, compute_cache_sizes
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import native

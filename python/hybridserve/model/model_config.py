@@ -1,7 +1,11 @@
-"""ModelConfig: the parsed, architecture-independent view of a Hugging Face config.json.
+"""The one reader of a model's config.json (Hugging Face format), without torch.
 
-Each architecture module (`architectures/*.py`) turns the raw JSON dict into a `ModelConfig`; the
-layers and the cache allocator read only this. No torch at module level.
+- `read_config_json`: the file as a dict (tagged floats decoded), errors naming the file;
+- `layer_kinds` and `scan_chunk_size`: the layer layout and the Mamba scan chunk, for every model
+  type (what the cache-mode policy needs, through `model_capabilities`, and what the architecture
+  parsers build on, so the two can never disagree);
+- `ModelConfig`: the full, architecture-independent view each architecture module
+  (`architectures/*.py`) parses; the layers and the cache allocator read only this.
 """
 
 from __future__ import annotations
@@ -65,6 +69,22 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object")
     return decode_tagged_floats(raw)
+
+
+# Model types whose layers include Mamba2 mixers, with the scan chunk size each uses when its
+# config.json declares none (the defaults of their transformers configs).
+SCAN_CHUNK_DEFAULTS = {
+    "nemotron_h": 128,
+    "bamba": 256,
+    "mamba2": 256,
+    "granitemoehybrid": 256,
+    "falcon_h1": 256,
+}
+# NemotronH's hybrid_override_pattern: one character per layer.
+NEMOTRON_H_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+# Far above any real model's context or chunk size, and far below what the core's 64-bit
+# integers overflow at.
+MAX_CONFIG_COUNT = 1 << 40
 
 
 def layer_kinds_from_names(names: list[Any], source: str) -> list[str]:
@@ -305,3 +325,83 @@ def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:
         return float(v[0]), float(v[1])
     except (TypeError, ValueError):
         raise ConfigError(f"time_step_limit must be two numbers, got {v!r}") from None
+
+
+def config_count(raw: dict[str, Any], source: str, *names: str) -> int | None:
+    """The first of `names` present as a positive integer, None when all are absent or null;
+    anything else is an error naming the file (not a silent default)."""
+    v = get_field(raw, *names)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CONFIG_COUNT:
+        raise ConfigError(f"{source}: {names[0]} must be a positive integer, got {v!r}")
+    return v
+
+
+def model_type_of(raw: dict[str, Any]) -> str:
+    return str(raw.get("model_type") or "unknown").lower()
+
+
+def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None) -> list[str]:
+    """One of LAYER_KINDS per layer, as config.json declares them: `layers_block_type` /
+    `layer_types`, NemotronH's `hybrid_override_pattern`, Bamba's `attn_layer_indices`, Mamba2's
+    all-Mamba stack; a model type without Mamba layers is taken as attention layers.
+    `model_type`: the architecture's own, for a config.json that does not name it."""
+    model_type = model_type or model_type_of(raw)
+    names = get_field(raw, "layers_block_type", "layer_types")
+    if names is not None:
+        if not isinstance(names, list):
+            raise ConfigError(f"{source}: layers_block_type must be a list")
+        return layer_kinds_from_names(names, source)
+    if model_type == "nemotron_h":
+        pattern = raw.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(
+                f"{source}: NemotronH config needs layers_block_type or hybrid_override_pattern"
+            )
+        bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
+        if bad:
+            raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
+        return [NEMOTRON_H_PATTERN[c] for c in pattern]
+    n = config_count(raw, source, "num_hidden_layers", "n_layer") or 0
+    if model_type == "bamba":
+        try:
+            attn = {integral(i, "attn_layer_indices") for i in (raw.get("attn_layer_indices") or [])}
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        return [ATTENTION if i in attn else MAMBA for i in range(n)]
+    if model_type in SCAN_CHUNK_DEFAULTS:
+        return [MAMBA] * n
+    return [ATTENTION] * n
+
+
+def scan_chunk_size(raw: dict[str, Any], source: str, model_type: str | None = None) -> int | None:
+    """Q, the Mamba scan's chunk size: `chunk_size` or `mamba_chunk_size`, else the model type's
+    default; None for a model type without Mamba layers."""
+    default = SCAN_CHUNK_DEFAULTS.get(model_type or model_type_of(raw))
+    if default is None:
+        return None
+    q = config_count(raw, source, "chunk_size", "mamba_chunk_size")
+    return default if q is None else q
+
+
+def model_capabilities(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """What the cache-mode policy needs to know about a model (the fields of
+    `hybridserve.config.ModelCapabilities`), from its config.json alone: no weights, no full parse,
+    so `hybridserve config` explains a model type the engine cannot run yet too."""
+    model_type = model_type_of(raw)
+    kinds = layer_kinds(raw, source)
+    n_mamba, n_attn = kinds.count(MAMBA), kinds.count(ATTENTION)
+    if model_type == "falcon_h1":  # every layer runs attention and Mamba side by side
+        n_attn = n_mamba
+    has_mamba = model_type in SCAN_CHUNK_DEFAULTS and n_mamba > 0
+    return {
+        "model_type": model_type,
+        "has_mamba_layers": has_mamba,
+        "supports_boundary_states": has_mamba,
+        "scan_chunk_size": scan_chunk_size(raw, source) if has_mamba else None,
+        "max_position_embeddings": config_count(raw, source, "max_position_embeddings"),
+        "num_mamba_layers": n_mamba if has_mamba else 0,
+        "num_attention_layers": n_attn,
+        "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
+    }

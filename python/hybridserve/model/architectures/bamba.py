@@ -23,15 +23,16 @@ from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.mlp import GatedMLP
 from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import (
-    ATTENTION,
     MAMBA,
+    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_field,
     get_flag,
     get_float,
     get_int,
     integral,
-    layer_kinds_from_names,
+    layer_kinds,
+    scan_chunk_size,
     time_step_limit,
     token_ids,
 )
@@ -106,12 +107,7 @@ class BambaForCausalLM(CausalLM):
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         n = get_int(raw, "num_hidden_layers")
-        names = get_field(raw, "layer_types", "layers_block_type")
-        if names is not None:
-            kinds = layer_kinds_from_names(list(names), source)
-        else:
-            attn = set(integral(i, "attn_layer_indices") for i in (raw.get("attn_layer_indices") or []))
-            kinds = [ATTENTION if i in attn else MAMBA for i in range(n)]
+        kinds = layer_kinds(raw, source, "bamba")
         hidden = get_int(raw, "hidden_size")
         expand = get_float(raw, "mamba_expand", default=2)
         d_inner = integral(expand * hidden, "expand * hidden_size")
@@ -151,7 +147,7 @@ class BambaForCausalLM(CausalLM):
             dstate=get_int(raw, "mamba_d_state", default=256),
             ngroups=get_int(raw, "mamba_n_groups", default=1),
             d_conv=get_int(raw, "mamba_d_conv", default=4),
-            chunk_size=get_int(raw, "mamba_chunk_size", default=256),
+            chunk_size=scan_chunk_size(raw, source, "bamba") or SCAN_CHUNK_DEFAULTS["bamba"],
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),

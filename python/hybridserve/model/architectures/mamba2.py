@@ -18,11 +18,13 @@ from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import (
     MAMBA,
+    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_flag,
     get_float,
     get_int,
     integral,
+    scan_chunk_size,
     time_step_limit,
     token_ids,
 )
@@ -117,7 +119,7 @@ class Mamba2ForCausalLM(CausalLM):
             dstate=get_int(raw, "state_size", default=128),
             ngroups=get_int(raw, "n_groups", default=1),
             d_conv=get_int(raw, "conv_kernel", default=4),
-            chunk_size=get_int(raw, "chunk_size", default=256),
+            chunk_size=scan_chunk_size(raw, source, "mamba2") or SCAN_CHUNK_DEFAULTS["mamba2"],
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "use_bias", default=False),

@@ -31,20 +31,20 @@ from hybridserve.model.model_config import (
     ATTENTION,
     MAMBA,
     MOE,
+    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_field,
     get_flag,
     get_float,
     get_int,
     integral,
-    layer_kinds_from_names,
+    layer_kinds,
+    scan_chunk_size,
     token_ids,
 )
 from hybridserve.model.model_config import (
     MLP as MLP_KIND,
 )
-
-_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 class NemotronHBlock(nn.Module):
@@ -121,21 +121,7 @@ class NemotronHForCausalLM(CausalLM):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
-        names = get_field(raw, "layers_block_type", "layer_types")
-        if names is not None:
-            if not isinstance(names, list):
-                raise ConfigError(f"{source}: layers_block_type must be a list")
-            kinds = layer_kinds_from_names(names, source)
-        else:
-            pattern = raw.get("hybrid_override_pattern")
-            if not isinstance(pattern, str) or not pattern:
-                raise ConfigError(
-                    f"{source}: NemotronH config needs layers_block_type or hybrid_override_pattern"
-                )
-            bad = sorted(set(pattern) - set(_PATTERN))
-            if bad:
-                raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
-            kinds = [_PATTERN[c] for c in pattern]
+        kinds = layer_kinds(raw, source, "nemotron_h")
         hidden = get_int(raw, "hidden_size", default=0)
         nheads = get_int(raw, "mamba_num_heads", default=0)
         headdim = get_int(raw, "mamba_head_dim", default=0)
@@ -167,7 +153,7 @@ class NemotronHForCausalLM(CausalLM):
             dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=0),
             ngroups=get_int(raw, "n_groups", "mamba_n_groups", default=1),
             d_conv=get_int(raw, "conv_kernel", "mamba_d_conv", default=4),
-            chunk_size=get_int(raw, "chunk_size", "mamba_chunk_size", default=256),
+            chunk_size=scan_chunk_size(raw, source, "nemotron_h") or SCAN_CHUNK_DEFAULTS["nemotron_h"],
             d_inner=nheads * headdim,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", "use_bias", default=False),

@@ -1,0 +1,317 @@
+"""`EngineArgs`: everything that configures an engine, validated; `resolve` runs the Rust
+cache-mode policy (`rust/policy.rs`; docs/cache-modes.md) against the model's capabilities.
+
+The names each enum setting accepts and the range of every integer setting the core checks come
+from the core (`_core.MAMBA_CACHE_MODES`, `_core.FLAG_LIMITS`, ...): one rule, written in Rust.
+The settings that never reach Rust (memory budgets, threads, the server's queue) are bounded here.
+
+`mamba_block_size` in mode `none`: the resolved value is the auto value (the smallest multiple of
+lcm(block_size, scan chunk size) that is at least 256), unused in that mode; an explicit
+`--mamba-block-size` with prefix caching off is an error.
+
+This module is imported by the CLI parser, so it must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hybridserve import _core
+from hybridserve.config.capabilities import ModelCapabilities, read_model_capabilities, resolve_model_dir
+from hybridserve.config.explain import Decision, ResolvedEngineConfig
+from hybridserve.config.sizing import min_mamba_slots
+from hybridserve.config.speculative import SpeculativeConfig, parse_speculative_json
+from hybridserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DEFAULT_MAX_QUEUE_LEN = 512
+
+# Largest accepted values of the integer settings that never reach the core's policy (beyond
+# them nothing can be allocated; the core takes 64-bit byte sizes and seeds).
+_PYTHON_UPPER_BOUNDS = {
+    "max_queue_len": 2**31 - 1,
+    "kv_cache_memory": 2**62,
+    "mamba_cache_memory": 2**62,
+    "cache_memory": 2**62,
+    "cpu_threads": 1024,
+    "seed": 2**64 - 1,
+}
+_PYTHON_LOWER_BOUNDS = {
+    "max_queue_len": 1,
+    "kv_cache_memory": 1,
+    "mamba_cache_memory": 1,
+    "cache_memory": 1,
+    "cpu_threads": 1,
+    "seed": 0,
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _limits(name: str) -> tuple[int, int]:
+    """(smallest, largest) accepted value of integer setting `name`."""
+    core = _core.FLAG_LIMITS.get(name)
+    if core is not None:
+        return core
+    return _PYTHON_LOWER_BOUNDS[name], _PYTHON_UPPER_BOUNDS[name]
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine. Field names are the CLI flags with underscores;
+    None means "not given" (the policy or the model decides, and says so in a decision)."""
+
+    #: Model folder (HF config.json + safetensors + tokenizer.json), or "demo".
+    model: str
+    #: Prefix caching of the KV cache and the Mamba state. None = auto (on).
+    enable_prefix_caching: bool | None = None
+    #: "auto" | "none" | "align" | "all" (docs/cache-modes.md, "Modes").
+    mamba_cache_mode: MambaCacheModeName = "auto"
+    #: Where Mamba checkpoints are kept: "branch" (where prompts share a prefix, and at the last
+    #: token of every finished sequence), "grid" (every mamba_block_size tokens), "branch+grid".
+    #: None = auto (branch).
+    mamba_checkpoint_placement: CheckpointPlacementName | None = None
+    #: Which checkpoint goes when the state pool is full: "flops" (recency and FLOPs saved per
+    #: byte), "lru", "lru-path" (LRU refreshing a hit's whole path). None = auto (flops).
+    prefix_cache_eviction: EvictionPolicyName | None = None
+    #: Chunked prefill. None = auto (on; `align` requires it).
+    enable_chunked_prefill: bool | None = None
+    #: {"method": "ngram" | "draft_model", "num_speculative_tokens": K, "model": draft folder,
+    #: "prompt_lookup_min": n, "prompt_lookup_max": n}; None = no speculative decoding.
+    speculative_config: dict[str, Any] | None = None
+    #: B: tokens per KV block.
+    block_size: int = _core.DEFAULT_BLOCK_SIZE
+    #: M: tokens between Mamba checkpoints. None = auto (smallest multiple of lcm(B, Q) >= 256).
+    mamba_block_size: int | None = None
+    #: Most sequences running at once.
+    max_num_seqs: int = _core.DEFAULT_MAX_NUM_SEQS
+    #: Token budget per step. None = auto (2048; >= M in align; >= max_model_len without chunked prefill).
+    max_num_batched_tokens: int | None = None
+    #: Longest sequence (prompt + output). None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    #: Weights and activations: "auto" (config.json torch_dtype when float32/bfloat16/float16, else
+    #: float32) | "float32" | "bfloat16" | "float16" | "float64".
+    dtype: str = "auto"
+    #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
+    device: str | None = None
+    #: Seed of the engine (sampling of requests without their own seed; hashing).
+    seed: int = 0
+    #: Bytes for the KV cache. None = the engine's default sizing.
+    kv_cache_memory: int | None = None
+    #: Bytes for the Mamba state cache. None = the engine's default sizing.
+    mamba_cache_memory: int | None = None
+    #: Bytes for both caches together, split as config/sizing.py documents (with one of the two
+    #: budgets above, the other pool gets the rest). None = no total.
+    cache_memory: int | None = None
+    #: Exact number of KV blocks (counting the null block), overriding kv_cache_memory.
+    num_kv_blocks: int | None = None
+    #: Exact number of Mamba state slots (counting the null slot), overriding mamba_cache_memory.
+    num_mamba_slots: int | None = None
+    #: Requests admitted at once by the server (running + waiting); beyond it, 503.
+    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
+    #: torch's intra-op CPU threads (torch.set_num_threads, process-wide). None = torch's default.
+    #: On a shared or small machine 1 is often fastest: spinning OpenMP threads lose to other load.
+    cpu_threads: int | None = None
+    #: Run the Mamba layers' plain decode steps on the CPU through torch.compile'd kernels
+    #: (kernels/compiled.py): faster steps, seconds of compilation on the first decode step.
+    compile_cpu_kernels: bool = False
+
+    # ---- validation of the fields that never reach Rust
+    def validate(self) -> None:
+        """Type and range checks; ConfigError names the flag."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("MODEL: a model folder or 'demo' is required")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")
+        if not isinstance(self.compile_cpu_kernels, bool):
+            raise ConfigError(
+                f"--compile-cpu-kernels must be True or False, got {self.compile_cpu_kernels!r}"
+            )
+        for name, names, optional in (
+            ("mamba_cache_mode", _core.MAMBA_CACHE_MODES, False),
+            ("mamba_checkpoint_placement", _core.CHECKPOINT_PLACEMENTS, True),
+            ("prefix_cache_eviction", _core.EVICTION_POLICIES, True),
+        ):
+            v = getattr(self, name)
+            if not (v is None and optional) and v not in names:
+                raise ConfigError(f"{_flag(name)} must be one of {', '.join(names)}; got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device is not None and not (
+            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
+        ):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {self.device!r}")
+        required = ("block_size", "max_num_seqs", "seed", "max_queue_len")
+        optional = (
+            "mamba_block_size",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kv_cache_memory",
+            "mamba_cache_memory",
+            "cache_memory",
+            "num_kv_blocks",
+            "num_mamba_slots",
+            "cpu_threads",
+        )
+        for name in (*required, *optional):
+            v = getattr(self, name)
+            if v is None and name in optional:
+                continue
+            lo, hi = _limits(name)
+            if not _is_int(v) or v < lo or v > hi:
+                within = f"in [{lo}, {hi}]"
+                shown = v if not _is_int(v) or abs(v) < 10**30 else f"a {len(str(abs(v)))}-digit number"
+                raise ConfigError(f"{_flag(name)} must be an integer {within}, got {shown!r}")
+        if self.cache_memory is not None and None not in (self.kv_cache_memory, self.mamba_cache_memory):
+            raise ConfigError(
+                "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
+            )
+        self.speculative()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative config (None without speculative decoding)."""
+        sc = self.speculative_config
+        if sc is None:
+            return None
+        if isinstance(sc, str):
+            sc = parse_speculative_json(sc)
+        return SpeculativeConfig.from_dict(sc)
+
+    def resolve(self, caps: Any = None) -> ResolvedEngineConfig:
+        """Resolves the policy against the model's capabilities (a ModelCapabilities, a mapping or
+        an object with the same attributes; None reads them from the model folder)."""
+        self.validate()
+        model_dir: str | None = None
+        if caps is None:
+            model_dir = resolve_model_dir(self.model)
+            caps = read_model_capabilities(model_dir)
+        caps = ModelCapabilities.coerce(caps)
+        spec = self.speculative()
+        core = _core.resolve_policy(
+            has_mamba_layers=caps.has_mamba_layers,
+            supports_boundary_states=caps.supports_boundary_states,
+            scan_chunk_size=caps.scan_chunk_size,
+            max_position_embeddings=caps.max_position_embeddings,
+            enable_prefix_caching=self.enable_prefix_caching,
+            mamba_cache_mode=self.mamba_cache_mode,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            speculative_method=None if spec is None else spec.method,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            block_size=self.block_size,
+            mamba_block_size=self.mamba_block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            mamba_checkpoint_placement=self.mamba_checkpoint_placement,
+            prefix_cache_eviction=self.prefix_cache_eviction,
+        )
+        huge = 1 << 62
+        if self.num_kv_blocks is not None:
+            core.validate_pool_sizes(self.num_kv_blocks, huge)
+        if self.num_mamba_slots is not None:
+            core.validate_pool_sizes(huge, self.num_mamba_slots)
+            # the engine keeps a window for every sequence that may run (config/sizing.py): a
+            # pool that the engine would refuse at start is refused here already
+            seqs, k = int(core.max_num_seqs), int(core.num_speculative_tokens)
+            need = min_mamba_slots(seqs, k, bool(core.has_mamba_layers))
+            if self.num_mamba_slots < need:
+                raise ConfigError(
+                    f"--num-mamba-slots {self.num_mamba_slots}: {seqs} running sequences with windows "
+                    f"of {1 + k} slots need {need}, counting the null slot; raise it or lower --max-num-seqs"
+                )
+        decisions = [Decision(d.code, d.level, d.message) for d in core.decisions]
+        dtype = self.dtype
+        if dtype == "auto":
+            declared = str(caps.torch_dtype) if caps.torch_dtype else None
+            dtype = declared if declared in ("float32", "bfloat16", "float16") else "float32"
+            why = f"the model's torch_dtype {declared}" if declared == dtype else "default"
+            decisions.append(Decision("dtype_auto", "info", f"dtype = {dtype} ({why})"))
+        if spec is not None and spec.method == "ngram":
+            given = self.speculative_config or {}
+            if isinstance(given, str):
+                given = parse_speculative_json(given)
+            if not isinstance(given, Mapping) or (
+                "prompt_lookup_min" not in given or "prompt_lookup_max" not in given
+            ):
+                decisions.append(
+                    Decision(
+                        "prompt_lookup_default",
+                        "info",
+                        f"ngram prompt lookup tries n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens",
+                    )
+                )
+        return ResolvedEngineConfig(
+            core=core,
+            args=self,
+            capabilities=caps,
+            model_dir=model_dir,
+            dtype=dtype,
+            speculative=spec,
+            decisions=decisions,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as given (JSON-serialisable)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        return out
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        """From a namespace built by a parser that `add_engine_args` set up. Missing attributes take
+        the field defaults, so a parser with only some of the flags works too."""
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name.startswith("_") or not hasattr(ns, f.name):
+                continue
+            kwargs[f.name] = getattr(ns, f.name)
+        if "model" not in kwargs:
+            kwargs["model"] = "demo"
+        sc = kwargs.get("speculative_config")
+        if isinstance(sc, str):
+            kwargs["speculative_config"] = parse_speculative_json(sc)
+        for name in ("kv_cache_memory", "mamba_cache_memory", "cache_memory"):
+            v = kwargs.get(name)
+            if isinstance(v, str):
+                kwargs[name] = parse_bytes(v, _flag(name))
+        mode = kwargs.get("mamba_cache_mode")
+        if mode is None:
+            kwargs.pop("mamba_cache_mode", None)
+        for name in ("block_size", "max_num_seqs", "seed", "dtype", "max_queue_len"):
+            if kwargs.get(name, 0) is None:
+                kwargs.pop(name)
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(text: str, flag: str = "memory") -> int:
+    """'1073741824', '512MiB', '4GiB', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{flag} must be a byte count such as 1073741824, 512MiB or 4GiB; got {text!r}")
+    value = math.floor(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"{flag} must be at least 1 byte; got {text!r}")
+    return value

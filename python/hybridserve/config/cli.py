@@ -1,0 +1,152 @@
+"""The engine flags of every subcommand (vLLM's names) and `hybridserve config`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridserve import _core
+from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, EngineArgs
+from hybridserve.config.explain import format_resolved
+from hybridserve.errors import HybridServeError
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """Adds every engine flag (vLLM names) to `p`, and the MODEL positional unless `p` has one or
+    `model_positional` is False. `--max-queue-len` is left to the server (and `config`)."""
+    if model_positional and not any(a.dest == "model" for a in p._actions):
+        p.add_argument("model", help="model folder (HF config.json + safetensors), or 'demo'")
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefix caching of the KV cache and the Mamba state (default: on)",
+    )
+    g.add_argument(
+        "--mamba-cache-mode",
+        choices=list(_core.MAMBA_CACHE_MODES),
+        default="auto",
+        help="how Mamba states are checkpointed for prefix hits (default: auto; see `hybridserve config --explain`)",
+    )
+    g.add_argument(
+        "--mamba-checkpoint-placement",
+        choices=list(_core.CHECKPOINT_PLACEMENTS),
+        default=None,
+        help="where Mamba states are kept for prefix hits: branch (where prompts share a prefix, and at the "
+        "last token of finished sequences), grid (every --mamba-block-size tokens), branch+grid (default: branch)",
+    )
+    g.add_argument(
+        "--prefix-cache-eviction",
+        choices=list(_core.EVICTION_POLICIES),
+        default=None,
+        help="which Mamba checkpoint goes when the state pool is full: flops (recency and prefill FLOPs saved "
+        "per byte), lru, lru-path (LRU refreshing a hit's whole path) (default: flops)",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts over several steps (default: on; mamba cache mode align requires it)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 3}\'',
+    )
+    g.add_argument(
+        "--block-size", type=int, default=_core.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default: 16)"
+    )
+    g.add_argument(
+        "--mamba-block-size",
+        type=int,
+        default=None,
+        help="tokens between grid Mamba checkpoints (default: the smallest multiple of lcm(block size, scan chunk) >= 256)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_core.DEFAULT_MAX_NUM_SEQS,
+        help="most running sequences (default: 64)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: 2048, raised where the configuration needs more)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (default: the model's max_position_embeddings)",
+    )
+    g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="model dtype (default: auto)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
+    g.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV cache budget, e.g. 2GiB")
+    g.add_argument(
+        "--mamba-cache-memory", default=None, metavar="BYTES", help="Mamba state cache budget, e.g. 1GiB"
+    )
+    g.add_argument(
+        "--cache-memory",
+        default=None,
+        metavar="BYTES",
+        help="both caches together, e.g. 3GiB (split: see config/sizing.py; with one of the two budgets above, the other gets the rest)",
+    )
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-memory)"
+    )
+    g.add_argument(
+        "--num-mamba-slots",
+        type=int,
+        default=None,
+        help="exact Mamba slot count (overrides --mamba-cache-memory)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the engine (default: torch's choice; 1 is often fastest on a loaded machine)",
+    )
+    g.add_argument(
+        "--compile-cpu-kernels",
+        action="store_true",
+        help="torch.compile the Mamba decode on the CPU where the C++ CPU kernels are off or unavailable "
+        "(HYBRIDSERVE_NATIVE_CPU=0, no compiler); the first decode step compiles",
+    )
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=DEFAULT_MAX_QUEUE_LEN,
+        help="server admission limit (default: 512)",
+    )
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--explain", action="store_true", help="also print every decision with its reason")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _one_paragraph(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def config_main(args: argparse.Namespace) -> int:
+    """`hybridserve config MODEL [flags] [--explain | --json]`; exit 2 on a configuration error."""
+    try:
+        engine_args = EngineArgs.from_cli(args)
+        resolved = engine_args.resolve()
+    except HybridServeError as e:
+        print(f"hybridserve config: {type(e).__name__}: {_one_paragraph(str(e))}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(resolved.to_dict(), indent=2))
+    else:
+        print(format_resolved(resolved, explain=args.explain))
+    return 0
