@@ -1,4 +1,4 @@
-"""CPU throughput on the demo model: hybridserve vs transformers' `generate`, in one run (issue 6).
+"""CPU throughput on the demo model: hybridserve vs transformers' `generate`, in one run.
 
     .venv/bin/python benches/cpu_throughput.py [--num-prompts 64 --prompt-len 256 --output-len 128]
         [--profile benches/results/cpu_throughput_profile.txt] [--result-file F]
@@ -11,9 +11,6 @@ ids, seeded), greedy, exactly `output-len` new tokens each:
   kernels/native.py for attention decode and the Mamba recurrence);
 - hybridserve_ngram3: the same plus n-gram speculative decoding with K = 3 (mode `align`; greedy
   outputs are identical with and without speculation, which the run checks);
-- hybridserve_torch_compiled: the pure-torch path (HYBRIDSERVE_NATIVE_CPU=0) with
-  `compile_cpu_kernels=True` (the Mamba decode of kernels/compiled.py, compiled during the
-  warm-up): the best setting before the C++ kernels;
 - hybridserve_bf16: the plain setting in bfloat16 (the checkpoint's float32 weights cast at
   load; the Mamba states stay float32): bfloat16 GEMMs and K/V, the C++ kernels computing in
   float32. Its greedy outputs differ from the float32 ones where bfloat16 rounding decides;
@@ -31,7 +28,7 @@ ids, seeded), greedy, exactly `output-len` new tokens each:
 The ratios are taken against the faster of the two transformers runs (its best setting).
 
 Both engines are built and warmed up first; then the timed generate runs --repeats times for each,
-interleaved (hybridserve, hybridserve_ngram3, hybridserve_torch_compiled, transformers, ...) so that all see the same
+interleaved (hybridserve, hybridserve_ngram3, transformers, ...) so that all see the same
 machine load;
 the fastest run of each counts. Reports tokens/s (output tokens over wall time) of both and the
 ratio (target >= 3x), process CPU seconds (the machine is shared: wall time is noisy), and how
@@ -61,7 +58,6 @@ BLOCK128 = 128  # KV block size of the _block128 contestant
 HYBRIDSERVE_CONTESTANTS = (
     "hybridserve",
     "hybridserve_ngram3",
-    "hybridserve_torch_compiled",
     "hybridserve_bf16",
     "hybridserve_bf16_block128",
     "hybridserve_bf16_block128_ngram3",
@@ -83,14 +79,13 @@ def _timed(fn: Callable[[], list[list[int]]]) -> Timed:
 
 
 def _native_kernels(on: bool) -> None:
-    # read at every kernel call (kernels/native.py), so contestants can differ in one process
+    # read when an engine chooses its kernels (kernels/backend.py)
     os.environ["HYBRIDSERVE_NATIVE_CPU"] = "1" if on else "0"
 
 
 def make_hybridserve(
     prompts: list[list[int]],
     output_len: int,
-    compile_cpu_kernels: bool = False,
     speculative_config: dict[str, Any] | None = None,
     native: bool = True,
     dtype: str = "float32",
@@ -99,6 +94,7 @@ def make_hybridserve(
     """Builds the engine and warms it up; returns a function that runs the timed generate once.
     native=False runs the pure-torch path (no C++ CPU kernels)."""
     from hybridserve.engine.llm import LLM
+    from hybridserve.kernels import backend
     from hybridserve.sampling.params import SamplingParams
 
     _native_kernels(native)
@@ -107,7 +103,6 @@ def make_hybridserve(
         "demo",
         dtype=dtype,
         max_num_seqs=max(64, len(prompts)),
-        compile_cpu_kernels=compile_cpu_kernels,
         speculative_config=speculative_config,
         **({} if block_size is None else {"block_size": block_size}),
     )
@@ -119,7 +114,8 @@ def make_hybridserve(
     info: dict[str, Any] = {"config": llm.engine.config.to_dict(), "steps": []}
 
     def once() -> Timed:
-        _native_kernels(native)
+        # the kernels this engine chose at start (another contestant's engine pinned its own since)
+        backend.pin(llm.engine.runner.kernels)
         steps0 = llm.engine.stats()["num_steps"]
         r = _timed(
             lambda: [
@@ -217,10 +213,6 @@ def main() -> int:
     contestants: list[tuple[str, Callable[[], Timed], dict[str, Any]]] = [
         ("hybridserve", *make_hybridserve(prompts, a.output_len)),
         ("hybridserve_ngram3", *make_hybridserve(prompts, a.output_len, speculative_config=NGRAM3)),
-        (
-            "hybridserve_torch_compiled",
-            *make_hybridserve(prompts, a.output_len, compile_cpu_kernels=True, native=False),
-        ),
         ("hybridserve_bf16", *make_hybridserve(prompts, a.output_len, dtype="bfloat16")),
         (
             "hybridserve_bf16_block128",

@@ -35,7 +35,7 @@ test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -eq 0 ] || status=1
 
 echo "== benchmark"
-table="$OUT/gpu_kernels.md"
+table="$OUT/gpu_kernel_table.md"
 if $PY benches/gpu_kernels.py --markdown "$table"; then
   summary=$(grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1)
   $PY - "$table" "$summary" <<'PYEOF'

@@ -1,5 +1,5 @@
-"""CI compile check of the CUDA kernels: every cuda/*.cu is compiled for sm_90 with nvcc (no GPU
-needed) and cuda/ops.cpp is compiled by the host compiler against torch's headers, so a compile
+"""CI compile check of the CUDA kernels: every kernels/csrc/cuda/*.cu is compiled for sm_90 with nvcc (no GPU
+needed) and ops.cpp is compiled by the host compiler against torch's headers, so a compile
 error fails CI. Objects are cached under ~/.cache/hybridserve/cuda_compile keyed by a hash of the
 sources, headers, compiler version and flags, so a rerun with unchanged sources takes seconds.
 
@@ -21,7 +21,7 @@ import torch
 
 from hybridserve.kernels.cuda import find_cuda_home
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "python" / "hybridserve" / "kernels" / "csrc" / "cuda"
 CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 CPP_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cpp"))
 CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_compile"
@@ -100,7 +100,7 @@ def test_sources_present():
 @pytest.mark.parametrize("name", CU_FILES + CPP_FILES)
 def test_compiles_for_sm90(compile_results, name):
     err = compile_results[name]
-    assert err is None, f"compile of cuda/{name} failed:\n{err}"
+    assert err is None, f"compile of kernels/csrc/cuda/{name} failed:\n{err}"
 
 
 def test_extension_builds_and_schemas_mirror_the_twins():

@@ -1,6 +1,6 @@
-"""The CUDA kernels' own code, run on the CPU: cuda/*.cu are compiled with g++ against the small
+"""The CUDA kernels' own code, run on the CPU: kernels/csrc/cuda/*.cu are compiled with g++ against the small
 CUDA emulation in tests/cuda_emu/include (one std::thread per CUDA thread, barriers for
-__syncthreads and the warp shuffles), together with cuda/ops.cpp built with -DHS_EMULATE, which
+__syncthreads and the warp shuffles), together with ops.cpp built with -DHS_EMULATE, which
 registers the same ops as torch.ops.hybridserve_emu.* for CPU tensors. The results are compared
 with the float64 twins of kernels/reference.py.
 
@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     """fp32 I/O: max error < 1e-5 x rms; 16-bit outputs: |a - b| <= 1.6e-2 |b| + 1e-2 rms
-    (the rounding of the output itself; kernels.md §7.2)."""
+    (the rounding of the output itself; docs/kernel-design.md, "Testing and tolerances")."""
     if dtype == torch.float32:
         return _rel(a, b) < 1e-5
     a, b = a.double(), b.double()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridserve.kernels import backend
+from hybridserve.kernels.backend import Backend
 from hybridserve.model.loader import load_model
 from model_fixtures import ALL_CONFIGS, Driver, build_hf_model, random_prompts, save_hf_model
 
@@ -60,8 +62,8 @@ def _drive(lm, prompts: list[list[int]], all_logits: bool) -> tuple[torch.Tensor
 @pytest.mark.parametrize("native", [True, False], ids=["cpp-kernels", "torch"])
 @pytest.mark.parametrize("name", NAMES)
 def test_dropping_rows_after_the_last_cache_layer_is_exact(tmp_path, monkeypatch, name, native):
-    if not native:
-        monkeypatch.setenv("HYBRIDSERVE_NATIVE_CPU", "0")  # the pure-torch attention of kept rows
+    # the C++ kernels, or the pure-torch attention of kept rows
+    monkeypatch.setattr(backend, "_pinned", Backend.CPU_NATIVE if native else Backend.REFERENCE)
     kind, ov = ALL_CONFIGS[name]
     lm = load_model(
         str(save_hf_model(build_hf_model(kind, ov, vocab_size=VOCAB, seed=3), tmp_path)), torch.float64

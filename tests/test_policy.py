@@ -171,7 +171,6 @@ def test_speculative_config_defaults() -> None:
         ("num_mamba_slots", 0, "--num-mamba-slots"),
         ("max_queue_len", 0, "--max-queue-len"),
         ("enable_prefix_caching", "yes", "--enable-prefix-caching"),
-        ("compile_cpu_kernels", 1, "--compile-cpu-kernels"),
         ("cache_memory", 0, "--cache-memory"),
         ("cpu_threads", 0, "--cpu-threads"),
     ],

@@ -185,7 +185,6 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
         "80",
         "--seed",
         "7",
-        "--compile-cpu-kernels",
         "--cache-memory",
         "1GiB",
         "--cpu-threads",
@@ -195,7 +194,6 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["dtype"] == "float64"
-    assert d["compile_cpu_kernels"] is True
     assert d["cache_memory"] == 2**30
     assert d["cpu_threads"] == 1
     assert d["kv_cache_memory"] == 64 * 2**20

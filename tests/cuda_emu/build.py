@@ -1,5 +1,5 @@
 """Builds the CPU emulation of the CUDA kernels (see tests/test_cuda_emulated.py):
-torch.ops.hybridserve_emu.* for CPU tensors, running the real cuda/*.cu code."""
+torch.ops.hybridserve_emu.* for CPU tensors, running the real kernels/csrc/cuda/*.cu code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA_DIR = ROOT / "cuda"
+CUDA_DIR = ROOT / "python" / "hybridserve" / "kernels" / "csrc" / "cuda"
 EMU_INC = Path(__file__).resolve().parent / "include"
 CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_emu"
 

@@ -123,9 +123,6 @@ class EngineArgs:
     #: torch's intra-op CPU threads (torch.set_num_threads, process-wide). None = torch's default.
     #: On a shared or small machine 1 is often fastest: spinning OpenMP threads lose to other load.
     cpu_threads: int | None = None
-    #: Run the Mamba layers' plain decode steps on the CPU through torch.compile'd kernels
-    #: (kernels/compiled.py): faster steps, seconds of compilation on the first decode step.
-    compile_cpu_kernels: bool = False
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:
@@ -136,10 +133,6 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")
-        if not isinstance(self.compile_cpu_kernels, bool):
-            raise ConfigError(
-                f"--compile-cpu-kernels must be True or False, got {self.compile_cpu_kernels!r}"
-            )
         for name, names, optional in (
             ("mamba_cache_mode", _core.MAMBA_CACHE_MODES, False),
             ("mamba_checkpoint_placement", _core.CHECKPOINT_PLACEMENTS, True),

@@ -112,12 +112,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default=None,
         help="torch CPU threads for the engine (default: torch's choice; 1 is often fastest on a loaded machine)",
     )
-    g.add_argument(
-        "--compile-cpu-kernels",
-        action="store_true",
-        help="torch.compile the Mamba decode on the CPU where the C++ CPU kernels are off or unavailable "
-        "(HYBRIDSERVE_NATIVE_CPU=0, no compiler); the first decode step compiles",
-    )
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

@@ -75,7 +75,6 @@ class ResolvedEngineConfig:
                 "num_kv_blocks": a.num_kv_blocks,
                 "num_mamba_slots": a.num_mamba_slots,
                 "max_queue_len": a.max_queue_len,
-                "compile_cpu_kernels": a.compile_cpu_kernels,
                 "cpu_threads": a.cpu_threads,
                 "capabilities": self.capabilities.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],

@@ -8,6 +8,7 @@ the scheduler's output alone. The engine keeps the scheduler and the requests.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +18,13 @@ import torch
 
 from hybridserve import _core
 from hybridserve.engine.model_setup import EngineModel
+from hybridserve.errors import ConfigError
+from hybridserve.kernels import backend
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
+
+logger = logging.getLogger("hybridserve.engine")
 
 
 @dataclass
@@ -72,6 +77,13 @@ def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> Forwar
 class ModelRunner:
     def __init__(self, em: EngineModel, num_speculative_tokens: int) -> None:
         self.em = em
+        # the kernels are chosen (and built) once, here, and every step uses them
+        try:
+            self.kernels = backend.resolve(em.device)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"kernels: {e}") from e
+        backend.pin(self.kernels)
+        logger.info("kernels: %s: %s", self.kernels, backend.describe(self.kernels))
         self.num_speculative_tokens = num_speculative_tokens
         self.sampler = Sampler()
         self.proposer: Any = em.proposer

@@ -21,7 +21,6 @@ from hybridserve.config import (
 from hybridserve.config.sizing import CacheSizes, compute_cache_sizes
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
-from hybridserve.kernels import native
 from hybridserve.model.cache_tensors import (
     ModelCaches,
     default_state_dtype,
@@ -57,16 +56,6 @@ class EngineModel:
     model_dir: str
 
 
-def set_compiled_decode(model: torch.nn.Module, enabled: bool) -> int:
-    """Switches the compiled CPU decode path of every Mamba2 mixer of `model`; returns how many."""
-    from hybridserve.model.layers.mamba2 import Mamba2Mixer
-
-    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
-    for m in mixers:
-        m.compiled_decode = enabled
-    return len(mixers)
-
-
 def _is_out_of_memory(exc: BaseException) -> bool:
     """torch's allocation failures: `torch.OutOfMemoryError` on a GPU, a RuntimeError from the
     CPU allocator ("can't allocate memory")."""
@@ -94,20 +83,6 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         logger.info("torch CPU threads: %d (--cpu-threads)", torch.get_num_threads())
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
-    if device.type == "cpu" and native.library() is not None:
-        # built here (a few seconds the first time, then cached on disk) rather than in a step
-        logger.info("C++ CPU kernels loaded (decode attention, Mamba recurrence, RMSNorms)")
-    if args.compile_cpu_kernels:
-        if device.type == "cpu":
-            set_compiled_decode(loaded.model, True)
-            if native.library() is not None:
-                logger.info(
-                    "--compile-cpu-kernels: the C++ CPU kernels are built and take the Mamba decode steps "
-                    "(faster than the compiled graph); the graph runs only if they are turned off "
-                    "(HYBRIDSERVE_NATIVE_CPU=0)"
-                )
-        else:
-            logger.warning("--compile-cpu-kernels has no effect on %s: the CUDA kernels run there", device)
     log_decisions(resolved_engine, logger)
 
     k = int(resolved.num_speculative_tokens)

@@ -1,6 +1,7 @@
 """Build and load the hybridserve CUDA extension (``torch.ops.hybridserve.*``) on first use.
 
-The sources live in the repository's ``cuda/`` folder (``HYBRIDSERVE_CUDA_SRC`` overrides it). The
+The sources live in ``kernels/csrc/cuda/``, inside the package, so an installed wheel carries them
+(``HYBRIDSERVE_CUDA_SRC`` overrides the folder). The
 extension is compiled with ``torch.utils.cpp_extension.load`` into a build folder keyed by a hash
 of the sources, the torch version and the target architectures, under
 ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)``/torch_extensions``, so a second
@@ -22,6 +23,7 @@ from pathlib import Path
 
 __all__ = [
     "CUDA_SOURCES",
+    "SOURCE_FILES",
     "cuda_source_dir",
     "find_cuda_home",
     "is_available",
@@ -31,6 +33,7 @@ __all__ = [
 
 CUDA_SOURCES = ("ops.cpp", "ssd.cu", "ssu.cu", "conv1d.cu", "slot_copy.cu", "rejection.cu")
 _HEADERS = ("kernels.h", "common.cuh")
+SOURCE_FILES = (*CUDA_SOURCES, *_HEADERS)  # everything in cuda_source_dir() the build reads
 
 _lock = threading.Lock()
 _loaded: str | None = None
@@ -42,7 +45,7 @@ def cuda_source_dir() -> Path:
     env = os.environ.get("HYBRIDSERVE_CUDA_SRC")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "cuda"
+    return Path(__file__).resolve().parent / "csrc" / "cuda"
 
 
 def source_hash(src_dir: Path | None = None) -> str:

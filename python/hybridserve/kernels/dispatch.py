@@ -3,17 +3,10 @@ twin of ``kernels/reference.py`` otherwise.
 
 Every function has the signature of its twin in ``reference.py`` (same argument order, defaults
 and semantics), so callers write ``from hybridserve.kernels import dispatch as K`` and call
-``K.ssd_prefill(...)`` etc. The choice, per call:
-
-* ``HYBRIDSERVE_KERNELS=reference``: always the twin;
-* ``HYBRIDSERVE_KERNELS=cuda``: always the CUDA op (errors if it cannot run);
-* unset / ``auto`` (default): the CUDA op when the tensors are on a CUDA device, the dtypes are
-  supported by the kernels (float32 SSM state; float32/float16/bfloat16 activations and conv state;
-  float32 probabilities for rejection sampling) and the extension builds; the twin otherwise
-  (CPU tensors, a float64 model).
-
-The extension is built on the first CUDA call (see ``kernels/cuda.py``); call
-``hybridserve.kernels.cuda.load_extension()`` at start-up to move that cost out of the first step.
+``K.ssd_prefill(...)`` etc. The CUDA op runs when the kernel backend (``kernels/backend.py``,
+chosen once by the model runner) is CUDA and the op supports the tensors (float32 SSM state;
+float32/float16/bfloat16 activations and conv state; float32 probabilities for rejection
+sampling); the twin runs otherwise (the CPU, a float64 model, ``HYBRIDSERVE_KERNELS=reference``).
 
 ``rejection_sample`` is the device core of speculative verification (after logits processing):
 its torch twin is defined here.
@@ -22,19 +15,16 @@ its torch twin is defined here.
 from __future__ import annotations
 
 import math
-import os
-from typing import Any
 
 import torch
 
+from hybridserve.kernels import backend
 from hybridserve.kernels import reference as ref
 
 __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_update",
-    "compiled_decode_rows",
     "copy_slots",
-    "kernel_backend",
     "rejection_sample",
     "rejection_sample_reference",
     "selective_state_update",
@@ -44,43 +34,12 @@ __all__ = [
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def kernel_backend() -> str:
-    """``reference``, ``cuda`` or ``auto`` (from ``HYBRIDSERVE_KERNELS``)."""
-    mode = os.environ.get("HYBRIDSERVE_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "reference", "cuda"):
-        raise ValueError(f"HYBRIDSERVE_KERNELS must be auto, reference or cuda, got {mode!r}")
-    return mode
-
-
 def _use_cuda(device_tensor: torch.Tensor, supported: bool) -> bool:
-    mode = kernel_backend()
-    if mode == "reference":
+    """The CUDA op runs when the kernel backend is CUDA and it supports these tensors; when
+    ``HYBRIDSERVE_KERNELS=cuda`` asks for it, always (an unsupported call errors)."""
+    if backend.active(device_tensor.device.type) is not backend.Backend.CUDA:
         return False
-    if mode == "cuda":
-        _ops()
-        return True
-    if not device_tensor.is_cuda or not supported:
-        return False
-    from hybridserve.kernels import cuda
-
-    try:
-        cuda.load_extension()
-    except RuntimeError:
-        return False
-    return True
-
-
-def compiled_decode_rows(x: torch.Tensor, query_start_loc: torch.Tensor, write_slots: torch.Tensor) -> Any:
-    """For a layer that opted into the compiled CPU decode path (``--compile-cpu-kernels``): the
-    padded rows (``compiled.Rows``) when ``kernels/compiled.py`` takes this decode / verify batch
-    (CPU tensors, float32 / float64 activations, automatic kernel choice, every real token's state
-    going to a real slot), else None (use the ops above). bfloat16 / float16 stay on the twins: the
-    graph would not round each op to them as the eager ops do."""
-    if x.is_cuda or x.dtype not in (torch.float32, torch.float64) or kernel_backend() != "auto":
-        return None
-    from hybridserve.kernels import compiled
-
-    return compiled.padded_rows(query_start_loc, write_slots, int(x.shape[0]))
+    return supported or backend.requested() == "cuda"
 
 
 def _ops():  # noqa: ANN202 - torch.ops namespace object
@@ -303,7 +262,8 @@ def rejection_sample(
     seeds: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify drafts for a whole batch in one launch (kernels.md §4.1).
+    """Verify drafts for a whole batch in one launch (docs/kernel-design.md, "Rejection sampling
+    kernel").
 
     Layout as in ``sampling/rejection.py``: request r has ``k_r = num_draft_tokens[r]`` drafts and
     owns the ``k_r + 1`` consecutive rows ``start[r] .. start[r] + k_r`` of ``target_probs``

@@ -1,13 +1,13 @@
 """Hand-written C++ kernels for the CPU path, built with the system C++ compiler on first use.
 
-The sources are in ``kernels/csrc/``; they use a plain C ABI over raw pointers (no torch headers),
+The sources are in ``kernels/csrc/cpu/``; they use a plain C ABI over raw pointers (no torch headers),
 so a build takes a few seconds. The library is compiled with ``-O3 -march=native`` (it runs on
 the machine that built it) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
 ``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
-compiler is found or the build fails, `library()` returns None once with a logged warning and the
-callers keep their pure-torch path. ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off. A call
+compiler is found or the build fails, `build()` returns None with a logged warning and the kernel
+backend of the CPU is the pure-torch one (`kernels/backend.py`). ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off. A call
 splits its rows over torch's intra-op thread count (`threads()`), on the library's own pool
-(``csrc/cpu_parallel.h``); rows are independent, so the result does not depend on the split.
+(``csrc/cpu/cpu_parallel.h``); rows are independent, so the result does not depend on the split.
 
 Kernels:
 
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
 _HEADERS = ("cpu_parallel.h", "cpu_common.h")
+SOURCE_FILES = (*_SOURCES, *_HEADERS)  # everything in source_dir() the build reads
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
 # exp arguments are <= 0 or capped, and the scores of unused key slots (past a row's end, read
@@ -75,7 +76,7 @@ def threads() -> int:
 
 
 def source_dir() -> Path:
-    return Path(__file__).resolve().parent / "csrc"
+    return Path(__file__).resolve().parent / "csrc" / "cpu"
 
 
 def enabled() -> bool:
@@ -192,6 +193,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def library() -> ctypes.CDLL | None:
+    """The kernel library when the C++ CPU kernels are the kernel backend of the CPU
+    (`kernels/backend.py`), else None: the callers then run their pure-torch twins."""
+    from hybridserve.kernels import backend
+
+    if backend.active("cpu") is not backend.Backend.CPU_NATIVE:
+        return None
+    return build()
+
+
+def build() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on the first call; None when it is turned off or
     cannot be built (logged once)."""
     global _lib, _tried

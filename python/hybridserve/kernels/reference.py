@@ -368,7 +368,8 @@ def selective_state_update(
     dt_max: float = math.inf,
 ) -> torch.Tensor:
     """Multi-token selective state update for decode / verify rows (the recurrence of
-    kernels.md §1.2, token by token within a row, vectorised over rows and heads).
+    docs/kernel-design.md, "Recurrence", token by token within a row, vectorised over rows and
+    heads).
 
     Args:
         x: ``[T, H, P]``; dt: ``[T, H]`` raw; A, D, dt_bias: ``[H]``; B, C: ``[T, G, N]``.

@@ -89,7 +89,7 @@ class RejectionSampler:
     ) -> None:
         """`use_kernel` (drafts with probabilities only; point-mass drafts never need the op):
         None (default) runs the fused `hybridserve.kernels.dispatch.rejection_sample` op when the
-        logits are float32 on a CUDA device (and `HYBRIDSERVE_KERNELS` is not `reference`), the
+        logits are float32 on a CUDA device and the kernel backend is CUDA (kernels/backend.py), the
         vectorised torch code otherwise; True always goes through dispatch (its torch twin on the
         CPU); False never. Both paths draw the same randomness and give the same tokens."""
         self._sampler = Sampler(logprobs_mode)
@@ -105,9 +105,9 @@ class RejectionSampler:
             return self.use_kernel
         if not probs.is_cuda or probs.dtype != torch.float32:
             return False
-        from hybridserve.kernels.dispatch import kernel_backend
+        from hybridserve.kernels import backend
 
-        return kernel_backend() != "reference"
+        return backend.active(probs.device.type) is backend.Backend.CUDA
 
     def recovery_distribution(self, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
         """Unnormalised distribution of the token emitted after rejecting `draft` drawn from q

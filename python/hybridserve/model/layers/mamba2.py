@@ -10,27 +10,20 @@ emitted boundary states to `emit_slot`. The same dt clamp applies in both paths.
 
 On the CPU (float32 / float64) decode, verify and prefill tokens take the C++ recurrence of
 kernels/native.py (conv + state update token by token, one pass per row) when it is built; the
-reference twins (conv update / state update, conv prefill / chunked SSD scan) otherwise. `compiled_decode` (set by the engine for --compile-cpu-kernels): where the C++ kernels
-are not built (no compiler, HYBRIDSERVE_NATIVE_CPU=0), decode and verify steps on the CPU
-(float32 / float64) run the torch.compile'd conv, state update and gated norm of
-kernels/compiled.py instead of the eager twins (the C++ kernel is faster than the graph).
+reference twins (conv update / state update, conv prefill / chunked SSD scan) otherwise; on a
+CUDA device the twins dispatch to the CUDA kernels (kernels/dispatch.py).
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
 
-from hybridserve.kernels import compiled, native
 from hybridserve.kernels import dispatch as K
+from hybridserve.kernels import native
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
 from hybridserve.model.model_config import ModelConfig
-
-# ForwardContext.scratch key of the padded decode rows of the compiled path (one per forward)
-_ROWS_KEY = ("compiled_decode_rows",)
 
 
 class Conv1dParams(nn.Module):
@@ -63,11 +56,6 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nheads), requires_grad=False)
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, cfg.mamba_norm_eps)
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
-        self.compiled_decode = False
-        self.mixer_shape = compiled.MixerShape(
-            self.nheads, self.headdim, self.ngroups, self.dstate, self.norm.group_size, self.norm.eps,
-            float(self.dt_min), float(self.dt_max), self.activation is not None,
-        )  # fmt: skip
 
     def forward(
         self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -82,13 +70,6 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.to(sdt))
         ndt = ctx.num_decode_tokens
 
-        if ndt == T and self.compiled_decode and native.library() is None:
-            # the same for every Mamba layer of the step: computed once per forward
-            if _ROWS_KEY not in ctx.scratch:
-                ctx.scratch[_ROWS_KEY] = K.compiled_decode_rows(hidden, ctx.dec_qsl, ctx.dec_write_slots)
-            rows = cast("compiled.Rows | None", ctx.scratch[_ROWS_KEY])
-            if rows is not None:
-                return self._compiled_decode(z, xbc, dt, w, b, A, conv_state, ssm_state, ctx, rows)
         parts = []
         if ndt > 0:
             parts.append(self._decode_tokens(xbc[:ndt], dt[:ndt], w, b, A, conv_state, ssm_state, ctx))
@@ -159,22 +140,3 @@ class Mamba2Mixer(nn.Module):
             ctx.pre_read_slot, ctx.pre_has_initial_state, ctx.pre_write_slot, ctx.emit_row,
             ctx.emit_token, ctx.emit_slot, self.chunk_size, self.dt_min, self.dt_max,
         )  # fmt: skip
-
-    def _compiled_decode(
-        self,
-        z: torch.Tensor,
-        xbc: torch.Tensor,
-        dt: torch.Tensor,
-        w: torch.Tensor,
-        b: torch.Tensor | None,
-        A: torch.Tensor,
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        ctx: ForwardContext,
-        rows: compiled.Rows,
-    ) -> torch.Tensor:
-        normed = compiled.mamba_mixer_rows(
-            xbc, dt, z, w, b, conv_state, A, self.D, self.dt_bias, ssm_state, self.norm.weight,
-            ctx.dec_read_slot, rows, self.mixer_shape,
-        )  # fmt: skip
-        return self.out_proj(normed)

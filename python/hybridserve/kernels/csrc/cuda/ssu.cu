@@ -1,5 +1,6 @@
-// Multi-token selective state update (decode and speculative verify), kernels.md §2, design A:
-// the state after token t of a row is written to write_slots[r, t] (0 = null slot, skipped).
+// Multi-token selective state update (decode and speculative verify; docs/kernel-design.md,
+// "Selective state update"): the state after token t of a row is written to write_slots[r, t] (0 = null slot,
+// skipped).
 //
 // Grid: (ceil(P / ROWS_PER_BLOCK), H, R). Block: 4 warps; each warp owns RPW rows (p) of the
 // head's P x N state tile, lanes split N (NPL elements per lane). The tile is loaded once from the

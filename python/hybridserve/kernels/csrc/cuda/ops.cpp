@@ -1,5 +1,5 @@
 // torch.ops.hybridserve.* : tensor validation, host-side metadata and launches of the CUDA
-// kernels in cuda/*.cu. Signatures mirror python/hybridserve/kernels/reference.py (and the
+// kernels in the .cu files beside it. Signatures mirror python/hybridserve/kernels/reference.py (and the
 // rejection sampler of python/hybridserve/sampling/rejection.py) argument for argument.
 //
 // Index tensors (query_start_loc, slots, emits) may live on the CPU or on the GPU. The ops that

@@ -1,5 +1,5 @@
-// Depthwise causal conv1d (kernels.md §3) with per-slot conv states in the "DS" layout
-// [num_slots, Dc, W - 1] (oldest column first), fp32 accumulation.
+// Depthwise causal conv1d (docs/kernel-design.md, "Causal conv1d") with per-slot conv states in
+// the "DS" layout [num_slots, Dc, W - 1] (oldest column first), fp32 accumulation.
 //
 // Prefill: one thread per (channel, token); the W - 1 inputs before a row's first token come from
 // the row's initial state (or zeros). The final / boundary windows are gathered into a scratch

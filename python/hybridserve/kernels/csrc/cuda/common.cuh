@@ -46,7 +46,7 @@ __device__ __forceinline__ float softplus_thr(float v) {
   return v > 20.f ? v : log1pf(expf(v));
 }
 
-// The dt pipeline of kernels.md §1.1 step 4, identical for prefill and decode.
+// The dt pipeline (docs/kernel-design.md, "dt pipeline"), identical for prefill and decode.
 __device__ __forceinline__ float process_dt(float raw, float bias, float dt_min, float dt_max) {
   float v = softplus_thr(raw + bias);
   return fminf(fmaxf(v, dt_min), dt_max);

@@ -1,4 +1,5 @@
-// Rejection sampling for speculative decoding (kernels.md §4), one launch, one CTA per request.
+// Rejection sampling for speculative decoding (docs/kernel-design.md, "Rejection sampling kernel"):
+// one launch, one CTA per request.
 //
 // Greedy rows: accept while draft == argmax (first index on ties); the argmax of each position is
 // computed lazily, only up to the first mismatch. Random rows: the acceptance chain needs two

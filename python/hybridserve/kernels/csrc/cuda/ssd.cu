@@ -1,4 +1,5 @@
-// Chunked SSD scan for prefill (kernels.md §1.3, §1.5), fp32 compute on CUDA cores.
+// Chunked SSD scan for prefill (docs/kernel-design.md, "Chunked SSD scan"), fp32 compute on CUDA
+// cores.
 //
 // Chunks never mix rows and hold at most Q tokens; their boundaries sit at absolute multiples of Q
 // and right after every emitted token (metadata from the host: chunk_start / chunk_len /
