@@ -3,8 +3,8 @@
     .venv/bin/python benches/cache_trace_serve.py [--traces T1:0.5,T2:0.5] [--time-scale 1]
         [--server-args "..."] [--result-file benches/results/cache_trace_serve.json]
 
-For each configuration (`grid`: a checkpoint every mamba_block_size tokens with LRU eviction, what
-the engine did before; `default`: the engine's defaults, branch points, last tokens and grid points
+For each configuration (`grid`: a checkpoint every mamba_block_size tokens with LRU eviction, the
+grid baseline; `default`: the engine's defaults, branch points, last tokens and grid points
 in spare room with FLOP-aware eviction), a `hybridserve serve demo` subprocess is started and every trace is replayed through it
 with `bench serve --workload trace` (follow-up turns built from the server's real answers). Per
 trace and configuration: the token hit rate the requests saw (`cached_tokens`), TTFT p50 / p95 /

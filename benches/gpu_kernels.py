@@ -1,12 +1,13 @@
-"""GPU kernel benchmark at Nemotron-H-8B layer shapes (kernels.md §5): median time, achieved bytes/s
+"""GPU kernel benchmark at Nemotron-H-8B layer shapes: median time, achieved bytes/s
 and FLOP/s, and the fraction of the H200 floor, for each CUDA op beside its pure-torch twin.
 
     python benches/gpu_kernels.py [--iters 20] [--markdown out.md] [--skip-reference]
     python benches/gpu_kernels.py --smoke      # tiny shapes on the CPU: checks the script only
 
-Floors use the measured H200 constants of kernels.md §5 (HBM 4.3 TB/s, dense bf16 790 TFLOP/s);
-"floor" = max(bytes / BW, FLOP / F) for the byte count the op must move at minimum (for the SSD
-scan: the fused floor, inputs + outputs + final state). Working sets are far above the 50 MB L2.
+Floors use the measured H200 constants (HBM 4.3 TB/s, dense bf16 790 TFLOP/s;
+docs/kernel-design.md, "H200 floors"): "floor" = max(bytes / BW, FLOP / F) for the byte count the
+op must move at minimum (for the SSD scan: the fused floor, inputs + outputs + final state).
+Working sets are far above the 50 MB L2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 BW = 4.3e12  # B/s
 FLOPS = 790e12  # FLOP/s (bf16 tensor cores; the SSD floor)
 
-# Nemotron-H-8B (kernels.md §5.1)
+# Nemotron-H-8B layer shapes
 H, P, N, G, W, Q = 128, 64, 128, 8, 4, 128
 CONV_DIM = H * P + 2 * G * N  # 10240
 VOCAB = 131072

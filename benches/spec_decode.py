@@ -1,9 +1,9 @@
 """Speculative decoding throughput: tokens/s without speculation, with n-gram prompt lookup and with a
-draft model, on a repetitive workload, in one run (issue 7).
+draft model, on a repetitive workload, in one run.
 
     .venv/bin/python benches/spec_decode.py [--num-prompts 16 --prompt-len 128 --output-len 128]
 
-The demo model has random weights (plus, since its revision 2, a planted induction head that makes
+The demo model has random weights (plus a planted induction head that makes
 it continue repeated patterns). The benchmark also builds a **repeating model** (as
 tests/test_engine_lossless.py does): the demo checkpoint with every mixer's output projection
 (`out_proj`, `o_proj`, `down_proj`) zeroed and the LM head tied to the embeddings, so each position

@@ -1,13 +1,13 @@
-"""Scheduler overhead: vLLM's v1 Scheduler vs hybridserve's `_core.Scheduler`, in one run (issue 10).
+"""Scheduler overhead: vLLM's v1 Scheduler vs hybridserve's `_core.Scheduler`, in one run.
 
     .venv/bin/python benches/vllm_scheduler_compare.py [--steps 300] [--result-file F]
 
 Installs vLLM (0.33.0, the wheel with --no-deps, plus the light dependencies its scheduler imports)
 into its own throw-away virtual environment `.venv-vllm-peer/` (gitignored; `--venv` moves it) the
-first time, following shared/reference/vllm-cpu-scheduler.md. vLLM is never a dependency of the
-project: the peer venv borrows torch from the project's .venv through a `.pth` line appended after
-its own site-packages (so vLLM's pinned packages, e.g. transformers 5.20.2, win), and runs the vLLM
-half of the benchmark as a subprocess (`--worker`), while hybridserve's half runs in this process.
+first time. vLLM is never a dependency of the project: the peer venv borrows torch from the
+project's .venv through a `.pth` line appended after its own site-packages (so vLLM's pinned
+packages, e.g. transformers 5.20.2, win), and runs the vLLM half of the benchmark as a subprocess
+(`--worker`), while hybridserve's half runs in this process.
 
 Both schedulers get the same hybrid cache layout (the demo model's: attention KV group + Mamba
 group, B = 16, prefix caching on, mamba cache mode `align`, max_num_batched_tokens 8192,
@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = ROOT / ".venv-vllm-peer"
 VLLM_VERSION = "0.33.0"
-# vLLM's scheduler imports these (pip freeze of a working peer venv, see vllm-cpu-scheduler.md).
+# vLLM's scheduler imports these (pip freeze of a working peer venv).
 PEER_REQUIREMENTS = """
 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0
 apache-tvm-ffi==0.1.11 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 certifi==2026.10.19.post1 click==8.5.1

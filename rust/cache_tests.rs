@@ -1,4 +1,5 @@
-//! Unit tests of the hybrid cache manager: one test per rule of DESIGN.md §4 and the mode table.
+//! Unit tests of the hybrid cache manager: one test per rule of docs/prefix-caching.md ("Rules
+//! that make caching exact", "Eviction") and per cache mode (docs/cache-modes.md, "Modes").
 //! `ResolvedConfig::for_tests`: B = 4, M = 8, max_num_seqs = 16.
 
 use super::*;

@@ -87,8 +87,8 @@ impl MambaCacheMode {
     }
 }
 
-/// Where Mamba checkpoints are placed (docs/cache-modes.md, "Checkpoint placement"): the prefix
-/// cache can only resume a hybrid model where a copy of the state was kept.
+/// Where Mamba checkpoints are placed (docs/prefix-caching.md, "Checkpoint placement"): the
+/// prefix cache can only resume a hybrid model where a copy of the state was kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CheckpointPlacement {
     /// Where prompts really share: at the deepest cached KV block of a prompt whose KV prefix hit
@@ -224,7 +224,7 @@ impl ResolvedConfig {
     }
 
     /// Checks every invariant the cache manager and the scheduler rely on (docs/cache-modes.md,
-    /// "The policy", rule 7).
+    /// "Validation"; rule 7 of "Rules").
     /// `policy::resolve` only returns configurations that pass; the error names the flag to change.
     pub fn validate(&self) -> HsResult<()> {
         let err = |m: String| Err(HsError::Config(m));

@@ -1,6 +1,8 @@
-//! Continuous batching (DESIGN.md §2, §4, §6): running requests first (decodes, then unfinished
-//! chunked prefills), then waiting ones with their prefix hits; chunked prefill under a token
-//! budget; checkpoint placement; speculative bookkeeping; preemption by recompute; aborts.
+//! Continuous batching: running requests first (decodes, then unfinished chunked prefills), then
+//! waiting ones with their prefix hits; chunked prefill under a token budget; checkpoint
+//! placement; speculative bookkeeping; preemption by recompute; aborts. The design:
+//! docs/architecture.md ("One engine step"), docs/prefix-caching.md, docs/cache-modes.md,
+//! docs/speculative-decoding.md.
 //!
 //! Checkpoint placement (`CheckpointPlacement`):
 //! - branch points: when a prompt's cached KV prefix reaches past its state hit (a prefix an
@@ -352,7 +354,7 @@ impl Scheduler {
         }
         // The publishes of the last update (a request that finished on a checkpoint boundary)
         // would copy into their reserved checkpoints at the start of the next step: with every
-        // checkpoint dropped they are moot. Kept, they made a reset of an idle engine fail.
+        // checkpoint dropped they are moot. Kept, they would make a reset of an idle engine fail.
         for (_, dst) in self.pending_publishes.drain(..) {
             self.cache.cancel_checkpoint(dst);
         }

@@ -204,7 +204,8 @@ class Driver:
 
     Request i owns KV blocks [1 + i*nb, 1 + (i+1)*nb) and state slots [1 + i*W, 1 + (i+1)*W).
     Decode rows read window[live] and write the state after token t to window[t] (live = n - 1
-    afterwards), exactly the spec-decode window of DESIGN.md §6.
+    afterwards), exactly the spec-decode window of docs/speculative-decoding.md, "The Mamba state
+    window".
     """
 
     def __init__(

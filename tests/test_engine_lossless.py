@@ -1,6 +1,6 @@
-"""Losslessness of the engine (DESIGN.md §9): greedy outputs of the float64 demo model are identical
-whatever the cache mode, prefix hits, chunk budget, batch composition, preemption and speculative
-decoding. Any difference is a bug, not rounding."""
+"""Losslessness of the engine (docs/losslessness.md): greedy outputs of the float64 demo model are
+identical whatever the cache mode, prefix hits, chunk budget, batch composition, preemption and
+speculative decoding. Any difference is a bug, not rounding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The reference kernels against a plain float64 token-by-token recurrence (DESIGN.md §7)."""
+"""The reference kernels against a plain float64 token-by-token recurrence (docs/kernel-design.md,
+"Testing and tolerances")."""
 
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def test_ssd_prefill_emit_range_checks():
     x, dt, A, B, C, D, dt_bias = make_ssm_params(2, 2, 2, 1, 10, gen)
     common = (x, dt, A, B, C, D, dt_bias)
     rest = (i64([0, 10]), i64([0]), i64([0]), torch.tensor([False]), i64([1]))
-    # a token inside a chunk is accepted (it used to be refused)
+    # a token inside a chunk is accepted, not only a chunk end
     state = torch.zeros(4, 2, 2, 2, dtype=torch.float64)
     K.ssd_prefill(*common, state, *rest, i64([0]), i64([4]), i64([2]), 4)
     hs = states_seq(x, dt, A, B, dt_bias, torch.zeros(2, 2, 2, dtype=torch.float64))

@@ -965,7 +965,7 @@ def test_a_body_not_in_its_content_encoding_is_a_400_and_an_unknown_coding_a_415
         assert head.startswith(b"HTTP/1.1 400"), (enc, head)
         assert parsed["error"]["code"] == "bad_request_body"
     # a coding the server does not decode: refused, not read as plain JSON (the body here is
-    # plain JSON, which the server used to run)
+    # plain JSON, which must not run either)
     for enc in (b"foo", b"gzip, br", b"compress"):
         head, parsed = post(enc)
         assert head.startswith(b"HTTP/1.1 415"), (enc, head)

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _no_tf32():
-    """fp32 references must not silently use TF32 (kernels.md §8 trap 8)."""
+    """fp32 references must not silently use TF32 (docs/kernel-design.md, "Pitfalls")."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

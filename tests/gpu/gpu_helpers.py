@@ -9,7 +9,8 @@ import torch
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"
 
-# kernels.md §7.2: elementwise |out - ref| <= atol * rms(ref) + rtol * |ref|, as (rtol, atol)
+# Elementwise |out - ref| <= atol * rms(ref) + rtol * |ref|, as (rtol, atol)
+# (docs/kernel-design.md, "Tolerances")
 OUT_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1.6e-2, 1e-2), torch.bfloat16: (1.6e-2, 1e-2)}
 STATE_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 1e-4), torch.bfloat16: (1e-3, 1e-4)}
 Tol = tuple[float, float] | float
@@ -35,7 +36,7 @@ def assert_close(
 ) -> None:
     """Elementwise within (rtol, atol * rms) of the float64 reference (a bare float: rtol = atol),
     or, failing that, a max error (relative to rms) within 2x that of plain torch at the kernel's
-    working precision (`same_precision`) + 1e-6 (kernels.md §7.2)."""
+    working precision (`same_precision`) + 1e-6 (docs/kernel-design.md, "Tolerances")."""
     rtol, atol = (tol, tol) if isinstance(tol, float) else tol
     o, r = out.double(), ref64.double()
     assert o.shape == r.shape, (what, o.shape, r.shape)
@@ -88,7 +89,7 @@ def randn(shape: tuple[int, ...], g: torch.Generator, dtype: torch.dtype, scale:
 
 
 def ssm_params(H: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A = -(U + 1), D ~ N(0, 1), dt_bias = U - 4 (kernels.md §7.1), float32."""
+    """A = -(U + 1), D ~ N(0, 1), dt_bias = U - 4 (docs/kernel-design.md, "Test inputs"), float32."""
     A = -(torch.rand(H, generator=g) + 1.0)
     D = torch.randn(H, generator=g)
     dt_bias = torch.rand(H, generator=g) - 4.0

@@ -215,8 +215,9 @@ def _mutant_recover_from_p(p, q, drafts, n, g):
 
 
 def test_emitted_tokens_follow_the_target_distribution():
-    """Chi-square of the first emitted token against p (kernels.md §4.7), with a mutation check:
-    the same harness rejects a sampler that recovers from p instead of max(p - q, 0)."""
+    """Chi-square of the first emitted token against p (docs/kernel-design.md, "Statistical tests"),
+    with a mutation check: the same harness rejects a sampler that recovers from p instead of
+    max(p - q, 0)."""
     g = gen(1234)
     V = 32
     n = 200_000 if ON_GPU else 3_000

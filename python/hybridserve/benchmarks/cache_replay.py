@@ -16,7 +16,7 @@ by where their state came from, evictions by cause, and the modelled TTFT.
 
 Policies (`POLICIES`), each the engine's own code under a configuration:
 - `grid-lru`: Mamba checkpoints every 256 tokens (mode `all`; in mode `align` at chunk ends),
-  LRU; what the engine did before checkpoints were placed where prompts share;
+  LRU: the grid baseline, with no checkpoint placed where prompts share;
 - `vllm-like`: mode `align` with a checkpoint grid as large as vLLM's hybrid block for the model
   (vLLM pads an attention page to one Mamba layer's state page: `16 * ceil(state bytes of a layer /
   (16 * KV bytes of a token in a layer))` tokens, 1040 for Nemotron-H-8B, and its prefix hits come

@@ -1,4 +1,4 @@
-"""ModelCaches: the KV cache and the Mamba state tensors of one model (DESIGN.md §3).
+"""ModelCaches: the KV cache and the Mamba state tensors of one model (docs/memory.md).
 
 - KV, per attention layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the KV dtype
   (the model dtype by default). Block ids index dim 0; block 0 is the null block (allocated, never
@@ -10,7 +10,7 @@
   sequence position across all Mamba layers.
 
 Sizing: `kv_bytes_per_block` / `mamba_bytes_per_slot` give the bytes of one entry; the engine turns
-its budgets into counts in engine/sizing.py.
+its budgets into counts in config/sizing.py.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # engine.stats() key -> (metric name, help). Gauges are levels, counters are running totals.
-# Keys are those of contracts §6; ENGINE_KEY_ALIASES lists the scheduler's own names, read when
-# the contract key is absent.
+# Keys and names are listed in docs/serving.md, "Metrics"; ENGINE_KEY_ALIASES lists the scheduler's
+# own names, read when the engine's key is absent.
 ENGINE_GAUGES = {
     "num_requests_running": ("hybridserve_num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("hybridserve_num_requests_waiting", "Requests waiting to be scheduled."),
