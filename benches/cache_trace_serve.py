@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -126,7 +127,7 @@ def main() -> int:
         args += CONFIGS[name]
         for trace in traces:
             # a fresh server per trace: the caches start empty, as in the replay
-            server = Server(args, Path(f"/tmp/cache_trace_serve_{name}.log"))
+            server = Server(args, Path(tempfile.gettempdir()) / f"cache_trace_serve_{name}.log")
             try:
                 before = _metrics(server.base)
                 cfg = ServeConfig(
