@@ -2,6 +2,9 @@
 //! `cargo bench --bench cache -- --warm-up-time 1 --measurement-time 3`
 //! Configuration: B = 16, M = 256, mode `all`, K = 0 (a Nemotron-H-like setup).
 
+// A bench drives a fixed, valid workload: an unwrap here can only fail on a bug, never on input.
+#![allow(clippy::unwrap_used)]
+
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};

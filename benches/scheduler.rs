@@ -4,6 +4,9 @@
 //!
 //! `cargo bench --bench scheduler` (numbers in benches/README.md).
 
+// A bench drives a fixed, valid workload: an unwrap here can only fail on a bug, never on input.
+#![allow(clippy::unwrap_used)]
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

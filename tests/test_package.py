@@ -19,8 +19,15 @@ def test_extension_is_abi3_and_fresh() -> None:
     assert so.stat().st_mtime >= newest_source, "the extension is older than the Rust sources"
 
 
-def test_versions_agree() -> None:
-    assert hybridserve.__version__ == core.__version__
+def test_the_version_has_one_source() -> None:
+    import importlib.metadata
+    import tomllib
+
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+    assert hybridserve.__version__ == core.__version__ == cargo
+    assert importlib.metadata.version("hybridserve") == cargo  # the installed wheel's metadata
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
 
 
 def test_cli_version() -> None:

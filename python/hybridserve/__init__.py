@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybridserve._core import __version__  # Cargo.toml's version, the one source of it
 from hybridserve.errors import ConfigError, HybridServeError, InternalError, InvalidRequestError
-
-__version__ = "0.1.0"
 
 __all__ = [
     "LLM",
