@@ -5,7 +5,7 @@ draft model, on a repetitive workload, in one run.
 
 The demo model has random weights (plus a planted induction head that makes
 it continue repeated patterns). The benchmark also builds a **repeating model** (as
-tests/test_engine_lossless.py does): the demo checkpoint with every mixer's output projection
+tests/engine/test_engine_lossless.py does): the demo checkpoint with every mixer's output projection
 (`out_proj`, `o_proj`, `down_proj`) zeroed and the LM head tied to the embeddings, so each position
 predicts its own input token and greedy output repeats the last prompt token forever. Its draft
 model is the same construction cut down to 2 layers (one Mamba2 layer and one attention layer,

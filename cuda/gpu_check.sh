@@ -30,7 +30,7 @@ fi
 echo "build/load: $(( $(date +%s) - start )) s"
 
 echo "== tests"
-$PY -m pytest -q -rs tests/gpu tests/test_cuda_compile.py 2>&1 | tee "$OUT/gpu_tests.log"
+$PY -m pytest -q -rs tests/gpu tests/kernels/test_cuda_compile.py 2>&1 | tee "$OUT/gpu_tests.log"
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -eq 0 ] || status=1
 

@@ -1,7 +1,7 @@
 //! The cache-mode policy (docs/cache-modes.md, "The policy"): typed requests in, one resolution,
 //! a validated [`ResolvedConfig`] plus the list of [`Decision`]s that explain every choice out.
 //!
-//! The rules (the `ruleN` cases of tests/policy_cases.txt):
+//! The rules (the `ruleN` cases of tests/config/policy_cases.txt):
 //! 1. prefix caching off → mode `none`; an explicit `align`/`all` is ignored with a warning; an
 //!    explicit `mamba_block_size` is an error;
 //! 2. a model without Mamba layers → the mode has no effect (`none`), stated once;
@@ -1030,7 +1030,7 @@ mod tests {
 
     #[test]
     fn table_cases() {
-        let table = include_str!("../tests/policy_cases.txt");
+        let table = include_str!("../tests/config/policy_cases.txt");
         let mut rules_seen = std::collections::BTreeSet::new();
         let mut n = 0;
         for line in table.lines() {

@@ -76,6 +76,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
         )
+        self.log.close()  # the server writes through its own descriptor; output() reads by name
         self.health_seen: list[int] = []
 
     def output(self) -> str:

@@ -1,4 +1,4 @@
-"""Builds the CPU emulation of the CUDA kernels (see tests/test_cuda_emulated.py):
+"""Builds the CPU emulation of the CUDA kernels (see tests/kernels/test_cuda_emulated.py):
 torch.ops.hybridserve_emu.* for CPU tensors, running the real kernels/csrc/cuda/*.cu code."""
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         # Only the logits rows' outputs are needed after the last layer that writes a cache: that
         # layer returns those rows alone (an attention layer computes just their queries), and
         # the cache-free layers after it run on them alone. No row's output there depends on
-        # another row, so only rounding can differ (tests/test_model_tail_rows.py, float64).
+        # another row, so only rounding can differ (tests/model/test_model_tail_rows.py, float64).
         # (CPU indices: they index device tensors as well, and the attention layer maps them to
         # rows on the CPU without a device sync)
         keep = ctx.logits_indices if _drops_rows(ctx.logits_indices, batch.num_tokens) else None

@@ -228,7 +228,7 @@ constexpr int64_t kMinTokensPerThread = 8;
 // then rounded once, so the arithmetic is meant to be the float kernel's on the widened inputs.
 // The conv and dt run in shared functions that are not inlined; the state update is the same
 // inlined code on the same float buffers, which under -ffast-math the compiler could still
-// compile differently in the two instantiations: tests/test_kernels_native.py checks the
+// compile differently in the two instantiations: tests/kernels/test_kernels_native.py checks the
 // equality on the machine that builds the library.
 template <typename T, typename St, int NC>
 void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, const T* conv_w, const T* conv_b,

@@ -22,7 +22,7 @@
 
 #include "kernels.h"
 
-// HS_EMULATE (tests/test_cuda_emulated.py only): the same ops on CPU tensors, registered as
+// HS_EMULATE (tests/kernels/test_cuda_emulated.py only): the same ops on CPU tensors, registered as
 // torch.ops.hybridserve_emu.*, with the kernels run by the CPU emulation of tests/cuda_emu.
 #ifdef HS_EMULATE
 #define HS_NS hybridserve_emu

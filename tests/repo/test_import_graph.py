@@ -8,7 +8,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "python" / "hybridserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "hybridserve"
 
 # Higher imports lower (or its own rank); never the other way.
 RANK = {

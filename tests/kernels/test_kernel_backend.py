@@ -16,7 +16,7 @@ from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend, cuda, native
 from hybridserve.kernels.backend import Backend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _llm(**kw: object):  # noqa: ANN202

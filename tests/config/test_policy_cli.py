@@ -1,4 +1,4 @@
-"""The policy table (tests/policy_cases.txt, also driven by the Rust test `policy::tests::table_cases`)
+"""The policy table (tests/config/policy_cases.txt, also driven by the Rust test `policy::tests::table_cases`)
 run through `python -m hybridserve config MODEL FLAGS --json`, plus the text output and the exit
 status of configuration errors."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import hybridserve
 import hybridserve._core as core
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_extension_is_abi3_and_fresh() -> None:

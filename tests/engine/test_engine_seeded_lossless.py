@@ -11,9 +11,9 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from test_engine_lossless import PREEMPTING, _llm, _prompts, mode_args
 
 from hybridserve import LLM, SamplingParams
-from test_engine_lossless import PREEMPTING, _llm, _prompts, mode_args
 
 MAX_TOKENS = 24
 

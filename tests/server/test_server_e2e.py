@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import functools
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -66,7 +67,9 @@ def post(
 ) -> tuple[int, Any, dict]:
     async def go() -> tuple[int, Any, dict]:
         async with aiohttp.ClientSession() as s:
-            payload = data if data is not None else json.dumps(body).encode()
+            raw_body = data if data is not None else json.dumps(body).encode()
+            # a stream, not bytes: aiohttp warns that a large bytes body blocks the loop
+            payload = io.BytesIO(raw_body)
             async with s.post(
                 server.base + path, data=payload, headers={"Content-Type": content_type}, **kw
             ) as r:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.kernels.cuda import find_cuda_home
+from hybridserve.kernels.cuda import cuda_source_dir, find_cuda_home
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "python" / "hybridserve" / "kernels" / "csrc" / "cuda"
+CUDA_DIR = cuda_source_dir()
 CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 CPP_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cpp"))
 CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_compile"

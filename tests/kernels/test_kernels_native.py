@@ -13,7 +13,7 @@ import torch
 
 from hybridserve.kernels import native
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 torch.set_num_threads(1)
 
@@ -817,7 +817,7 @@ def test_loading_the_library_keeps_denormals():
 def test_a_forked_child_can_run_parallel_kernels(tmp_path):
     code = (
         "import os, sys, torch\n"
-        "sys.path.insert(0, 'tests')\n"
+        "sys.path.insert(0, 'tests/kernels')\n"
         "from test_kernels_native import mamba_case, run_native\n"
         "from hybridserve.kernels import native\n"
         "native.threads = lambda: 4\n"
