@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml Cargo.lock
 EXT_STAMP := $(STAMPS)/extension
 
-.PHONY: all setup build serve test test-rust lint test-python gpu-check clean
+.PHONY: all setup build serve test test-rust lint typecheck test-python gpu-check clean
 
 all: test
 
@@ -50,13 +50,20 @@ lint: setup
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 
+# mypy (strict on the engine, sampling and the server; pyproject.toml [tool.mypy]), then the stub of
+# the Rust module against the module itself (signatures, defaults, names).
+typecheck: setup
+	$(VENV)/bin/mypy
+	$(VENV)/bin/python -m mypy.stubtest hybridserve._core --mypy-config-file pyproject.toml \
+		--allowlist tests/repo/stubtest_allowlist.txt
+
 test-python: setup
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-test: setup test-rust lint test-python
+test: setup test-rust lint typecheck test-python
 
 gpu-check: setup
 	bash cuda/gpu_check.sh
 
 clean:
-	rm -rf $(STAMPS) target python/hybridserve/_core*.so
+	rm -rf $(STAMPS) target .mypy_cache python/hybridserve/_core*.so

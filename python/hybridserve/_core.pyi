@@ -111,10 +111,10 @@ def resolve_policy(
     enable_chunked_prefill: bool | str | None = None,
     speculative_method: SpeculativeMethodName | None = None,
     num_speculative_tokens: int = 0,
-    block_size: int = 16,
+    block_size: int = ...,  # DEFAULT_BLOCK_SIZE
     mamba_block_size: int | None = None,
     max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 64,
+    max_num_seqs: int = ...,  # DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None,
     mamba_checkpoint_placement: CheckpointPlacementName | None = None,  # None: the policy decides
     prefix_cache_eviction: EvictionPolicyName | None = None,  # None: flops
@@ -219,9 +219,9 @@ class Scheduler:
     chunk that reaches the end of a prompt is first cut at the prompt's last multiple of
     mamba_block_size: a prompt of L tokens with M < L, L % M != 0, takes two prefill steps."""
 
-    def __init__(
-        self, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int | None = None
-    ) -> None: ...
+    def __new__(
+        cls, config: ResolvedConfig, num_kv_blocks: int, num_mamba_slots: int, hash_seed: int | None = None
+    ) -> Scheduler: ...
     # ConfigError on unusable sizes (both counts include the null block/slot 0), OverflowError for
     # a negative count; hash_seed None = 0, a negative seed counts as its two's-complement bits
     def add_request(
@@ -231,7 +231,7 @@ class Scheduler:
         *,
         max_tokens: int,
         eos_token_id: int | None = None,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = ...,  # none
         ignore_eos: bool = False,
         min_tokens: int = 0,
         priority: int = 0,

@@ -64,7 +64,7 @@ def test_classes_without_a_stub_constructor_cannot_be_made_and_none_is_a_base() 
         assert any(isinstance(d, ast.Name) and d.id == "final" for d in node.decorator_list), node.name
         with pytest.raises(TypeError):
             type("Sub", (cls,), {})
-        if not any(isinstance(m, ast.FunctionDef) and m.name == "__init__" for m in node.body):
+        if not any(isinstance(m, ast.FunctionDef) and m.name in ("__init__", "__new__") for m in node.body):
             with pytest.raises(TypeError):
                 cls()
 

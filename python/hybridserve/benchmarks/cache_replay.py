@@ -44,7 +44,7 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from hybridserve import _core
 from hybridserve.benchmarks.traces import Trace
 from hybridserve.model.flops import PrefillCost, prefill_cost
 from hybridserve.spec_decode.ngram import ngram_lookup
+
+if TYPE_CHECKING:
+    from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
 
 #: The KV block the cost model's block bytes are given for (a policy's own block scales them).
 BLOCK_SIZE = 16
@@ -92,10 +95,10 @@ class Policy:
 
     name: str
     #: None: the engine's default for the mode
-    placement: str | None
-    eviction: str
+    placement: CheckpointPlacementName | None
+    eviction: EvictionPolicyName
     mamba_block_size: int | None = None
-    mode: str | None = None
+    mode: MambaCacheModeName | None = None
     oracle: bool = False
     flop_weight: float | None = None
     block_size: int = 16
@@ -340,15 +343,15 @@ def replay(trace: Trace, cell: Cell, shape: CostShape | None = None) -> CellResu
         if k:
             flat, nd = [], []
             for rid, ns in zip(ids, num_sampled):
-                d: list[int] = []
+                drafts: list[int] = []
                 if ns and rid in produced:
                     h = history[rid]
                     mark = len(h)
                     h.extend(sampled_tokens_of(rid, ids, sampled, num_sampled))
-                    d = ngram_lookup(np.frombuffer(h, dtype=np.int64), k, 1, 4)
+                    drafts = ngram_lookup(np.frombuffer(h, dtype=np.int64), k, 1, 4)
                     del h[mark:]
-                flat.extend(d)
-                nd.append(len(d))
+                flat.extend(drafts)
+                nd.append(len(drafts))
             deltas = sched.update_from_output(
                 out,
                 np.asarray(sampled, np.int32),
@@ -510,7 +513,7 @@ class Experiment:
     budgets: tuple[float, ...] = (10.0, 3.0, 1.5)
     policies: tuple[str, ...] = DEFAULT_POLICIES
     #: None = the engine's default (all without speculation, align with it)
-    modes: tuple[str | None, ...] = (None,)
+    modes: tuple[MambaCacheModeName | None, ...] = (None,)
     speculation: tuple[bool, ...] = (False,)
     flop_weights: tuple[float, ...] = ()
     max_num_seqs: int = 32
@@ -560,13 +563,13 @@ def report(results: Sequence[CellResult]) -> str:
         o = oracle.get((trace, spec))
         cells = []
         for n in names:
-            r = groups[key].get(n)
-            if r is None:
+            got = groups[key].get(n)
+            if got is None:
                 cells.append("")
             elif o is not None and o.hit_rate > 0:
-                cells.append(f"{r.hit_rate:.3f} ({100 * r.hit_rate / o.hit_rate:.0f}%)")
+                cells.append(f"{got.hit_rate:.3f} ({100 * got.hit_rate / o.hit_rate:.0f}%)")
             else:
-                cells.append(f"{r.hit_rate:.3f}")
+                cells.append(f"{got.hit_rate:.3f}")
         lines.append(
             f"| {_short(trace)} | {budget:g}x | {mode} | {'ngram' if spec else 'off'} | "
             f"{'' if o is None else f'{o.hit_rate:.3f}'} | " + " | ".join(cells) + " |"
@@ -605,9 +608,10 @@ def report(results: Sequence[CellResult]) -> str:
     ]
     gib = float(1 << 30)
     for key in sorted(groups, key=lambda k: (k[0], -k[1], k[2], k[3])):
-        r = groups[key].get("hybridserve")
-        if r is None:
+        default = groups[key].get("hybridserve")
+        if default is None:
             continue
+        r = default
         h, e = r.hits_by_kind, r.evictions
         lines.append(
             f"| {_short(key[0])} | {key[1]:g}x | {key[2]} | {'ngram' if key[3] else 'off'} | {r.mamba_slots - 1} | "

@@ -94,7 +94,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -665,7 +665,13 @@ def generate(
         raise ValueError(f"shape for {kind} must be a {_SHAPES[kind].__name__}, got {type(shape).__name__}")
     g = _Gen(random.Random(f"{kind}:{seed}"), token_id_min, token_id_max)
     name = f"{kind}:seed={seed}:scale={scale:g}"
-    builder = {"T1": _t1, "T2": _t2, "T3": _t3, "T4": _t4}[kind]
+    builders: dict[str, Callable[[_Gen, Any, float], list[TraceRequest]]] = {
+        "T1": _t1,
+        "T2": _t2,
+        "T3": _t3,
+        "T4": _t4,
+    }
+    builder = builders[kind]
     return Trace(name, tuple(builder(g, shape, scale)))
 
 

@@ -133,13 +133,13 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")
-        for name, names, optional in (
+        for name, names, may_be_none in (
             ("mamba_cache_mode", _core.MAMBA_CACHE_MODES, False),
             ("mamba_checkpoint_placement", _core.CHECKPOINT_PLACEMENTS, True),
             ("prefix_cache_eviction", _core.EVICTION_POLICIES, True),
         ):
             v = getattr(self, name)
-            if not (v is None and optional) and v not in names:
+            if not (v is None and may_be_none) and v not in names:
                 raise ConfigError(f"{_flag(name)} must be one of {', '.join(names)}; got {v!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")

@@ -77,15 +77,16 @@ class SpeculativeConfig:
         for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or not 1 <= v <= MAX_PROMPT_LOOKUP):
                 raise ConfigError(f"{flag}: {key!r} must be an integer in 1..{MAX_PROMPT_LOOKUP}, got {v!r}")
-        if lo is None and hi is None:
-            lo, hi = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
-        elif lo is None:
-            lo = min(DEFAULT_PROMPT_LOOKUP_MIN, hi)
+        # one bound given: the other defaults, moved so that min <= max
+        lo_n: int = DEFAULT_PROMPT_LOOKUP_MIN if lo is None else int(lo)
+        hi_n: int = DEFAULT_PROMPT_LOOKUP_MAX if hi is None else int(hi)
+        if lo is None:
+            lo_n = min(lo_n, hi_n)
         elif hi is None:
-            hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
-        if lo > hi:
-            raise ConfigError(f"{flag}: 'prompt_lookup_min' ({lo}) must be <= 'prompt_lookup_max' ({hi})")
-        return cls(method, int(k), prompt_lookup_min=int(lo), prompt_lookup_max=int(hi))
+            hi_n = max(hi_n, lo_n)
+        if lo_n > hi_n:
+            raise ConfigError(f"{flag}: 'prompt_lookup_min' ({lo_n}) must be <= 'prompt_lookup_max' ({hi_n})")
+        return cls(method, int(k), prompt_lookup_min=lo_n, prompt_lookup_max=hi_n)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.input_processor import Prompt
@@ -29,10 +29,11 @@ def _is_token_list(prompts: object) -> bool:
         return False
     ndim = getattr(prompts, "ndim", None)
     if ndim is not None:  # numpy array / torch tensor
-        return ndim == 1
+        return bool(ndim == 1)
     if not isinstance(prompts, Sequence) or not prompts:
         return False
-    return isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool)
+    first = prompts[0]
+    return isinstance(first, numbers.Integral) and not isinstance(first, bool)
 
 
 class LLM:
@@ -63,7 +64,7 @@ class LLM:
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
-            prompt_list = list(prompts)
+            prompt_list = list(cast("Iterable[Prompt]", prompts))
         else:
             raise InvalidRequestError(
                 f"prompts: a prompt or a list of prompts (str, token ids or dict), not {type(prompts).__name__}"

@@ -163,8 +163,9 @@ class ModelRunner:
             token_ids = res.token_ids.tolist()  # one conversion, not one per row
             for i, r in enumerate(plain_rows):
                 result.sampled[r] = [int(token_ids[i])]
-                if res.logprobs is not None and res.logprobs[i] is not None:
-                    result.logprobs[r] = [res.logprobs[i]]
+                entry = res.logprobs[i] if res.logprobs is not None else None
+                if entry is not None:
+                    result.logprobs[r] = [entry]
         if not spec_rows:
             return
         spec = [_known(rows[r]) for r in spec_rows]

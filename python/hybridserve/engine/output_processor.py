@@ -54,7 +54,7 @@ class OutputProcessor:
         deltas: Sequence[Any],
         req_ids: Sequence[str],
         row_logprobs: Sequence[list[TokenLogprobs] | None],
-        finish_in_scheduler: Callable[[str], None],
+        finish_in_scheduler: Callable[[str], object],
     ) -> tuple[list[RequestOutput], list[str]]:
         """The outputs of one step, and the ids of the requests that finished in it.
 

@@ -108,7 +108,7 @@ def _ensure_ninja_on_path() -> None:
         return
     cands = [Path(os.path.realpath(sys.executable)).parent, Path(sys.executable).parent]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         cands.insert(0, Path(ninja.BIN_DIR))
     except (ImportError, AttributeError):

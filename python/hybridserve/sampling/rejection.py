@@ -320,7 +320,7 @@ class RejectionSampler:
         """
         num_rows = len(rows)
         if num_draft_tokens is None:
-            per_row = [list(map(int, torch.as_tensor(d).flatten().tolist())) for d in draft_token_ids]  # type: ignore[union-attr]
+            per_row = [list(map(int, torch.as_tensor(d).flatten().tolist())) for d in draft_token_ids]
             if len(per_row) != num_rows:
                 raise ValueError(f"{len(per_row)} draft lists for {num_rows} rows")
             ks = [len(d) for d in per_row]

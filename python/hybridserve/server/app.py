@@ -608,8 +608,11 @@ async def _generate(
         finally:
             sink.put_nowait((choice, None))
 
+    def aborter(choice: _Choice) -> Callable[[], None]:
+        return lambda: sink.put_nowait((choice, _ABORTED))
+
     for c in choices:
-        state.aborters[c.engine_id] = lambda c=c: sink.put_nowait((c, _ABORTED))
+        state.aborters[c.engine_id] = aborter(c)
     tasks = [asyncio.create_task(run_one(c)) for c in choices]
     ended_by = "abort"  # the client went away (the handler is cancelled)
     try:

@@ -157,9 +157,19 @@ async def _serve(args: argparse.Namespace) -> int:
             engine = _build_engine(engine_args)
         except BaseException as e:  # reported on the event loop
             err = e
-            report(lambda: loaded.done() or loaded.set_exception(err))
+
+            def fail() -> None:
+                if not loaded.done():
+                    loaded.set_exception(err)
+
+            report(fail)
             return
-        report(lambda: loaded.done() or loaded.set_result(engine))
+
+        def succeed() -> None:
+            if not loaded.done():
+                loaded.set_result(engine)
+
+        report(succeed)
 
     threading.Thread(target=load, name="hybridserve-load", daemon=True).start()
 

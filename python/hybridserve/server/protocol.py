@@ -116,7 +116,7 @@ def get_int(
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         shown = v if abs(v) < 10**30 else f"a {len(str(abs(v)))}-digit number"
         raise _bad(name, f"must be in {rng}, got {shown}")
-    return v
+    return int(v)
 
 
 def get_float(

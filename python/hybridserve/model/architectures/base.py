@@ -85,7 +85,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         raise NotImplementedError
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Runs every scheduled token; returns logits ``[len(batch.logits_indices), vocab]`` in
         fp32 (fp64 for an fp64 model). Writes KV at `slot_mapping` and the Mamba states per the
         state-window arrays of `batch`."""

@@ -102,6 +102,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(
             cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_act, cfg.mlp_bias
         )
+        self.fc1_latent_proj: nn.Linear | None
+        self.fc2_latent_proj: nn.Linear | None
         if cfg.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
             self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
