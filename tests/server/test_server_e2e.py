@@ -73,7 +73,12 @@ def post(
             async with s.post(
                 server.base + path, data=payload, headers={"Content-Type": content_type}, **kw
             ) as r:
+                transport = r.connection.transport if r.connection is not None else None
                 raw = await r.read()
+                if transport is not None and transport.is_closing():
+                    # The server answered before reading the whole body (a 413) and closed: the
+                    # unsent rest of the body would keep the transport open until the loop closes.
+                    transport.abort()
                 try:
                     parsed: Any = json.loads(raw)
                 except ValueError:
