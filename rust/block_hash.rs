@@ -17,8 +17,8 @@
 //! hashed collide is about `n² / 2¹²⁹`: for `n = 10¹²` blocks (years of traffic of a busy server)
 //! that is below `10⁻¹⁴`, far below the rate of hardware memory errors. The construction is not
 //! cryptographic; resistance against a tenant who crafts colliding prompts rests on the seed being
-//! secret (`hash_seed`, random per deployment) and on the per-tenant `cache_salt`, which puts
-//! tenants on disjoint hash chains.
+//! secret (`hash_seed`: the engine draws it from the OS at every start unless one is given) and on
+//! the per-tenant `cache_salt`, which puts tenants on disjoint hash chains.
 
 /// The chained 128-bit hash of a full block and all blocks before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -189,10 +189,18 @@ def test_pool_overrides_are_checked_against_the_config() -> None:
     with pytest.raises(hybridserve.ConfigError, match="--num-mamba-slots"):
         EngineArgs(model="m", num_mamba_slots=4, speculative_config=NGRAM3).resolve(HYBRID)
     # the engine needs a window of 1 + K slots for each of max_num_seqs sequences: so does resolve
-    with pytest.raises(hybridserve.ConfigError, match="--num-mamba-slots 5: 2 running sequences"):
+    with pytest.raises(
+        hybridserve.ConfigError, match="--num-mamba-slots 5: --max-num-seqs 2 running sequences"
+    ):
         EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
     EngineArgs(model="m", num_mamba_slots=9, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
     EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=1, speculative_config=NGRAM3).resolve(HYBRID)
+    # max_num_seqs unset: the engine lowers it to what the slots run, so one window must fit
+    EngineArgs(model="m", num_mamba_slots=5, speculative_config=NGRAM3).resolve(HYBRID)
+    with pytest.raises(
+        hybridserve.ConfigError, match="one running sequence with a window of 4 slots needs 5"
+    ):
+        EngineArgs(model="m", num_mamba_slots=4, speculative_config=NGRAM3).resolve(HYBRID)
 
 
 def test_dtype_auto_follows_the_model() -> None:

@@ -86,3 +86,72 @@ def test_engine_takes_the_total_budget() -> None:
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ConfigError, match="--cache-memory"):
         LLM("demo", cache_memory=1 << 30, kv_cache_memory=1 << 20, mamba_cache_memory=1 << 20)
+
+
+# ---- state pool capacity: sequences the Mamba pool can run (config/sizing.py, config/plan.py)
+
+
+def test_capacity_counts_windows_and_one_checkpoint_slot_per_sequence() -> None:
+    from hybridserve.config.sizing import state_pool_capacity
+
+    assert state_pool_capacity(65, 0, False, True) == 64  # windows of 1
+    assert state_pool_capacity(65, 0, True, True) == 32  # + a checkpoint slot each
+    assert state_pool_capacity(65, 3, True, True) == 12  # windows of 4 + 1
+    assert state_pool_capacity(5, 3, True, True) == 0
+    assert state_pool_capacity(1, 3, True, False) >= 64  # no Mamba layers: no bound from states
+
+
+def test_auto_max_num_seqs_is_lowered_to_the_capacity_and_a_given_one_is_refused() -> None:
+    s = sizes(max_num_seqs=64, num_mamba_slots=41, max_num_seqs_auto=True)
+    assert (s.max_num_seqs, s.state_pool_capacity) == (20, 20)
+    # the KV pool is sized for the lowered count
+    assert s.num_kv_blocks == 20 * (1024 // 16) + 1
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 64 .* it can run 40 \(lower --max-num-seqs to 40"):
+        sizes(max_num_seqs=64, num_mamba_slots=41)
+    # given, windows fit but not the checkpoint slots: runs as asked, capacity says less
+    s = sizes(max_num_seqs=30, num_mamba_slots=41)
+    assert (s.max_num_seqs, s.state_pool_capacity) == (30, 20)
+    # auto, not even one sequence fits
+    with pytest.raises(ConfigError, match="fewer than one sequence needs"):
+        sizes(max_num_seqs=64, num_mamba_slots=2, max_num_seqs_auto=True)
+
+
+def test_engine_lowers_max_num_seqs_says_why_and_runs_more_requests_than_it() -> None:
+    slot = LLM("demo", dtype="float32", max_model_len=256).engine.em.sizes.mamba_bytes_per_slot
+    llm = LLM("demo", dtype="float32", max_model_len=256, mamba_cache_memory=9 * slot)
+    eng = llm.engine
+    assert eng.em.sizes.num_mamba_slots == 9
+    stats = eng.stats()
+    assert stats["max_num_seqs"] == 4 == stats["mamba_state_capacity_seqs"]  # (9 - 1) // (1 + 1)
+    assert int(eng.config.max_num_seqs) == 4
+    # 10 requests: all finish, never more than 4 running, same tokens as a roomy engine
+    prompts = [f"Request number {i} says" for i in range(10)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    running: list[int] = []
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    outs: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        running.append(int(eng.stats()["num_requests_running"]))
+    assert max(running) <= 4 and len(outs) == 10
+    roomy = LLM("demo", dtype="float32", max_model_len=256).generate(prompts, params)
+    assert [outs[str(i)] for i in range(10)] == [list(r.outputs[0].token_ids) for r in roomy]
+
+
+def test_config_explain_shows_the_capacity_and_a_given_count_is_refused_with_the_fix() -> None:
+    import subprocess
+    import sys
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "hybridserve", "config", "demo", "--explain", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    out = run("--num-mamba-slots", "21")
+    assert out.returncode == 0, out.stderr
+    assert "max_num_seqs_lowered" in out.stdout and "run 10 sequences" in out.stdout
+    assert "state_pool_capacity" in out.stdout
+    bad = run("--num-mamba-slots", "21", "--max-num-seqs", "64")
+    assert bad.returncode == 2 and "lower --max-num-seqs to 20" in bad.stderr

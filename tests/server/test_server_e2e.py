@@ -679,6 +679,15 @@ def test_sse_framing(server):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
 
 
+def test_metrics_show_the_state_pool_capacity(server):
+    m = wait_idle(server)
+    # no speculation, prefix caching on: each sequence needs its window of 1 and a checkpoint slot
+    # (mamba_slots_total excludes the null slot)
+    capacity = m["hybridserve_mamba_state_capacity_seqs"]
+    assert capacity == m["hybridserve_mamba_slots_total"] // 2
+    assert m["hybridserve_max_num_seqs"] == min(64, capacity)
+
+
 def test_metrics_names_and_counters(server, client):
     before = wait_idle(server)
     required = [

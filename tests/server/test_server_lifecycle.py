@@ -57,7 +57,7 @@ def _check_auth(srv: ServerProcess) -> None:
     body = b'{"model": "%s", "prompt": "Hello", "max_tokens": 2}' % MODEL.encode()
     head, parsed = raw_http(
         srv,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer s\xe9cret\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
         timeout=60,
     )
@@ -110,6 +110,8 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
             assert int(r2.headers["Retry-After"]) >= 1
             err = (await r2.json())["error"]
             assert err["code"] == "queue_full" and set(err) == {"message", "type", "param", "code"}
+            # the reason names the queue limit and what the engine can run at once
+            assert "--max-queue-len) is 1" in err["message"] and "Mamba state pool" in err["message"]
 
         # SIGINT with the stream in flight: while it drains, the server still listens and a new
         # connection learns that it is shutting down (what a load balancer's health check needs)

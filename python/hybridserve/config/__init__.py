@@ -1,7 +1,9 @@
 """Engine configuration: the flags and `EngineArgs` (args.py), the speculative config
 (speculative.py), what the policy knows about a model (capabilities.py), the resolved
-configuration and its explanation (explain.py), cache sizing (sizing.py), and the CLI
-(cli.py). The policy itself is Rust (`_core.resolve_policy`); nothing here imports torch.
+configuration and its explanation (explain.py), cache sizing (sizing.py), the plan of one engine
+(plan.py: the resolved configuration with its cache sizes), and the CLI (cli.py). The policy
+itself is Rust (`_core.resolve_policy`); importing this package does not import torch (making a
+plan does: it parses the model's config with its architecture).
 """
 
 from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, EngineArgs, parse_bytes

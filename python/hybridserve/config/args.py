@@ -44,6 +44,7 @@ _PYTHON_UPPER_BOUNDS = {
     "cache_memory": 2**62,
     "cpu_threads": 1024,
     "seed": 2**64 - 1,
+    "prefix_cache_hash_seed": 2**64 - 1,
 }
 _PYTHON_LOWER_BOUNDS = {
     "max_queue_len": 1,
@@ -52,6 +53,7 @@ _PYTHON_LOWER_BOUNDS = {
     "cache_memory": 1,
     "cpu_threads": 1,
     "seed": 0,
+    "prefix_cache_hash_seed": 0,
 }
 
 
@@ -94,8 +96,9 @@ class EngineArgs:
     block_size: int = _core.DEFAULT_BLOCK_SIZE
     #: M: tokens between Mamba checkpoints. None = auto (smallest multiple of lcm(B, Q) >= 256).
     mamba_block_size: int | None = None
-    #: Most sequences running at once.
-    max_num_seqs: int = _core.DEFAULT_MAX_NUM_SEQS
+    #: Most sequences running at once. None = auto: the default (64), lowered to the sequences the
+    #: Mamba state pool can run (config/sizing.py `state_pool_capacity`).
+    max_num_seqs: int | None = None
     #: Token budget per step. None = auto (2048; >= M in align; >= max_model_len without chunked prefill).
     max_num_batched_tokens: int | None = None
     #: Longest sequence (prompt + output). None = the model's max_position_embeddings.
@@ -105,8 +108,11 @@ class EngineArgs:
     dtype: str = "auto"
     #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
     device: str | None = None
-    #: Seed of the engine (sampling of requests without their own seed; hashing).
+    #: Seed of the engine's sampling (requests without their own seed).
     seed: int = 0
+    #: Secret seed of the prefix cache's block hashes (a hit is trusted on the hash, so the seed
+    #: must not be guessable by a client). None = drawn from the OS at every engine start.
+    prefix_cache_hash_seed: int | None = None
     #: Bytes for the KV cache. None = the engine's default sizing.
     kv_cache_memory: int | None = None
     #: Bytes for the Mamba state cache. None = the engine's default sizing.
@@ -147,8 +153,9 @@ class EngineArgs:
             isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
         ):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {self.device!r}")
-        required = ("block_size", "max_num_seqs", "seed", "max_queue_len")
+        required = ("block_size", "seed", "max_queue_len")
         optional = (
+            "max_num_seqs",
             "mamba_block_size",
             "max_num_batched_tokens",
             "max_model_len",
@@ -158,6 +165,7 @@ class EngineArgs:
             "num_kv_blocks",
             "num_mamba_slots",
             "cpu_threads",
+            "prefix_cache_hash_seed",
         )
         for name in (*required, *optional):
             v = getattr(self, name)
@@ -206,7 +214,7 @@ class EngineArgs:
             block_size=self.block_size,
             mamba_block_size=self.mamba_block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=_core.DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs,
             max_model_len=self.max_model_len,
             mamba_checkpoint_placement=self.mamba_checkpoint_placement,
             prefix_cache_eviction=self.prefix_cache_eviction,
@@ -214,16 +222,28 @@ class EngineArgs:
         huge = 1 << 62
         if self.num_kv_blocks is not None:
             core.validate_pool_sizes(self.num_kv_blocks, huge)
+        # with max_num_seqs auto, sizing lowers it to what the slots can run (config/plan.py)
         if self.num_mamba_slots is not None:
-            core.validate_pool_sizes(huge, self.num_mamba_slots)
+            if self.max_num_seqs is not None:
+                core.validate_pool_sizes(huge, self.num_mamba_slots)
             # the engine keeps a window for every sequence that may run (config/sizing.py): a
-            # pool that the engine would refuse at start is refused here already
-            seqs, k = int(core.max_num_seqs), int(core.num_speculative_tokens)
+            # pool that the engine would refuse at start is refused here already (with
+            # max_num_seqs unset the engine lowers it, down to one sequence)
+            seqs = int(core.max_num_seqs) if self.max_num_seqs is not None else 1
+            k = int(core.num_speculative_tokens)
             need = min_mamba_slots(seqs, k, bool(core.has_mamba_layers))
-            if self.num_mamba_slots < need:
+            if self.num_mamba_slots < need and self.max_num_seqs is None:
                 raise ConfigError(
-                    f"--num-mamba-slots {self.num_mamba_slots}: {seqs} running sequences with windows "
-                    f"of {1 + k} slots need {need}, counting the null slot; raise it or lower --max-num-seqs"
+                    f"--num-mamba-slots {self.num_mamba_slots}: one running sequence with a window of "
+                    f"{1 + k} slot{'s' if k else ''} needs {need}, counting the null slot; raise it"
+                )
+            if self.num_mamba_slots < need:
+                runs = (self.num_mamba_slots - 1) // (1 + k)
+                raise ConfigError(
+                    f"--num-mamba-slots {self.num_mamba_slots}: --max-num-seqs {seqs} running sequences "
+                    f"with windows of {1 + k} slot{'s' if k else ''} need {need}, counting the null slot; "
+                    f"it can run {runs} (lower --max-num-seqs to {runs}, or leave it unset to have it "
+                    "lowered), or raise --num-mamba-slots"
                 )
         decisions = [Decision(d.code, d.level, d.message) for d in core.decisions]
         dtype = self.dtype
@@ -282,7 +302,7 @@ class EngineArgs:
         mode = kwargs.get("mamba_cache_mode")
         if mode is None:
             kwargs.pop("mamba_cache_mode", None)
-        for name in ("block_size", "max_num_seqs", "seed", "dtype", "max_queue_len"):
+        for name in ("block_size", "seed", "dtype", "max_queue_len"):
             if kwargs.get(name, 0) is None:
                 kwargs.pop(name)
         args = cls(**kwargs)

@@ -8,8 +8,10 @@ import sys
 
 from hybridserve import _core
 from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, EngineArgs
+from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
-from hybridserve.errors import HybridServeError
+from hybridserve.config.plan import plan_engine
+from hybridserve.errors import ConfigError, HybridServeError
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -69,8 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     g.add_argument(
         "--max-num-seqs",
         type=int,
-        default=_core.DEFAULT_MAX_NUM_SEQS,
-        help="most running sequences (default: 64)",
+        default=None,
+        help=f"most running sequences (default: {_core.DEFAULT_MAX_NUM_SEQS}, lowered to what the Mamba "
+        "state pool can run with its speculative windows and a checkpoint slot each)",
     )
     g.add_argument(
         "--max-num-batched-tokens",
@@ -86,7 +89,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     )
     g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="model dtype (default: auto)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed of sampling (default: 0)")
+    g.add_argument(
+        "--prefix-cache-hash-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="secret seed of the prefix cache's block hashes, 0..2**64-1 (default: drawn from the OS at "
+        "every start; give one only to make hashes repeatable, and keep it secret)",
+    )
     g.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV cache budget, e.g. 2GiB")
     g.add_argument(
         "--mamba-cache-memory", default=None, metavar="BYTES", help="Mamba state cache budget, e.g. 1GiB"
@@ -136,6 +147,14 @@ def config_main(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
         resolved = engine_args.resolve()
+        no_plan = None
+        if args.explain:
+            # with the cache plan: pool sizes and the sequences the state pool can run; it needs a
+            # config.json that describes the whole model (the policy needs only its capabilities)
+            model_dir = resolve_model_dir(engine_args.model)
+            no_plan = _why_no_plan(model_dir)
+            if no_plan is None:
+                resolved = plan_engine(engine_args, model_dir).resolved
     except HybridServeError as e:
         print(f"hybridserve config: {type(e).__name__}: {_one_paragraph(str(e))}", file=sys.stderr)
         return 2
@@ -143,4 +162,18 @@ def config_main(args: argparse.Namespace) -> int:
         print(json.dumps(resolved.to_dict(), indent=2))
     else:
         print(format_resolved(resolved, explain=args.explain))
+        if no_plan is not None:
+            print(f"cache plan: not computed: {no_plan}")
     return 0
+
+
+def _why_no_plan(model_dir: str) -> str | None:
+    """None when the model's config.json parses as a whole model (so a plan can be made), else why
+    not. Imports the architectures, and so torch."""
+    from hybridserve.model.loader import load_config
+
+    try:
+        load_config(model_dir)
+    except ConfigError as e:
+        return _one_paragraph(str(e))
+    return None

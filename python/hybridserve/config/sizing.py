@@ -5,7 +5,11 @@ Defaults, when neither a memory budget nor an explicit count is given:
   capped at DEFAULT_KV_CACHE_MEMORY bytes.
 - Mamba: one window of 1 + K slots per running sequence, plus a checkpoint reserve of
   max(64, 4 * max_num_seqs) slots when prefix caching can hit, capped at DEFAULT_MAMBA_CACHE_MEMORY.
-Windows are never cut: a budget that cannot hold `max_num_seqs` windows is a configuration error.
+Windows are never cut. The state pool's capacity is the number of sequences it can run at once:
+each holds its window and, when prefix caching can hit, leaves one slot for a checkpoint
+(`state_pool_capacity`). When `max_num_seqs` was not given and the pool's capacity is below the
+default, `max_num_seqs` is lowered to the capacity; a given `max_num_seqs` whose windows do not
+fit is a configuration error that names the capacity.
 
 One total budget (`--cache-memory`) is split before the rules above apply (`split_cache_memory`):
 - with one of `--kv-cache-memory` / `--mamba-cache-memory` also given, the other pool gets the rest;
@@ -34,6 +38,12 @@ class CacheSizes:
     num_mamba_slots: int  # including the null slot 0
     kv_bytes_per_block: int
     mamba_bytes_per_slot: int
+    #: Sequences the engine runs at once: the given max_num_seqs, or the default lowered to the
+    #: state pool's capacity.
+    max_num_seqs: int
+    #: Sequences the state pool can run with their windows and one checkpoint slot each
+    #: (`state_pool_capacity`); the largest max_num_seqs allowed for a model without Mamba layers.
+    state_pool_capacity: int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -83,6 +93,20 @@ def min_mamba_slots(max_num_seqs: int, num_speculative_tokens: int, has_mamba_la
     return 1 + max_num_seqs * (1 + num_speculative_tokens) if has_mamba_layers else 1
 
 
+def state_pool_capacity(
+    num_mamba_slots: int, num_speculative_tokens: int, prefix_caching_can_hit: bool, has_mamba_layers: bool
+) -> int:
+    """Sequences a state pool of `num_mamba_slots` slots (the null slot counted) can run at once.
+    Each holds a window of 1 + K slots; with prefix caching it also leaves one slot for a
+    checkpoint, because branch placement keeps one per prompt that branches and one at the last
+    token of every finished sequence: a pool with fewer checkpoint slots than running sequences
+    evicts checkpoints before anyone can reuse them."""
+    if not has_mamba_layers:
+        return _core.FLAG_LIMITS["max_num_seqs"][1]
+    per_seq = 1 + num_speculative_tokens + (1 if prefix_caching_can_hit else 0)
+    return max(0, (num_mamba_slots - 1) // per_seq)
+
+
 def compute_cache_sizes(
     *,
     block_size: int,
@@ -98,7 +122,10 @@ def compute_cache_sizes(
     num_kv_blocks: int | None = None,
     num_mamba_slots: int | None = None,
     cache_memory: int | None = None,
+    max_num_seqs_auto: bool = False,
 ) -> CacheSizes:
+    """Pool sizes for the budgets and counts given (see the module docstring). `max_num_seqs_auto`:
+    max_num_seqs is the default rather than the user's, so it may be lowered to the capacity."""
     kv_bytes_per_block = kv_bytes_per_token * block_size
     per_seq_blocks = _cdiv(max_model_len + num_speculative_tokens, block_size)
     window = 1 + num_speculative_tokens
@@ -114,6 +141,39 @@ def compute_cache_sizes(
             mamba_bytes_per_slot=mamba_bytes_per_slot,
             has_attention_layers=kv_bytes_per_token > 0,
             has_mamba_layers=has_mamba_layers,
+        )
+    if num_mamba_slots is None:
+        if not has_mamba_layers:
+            num_mamba_slots = 1
+        else:
+            wanted = min_slots + reserve
+            budget = DEFAULT_MAMBA_CACHE_MEMORY if mamba_cache_memory is None else mamba_cache_memory
+            fits = budget // max(1, mamba_bytes_per_slot)
+            num_mamba_slots = min(
+                int(min(wanted, fits) if mamba_cache_memory is None else fits), _core.MAX_MAMBA_SLOTS
+            )
+    capacity = state_pool_capacity(
+        num_mamba_slots, num_speculative_tokens, prefix_caching_can_hit, has_mamba_layers
+    )
+    if max_num_seqs_auto and capacity < max_num_seqs:
+        if capacity < 1:
+            per_seq = 1 + window + (1 if prefix_caching_can_hit else 0)
+            raise ConfigError(
+                f"the Mamba state cache holds {num_mamba_slots} slots, fewer than one sequence needs "
+                f"({per_seq}: the null slot, a window of {window}"
+                + (" and a checkpoint slot" if prefix_caching_can_hit else "")
+                + "); raise --mamba-cache-memory (or --cache-memory) or --num-mamba-slots"
+            )
+        max_num_seqs = capacity
+        min_slots = min_mamba_slots(max_num_seqs, num_speculative_tokens, has_mamba_layers)
+    if num_mamba_slots < min_slots:
+        runs = (num_mamba_slots - 1) // window
+        raise ConfigError(
+            f"the Mamba state cache holds {num_mamba_slots} slots but --max-num-seqs {max_num_seqs} "
+            f"running sequences with windows of {window} slot{'s' if window > 1 else ''} need {min_slots}, "
+            "counting the null slot; "
+            f"it can run {runs} (lower --max-num-seqs to {runs}, or leave it unset to have it lowered), "
+            "or raise --mamba-cache-memory (or --cache-memory) or --num-mamba-slots"
         )
     if num_kv_blocks is None:
         wanted = max_num_seqs * per_seq_blocks + 1
@@ -132,21 +192,11 @@ def compute_cache_sizes(
             f"--max-model-len {max_model_len} needs ({per_seq_blocks + 1}); raise --kv-cache-memory "
             "(or --cache-memory) or --num-kv-blocks, or lower --max-model-len"
         )
-
-    if num_mamba_slots is None:
-        if not has_mamba_layers:
-            num_mamba_slots = 1
-        else:
-            wanted = min_slots + reserve
-            budget = DEFAULT_MAMBA_CACHE_MEMORY if mamba_cache_memory is None else mamba_cache_memory
-            fits = budget // max(1, mamba_bytes_per_slot)
-            num_mamba_slots = min(
-                int(min(wanted, fits) if mamba_cache_memory is None else fits), _core.MAX_MAMBA_SLOTS
-            )
-    if num_mamba_slots < min_slots:
-        raise ConfigError(
-            f"the Mamba state cache holds {num_mamba_slots} slots but {max_num_seqs} running sequences "
-            f"with windows of {window} slots need {min_slots}; raise --mamba-cache-memory "
-            "(or --cache-memory) or --num-mamba-slots, or lower --max-num-seqs"
-        )
-    return CacheSizes(num_kv_blocks, num_mamba_slots, kv_bytes_per_block, mamba_bytes_per_slot)
+    return CacheSizes(
+        num_kv_blocks,
+        num_mamba_slots,
+        kv_bytes_per_block,
+        mamba_bytes_per_slot,
+        max_num_seqs=max_num_seqs,
+        state_pool_capacity=capacity,
+    )

@@ -14,6 +14,7 @@ and single-threaded; `AsyncEngine` runs it in a thread of its own.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,15 @@ class EngineCounters:
     num_steps: int = 0
 
 
+def prefix_cache_hash_seed(args: EngineArgs) -> int:
+    """The seed of the block hashes: the one given, else 64 bits from the OS. A prefix hit is
+    trusted on its hash (rust/block_hash.rs), so a client that could predict the seed could craft
+    prompts whose blocks collide with another tenant's; a fresh secret per start rules that out."""
+    if args.prefix_cache_hash_seed is not None:
+        return int(args.prefix_cache_hash_seed)
+    return secrets.randbits(64)
+
+
 class LLMEngine:
     """The offline engine: add requests, call `step()` until `has_unfinished_requests()` is False."""
 
@@ -58,7 +68,7 @@ class LLMEngine:
         self.num_speculative_tokens = int(self.config.num_speculative_tokens)
         self.runner = ModelRunner(em, self.num_speculative_tokens)
         self.scheduler = _core.Scheduler(
-            self.config, em.sizes.num_kv_blocks, em.sizes.num_mamba_slots, int(args.seed)
+            self.config, em.sizes.num_kv_blocks, em.sizes.num_mamba_slots, prefix_cache_hash_seed(args)
         )
         cost = prefill_cost(em.model_config)
         self.scheduler.set_cost_model(
@@ -252,6 +262,8 @@ class LLMEngine:
             prefix_cache_queried_tokens=s.get("prefix_queried_tokens", 0),
             prefix_cache_hit_tokens=s.get("prefix_hit_tokens", 0),
             prefix_cache_lost_tokens=s.get("prefix_lost_tokens", 0),
+            # sequences the state pool can run with their windows and a checkpoint slot each
+            mamba_state_capacity_seqs=self.em.sizes.state_pool_capacity,
         )
         verify_rows = self.counters.spec_decode_verify_rows
         s.update(

@@ -16,16 +16,14 @@ from hybridserve.config import (
     EngineArgs,
     SpeculativeConfig,
     log_decisions,
-    read_model_capabilities,
 )
-from hybridserve.config.sizing import CacheSizes, compute_cache_sizes
+from hybridserve.config.plan import plan_engine
+from hybridserve.config.sizing import CacheSizes
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
 from hybridserve.model.cache_tensors import (
     ModelCaches,
     default_state_dtype,
-    kv_bytes_per_block,
-    mamba_bytes_per_slot,
 )
 from hybridserve.model.demo import resolve_model_path
 from hybridserve.model.loader import load_model
@@ -68,7 +66,9 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def build_engine_model(args: EngineArgs) -> EngineModel:
     model_dir = resolve_model_path(args.model)
-    resolved_engine = args.resolve(read_model_capabilities(model_dir))
+    plan = plan_engine(args, str(model_dir))
+    resolved_engine = plan.resolved
+    sizes = plan.sizes
     resolved: _core.ResolvedConfig = resolved_engine.core
     dtype = _DTYPES[resolved_engine.dtype]
     device = torch.device(args.device or "cpu")
@@ -85,23 +85,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     mcfg = loaded.config
     log_decisions(resolved_engine, logger)
 
-    k = int(resolved.num_speculative_tokens)
     state_dtype = default_state_dtype(mcfg, dtype)
-    sizes = compute_cache_sizes(
-        block_size=int(resolved.block_size),
-        max_model_len=int(resolved.max_model_len),
-        max_num_seqs=int(resolved.max_num_seqs),
-        num_speculative_tokens=k,
-        prefix_caching_can_hit=bool(resolved.enable_prefix_caching),
-        kv_bytes_per_token=kv_bytes_per_block(mcfg, 1, dtype),
-        mamba_bytes_per_slot=mamba_bytes_per_slot(mcfg, state_dtype),
-        has_mamba_layers=bool(mcfg.has_mamba_layers),
-        kv_cache_memory=args.kv_cache_memory,
-        mamba_cache_memory=args.mamba_cache_memory,
-        cache_memory=args.cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        num_mamba_slots=args.num_mamba_slots,
-    )
     resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
     try:
         caches = ModelCaches(

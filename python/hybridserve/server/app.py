@@ -580,8 +580,12 @@ async def _generate(
         )
     # Admission: counted synchronously, so concurrent handlers cannot overshoot the limit.
     if len(state.inflight) + len(choices) > state.max_queue_len:
+        stats = engine.stats()
         raise P.APIError(
-            f"the server queue is full ({len(state.inflight)} requests in flight, limit {state.max_queue_len}); retry later",
+            f"the server queue is full: {len(state.inflight)} sequences in flight, the limit "
+            f"(--max-queue-len) is {state.max_queue_len}; the engine runs {stats.get('max_num_seqs', '?')} "
+            "at once (its Mamba state pool has room for "
+            f"{stats.get('mamba_state_capacity_seqs', '?')}) and the rest wait; retry later",
             status=503,
             type="service_unavailable",
             code="queue_full",

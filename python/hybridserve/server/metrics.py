@@ -40,6 +40,14 @@ ENGINE_GAUGES = {
     ),
     "kv_blocks_total": ("hybridserve_kv_blocks_total", "KV cache blocks in the pool."),
     "mamba_slots_total": ("hybridserve_mamba_slots_total", "Mamba state slots in the pool."),
+    "max_num_seqs": (
+        "hybridserve_max_num_seqs",
+        "Sequences the engine runs at once (the default lowered to the state pool's capacity).",
+    ),
+    "mamba_state_capacity_seqs": (
+        "hybridserve_mamba_state_capacity_seqs",
+        "Sequences the Mamba state pool can run: a window of 1 + K slots and a checkpoint slot each.",
+    ),
     "spec_decode_mean_accepted_length": (
         "hybridserve_spec_decode_mean_accepted_length",
         "Tokens a verify step yields per request on average (accepted drafts + 1).",

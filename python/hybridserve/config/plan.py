@@ -1,0 +1,117 @@
+"""The engine's plan before anything is allocated: the resolved configuration and the cache sizes,
+with `max_num_seqs` lowered to what the Mamba state pool can run when it was not given.
+
+State slots, not KV blocks, are what a hybrid model runs out of: one slot holds a sequence's whole
+state over every Mamba layer, as large as thousands of tokens of KV. An engine that admits more
+sequences than its state pool holds windows for either fails after loading the model or caps
+concurrency without saying so; this plan settles it before the weights are read, says why in a
+decision, and `hybridserve config --explain` prints the same plan.
+
+The model's config parser imports torch, so it is imported when a plan is made, not with the
+package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridserve import _core
+from hybridserve.config.args import EngineArgs
+from hybridserve.config.capabilities import read_model_capabilities
+from hybridserve.config.explain import Decision, ResolvedEngineConfig
+from hybridserve.config.sizing import CacheSizes, compute_cache_sizes
+
+if TYPE_CHECKING:
+    from hybridserve.model.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the engine will allocate and run with."""
+
+    resolved: ResolvedEngineConfig
+    sizes: CacheSizes
+    model_config: ModelConfig
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
+    """Resolves `args` for the model in `model_dir` and sizes its caches; ConfigError when the
+    pools cannot run the configuration (the message names the flags to change)."""
+    from hybridserve.model.cache_tensors import (
+        default_state_dtype,
+        kv_bytes_per_block,
+        mamba_bytes_per_slot,
+        parse_dtype,
+    )
+    from hybridserve.model.loader import load_config
+
+    caps = read_model_capabilities(model_dir)
+    resolved = args.resolve(caps)
+    _, mcfg = load_config(model_dir)
+    core = resolved.core
+    dtype = parse_dtype(resolved.dtype)
+    k = int(core.num_speculative_tokens)
+    caching = bool(core.enable_prefix_caching)
+    sizes = compute_cache_sizes(
+        block_size=int(core.block_size),
+        max_model_len=int(core.max_model_len),
+        max_num_seqs=int(core.max_num_seqs),
+        num_speculative_tokens=k,
+        prefix_caching_can_hit=caching,
+        kv_bytes_per_token=kv_bytes_per_block(mcfg, 1, dtype),
+        mamba_bytes_per_slot=mamba_bytes_per_slot(mcfg, default_state_dtype(mcfg, dtype)),
+        has_mamba_layers=bool(mcfg.has_mamba_layers),
+        kv_cache_memory=args.kv_cache_memory,
+        mamba_cache_memory=args.mamba_cache_memory,
+        cache_memory=args.cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        num_mamba_slots=args.num_mamba_slots,
+        max_num_seqs_auto=args.max_num_seqs is None,
+    )
+    decisions = list(resolved.decisions)
+    per_seq = f"a window of {1 + k} slot{'s' if k else ''}" + (" and a checkpoint slot" if caching else "")
+    if sizes.max_num_seqs != int(core.max_num_seqs):
+        # resolve again with the lowered count, so every rule that depends on it sees it
+        lowered = dataclasses.replace(args, max_num_seqs=sizes.max_num_seqs).resolve(caps)
+        decisions = list(lowered.decisions)
+        decisions.append(
+            Decision(
+                "max_num_seqs_lowered",
+                "warning",
+                f"max_num_seqs = {sizes.max_num_seqs}, not the default {_core.DEFAULT_MAX_NUM_SEQS}: the "
+                f"Mamba state pool of {sizes.num_mamba_slots} slots runs {sizes.state_pool_capacity} "
+                f"sequences with {per_seq} each; raise --mamba-cache-memory (or --cache-memory, "
+                "--num-mamba-slots) to run more",
+            )
+        )
+        resolved = dataclasses.replace(lowered, args=args)
+    if mcfg.has_mamba_layers:
+        decisions.append(
+            Decision(
+                "state_pool_capacity",
+                "info",
+                f"Mamba state pool: {sizes.num_mamba_slots} slots of {_mib(sizes.mamba_bytes_per_slot)} "
+                f"(the null slot counted) run {sizes.state_pool_capacity} sequences with {per_seq} each; "
+                f"max_num_seqs {sizes.max_num_seqs}",
+            )
+        )
+        if sizes.state_pool_capacity < sizes.max_num_seqs:
+            spare = sizes.num_mamba_slots - 1 - sizes.max_num_seqs * (1 + k)
+            decisions.append(
+                Decision(
+                    "state_pool_below_checkpoint_reserve",
+                    "warning",
+                    f"--max-num-seqs {sizes.max_num_seqs} leaves {spare} slots for prefix-cache "
+                    f"checkpoints, fewer than one per running sequence: checkpoints are evicted before "
+                    f"they are reused; lower --max-num-seqs to {sizes.state_pool_capacity} or give the "
+                    "state pool more memory",
+                )
+            )
+    resolved = dataclasses.replace(resolved, decisions=decisions, model_dir=model_dir)
+    return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
