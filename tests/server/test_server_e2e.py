@@ -288,23 +288,27 @@ def test_only_json_bodies_are_read(server):
     for ctype in ("application/json; charset=UTF-8", "Application/JSON", "application/merge-patch+json"):
         status, parsed, _ = post(server, "/v1/completions", body, content_type=ctype)
         assert status == 200 and parsed["usage"]["completion_tokens"] == 2, (ctype, parsed)
-    # no Content-Type at all (a bare curl -d sends form-encoded, but a raw client may send none)
+    # a body without a Content-Type is what a page's fetch with a Blob body or sendBeacon sends,
+    # without a CORS preflight: refused too
     payload = json.dumps(body).encode()
     head, parsed = raw_http(
         server,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: "
         + str(len(payload)).encode()
         + b"\r\n\r\n"
         + payload,
     )
-    assert head.startswith(b"HTTP/1.1 200"), head
-    assert parsed["usage"]["completion_tokens"] == 2
+    assert head.startswith(b"HTTP/1.1 415"), head
+    assert (
+        parsed["error"]["code"] == "unsupported_media_type" and "Content-Type" in parsed["error"]["message"]
+    )
 
 
 def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):
     def post(rest: bytes) -> tuple[bytes, dict]:
         return raw_http(
-            server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + rest
+            server,
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + rest,
         )
 
     head, body = post(b"Content-Length: 99999999999\r\n\r\n{}")
@@ -326,7 +330,7 @@ def test_an_expected_body_of_allowed_size_is_invited_and_served(server):
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
             b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
         interim = b""
@@ -780,7 +784,7 @@ def test_client_disconnect_during_non_streaming_request_aborts_it(server, client
         ).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -952,7 +956,7 @@ def test_a_client_that_stops_sending_its_body_gets_a_408(server, client):
     t0 = time.monotonic()
     head, body = raw_http(
         server,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b'Content-Length: 1000\r\n\r\n{"pr',
         timeout=60,
     )
@@ -968,7 +972,7 @@ def test_a_body_not_in_its_content_encoding_is_a_400_and_an_unknown_coding_a_415
     def post(enc: bytes) -> tuple[bytes, dict]:
         return raw_http(
             server,
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + b"Content-Encoding: "
             + enc
             + b"\r\nContent-Length: "
@@ -1002,7 +1006,7 @@ def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b'Content-Length: 1000\r\n\r\n{"prompt":'
         )
         time.sleep(0.3)
@@ -1015,14 +1019,14 @@ def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
 def test_a_client_that_never_finishes_its_headers_is_disconnected(server):
     # the server's --keep-alive-timeout is 8 s (the default is 15 s)
     t0 = time.monotonic()
-    head, _ = raw_http(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", timeout=60)
+    head, _ = raw_http(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", timeout=60)
     assert head == b"" and 6 < time.monotonic() - t0 < 25
 
 
 def test_malformed_http_gets_a_400_and_no_traceback_in_the_log(server, client):
     for raw in (
         b"GARBAGE\r\n\r\n",
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n",
     ):
         head, _ = raw_http(server, raw)
         assert head.startswith(b"HTTP/1.0 400"), (raw, head)

@@ -13,10 +13,13 @@ Routes
   shuts down, 200 when ready), `GET /metrics` (Prometheus text, this app's own registry).
 
 Every request is validated (protocol.py) before anything reaches the engine; errors are
-`{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 404
-(model/route), 405, 408 (body not sent within --body-read-timeout), 413 (body size, refused before
-reading when the declared length is over it), 503 + Retry-After (queue full, loading, shutting down).
+`{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 403 (a web
+page of an origin not in --allowed-origins, a Host not the server's), 404 (model/route), 405, 408
+(body not sent within --body-read-timeout), 413 (body size, refused before reading when the
+declared length is over it), 415 (a body that does not say it is JSON), 503 + Retry-After (queue
+full, loading, shutting down).
 A connection whose request headers do not complete within --keep-alive-timeout is closed.
-Modules: app.py (routes, streaming, admission, shutdown), protocol.py (parsing and response
-shapes), chat.py (chat templates), sse.py (framing), metrics.py, cli.py (`serve`).
+Modules: app.py (routes, streaming, admission, shutdown), access.py (Host and Origin checks, CORS),
+protocol.py (parsing and response shapes), chat.py (chat templates), sse.py (framing), metrics.py,
+cli.py (`serve`).
 """

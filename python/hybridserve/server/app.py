@@ -28,6 +28,7 @@ from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
 from hybridserve.server import protocol as P
 from hybridserve.server import sse
+from hybridserve.server.access import AccessPolicy
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -116,6 +117,7 @@ class ServerState:
     shutdown_grace_s: float
     metrics: ServerMetrics
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    access: AccessPolicy = field(default_factory=AccessPolicy)
     engine: EngineClient | None = None
     info: EngineModelInfo | None = None
     load_error: str | None = None
@@ -160,9 +162,11 @@ def create_app(
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     chat_template: ChatTemplate | None = None,
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
+    access: AccessPolicy | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
-    503 and generation routes answer 503); attach it later with `set_engine`."""
+    503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
+    and Origin rules (default: no Host check, no origin allowed)."""
     state_holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(lambda: state_holder["s"].engine_stats())
     state = ServerState(
@@ -172,9 +176,13 @@ def create_app(
         shutdown_grace_s=shutdown_grace_s,
         metrics=metrics,
         body_read_timeout_s=body_read_timeout_s,
+        access=access or AccessPolicy(),
     )
     state_holder["s"] = state
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=[_error_middleware, _access_middleware, _auth_middleware],
+    )
     app[STATE] = state
     app.router.add_post("/v1/completions", _completions, expect_handler=_expect_handler)
     app.router.add_post("/v1/chat/completions", _chat_completions, expect_handler=_expect_handler)
@@ -184,6 +192,7 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(_cors_headers)
     if engine is not None:
         set_engine(app, engine, chat_template=chat_template)
     return app
@@ -293,6 +302,27 @@ async def _error_middleware(
     if resp.status >= 400 and request.path != "/health":
         metrics.http_errors.labels(status=str(resp.status)).inc()
     return resp
+
+
+@web.middleware
+async def _access_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The Host and Origin checks (access.py), before anything else reads the request; and the
+    answer to an allowed origin's CORS preflight (no route has OPTIONS)."""
+    access = request.app[STATE].access
+    refused = access.refusal(request.headers)
+    if refused is not None:
+        raise refused
+    if access.is_preflight(request.method, request.headers):
+        return web.Response(status=204, headers=access.preflight_headers(request.headers))
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """An allowed origin may read every response, streamed ones and errors included: set here,
+    just before the headers go out, rather than by each handler."""
+    response.headers.update(request.app[STATE].access.cors_headers(request.headers))
 
 
 @web.middleware
@@ -419,11 +449,13 @@ _BODY_CODINGS = ("identity", "gzip", "deflate")
 
 
 def _check_content_type(request: web.Request) -> None:
-    """A body is read as JSON only when it says it is JSON (application/json or a ``+json`` type)
-    or says nothing. A browser form post (``text/plain`` or form-encoded, which a page on another
-    site may send without the user knowing) is refused instead of being run as a request. A body
-    in a content coding the server does not decode is refused too (RFC 9110: 415), instead of
-    being read as if it were not encoded."""
+    """A body is read as JSON only when it says it is JSON (application/json or a ``+json`` type).
+    A browser form post (``text/plain`` or form-encoded) and a body without a Content-Type (a
+    ``fetch`` with a Blob body, ``navigator.sendBeacon``) are what a page may send without a CORS
+    preflight: they are refused instead of being run as a request (the Origin check refuses such
+    pages too; this does not depend on the browser sending Origin). A body in a content coding
+    the server does not decode is refused too (RFC 9110: 415), instead of being read as if it were
+    not encoded."""
     coding = request.headers.get("Content-Encoding")
     if coding is not None and coding.strip().lower() not in ("", *_BODY_CODINGS):
         raise P.APIError(
@@ -433,7 +465,13 @@ def _check_content_type(request: web.Request) -> None:
             code="unsupported_media_type",
         )
     if "Content-Type" not in request.headers:
-        return
+        if request.body_exists:
+            raise P.APIError(
+                "the request body has no Content-Type; send it as application/json",
+                status=415,
+                code="unsupported_media_type",
+            )
+        return  # no body: the JSON decoding says what is missing
     media = request.content_type  # lower-cased, parameters removed
     main, _, sub = media.partition("/")
     if main != "application" or not (sub == "json" or sub.endswith("+json")):

@@ -1,4 +1,5 @@
-"""`hybridserve serve MODEL [engine flags] [--host --port --api-key --served-model-name --max-queue-len]`.
+"""`hybridserve serve MODEL [engine flags] [--host --port --api-key --allowed-origins --allowed-hosts
+--served-model-name --max-queue-len ...]`.
 
 The server listens before the model is loaded (/health answers 503 until it is), loads the engine
 in a background thread, and shuts down gracefully on SIGINT/SIGTERM: it stops admitting (new
@@ -19,6 +20,7 @@ import threading
 from typing import Any
 
 from hybridserve.arg_types import int_in, seconds
+from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -39,6 +41,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("HYBRIDSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HYBRIDSERVE_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=parse_allowed_origins,
+        default=(),
+        metavar="ORIGINS",
+        help="comma-separated origins (scheme://host[:port], e.g. http://localhost:3000) whose web pages may "
+        "call the server through a browser; '*' allows every site (then use --api-key). Requests from "
+        "other sites' pages get 403 (default: none)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=parse_allowed_hosts,
+        default=(),
+        metavar="NAMES",
+        help="comma-separated names the Host header may carry besides localhost, 127.0.0.1, [::1] and the "
+        "--host address (any port); '*' accepts any. Others get 403. Bound to 0.0.0.0 or ::, the Host "
+        "is checked only when this is given",
     )
     g.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: the MODEL argument's name)"
@@ -97,6 +117,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from hybridserve.config import EngineArgs
     from hybridserve.errors import ConfigError
+    from hybridserve.server.access import AccessPolicy
     from hybridserve.server.app import create_app, drain, set_engine, set_load_error
 
     try:
@@ -112,6 +133,14 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    access = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.allowed_origins)
+    if access.allowed_hosts is None:
+        logger.info("the Host header is not checked (bound to all interfaces, or --allowed-hosts '*')")
+    if access.any_origin and not args.api_key:
+        logger.warning(
+            "--allowed-origins '*' without --api-key: any web page a user of this machine visits can "
+            "use the server"
+        )
     app = create_app(
         None,
         served_model_name=_served_name(args),
@@ -120,6 +149,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         body_read_timeout_s=args.body_read_timeout,
+        access=access,
     )
     runner = web.AppRunner(
         app,
