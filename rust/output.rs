@@ -59,6 +59,9 @@ pub struct SchedulerOutput {
     /// Pending checkpoints written by this step (emits and publish copies): committed in
     /// `update_from_output`.
     pub pending_checkpoints: Vec<SlotId>,
+    /// For each pending checkpoint, the request whose row emits it (None for a publish copy of
+    /// an earlier step's state). Kept in Rust: the emit arrays above are handed to the model.
+    pub pending_checkpoint_owners: Vec<Option<ReqKey>>,
 }
 
 impl SchedulerOutput {

@@ -789,6 +789,7 @@ impl Scheduler {
             out.state_copies.push(src as i64);
             out.state_copies.push(dst as i64);
             out.pending_checkpoints.push(dst);
+            out.pending_checkpoint_owners.push(None);
         }
         for op in hit_copies {
             match op {
@@ -902,6 +903,7 @@ impl Scheduler {
                             out.emit_token.push((pos - nc - 1) as i64);
                             out.emit_slot.push(ck as i64);
                             out.pending_checkpoints.push(ck);
+                            out.pending_checkpoint_owners.push(Some(p_key));
                             self.stats.checkpoints_emitted += 1;
                         }
                     }
@@ -1164,8 +1166,18 @@ impl Scheduler {
                 finished.push(row.key);
             }
         }
-        for &slot in &out.pending_checkpoints {
-            self.cache.commit_checkpoint(slot);
+        // A checkpoint emitted by a row whose request was aborted during the step is dropped:
+        // the engine aborts a request mid-step when its row failed (non-finite logits, a
+        // sampling error), and a state written by that row must never be served to anyone.
+        for (i, &slot) in out.pending_checkpoints.iter().enumerate() {
+            let owner = out.pending_checkpoint_owners.get(i).copied().flatten();
+            // (a request that finished in this step is still here: only an abort removes it)
+            let owner_gone = owner.is_some_and(|key| !self.requests.contains_key(&key));
+            if owner_gone {
+                self.cache.cancel_checkpoint(slot);
+            } else {
+                self.cache.commit_checkpoint(slot);
+            }
         }
         if !finished.is_empty() {
             for &key in &finished {

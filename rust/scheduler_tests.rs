@@ -667,6 +667,39 @@ fn align_prompt_tail_cut_at_last_boundary_and_emits() {
 }
 
 #[test]
+fn a_checkpoint_emitted_by_a_row_aborted_mid_step_is_dropped() {
+    // The engine aborts a request between schedule() and update_from_output() when its row
+    // failed: the state its row emitted must not become a checkpoint anyone can hit.
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("bad", (1..=21).collect(), 1))
+        .unwrap();
+    s.add_request(NewRequest::new("good", (101..=121).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(o.emit_row.len(), 2, "both prompts emit at their boundary");
+    let slot_of = |row: i64| {
+        let i = o.emit_row.iter().position(|&r| r == row).unwrap();
+        o.emit_slot[i] as SlotId
+    };
+    let bad_row = o.req_ids.iter().position(|id| &**id == "bad").unwrap() as i64;
+    let (bad_ck, good_ck) = (slot_of(bad_row), slot_of(1 - bad_row));
+    // the Python binding hands the emit arrays to the model (moves them out)
+    let mut o = o;
+    o.emit_row.clear();
+    o.emit_slot.clear();
+    assert!(s.abort_request("bad"));
+    s.update_from_output(&o, &[], &[0, 0], None).unwrap();
+    assert_eq!(s.cache().debug_tag(bad_ck), None, "dropped, not committed");
+    assert_eq!(s.cache().debug_tag(good_ck).map(|t| t.1), Some(16));
+    // the same prompt again finds no state of the aborted row
+    s.add_request(NewRequest::new("again", (1..=21).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    let r = o.req_ids.iter().position(|id| &**id == "again").unwrap();
+    assert_eq!(o.rows[r].num_computed_before, 0);
+}
+
+#[test]
 fn all_mode_emits_every_boundary_inside_a_chunk() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 0), 256, 64, 0).unwrap();
     s.add_request(NewRequest::new("a", (1..=30).collect(), 1))

@@ -126,3 +126,40 @@ def test_a_consumer_whose_loop_closed_does_not_stop_the_engine() -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_request_whose_row_fails_ends_with_an_error_and_the_others_finish() -> None:
+    from hybridserve.errors import HybridServeError
+
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        assert engine.engine is not None
+        runner = engine.engine.runner
+        original = runner.sampler.sample
+
+        def sample(logits, rows):  # noqa: ANN001, ANN202 - the sampler's own signature
+            if any(r.params.seed == 4242 for r in rows):
+                raise ValueError("injected sampling fault")
+            return original(logits, rows)
+
+        runner.sampler.sample = sample  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        bad = SamplingParams(max_tokens=6, temperature=0.7, seed=4242, ignore_eos=True)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                _collect(engine, "ok-1", params),
+                _collect(engine, "bad", bad),
+                _collect(engine, "ok-2", params),
+                return_exceptions=True,
+            ),
+            60,
+        )
+        engine.shutdown()
+        ok1, failed, ok2 = results
+        assert isinstance(failed, HybridServeError) and "injected sampling fault" in str(failed)
+        for outs in (ok1, ok2):
+            assert isinstance(outs, list) and outs[-1].finished
+            assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 6
+
+    asyncio.run(main())

@@ -209,7 +209,9 @@ class AsyncEngine:
                 stream = self._live_owner(out.request_id)
                 if out.finished:
                     self._owner.pop(out.request_id, None)
-                if stream is not None:
+                if stream is not None and out.error is not None:
+                    stream.put(HybridServeError(f"the engine failed while running this request: {out.error}"))
+                elif stream is not None:
                     stream.put(out)
                     if stream.dead and not out.finished:
                         self._abort(engine, out.request_id)

@@ -60,7 +60,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order."""
+        """Generate for every prompt; results come back in prompt order. A sequence that failed
+        on its own (non-finite logits in its row, an error while sampling it) comes back with
+        finish_reason "error" and its result's `error` says why; the others are unaffected."""
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
@@ -148,6 +150,8 @@ class LLM:
                     outputs=outputs,
                     finished=True,
                     num_cached_tokens=first.num_cached_tokens,
+                    # a sequence that failed alone has finish_reason "error"; its reason is here
+                    error=next((final[rid].error for rid in ids if final[rid].error), None),
                 )
             )
         return results

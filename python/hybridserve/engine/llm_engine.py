@@ -190,6 +190,11 @@ class LLMEngine:
         try:
             ran = self.runner.execute(out, [self._row_sampling(rid) for rid in out.req_ids])
             self._count_verified(ran)
+            # A row that failed alone (non-finite logits, a sampling error) ends its request: it
+            # is aborted before the update, which so drops every state its row wrote this step.
+            row_failures = {str(out.req_ids[r]): why for r, why in ran.failed.items()}
+            for rid in row_failures:
+                self.scheduler.abort_request(rid)
             sampled, num_sampled = ran.sampled_arrays()
             deltas = self.scheduler.update_from_output(
                 out, sampled, num_sampled, ran.draft_token_ids, ran.num_draft_tokens
@@ -202,6 +207,16 @@ class LLMEngine:
             self._recover_from_failed_step(out, exc)
             raise
         outputs, done = self.outputs.process(deltas, out.req_ids, ran.logprobs, self.scheduler.finish_request)
+        for rid, why in row_failures.items():
+            st = self.requests.get(rid)
+            if st is None:
+                continue
+            logger.error("request %s failed alone: %s", rid, why)
+            st.finish_reason, st.stop_reason = "error", None
+            failed = st.to_output(finished=True)
+            failed.error = why
+            outputs.append(failed)
+            done.append(rid)
         # Forgotten only once every output of the step exists: after a failure in `process` they
         # are all still in self.requests, where the caller can report to them.
         for rid in done:

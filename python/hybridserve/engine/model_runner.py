@@ -9,7 +9,7 @@ the scheduler's output alone. The engine keeps the scheduler and the requests.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,11 @@ from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
 logger = logging.getLogger("hybridserve.engine")
 
 
+# What sampling produced for one row: its tokens, their logprobs (when asked for), and
+# (drafts verified, drafts accepted) for a verify row.
+_RowResult = tuple[list[int], list[TokenLogprobs] | None, tuple[int, int] | None]
+
+
 @dataclass
 class ModelRunnerOutput:
     """What one step produced, row by row in the order of the scheduler output's `req_ids`."""
@@ -37,6 +42,9 @@ class ModelRunnerOutput:
     num_draft_tokens: np.ndarray  # int32, per row
     # (drafts verified, drafts accepted) of each row that verified drafts this step
     verified: list[tuple[int, int]] = field(default_factory=list)
+    # Rows whose request failed alone this step (row -> why): non-finite logits or an error while
+    # sampling it. Nothing was sampled for them; the engine ends their requests with the error.
+    failed: dict[int, str] = field(default_factory=dict)
 
     def sampled_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(every sampled token back to back, the count of each row) as the scheduler takes them."""
@@ -137,7 +145,6 @@ class ModelRunner:
         num_logits = np.asarray(out.num_logits, dtype=np.int64)
         num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
         plain_rows: list[int] = []
-        plain_logit_idx: list[int] = []
         spec_rows: list[int] = []
         offset = 0
         draft_offset = 0
@@ -153,21 +160,92 @@ class ModelRunner:
                     spec_rows.append(r)
                 else:
                     plain_rows.append(r)
-                    plain_logit_idx.append(offset + n - 1)
             offset += n
             draft_offset += k
 
+        # A row's failure is its own: logits that are not finite (NaN or inf: an overflow in
+        # this sequence) or an error while sampling it end that request alone, and the other
+        # rows sample exactly as they would have (sampling draws are keyed per request).
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for rows_of_kind, used in (
+            (plain_rows, lambda r: [logit_starts[r] + int(num_logits[r]) - 1]),
+            (spec_rows, lambda r: range(logit_starts[r], logit_starts[r] + int(num_logits[r]))),
+        ):
+            for r in [r for r in rows_of_kind if not all(finite[i] for i in used(r))]:
+                result.failed[r] = "the model's logits for this request are not finite (NaN or inf)"
+                rows_of_kind.remove(r)
         if plain_rows:
-            plain = [_known(rows[r]) for r in plain_rows]
-            res = self.sampler.sample(logits[plain_logit_idx], plain)
-            token_ids = res.token_ids.tolist()  # one conversion, not one per row
-            for i, r in enumerate(plain_rows):
-                result.sampled[r] = [int(token_ids[i])]
-                entry = res.logprobs[i] if res.logprobs is not None else None
-                if entry is not None:
-                    result.logprobs[r] = [entry]
-        if not spec_rows:
-            return
+            self._isolating(
+                plain_rows, lambda rs: self._sample_plain(rs, rows, logits, logit_starts, num_logits), result
+            )
+        if spec_rows:
+            self._isolating(
+                spec_rows,
+                lambda rs: self._verify(
+                    rs, out, rows, logits, logit_starts, draft_starts, num_logits, num_drafts
+                ),
+                result,
+            )
+
+    def _isolating(
+        self,
+        batch_rows: list[int],
+        run: Callable[[list[int]], dict[int, _RowResult]],
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Runs `run` on all of `batch_rows` at once; if that raises, on each row alone, so that
+        only the rows that fail by themselves fail (recorded in `result.failed`)."""
+        try:
+            done = run(batch_rows)
+        except Exception as exc:
+            if len(batch_rows) == 1:
+                done = {}
+                result.failed[batch_rows[0]] = f"sampling failed: {exc}"
+            else:
+                logger.warning(
+                    "sampling a batch of %d rows failed (%s); sampling row by row", len(batch_rows), exc
+                )
+                done = {}
+                for r in batch_rows:
+                    try:
+                        done.update(run([r]))
+                    except Exception as row_exc:
+                        result.failed[r] = f"sampling failed: {row_exc}"
+        for r, (tokens, lps, verified) in done.items():
+            result.sampled[r] = tokens
+            result.logprobs[r] = lps
+            if verified is not None:
+                result.verified.append(verified)
+
+    def _sample_plain(
+        self,
+        plain_rows: list[int],
+        rows: Sequence[RowSampling | None],
+        logits: torch.Tensor,
+        logit_starts: dict[int, int],
+        num_logits: np.ndarray,
+    ) -> dict[int, _RowResult]:
+        plain = [_known(rows[r]) for r in plain_rows]
+        idx = [logit_starts[r] + int(num_logits[r]) - 1 for r in plain_rows]
+        res = self.sampler.sample(logits[idx], plain)
+        token_ids = res.token_ids.tolist()  # one conversion, not one per row
+        done: dict[int, _RowResult] = {}
+        for i, r in enumerate(plain_rows):
+            entry = res.logprobs[i] if res.logprobs is not None else None
+            done[r] = ([int(token_ids[i])], None if entry is None else [entry], None)
+        return done
+
+    def _verify(
+        self,
+        spec_rows: list[int],
+        out: _core.SchedulerOutput,
+        rows: Sequence[RowSampling | None],
+        logits: torch.Tensor,
+        logit_starts: dict[int, int],
+        draft_starts: dict[int, int],
+        num_logits: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> dict[int, _RowResult]:
         spec = [_known(rows[r]) for r in spec_rows]
         ks = [int(num_drafts[r]) for r in spec_rows]
         for r, k in zip(spec_rows, ks):
@@ -183,16 +261,18 @@ class ModelRunner:
             t for r, k in zip(spec_rows, ks) for t in all_drafts[draft_starts[r] : draft_starts[r] + k]
         ]
         emitted = self.rejection_sampler.sample(target, flat_drafts, spec, ks)
+        done: dict[int, _RowResult] = {}
         for i, r in enumerate(spec_rows):
             tokens = [int(t) for t in emitted[i]]
-            result.sampled[r] = tokens
-            result.verified.append((ks[i], len(tokens) - 1))
+            lps: list[TokenLogprobs] | None = None
             top_n = spec[i].params.logprobs
             if top_n is not None:
                 start = logit_starts[r]
                 source = torch.log_softmax(logits[start : start + len(tokens)], dim=-1)
                 entries = compute_logprobs(source, torch.tensor(tokens), [top_n] * len(tokens))
-                result.logprobs[r] = [e for e in entries if e is not None]
+                lps = [e for e in entries if e is not None]
+            done[r] = (tokens, lps, (ks[i], len(tokens) - 1))
+        return done
 
     def _propose(
         self, req_ids: list[str], rows: Sequence[RowSampling | None], sampled: list[list[int]]

@@ -14,7 +14,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
     # Set on streamed outputs: what arrived since the previous output of this request.
@@ -30,3 +30,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Why the request failed (finish_reason "error"): a failure of its own, such as non-finite
+    # logits in its row; the other requests of the step went on.
+    error: str | None = None
