@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
+from hybridserve.sampling.params import MAX_STOP_STR_LEN
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +147,120 @@ def test_the_first_completed_stop_string_wins(
     text = "a light" if "l" in stop else "a b c d"
     d = IncrementalDetokenizer(_Chars(), stop=stop, include_stop_str_in_output=include)  # type: ignore[arg-type]
     assert d.add_tokens([ord(c) for c in text]) == expected and d.stopped_by == stopped_by
+
+
+class _Pieces:
+    """Token id i decodes to pieces[i] (several characters per token, no partial characters)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _reference(
+    calls: list[list[str]], stop: list[str], include: bool, min_tokens: int, last_final: bool
+) -> tuple[list[str], str | None]:
+    """What the detokenizer must release per call, by brute force over the whole text each call:
+    once more than min_tokens tokens have arrived, the stop occurrence ending first (starting first
+    on a tie) among those ending after the released text ends the output; otherwise the longest
+    end of the text that is a proper prefix of a stop string is held back (nothing at the end)."""
+    full, released, deltas, ntok = "", "", [], 0
+    for k, call in enumerate(calls):
+        full += "".join(call)
+        ntok += len(call)
+        final = last_final and k == len(calls) - 1
+        if ntok > min_tokens:
+            found = [
+                (i + len(s), i, s)
+                for s in stop
+                for i in range(len(full) - len(s) + 1)
+                if full.startswith(s, i) and i + len(s) > len(released)
+            ]
+            if found:
+                end, i, s = min(found)
+                now = full[: max(end if include else i, len(released))]
+                deltas.append(now[len(released) :])
+                return deltas, s
+        hold = 0
+        if not final:
+            hold = max((n for s in stop for n in range(1, len(s)) if full.endswith(s[:n])), default=0)
+        now = full[: max(len(full) - hold, len(released))]
+        deltas.append(now[len(released) :])
+        released = now
+    return deltas, None
+
+
+_ABC = "abc"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pieces=st.lists(st.text(_ABC, min_size=1, max_size=3), min_size=0, max_size=30),
+    stop=st.lists(st.text(_ABC, min_size=1, max_size=6), min_size=1, max_size=4),
+    split=st.lists(st.integers(1, 4), min_size=30, max_size=30),
+    include=st.booleans(),
+    min_tokens=st.integers(0, 6),
+    last_final=st.booleans(),
+)
+def test_stop_strings_match_a_brute_force_reference(
+    pieces: list[str],
+    stop: list[str],
+    split: list[int],
+    include: bool,
+    min_tokens: int,
+    last_final: bool,
+) -> None:
+    # the tokens arrive in calls of 1-4 tokens (several per call: a step with drafts accepted)
+    calls: list[list[int]] = []
+    i = 0
+    for n in split:
+        if i >= len(pieces):
+            break
+        calls.append(list(range(i, min(i + n, len(pieces)))))
+        i += n
+    if not calls:
+        calls = [[]]
+    expected, stopped_by = _reference(
+        [[pieces[t] for t in c] for c in calls], stop, include, min_tokens, last_final
+    )
+    d = IncrementalDetokenizer(
+        _Pieces(pieces),  # type: ignore[arg-type]
+        stop=stop,
+        include_stop_str_in_output=include,
+        min_tokens=min_tokens,
+    )
+    got = []
+    for k, c in enumerate(calls):
+        got.append(d.add_tokens(c, final=last_final and k == len(calls) - 1))
+        if d.stopped_by is not None:
+            break
+    assert got == expected
+    assert d.stopped_by == stopped_by
+    assert d.text == "".join(expected)
+    # the output processor's closing call: what is still held back comes out, unless it was cut
+    rest = d.add_tokens([], final=True)
+    if stopped_by is not None or last_final:
+        assert rest == ""
+    else:
+        assert d.text == "".join(expected) + rest == "".join(pieces)
+
+
+def test_long_partial_match_is_held_until_it_breaks() -> None:
+    # The text keeps ending in a long prefix of the stop string; what is held back follows it.
+    body = "abcd" * 511 + "abc"
+    stop = body + "X"
+    assert len(stop) == MAX_STOP_STR_LEN
+    d = IncrementalDetokenizer(_Chars(), stop=[stop])  # type: ignore[arg-type]
+    assert "".join(d.add_tokens([ord(c)]) for c in body) == ""
+    assert d.add_tokens([ord("d")]) == "abcd"  # "abcd" x 511 may still start the stop string
+    assert d.add_tokens([ord("Y")]) == "abcd" * 511 + "Y"  # nothing may: all of it comes out
+    assert "".join(d.add_tokens([ord(c)]) for c in stop) == ""
+    assert d.stopped_by == stop and d.text == "abcd" * 512 + "Y"
+
+
+def test_empty_stop_string_is_refused() -> None:
+    # (SamplingParams refuses it first; an empty string would match everywhere)
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalDetokenizer(_Chars(), stop=["a", ""])  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
+from hybridserve.sampling.params import MAX_STOP_STR_LEN
 from server_fixtures import ServerProcess, TokenizerModelInfo, parse_metrics, parse_sse, raw_http
 
 MODEL = "demo"
@@ -1033,3 +1034,33 @@ def test_malformed_http_gets_a_400_and_no_traceback_in_the_log(server, client):
     # the server still serves, and logged no traceback for what its clients sent
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
     assert "Traceback" not in server.output() and "Error handling request" not in server.output()
+
+
+def test_stop_string_length_limit_is_a_400_and_long_stop_strings_are_served(server, client):
+    too_long = "x" * (MAX_STOP_STR_LEN + 1)
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stop": [too_long]}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stop": too_long}),
+    ):
+        status, parsed, _ = post(server, path, {"model": MODEL, **body})
+        assert status == 400, (path, parsed)
+        err = parsed["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "stop", "invalid_value")
+        assert f"at most {MAX_STOP_STR_LEN} characters" in err["message"], err["message"]
+    # 15 stop strings at the limit next to a short one that occurs: the short one still cuts
+    base = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert len(base.text) >= 4
+    stop = base.text[2:4]
+    long_ones = [chr(0x4E00 + i) * MAX_STOP_STR_LEN for i in range(15)]
+    for stream in (False, True):
+        r = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[*long_ones, stop], stream=stream
+        )
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        last = [c.choices[0] for c in chunks if c.choices][-1]
+        assert text == base.text[: base.text.index(stop)]
+        assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    assert_idle(server)

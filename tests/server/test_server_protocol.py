@@ -10,6 +10,7 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.logprobs import Logprob
+from hybridserve.sampling.params import MAX_STOP_STR_LEN, MAX_STOP_STRS_TOTAL_LEN
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import protocol as P
 from hybridserve.server.app import create_app
@@ -199,6 +200,22 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
 def test_completion_rejects(info, body, param):
     expect_error(lambda: completion(info, **body), param)
+
+
+def test_stop_string_length_limits(info):
+    # the limits of sampling/params.py, shared with the offline API; at the limits is fine
+    at_limit = [chr(97 + i) * MAX_STOP_STR_LEN for i in range(P.MAX_STOP_SEQUENCES)]
+    assert sum(map(len, at_limit)) <= MAX_STOP_STRS_TOTAL_LEN
+    assert completion(info, prompt="x", stop=at_limit).params.stop == at_limit
+    assert chat(info, messages=[{"role": "user", "content": "x"}], stop=at_limit).params.stop == at_limit
+    too_long = "s" * (MAX_STOP_STR_LEN + 1)
+    for parse in (
+        lambda: completion(info, prompt="x", stop=too_long),
+        lambda: completion(info, prompt="x", stop=["a", too_long]),
+        lambda: chat(info, messages=[{"role": "user", "content": "x"}], stop=[too_long]),
+    ):
+        err = expect_error(parse, "stop", code="invalid_value")
+        assert f"at most {MAX_STOP_STR_LEN} characters" in err.message, err.message
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,6 +12,26 @@ from hybridserve.errors import InvalidRequestError
 
 # Beyond this, a top-n logprobs request costs more than it is worth to anyone.
 MAX_LOGPROBS = 20
+# Stop strings are watched for on the engine thread, which every request shares. What the watch
+# costs (engine/detokenizer.py: the automaton's memory, and the time to walk back when a long partial
+# match breaks) grows with their length, so each one's length and the total are bounded, in
+# characters (code points). 16 strings at the longest meet the total (16 is the HTTP count limit).
+MAX_STOP_STR_LEN = 2048
+MAX_STOP_STRS_TOTAL_LEN = 32768
+
+
+def stop_length_error(stop: Sequence[str]) -> str | None:
+    """Why `stop` (strings) exceeds the length limits, or None. Shared by the offline validation
+    and the HTTP protocol, so that both refuse the same lists with the same words."""
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_STR_LEN:
+        return f"each stop string may be at most {MAX_STOP_STR_LEN} characters long, got one of {longest}"
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_STRS_TOTAL_LEN:
+        return (
+            f"the stop strings may be at most {MAX_STOP_STRS_TOTAL_LEN} characters long in all, got {total}"
+        )
+    return None
 
 
 @dataclass
@@ -122,6 +143,8 @@ class SamplingParams:
                 raise bad(flag, f"must be true or false, got {v!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if (why := stop_length_error(self.stop)) is not None:
+            raise bad("stop", why)
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
             is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids
         ):

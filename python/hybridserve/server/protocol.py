@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams, stop_length_error
 from hybridserve.sampling.seeds import choice_seed
 
 # A request may ask for at most this many sequences in all (prompts x n).
@@ -336,6 +336,10 @@ def _parse_stop(body: dict[str, Any]) -> list[str]:
             )
         if not s:
             raise _bad("stop", "stop sequences must not be empty")
+    # The length limits are shared with the offline API (sampling/params.py).
+    if (why := stop_length_error(v)) is not None:
+        raise _bad("stop", why)
+    for s in v:
         _check_surrogates("stop", s)
     return list(v)
 
