@@ -16,25 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
+sys.path.insert(0, str(ROOT / "benches"))
+
 from hybridserve.benchmarks import cache_replay as cr  # noqa: E402
 from hybridserve.benchmarks.serve_client import ServeConfig, serve_main  # noqa: E402
 from hybridserve.benchmarks.traces import generate  # noqa: E402
 from hybridserve.benchmarks.workloads import WorkloadSpec  # noqa: E402
+from server_process import BenchServer  # noqa: E402
 
 # server flags, and the same cache policy for the replay
 CONFIGS = {
@@ -45,55 +43,6 @@ POLICIES = {
     "grid": cr.Policy("grid", "grid", "lru", 256),
     "default": cr.POLICIES["hybridserve"],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(base: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    pass
-    return out
-
-
-class Server:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
-        self.log = log.open("w")
-        cmd = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: see {log}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not become ready: see {log}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def main() -> int:
@@ -127,9 +76,12 @@ def main() -> int:
         args += CONFIGS[name]
         for trace in traces:
             # a fresh server per trace: the caches start empty, as in the replay
-            server = Server(args, Path(tempfile.gettempdir()) / f"cache_trace_serve_{name}.log")
+            server = BenchServer(
+                args, Path(tempfile.gettempdir()) / f"cache_trace_serve_{name}.log", threads=1
+            )
             try:
-                before = _metrics(server.base)
+                server.wait_ready()
+                before = server.metrics()
                 cfg = ServeConfig(
                     base_url=server.base,
                     workload=WorkloadSpec(name="trace", num_requests=len(trace.requests)),
@@ -141,7 +93,7 @@ def main() -> int:
                 t0 = time.monotonic()
                 result = serve_main(cfg, None, None)
                 wall = time.monotonic() - t0
-                after = _metrics(server.base)
+                after = server.metrics()
             finally:
                 server.stop()
             summary = result["summary"]["trace"]

@@ -15,18 +15,15 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
+sys.path.insert(0, str(ROOT / "benches"))
+
+from server_process import BenchServer  # noqa: E402
 
 # per workload: prompt length, max tokens, extra workload settings
 SHAPES: dict[str, dict[str, Any]] = {
@@ -35,48 +32,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "multi-turn": {"prompt_len": 128, "max_tokens": 32, "num_turns": 3},
     "repetitive": {"prompt_len": 256, "max_tokens": 64},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, extra: list[str], threads: int = 0) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(RESULTS / "tmp" / f"server-{self.port}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", str(self.port), *extra]
-        self.cmd = cmd
-        env = dict(os.environ)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads in the server
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 def run_workload(base: str, name: str, a: argparse.Namespace, tag: str) -> dict[str, Any]:
@@ -121,7 +76,7 @@ def main() -> int:
             ("_ngram", [*shlex.split(a.server_args), "--speculative-config", spec], ["repetitive"])
         )
     for suffix, extra, wls in servers:
-        srv = Server(extra, a.server_threads)
+        srv = BenchServer(extra, RESULTS / "tmp" / f"server{suffix}.log", a.server_threads)
         print(f"server: {shlex.join(srv.cmd[1:])}", flush=True)
         try:
             srv.wait_ready()
