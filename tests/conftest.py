@@ -1,7 +1,7 @@
 """Every test's shared set-up, for all folders (one per domain: config, scheduler, kernels, model,
 sampling, engine, server, bench, repo, gpu). The helpers beside this file (model_fixtures,
-server_fixtures, sampling_stats, cuda_emu) are importable from every folder: pytest puts this
-folder on sys.path.
+server_fixtures, openapi_cases, sampling_stats, cuda_emu) are importable from every folder:
+pytest puts this folder on sys.path.
 
 GPU tests (tests/gpu/) are skipped when no CUDA device is present. ``HYBRIDSERVE_GPU_TESTS_ON_CPU=1``
 runs them on the CPU instead, where dispatch picks the pure-torch twins: a self-check of the test

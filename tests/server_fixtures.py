@@ -175,3 +175,43 @@ def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tu
         return head, json.loads(body)
     except ValueError:
         return head, body
+
+
+def get_metrics(server: ServerProcess) -> dict[str, float]:
+    """The server's /metrics, parsed."""
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        return parse_metrics(r.read().decode())
+
+
+def held(m: dict[str, float]) -> dict[str, float]:
+    """What requests hold: running/waiting requests, referenced KV blocks, Mamba slots other than
+    prefix-cache checkpoints, and the server's own in-flight count."""
+    return {
+        "running": m["hybridserve_num_requests_running"],
+        "waiting": m["hybridserve_num_requests_waiting"],
+        "kv_blocks": m["hybridserve_kv_blocks_used"],
+        "mamba_windows": m["hybridserve_mamba_slots_used"]
+        - m["hybridserve_mamba_checkpoints_committed"]
+        - m["hybridserve_mamba_checkpoints_pending"],
+        "server_inflight": m["hybridserve_server_inflight_requests"],
+    }
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until requests hold nothing (or give up after `timeout`); the last metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = get_metrics(server)
+        if not any(held(m).values()) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def assert_idle(server: ServerProcess) -> dict[str, float]:
+    """Nothing runs or waits, and no KV block or Mamba state slot is held but by the prefix cache's
+    committed checkpoints."""
+    m = wait_idle(server)
+    assert held(m) == {"running": 0, "waiting": 0, "kv_blocks": 0, "mamba_windows": 0, "server_inflight": 0}
+    assert m["hybridserve_mamba_checkpoints_pending"] == 0
+    return m

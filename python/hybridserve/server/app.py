@@ -1,11 +1,11 @@
 """The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics. Every request is validated (protocol.py) before anything reaches the engine; each
-choice of a request is one engine request whose outputs reach the handler through an asyncio
-queue; a client that goes away (the handler is cancelled, or a write fails) aborts its engine
-requests at once. The engine may be attached after the server starts listening (`set_engine`),
-so /health answers 503 while the model loads.
+GET /metrics, GET /openapi.json (openapi.py). Every request is validated (protocol.py) before
+anything reaches the engine; each choice of a request is one engine request whose outputs reach
+the handler through an asyncio queue; a client that goes away (the handler is cancelled, or a
+write fails) aborts its engine requests at once. The engine may be attached after the server
+starts listening (`set_engine`), so /health answers 503 while the model loads.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
+from hybridserve.server import openapi, sse
 from hybridserve.server import protocol as P
-from hybridserve.server import sse
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -190,6 +190,7 @@ def create_app(
     app.router.add_get("/v1/models/{model_id}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_cors_headers)
@@ -301,6 +302,12 @@ async def _error_middleware(
         )
     if resp.status >= 400 and request.path != "/health":
         metrics.http_errors.labels(status=str(resp.status)).inc()
+    if resp.status >= 400 and request.headers.get("Content-Encoding", "").strip().lower() in _DECODED:
+        # aiohttp decodes such a body as it reads it, and also the rest of one it discards after an
+        # answer given before reading it; a body that does not decode makes it close the connection
+        # after the answer. Say so (Connection: close), or the client sends its next request into
+        # a closed connection.
+        resp.force_close()
     return resp
 
 
@@ -359,6 +366,18 @@ async def _health(request: web.Request) -> web.Response:
     if not state.ready:
         return web.json_response({"status": "loading"}, status=503, headers={"Retry-After": "5"})
     return web.json_response({"status": "ok"})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    info = state.info  # None while the model loads: its limits are left out until it is loaded
+    doc = openapi.document(
+        served_model_name=state.served_model_name,
+        max_model_len=info.max_model_len if info is not None else None,
+        vocab_size=info.vocab_size if info is not None else None,
+        api_key_required=state.api_key is not None,
+    )
+    return web.json_response(doc)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -446,6 +465,7 @@ async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
 # Content-Encodings of a request body that aiohttp decodes here (it passes a body of any other
 # coding through undecoded, and refuses br / zstd itself without their optional packages)
 _BODY_CODINGS = ("identity", "gzip", "deflate")
+_DECODED = ("gzip", "deflate")  # (those aiohttp's HTTP parser decodes as it reads a body)
 
 
 def _check_content_type(request: web.Request) -> None:

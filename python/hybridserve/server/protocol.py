@@ -585,7 +585,10 @@ def _parse_messages(v: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or role not in _MESSAGE_ROLES:
             raise _bad(f"{p}.role", f"must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}")
-        if m.get("tool_calls"):
+        tool_calls = m.get("tool_calls")
+        # as the unsupported top-level fields: only absent, null or empty (0 or "" is no tool call
+        # list, and is refused rather than ignored)
+        if tool_calls is not None and tool_calls != {} and tool_calls != [] and tool_calls is not False:
             raise APIError(
                 f"{p}.tool_calls: not supported by this server",
                 param=f"{p}.tool_calls",

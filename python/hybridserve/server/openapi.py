@@ -1,0 +1,358 @@
+"""The OpenAPI 3.1 document the server serves at GET /openapi.json.
+
+The request schemas state what the validators in protocol.py accept. Which fields a route accepts
+is read from protocol.py itself (`_COMPLETION_FIELDS`, `_CHAT_FIELDS`), so a field the validator
+learns without a schema here makes `document()` fail at once; the types, bounds and enums are
+written here, next to the constants protocol.py uses, and tests/server/test_openapi.py probes the
+validator at every bound and enum this document states (and tests/server/test_server_fuzz.py
+sends the server thousands of requests the document calls invalid), so the two cannot drift
+apart unnoticed. Rules between fields (best_of == n, top_logprobs needs logprobs, ...) are in the
+fields' descriptions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridserve._core import __version__
+from hybridserve.sampling.params import MAX_LOGPROBS, MAX_STOP_STR_LEN, MAX_STOP_STRS_TOTAL_LEN
+from hybridserve.server import protocol as P
+
+OPENAPI_VERSION = "3.1.0"
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+USER_MAX_LEN = 1024  # protocol._common's limit on `user`
+
+Schema = dict[str, Any]
+
+
+def _int(lo: int | None, hi: int | None, description: str) -> Schema:
+    s: Schema = {"type": "integer", "description": description}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+def _num(lo: float, hi: float, description: str, *, lo_open: bool = False) -> Schema:
+    bound = "exclusiveMinimum" if lo_open else "minimum"
+    return {"type": "number", bound: lo, "maximum": hi, "description": description}
+
+
+def _bool(description: str) -> Schema:
+    return {"type": "boolean", "description": description}
+
+
+def _unsupported(description: str = "not supported by this server") -> Schema:
+    # what protocol._check_fields lets through: absent, null or empty
+    return {"enum": [None, False, {}, []], "description": f"{description}: only absent, null or empty"}
+
+
+def _token_id(vocab_size: int | None) -> Schema:
+    s: Schema = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        s["maximum"] = vocab_size - 1
+    return s
+
+
+def _max_tokens(max_model_len: int | None, default: str) -> Schema:
+    # at least one prompt token: a request can never generate more than max_model_len - 1
+    hi = max_model_len - 1 if max_model_len is not None else None
+    return _int(
+        1, hi, f"tokens to generate at most ({default}); prompt plus max_tokens must fit in max_model_len"
+    )
+
+
+def _sampling_fields(
+    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+) -> dict[str, Schema]:
+    """The fields both generation routes share (protocol._SAMPLING_FIELDS and _UNSUPPORTED_COMMON),
+    `max_tokens` aside (its default differs)."""
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STR_LEN}
+    return {
+        "model": {
+            "type": "string",
+            "enum": [served_model_name],
+            "description": "the served model (default); another name is a 404 model_not_found",
+        },
+        "temperature": _num(0.0, 2.0, "sampling temperature (default 1; 0 is greedy)"),
+        "top_p": _num(0.0, 1.0, "nucleus sampling mass (default 1)", lo_open=True),
+        "top_k": _int(-1, INT32_MAX, "sample from the k most likely tokens (default 0; 0 and -1: all)"),
+        "min_p": _num(0.0, 1.0, "drop tokens below min_p times the top probability (default 0)"),
+        "n": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "choices per prompt (default 1); prompts x n at most 128"),
+        "seed": _int(0, SEED_MAX, "seed of choice 0; the others get distinct seeds derived from it"),
+        "stream": _bool("answer with Server-Sent Events (default false)"),
+        "stream_options": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+            "description": "only with stream: true",
+        },
+        "stop": {
+            "anyOf": [
+                {**stop_string},
+                {"type": "array", "maxItems": P.MAX_STOP_SEQUENCES, "items": {**stop_string}},
+            ],
+            "description": f"stop strings, at most {MAX_STOP_STRS_TOTAL_LEN} characters in all (no "
+            "unpaired UTF-16 surrogates)",
+        },
+        "stop_token_ids": {"type": "array", "items": _token_id(vocab_size), "description": "stop tokens"},
+        "ignore_eos": _bool("keep generating after EOS (default false)"),
+        # (at most max_tokens, so below max_model_len too; the validator's own bound is INT32_MAX)
+        "min_tokens": _int(
+            0,
+            max_model_len - 1 if max_model_len is not None else INT32_MAX,
+            "tokens before EOS or a stop may end a choice (default 0; at most max_tokens)",
+        ),
+        "presence_penalty": _num(-2.0, 2.0, "default 0"),
+        "frequency_penalty": _num(-2.0, 2.0, "default 0"),
+        "repetition_penalty": _num(0.0, 10.0, "default 1", lo_open=True),
+        "skip_special_tokens": _bool("leave special tokens out of the text (default true)"),
+        "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
+        "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
+        "user": {"type": "string", "maxLength": USER_MAX_LEN, "description": "an end-user id (not used)"},
+        "cache_salt": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": P.MAX_CACHE_SALT_LEN,
+            "description": "isolates a tenant's prefix cache (no unpaired UTF-16 surrogates)",
+        },
+        **{name: _unsupported() for name in sorted(P._UNSUPPORTED_COMMON)},
+    }
+
+
+def _completion_fields(
+    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+) -> dict[str, Schema]:
+    token = _token_id(vocab_size)
+    token_list: Schema = {"type": "array", "minItems": 1, "items": token}
+    if max_model_len is not None:  # a prompt leaves room for one generated token
+        token_list["maxItems"] = max_model_len - 1
+    text: Schema = {"type": "string", "minLength": 1}
+    many = {"minItems": 1, "maxItems": P.MAX_PROMPTS_PER_REQUEST}
+    return {
+        **_sampling_fields(served_model_name, vocab_size, max_model_len),
+        "prompt": {
+            "anyOf": [
+                text,
+                token_list,
+                {"type": "array", **many, "items": text},
+                {"type": "array", **many, "items": token_list},
+            ],
+            "description": "a string, a list of token ids, or a list of either (at most "
+            f"{P.MAX_PROMPTS_PER_REQUEST} prompts); each must leave room for one generated token",
+        },
+        "max_tokens": _max_tokens(max_model_len, f"default {P.COMPLETION_DEFAULT_MAX_TOKENS}"),
+        "echo": _bool("prefix each choice with its prompt (default false; not with logprobs)"),
+        "logprobs": _int(0, MAX_LOGPROBS, "log-probabilities of the top-n tokens (not with echo)"),
+        "best_of": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "only equal to n"),
+        "suffix": {"enum": [None, ""], "description": "not supported: only absent, null or empty"},
+    }
+
+
+def _chat_fields(
+    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+) -> dict[str, Schema]:
+    return {
+        **_sampling_fields(served_model_name, vocab_size, max_model_len),
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"$ref": "#/components/schemas/ChatMessage"},
+            "description": "the conversation, rendered by the model's chat template",
+        },
+        "max_tokens": _max_tokens(max_model_len, "default: the room the prompt leaves"),
+        "max_completion_tokens": _max_tokens(
+            max_model_len, "max_tokens' newer name; equal to it if both are given"
+        ),
+        "logprobs": _bool("return log-probabilities (default false)"),
+        "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
+        "add_generation_prompt": _bool("end the prompt with the assistant's turn header (default true)"),
+        "response_format": {
+            "enum": [None, {"type": "text"}],
+            "description": "only {'type': 'text'} is supported",
+        },
+        **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
+    }
+
+
+_CONTENT_PART: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+
+_CHAT_MESSAGE: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": sorted(P._MESSAGE_ROLES)},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"$ref": "#/components/schemas/ChatContentPart"}},
+                {"type": "null"},
+            ],
+            "description": "text or text parts (no unpaired UTF-16 surrogates); null only for the assistant",
+        },
+        "name": {"type": ["string", "null"]},
+        "tool_call_id": {"type": ["string", "null"]},
+        "tool_calls": {
+            "enum": [None, False, {}, []],
+            "description": "not supported: only absent, null or empty",
+        },
+    },
+    # content may be left out (or null) only in an assistant's message
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+}
+
+_ERROR: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _optional(schema: Schema) -> Schema:
+    """JSON null means "not given" for every optional field (protocol.py's readers)."""
+    out = dict(schema)
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
+    if isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    elif "anyOf" in out:
+        out["anyOf"] = [*out["anyOf"], {"type": "null"}]
+    elif "type" in out:  # (a list of types without null: no schema here has one)
+        raise ValueError(f"cannot make {schema} optional")
+    return out
+
+
+def _request(fields: dict[str, Schema], accepted: set[str], required: str) -> Schema:
+    missing = accepted - fields.keys()
+    extra = fields.keys() - accepted
+    if missing or extra:  # protocol.py changed: describe its fields here
+        raise RuntimeError(f"openapi out of date: undocumented {sorted(missing)}, unknown {sorted(extra)}")
+    props = {name: s if name == required else _optional(s) for name, s in sorted(fields.items())}
+    return {"type": "object", "additionalProperties": False, "required": [required], "properties": props}
+
+
+def _error_responses() -> dict[str, Any]:
+    err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    return {
+        "4XX": {"description": "the request is invalid (docs/serving.md, Errors)", "content": err},
+        "5XX": {"description": "loading, shutting down, queue full, or an internal error", "content": err},
+    }
+
+
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def _generation(summary: str, schema_name: str, secured: bool) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_name}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "the choices (JSON), or with stream: true Server-Sent Events ending in [DONE]",
+                "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+            },
+            **_error_responses(),
+        },
+    }
+    if secured:
+        op["security"] = [{"bearer": []}]
+    return op
+
+
+def _get(summary: str, ok: dict[str, Any], *, secured: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **_error_responses()}}
+    if secured:
+        op["security"] = [{"bearer": []}]
+    return op
+
+
+def document(
+    *,
+    served_model_name: str,
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    api_key_required: bool = False,
+) -> dict[str, Any]:
+    """The OpenAPI document of a server serving `served_model_name` (the model's limits when it
+    is loaded: None while it loads leaves those bounds out)."""
+    completion = _request(
+        _completion_fields(served_model_name, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
+    )
+    chat = _request(_chat_fields(served_model_name, vocab_size, max_model_len), P._CHAT_FIELDS, "messages")
+    sec = api_key_required
+    text_ok = {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    doc: dict[str, Any] = {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "hybridserve",
+            "version": __version__,
+            "description": "OpenAI-compatible API of hybridserve (docs/serving.md). Every error "
+            'answers {"error": {"message", "type", "param", "code"}}. An integer field takes an '
+            "integer written without a fraction or an exponent (3.0 and 1e3 are refused), and "
+            "null in an optional field means the field is not given.",
+        },
+        "paths": {
+            "/v1/completions": {"post": _generation("OpenAI completions", "CompletionRequest", sec)},
+            "/v1/chat/completions": {
+                "post": _generation("OpenAI chat completions", "ChatCompletionRequest", sec)
+            },
+            "/v1/models": {"get": _get("the served model", _json("a list of one model card"), secured=sec)},
+            "/v1/models/{model_id}": {
+                "get": {
+                    **_get("one model card (404 for another id)", _json("the model card"), secured=sec),
+                    "parameters": [
+                        {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "whether the server serves",
+                    "responses": {
+                        "200": _json('{"status": "ok"}'),
+                        "503": _json('{"status": "loading" | "error" | "shutting_down"}'),
+                    },
+                }
+            },
+            "/metrics": {"get": _get("Prometheus metrics (docs/serving.md, Metrics)", text_ok)},
+            "/openapi.json": {"get": _get("this document", _json("OpenAPI 3.1"))},
+        },
+        "components": {
+            "schemas": {
+                "CompletionRequest": completion,
+                "ChatCompletionRequest": chat,
+                "ChatMessage": _CHAT_MESSAGE,
+                "ChatContentPart": _CONTENT_PART,
+                "Error": _ERROR,
+            },
+        },
+    }
+    if sec:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
