@@ -70,6 +70,10 @@ pub struct NewRequest {
     /// Lower values are served first (and preempted last).
     pub priority: i64,
     pub cache_salt: Option<String>,
+    /// Compute the whole prompt even where the prefix cache holds it: the caller needs the
+    /// logits of every prompt position (prompt logprobs). The blocks and states it computes are
+    /// still cached for others; once its prompt is done (a resume after preemption) it hits.
+    pub skip_prefix_hit: bool,
 }
 
 impl NewRequest {
@@ -84,6 +88,7 @@ impl NewRequest {
             stop: StopParams::max_tokens(max_tokens),
             priority: 0,
             cache_salt: None,
+            skip_prefix_hit: false,
         }
     }
 }
@@ -101,6 +106,8 @@ pub struct Request {
     /// Arrival order (monotonic per scheduler).
     pub arrival: u64,
     pub cache_salt: Option<String>,
+    /// See `NewRequest::skip_prefix_hit`.
+    pub skip_prefix_hit: bool,
     pub status: RequestStatus,
     /// Tokens whose KV and state are computed (and valid) in the current residency.
     pub num_computed_tokens: usize,
@@ -136,6 +143,7 @@ impl Request {
             priority: req.priority,
             arrival,
             cache_salt: req.cache_salt,
+            skip_prefix_hit: req.skip_prefix_hit,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
             block_hashes: Vec::new(),

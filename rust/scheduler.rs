@@ -652,7 +652,8 @@ impl Scheduler {
                     break;
                 };
                 let known = req.num_tokens();
-                let mut hit = if self.prefix_caching {
+                let prompt_done = req.all_token_ids.len() > req.num_prompt_tokens;
+                let mut hit = if self.prefix_caching && (!req.skip_prefix_hit || prompt_done) {
                     self.cache.find_longest_cache_hit(req.prefix(), known)
                 } else {
                     CacheHit::default()

@@ -700,6 +700,38 @@ fn a_checkpoint_emitted_by_a_row_aborted_mid_step_is_dropped() {
 }
 
 #[test]
+fn skip_prefix_hit_computes_the_whole_prompt_and_still_caches_it() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
+    let prompt: Vec<u32> = (1..=40).collect();
+    let mut run = |s: &mut Scheduler, id: &str, skip: bool| -> usize {
+        let mut req = NewRequest::new(id, [prompt.clone(), vec![7, 7]].concat(), 1);
+        req.skip_prefix_hit = skip;
+        s.add_request(req).unwrap();
+        let mut first_start = None;
+        while s.has_unfinished_requests() {
+            let o = s.schedule().unwrap();
+            let r = o.req_ids.iter().position(|x| &**x == id).unwrap();
+            first_start.get_or_insert(o.rows[r].num_computed_before);
+            let n = o.rows[r].num_logits as i32;
+            let toks = vec![5; n as usize];
+            s.update_from_output(&o, &toks, &[n], None).unwrap();
+        }
+        first_start.unwrap_or(0)
+    };
+    assert_eq!(run(&mut s, "first", false), 0);
+    assert_eq!(
+        run(&mut s, "scorer", true),
+        0,
+        "the whole prompt is computed"
+    );
+    assert_eq!(
+        run(&mut s, "normal", false),
+        40,
+        "and the cache still serves others"
+    );
+}
+
+#[test]
 fn all_mode_emits_every_boundary_inside_a_chunk() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 0), 256, 64, 0).unwrap();
     s.add_request(NewRequest::new("a", (1..=30).collect(), 1))

@@ -236,6 +236,7 @@ class Scheduler:
         min_tokens: int = 0,
         priority: int = 0,
         cache_salt: str | None = None,
+        skip_prefix_hit: bool = False,  # compute the whole prompt (prompt logprobs); still cached
     ) -> None: ...  # InvalidRequestError on bad input (empty, too long, duplicate id, ...)
     def abort_request(self, request_id: str) -> bool: ...
     def finish_request(self, request_id: str) -> bool: ...

@@ -97,7 +97,7 @@ impl PyScheduler {
         })
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None))]
+    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None, skip_prefix_hit = false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -110,6 +110,7 @@ impl PyScheduler {
         min_tokens: i64,
         priority: i64,
         cache_salt: Option<String>,
+        skip_prefix_hit: bool,
     ) -> PyResult<()> {
         let prompt = prompt_token_ids
             .into_iter()
@@ -134,6 +135,7 @@ impl PyScheduler {
                 stop,
                 priority,
                 cache_salt,
+                skip_prefix_hit,
             })
             .map_err(to_pyerr)
     }

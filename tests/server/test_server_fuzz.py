@@ -283,10 +283,10 @@ class Cases:
                     .map(lambda t: {"best_of": t[0], "n": t[1]}),
                 ),
                 rule(
-                    "echo with logprobs",
+                    "max_tokens 0 without echo or prompt_logprobs",
                     v(p["logprobs"])
                     .filter(lambda x: x is not None)
-                    .map(lambda lp: {"echo": True, "logprobs": lp}),
+                    .map(lambda lp: {"max_tokens": 0, "logprobs": lp}),
                 ),
                 rule(
                     "prompts x n above 128",

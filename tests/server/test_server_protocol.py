@@ -190,7 +190,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "best_of": 4}, "best_of"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only to score (echo)
     ({"prompt": "x", "return_token_ids": 1}, "return_token_ids"),
     ({"prompt": "x", "return_token_ids": "true"}, "return_token_ids"),
     ({"prompt": "x", "return_token_ids": [True]}, "return_token_ids"),

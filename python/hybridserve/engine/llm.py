@@ -152,6 +152,7 @@ class LLM:
                     num_cached_tokens=first.num_cached_tokens,
                     # a sequence that failed alone has finish_reason "error"; its reason is here
                     error=next((final[rid].error for rid in ids if final[rid].error), None),
+                    prompt_logprobs=first.prompt_logprobs,
                 )
             )
         return results

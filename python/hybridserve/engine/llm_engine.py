@@ -150,13 +150,16 @@ class LLMEngine:
         self.scheduler.add_request(
             request_id,
             req.prompt_token_ids,
-            max_tokens=req.max_tokens,
+            # max_tokens 0 (score the prompt only) still samples one token, which is dropped
+            max_tokens=max(1, req.max_tokens),
             eos_token_id=self.eos_token_id,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=bool(params.ignore_eos),
             min_tokens=req.min_tokens,
             priority=priority,
             cache_salt=cache_salt,
+            # prompt logprobs need the logits of every prompt position: no prefix hit skips any
+            skip_prefix_hit=params.prompt_logprobs is not None,
         )
         self.inputs.admitted()  # only requests that were admitted take an arrival index
         self.outputs.add_request(req)
@@ -206,6 +209,8 @@ class LLMEngine:
             # stays usable, and let the interrupt through
             self._recover_from_failed_step(out, exc)
             raise
+        for r, (first, entries) in ran.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(str(out.req_ids[r]), first, entries)
         outputs, done = self.outputs.process(deltas, out.req_ids, ran.logprobs, self.scheduler.finish_request)
         for rid, why in row_failures.items():
             st = self.requests.get(rid)

@@ -27,6 +27,64 @@ from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
 logger = logging.getLogger("hybridserve.engine")
 
 
+@dataclass
+class _PromptScoring:
+    """The extra logits a step computes for prompt logprobs. `logits_indices`: every flat token
+    index whose logits the forward returns, increasing (the scheduler's sampling indices and the
+    prompt positions of scoring rows), so the model keeps its tail-rows path; `sampling_rows`: the
+    rows of those logits that are the scheduler's, in its order; `spans`: per scoring row, (row,
+    its first target position, the logits rows predicting its targets in order)."""
+
+    logits_indices: torch.Tensor
+    sampling_rows: torch.Tensor
+    spans: list[tuple[int, int, list[int]]]
+
+    def logprobs(
+        self, logits: torch.Tensor, rows: Sequence[RowSampling | None]
+    ) -> dict[int, tuple[int, list[TokenLogprobs | None]]]:
+        out: dict[int, tuple[int, list[TokenLogprobs | None]]] = {}
+        for r, first, idx in self.spans:
+            row = _known(rows[r])
+            targets = torch.as_tensor(row.prompt_token_ids[first : first + len(idx)], dtype=torch.int64)
+            source = torch.log_softmax(logits[idx], dim=-1)
+            top = row.params.prompt_logprobs
+            out[r] = (first, compute_logprobs(source, targets, [top] * len(idx)))
+        return out
+
+
+def _prompt_scoring(out: _core.SchedulerOutput, rows: Sequence[RowSampling | None]) -> _PromptScoring | None:
+    """The logits a step needs beyond the scheduler's when a prefill row asks for prompt
+    logprobs: the logits at prompt position p give the log-probability of prompt token p + 1."""
+    num_decodes = int(out.num_decodes)
+    wanted = [
+        r
+        for r in range(num_decodes, len(rows))
+        if (row := rows[r]) is not None and row.params.prompt_logprobs is not None
+    ]
+    if not wanted:
+        return None
+    qsl = np.asarray(out.query_start_loc, dtype=np.int64)
+    positions = np.asarray(out.positions, dtype=np.int64)
+    extra: list[int] = []
+    extra_spans: list[tuple[int, int, list[int]]] = []
+    for r in wanted:
+        num_prompt = len(_known(rows[r]).prompt_token_ids)
+        flat = [i for i in range(int(qsl[r]), int(qsl[r + 1])) if positions[i] + 1 < num_prompt]
+        if flat:
+            extra.extend(flat)
+            extra_spans.append((r, int(positions[flat[0]]) + 1, flat))
+    if not extra:
+        return None
+    sampling = np.asarray(out.logits_indices, dtype=np.int64)
+    union = np.union1d(sampling, np.asarray(extra, dtype=np.int64))  # sorted, unique
+    where = {int(i): k for k, i in enumerate(union.tolist())}
+    return _PromptScoring(
+        logits_indices=torch.from_numpy(union),
+        sampling_rows=torch.as_tensor([where[int(i)] for i in sampling.tolist()], dtype=torch.int64),
+        spans=[(r, first, [where[i] for i in flat]) for r, first, flat in extra_spans],
+    )
+
+
 # What sampling produced for one row: its tokens, their logprobs (when asked for), and
 # (drafts verified, drafts accepted) for a verify row.
 _RowResult = tuple[list[int], list[TokenLogprobs] | None, tuple[int, int] | None]
@@ -45,6 +103,9 @@ class ModelRunnerOutput:
     # Rows whose request failed alone this step (row -> why): non-finite logits or an error while
     # sampling it. Nothing was sampled for them; the engine ends their requests with the error.
     failed: dict[int, str] = field(default_factory=dict)
+    # Prompt logprobs computed this step: row -> (first prompt position, entries for it and on),
+    # one entry per prompt token whose predicting position the row's chunk holds.
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs | None]]] = field(default_factory=dict)
 
     def sampled_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(every sampled token back to back, the count of each row) as the scheduler takes them."""
@@ -128,8 +189,14 @@ class ModelRunner:
             caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         if out.num_scheduled_tokens > 0:
             batch = to_forward_batch(out, self.em.device)
+            scoring = _prompt_scoring(out, rows)
+            if scoring is not None:
+                batch.logits_indices = scoring.logits_indices
             with torch.inference_mode():
                 logits = self.em.model.forward(batch, caches)
+            if scoring is not None:
+                result.prompt_logprobs = scoring.logprobs(logits, rows)
+                logits = logits[scoring.sampling_rows]
             self._sample(out, rows, logits, result)
         result.draft_token_ids, result.num_draft_tokens = self._propose(req_ids, rows, result.sampled)
         return result

@@ -45,9 +45,25 @@ class OutputProcessor:
                 deferred=not self.stream_outputs,
             ),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(req.prompt_token_ids),
+            score_only=req.max_tokens == 0,
         )
         self.requests[req.request_id] = state
         return state
+
+    def add_prompt_logprobs(
+        self, request_id: str, first: int, entries: Sequence[TokenLogprobs | None]
+    ) -> None:
+        """Logprobs of prompt tokens `first`, `first + 1`, ... computed by one step (a recomputed
+        chunk writes the same positions again)."""
+        st = self.requests.get(request_id)
+        if st is None or st.prompt_logprobs is None:
+            return
+        for k, entry in enumerate(entries):
+            if entry is not None:
+                for tid, lp in entry.items():
+                    lp.decoded_token = lp.decoded_token or self.tokenizer.token_to_text(tid)
+            st.prompt_logprobs[first + k] = entry
 
     def process(
         self,
@@ -74,10 +90,15 @@ class OutputProcessor:
                 continue
             new_ids = [int(t) for t in d.new_token_ids]
             st.num_cached_tokens = int(d.num_cached_tokens)
+            if st.score_only:
+                # the prompt is scored; the token sampled after it is not part of the answer
+                new_ids, d_finished, d_reason = [], True, "length"
+            else:
+                d_finished, d_reason = bool(d.finished), d.finish_reason
             r = row_of.get(d.request_id)
             lps = row_logprobs[r] if r is not None else None
-            finished = bool(d.finished)
-            reason = d.finish_reason
+            finished = d_finished
+            reason = d_reason
             stop_reason: int | str | None = None
             if reason == "stop" and not (d.stop_token_id == self.eos_token_id and not st.params.ignore_eos):
                 stop_reason = d.stop_token_id  # a stop_token_ids match; EOS is no stop reason (vLLM)

@@ -33,3 +33,6 @@ class RequestOutput:
     # Why the request failed (finish_reason "error"): a failure of its own, such as non-finite
     # logits in its row; the other requests of the step went on.
     error: str | None = None
+    # The prompt's own log-probabilities (SamplingParams.prompt_logprobs): None for the first
+    # token, then one entry per prompt token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -20,6 +20,10 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    # One entry per prompt token (None for the first, which nothing predicts), when asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # max_tokens 0: the prompt is scored, the one token the engine samples is dropped.
+    score_only: bool = False
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -58,4 +62,5 @@ class RequestState:
             ],
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen token
     include_stop_str_in_output: bool = False
+    # Log-probabilities of the prompt's own tokens (every position but the first), with this many
+    # top alternatives each; None = none. max_tokens may then be 0: score the prompt only.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class SamplingParams:
         # Python ints, and the values travel to JSON and to the Rust core)
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, int(getattr(self, name)))
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             setattr(self, name, None if v is None else int(v))
         for name in (
@@ -115,8 +118,17 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1 or self.n > 128:
             raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)
+        ):
+            raise bad(
+                "prompt_logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < least):
+            what = "a non-negative integer (0: score the prompt only)" if least == 0 else "a positive integer"
+            raise bad("max_tokens", f"must be {what}, got {self.max_tokens!r}")
         number("temperature", 0.0, 100.0)
         number("top_p", 0.0, 1.0, lo_open=True)
         if not is_int(self.top_k) or self.top_k < -1:

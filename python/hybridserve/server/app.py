@@ -574,6 +574,8 @@ class _Choice:
     # completions logprobs: where the next token starts in the text, across stream deltas
     offsets: P.TextOffsets = field(default_factory=P.TextOffsets)
     last_token_time: float | None = None
+    # the prompt's logprobs, when the engine computed them (echo + logprobs, prompt_logprobs)
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -598,6 +600,8 @@ def _apply_output(choice: _Choice, out: RequestOutput) -> _Delta:
     choice.token_ids.extend(new_ids)
     choice.text += new_text
     choice.num_cached_tokens = out.num_cached_tokens
+    if choice.prompt_logprobs is None and out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     finished = out.finished
     if finished:
         choice.finish_reason = co.finish_reason or "stop"
@@ -753,6 +757,40 @@ def _logprobs_json(
     return P.chat_logprobs(entries, ids, info.token_text, req.logprobs, token_bytes=info.token_bytes)
 
 
+def _echo_logprobs_json(
+    req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice, offsets: P.TextOffsets
+) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completion's logprobs (echo + logprobs), in the shape the
+    evaluation harnesses read: the first token has no logprob (`null`), then one per token.
+    `offsets` is advanced past the prompt."""
+    if not (req.echo and req.logprobs is not None) or choice.prompt_logprobs is None:
+        return None
+    skip = req.params.skip_special_tokens
+    entries = [e if e is not None else {} for e in choice.prompt_logprobs]
+    out = P.completion_logprobs(
+        entries,
+        choice.prompt.token_ids,
+        info.token_text,
+        offsets,
+        text_bytes=lambda t: info.text_bytes(t, skip),
+    )
+    out["token_logprobs"][0] = None
+    out["top_logprobs"][0] = None
+    return out
+
+
+def _join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    if first is None or then is None:
+        return first if then is None else then
+    return {k: [*first[k], *then[k]] for k in first}
+
+
+def _vllm_prompt_logprobs(req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice) -> list[Any] | None:
+    if req.prompt_logprobs is None or choice.prompt_logprobs is None:
+        return None
+    return P.vllm_prompt_logprobs(choice.prompt_logprobs, info.token_text)
+
+
 async def _deltas(
     state: ServerState, choices: list[_Choice], sink: asyncio.Queue[tuple[_Choice, Any]], arrival: float
 ) -> AsyncIterator[tuple[_Choice, _Delta]]:
@@ -797,6 +835,7 @@ async def _collect(
             prefix = _echo_text(info, req, c.prompt)
         lps = _logprobs_json(req, info, c.logprobs, c.token_ids, P.TextOffsets(len(prefix)))
         if req.kind == "completion":
+            lps = _join_logprobs(_echo_logprobs_json(req, info, c, P.TextOffsets(0)), lps)
             out.append(
                 P.completion_choice(
                     c.index,
@@ -806,6 +845,7 @@ async def _collect(
                     c.stop_reason,
                     prompt_token_ids=c.prompt.token_ids if ids else None,
                     token_ids=c.token_ids if ids else None,
+                    prompt_logprobs=_vllm_prompt_logprobs(req, info, c),
                 )  # fmt: skip
             )
         else:
@@ -895,8 +935,13 @@ async def _send_delta(
     if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
         return
     lps = None
+    first = not choice.started_stream
+    echo_lps = (
+        _echo_logprobs_json(req, info, choice, choice.offsets) if first and req.kind == "completion" else None
+    )
     if req.logprobs is not None and delta.logprobs is not None:
         lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
+    lps = _join_logprobs(echo_lps, lps)
     ids = delta.token_ids if req.return_token_ids else None
     prompt_ids = choice.prompt.token_ids if req.return_token_ids and not choice.started_stream else None
     if req.kind == "completion":
@@ -905,7 +950,8 @@ async def _send_delta(
             text = _echo_text(info, req, choice.prompt) + text
         cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
                                  choice.stop_reason if delta.finished else None,
-                                 prompt_token_ids=prompt_ids, token_ids=ids)  # fmt: skip
+                                 prompt_token_ids=prompt_ids, token_ids=ids,
+                                 prompt_logprobs=_vllm_prompt_logprobs(req, info, choice) if first else None)  # fmt: skip
         prompt_ids = None  # (in the choice, not on the chunk)
     else:
         cj = P.chat_chunk_choice(

@@ -143,9 +143,21 @@ def _completion_fields(
             "description": "a string, a list of token ids, or a list of either (at most "
             f"{P.MAX_PROMPTS_PER_REQUEST} prompts); each must leave room for one generated token",
         },
-        "max_tokens": _max_tokens(max_model_len, f"default {P.COMPLETION_DEFAULT_MAX_TOKENS}"),
-        "echo": _bool("prefix each choice with its prompt (default false; not with logprobs)"),
-        "logprobs": _int(0, MAX_LOGPROBS, "log-probabilities of the top-n tokens (not with echo)"),
+        "max_tokens": _max_tokens(
+            max_model_len,
+            f"default {P.COMPLETION_DEFAULT_MAX_TOKENS}; 0 (score the prompt only) is also accepted "
+            "with echo or prompt_logprobs",
+        ),
+        "echo": _bool(
+            "prefix each choice with its prompt (default false); with logprobs, the prompt's tokens "
+            "come first in logprobs, the first with a null logprob"
+        ),
+        "logprobs": _int(0, MAX_LOGPROBS, "log-probabilities of the top-n tokens"),
+        "prompt_logprobs": _int(
+            0,
+            MAX_LOGPROBS,
+            "the prompt's own log-probabilities with their top-n, in each choice's prompt_logprobs",
+        ),
         "best_of": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "only equal to n"),
         "suffix": {"enum": [None, ""], "description": "not supported: only absent, null or empty"},
     }

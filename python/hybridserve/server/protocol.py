@@ -213,6 +213,8 @@ class GenerateRequest:
     # The output ids are all the engine generated, as vLLM's: an EOS / stop token included, and up
     # to and including the token that completed a stop string, where the text is cut before it.
     return_token_ids: bool = False
+    # vLLM's `prompt_logprobs` (completions): top-n of the prompt's logprobs in each choice
+    prompt_logprobs: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -254,7 +256,9 @@ _SAMPLING_FIELDS = {
 # OpenAI fields we know but do not implement: accepted only when absent, null or empty.
 _UNSUPPORTED_COMMON = {"logit_bias", "metadata", "store", "service_tier"}
 _COMPLETION_FIELDS = (
-    _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"} | _UNSUPPORTED_COMMON
+    _SAMPLING_FIELDS
+    | {"prompt", "echo", "logprobs", "prompt_logprobs", "best_of", "suffix"}
+    | _UNSUPPORTED_COMMON
 )
 _CHAT_FIELDS = (
     _SAMPLING_FIELDS
@@ -392,6 +396,7 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     vocab_size: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop_token_ids_raw = body.get("stop_token_ids")
     stop_token_ids = (
@@ -418,6 +423,7 @@ def _sampling_params(
             frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         )
@@ -491,13 +497,11 @@ def parse_completion_request(
     echo = get_bool(body, "echo", False)
     return_token_ids = get_bool(body, "return_token_ids", False)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise APIError(
-            "echo with logprobs (prompt logprobs) is not supported",
-            param="echo",
-            code="unsupported_parameter",
-        )
-    requested_max = get_int(body, "max_tokens", None, 1, None)
+    # vLLM's prompt_logprobs: the prompt's own log-probabilities in the choice's `prompt_logprobs`
+    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    # max_tokens 0 scores the prompt and generates nothing (echo: the evaluation harnesses' form)
+    scoring = echo or prompt_logprobs is not None
+    requested_max = get_int(body, "max_tokens", None, 0 if scoring else 1, None)
 
     if "prompt" not in body or body["prompt"] is None:
         raise APIError("prompt: a prompt is required", param="prompt", code="missing_field")
@@ -507,7 +511,18 @@ def parse_completion_request(
     if requested_max is None:
         # OpenAI's default of 16 completion tokens, within the room the prompt leaves
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_tokens)
-    params = _sampling_params(body, n=n, max_tokens=max_tokens, logprobs=logprobs, vocab_size=info.vocab_size)
+    # the engine computes the prompt's logprobs for echo + logprobs (the echoed tokens' logprobs),
+    # for prompt_logprobs, and for max_tokens 0 (which needs them to have anything to do)
+    wanted = [v for v in (prompt_logprobs, logprobs if echo else None) if v is not None]
+    engine_prompt_logprobs = max(wanted, default=0) if wanted or max_tokens == 0 else None
+    params = _sampling_params(
+        body,
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        vocab_size=info.vocab_size,
+        prompt_logprobs=engine_prompt_logprobs,
+    )
     return GenerateRequest(
         kind="completion",
         model=model,
@@ -520,6 +535,7 @@ def parse_completion_request(
         logprobs=logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -821,9 +837,10 @@ def completion_choice(
     *,
     prompt_token_ids: Sequence[int] | None = None,
     token_ids: Sequence[int] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A completions choice (also a streamed one). `prompt_token_ids` / `token_ids` (vLLM's
-    `return_token_ids` fields) are added only when given."""
+    `return_token_ids` fields) and `prompt_logprobs` (vLLM's) are added only when given."""
     choice: dict[str, Any] = {
         "index": index,
         "text": text,
@@ -835,7 +852,32 @@ def completion_choice(
         choice["prompt_token_ids"] = list(prompt_token_ids)
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     return choice
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str]
+) -> list[Any]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or {token id as a
+    string: {logprob, rank, decoded_token}} for the prompt token and its top alternatives."""
+    out: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append(
+            {
+                str(tid): {
+                    "logprob": _finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token or token_text(tid),
+                }
+                for tid, lp in entry.items()
+            }
+        )
+    return out
 
 
 def chat_choice(
