@@ -19,7 +19,16 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.params import MAX_STOP_STR_LEN
-from server_fixtures import ServerProcess, TokenizerModelInfo, parse_metrics, parse_sse, raw_http
+from server_fixtures import (
+    ServerProcess,
+    TokenizerModelInfo,
+    assert_idle,
+    held,
+    parse_metrics,
+    parse_sse,
+    raw_http,
+    wait_idle,
+)
 
 MODEL = "demo"
 PROMPT = "The quick brown fox"
@@ -107,36 +116,6 @@ def metrics(server: ServerProcess) -> dict[str, float]:
                 return await r.text()
 
     return parse_metrics(asyncio.run(go()))
-
-
-def held(m: dict[str, float]) -> dict[str, float]:
-    """What requests hold: running/waiting requests, referenced KV blocks, Mamba slots other than
-    prefix-cache checkpoints, and the server's own in-flight count."""
-    return {
-        "running": m["hybridserve_num_requests_running"],
-        "waiting": m["hybridserve_num_requests_waiting"],
-        "kv_blocks": m["hybridserve_kv_blocks_used"],
-        "mamba_windows": m["hybridserve_mamba_slots_used"]
-        - m["hybridserve_mamba_checkpoints_committed"]
-        - m["hybridserve_mamba_checkpoints_pending"],
-        "server_inflight": m["hybridserve_server_inflight_requests"],
-    }
-
-
-def wait_idle(server: ServerProcess, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until requests hold nothing (or give up after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if not any(held(m).values()) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
-def assert_idle(server: ServerProcess) -> None:
-    m = wait_idle(server)
-    assert held(m) == {"running": 0, "waiting": 0, "kv_blocks": 0, "mamba_windows": 0, "server_inflight": 0}
-    assert m["hybridserve_mamba_checkpoints_pending"] == 0
 
 
 def max_model_len(client: openai.OpenAI) -> int:
