@@ -129,6 +129,9 @@ class EngineArgs:
     #: torch's intra-op CPU threads (torch.set_num_threads, process-wide). None = torch's default.
     #: On a shared or small machine 1 is often fastest: spinning OpenMP threads lose to other load.
     cpu_threads: int | None = None
+    #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
+    #: longer is refused (engine/grammar_compiler.py).
+    grammar_compile_timeout: float = 10.0
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:
@@ -179,6 +182,11 @@ class EngineArgs:
         if self.cache_memory is not None and None not in (self.kv_cache_memory, self.mamba_cache_memory):
             raise ConfigError(
                 "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
+            )
+        t = self.grammar_compile_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (0 < t <= 3600):
+            raise ConfigError(
+                f"--grammar-compile-timeout must be a number of seconds in (0, 3600], got {t!r}"
             )
         self.speculative()
 

@@ -123,6 +123,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default=None,
         help="torch CPU threads for the engine (default: torch's choice; 1 is often fastest on a loaded machine)",
     )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="structured outputs: a grammar (JSON schema, regex, ...) that takes longer to compile is "
+        "refused with a 400 (default: 10)",
+    )
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

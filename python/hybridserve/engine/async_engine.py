@@ -19,7 +19,7 @@ from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.tokenizer import Tokenizer
-from hybridserve.errors import EngineDeadError, HybridServeError, StepError
+from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.sampling.params import SamplingParams
 
 logger = logging.getLogger("hybridserve.engine")
@@ -209,7 +209,9 @@ class AsyncEngine:
                 stream = self._live_owner(out.request_id)
                 if out.finished:
                     self._owner.pop(out.request_id, None)
-                if stream is not None and out.error is not None:
+                if stream is not None and out.error is not None and out.invalid:
+                    stream.put(InvalidRequestError(out.error))  # refused after it was accepted
+                elif stream is not None and out.error is not None:
                     stream.put(HybridServeError(f"the engine failed while running this request: {out.error}"))
                 elif stream is not None:
                     stream.put(out)

@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from hybridserve import _core
 from hybridserve.config import EngineArgs
-from hybridserve.engine.input_processor import InputProcessor, Prompt
+from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
+from hybridserve.engine.input_processor import EngineRequest, InputProcessor, Prompt
 from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.output_processor import OutputProcessor
@@ -31,6 +33,7 @@ from hybridserve.engine.request_state import RequestState
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import HybridServeError, InvalidRequestError, StepError
 from hybridserve.model.flops import prefill_cost
+from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.sampler import RowSampling
 
@@ -46,6 +49,16 @@ class EngineCounters:
     spec_decode_accepted_tokens: int = 0
     spec_decode_verify_rows: int = 0  # rows that verified at least one draft
     num_steps: int = 0
+
+
+@dataclass
+class _AwaitingGrammar:
+    """A request held back from the scheduler until its grammar is compiled."""
+
+    req: EngineRequest
+    ticket: GrammarTicket
+    cache_salt: str | None
+    priority: int
 
 
 def prefix_cache_hash_seed(args: EngineArgs) -> int:
@@ -86,6 +99,18 @@ class LLMEngine:
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
+        # structured outputs: requests whose grammar is still being compiled, in arrival order
+        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler (structured outputs): its threads start with the first grammar."""
+        return GrammarCompiler(
+            self.tokenizer.to_json(),
+            self.vocab_size,
+            self.eos_token_id,
+            timeout_s=float(self.args.grammar_compile_timeout),
+        )
 
     # ------------------------------------------------------------------ what the engine serves
     @property
@@ -147,6 +172,33 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running")
         req = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
+        grammar: GrammarMatcher | None = None
+        if params.structured_outputs is not None:
+            ticket = self.grammars.submit(params.structured_outputs)
+            ready = ticket.poll()
+            if isinstance(ready, InvalidRequestError):
+                raise ready
+            if ready is None:
+                # Still compiling: the request waits outside the scheduler, and `step` hands it
+                # over once its grammar is ready. It takes its arrival index (its seed) now.
+                self.inputs.admitted()
+                self.outputs.add_request(req)
+                self._awaiting_grammar[request_id] = _AwaitingGrammar(req, ticket, cache_salt, priority)
+                return
+            grammar = ready
+        self._schedule(req, cache_salt, priority, grammar)
+
+    def _schedule(
+        self,
+        req: EngineRequest,
+        cache_salt: str | None,
+        priority: int,
+        grammar: GrammarMatcher | None,
+        arrived: bool = False,
+    ) -> None:
+        """Hands a processed request to the scheduler (`arrived`: it waited for its grammar, and
+        already took its arrival index and its place in the output processor)."""
+        request_id, params = req.request_id, req.params
         self.scheduler.add_request(
             request_id,
             req.prompt_token_ids,
@@ -161,9 +213,42 @@ class LLMEngine:
             # prompt logprobs need the logits of every prompt position: no prefix hit skips any
             skip_prefix_hit=params.prompt_logprobs is not None,
         )
-        self.inputs.admitted()  # only requests that were admitted take an arrival index
-        self.outputs.add_request(req)
+        if not arrived:
+            self.inputs.admitted()  # only requests that were admitted take an arrival index
+            self.outputs.add_request(req)
+        self.requests[request_id].grammar = grammar
         self.counters.prompt_tokens += len(req.prompt_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hands the requests whose grammar is now compiled to the scheduler; ends (with an
+        error output) those whose grammar failed or ran out of time. When nothing else can run,
+        waits briefly for a compilation instead of spinning."""
+        waiting = self._awaiting_grammar
+        if not waiting:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            next(iter(waiting.values())).ticket.wait(0.02)
+        refused: list[RequestOutput] = []
+        for rid, w in list(waiting.items()):
+            ready = w.ticket.poll()
+            if ready is None:
+                continue
+            del waiting[rid]
+            if isinstance(ready, GrammarMatcher):
+                try:
+                    self._schedule(w.req, w.cache_salt, w.priority, ready, arrived=True)
+                    continue
+                except InvalidRequestError as exc:
+                    ready = exc
+            st = self.requests.get(rid)
+            self._forget(rid)
+            if st is None:
+                continue
+            st.finished, st.finish_reason, st.stop_reason = True, "error", None
+            out = st.to_output(finished=True)
+            out.error, out.invalid = str(ready), True
+            refused.append(out)
+        return refused
 
     def abort_request(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
@@ -172,6 +257,7 @@ class LLMEngine:
         return found or state is not None
 
     def _forget(self, request_id: str) -> None:
+        self._awaiting_grammar.pop(request_id, None)
         self.outputs.forget(request_id)
         self.runner.free_request(request_id)
 
@@ -180,6 +266,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        refused = self._admit_compiled()
+        if (refused or self._awaiting_grammar) and not self.scheduler.has_unfinished_requests():
+            return refused  # only requests waiting for their grammar: no step to run
         try:
             out = self.scheduler.schedule()
         except BaseException as exc:
@@ -226,7 +315,7 @@ class LLMEngine:
         # are all still in self.requests, where the caller can report to them.
         for rid in done:
             self._forget(rid)
-        return outputs
+        return refused + outputs
 
     def _row_sampling(self, request_id: str) -> RowSampling | None:
         st = self.requests.get(request_id)
@@ -238,6 +327,7 @@ class LLMEngine:
             prompt_token_ids=st.prompt_token_ids,
             output_token_ids=st.output_token_ids,
             eos_token_id=self.eos_token_id,
+            grammar=st.grammar,
         )
 
     def _count_verified(self, ran: ModelRunnerOutput) -> None:

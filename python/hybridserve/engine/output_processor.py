@@ -15,6 +15,7 @@ from hybridserve.engine.input_processor import EngineRequest
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request_state import RequestState
 from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.sampling.grammar import GrammarError
 from hybridserve.sampling.logprobs import TokenLogprobs
 
 
@@ -106,6 +107,18 @@ class OutputProcessor:
                 if st.first_token_time is None:
                     st.first_token_time = now
                 st.last_token_time = now
+            grammar_error: str | None = None
+            if st.grammar is not None and new_ids and not finished:
+                # Structured outputs: the grammar advances over what the scheduler accepted; once it
+                # allows nothing more the output is complete and the request ends here (as if the
+                # EOS that alone could follow had been sampled).
+                try:
+                    st.grammar.accept(new_ids)
+                except GrammarError as exc:
+                    grammar_error = str(exc)
+                if grammar_error is not None or st.grammar.is_terminated():
+                    finish_in_scheduler(d.request_id)
+                    finished, reason = True, "stop" if grammar_error is None else "error"
             # Tokens go to the detokenizer one at a time so that a stop string ends the output at
             # the token that completed it, however many tokens this step produced.
             delta_text = ""
@@ -144,6 +157,7 @@ class OutputProcessor:
                 outputs.append(
                     st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids)
                 )
+                outputs[-1].error = grammar_error
         return outputs, done
 
     def forget(self, request_id: str) -> RequestState | None:

@@ -33,6 +33,9 @@ class RequestOutput:
     # Why the request failed (finish_reason "error"): a failure of its own, such as non-finite
     # logits in its row; the other requests of the step went on.
     error: str | None = None
+    # The engine refused the request after accepting it (its grammar did not compile, or not in
+    # time): `error` is the client's mistake (InvalidRequestError, a 400), not a failure.
+    invalid: bool = False
     # The prompt's own log-probabilities (SamplingParams.prompt_logprobs): None for the first
     # token, then one entry per prompt token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
 
 
@@ -31,6 +32,9 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Structured outputs: the request's state in its grammar, advanced over every accepted token
+    # (None without a grammar, and while the grammar is still being compiled)
+    grammar: GrammarMatcher | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -105,6 +105,10 @@ class Tokenizer:
             self._labels[token_id] = label  # at most one entry per vocabulary token
         return label
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar library builds its own from)."""
+        return str(self._tok.to_str())
+
     def is_special(self, token_id: int) -> bool:
         """Whether decoding with skip_special_tokens drops this token."""
         return int(token_id) in self._special_ids

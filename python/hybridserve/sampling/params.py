@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.structured_outputs import StructuredOutputsParams
 
 # Beyond this, a top-n logprobs request costs more than it is worth to anyone.
 MAX_LOGPROBS = 20
@@ -64,6 +65,8 @@ class SamplingParams:
     # top alternatives each; None = none. max_tokens may then be 0: score the prompt only.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # The grammar the output must match (JSON schema, regex, choice, grammar): structured outputs
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -72,6 +75,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.structured_outputs, dict):  # vLLM's form: {"json": schema}, {"regex": ...}
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
         # numpy scalars pass the checks; store plain Python numbers (seeds are mixed as 64-bit
         # Python ints, and the values travel to JSON and to the Rust core)
@@ -161,3 +166,8 @@ class SamplingParams:
             is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")
+            so.validate()

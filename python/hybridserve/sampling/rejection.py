@@ -27,6 +27,13 @@ keyed by (seed, n_r) in the uniform stream, the final draw's exponentials by (se
 recovery stream: every later step starts at a later position, so no draw is ever reused. Greedy rows
 accept while `d_j == argmax p_j` either way. Rows without a seed share the batch generator.
 
+Rows with a grammar (structured outputs): position j of row r is masked with the grammar's state
+after the drafts before it (sampling/grammar.py `grammar_bitmask`, which walks the request's
+matcher over the drafts and rolls it back). The target draws at each position are then exactly the
+plain sampler's draws over the same history, so a draft the grammar forbids has target probability
+0 and is rejected, and the token emitted at the first rejection (or the bonus token) is one the
+grammar allows. The engine advances the matcher over the emitted tokens afterwards.
+
 Each row emits its accepted drafts plus exactly one token. On CUDA (float32 logits) the
 acceptance with draft probabilities runs in the fused op `hybridserve.kernels.dispatch.rejection_sample`,
 fed with the same uniforms and noise, so both paths give the same tokens;
@@ -41,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.sampling.grammar import row_masks
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import (
     LogprobsMode,
@@ -49,6 +57,7 @@ from hybridserve.sampling.sampler import (
     Sampler,
     _needs_history,
     _unique,
+    apply_allowed,
     exponential_noise,
     process_logits,
     race_sample,
@@ -365,10 +374,19 @@ class RejectionSampler:
             raise ValueError(f"draft_probs must be [{total_k}, {vocab}], got {tuple(draft_probs.shape)}")
         if num_rows == 0:
             return RejectionOutput(token_ids=[], num_accepted=[], logprobs=[])
+        allowed: torch.Tensor | None = None
+        if any(r.grammar is not None for r in rows):
+            flat_l = drafts.tolist()
+            row_drafts: list[list[int]] = []
+            off = 0
+            for k in ks:
+                row_drafts.append(flat_l[off : off + k])
+                off += k
+            allowed = row_masks([r.grammar for r in rows], vocab, device, row_drafts)
         if draft_probs is None and all(
             r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)
         ):
-            return _greedy_point_mass(target_logits, drafts, ks)
+            return _greedy_point_mass(apply_allowed(target_logits, allowed), drafts, ks)
 
         # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are
         # drafts[dstart[r] : dstart[r] + k_r].
@@ -389,7 +407,9 @@ class RejectionSampler:
             for k in ks:
                 extra.extend(dl[off : off + j] for j in range(k + 1))
                 off += k
-        proc = process_logits(target_logits, rows, row_index=row_index.tolist(), extra_tokens=extra)
+        proc = process_logits(
+            target_logits, rows, row_index=row_index.tolist(), extra_tokens=extra, allowed=allowed
+        )
         probs = proc.probs
         greedy_of_row = [r.greedy for r in rows]
         greedy_rows = torch.tensor(greedy_of_row, dtype=torch.bool, device=device)

@@ -20,6 +20,12 @@ processing order follows vLLM v1:
    point-mass drafts against exactly these draws). Rows without a seed share the batch generator
    passed to `sample` (one vectorised draw), or torch's default one.
 
+A row with a grammar (`RowSampling.grammar`, structured outputs: sampling/grammar.py) first has
+every token its grammar does not allow set to -inf, before step 1; so greedy rows take the argmax
+of the allowed tokens and random rows draw among them. Where `min_tokens` would forbid the only
+tokens the grammar allows (the grammar is complete and allows nothing but EOS), the grammar wins.
+Rows without a grammar are untouched by this.
+
 `processed_probs(logits, rows)` returns the final distribution of each row (steps 1-4, one-hot at
 the argmax for greedy rows): the target distribution that the rejection sampler verifies against.
 
@@ -39,6 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from hybridserve.sampling.grammar import GrammarMatcher, row_masks
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
@@ -99,7 +106,8 @@ class RowSampling:
     `eos_token_id` is masked together with `params.stop_token_ids` while fewer than
     `params.min_tokens` tokens were generated. `seed` None: the noise comes from the batch
     generator; otherwise it is keyed by (seed, `position`), the index of the output token being
-    drawn (default: `len(output_token_ids)`, which the engine always passes).
+    drawn (default: `len(output_token_ids)`, which the engine always passes). `grammar`: the
+    request's structured-output state; its mask is applied first (module docstring).
     """
 
     params: SamplingParams
@@ -108,6 +116,7 @@ class RowSampling:
     output_token_ids: Sequence[int] = ()
     eos_token_id: int | None = None
     position: int | None = None
+    grammar: GrammarMatcher | None = None
 
     @property
     def output_position(self) -> int:
@@ -166,6 +175,14 @@ def _needs_history(row: RowSampling) -> bool:
     return row.has_penalties or row.params.min_tokens > 0
 
 
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """`logits` with the tokens `allowed` (bool, same shape) forbids at -inf; `logits` itself when
+    there is no mask."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -192,7 +209,10 @@ def _apply_history(
         n_out = len(row.output_token_ids) + len(extra)
         masked = [t for t in row.stop_ids_to_mask(n_out) if 0 <= t < vocab]
         if masked:
+            kept = x[i, masked].clone() if row.grammar is not None else None
             x[i, masked] = float("-inf")
+            if kept is not None and not bool(torch.isfinite(x[i]).any()):
+                x[i, masked] = kept  # the grammar allows nothing but stop tokens: it wins
         if not row.has_penalties:
             continue
         r = row_index[i]
@@ -267,12 +287,14 @@ def process_logits(
     *,
     row_index: Sequence[int] | None = None,
     extra_tokens: Sequence[Sequence[int]] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> ProcessedLogits:
     """Apply every sampling parameter to `logits` [M, V].
 
     Logit row i belongs to `rows[row_index[i]]` (default: row i). `extra_tokens[i]`, when given,
     are tokens appended to that row's output history for logit row i (the draft tokens before a
     verify position), so penalties and min_tokens see exactly the context of that position.
+    `allowed` (bool [M, V]): the grammar masks of the logit rows (all True for rows without one).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}")
@@ -284,6 +306,8 @@ def process_logits(
         raise ValueError(f"extra_tokens has {len(extra_tokens)} entries for {m} logit rows")
     device = logits.device
     x = logits.to(_work_dtype(logits)).clone()
+    if allowed is not None:
+        x.masked_fill_(~allowed, float("-inf"))
     _apply_history(x, rows, ridx, extra_tokens)
 
     greedy_of_row = [r.greedy for r in rows]
@@ -310,9 +334,10 @@ def processed_probs(
     *,
     row_index: Sequence[int] | None = None,
     extra_tokens: Sequence[Sequence[int]] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The final target distribution [M, V] of each logit row (all parameters applied)."""
-    return process_logits(logits, rows, row_index=row_index, extra_tokens=extra_tokens).probs
+    return process_logits(logits, rows, row_index=row_index, extra_tokens=extra_tokens, allowed=allowed).probs
 
 
 def exponential_noise(
@@ -440,10 +465,12 @@ class Sampler:
             return SamplerOutput(
                 token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
             )
+        allowed = row_masks([r.grammar for r in rows], vocab, logits.device)
         if all(r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)):
-            # Nothing to apply before the argmax: skip the [N, V] copies of process_logits.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=[None] * n)
-        proc = process_logits(logits, rows)
+            # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
+            # process_logits.
+            return SamplerOutput(token_ids=apply_allowed(logits, allowed).argmax(dim=-1), logprobs=[None] * n)
+        proc = process_logits(logits, rows, allowed=allowed)
         tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         greedy_list = proc.greedy.tolist()
         if any(greedy_list):

@@ -1,0 +1,241 @@
+"""Grammar compilation off the engine thread, with a cache and a time limit.
+
+The engine submits a request's `StructuredOutputsParams` (`GrammarCompiler.submit`) and holds the
+request back from the scheduler until its grammar is compiled (engine/llm_engine.py); the steps of
+the other requests go on meanwhile. Compilation runs on a few worker threads of its own:
+
+- llguidance builds a grammar with the GIL released, so the engine's steps keep running;
+- it recurses along chains of grammar rules, so the workers get a large stack (`STACK_BYTES`,
+  reserved address space, touched only as deep as a grammar goes); with the source size limit
+  (`MAX_GRAMMAR_CHARS`) no grammar reaches its end;
+- same source, same compiled grammar: the cache (`cache_size` entries, least recently used out)
+  keeps the compiled matcher in its initial state, and every request gets a copy of it
+  (`LLMatcher.deep_copy`, which shares the compiled grammar). Requests that arrive while their
+  grammar is being compiled wait for that one compilation. Errors are cached too;
+- a compilation that runs longer than `timeout_s` fails its requests (InvalidRequestError, a 400)
+  and its grammar is remembered as too slow: a thread cannot be stopped, so it runs on to its end in
+  the background, but the same grammar is refused at once from then on. The time counts from when
+  a worker starts on it, not from the submission.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.grammar import GrammarMatcher
+from hybridserve.sampling.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger("hybridserve.engine")
+
+STACK_BYTES = 256 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_NUM_THREADS = 2
+_MAX_ERROR_CHARS = 1000
+
+
+def _error_text(kind: str, raw: str) -> str:
+    """One readable message from llguidance's error (which may carry its parser state)."""
+    text = raw.split("\n<state>", 1)[0].strip()
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[:_MAX_ERROR_CHARS] + " ..."
+    what = {
+        "json": "invalid JSON schema",
+        "json_object": "invalid JSON grammar",
+        "regex": "invalid regex",
+        "choice": "invalid choice",
+        "grammar": "invalid grammar",
+    }[kind]
+    return f"{what}: {text}"
+
+
+@dataclass
+class CompiledGrammar:
+    """One grammar source: its compilation's state and result."""
+
+    key: tuple[str, str]
+    kind: str
+    started: float | None = None  # when a worker started on it (time.monotonic)
+    finished: threading.Event = field(default_factory=threading.Event)
+    matcher: llguidance.LLMatcher | None = None  # the compiled grammar in its initial state
+    error: str | None = None
+    compile_s: float | None = None
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+
+class GrammarTicket:
+    """A request's claim on a compilation: ready, failed or still pending."""
+
+    def __init__(self, compiled: CompiledGrammar, timeout_s: float, vocab_size: int, param: str) -> None:
+        self._c = compiled
+        self.param = param  # the request field errors name
+        self._timeout_s = timeout_s
+        self._vocab_size = vocab_size
+
+    @property
+    def compiled(self) -> CompiledGrammar:
+        return self._c
+
+    def poll(self, now: float | None = None) -> GrammarMatcher | InvalidRequestError | None:
+        """The request's own matcher once compiled, the error that refuses the request, or None
+        while it is still compiling within its time."""
+        c = self._c
+        if c.done():
+            if c.error is not None or c.matcher is None:
+                return InvalidRequestError(f"{self.param}: {c.error or 'the grammar did not compile'}")
+            return GrammarMatcher(c.matcher.deep_copy(), self._vocab_size)
+        started = c.started
+        now = time.monotonic() if now is None else now
+        if started is not None and now - started > self._timeout_s:
+            return InvalidRequestError(
+                f"{self.param}: the {c.kind} grammar took longer than {self._timeout_s:g} s to compile; "
+                "simplify it"
+            )
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._c.finished.wait(timeout)
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_id: int | None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        num_threads: int = DEFAULT_NUM_THREADS,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = eos_token_id
+        self.timeout_s = float(timeout_s)
+        self.cache_size = int(cache_size)
+        self._num_threads = int(num_threads)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._jobs: queue.SimpleQueue[tuple[CompiledGrammar, StructuredOutputsParams] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+        # for tests: runs in the worker before each compilation
+        self.before_compile: Callable[[CompiledGrammar], None] | None = None
+
+    # ------------------------------------------------------------------ threads
+    def _start(self) -> None:
+        if self._threads:
+            return
+        previous = threading.stack_size()
+        threading.stack_size(STACK_BYTES)
+        try:
+            for i in range(self._num_threads):
+                t = threading.Thread(target=self._work, name=f"hybridserve-grammar-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        finally:
+            threading.stack_size(previous)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        self._threads = []
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                )
+            return self._tokenizer
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            c, spec = job
+            c.started = time.monotonic()
+            try:
+                if self.before_compile is not None:
+                    self.before_compile(c)
+                c.matcher, c.error = self._compile(spec)
+            except Exception as exc:  # never lose a waiter: every job ends with a result
+                logger.exception("grammar compilation failed")
+                c.error = f"the grammar could not be compiled: {exc}"
+            c.compile_s = time.monotonic() - c.started
+            if c.compile_s > self.timeout_s:
+                logger.warning(
+                    "a %s grammar took %.1f s to compile (limit %.1f s); refused from now on",
+                    c.kind,
+                    c.compile_s,
+                    self.timeout_s,
+                )
+                c.matcher = None
+                c.error = (
+                    f"the {c.kind} grammar took longer than {self.timeout_s:g} s to compile; simplify it"
+                )
+            c.finished.set()
+
+    def _compile(self, spec: StructuredOutputsParams) -> tuple[llguidance.LLMatcher | None, str | None]:
+        import llguidance
+
+        try:
+            grammar = spec.to_grammar()
+        except InvalidRequestError as e:
+            return None, str(e).split(": ", 1)[-1]
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # some errors (lexer limits) show only at the first mask
+        if matcher.is_error():
+            return None, _error_text(spec.kind, matcher.get_error())
+        self.num_compiled += 1
+        return matcher, None
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, spec: StructuredOutputsParams) -> GrammarTicket:
+        """A ticket for `spec`'s compiled grammar: from the cache, or from a compilation started
+        (or already running) for it."""
+        key = spec.cache_key
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return GrammarTicket(cached, self.timeout_s, self.vocab_size, spec.param)
+            c = CompiledGrammar(key=key, kind=spec.kind)
+            self._cache[key] = c
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._start()
+        self._jobs.put((c, spec))
+        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "grammar_cache_entries": len(self._cache),
+                "grammar_compilations": self.num_compiled,
+                "grammar_cache_hits": self.num_cache_hits,
+            }

@@ -1,0 +1,157 @@
+"""Grammar masks: which tokens a request's grammar allows next, for plain and verify steps.
+
+A `GrammarMatcher` is one request's position in its compiled grammar (an llguidance `LLMatcher`
+advanced over the request's output). The engine advances it over the tokens the scheduler accepted
+(`accept`); the samplers only read it:
+
+- a plain row needs the mask of the matcher's current state;
+- a verify row with drafts d_0..d_{k-1} needs the mask after each prefix d_0..d_{j-1}, j = 0..k:
+  `masks` walks the matcher over the drafts and rolls it back before returning. A draft the grammar
+  does not allow ends the walk: the positions after it keep the all-allowed mask, which nothing
+  reads, because the target's own draw at that draft's position comes from the masked distribution,
+  differs from the draft, and so rejects it there (sampling/rejection.py). A draft that leaves the
+  grammar is thus rejected exactly where the plain sampler would have drawn something else.
+
+`grammar_bitmask` fills the masks of a whole batch at once in llguidance's executor (Rust threads,
+the GIL released). A mask is a bitmask of int32 words, bit t of word t // 32 for token t;
+`allowed_tokens` unpacks it into a bool tensor that `process_logits` applies as -inf.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import llguidance
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _shared_executor() -> llguidance.LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
+        return _executor
+
+
+class GrammarError(RuntimeError):
+    """The grammar cannot go on (a limit of the grammar library was hit, or a token it does not
+    allow was accepted): the request fails alone."""
+
+
+def _first_line(text: str, limit: int = 500) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:limit]
+
+
+class GrammarMatcher:
+    """One request's state in its grammar (see the module docstring)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self.num_accepted = 0  # tokens consumed so far (the request's output length)
+
+    @property
+    def words(self) -> int:
+        """int32 words of one mask."""
+        return (self.vocab_size + 31) // 32
+
+    def is_terminated(self) -> bool:
+        """The grammar cannot be extended: only EOS may follow (the output is complete)."""
+        return bool(self._m.is_stopped())
+
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    def check(self) -> None:
+        """Raise GrammarError if the matcher is in its error state."""
+        if self._m.is_error():
+            raise GrammarError(f"the grammar failed: {_first_line(self._m.get_error())}")
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance over tokens the engine accepted. GrammarError if the grammar refuses one."""
+        if not tokens:
+            return
+        if not self._m.consume_tokens([int(t) for t in tokens]):
+            self.check()
+            raise GrammarError("the grammar refused an accepted token")
+        self.num_accepted += len(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise GrammarError(f"the grammar could not roll back {num_tokens} tokens")
+        self.num_accepted -= num_tokens
+
+
+def grammar_bitmask(
+    matchers: Sequence[GrammarMatcher | None],
+    drafts: Sequence[Sequence[int]] | None = None,
+    words: int | None = None,
+) -> np.ndarray:
+    """The bitmasks of a batch: int32 [sum(1 + len(drafts[i])), words], row i's masks back to back
+    (one without drafts), all-allowed (-1) for rows without a matcher and for positions after a
+    draft the grammar refuses. GrammarError names the first matcher in its error state."""
+    ks = [0] * len(matchers) if drafts is None else [len(d) for d in drafts]
+    if words is None:
+        words = next(m.words for m in matchers if m is not None)
+    out = np.full((sum(ks) + len(matchers), words), -1, dtype=np.int32)
+    plain: list[tuple[llguidance.LLMatcher, int]] = []
+    spec: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+    row = 0
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.check()
+            if ks[i]:
+                assert drafts is not None
+                spec.append((m._m, row, [int(t) for t in drafts[i]]))
+            else:
+                plain.append((m._m, row))
+        row += 1 + ks[i]
+    if not plain and not spec:
+        return out
+    executor = _shared_executor()
+    one = words * 4
+    if plain:
+        executor.unsafe_compute_mask_ptr(plain, out.ctypes.data, one, out.shape[0])
+    if spec:
+        executor.unsafe_compute_mask_ptr_with_draft_token(spec, out.ctypes.data, one, out.shape[0])
+    for m in matchers:
+        if m is not None:
+            m.check()  # a limit hit while computing the mask
+    return out
+
+
+_BITS = np.arange(32, dtype=np.uint32)
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """bool [rows, vocab] from int32 bitmasks [rows, words]."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
+    width = bits.shape[1]
+    if width < vocab:  # logits wider than the grammar's vocabulary: the extra ids are never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab - width)))
+    return torch.from_numpy(bits[:, :vocab].astype(np.bool_)).to(device)
+
+
+def row_masks(
+    grammars: Sequence[GrammarMatcher | None],
+    vocab: int,
+    device: torch.device,
+    drafts: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor | None:
+    """bool [positions, vocab] of the allowed tokens of every logit row (one per row, or 1 + k per
+    verify row), None when no row has a grammar."""
+    if all(g is None for g in grammars):
+        return None
+    return allowed_tokens(grammar_bitmask(grammars, drafts), vocab, device)

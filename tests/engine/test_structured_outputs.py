@@ -1,0 +1,242 @@
+"""Structured outputs in the engine (offline LLM, demo model): outputs match their grammar and end,
+speculation changes nothing, grammars compile off the step loop, once, within a time limit.
+docs/structured-outputs.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from hybridserve.engine.llm import LLM
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.structured_outputs import StructuredOutputsParams
+
+# Bounded strings, numbers and arrays: the language is finite, so every output ends (the grammar
+# allows only EOS at its end) well within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the mat. the cat",
+    "abc abc abc abc abc",
+    "Hello world, hello world",
+    "one two three one two three one",
+]
+
+
+def _check(obj: dict) -> None:
+    assert set(obj) == {"name", "age", "tags", "ok"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+    assert all(isinstance(t, str) and len(t) <= 6 for t in obj["tags"])
+    assert isinstance(obj["ok"], bool)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("demo", dtype="float32")
+
+
+def test_json_schema_outputs_are_valid_and_end(llm: LLM) -> None:
+    params = [
+        SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured_outputs={"json": SCHEMA})
+        for s in range(24)
+    ]
+    outs = llm.generate([PROMPTS[s % 4] for s in range(24)], params)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        _check(json.loads(c.text))
+
+
+def test_regex_choice_grammar_json_object(llm: LLM) -> None:
+    cases = [
+        ({"regex": r"[a-c]{2,5}-[0-9]{1,3}"}, lambda t: re.fullmatch(r"[a-c]{2,5}-[0-9]{1,3}", t)),
+        ({"choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
+        ({"grammar": 'start: "x" ("+" "y"){1,4}'}, lambda t: re.fullmatch(r"x(\+y){1,4}", t)),
+        ({"grammar": 'root ::= "a" [0-9] "b"'}, lambda t: re.fullmatch(r"a[0-9]b", t)),  # GBNF
+    ]
+    for spec, ok in cases:
+        for temp in (0.0, 1.0):
+            out = llm.generate(
+                "Hi there", SamplingParams(max_tokens=40, temperature=temp, seed=5, structured_outputs=spec)
+            )
+            c = out[0].outputs[0]
+            assert c.finish_reason == "stop" and ok(c.text), (spec, c.text)
+    # json_object: any JSON object; with a random model it need not end, but what there is parses
+    # as far as it goes and the start is an object
+    c = llm.generate(
+        "Hi", SamplingParams(max_tokens=30, temperature=0.0, structured_outputs={"json_object": True})
+    )[0]
+    assert c.outputs[0].text.startswith("{")
+
+
+def test_params_validation() -> None:
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidRequestError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(InvalidRequestError, match="at most"):
+        StructuredOutputsParams(regex="a" * 300_000)
+    with pytest.raises(InvalidRequestError, match="unknown field"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    # equal sources share a cache key, whatever field carried them
+    a = StructuredOutputsParams(json=SCHEMA, param="response_format")
+    assert a.cache_key == StructuredOutputsParams(json=SCHEMA).cache_key
+
+
+def test_invalid_grammars_are_refused_by_name(llm: LLM) -> None:
+    for spec, words in (
+        ({"json": {"type": "nonsense"}}, "invalid JSON schema"),
+        ({"regex": "a("}, "invalid regex"),
+        ({"grammar": "start: undefined_rule"}, "invalid grammar"),
+    ):
+        with pytest.raises(InvalidRequestError, match=words):
+            for _ in range(2):  # the second time from the cache of errors
+                llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=spec))
+    # the engine goes on
+    assert llm.generate("Hi", SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
+
+
+def test_same_grammar_compiles_once(llm: LLM) -> None:
+    grammars = llm.engine.grammars  # type: ignore[attr-defined]
+    spec = {"regex": r"q[0-9]{3}"}
+    before = grammars.stats()["grammar_compilations"]
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=10, structured_outputs=spec))
+    llm.generate("d", SamplingParams(max_tokens=10, structured_outputs=spec))
+    assert grammars.stats()["grammar_compilations"] == before + 1
+
+
+def test_min_tokens_yields_to_a_complete_grammar(llm: LLM) -> None:
+    """A grammar that is complete ends the output even before min_tokens: at its end (choice) or,
+    when it allows nothing at all, with the EOS that min_tokens would otherwise forbid."""
+    out = llm.generate(
+        "Hi",
+        SamplingParams(max_tokens=20, min_tokens=10, temperature=0.0, structured_outputs={"choice": ["ab"]}),
+    )[0].outputs[0]
+    assert out.text == "ab" and out.finish_reason == "stop"
+    for temperature in (0.0, 1.0):
+        out = llm.generate(
+            "Hi",
+            SamplingParams(
+                max_tokens=20, min_tokens=10, temperature=temperature, structured_outputs={"regex": "()"}
+            ),
+        )[0].outputs[0]
+        assert out.text == "" and out.token_ids == [llm.engine.eos_token_id] and out.finish_reason == "stop"
+
+
+def test_slow_grammar_times_out_while_others_run() -> None:
+    """A compilation held up past the limit refuses its request (the worker is made slow by a
+    hook, so the test does not depend on the machine's speed), while requests without a grammar
+    and with a quick one run to the end meanwhile; the same grammar is then refused at once."""
+    llm = LLM("demo", dtype="float32", grammar_compile_timeout=0.3)
+    engine = llm.engine
+    release = threading.Event()
+
+    def hold(c: object) -> None:
+        if getattr(c, "kind", None) == "regex" and "slow" in getattr(c, "key", ("", ""))[1]:
+            release.wait(20)
+
+    engine.grammars.before_compile = hold  # type: ignore[attr-defined]
+    start = time.monotonic()
+    engine.add_request("slow", "Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "slow[0-9]"}))
+    engine.add_request("plain", "Hi", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.add_request("quick", "Hi", SamplingParams(max_tokens=8, structured_outputs={"choice": ["a", "b"]}))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = (out, time.monotonic() - start)
+    release.set()
+    slow, slow_t = done["slow"]
+    assert slow.outputs[0].finish_reason == "error" and slow.invalid
+    assert slow.error is not None and "took longer than 0.3 s" in slow.error
+    assert slow_t < 5.0
+    assert len(done["plain"][0].outputs[0].token_ids) == 30
+    assert done["quick"][0].outputs[0].text in ("a", "b")
+    # the same grammar again: refused at once
+    engine.grammars.before_compile = None  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 20
+    while not engine.grammars.submit(StructuredOutputsParams(regex="slow[0-9]")).compiled.done():  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(InvalidRequestError, match="took longer"):
+        engine.add_request(
+            "again", "Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "slow[0-9]"})
+        )
+
+
+def test_abort_while_compiling() -> None:
+    llm = LLM("demo", dtype="float32")
+    engine = llm.engine
+    release = threading.Event()
+    engine.grammars.before_compile = lambda c: release.wait(20)  # type: ignore[attr-defined]
+    engine.add_request("w", "Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "[ab]+"}))
+    assert engine.has_unfinished_requests()
+    assert engine.abort_request("w")
+    assert not engine.has_unfinished_requests()
+    release.set()
+    assert engine.step() == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_ngram_speculation_gives_the_same_tokens(temperature: float) -> None:
+    """float64, with and without n-gram drafts (K = 3): the same tokens, greedy and seeded; drafts
+    the grammar forbids are rejected, accepted ones advance it."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 6},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+
+    def params() -> list[SamplingParams]:
+        ps = [
+            SamplingParams(
+                max_tokens=80, temperature=temperature, seed=i, structured_outputs={"json": schema}
+            )
+            for i in range(len(PROMPTS))
+        ]
+        ps.append(
+            SamplingParams(
+                max_tokens=40,
+                temperature=temperature,
+                seed=9,
+                structured_outputs={"regex": r"(the cat |sat )+on"},
+            )
+        )
+        return ps
+
+    prompts = [*PROMPTS, "the cat sat the cat sat"]
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM("demo", dtype="float64", speculative_config=spec)
+        outs = llm.generate(prompts, params())
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        if spec is not None:
+            stats = llm.engine.stats()
+            assert stats["spec_decode_accepted_tokens"] > 0
+            assert stats["spec_decode_draft_tokens"] > stats["spec_decode_accepted_tokens"]
+    assert results[0] == results[1]
+    for _tokens, reason in results[0][: len(PROMPTS)]:
+        assert reason == "stop"
