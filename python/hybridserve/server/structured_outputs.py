@@ -1,0 +1,118 @@
+"""The request fields that constrain the output with a grammar: OpenAI's `response_format`
+(`json_object`, `json_schema`; chat and completions), vLLM's `structured_outputs` (`json`, `regex`,
+`choice`, `grammar`, `json_object`), and `tool_choice` "required" or a named function (tools.py).
+At most one of them may constrain a request. The result is `SamplingParams.structured_outputs`,
+labelled with the field it came from, so that an error found when the engine compiles it (an
+invalid schema, regex or grammar; one that takes too long) is a 400 naming that field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.structured_outputs import StructuredOutputsParams
+from hybridserve.server.tools import ToolParser
+
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+class FieldError(ValueError):
+    """A malformed field: `param` names it, the message starts with it."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.code = code
+
+
+def _labelled(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(param=param, **fields)
+    except InvalidRequestError as e:
+        raise FieldError(param, str(e).split(": ", 1)[-1]) from None
+
+
+def parse_response_format(v: Any) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name", "schema", "description"?, "strict"?}}."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise FieldError("response_format", f"must be an object, got {type(v).__name__}", "invalid_type")
+    kind = v.get("type")
+    if kind not in _RESPONSE_FORMAT_TYPES:
+        raise FieldError(
+            "response_format.type", f"must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}, got {kind!r}"
+        )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    for key in v:
+        if key not in allowed:
+            raise FieldError(f"response_format.{key}", "unknown field", "unknown_field")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _labelled("response_format", json_object=True)
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise FieldError("response_format.json_schema", "must be an object with the schema", "invalid_type")
+    for key in js:
+        if key not in _JSON_SCHEMA_FIELDS:
+            raise FieldError(f"response_format.json_schema.{key}", "unknown field", "unknown_field")
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise FieldError("response_format.json_schema.name", "must be a string", "invalid_type")
+    for key, types in (("description", str), ("strict", bool)):
+        if js.get(key) is not None and not isinstance(js[key], types):
+            raise FieldError(
+                f"response_format.json_schema.{key}", f"must be a {types.__name__}", "invalid_type"
+            )
+    schema = js.get("schema", {"type": "object"})
+    if not isinstance(schema, dict | bool):
+        raise FieldError("response_format.json_schema.schema", "must be a JSON schema object", "invalid_type")
+    return _labelled("response_format", json=schema)
+
+
+def parse_structured_outputs(v: Any) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs`: {"json": schema} | {"regex": str} | {"choice": [str, ...]} |
+    {"grammar": Lark or GBNF} | {"json_object": true}."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise FieldError("structured_outputs", f"must be an object, got {type(v).__name__}", "invalid_type")
+    fields = {k: x for k, x in v.items() if x is not None}
+    for key in fields:
+        if key not in ("json", "regex", "choice", "grammar", "json_object"):
+            raise FieldError(f"structured_outputs.{key}", "unknown or unsupported field", "unknown_field")
+    return _labelled("structured_outputs", **fields)
+
+
+def constraint(
+    body: dict[str, Any],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str = "none",
+    parallel_tool_calls: bool = True,
+    parser: ToolParser | None = None,
+) -> StructuredOutputsParams | None:
+    """The one grammar a request's fields ask for, or None. Two fields that both constrain the
+    output (say `response_format` json_schema and `tool_choice` "required") are a 400."""
+    found: list[StructuredOutputsParams] = []
+    rf = parse_response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
+    so = parse_structured_outputs(body.get("structured_outputs"))
+    if so is not None:
+        found.append(so)
+    if tools and parser is not None and tool_choice not in ("none", "auto"):
+        found.append(
+            _labelled("tool_choice", grammar=parser.grammar(tools, tool_choice, parallel_tool_calls))
+        )
+    if len(found) > 1:
+        raise FieldError(
+            found[1].param,
+            f"cannot be combined with {found[0].param}: both constrain the output",
+            "invalid_value",
+        )
+    return found[0] if found else None

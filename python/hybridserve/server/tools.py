@@ -1,0 +1,329 @@
+"""Tool calls on chat: the request's `tools` and `tool_choice`, how the tools reach the model, the
+grammar that forces a call, and the parsers that find calls in the model's text.
+
+- `parse_tools` / `parse_tool_choice` check the request fields (OpenAI's shapes).
+- The chat template renders the tools when it knows them (it mentions `tools`: it gets them as
+  the `tools` variable, as Hugging Face templates do); a template that ignores them (the demo
+  model's ChatML) gets them written into the system prompt by the parser (`system_prompt`), in the
+  format the parser reads back.
+- `tool_choice` "required" or a named function is enforced by a grammar (`ToolParser.grammar`):
+  the output is one call (named) or one or more calls (required) and nothing else, so even a model
+  that would never call a tool returns a valid call. "auto" lets the model write text or calls;
+  "none" leaves the tools out of the prompt and the output unparsed.
+- A `ToolParser` turns the model's text into content and calls. `ToolCallStream` runs it over a
+  growing text for streaming: content is sent as soon as it cannot be the start of a call, and a
+  call is sent when it is complete (a first delta with its id, type and name, then one with its
+  arguments, as OpenAI's deltas are shaped), so the streamed content and calls add up to the
+  non-streamed message exactly.
+
+Parsers are registered by name in `TOOL_PARSERS`; `hermes` (the `<tool_call>{"name": ...,
+"arguments": ...}</tool_call>` format of ChatML models: Hermes, Qwen) is the one built in.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from hybridserve.sampling.structured_outputs import JSON_DEFAULTS
+
+MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8  # the most calls a forced ("required") output may hold
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+ToolChoice = Literal["none", "auto", "required"] | str  # a str other than those three: a function name
+
+
+class ToolError(ValueError):
+    """A malformed `tools` / `tool_choice` (the message starts with the field's path)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: `arguments` is the JSON text of the arguments object."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def parse_tools(v: Any) -> list[dict[str, Any]]:
+    """The `tools` list, checked: [{"type": "function", "function": {"name", "description"?,
+    "parameters"?, "strict"?}}]. Returned in the same shape (what templates expect)."""
+    if not isinstance(v, list):
+        raise ToolError("tools", f"must be a list of tool objects, got {type(v).__name__}")
+    if len(v) > MAX_TOOLS:
+        raise ToolError("tools", f"at most {MAX_TOOLS} tools")
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, t in enumerate(v):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise ToolError(p, f"must be an object, got {type(t).__name__}")
+        for key in t:
+            if key not in ("type", "function"):
+                raise ToolError(f"{p}.{key}", "unknown field")
+        if t.get("type") != "function":
+            raise ToolError(f"{p}.type", f"must be 'function', got {t.get('type')!r}")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise ToolError(f"{p}.function", "must be an object")
+        for key in fn:
+            if key not in ("name", "description", "parameters", "strict"):
+                raise ToolError(f"{p}.function.{key}", "unknown field")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ToolError(f"{p}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
+        if name in names:
+            raise ToolError(f"{p}.function.name", f"{name!r} is given twice")
+        names.add(name)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ToolError(f"{p}.function.description", "must be a string")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolError(f"{p}.function.parameters", "must be a JSON schema object")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolError(f"{p}.function.strict", "must be a boolean")
+        clean: dict[str, Any] = {"name": name}
+        if desc is not None:
+            clean["description"] = desc
+        # OpenAI: a function without parameters takes none
+        clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def parse_tool_choice(v: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """The choice: "none", "auto", "required", or the name of the function the output must call. Without
+    tools only "none" is possible (and the default); with tools "auto" is the default."""
+    if v is None:
+        return "auto" if tools else "none"
+    if isinstance(v, str):
+        if v not in ("none", "auto", "required"):
+            raise ToolError("tool_choice", f"must be 'none', 'auto', 'required' or a function, got {v!r}")
+        if v != "none" and not tools:
+            raise ToolError("tool_choice", f"{v!r} needs tools")
+        return v
+    if not isinstance(v, dict):
+        raise ToolError("tool_choice", f"must be a string or an object, got {type(v).__name__}")
+    fn = v.get("function")
+    if v.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ToolError("tool_choice", "a named choice is {'type': 'function', 'function': {'name': ...}}")
+    if set(v) - {"type", "function"} or set(fn) - {"name"}:
+        raise ToolError("tool_choice", "a named choice is {'type': 'function', 'function': {'name': ...}}")
+    name = fn["name"]
+    if name not in {t["function"]["name"] for t in tools}:
+        raise ToolError("tool_choice.function.name", f"no tool is named {name!r}")
+    if name in ("none", "auto", "required"):
+        raise ToolError("tool_choice.function.name", f"{name!r} cannot be named as a choice")
+    return str(name)
+
+
+class ToolParser(Protocol):
+    """A tool-call format: how the tools are described to a model whose template ignores them,
+    the grammar of a forced call, and how calls are found in text."""
+
+    name: str
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """The text that describes the tools and the call format (for the system message)."""
+        ...
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) of an output that is only tool calls: one call of
+        `choice` (a function name), or for "required" one call of any tool (up to
+        MAX_PARALLEL_CALLS with `parallel`)."""
+        ...
+
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+        """The text as content pieces and complete calls, for its prefix that is settled: the
+        second value is where that prefix ends. With `final` the whole text is settled (an
+        unfinished or malformed call is content)."""
+        ...
+
+
+def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    alternatives = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"]["parameters"],
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**schema, "x-guidance": dict(JSON_DEFAULTS)}
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class HermesToolParser:
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Hermes, Qwen)."""
+
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+        call = f'call: "{self.START}\\n" %json {json.dumps(_call_schema(chosen))} "\\n{self.END}"'
+        if choice == "required" and parallel:
+            return f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}\n{call}\n'
+        return f"start: call\n{call}\n"
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+        items: list[str | ToolCall] = []
+        pos = 0
+        while True:
+            i = text.find(self.START, pos)
+            if i < 0:
+                end = len(text) if final else len(text) - _held_prefix(text[pos:], self.START)
+                items.append(text[pos:end])
+                return items, end
+            items.append(text[pos:i])
+            j = text.find(self.END, i + len(self.START))
+            if j < 0:
+                if final:  # an unfinished call is text
+                    items.append(text[i:])
+                    return items, len(text)
+                return items, i
+            call = self._call(text[i + len(self.START) : j])
+            items.append(call if call is not None else text[i : j + len(self.END)])
+            pos = j + len(self.END)
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesToolParser()}
+
+
+def split_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a complete output: content is the text outside valid calls (None when
+    it is only whitespace), as OpenAI's message has it."""
+    items, _ = parser.scan(text, final=True)
+    content = "".join(x for x in items if isinstance(x, str))
+    calls = [x for x in items if isinstance(x, ToolCall)]
+    return (content if content.strip() else None), calls
+
+
+class ToolCallStream:
+    """Content and calls of a streamed output as they become settled (see the module docstring).
+    What it hands out adds up to `split_message` of the whole text."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent_content = 0  # characters of content handed out
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """New content and newly completed calls after `delta` (the last with `final`)."""
+        self.text += delta
+        items, _ = self.parser.scan(self.text, final)
+        content = "".join(x for x in items if isinstance(x, str))
+        calls = [x for x in items if isinstance(x, ToolCall)]
+        new_calls = calls[len(self.calls) :]
+        # keep the ids handed out already (scan builds fresh objects)
+        self.calls.extend(new_calls)
+        if not content.strip():  # only whitespace so far: held back (it may stay None)
+            return "", new_calls
+        new = content[self.sent_content :]
+        self.sent_content = len(content)
+        return new, new_calls
+
+
+def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[list[dict[str, Any]]]:
+    """Streamed `delta.tool_calls` lists for new calls, as OpenAI sends them: per call, one with
+    its index, id, type and name (empty arguments), then one with its arguments."""
+    out: list[list[dict[str, Any]]] = []
+    for k, c in enumerate(calls):
+        idx = first_index + k
+        out.append(
+            [{"index": idx, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}]
+        )
+        out.append([{"index": idx, "function": {"arguments": c.arguments}}])
+    return out
+
+
+def with_tools_in_system_prompt(
+    messages: list[dict[str, Any]], parser: ToolParser, tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The messages with the tools described in the system message (a new first message if there
+    is none), for templates that do not render tools themselves."""
+    text = parser.system_prompt(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".lstrip("\n")
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def render_tool_calls(parser: ToolParser, calls: list[dict[str, Any]]) -> str:
+    """An assistant message's `tool_calls` as the text the model would have written (for templates
+    that do not render them)."""
+    if not isinstance(parser, HermesToolParser):
+        raise ValueError(f"the {parser.name} parser cannot render calls")
+    parts = []
+    for c in calls:
+        fn = c.get("function", {})
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            parsed = args
+        body = json.dumps({"name": fn.get("name"), "arguments": parsed}, ensure_ascii=False)
+        parts.append(f"{parser.START}\n{body}\n{parser.END}")
+    return "\n".join(parts)

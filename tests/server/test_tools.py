@@ -1,0 +1,149 @@
+"""The tool-call parser (server/tools.py) without a server: Hermes blocks found in text, streaming
+over any split of the text adds up to the non-streamed message, the request fields' checks, and
+the forced-call grammar accepting what the parser reads."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server.tools import (
+    HermesToolParser,
+    ToolCallStream,
+    ToolError,
+    parse_tool_choice,
+    parse_tools,
+    split_message,
+    tool_call_deltas,
+    with_tools_in_system_prompt,
+)
+
+P = HermesToolParser()
+TOOLS = parse_tools(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        {"type": "function", "function": {"name": "now"}},
+    ]
+)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TEXTS = [
+    "just text",
+    CALL,
+    f"Let me check.\n{CALL}",
+    f"{CALL}\n{CALL.replace('Paris', 'Rome')}\n",
+    f"{CALL}\n<tool_call>\n{{not json}}\n</tool_call> tail",
+    'text <tool_call>\n{"name": "now"',  # unfinished: content
+    "a <tool_ b <tool_call",
+    "   \n",
+    '<tool_call>{"name": "now", "arguments": "{\\"x\\": 1}"}</tool_call>',
+]
+
+
+def test_split_message() -> None:
+    content, calls = split_message(P, f"Let me check.\n{CALL}")
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    content, calls = split_message(P, f"{CALL}\n")
+    assert content is None and len(calls) == 1
+    content, calls = split_message(P, "<tool_call>\n{not json}\n</tool_call>")
+    assert content == "<tool_call>\n{not json}\n</tool_call>" and calls == []
+    # arguments given as a JSON string are read as the object they hold
+    _, calls = split_message(P, TEXTS[-1])
+    assert json.loads(calls[0].arguments) == {"x": 1}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_adds_up_to_the_message(text: str) -> None:
+    rng = random.Random(len(text))
+    expected_content, expected_calls = split_message(P, text)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream = ToolCallStream(P)
+        content, calls = "", []
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, final=i == len(pieces) - 1)
+            content += c
+            calls.extend(new)
+        assert (content or None) == expected_content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected_calls]
+
+
+def test_deltas_are_shaped_like_openai() -> None:
+    _, calls = split_message(P, CALL)
+    d = tool_call_deltas(calls, 2)
+    assert d[0] == [
+        {
+            "index": 2,
+            "id": calls[0].id,
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": ""},
+        }
+    ]
+    assert d[1] == [{"index": 2, "function": {"arguments": calls[0].arguments}}]
+
+
+def test_request_fields() -> None:
+    assert TOOLS[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert parse_tool_choice(None, TOOLS) == "auto"
+    assert parse_tool_choice(None, []) == "none"
+    assert parse_tool_choice({"type": "function", "function": {"name": "now"}}, TOOLS) == "now"
+    for bad, param in (
+        ([{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name"),
+        ([{"type": "code"}], "tools[0].type"),
+        ([{"type": "function", "function": {"name": "x", "extra": 1}}], "tools[0].function.extra"),
+        ("nope", "tools"),
+    ):
+        with pytest.raises(ToolError) as e:
+            parse_tools(bad)
+        assert e.value.param == param
+    for bad_choice in ("always", {"type": "function", "function": {"name": "missing"}}, 3):
+        with pytest.raises(ToolError):
+            parse_tool_choice(bad_choice, TOOLS)
+    with pytest.raises(ToolError):
+        parse_tool_choice("required", [])
+
+
+def test_system_prompt_for_templates_without_tools() -> None:
+    msgs = with_tools_in_system_prompt([{"role": "user", "content": "hi"}], P, TOOLS)
+    assert (
+        msgs[0]["role"] == "system"
+        and "<tools>" in msgs[0]["content"]
+        and "get_weather" in msgs[0]["content"]
+    )
+    msgs = with_tools_in_system_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], P, TOOLS
+    )
+    assert msgs[0]["content"].startswith("Be brief.\n\n# Tools") and len(msgs) == 2
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("now", False)])
+def test_forced_grammar_accepts_what_the_parser_reads(choice: str, parallel: bool) -> None:
+    tok = llguidance.LLTokenizer((Path(ensure_demo_model()) / "tokenizer.json").read_text(), eos_token=2)
+    grammar = llguidance.grammar_from("grammar", P.grammar(TOOLS, choice, parallel))
+    now = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    texts = {"required": [CALL, now, f"{CALL}\n{now}" if parallel else None], "now": [now]}[choice]
+    for text in filter(None, texts):
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        assert m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting(), (text, m.get_error())
+        assert len(split_message(P, text)[1]) == text.count("<tool_call>")
+    if choice == "now" or not parallel:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        two = f"{now}\n{now}"
+        assert not (m.consume_tokens(tok.tokenize_str(two)) and m.is_accepting())
