@@ -5,6 +5,7 @@ chunked prefill, mixed prefill/decode batches and multi-token (verify-like) deco
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,10 +133,80 @@ MAMBA2_CONFIGS = {
     ),  # fmt: skip
 }
 
+GRANITE_CONFIGS = {
+    # MoE (4 experts, top-2) + shared MLP, RoPE, ngroups 2, GQA 4/2, every multiplier away from 1
+    "gr_moe_rope": dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        hidden_size=32,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=16,
+        shared_intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=3.0,
+    ),  # fmt: skip
+    # dense (no experts: the shared MLP alone), no rotary embedding, odd head dims (Mamba 9,
+    # attention 9), ngroups 4, GQA 4/1, conv width 3, chunk 16
+    "gr_dense_odd": dict(
+        num_hidden_layers=4,
+        layer_types=["attention", "mamba", "mamba", "attention"],
+        hidden_size=36,
+        mamba_n_heads=8,
+        mamba_d_head=9,
+        mamba_d_state=8,
+        mamba_n_groups=4,
+        mamba_d_conv=3,
+        mamba_chunk_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        shared_intermediate_size=40,
+        num_local_experts=0,
+        position_embedding_type="nope",
+        embedding_multiplier=1.5,
+        residual_multiplier=0.8,
+        attention_multiplier=0.25,
+        logits_scaling=1.5,
+    ),  # fmt: skip
+    # MoE top-1 of 3 without a shared MLP (shared_intermediate_size 0), MHA, RoPE theta 500,
+    # ngroups 1, Mamba projection biases, tied embeddings
+    "gr_top1_noshared": dict(
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        hidden_size=24,
+        mamba_n_heads=3,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=8,
+        mamba_proj_bias=True,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=20,
+        shared_intermediate_size=0,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        tie_word_embeddings=True,
+        logits_scaling=0.5,
+    ),  # fmt: skip
+}
+
 ALL_CONFIGS = {
     **{k: ("nemotron_h", v) for k, v in NEMOTRON_H_CONFIGS.items()},
     **{k: ("bamba", v) for k, v in BAMBA_CONFIGS.items()},
     **{k: ("mamba2", v) for k, v in MAMBA2_CONFIGS.items()},
+    **{k: ("granitemoehybrid", v) for k, v in GRANITE_CONFIGS.items()},
 }
 
 
@@ -159,6 +230,13 @@ def build_hf_model(kind: str, overrides: dict, vocab_size: int = 256, seed: int 
     elif kind == "mamba2":
         cfg = transformers.Mamba2Config(**common, **overrides)
         model = transformers.Mamba2ForCausalLM(cfg)
+    elif kind == "granitemoehybrid":
+        cfg = transformers.GraniteMoeHybridConfig(**common, **overrides)
+        with warnings.catch_warnings():  # a shared MLP of size 0 is initialized with a warning
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+            model = transformers.GraniteMoeHybridForCausalLM(cfg)
+        # the reference loop over experts: the default grouped_mm has no float64
+        model.set_experts_implementation("eager")
     else:
         raise ValueError(kind)
     _scale_weights(model, seed + 1)

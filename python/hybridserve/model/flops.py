@@ -50,13 +50,13 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
     if cfg.n_routed_experts:
         moe = (
             h * cfg.n_routed_experts  # router
-            + cfg.num_experts_per_tok * 2 * h * cfg.moe_intermediate_size
+            + cfg.num_experts_per_tok * (3 if cfg.mlp_gated else 2) * h * cfg.moe_intermediate_size
             + 2 * h * cfg.moe_shared_expert_intermediate_size
         )
     kinds = cfg.layer_types
-    # Bamba-style layers carry their feed-forward inside every mixer layer; NemotronH lists it as
-    # layers of its own.
-    ffn_in_every_layer = MLP not in kinds and MOE not in kinds and cfg.intermediate_size > 0
+    # Bamba-style layers carry their feed-forward inside every mixer layer (Granite's: a shared MLP
+    # and the routed experts); NemotronH lists it as layers of its own.
+    ffn_in_every_layer = MLP not in kinds and MOE not in kinds
     macs = 0
     for kind in kinds:
         if kind == MAMBA:
@@ -68,7 +68,7 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
         elif kind == MOE:
             macs += moe
         if ffn_in_every_layer and kind in (MAMBA, ATTENTION):
-            macs += _mlp(cfg, h, cfg.intermediate_size)
+            macs += _mlp(cfg, h, cfg.intermediate_size) + moe
     # QK^T and PV: two products of head_dim per query head and key
     attn_ctx = 2 * cfg.num_heads * cfg.head_dim * cfg.num_attention_layers
     return PrefillCost(per_token=2.0 * macs, attn_per_context_token=2.0 * attn_ctx)

@@ -52,6 +52,7 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
             "nemotron_h": "NemotronHForCausalLM",
             "bamba": "BambaForCausalLM",
             "mamba2": "Mamba2ForCausalLM",
+            "granitemoehybrid": "GraniteMoeHybridForCausalLM",
         }.get(str(mt), "")
         if not name:
             raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")

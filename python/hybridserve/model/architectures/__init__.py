@@ -12,7 +12,7 @@ import importlib
 from hybridserve.errors import ConfigError
 from hybridserve.model.architectures.base import CausalLM, register, registered
 
-_MODULES = ("nemotron_h", "bamba", "mamba2")
+_MODULES = ("nemotron_h", "bamba", "mamba2", "granitemoehybrid")
 _loaded = False
 
 
