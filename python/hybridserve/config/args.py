@@ -126,8 +126,9 @@ class EngineArgs:
     num_mamba_slots: int | None = None
     #: Requests admitted at once by the server (running + waiting); beyond it, 503.
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
-    #: torch's intra-op CPU threads (torch.set_num_threads, process-wide). None = torch's default.
-    #: On a shared or small machine 1 is often fastest: spinning OpenMP threads lose to other load.
+    #: torch's intra-op CPU threads (torch.set_num_threads, process-wide), also the C++ kernels'.
+    #: None = engine/cpu_threads.py's default: the usable cores minus one (spinning OpenMP threads
+    #: lose badly to any other load on their cores), or torch's own with OMP_NUM_THREADS set.
     cpu_threads: int | None = None
     #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
     #: longer is refused (engine/grammar_compiler.py).

@@ -121,7 +121,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "--cpu-threads",
         type=int,
         default=None,
-        help="torch CPU threads for the engine (default: torch's choice; 1 is often fastest on a loaded machine)",
+        help="CPU threads for the engine (torch's and the C++ kernels'; default: the usable cores minus one, "
+        "or torch's choice when OMP_NUM_THREADS is set)",
     )
     g.add_argument(
         "--grammar-compile-timeout",

@@ -19,6 +19,7 @@ from hybridserve.config import (
 )
 from hybridserve.config.plan import plan_engine
 from hybridserve.config.sizing import CacheSizes
+from hybridserve.engine.cpu_threads import choose_cpu_threads
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
 from hybridserve.model.cache_tensors import (
@@ -78,9 +79,11 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         raise ConfigError(
             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
-    if args.cpu_threads is not None:
-        torch.set_num_threads(int(args.cpu_threads))
-        logger.info("torch CPU threads: %d (--cpu-threads)", torch.get_num_threads())
+    threads = choose_cpu_threads(args.cpu_threads)
+    if threads.threads is not None:
+        torch.set_num_threads(threads.threads)
+    # (torch's intra-op threads; the C++ kernels' pool uses as many: kernels/native.py)
+    logger.info("CPU threads: %d (%s)", torch.get_num_threads(), threads.reason)
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     mcfg = loaded.config
     log_decisions(resolved_engine, logger)
