@@ -105,7 +105,8 @@ def test_request_fields() -> None:
     assert parse_tool_choice(None, []) == "none"
     assert parse_tool_choice({"type": "function", "function": {"name": "now"}}, TOOLS) == "now"
     for bad, param in (
-        ([{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": "x" * 65}}], "tools[0].function.name"),
         ([{"type": "code"}], "tools[0].type"),
         ([{"type": "function", "function": {"name": "x", "extra": 1}}], "tools[0].function.extra"),
         ("nope", "tools"),

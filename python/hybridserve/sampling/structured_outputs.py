@@ -45,9 +45,9 @@ def _bad(msg: str) -> InvalidRequestError:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of the fields is set (`json_object` True counts as set)."""
+    """Exactly one of the fields is given (not None); `json_object` must then be True."""
 
-    json: str | dict[str, Any] | bool | None = None
+    json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -62,15 +62,14 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
         for name in _KINDS:
-            v = getattr(self, name)
-            if v is not None and v is not False:
+            if getattr(self, name) is not None:
                 return name
         raise _bad("one of json, regex, choice, grammar or json_object is required")
 
     def validate(self) -> None:
         """The request's own shape (InvalidRequestError naming the field); not the grammar's
         validity, which compiling it decides."""
-        given = [n for n in _KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
+        given = [n for n in _KINDS if getattr(self, n) is not None]
         if len(given) != 1:
             what = "none" if not given else ", ".join(given)
             raise _bad(
@@ -85,8 +84,8 @@ class StructuredOutputsParams:
                     raise _bad(f"json: not valid JSON ({e})") from None
             else:
                 schema = self.json
-            if not isinstance(schema, dict | bool):
-                raise _bad(f"json: a JSON schema is an object (or true/false), got {type(schema).__name__}")
+            if not isinstance(schema, dict):
+                raise _bad(f"json: a JSON schema is an object, got {type(schema).__name__}")
         elif kind in ("regex", "grammar"):
             v = getattr(self, kind)
             if not isinstance(v, str) or not v:

@@ -8,6 +8,7 @@ invalid schema, regex or grammar; one that takes too long) is a 400 naming that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybridserve.errors import InvalidRequestError
@@ -16,6 +17,13 @@ from hybridserve.server.tools import ToolParser
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def _refuse(name: str) -> None:
+    raise FieldError(name, "unknown field", "unknown_field")
+
+
+OnUnknown = Callable[[str], None]  # called with a field's path; raises to refuse it, or records it
 
 
 class FieldError(ValueError):
@@ -34,7 +42,7 @@ def _labelled(param: str, **fields: Any) -> StructuredOutputsParams:
         raise FieldError(param, str(e).split(": ", 1)[-1]) from None
 
 
-def parse_response_format(v: Any) -> StructuredOutputsParams | None:
+def parse_response_format(v: Any, on_unknown: OnUnknown = _refuse) -> StructuredOutputsParams | None:
     """OpenAI's `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
     {"type": "json_schema", "json_schema": {"name", "schema", "description"?, "strict"?}}."""
     if v is None:
@@ -46,10 +54,11 @@ def parse_response_format(v: Any) -> StructuredOutputsParams | None:
         raise FieldError(
             "response_format.type", f"must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}, got {kind!r}"
         )
-    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    if kind != "json_schema" and v.get("json_schema") is not None:
+        raise FieldError("response_format.json_schema", f"only with type 'json_schema', not {kind!r}")
     for key in v:
-        if key not in allowed:
-            raise FieldError(f"response_format.{key}", "unknown field", "unknown_field")
+        if key not in ("type", "json_schema"):
+            on_unknown(f"response_format.{key}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -59,7 +68,7 @@ def parse_response_format(v: Any) -> StructuredOutputsParams | None:
         raise FieldError("response_format.json_schema", "must be an object with the schema", "invalid_type")
     for key in js:
         if key not in _JSON_SCHEMA_FIELDS:
-            raise FieldError(f"response_format.json_schema.{key}", "unknown field", "unknown_field")
+            on_unknown(f"response_format.json_schema.{key}")
     name = js.get("name")
     if name is not None and not isinstance(name, str):
         raise FieldError("response_format.json_schema.name", "must be a string", "invalid_type")
@@ -68,23 +77,29 @@ def parse_response_format(v: Any) -> StructuredOutputsParams | None:
             raise FieldError(
                 f"response_format.json_schema.{key}", f"must be a {types.__name__}", "invalid_type"
             )
-    schema = js.get("schema", {"type": "object"})
-    if not isinstance(schema, dict | bool):
+    schema = js.get("schema")
+    if schema is None:
+        schema = {"type": "object"}
+    if not isinstance(schema, dict):
         raise FieldError("response_format.json_schema.schema", "must be a JSON schema object", "invalid_type")
     return _labelled("response_format", json=schema)
 
 
-def parse_structured_outputs(v: Any) -> StructuredOutputsParams | None:
+def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> StructuredOutputsParams | None:
     """vLLM's `structured_outputs`: {"json": schema} | {"regex": str} | {"choice": [str, ...]} |
     {"grammar": Lark or GBNF} | {"json_object": true}."""
     if v is None:
         return None
     if not isinstance(v, dict):
         raise FieldError("structured_outputs", f"must be an object, got {type(v).__name__}", "invalid_type")
-    fields = {k: x for k, x in v.items() if x is not None}
-    for key in fields:
+    fields = {}
+    for key, x in v.items():
         if key not in ("json", "regex", "choice", "grammar", "json_object"):
-            raise FieldError(f"structured_outputs.{key}", "unknown or unsupported field", "unknown_field")
+            on_unknown(f"structured_outputs.{key}")
+        elif x is not None:
+            fields[key] = x
+    if "json" in fields and not isinstance(fields["json"], dict):
+        raise FieldError("structured_outputs.json", "must be a JSON schema object", "invalid_type")
     return _labelled("structured_outputs", **fields)
 
 
@@ -95,14 +110,15 @@ def constraint(
     tool_choice: str = "none",
     parallel_tool_calls: bool = True,
     parser: ToolParser | None = None,
+    on_unknown: OnUnknown = _refuse,
 ) -> StructuredOutputsParams | None:
     """The one grammar a request's fields ask for, or None. Two fields that both constrain the
     output (say `response_format` json_schema and `tool_choice` "required") are a 400."""
     found: list[StructuredOutputsParams] = []
-    rf = parse_response_format(body.get("response_format"))
+    rf = parse_response_format(body.get("response_format"), on_unknown)
     if rf is not None:
         found.append(rf)
-    so = parse_structured_outputs(body.get("structured_outputs"))
+    so = parse_structured_outputs(body.get("structured_outputs"), on_unknown)
     if so is not None:
         found.append(so)
     if tools and parser is not None and tool_choice not in ("none", "auto"):

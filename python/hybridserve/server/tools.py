@@ -23,8 +23,8 @@ Parsers are registered by name in `TOOL_PARSERS`; `hermes` (the `<tool_call>{"na
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -32,7 +32,7 @@ from hybridserve.sampling.structured_outputs import JSON_DEFAULTS
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # the most calls a forced ("required") output may hold
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_NAME_LEN = 64
 
 ToolChoice = Literal["none", "auto", "required"] | str  # a str other than those three: a function name
 
@@ -61,9 +61,18 @@ class ToolCall:
         }
 
 
-def parse_tools(v: Any) -> list[dict[str, Any]]:
-    """The `tools` list, checked: [{"type": "function", "function": {"name", "description"?,
-    "parameters"?, "strict"?}}]. Returned in the same shape (what templates expect)."""
+def _refuse(name: str) -> None:
+    raise ToolError(name, "unknown field")
+
+
+def _name_ok(name: Any) -> bool:
+    return isinstance(name, str) and 1 <= len(name) <= MAX_NAME_LEN
+
+
+def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dict[str, Any]]:
+    """The `tools` list, checked: [{"type": "function", "function": {"name" (1 to 64
+    characters), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
+    templates expect). `on_unknown` gets the path of a field it does not know (raises to refuse)."""
     if not isinstance(v, list):
         raise ToolError("tools", f"must be a list of tool objects, got {type(v).__name__}")
     if len(v) > MAX_TOOLS:
@@ -76,7 +85,7 @@ def parse_tools(v: Any) -> list[dict[str, Any]]:
             raise ToolError(p, f"must be an object, got {type(t).__name__}")
         for key in t:
             if key not in ("type", "function"):
-                raise ToolError(f"{p}.{key}", "unknown field")
+                on_unknown(f"{p}.{key}")
         if t.get("type") != "function":
             raise ToolError(f"{p}.type", f"must be 'function', got {t.get('type')!r}")
         fn = t.get("function")
@@ -84,10 +93,10 @@ def parse_tools(v: Any) -> list[dict[str, Any]]:
             raise ToolError(f"{p}.function", "must be an object")
         for key in fn:
             if key not in ("name", "description", "parameters", "strict"):
-                raise ToolError(f"{p}.function.{key}", "unknown field")
+                on_unknown(f"{p}.function.{key}")
         name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ToolError(f"{p}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
+        if not isinstance(name, str) or not _name_ok(name):
+            raise ToolError(f"{p}.function.name", f"must be a string of 1 to {MAX_NAME_LEN} characters")
         if name in names:
             raise ToolError(f"{p}.function.name", f"{name!r} is given twice")
         names.add(name)
@@ -109,7 +118,9 @@ def parse_tools(v: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_tool_choice(v: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+def parse_tool_choice(
+    v: Any, tools: list[dict[str, Any]], on_unknown: Callable[[str], None] = _refuse
+) -> ToolChoice:
     """The choice: "none", "auto", "required", or the name of the function the output must call. Without
     tools only "none" is possible (and the default); with tools "auto" is the default."""
     if v is None:
@@ -123,10 +134,12 @@ def parse_tool_choice(v: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     if not isinstance(v, dict):
         raise ToolError("tool_choice", f"must be a string or an object, got {type(v).__name__}")
     fn = v.get("function")
-    if v.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    if v.get("type") != "function" or not isinstance(fn, dict) or not _name_ok(fn.get("name")):
         raise ToolError("tool_choice", "a named choice is {'type': 'function', 'function': {'name': ...}}")
-    if set(v) - {"type", "function"} or set(fn) - {"name"}:
-        raise ToolError("tool_choice", "a named choice is {'type': 'function', 'function': {'name': ...}}")
+    for key in sorted(set(v) - {"type", "function"}):
+        on_unknown(f"tool_choice.{key}")
+    for key in sorted(set(fn) - {"name"}):
+        on_unknown(f"tool_choice.function.{key}")
     name = fn["name"]
     if name not in {t["function"]["name"] for t in tools}:
         raise ToolError("tool_choice.function.name", f"no tool is named {name!r}")
