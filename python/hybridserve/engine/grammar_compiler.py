@@ -131,6 +131,7 @@ class GrammarCompiler:
         self._num_threads = int(num_threads)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()  # (building it takes long: not under _lock)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._jobs: queue.SimpleQueue[tuple[CompiledGrammar, StructuredOutputsParams] | None] = (
             queue.SimpleQueue()
@@ -161,7 +162,7 @@ class GrammarCompiler:
         self._threads = []
 
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 import llguidance
 
