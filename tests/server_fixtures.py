@@ -45,11 +45,19 @@ class TokenizerModelInfo:
     def vocab_size(self) -> int | None:
         return int(self.tokenizer.get_vocab_size())
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        return self.encode(self.template.render(messages, add_generation_prompt))
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.template.render(messages, add_generation_prompt, template_kwargs)
+        return self.encode(text, add_special_tokens)
 
 
 class ServerProcess:

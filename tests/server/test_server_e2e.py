@@ -836,7 +836,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (c, "200 KiB prompt (tokenized off the loop), too long", {"prompt": "fox " * 50_000}),
         (c, "huge digit string", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"),
         (c, "deep nesting", b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"),
-        (c, "unknown field", {"prompt": "x", "frobnicate": True}),
+        (c, "ignored field of the wrong type", {"prompt": "x", "metadata": "tags"}),
         (c, "missing prompt", {"max_tokens": 3}),
         (c, "empty prompt", {"prompt": ""}),
         (c, "empty token list", {"prompt": []}),
@@ -878,7 +878,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (ch, "image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         (ch, "top_logprobs without logprobs", {"messages": msgs, "top_logprobs": 2}),
         (ch, "tools", {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-        (ch, "chat unknown field", {"messages": msgs, "prompt": "x"}),
+        (ch, "a vLLM field not implemented", {"messages": msgs, "chat_template": "{{ 1 }}"}),
         (ch, "chat too long", {"messages": [{"role": "user", "content": "fox " * (2 * limit)}]}),
         (ch, "chat return_token_ids not a bool", {"messages": msgs, "return_token_ids": "yes"}),
     ]

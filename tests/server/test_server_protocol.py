@@ -311,7 +311,7 @@ def test_chat_template_raise_exception_is_a_400(info):
     strict = ChatTemplate("{{ raise_exception('only user messages') }}")
 
     class Strict(TokenizerModelInfo):
-        def encode_chat(self, messages, add_generation_prompt):
+        def encode_chat(self, messages, add_generation_prompt, **kwargs):
             return self.encode(strict.render(messages, add_generation_prompt))
 
     s = Strict(ensure_demo_model())

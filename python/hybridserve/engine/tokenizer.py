@@ -109,6 +109,12 @@ class Tokenizer:
         """The tokenizer as tokenizer.json text (what the grammar library builds its own from)."""
         return str(self._tok.to_str())
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """A token's vocabulary entry (e.g. "\u0120world" in byte-level BPE), as transformers'
+        convert_ids_to_tokens; None outside the vocabulary."""
+        piece = self._tok.id_to_token(int(token_id))
+        return piece if isinstance(piece, str) else None
+
     def is_special(self, token_id: int) -> bool:
         """Whether decoding with skip_special_tokens drops this token."""
         return int(token_id) in self._special_ids

@@ -11,6 +11,7 @@ Routes
   the engine's prefix-cache hit.
 - `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503 while the model loads or the server
   shuts down, 200 when ready), `GET /metrics` (Prometheus text, this app's own registry).
+- vLLM's tokenizer routes `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`.
 
 Every request is validated (protocol.py) before anything reaches the engine; errors are
 `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 401 (API key), 403 (a web
@@ -19,7 +20,9 @@ page of an origin not in --allowed-origins, a Host not the server's), 404 (model
 declared length is over it), 415 (a body that does not say it is JSON), 503 + Retry-After (queue
 full, loading, shutting down).
 A connection whose request headers do not complete within --keep-alive-timeout is closed.
+Unknown request fields are ignored with a logged warning (as vLLM), or refused with
+--strict-request-fields.
 Modules: app.py (routes, streaming, admission, shutdown), access.py (Host and Origin checks, CORS),
 protocol.py (parsing and response shapes), chat.py (chat templates), sse.py (framing), metrics.py,
-cli.py (`serve`).
+request_log.py (access, client-error and engine log lines), cli.py (`serve`).
 """

@@ -1,8 +1,9 @@
 """The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics, GET /openapi.json (openapi.py). Every request is validated (protocol.py) before
-anything reaches the engine; each choice of a request is one engine request whose outputs reach
+GET /metrics, GET /openapi.json (openapi.py), and vLLM's tokenizer routes POST /tokenize, POST
+/detokenize, GET /tokenizer_info. Every request is validated (protocol.py) before anything reaches
+the engine; each choice of a request is one engine request whose outputs reach
 the handler through an asyncio queue; a client that goes away (the handler is cancelled, or a
 write fails) aborts its engine requests at once. The engine may be attached after the server
 starts listening (`set_engine`), so /health answers 503 while the model loads.
@@ -18,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
@@ -31,6 +32,13 @@ from hybridserve.server import protocol as P
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.server.request_log import (
+    RECORD_KEY,
+    RequestRecord,
+    access_log_middleware,
+    log_engine_stats,
+    printable,
+)
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -38,6 +46,7 @@ DEFAULT_MAX_QUEUE_LEN = 512
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's
 RETRY_AFTER_S = 1
 _ABORTED = object()  # sink marker: the server aborted this choice
 
@@ -69,12 +78,21 @@ class EngineModelInfo:
     def vocab_size(self) -> int | None:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        ids = self.encode(text)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, extra=template_kwargs
+        )
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
         # The template usually writes the BOS text itself; do not let the tokenizer add a second one.
         bos = self._bos_id
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
@@ -108,6 +126,44 @@ class EngineModelInfo:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str:
+        """A token's vocabulary entry (e.g. "\u0120world" in byte-level BPE): vLLM's `token_strs`
+        (transformers' convert_ids_to_tokens)."""
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json without file
+        paths, each special token as its text), its class, and the chat template this server
+        renders with. bos_token, eos_token and pad_token are always there (null when the model has
+        none): lm-evaluation-harness takes a server without `eos_token` for one without a tokenizer."""
+        info = {
+            k: _token_texts(v)
+            for k, v in self.tokenizer.config.items()
+            if k not in ("vocab_file", "merges_file")
+        }
+        for key in ("bos_token", "eos_token", "pad_token"):
+            v = info.get(key)
+            info[key] = v if isinstance(v, str) else None
+        if not isinstance(info.get("tokenizer_class"), str):
+            info["tokenizer_class"] = "PreTrainedTokenizerFast"  # what transformers loads tokenizer.json as
+        info["chat_template"] = self.chat_template.source
+        return info
+
+
+_ADDED_TOKEN_KEYS = {"__type", "content", "lstrip", "rstrip", "normalized", "single_word", "special"}
+
+
+def _token_texts(v: Any) -> Any:
+    """A tokenizer_config.json value with every AddedToken ({"content": ..., "special": ...}) as its
+    text, as vLLM's tokenizer_info writes transformers' AddedToken objects."""
+    if isinstance(v, dict):
+        if isinstance(v.get("content"), str) and set(v) <= _ADDED_TOKEN_KEYS:
+            return v["content"]
+        return {k: _token_texts(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_token_texts(x) for x in v]
+    return v
+
 
 @dataclass
 class ServerState:
@@ -118,6 +174,10 @@ class ServerState:
     metrics: ServerMetrics
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    # unknown request fields: a 400 (True) or ignored with a logged warning (False, as vLLM)
+    strict_request_fields: bool = False
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
+    stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
     info: EngineModelInfo | None = None
     load_error: str | None = None
@@ -163,10 +223,15 @@ def create_app(
     chat_template: ChatTemplate | None = None,
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
     access: AccessPolicy | None = None,
+    strict_request_fields: bool = False,
+    access_log: bool = True,
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
-    and Origin rules (default: no Host check, no origin allowed)."""
+    and Origin rules (default: no Host check, no origin allowed). `strict_request_fields`: an
+    unknown request field is a 400 instead of a logged warning. `access_log`: a line per request
+    (request_log.py). `log_stats_interval_s`: seconds between the engine lines (0: none)."""
     state_holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(lambda: state_holder["s"].engine_stats())
     state = ServerState(
@@ -177,12 +242,14 @@ def create_app(
         metrics=metrics,
         body_read_timeout_s=body_read_timeout_s,
         access=access or AccessPolicy(),
+        strict_request_fields=strict_request_fields,
+        log_stats_interval_s=log_stats_interval_s,
     )
     state_holder["s"] = state
-    app = web.Application(
-        client_max_size=max_body_bytes,
-        middlewares=[_error_middleware, _access_middleware, _auth_middleware],
-    )
+    middlewares = [_error_middleware, _access_middleware, _auth_middleware]
+    if access_log:  # outermost: it sees the status the error middleware answers with
+        middlewares.insert(0, access_log_middleware)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[STATE] = state
     app.router.add_post("/v1/completions", _completions, expect_handler=_expect_handler)
     app.router.add_post("/v1/chat/completions", _chat_completions, expect_handler=_expect_handler)
@@ -191,8 +258,13 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    # vLLM's tokenizer routes (not under /v1, so without the API key, as vLLM's)
+    app.router.add_post("/tokenize", _tokenize, expect_handler=_expect_handler)
+    app.router.add_post("/detokenize", _detokenize, expect_handler=_expect_handler)
+    app.router.add_get("/tokenizer_info", _tokenizer_info)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
     app.on_response_prepare.append(_cors_headers)
     if engine is not None:
         set_engine(app, engine, chat_template=chat_template)
@@ -217,6 +289,17 @@ async def _on_startup(app: web.Application) -> None:
     state = app[STATE]
     state.idle = asyncio.Event()
     state.idle.set()
+    if state.log_stats_interval_s > 0:
+        state.stats_task = asyncio.create_task(
+            log_engine_stats(state.engine_stats, state.log_stats_interval_s)
+        )
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    task = app[STATE].stats_task
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -277,10 +360,12 @@ async def _error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     metrics = request.app[STATE].metrics
+    error: tuple[str | None, str | None, str] | None = None  # (param, code, message) of an error answer
     try:
         resp = await handler(request)
     except P.APIError as e:
         resp = json_error(e)
+        error = (e.param, e.code, e.message)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -291,6 +376,7 @@ async def _error_middleware(
         elif e.status == 404:
             message = f"no route for {request.method} {request.path}"
         resp = web.json_response(P.error_body(message, type=etype, code=code), status=e.status)
+        error = (None, code, message)
         if e.status == 405 and "Allow" in e.headers:
             resp.headers["Allow"] = e.headers["Allow"]
     except asyncio.CancelledError:
@@ -302,6 +388,8 @@ async def _error_middleware(
         )
     if resp.status >= 400 and request.path != "/health":
         metrics.http_errors.labels(status=str(resp.status)).inc()
+    if error is not None and 400 <= resp.status < 500:
+        log_client_error(request, resp.status, *error)
     if resp.status >= 400 and request.headers.get("Content-Encoding", "").strip().lower() in _DECODED:
         # aiohttp decodes such a body as it reads it, and also the rest of one it discards after an
         # answer given before reading it; a body that does not decode makes it close the connection
@@ -309,6 +397,23 @@ async def _error_middleware(
         # a closed connection.
         resp.force_close()
     return resp
+
+
+def log_client_error(
+    request: web.BaseRequest, status: int, param: str | None, code: str | None, message: str
+) -> None:
+    """One line per 4xx answer, naming the field and the code: why a client's request failed,
+    without a packet capture."""
+    logger.info(
+        '%s "%s %s" %d: param=%s code=%s: %s',
+        request.remote or "-",
+        request.method,
+        printable(request.raw_path),
+        status,
+        printable(param or "-", 100),
+        code or "-",
+        printable(message, 300),
+    )
 
 
 @web.middleware
@@ -376,6 +481,7 @@ async def _openapi(request: web.Request) -> web.Response:
         max_model_len=info.max_model_len if info is not None else None,
         vocab_size=info.vocab_size if info is not None else None,
         api_key_required=state.api_key is not None,
+        strict_request_fields=state.strict_request_fields,
     )
     return web.json_response(doc)
 
@@ -447,18 +553,18 @@ async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
     declared = request.content_length
     expect = request.headers.get("Expect", "").lower()
     if expect != "100-continue" or request.version != HttpVersion11:
-        resp = json_error(
-            P.APIError(f"unsupported Expect: {expect!r}", status=417, code="expectation_failed")
-        )
+        err = P.APIError(f"unsupported Expect: {expect!r}", status=417, code="expectation_failed")
     elif declared is not None and declared > limit:
         msg = f"the request body exceeds the limit of {limit} bytes"
-        resp = json_error(P.APIError(msg, status=413, code="request_too_large"))
+        err = P.APIError(msg, status=413, code="request_too_large")
     else:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
         return None
+    resp = json_error(err)
     resp.force_close()  # the client may send the body anyway: it is not read
     request.app[STATE].metrics.http_errors.labels(status=str(resp.status)).inc()
+    log_client_error(request, err.status, err.param, err.code, err.message)
     return resp
 
 
@@ -509,12 +615,19 @@ def _check_content_type(request: web.Request) -> None:
         )
 
 
+class _Parsed(Protocol):
+    ignored_fields: list[str]
+
+
+_R = TypeVar("_R", bound=_Parsed)
+
+
 async def _parse(
     request: web.Request,
     info: EngineModelInfo,
     served_model_name: str,
-    parse: Callable[..., P.GenerateRequest],
-) -> P.GenerateRequest:
+    parse: Callable[..., _R],
+) -> _R:
     _check_content_type(request)
     declared = request.content_length
     if declared is not None and declared > request.app._client_max_size:
@@ -535,12 +648,22 @@ async def _parse(
         # the client went away before its body arrived: nobody reads the answer, nothing to log
         raise P.APIError("the client closed the connection", code="client_gone") from None
 
-    def run() -> P.GenerateRequest:
-        return parse(P.decode_json_body(raw), info, served_model_name)
+    strict = request.app[STATE].strict_request_fields
 
-    if len(raw) <= _INLINE_PARSE_BYTES:
-        return run()
-    return await asyncio.to_thread(run)
+    def run() -> _R:
+        return parse(P.decode_json_body(raw), info, served_model_name, strict=strict)
+
+    parsed = run() if len(raw) <= _INLINE_PARSE_BYTES else await asyncio.to_thread(run)
+    if parsed.ignored_fields:
+        # as vLLM: fields of other servers' dialects are ignored, and said so
+        logger.warning(
+            '%s "%s %s": ignored unknown fields: %s (--strict-request-fields refuses them)',
+            request.remote or "-",
+            request.method,
+            printable(request.raw_path),
+            ", ".join(printable(f, 64) for f in parsed.ignored_fields),
+        )
+    return parsed
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -555,6 +678,30 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
     return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+    state = request.app[STATE]
+    _, info = _require_engine(state)
+    req = await _parse(request, info, state.served_model_name, P.parse_tokenize_request)
+    pieces = [info.token_piece(t) for t in req.token_ids] if req.return_token_strs else None
+    return web.json_response(P.tokenize_response(req.token_ids, info.max_model_len, pieces), dumps=_dumps)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {prompt}, the text of the ids with their special tokens (as vLLM, so
+    that it reverses /tokenize)."""
+    state = request.app[STATE]
+    _, info = _require_engine(state)
+    req = await _parse(request, info, state.served_model_name, P.parse_detokenize_request)
+    text = info.decode(req.token_ids, skip_special_tokens=False)
+    return web.json_response({"prompt": text}, dumps=_dumps)
+
+
+async def _tokenizer_info(request: web.Request) -> web.Response:
+    _, info = _require_engine(request.app[STATE])
+    return web.json_response(info.tokenizer_info(), dumps=_dumps)
 
 
 @dataclass
@@ -573,6 +720,7 @@ class _Choice:
     started_stream: bool = False
     # completions logprobs: where the next token starts in the text, across stream deltas
     offsets: P.TextOffsets = field(default_factory=P.TextOffsets)
+    first_token_time: float | None = None
     last_token_time: float | None = None
     # the prompt's logprobs, when the engine computed them (echo + logprobs, prompt_logprobs)
     prompt_logprobs: list[Any] | None = None
@@ -701,6 +849,19 @@ async def _generate(
             state.release(c.engine_id)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        request[RECORD_KEY] = _record(req, choices, arrival)
+
+
+def _record(req: P.GenerateRequest, choices: list[_Choice], arrival: float) -> RequestRecord:
+    """The request's figures for its access line (request_log.py)."""
+    usage = _usage(req, choices)
+    firsts = [c.first_token_time for c in choices if c.first_token_time is not None]
+    return RequestRecord(
+        prompt_tokens=usage["prompt_tokens"],
+        output_tokens=usage["completion_tokens"],
+        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        ttft_s=min(firsts) - arrival if firsts else None,
+    )
 
 
 def _engine_error(e: BaseException) -> P.APIError:
@@ -719,6 +880,7 @@ def _observe(state: ServerState, choice: _Choice, delta: _Delta, arrival: float)
     if delta.token_ids:
         now = time.monotonic()
         if choice.last_token_time is None:
+            choice.first_token_time = now
             m.time_to_first_token.observe(now - arrival)
             rest = len(delta.token_ids) - 1
             prev = now
@@ -898,11 +1060,15 @@ async def _stream(
         nonlocal resp
         if resp is None:
             resp = await sse.start_stream(request)
+        # vLLM's continuous_usage_stats: every chunk carries the request's usage so far
+        usage = _usage(req, choices) if req.continuous_usage else None
         if req.kind == "chat":
-            event = P.chat_chunk(request_id, created, req.model, [choice_json], None, req.include_usage,
+            event = P.chat_chunk(request_id, created, req.model, [choice_json], usage, req.include_usage,
                                  prompt_token_ids=prompt_token_ids)  # fmt: skip
         else:  # (a completion choice carries its prompt's ids itself)
-            event = P.completion_chunk(request_id, created, req.model, [choice_json], None, req.include_usage)
+            event = P.completion_chunk(
+                request_id, created, req.model, [choice_json], usage, req.include_usage
+            )
         await sse.send_event(resp, event)
 
     try:

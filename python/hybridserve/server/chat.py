@@ -79,10 +79,20 @@ class ChatTemplate:
             eos_token=_token_text(cfg.get("eos_token")),
         )
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """`extra`: more template variables (a request's `chat_template_kwargs`, e.g. a model's
+        `enable_thinking`); the ones set here win over them."""
         return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            {
+                **(extra or {}),
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            }
         )

@@ -61,7 +61,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "is checked only when this is given",
     )
     g.add_argument(
-        "--served-model-name", default=None, help="model name in the API (default: the MODEL argument's name)"
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the MODEL argument as given, as vLLM; 'demo' for the demo)",
     )
     g.add_argument(
         "--max-queue-len",
@@ -94,14 +96,33 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted",
     )
+    g.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer a request field this server does not know with a 400 (default: ignore it and log a "
+        "warning naming it, as vLLM)",
+    )
+    g.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no log line per request (method, path, status, tokens, TTFT, E2E)",
+    )
+    g.add_argument(
+        "--log-stats-interval",
+        type=seconds(),
+        default=10.0,
+        help="seconds between the engine lines (running, waiting, token rates, prefix-cache hit rate, "
+        "cache usage) logged while there is work (default 10)",
+    )
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine line (vLLM's flag)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return str(args.served_model_name)
-    model = str(args.model).rstrip("/")
-    return os.path.basename(model) or model
+    # vLLM's default: the MODEL argument exactly as given (a path stays a path), so that a client
+    # configured for a vLLM server of the same model sends the name this one serves
+    return str(args.served_model_name or args.model)
 
 
 def _build_engine(engine_args: Any) -> Any:
@@ -150,6 +171,9 @@ async def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_timeout,
         body_read_timeout_s=args.body_read_timeout,
         access=access,
+        strict_request_fields=args.strict_request_fields,
+        access_log=args.access_log,
+        log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
     )
     runner = web.AppRunner(
         app,

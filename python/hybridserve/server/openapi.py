@@ -86,8 +86,12 @@ def _sampling_fields(
         "stream_options": {
             "type": "object",
             "additionalProperties": False,
-            "properties": {"include_usage": {"type": ["boolean", "null"]}},
-            "description": "only with stream: true",
+            "properties": {
+                "include_usage": {"type": ["boolean", "null"]},
+                "continuous_usage_stats": {"type": ["boolean", "null"]},
+            },
+            "description": "only with stream: true; include_usage: a last chunk with the usage; "
+            "continuous_usage_stats (vLLM's, with include_usage): every chunk carries the usage so far",
         },
         "stop": {
             "anyOf": [
@@ -118,6 +122,12 @@ def _sampling_fields(
             "maxLength": P.MAX_CACHE_SALT_LEN,
             "description": "isolates a tenant's prefix cache (no unpaired UTF-16 surrogates)",
         },
+        "metadata": {
+            "type": "object",
+            "description": "accepted and ignored (OpenAI's stored-completion tags)",
+        },
+        "store": _bool("accepted and ignored (nothing is stored)"),
+        "service_tier": {"type": "string", "maxLength": 64, "description": "accepted and ignored"},
         **{name: _unsupported() for name in sorted(P._UNSUPPORTED_COMMON)},
     }
 
@@ -160,6 +170,9 @@ def _completion_fields(
         ),
         "best_of": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "only equal to n"),
         "suffix": {"enum": [None, ""], "description": "not supported: only absent, null or empty"},
+        "add_special_tokens": _bool(
+            "add the tokenizer's special tokens (BOS) to a text prompt (default true, as vLLM)"
+        ),
     }
 
 
@@ -185,7 +198,64 @@ def _chat_fields(
             "enum": [None, {"type": "text"}],
             "description": "only {'type': 'text'} is supported",
         },
+        **_template_fields(),
         **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
+    }
+
+
+def _template_fields() -> dict[str, Schema]:
+    """vLLM's chat-template fields (the chat route's and /tokenize's)."""
+    return {
+        "add_special_tokens": _bool(
+            "add the tokenizer's special tokens (BOS) besides the template's (default false, as vLLM)"
+        ),
+        "chat_template_kwargs": {
+            "type": "object",
+            "description": "more variables for the chat template (e.g. enable_thinking); not "
+            + ", ".join(sorted(P._TEMPLATE_RESERVED)),
+        },
+        **{
+            name: _unsupported("vLLM's, not supported by this server")
+            for name in sorted(P._CHAT_VLLM_UNSUPPORTED)
+        },
+    }
+
+
+def _tokenize_schemas(served_model_name: str, vocab_size: int | None) -> dict[str, Schema]:
+    """vLLM's /tokenize and /detokenize bodies (protocol.parse_tokenize_request,
+    parse_detokenize_request)."""
+    model: Schema = {
+        "type": "string",
+        "enum": [served_model_name],
+        "description": "the served model (default); another name is a 404 model_not_found",
+    }
+    token_strs = _bool("also return each token's vocabulary entry (default false)")
+    prompt: dict[str, Schema] = {
+        "model": model,
+        "prompt": {"type": "string", "description": "the text (no unpaired UTF-16 surrogates)"},
+        "add_special_tokens": _bool("add the tokenizer's special tokens (BOS) (default true, as vLLM)"),
+        "return_token_strs": token_strs,
+    }
+    chat: dict[str, Schema] = {
+        "model": model,
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"$ref": "#/components/schemas/ChatMessage"},
+            "description": "rendered by the chat template, as the chat route renders them",
+        },
+        "add_generation_prompt": _bool("end with the assistant's turn header (default true)"),
+        "return_token_strs": token_strs,
+        **_template_fields(),
+    }
+    detokenize: dict[str, Schema] = {
+        "model": model,
+        "tokens": {"type": "array", "items": _token_id(vocab_size), "description": "token ids"},
+    }
+    return {
+        "TokenizeCompletionRequest": _request(prompt, P.TOKENIZE_PROMPT_FIELDS, "prompt"),
+        "TokenizeChatRequest": _request(chat, P.TOKENIZE_CHAT_FIELDS, "messages"),
+        "DetokenizeRequest": _request(detokenize, P.DETOKENIZE_FIELDS, "tokens"),
     }
 
 
@@ -265,6 +335,27 @@ def _request(fields: dict[str, Schema], accepted: set[str], required: str) -> Sc
     return {"type": "object", "additionalProperties": False, "required": [required], "properties": props}
 
 
+def _lax(schema: Any) -> Any:
+    """A request schema of a server that ignores unknown fields (not --strict-request-fields):
+    every object in it admits other properties."""
+    if isinstance(schema, list):
+        return [_lax(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _lax(v) for k, v in schema.items()}
+    if out.get("additionalProperties") is False:
+        out["additionalProperties"] = True
+    return out
+
+
+def _body_op(summary: str, schema: Schema, ok: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": ok, **_error_responses()},
+    }
+
+
 def _error_responses() -> dict[str, Any]:
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     return {
@@ -310,9 +401,11 @@ def document(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     api_key_required: bool = False,
+    strict_request_fields: bool = True,
 ) -> dict[str, Any]:
     """The OpenAPI document of a server serving `served_model_name` (the model's limits when it
-    is loaded: None while it loads leaves those bounds out)."""
+    is loaded: None while it loads leaves those bounds out). `strict_request_fields`: whether the
+    server refuses unknown fields (`--strict-request-fields`) or ignores them (the default)."""
     completion = _request(
         _completion_fields(served_model_name, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
     )
@@ -354,6 +447,31 @@ def document(
             },
             "/metrics": {"get": _get("Prometheus metrics (docs/serving.md, Metrics)", text_ok)},
             "/openapi.json": {"get": _get("this document", _json("OpenAPI 3.1"))},
+            "/tokenize": {
+                "post": _body_op(
+                    "vLLM's tokenize: a prompt or chat messages to token ids",
+                    {
+                        "anyOf": [
+                            {"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                            {"$ref": "#/components/schemas/TokenizeChatRequest"},
+                        ]
+                    },
+                    _json("{count, max_model_len, tokens, token_strs}"),
+                )
+            },
+            "/detokenize": {
+                "post": _body_op(
+                    "vLLM's detokenize: token ids to text (special tokens kept)",
+                    {"$ref": "#/components/schemas/DetokenizeRequest"},
+                    _json("{prompt}"),
+                )
+            },
+            "/tokenizer_info": {
+                "get": _get(
+                    "vLLM's tokenizer_info: the tokenizer's configuration and the chat template",
+                    _json("tokenizer_config.json's fields, tokenizer_class, chat_template"),
+                )
+            },
         },
         "components": {
             "schemas": {
@@ -361,10 +479,16 @@ def document(
                 "ChatCompletionRequest": chat,
                 "ChatMessage": _CHAT_MESSAGE,
                 "ChatContentPart": _CONTENT_PART,
+                **_tokenize_schemas(served_model_name, vocab_size),
                 "Error": _ERROR,
             },
         },
     }
+    if not strict_request_fields:
+        schemas = doc["components"]["schemas"]
+        for name in schemas:
+            if name != "Error":
+                schemas[name] = _lax(schemas[name])
     if sec:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc

@@ -183,9 +183,16 @@ class ModelInfo(Protocol):
     @property
     def vocab_size(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]: ...
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]: ...
 
 
 @dataclass
@@ -215,6 +222,10 @@ class GenerateRequest:
     return_token_ids: bool = False
     # vLLM's `prompt_logprobs` (completions): top-n of the prompt's logprobs in each choice
     prompt_logprobs: int | None = None
+    # vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage in every chunk
+    continuous_usage: bool = False
+    # unknown fields the request carried, ignored (not --strict-request-fields); the app logs them
+    ignored_fields: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:
@@ -252,9 +263,17 @@ _SAMPLING_FIELDS = {
     "return_token_ids",
     # hybridserve extension: isolates a tenant's prefix cache
     "cache_salt",
+    # vLLM's: whether a text prompt gets the tokenizer's special tokens (BOS); completions default
+    # true, chat false (the template writes them), as vLLM
+    "add_special_tokens",
+    # OpenAI fields that mean nothing to this server (a stored completion's tags, storing it for
+    # OpenAI's evals, the billing tier): type-checked, then ignored, as vLLM ignores them
+    "metadata",
+    "store",
+    "service_tier",
 }
 # OpenAI fields we know but do not implement: accepted only when absent, null or empty.
-_UNSUPPORTED_COMMON = {"logit_bias", "metadata", "store", "service_tier"}
+_UNSUPPORTED_COMMON = {"logit_bias"}
 _COMPLETION_FIELDS = (
     _SAMPLING_FIELDS
     | {"prompt", "echo", "logprobs", "prompt_logprobs", "best_of", "suffix"}
@@ -294,12 +313,45 @@ _CHAT_UNSUPPORTED = {
 }
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
+# vLLM's chat fields: keyword arguments for the chat template; and two that this server does not
+# implement (a request's own template, continuing the last message), refused when set
+_CHAT_VLLM_UNSUPPORTED = {"chat_template", "continue_final_message"}
+_CHAT_FIELDS = _CHAT_FIELDS | {"chat_template_kwargs"} | _CHAT_VLLM_UNSUPPORTED
+# Names a chat template is rendered with (chat.py): chat_template_kwargs may not replace them.
+_TEMPLATE_RESERVED = {
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "raise_exception",
+    "strftime_now",
+}
+MAX_UNKNOWN_FIELDS_LOGGED = 16  # of one request (names only)
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str], unsupported: set[str]) -> None:
+class UnknownFields:
+    """What happens to a field this server does not know. Strict (`--strict-request-fields`):
+    a 400 `unknown_field` naming it. Otherwise, as vLLM: it is ignored, and its name kept here for
+    the server to log (clients written for other servers send fields of their own)."""
+
+    def __init__(self, strict: bool = True) -> None:
+        self.strict = strict
+        self.names: list[str] = []
+
+    def found(self, name: str) -> None:
+        if self.strict:
+            raise APIError(f"unknown field {name!r}", param=name, code="unknown_field")
+        if len(self.names) < MAX_UNKNOWN_FIELDS_LOGGED:
+            self.names.append(name[:64])
+
+
+def _check_fields(
+    body: dict[str, Any], allowed: set[str], unsupported: set[str], unknown: UnknownFields | None = None
+) -> None:
+    unknown = unknown if unknown is not None else UnknownFields(strict=True)
     for key in body:
         if key not in allowed:
-            raise APIError(f"unknown field {key!r}", param=key, code="unknown_field")
+            unknown.found(key)
     for key in unsupported:
         v = body.get(key)
         if v is not None and v != {} and v != [] and v is not False:
@@ -364,7 +416,10 @@ def _parse_token_list(param: str, v: Any, vocab_size: int | None, *, allow_empty
     return list(v)
 
 
-def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _parse_stream(body: dict[str, Any], unknown: UnknownFields) -> tuple[bool, bool]:
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -374,19 +429,37 @@ def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
         if not isinstance(opts, dict):
             raise _bad("stream_options", f"must be an object, got {type(opts).__name__}", "invalid_type")
         for key in opts:
-            if key not in ("include_usage",):
-                raise APIError(
-                    f"unknown field 'stream_options.{key}'",
-                    param=f"stream_options.{key}",
-                    code="unknown_field",
+            if key not in _STREAM_OPTIONS:
+                unknown.found(f"stream_options.{key}")
+        for key in _STREAM_OPTIONS:
+            v = opts.get(key)
+            if v is not None and not isinstance(v, bool):
+                raise _bad(
+                    f"stream_options.{key}", f"must be a boolean, got {type(v).__name__}", "invalid_type"
                 )
-        v = opts.get("include_usage")
-        if v is not None and not isinstance(v, bool):
-            raise _bad(
-                "stream_options.include_usage", f"must be a boolean, got {type(v).__name__}", "invalid_type"
-            )
-        include_usage = bool(v)
+        include_usage = bool(opts.get("include_usage"))
     return stream, include_usage
+
+
+def _continuous_usage(body: dict[str, Any]) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: usage in every chunk; only with
+    include_usage, as vLLM (the options are checked by _parse_stream)."""
+    opts = body.get("stream_options")
+    return (
+        isinstance(opts, dict)
+        and bool(opts.get("include_usage"))
+        and bool(opts.get("continuous_usage_stats"))
+    )
+
+
+def _ignored_common(body: dict[str, Any]) -> None:
+    """The OpenAI fields that are accepted and ignored: their types are still checked, so that a
+    client's mistake is not silently passed over."""
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise _bad("metadata", f"must be an object, got {type(metadata).__name__}", "invalid_type")
+    get_bool(body, "store", False)
+    get_str(body, "service_tier", max_len=64)
 
 
 def _sampling_params(
@@ -468,12 +541,13 @@ def _check_sequences(num_prompts: int, n: int) -> None:
 
 
 def _common(
-    body: dict[str, Any], served_model_name: str
+    body: dict[str, Any], served_model_name: str, unknown: UnknownFields
 ) -> tuple[str, int, bool, bool, str | None, str | None]:
     model = _parse_model(body, served_model_name)
     n = get_int(body, "n", 1, 1, MAX_SEQUENCES_PER_REQUEST)
     assert n is not None
-    stream, include_usage = _parse_stream(body)
+    stream, include_usage = _parse_stream(body, unknown)
+    _ignored_common(body)
     cache_salt = get_str(body, "cache_salt", max_len=MAX_CACHE_SALT_LEN, allow_empty=False)
     if cache_salt is not None:
         _check_surrogates("cache_salt", cache_salt)
@@ -482,13 +556,15 @@ def _common(
 
 
 def parse_completion_request(
-    body: dict[str, Any], info: ModelInfo, served_model_name: str
+    body: dict[str, Any], info: ModelInfo, served_model_name: str, *, strict: bool = True
 ) -> GenerateRequest:
-    """Validate a /v1/completions body. Raises APIError."""
-    _check_fields(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMMON)
+    """Validate a /v1/completions body. Raises APIError. `strict`: an unknown field is a 400;
+    otherwise it is ignored and named in the result's `ignored_fields`."""
+    unknown = UnknownFields(strict)
+    _check_fields(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMMON, unknown)
     if body.get("suffix") not in (None, ""):
         raise APIError("suffix: not supported by this server", param="suffix", code="unsupported_parameter")
-    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name)
+    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name, unknown)
     best_of = get_int(body, "best_of", None, 1, MAX_SEQUENCES_PER_REQUEST)
     if best_of is not None and best_of != n:
         raise APIError(
@@ -505,7 +581,8 @@ def parse_completion_request(
 
     if "prompt" not in body or body["prompt"] is None:
         raise APIError("prompt: a prompt is required", param="prompt", code="missing_field")
-    prompts = _parse_prompts(body["prompt"], info)
+    add_special_tokens = get_bool(body, "add_special_tokens", True)
+    prompts = _parse_prompts(body["prompt"], info, add_special_tokens)
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
     if requested_max is None:
@@ -536,15 +613,17 @@ def parse_completion_request(
         user=user,
         return_token_ids=return_token_ids,
         prompt_logprobs=prompt_logprobs,
+        continuous_usage=_continuous_usage(body),
+        ignored_fields=unknown.names,
     )
 
 
-def _parse_prompts(v: Any, info: ModelInfo) -> list[PromptInput]:
+def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) -> list[PromptInput]:
     def text_prompt(s: str) -> PromptInput:
         if not s:
             raise _bad("prompt", "must not be empty")
         _check_surrogates("prompt", s)
-        ids = info.encode(s)
+        ids = info.encode(s, add_special_tokens=add_special_tokens)
         if not ids:
             raise _bad("prompt", "encodes to no tokens")
         return PromptInput(token_ids=ids, text=s)
@@ -583,7 +662,8 @@ def _parse_prompts(v: Any, info: ModelInfo) -> list[PromptInput]:
     )
 
 
-def _parse_messages(v: Any) -> list[dict[str, Any]]:
+def _parse_messages(v: Any, unknown: UnknownFields | None = None) -> list[dict[str, Any]]:
+    unknown = unknown if unknown is not None else UnknownFields(strict=True)
     if v is None:
         raise APIError("messages: required", param="messages", code="missing_field")
     if not isinstance(v, list):
@@ -597,7 +677,7 @@ def _parse_messages(v: Any) -> list[dict[str, Any]]:
             raise _bad(p, f"must be an object, got {type(m).__name__}", "invalid_type")
         for key in m:
             if key not in _MESSAGE_FIELDS:
-                raise APIError(f"unknown field '{p}.{key}'", param=f"{p}.{key}", code="unknown_field")
+                unknown.found(f"{p}.{key}")
         role = m.get("role")
         if not isinstance(role, str) or role not in _MESSAGE_ROLES:
             raise _bad(f"{p}.role", f"must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}")
@@ -629,9 +709,8 @@ def _parse_messages(v: Any) -> list[dict[str, Any]]:
                         param=f"{pp}.type",
                         code="unsupported_parameter",
                     )
-                if set(part) - {"type", "text"}:
-                    key = sorted(set(part) - {"type", "text"})[0]
-                    raise APIError(f"unknown field '{pp}.{key}'", param=f"{pp}.{key}", code="unknown_field")
+                for key in sorted(set(part) - {"type", "text"}):
+                    unknown.found(f"{pp}.{key}")
                 t = part.get("text")
                 if not isinstance(t, str):
                     raise _bad(f"{pp}.text", "must be a string", "invalid_type")
@@ -655,9 +734,52 @@ def _parse_messages(v: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name: str) -> GenerateRequest:
-    """Validate a /v1/chat/completions body. Raises APIError."""
-    _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED)
+def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (e.g. a model's
+    `enable_thinking`); not the ones the server sets itself."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("chat_template_kwargs", f"must be an object, got {type(v).__name__}", "invalid_type")
+    taken = sorted(set(v) & _TEMPLATE_RESERVED)
+    if taken:
+        raise _bad("chat_template_kwargs", f"may not set {taken[0]!r} (the server sets it)")
+    return dict(v)
+
+
+def _render_chat(body: dict[str, Any], info: ModelInfo, unknown: UnknownFields) -> list[int]:
+    """The token ids of a chat body's `messages` through the chat template (the chat route's and
+    /tokenize's): `add_generation_prompt` (default true), `add_special_tokens` (default false, as
+    vLLM: the template writes BOS itself), `chat_template_kwargs`."""
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    add_special_tokens = get_bool(body, "add_special_tokens", False)
+    template_kwargs = _chat_template_kwargs(body)
+    messages = _parse_messages(body.get("messages"), unknown)
+    try:
+        return info.encode_chat(
+            messages,
+            add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+            template_kwargs=template_kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # a template that raises on these messages (raise_exception, ...)
+        raise APIError(
+            f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
+        ) from None
+
+
+def parse_chat_request(
+    body: dict[str, Any], info: ModelInfo, served_model_name: str, *, strict: bool = True
+) -> GenerateRequest:
+    """Validate a /v1/chat/completions body. Raises APIError. `strict`: an unknown field is a 400;
+    otherwise it is ignored and named in the result's `ignored_fields`."""
+    unknown = UnknownFields(strict)
+    _check_fields(
+        body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED | _CHAT_VLLM_UNSUPPORTED, unknown
+    )
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise APIError(
@@ -665,7 +787,7 @@ def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name:
             param="response_format",
             code="unsupported_parameter",
         )
-    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name)
+    model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name, unknown)
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
@@ -678,19 +800,9 @@ def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name:
         if max_tokens is not None and max_tokens != max_completion:
             raise _bad("max_completion_tokens", "conflicts with max_tokens")
         max_tokens, max_param = max_completion, "max_completion_tokens"
-    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     return_token_ids = get_bool(body, "return_token_ids", False)
-
-    messages = _parse_messages(body.get("messages"))
     _check_sequences(1, n)
-    try:
-        ids = info.encode_chat(messages, add_generation_prompt)
-    except APIError:
-        raise
-    except Exception as e:  # a template that raises on these messages (raise_exception, ...)
-        raise APIError(
-            f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
-        ) from None
+    ids = _render_chat(body, info, unknown)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = [PromptInput(token_ids=ids, text=None)]
@@ -707,7 +819,86 @@ def parse_chat_request(body: dict[str, Any], info: ModelInfo, served_model_name:
         logprobs=logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        continuous_usage=_continuous_usage(body),
+        ignored_fields=unknown.names,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize and /detokenize: vLLM's request and response shapes (its TokenizeCompletionRequest,
+# TokenizeChatRequest, DetokenizeRequest), so that clients written for vLLM (lm-evaluation-harness's
+# remote tokenizer, token counters) work unchanged.
+
+TOKENIZE_PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "add_special_tokens",
+    "return_token_strs",
+    "chat_template_kwargs",
+} | _CHAT_VLLM_UNSUPPORTED
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+@dataclass
+class TokenizeRequest:
+    token_ids: list[int]
+    return_token_strs: bool = False
+    ignored_fields: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class DetokenizeRequest:
+    token_ids: list[int]
+    ignored_fields: list[str] = dataclasses.field(default_factory=list)
+
+
+def parse_tokenize_request(
+    body: dict[str, Any], info: ModelInfo, served_model_name: str, *, strict: bool = True
+) -> TokenizeRequest:
+    """A /tokenize body: `prompt` (a string, tokenized as the completions route tokenizes it:
+    `add_special_tokens` default true) or `messages` (rendered as the chat route renders them:
+    `add_generation_prompt` default true, `add_special_tokens` default false,
+    `chat_template_kwargs`). No context-length check: it counts, it does not generate."""
+    unknown = UnknownFields(strict)
+    if "messages" in body:  # (vLLM's TokenizeChatRequest)
+        if body.get("prompt") is not None:
+            raise _bad("prompt", "give either prompt or messages, not both")
+        _check_fields(body, TOKENIZE_CHAT_FIELDS, _CHAT_VLLM_UNSUPPORTED, unknown)
+        _parse_model(body, served_model_name)
+        ids = _render_chat(body, info, unknown)
+    else:
+        _check_fields(body, TOKENIZE_PROMPT_FIELDS, set(), unknown)
+        _parse_model(body, served_model_name)
+        prompt = get_str(body, "prompt")
+        if prompt is None:
+            raise APIError("prompt: a prompt (or messages) is required", param="prompt", code="missing_field")
+        _check_surrogates("prompt", prompt)
+        ids = info.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+    return TokenizeRequest(
+        token_ids=ids,
+        return_token_strs=get_bool(body, "return_token_strs", False),
+        ignored_fields=unknown.names,
+    )
+
+
+def parse_detokenize_request(
+    body: dict[str, Any], info: ModelInfo, served_model_name: str, *, strict: bool = True
+) -> DetokenizeRequest:
+    """A /detokenize body: `tokens`, ids in the vocabulary (may be empty)."""
+    unknown = UnknownFields(strict)
+    _check_fields(body, DETOKENIZE_FIELDS, set(), unknown)
+    _parse_model(body, served_model_name)
+    if body.get("tokens") is None:
+        raise APIError("tokens: required", param="tokens", code="missing_field")
+    ids = _parse_token_list("tokens", body["tokens"], info.vocab_size, allow_empty=True)
+    return DetokenizeRequest(token_ids=ids, ignored_fields=unknown.names)
+
+
+def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    """vLLM's TokenizeResponse (`token_strs` null unless asked for)."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
 # ---------------------------------------------------------------------------------------------

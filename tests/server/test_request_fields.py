@@ -1,0 +1,114 @@
+"""vLLM's request fields and the handling of unknown ones, in the parsers (server/protocol.py) without
+an engine: add_special_tokens (observable with a tokenizer that adds a BOS), chat_template_kwargs
+reaching the template, unknown fields refused (strict) or collected to be logged (the default of
+the server), continuous usage stats only with include_usage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server import protocol as P
+from hybridserve.server.chat import ChatTemplate
+from server_fixtures import TokenizerModelInfo
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def bos_info() -> TokenizerModelInfo:
+    """The demo tokenizer with a post-processor that adds BOS (id 0), as many models' do."""
+    info = TokenizerModelInfo(ensure_demo_model(), max_model_len=256)
+    info.tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    return info
+
+
+def test_add_special_tokens_defaults_are_vllms(bos_info):
+    plain = bos_info.encode("hello")
+    assert plain[0] != 0
+    completion = P.parse_completion_request({"prompt": "hello"}, bos_info, "demo")
+    assert completion.prompts[0].token_ids == [0, *plain]  # completions: true by default
+    off = P.parse_completion_request({"prompt": "hello", "add_special_tokens": False}, bos_info, "demo")
+    assert off.prompts[0].token_ids == plain
+    chat = P.parse_chat_request({"messages": MSGS}, bos_info, "demo")
+    assert chat.prompts[0].token_ids == bos_info.encode_chat(MSGS, True)  # chat: false (the template's)
+    with_bos = P.parse_chat_request({"messages": MSGS, "add_special_tokens": True}, bos_info, "demo")
+    assert with_bos.prompts[0].token_ids == [0, *chat.prompts[0].token_ids]
+    tok = P.parse_tokenize_request({"prompt": "hello"}, bos_info, "demo")
+    assert tok.token_ids == completion.prompts[0].token_ids  # /tokenize counts what completions run
+    tok_chat = P.parse_tokenize_request({"messages": MSGS}, bos_info, "demo")
+    assert tok_chat.token_ids == chat.prompts[0].token_ids
+
+
+def test_chat_template_kwargs_reach_the_template():
+    class Info(TokenizerModelInfo):
+        def __init__(self) -> None:
+            super().__init__(ensure_demo_model())
+            self.template = ChatTemplate(
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if think %} think{% endif %}"
+            )
+
+    info = Info()
+    plain = P.parse_chat_request({"messages": MSGS}, info, "demo")
+    thinking = P.parse_chat_request({"messages": MSGS, "chat_template_kwargs": {"think": True}}, info, "demo")
+    assert info.tokenizer.decode(thinking.prompts[0].token_ids) == "hi think"
+    assert info.tokenizer.decode(plain.prompts[0].token_ids) == "hi"
+    for bad, code in (([1], "invalid_type"), ({"add_generation_prompt": False}, "invalid_value")):
+        with pytest.raises(P.APIError) as e:
+            P.parse_chat_request({"messages": MSGS, "chat_template_kwargs": bad}, info, "demo")
+        assert (e.value.param, e.value.code) == ("chat_template_kwargs", code)
+
+
+@pytest.mark.parametrize(
+    "parse,body,names",
+    [
+        (
+            P.parse_completion_request,
+            {"prompt": "x", "frob": 1, "stream": True, "stream_options": {"include_usage": True, "x": 2}},
+            ["frob", "stream_options.x"],
+        ),
+        (
+            P.parse_chat_request,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": {}}],
+                        "reasoning_content": "",
+                    }
+                ],
+                "top_a": 0.5,
+            },
+            ["top_a", "messages[0].reasoning_content", "messages[0].content[0].cache_control"],
+        ),  # fmt: skip
+        (P.parse_tokenize_request, {"prompt": "x", "truncate_prompt_tokens": 3}, ["truncate_prompt_tokens"]),
+        (P.parse_detokenize_request, {"tokens": [1], "skip_special_tokens": True}, ["skip_special_tokens"]),
+    ],
+)
+def test_unknown_fields_are_refused_when_strict_and_collected_otherwise(parse, body, names):
+    info = TokenizerModelInfo(ensure_demo_model())
+    with pytest.raises(P.APIError) as e:
+        parse(body, info, "demo", strict=True)
+    assert e.value.code == "unknown_field" and e.value.param in names
+    assert sorted(parse(body, info, "demo", strict=False).ignored_fields) == sorted(names)
+
+
+def test_continuous_usage_stats_only_with_include_usage():
+    info = TokenizerModelInfo(ensure_demo_model())
+
+    def continuous(opts: dict[str, Any]) -> bool:
+        return P.parse_completion_request(
+            {"prompt": "x", "stream": True, "stream_options": opts}, info, "demo"
+        ).continuous_usage
+
+    assert continuous({"include_usage": True, "continuous_usage_stats": True})
+    assert not continuous({"continuous_usage_stats": True})  # (as vLLM)
+    assert not continuous({"include_usage": True})
+    with pytest.raises(P.APIError) as e:
+        continuous({"continuous_usage_stats": "yes"})
+    assert e.value.param == "stream_options.continuous_usage_stats"

@@ -1,0 +1,273 @@
+"""What clients written for vLLM need, against one real `hybridserve serve demo`: vLLM's tokenizer
+routes (/tokenize, /detokenize, /tokenizer_info; lm-evaluation-harness's remote tokenizer reads
+them), vLLM's request fields (continuous usage stats, chat_template_kwargs, unknown fields ignored
+with a warning), and what the server logs: an access line per request, a line per 4xx naming the
+field and the code, the periodic engine line, the CPU threads at start (docs/serving.md)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server.chat import ChatTemplate
+from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, parse_sse
+
+MAX_MODEL_LEN = 512
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Say something about foxes."}]
+SERVER_ARGS = (
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--mamba-block-size",
+    "64",
+    "--log-stats-interval",
+    "0.5",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    ensure_demo_model()
+    srv = ServerProcess(*SERVER_ARGS)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.output()[-3000:]
+    srv.remove_log()
+
+
+@pytest.fixture(scope="module")
+def info() -> TokenizerModelInfo:
+    return TokenizerModelInfo(ensure_demo_model(), max_model_len=MAX_MODEL_LEN)
+
+
+def call(server: ServerProcess, path: str, body: Any = None) -> tuple[int, Any]:
+    """(status, parsed JSON) of a GET (no body) or a JSON POST."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return int(r.status), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return int(e.code), json.loads(e.read())
+
+
+def stream(server: ServerProcess, path: str, body: dict[str, Any]) -> list[Any]:
+    req = urllib.request.Request(
+        server.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        return parse_sse(r.read())
+
+
+def log_lines(server: ServerProcess, pattern: str, timeout: float = 15.0, count: int = 1) -> list[str]:
+    """The server's log lines matching `pattern`, once there are `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for ln in server.output().splitlines() if re.search(pattern, ln)]
+        if len(lines) >= count or time.monotonic() > deadline:
+            assert len(lines) >= count, f"no log line matches {pattern!r}:\n{server.output()[-3000:]}"
+            return lines
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------- tokenizer routes
+
+
+def test_tokenize_counts_what_the_generation_routes_run(server, info):
+    status, tok = call(server, "/tokenize", {"prompt": PROMPT})
+    assert status == 200
+    assert tok == {
+        "count": len(info.encode(PROMPT)),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": info.encode(PROMPT),
+        "token_strs": None,
+    }
+    _, done = call(server, "/v1/completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == tok["count"]
+
+    status, chat_tok = call(server, "/tokenize", {"model": "demo", "messages": CHAT})
+    assert status == 200 and chat_tok["tokens"] == info.encode_chat(CHAT, True)
+    _, done = call(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == chat_tok["count"]
+    _, open_turn = call(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert open_turn["tokens"] == info.encode_chat(CHAT, False) != chat_tok["tokens"]
+
+    # vLLM's token_strs: the vocabulary's entries
+    _, strs = call(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert strs["token_strs"] == [info.tokenizer.id_to_token(t) for t in strs["tokens"]]
+    assert call(server, "/tokenize", {"prompt": ""})[1]["count"] == 0
+
+    status, err = call(server, "/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    status, err = call(server, "/tokenize", {"prompt": "x", "messages": CHAT})
+    assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_detokenize_reverses_tokenize_special_tokens_included(server, info):
+    text = "<|im_start|>user\nhi there<|im_end|>\n"
+    _, tok = call(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert 1 in tok["tokens"] and 2 in tok["tokens"]  # <|im_start|>, <|im_end|>
+    assert call(server, "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": text})
+    assert call(server, "/detokenize", {"model": "demo", "tokens": []}) == (200, {"prompt": ""})
+    vocab = info.vocab_size
+    status, err = call(server, "/detokenize", {"tokens": [5, vocab]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, err = call(server, "/detokenize", {})
+    assert status == 400 and err["error"]["code"] == "missing_field"
+
+
+def test_tokenizer_info_is_what_lm_eval_reads(server, info):
+    status, tinfo = call(server, "/tokenizer_info")
+    assert status == 200
+    demo = ensure_demo_model()
+    assert tinfo["eos_token"] == "<|im_end|>" and tinfo["bos_token"] == "<|endoftext|>"
+    assert tinfo["pad_token"] == "<|endoftext|>"
+    assert tinfo["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tinfo["chat_template"] == ChatTemplate.from_model_dir(demo).source
+    assert tinfo["added_tokens_decoder"]["2"] == "<|im_end|>"  # (AddedTokens as their text, as vLLM)
+
+    lm_eval_utils = pytest.importorskip("lm_eval.utils")
+    base = server.base + "/v1/completions"  # what lm-eval's local-completions is given
+    with warnings.catch_warnings():
+        # (its probe leaves its requests.Session to the garbage collector)
+        warnings.simplefilter("ignore", ResourceWarning)
+        assert lm_eval_utils.check_remote_tokenizer_support(base, max_retries=1)
+        gc.collect()
+    tok = lm_eval_utils.RemoteTokenizer(base, max_retries=1)
+    try:
+        assert tok.encode(PROMPT) == info.encode(PROMPT)
+        assert tok.decode(info.encode(PROMPT)) == PROMPT
+        assert tok.eos_token_id == info.tokenizer.token_to_id("<|im_end|>") == 2
+        assert tok.bos_token_id == 0
+        assert tok.apply_chat_template(CHAT) == info.template.render(CHAT, True)
+    finally:
+        tok.session.close()
+
+
+# ------------------------------------------------------------------------- request fields
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT, "n": 2}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ):
+        events = stream(
+            server,
+            path,
+            {**body, "max_tokens": 5, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )  # fmt: skip
+        assert events[-1] == "[DONE]"
+        chunks, last = events[:-2], events[-2]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5 * body.get("n", 1)
+        assert all(c["usage"] is not None for c in chunks)
+        seen = [c["usage"]["completion_tokens"] for c in chunks]
+        assert seen == sorted(seen) and seen[-1] == last["usage"]["completion_tokens"]
+        assert {c["usage"]["prompt_tokens"] for c in chunks} == {last["usage"]["prompt_tokens"]}
+        # without it, as before: usage only in the last chunk
+        plain = stream(
+            server, path, {**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert all(c["usage"] is None for c in plain[:-2]) and plain[-2]["usage"] is not None
+    assert_idle(server)
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_log(server):
+    status, out = call(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 2, "frobnicate": {"x": 1}, "guided_choice\n": 1,
+         "metadata": {"run": "a"}, "store": False, "service_tier": "auto", "user": "u1"},
+    )  # fmt: skip
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    line = log_lines(server, r"ignored unknown fields: frobnicate")[-1]
+    assert "guided_choice\\n" in line  # (escaped: a field name cannot start a log line)
+    events = stream(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{**CHAT[0], "reasoning_content": "hm"}], "max_tokens": 2, "stream": True,
+         "stream_options": {"include_usage": True, "bogus": 1}, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2
+    line = log_lines(server, r"/v1/chat/completions\": ignored unknown fields: ")[-1]
+    assert "messages[0].reasoning_content" in line and "stream_options.bogus" in line
+    # known fields keep their types, and the ones this server does not implement are refused
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "x", "store": "yes"}, "store"),
+        ("/v1/completions", {"prompt": "x", "metadata": [1]}, "metadata"),
+        ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+        ),
+    ):
+        status, err = call(server, path, body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    assert_idle(server)
+
+
+# ------------------------------------------------------------------------- logs
+
+
+def test_access_and_client_error_lines(server):
+    call(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True})
+    pattern = (
+        r'hybridserve\.access: 127\.0\.0\.1 "POST /v1/completions" 200 prompt_tokens=3 output_tokens=3 '
+        r"cached_tokens=\d+ ttft=\d+\.\d{3}s e2e=\d+\.\d{3}s$"
+    )
+    log_lines(server, pattern)
+    status, _ = call(server, "/v1/completions", {"prompt": "x", "temperature": 9})
+    assert status == 400
+    log_lines(
+        server, r'"POST /v1/completions" 400: param=temperature code=invalid_value: temperature: must be in'
+    )
+    log_lines(server, r'hybridserve\.access: .*"POST /v1/completions" 400 e2e=')
+    call(server, "/nowhere")
+    log_lines(server, r'"GET /nowhere" 404: param=- code=not_found')
+    # health probes (the fixture polled /health while the model loaded) are at debug level
+    assert '"GET /health"' not in server.output()
+    assert re.search(r'hybridserve\.access: .*"GET /tokenizer_info" 200 e2e=', server.output())
+
+
+def test_engine_line_while_there_is_work_and_threads_at_start(server):
+    log_lines(server, r"hybridserve\.engine: CPU threads: 1 \(OMP_NUM_THREADS=1\)")
+    before = len(log_lines(server, r"hybridserve\.stats: engine:", timeout=0, count=0))
+    call(server, "/v1/completions", {"prompt": PROMPT * 8, "max_tokens": 16, "ignore_eos": True})
+    line = log_lines(server, r"hybridserve\.stats: engine:", count=before + 1)[-1]
+    assert re.search(
+        r"engine: \d+ running, \d+ waiting; prompt \d+\.\d tok/s, generation \d+\.\d tok/s; "
+        r"prefix cache hit rate (\d+\.\d%|-) \(since start \d+\.\d%\); KV cache \d+\.\d% used, "
+        r"Mamba state slots \d+\.\d% used$",
+        line,
+    ), line
+    # idle: no more lines after the interval that saw the work end
+    time.sleep(1.2)
+    settled = len(log_lines(server, r"hybridserve\.stats: engine:", timeout=0, count=0))
+    time.sleep(1.2)
+    assert len(log_lines(server, r"hybridserve\.stats: engine:", timeout=0, count=0)) == settled
+
+
+def test_the_served_name_is_the_model_argument(server):
+    assert call(server, "/v1/models")[1]["data"][0]["id"] == "demo"
