@@ -81,6 +81,11 @@ def companions(field: str, value: Any) -> dict[str, Any]:
         return {"logprobs": True}
     if field == "best_of" and SPEC.conforms(SPEC.request_schema(COMPLETIONS)["properties"]["n"], value):
         return {"n": value}
+    if field == "tool_choice":  # every choice but none needs tools; a named one, a tool of its name
+        fn = value.get("function") if isinstance(value, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        named = name if isinstance(name, str) and 1 <= len(name) <= 64 else "f"
+        return {"tools": [{"type": "function", "function": {"name": named}}]}
     if field == "min_tokens" and isinstance(value, int) and not isinstance(value, bool):
         return {"max_tokens": min(max(value, 1), MAX_MODEL_LEN - 1)}
     return {}

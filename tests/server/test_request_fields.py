@@ -1,7 +1,8 @@
 """vLLM's request fields and the handling of unknown ones, in the parsers (server/protocol.py) without
 an engine: add_special_tokens (observable with a tokenizer that adds a BOS), chat_template_kwargs
 reaching the template, unknown fields refused (strict) or collected to be logged (the default of
-the server), continuous usage stats only with include_usage."""
+the server), continuous usage stats only with include_usage; a served name that is a path (the
+default: MODEL as given) has its model card."""
 
 from __future__ import annotations
 
@@ -112,3 +113,16 @@ def test_continuous_usage_stats_only_with_include_usage():
     with pytest.raises(P.APIError) as e:
         continuous({"continuous_usage_stats": "yes"})
     assert e.value.param == "stream_options.continuous_usage_stats"
+
+
+async def test_a_served_name_that_is_a_path_has_its_model_card(aiohttp_client):
+    from hybridserve.server.app import create_app
+
+    name = "/models/nemotron-h/"
+    client = await aiohttp_client(create_app(None, served_model_name=name, log_stats_interval_s=0))
+    r = await client.get("/v1/models" + name)
+    assert r.status == 200 and (await r.json())["id"] == name
+    assert (await client.get("/v1/models/models/other")).status == 404
+    demo = await aiohttp_client(create_app(None, served_model_name="demo", log_stats_interval_s=0))
+    assert (await demo.get("/v1/models/demo")).status == 200
+    assert (await demo.get("/v1/models/%2Fdemo")).status == 404

@@ -286,10 +286,11 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     (
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-        "response_format",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+        "response_format.type",
     ),
     (
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6},

@@ -39,6 +39,7 @@ from hybridserve.server.request_log import (
     log_engine_stats,
     printable,
 )
+from hybridserve.server.tools import ToolCallStream, split_message, tool_call_deltas
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -254,7 +255,8 @@ def create_app(
     app.router.add_post("/v1/completions", _completions, expect_handler=_expect_handler)
     app.router.add_post("/v1/chat/completions", _chat_completions, expect_handler=_expect_handler)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model_id}", _model)
+    # (any characters: the served name defaults to MODEL as given, which may be a path)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
@@ -511,7 +513,9 @@ async def _models(request: web.Request) -> web.Response:
 async def _model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model_id = request.match_info["model_id"]
-    if model_id != state.served_model_name:
+    name = state.served_model_name
+    # (a served name that is an absolute path: URL libraries merge the "//" of /v1/models//path)
+    if model_id != name and not (name.startswith("/") and model_id == name.lstrip("/")):
         raise P.APIError(
             f"the model {model_id!r} does not exist",
             status=404,
@@ -718,6 +722,8 @@ class _Choice:
     done: bool = False
     engine_finished: bool = False
     started_stream: bool = False
+    # chat with tools: the content and calls of the stream settled so far (tools.py)
+    tools: ToolCallStream | None = None
     # completions logprobs: where the next token starts in the text, across stream deltas
     offsets: P.TextOffsets = field(default_factory=P.TextOffsets)
     first_token_time: float | None = None
@@ -864,9 +870,15 @@ def _record(req: P.GenerateRequest, choices: list[_Choice], arrival: float) -> R
     )
 
 
+def _error_param(message: str) -> str | None:
+    """The field an engine's InvalidRequestError names first ("response_format: ...")."""
+    head, sep, _ = message.partition(": ")
+    return head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+
+
 def _engine_error(e: BaseException) -> P.APIError:
     if isinstance(e, InvalidRequestError):
-        return P.APIError(str(e), status=400, code="invalid_value")
+        return P.APIError(str(e), status=400, param=_error_param(str(e)), code="invalid_value")
     if isinstance(e, EngineDeadError):
         return P.APIError(
             f"the engine is not running: {e}", status=503, type="service_unavailable", code="engine_dead"
@@ -1021,6 +1033,8 @@ async def _collect(
                     token_ids=c.token_ids if ids else None,
                 )
             )
+            if req.tool_parser is not None:
+                _with_tool_calls(out[-1], req, c)
     usage = _usage(req, choices)
     if req.kind == "completion":
         body = P.completion_response(request_id, created, req.model, out, usage)
@@ -1100,6 +1114,9 @@ async def _send_delta(
     non-streamed `token_ids`."""
     if not (delta.text or delta.finished or delta.token_ids or not choice.started_stream):
         return
+    if req.kind == "chat" and req.tool_parser is not None:
+        await _send_tool_delta(req, info, choice, delta, send)
+        return
     lps = None
     first = not choice.started_stream
     echo_lps = (
@@ -1131,3 +1148,63 @@ async def _send_delta(
         )
     choice.started_stream = True
     await send(cj, prompt_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calls (tools.py): the message's content and calls, and their stream deltas
+
+
+def _tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" when the model ended (not cut by a limit) after calling a tool."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+def _with_tool_calls(choice_json: dict[str, Any], req: P.GenerateRequest, c: _Choice) -> None:
+    """A chat choice's message split into content and `tool_calls`."""
+    assert req.tool_parser is not None
+    content, calls = split_message(req.tool_parser, c.text)
+    message = choice_json["message"]
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = [call.to_json() for call in calls]
+    choice_json["finish_reason"] = _tool_finish_reason(c.finish_reason, bool(calls))
+
+
+async def _send_tool_delta(
+    req: P.GenerateRequest,
+    info: EngineModelInfo,
+    choice: _Choice,
+    delta: _Delta,
+    send: Callable[[dict[str, Any], list[int] | None], Awaitable[None]],
+) -> None:
+    """The chunks of one delta of a chat stream with tools: the settled content (with the
+    delta's logprobs and token ids), each newly completed call as OpenAI streams one (id, type and
+    name, then the arguments), and the finish reason in a last chunk of its own."""
+    assert req.tool_parser is not None
+    if choice.tools is None:
+        choice.tools = ToolCallStream(req.tool_parser)
+    first_call = len(choice.tools.calls)
+    content, calls = choice.tools.feed(delta.text, final=delta.finished)
+    lps = None
+    if req.logprobs is not None and delta.logprobs is not None:
+        lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
+    ids = delta.token_ids if req.return_token_ids else None
+    prompt_ids = choice.prompt.token_ids if req.return_token_ids and not choice.started_stream else None
+    if content or lps is not None or ids or not choice.started_stream:
+        cj = P.chat_chunk_choice(
+            choice.index,
+            role=None if choice.started_stream else "assistant",
+            content=content,
+            logprobs=lps,
+            token_ids=ids,
+        )
+        choice.started_stream = True
+        await send(cj, prompt_ids)
+    for tool_calls in tool_call_deltas(calls, first_call):
+        cj = P.chat_chunk_choice(choice.index)
+        cj["delta"]["tool_calls"] = tool_calls
+        await send(cj, None)
+    if delta.finished:
+        reason = _tool_finish_reason(choice.finish_reason, bool(choice.tools.calls))
+        cj = P.chat_chunk_choice(choice.index, finish_reason=reason, stop_reason=choice.stop_reason)
+        await send(cj, None)

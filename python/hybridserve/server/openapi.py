@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridserve._core import __version__
 from hybridserve.sampling.params import MAX_LOGPROBS, MAX_STOP_STR_LEN, MAX_STOP_STRS_TOTAL_LEN
+from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
 
 OPENAPI_VERSION = "3.1.0"
@@ -128,7 +129,119 @@ def _sampling_fields(
         },
         "store": _bool("accepted and ignored (nothing is stored)"),
         "service_tier": {"type": "string", "maxLength": 64, "description": "accepted and ignored"},
+        **_grammar_fields(),
         **{name: _unsupported() for name in sorted(P._UNSUPPORTED_COMMON)},
+    }
+
+
+def _grammar_fields() -> dict[str, Schema]:
+    """response_format and structured_outputs (server/structured_outputs.py): what the output must
+    match. Whether a schema, regex or grammar is valid is known when the engine compiles it."""
+    nullable_schema: Schema = {"type": ["object", "null"], "description": "a JSON schema"}
+    json_schema: Schema = {
+        "type": ["object", "null"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": ["string", "null"]},
+            "description": {"type": ["string", "null"]},
+            "strict": {"type": ["boolean", "null"]},
+            "schema": nullable_schema,
+        },
+    }
+    source: Schema = {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
+    kinds = ("json", "regex", "choice", "grammar", "json_object")
+
+    def given(k: str) -> Schema:
+        return {"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+
+    return {
+        "response_format": {
+            "type": "object",
+            "required": ["type"],
+            "additionalProperties": False,
+            "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "json_schema": json_schema,
+            },
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+            "else": {"properties": {"json_schema": {"type": "null"}}},
+            "description": "OpenAI's: text (no constraint), json_object (any JSON object) or json_schema "
+            "(JSON matching json_schema.schema); not with structured_outputs or a forced tool_choice",
+        },
+        "structured_outputs": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "json": nullable_schema,
+                "regex": source,
+                "choice": {
+                    "type": ["array", "null"],
+                    "minItems": 1,
+                    "maxItems": MAX_CHOICES,
+                    "items": {"type": "string", "minLength": 1},
+                },
+                "grammar": {**source, "description": "a Lark grammar (llguidance's dialect) or GBNF"},
+                "json_object": {"enum": [True, None]},
+            },
+            "anyOf": [
+                {"type": "null"},
+                *({**given(k), "not": {"anyOf": [given(j) for j in kinds if j != k]}} for k in kinds),
+            ],
+            "description": "vLLM's: exactly one of json (a JSON schema), regex, choice, grammar, "
+            f"json_object; at most {MAX_GRAMMAR_CHARS} characters of source",
+        },
+    }
+
+
+def _tool_fields() -> dict[str, Schema]:
+    """tools, tool_choice, parallel_tool_calls (server/tools.py)."""
+    name: Schema = {"type": "string", "minLength": 1, "maxLength": 64}
+    tool: Schema = {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": name,
+                    "description": {"type": ["string", "null"]},
+                    "parameters": {"type": ["object", "null"], "description": "a JSON schema"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+    }
+    named: Schema = {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {"name": name},
+            },
+        },
+    }
+    return {
+        "tools": {
+            "type": "array",
+            "items": tool,
+            "description": "functions the model may call, at most 128, with distinct names",
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": ["none", "auto", "required"]}, named],
+            "description": "none (default without tools), auto (default with tools), required, or a "
+            "named function (one of tools); all but none need tools",
+        },
+        "parallel_tool_calls": _bool("with tool_choice required: up to 8 calls (default true) or one"),
     }
 
 
@@ -194,10 +307,7 @@ def _chat_fields(
         "logprobs": _bool("return log-probabilities (default false)"),
         "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
         "add_generation_prompt": _bool("end the prompt with the assistant's turn header (default true)"),
-        "response_format": {
-            "enum": [None, {"type": "text"}],
-            "description": "only {'type': 'text'} is supported",
-        },
+        **_tool_fields(),
         **_template_fields(),
         **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
     }

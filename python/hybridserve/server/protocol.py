@@ -21,6 +21,9 @@ from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams, stop_length_error
 from hybridserve.sampling.seeds import choice_seed
+from hybridserve.server import structured_outputs as constraints
+from hybridserve.server import tools as T
+from hybridserve.server.chat import ChatTemplate
 
 # A request may ask for at most this many sequences in all (prompts x n).
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -227,6 +230,9 @@ class GenerateRequest:
     # unknown fields the request carried, ignored (not --strict-request-fields); the app logs them
     ignored_fields: list[str] = dataclasses.field(default_factory=list)
 
+    # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
+    tool_parser: T.ToolParser | None = None
+
     @property
     def num_sequences(self) -> int:
         return len(self.prompts) * self.params.n
@@ -263,6 +269,9 @@ _SAMPLING_FIELDS = {
     "return_token_ids",
     # hybridserve extension: isolates a tenant's prefix cache
     "cache_salt",
+    # the grammar the output must match (server/structured_outputs.py): OpenAI's and vLLM's field
+    "response_format",
+    "structured_outputs",
     # vLLM's: whether a text prompt gets the tokenizer's special tokens (BOS); completions default
     # true, chat false (the template writes them), as vLLM
     "add_special_tokens",
@@ -301,11 +310,8 @@ _CHAT_FIELDS = (
     | _UNSUPPORTED_COMMON
 )
 _CHAT_UNSUPPORTED = {
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "modalities",
     "audio",
     "prediction",
@@ -600,6 +606,7 @@ def parse_completion_request(
         vocab_size=info.vocab_size,
         prompt_logprobs=engine_prompt_logprobs,
     )
+    params = _constrained(params, body, unknown)
     return GenerateRequest(
         kind="completion",
         model=model,
@@ -748,7 +755,52 @@ def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return dict(v)
 
 
-def _render_chat(body: dict[str, Any], info: ModelInfo, unknown: UnknownFields) -> list[int]:
+def _field_error(e: ValueError) -> APIError:
+    """A tools / response_format / structured_outputs error as the 400 that names its field."""
+    param = getattr(e, "param", None)
+    return APIError(str(e), param=param, code=getattr(e, "code", "invalid_value"))
+
+
+def _constrained(
+    params: SamplingParams,
+    body: dict[str, Any],
+    unknown: UnknownFields,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str = "none",
+) -> SamplingParams:
+    """`params` with the grammar the request's fields ask for (server/structured_outputs.py)."""
+    try:
+        so = constraints.constraint(
+            body,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=get_bool(body, "parallel_tool_calls", True),
+            parser=T.TOOL_PARSERS["hermes"],
+            on_unknown=unknown.found,
+        )
+    except ValueError as e:
+        raise _field_error(e) from None
+    return params if so is None else dataclasses.replace(params, structured_outputs=so)
+
+
+def _parse_tool_fields(body: dict[str, Any], unknown: UnknownFields) -> tuple[list[dict[str, Any]], str]:
+    """(tools, tool_choice) of a chat body (tools.py)."""
+    try:
+        tools = T.parse_tools(body["tools"], unknown.found) if body.get("tools") is not None else []
+        return tools, T.parse_tool_choice(body.get("tool_choice"), tools, unknown.found)
+    except T.ToolError as e:
+        raise _field_error(e) from None
+
+
+def _template_renders_tools(info: ModelInfo) -> bool:
+    """Whether the model's chat template renders `tools` itself (it mentions them)."""
+    template = getattr(info, "chat_template", None) or getattr(info, "template", None)
+    return isinstance(template, ChatTemplate) and "tools" in template.source
+
+
+def _render_chat(
+    body: dict[str, Any], info: ModelInfo, unknown: UnknownFields, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The token ids of a chat body's `messages` through the chat template (the chat route's and
     /tokenize's): `add_generation_prompt` (default true), `add_special_tokens` (default false, as
     vLLM: the template writes BOS itself), `chat_template_kwargs`."""
@@ -756,6 +808,11 @@ def _render_chat(body: dict[str, Any], info: ModelInfo, unknown: UnknownFields) 
     add_special_tokens = get_bool(body, "add_special_tokens", False)
     template_kwargs = _chat_template_kwargs(body)
     messages = _parse_messages(body.get("messages"), unknown)
+    if tools:  # the template renders them, or they go into the system prompt (tools.py)
+        if _template_renders_tools(info):
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
+        else:
+            messages = T.with_tools_in_system_prompt(messages, T.TOOL_PARSERS["hermes"], tools)
     try:
         return info.encode_chat(
             messages,
@@ -780,13 +837,6 @@ def parse_chat_request(
     _check_fields(
         body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED | _CHAT_VLLM_UNSUPPORTED, unknown
     )
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise APIError(
-            "response_format: only {'type': 'text'} is supported",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name, unknown)
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -802,13 +852,16 @@ def parse_chat_request(
         max_tokens, max_param = max_completion, "max_completion_tokens"
     return_token_ids = get_bool(body, "return_token_ids", False)
     _check_sequences(1, n)
-    ids = _render_chat(body, info, unknown)
+    tools, tool_choice = _parse_tool_fields(body, unknown)
+    rendered_tools = tools if tool_choice != "none" else None
+    ids = _render_chat(body, info, unknown, rendered_tools)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = [PromptInput(token_ids=ids, text=None)]
     resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
     params = _sampling_params(body, n=n, max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size)
-    return GenerateRequest(
+    params = _constrained(params, body, unknown, tools, tool_choice)
+    req = GenerateRequest(
         kind="chat",
         model=model,
         prompts=prompts,
@@ -822,6 +875,8 @@ def parse_chat_request(
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
     )
+    req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
+    return req
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,358 @@
+"""Structured outputs and tool calls through the real server (demo model, the official openai
+client): `response_format` (a pydantic model through `parse`, json_schema, json_object), vLLM's
+`structured_outputs` (regex, choice, grammar), `tools` with `tool_choice`, streaming against
+non-streaming, the 400s of bad grammars, and a grammar that compiles too slowly while other
+requests run. docs/structured-outputs.md, docs/serving.md."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import openai
+import pydantic
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from server_fixtures import ServerProcess
+
+# A short compile limit, so that the slow-grammar test is quick; every other grammar here
+# compiles in milliseconds.
+SERVER_ARGS = ("--grammar-compile-timeout", "0.25", "--max-num-seqs", "16")
+
+
+class Person(pydantic.BaseModel):
+    """Bounded fields: the output's language is finite, so the grammar forces it to end."""
+
+    name: Annotated[str, pydantic.StringConstraints(max_length=12)]
+    age: Annotated[int, pydantic.Field(ge=0, le=120)]
+    member: bool
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    ensure_demo_model()
+    srv = ServerProcess(*SERVER_ARGS)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.output()[-3000:]
+    srv.remove_log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def _parse(client: openai.OpenAI, **kw: Any) -> Any:
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    return parse(**kw)
+
+
+def test_parse_pydantic_model_100_of_100(client: openai.OpenAI) -> None:
+    def one(seed: int) -> Person:
+        r = _parse(
+            client,
+            model="demo",
+            messages=[{"role": "user", "content": f"Describe person number {seed}."}],
+            response_format=Person,
+            max_tokens=80,
+            seed=seed,
+            temperature=1.0,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+        return choice.message.parsed
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        people = list(pool.map(one, range(100)))
+    assert len(people) == 100
+    assert len({p.model_dump_json() for p in people}) > 1  # seeds differ, outputs differ
+
+
+def test_json_schema_regex_choice_grammar(client: openai.OpenAI) -> None:
+    schema = Person.model_json_schema()
+    r = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=80,
+        seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    Person.model_validate_json(r.choices[0].message.content or "")
+    r = client.completions.create(
+        model="demo",
+        prompt="Order:",
+        max_tokens=80,
+        seed=2,
+        extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+        },
+    )
+    Person.model_validate_json(r.choices[0].text)
+    r = client.completions.create(
+        model="demo",
+        prompt="Code:",
+        max_tokens=20,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-\d{2,4}"}},
+    )
+    assert re.fullmatch(r"[A-Z]{3}-\d{2,4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=20,
+        seed=4,
+        extra_body={"structured_outputs": {"choice": ["sunny", "rain"]}},
+    )
+    assert r.choices[0].message.content in ("sunny", "rain")
+    r = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=20,
+        seed=5,
+        extra_body={"structured_outputs": {"grammar": 'start: "temp=" /[0-9]{1,2}/ "C"'}},
+    )
+    assert re.fullmatch(r"temp=[0-9]{1,2}C", r.choices[0].message.content or "")
+    r = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=10, temperature=0, response_format={"type": "json_object"}
+    )
+    assert (r.choices[0].message.content or "").startswith("{")
+
+
+def _tool_call(client: openai.OpenAI, **kw: Any) -> Any:
+    return client.chat.completions.create(model="demo", messages=MESSAGES, **{"max_tokens": 150, **kw})
+
+
+def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
+    for seed in range(5):
+        r = _tool_call(
+            client, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=seed
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 10
+        else:
+            assert call.function.name == "get_time" and -12 <= args["zone"] <= 12
+    r = _tool_call(
+        client,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        seed=7,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    # parallel calls allowed: one or more, all valid, when the output ends in time
+    r = _tool_call(client, tools=[WEATHER], tool_choice="required", seed=8, max_tokens=400)
+    if r.choices[0].finish_reason == "tool_calls":
+        assert all(c.function.name == "get_weather" for c in r.choices[0].message.tool_calls)
+    # "none": the tools are not offered and nothing is parsed; "auto": text or calls, parsed
+    r = _tool_call(client, tools=[WEATHER], tool_choice="none", seed=1, max_tokens=10)
+    assert r.choices[0].message.tool_calls is None
+    r = _tool_call(client, tools=[WEATHER], seed=1, max_tokens=10)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def _stream(client: openai.OpenAI, **kw: Any) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    content = ""
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="demo", messages=MESSAGES, stream=True, **kw):
+        for ch in chunk.choices:
+            d = ch.delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                if tc.id:
+                    assert "id" not in slot  # the id comes once, with the name
+                    slot["id"] = tc.id
+                if tc.function and tc.function.name:
+                    slot["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    slot["arguments"] += tc.function.arguments
+            finish = ch.finish_reason or finish
+    return (content or None), [calls[i] for i in sorted(calls)], finish
+
+
+def test_streaming_agrees_with_non_streaming(client: openai.OpenAI) -> None:
+    for kw in (
+        {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False, "seed": 11},
+        {"tools": [WEATHER], "tool_choice": "required", "seed": 12, "max_tokens": 90},  # may end by length
+        {"tools": [WEATHER], "seed": 13, "max_tokens": 40},  # auto: text
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": Person.model_json_schema()},
+            },
+            "seed": 14,
+        },
+        {"extra_body": {"structured_outputs": {"regex": "(ab|cd){2,6}"}}, "seed": 15},
+    ):
+        kw = {"max_tokens": 150, **kw}
+        full = client.chat.completions.create(model="demo", messages=MESSAGES, **kw).choices[0]
+        content, calls, finish = _stream(client, **kw)
+        assert content == full.message.content
+        assert finish == full.finish_reason
+        expected = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in full.message.tool_calls or []
+        ]
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == expected
+        assert all(c["id"].startswith("call_") for c in calls)
+
+
+def _error(call: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    body = info.value.body
+    assert isinstance(body, dict) and set(body) == {"message", "type", "param", "code"}
+    return body
+
+
+def test_bad_grammars_are_400s_that_name_the_field(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create
+    e = _error(
+        lambda: chat(
+            model="demo",
+            messages=MESSAGES,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        )
+    )
+    assert e["param"] == "response_format" and "invalid JSON schema" in e["message"]
+    e = _error(
+        lambda: chat(
+            model="demo", messages=MESSAGES, extra_body={"structured_outputs": {"regex": "(unclosed"}}
+        )
+    )
+    assert e["param"] == "structured_outputs" and "invalid regex" in e["message"]
+    e = _error(
+        lambda: chat(
+            model="demo",
+            messages=MESSAGES,
+            extra_body={"structured_outputs": {"grammar": "start: missing_rule"}},
+        )
+    )
+    assert e["param"] == "structured_outputs" and "invalid grammar" in e["message"]
+    e = _error(
+        lambda: chat(
+            model="demo",
+            messages=MESSAGES,
+            extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        )
+    )
+    assert e["param"] == "structured_outputs" and "exactly one" in e["message"]
+    e = _error(lambda: chat(model="demo", messages=MESSAGES, response_format={"type": "xml"}))  # type: ignore[arg-type, typeddict-item]
+    assert e["param"] == "response_format.type"
+    e = _error(
+        lambda: chat(
+            model="demo",
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    )
+    assert e["param"] == "tool_choice.function.name"
+    e = _error(lambda: chat(model="demo", messages=MESSAGES, tool_choice="required"))
+    assert e["param"] == "tool_choice"
+    e = _error(
+        lambda: chat(
+            model="demo",
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    )
+    assert e["param"] == "tool_choice" and "response_format" in e["message"]
+    bad_tool = {"type": "function", "function": {"name": ""}}
+    e = _error(lambda: chat(model="demo", messages=MESSAGES, tools=[bad_tool]))
+    assert e["param"] == "tools[0].function.name"
+
+
+def _slow_schema() -> dict[str, Any]:
+    """A JSON schema whose compilation takes seconds: thousands of optional properties (the
+    grammar of their orders grows with their square)."""
+    props = {f"field_{i}": {"type": "integer"} for i in range(5000)}
+    return {"type": "object", "properties": props, "additionalProperties": False}
+
+
+def test_slow_grammar_is_refused_while_others_are_served(client: openai.OpenAI) -> None:
+    slow_body = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema()}}
+
+    def slow() -> tuple[dict[str, Any], float]:
+        t0 = time.monotonic()
+        body = _error(
+            lambda: client.chat.completions.create(
+                model="demo", messages=MESSAGES, max_tokens=5, response_format=slow_body
+            )
+        )  # type: ignore[arg-type]
+        return body, time.monotonic() - t0
+
+    def normal(i: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        kw: dict[str, Any] = {"extra_body": {"structured_outputs": {"choice": ["x", "y"]}}} if i % 2 else {}
+        r = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=30, seed=i, **kw)
+        return r.choices[0].finish_reason or "", time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        slow_f = pool.submit(slow)
+        time.sleep(0.05)
+        normal_f = [pool.submit(normal, i) for i in range(5)]
+        body, slow_s = slow_f.result(timeout=60)
+        finished = [f.result(timeout=60) for f in normal_f]
+    assert body["param"] == "response_format" and "took longer than 0.25 s" in body["message"]
+    assert slow_s < 10.0
+    assert all(reason in ("stop", "length") for reason, _ in finished)
+    # the same grammar again: refused without compiling it again
+    t0 = time.monotonic()
+    body2, _ = slow()
+    assert "took longer" in body2["message"] and time.monotonic() - t0 < 10.0
