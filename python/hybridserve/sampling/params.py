@@ -60,10 +60,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen token
-    include_stop_str_in_output: bool = False
     # Log-probabilities of the prompt's own tokens (every position but the first), with this many
     # top alternatives each; None = none. max_tokens may then be 0: score the prompt only.
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # The grammar the output must match (JSON schema, regex, choice, grammar): structured outputs
     structured_outputs: StructuredOutputsParams | None = None

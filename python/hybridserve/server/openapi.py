@@ -307,8 +307,8 @@ def _chat_fields(
         "logprobs": _bool("return log-probabilities (default false)"),
         "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
         "add_generation_prompt": _bool("end the prompt with the assistant's turn header (default true)"),
-        **_tool_fields(),
         **_template_fields(),
+        **_tool_fields(),
         **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
     }
 
