@@ -6,14 +6,10 @@ Served as `hybridserve serve <the demo model's folder>`: the served model name i
 (vLLM's default), and guidellm's default tokenizer (the model name, for its synthetic prompts)
 loads from it without a model hub.
 
-guidellm is not in the test dependencies: it pins none of ours but pulls ~35 packages (pandas,
-pyarrow, datasets, sanic, ...), and sanic's `multidict<7` would downgrade aiohttp's multidict in
-the shared environment. Install it in a virtual environment of its own and point the test at it:
-
-    python3 -m venv /tmp/guidellm && /tmp/guidellm/bin/pip install guidellm
-    HYBRIDSERVE_GUIDELLM=/tmp/guidellm/bin/guidellm .venv/bin/pytest tests/server/test_guidellm.py
-
-Without it (and no `guidellm` on PATH) the test is skipped.
+guidellm is not in the test dependencies: it pulls ~35 packages, and sanic's `multidict<7` would
+downgrade aiohttp's multidict in the project's environment. `make test` installs it into an
+environment of its own, `.venv-guidellm` (which sees `.venv`'s packages through a .pth file; see
+the Makefile); `HYBRIDSERVE_GUIDELLM` names another guidellm binary. Without any, the test skips.
 """
 
 from __future__ import annotations
@@ -22,17 +18,24 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from server_fixtures import ServerProcess, assert_idle
 
-GUIDELLM = os.environ.get("HYBRIDSERVE_GUIDELLM") or shutil.which("guidellm")
+_OWN_ENV = Path(__file__).resolve().parents[2] / ".venv-guidellm" / "bin" / "guidellm"
+GUIDELLM = (
+    os.environ.get("HYBRIDSERVE_GUIDELLM")
+    or (str(_OWN_ENV) if _OWN_ENV.exists() else None)
+    or shutil.which("guidellm")
+)
 REQUESTS = 4
 
 pytestmark = pytest.mark.skipif(
-    not GUIDELLM, reason="guidellm not installed (see this module's docstring: HYBRIDSERVE_GUIDELLM)"
+    not GUIDELLM,
+    reason="guidellm not installed (make test installs it into .venv-guidellm; see the docstring)",
 )
 
 
