@@ -703,7 +703,7 @@ fn a_checkpoint_emitted_by_a_row_aborted_mid_step_is_dropped() {
 fn skip_prefix_hit_computes_the_whole_prompt_and_still_caches_it() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
     let prompt: Vec<u32> = (1..=40).collect();
-    let mut run = |s: &mut Scheduler, id: &str, skip: bool| -> usize {
+    let run = |s: &mut Scheduler, id: &str, skip: bool| -> usize {
         let mut req = NewRequest::new(id, [prompt.clone(), vec![7, 7]].concat(), 1);
         req.skip_prefix_hit = skip;
         s.add_request(req).unwrap();
