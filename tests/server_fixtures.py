@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,9 +13,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.chat import ChatTemplate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,6 +186,22 @@ def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tu
         return head, json.loads(body)
     except ValueError:
         return head, body
+
+
+@contextlib.contextmanager
+def running_server(*args: str, model: str = "demo") -> Iterator[ServerProcess]:
+    """A server with these flags, ready inside the block and stopped after it (SIGTERM); a graceful
+    shutdown must exit 0, and the log is kept (for the failure message) when it does not."""
+    if model == "demo":
+        ensure_demo_model()
+    srv = ServerProcess(*args, model=model)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.output()[-3000:]
+    srv.remove_log()
 
 
 def get_metrics(server: ServerProcess) -> dict[str, float]:

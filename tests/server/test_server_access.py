@@ -21,7 +21,7 @@ import pytest
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.access import AccessPolicy, parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.app import create_app
-from server_fixtures import ServerProcess, parse_metrics, raw_http
+from server_fixtures import ServerProcess, parse_metrics, raw_http, running_server
 
 MODEL = "demo"
 ALLOWED_ORIGIN = "http://localhost:3000"
@@ -32,16 +32,10 @@ BODY = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     ensure_demo_model()
-    srv = ServerProcess(
+    with running_server(
         "--max-model-len", "256", "--allowed-origins", ALLOWED_ORIGIN, "--allowed-hosts", ALLOWED_HOST
-    )  # fmt: skip
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
-    srv.remove_log()
 
 
 def call(

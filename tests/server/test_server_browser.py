@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, free_port, parse_metrics
+from server_fixtures import ServerProcess, free_port, parse_metrics, running_server
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(
@@ -92,14 +92,10 @@ def allowed_port() -> int:
 @pytest.fixture(scope="module")
 def server(allowed_port: int) -> Iterator[ServerProcess]:
     ensure_demo_model()
-    srv = ServerProcess("--max-model-len", "256", "--allowed-origins", f"http://127.0.0.1:{allowed_port}")
-    try:
-        srv.wait_ready()
+    with running_server(
+        "--max-model-len", "256", "--allowed-origins", f"http://127.0.0.1:{allowed_port}"
+    ) as srv:
         yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
-    srv.remove_log()
 
 
 class Pages:

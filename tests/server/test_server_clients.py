@@ -20,7 +20,7 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.chat import ChatTemplate
-from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, parse_sse
+from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, parse_sse, running_server
 
 MAX_MODEL_LEN = 512
 PROMPT = "The quick brown fox"
@@ -38,14 +38,8 @@ SERVER_ARGS = (
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     ensure_demo_model()
-    srv = ServerProcess(*SERVER_ARGS)
-    try:
-        srv.wait_ready()
+    with running_server(*SERVER_ARGS) as srv:
         yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
-    srv.remove_log()
 
 
 @pytest.fixture(scope="module")

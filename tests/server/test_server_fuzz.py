@@ -34,7 +34,7 @@ from yarl import URL
 
 from hybridserve.model.demo import ensure_demo_model
 from openapi_cases import JSON_VALUES, Spec
-from server_fixtures import ServerProcess, assert_idle, raw_http, wait_idle
+from server_fixtures import ServerProcess, assert_idle, raw_http, running_server, wait_idle
 
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 128 * 1024  # small, so that oversized bodies cost little to send
@@ -73,14 +73,8 @@ class Case:
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     ensure_demo_model()
-    srv = ServerProcess(*SERVER_ARGS)
-    try:
-        srv.wait_ready()
+    with running_server(*SERVER_ARGS) as srv:
         yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
-    srv.remove_log()
 
 
 # ---------------------------------------------------------------------------------------------

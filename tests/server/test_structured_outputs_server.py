@@ -18,7 +18,7 @@ import pydantic
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess
+from server_fixtures import ServerProcess, running_server
 
 # A short compile limit, so that the slow-grammar test is quick; every other grammar here
 # compiles in milliseconds.
@@ -67,14 +67,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     ensure_demo_model()
-    srv = ServerProcess(*SERVER_ARGS)
-    try:
-        srv.wait_ready()
+    with running_server(*SERVER_ARGS) as srv:
         yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
-    srv.remove_log()
 
 
 @pytest.fixture(scope="module")
