@@ -12,7 +12,7 @@ from torch import nn
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
-from hybridserve.model.model_config import ModelConfig
+from hybridserve.model.model_config import MAMBA, ModelConfig
 
 _REGISTRY: dict[str, type[CausalLM]] = {}
 
@@ -130,3 +130,23 @@ def _drops_rows(logits_indices: torch.Tensor, num_tokens: int) -> bool:
         return True
     li = logits_indices
     return int(li[0]) >= 0 and int(li[-1]) < num_tokens and bool((li[1:] > li[:-1]).all())
+
+
+def mamba_or_attention(
+    layer: Any,  # an nn.Module with `kind` and a `mamba` or `self_attn` mixer
+    h: torch.Tensor,
+    hidden: torch.Tensor,
+    ctx: ForwardContext,
+    caches: ModelCaches,
+    idx: int,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixer of a decoder layer that has either a `mamba` or a `self_attn` mixer (its `kind`)
+    on the normed input `h`: (the residual stream, the mixer's output), both reduced to the rows
+    `keep` when given. An attention mixer then computes the queries of the kept rows only (K / V
+    of every token are written); a Mamba mixer runs every token (its state needs them all)."""
+    if layer.kind == MAMBA:
+        h = layer.mamba(h, ctx, caches.conv[idx], caches.ssm[idx])
+        return (hidden, h) if keep is None else (hidden[keep], h[keep])
+    h = layer.self_attn(h, ctx, caches.kv[idx], keep=keep)
+    return (hidden if keep is None else hidden[keep]), h

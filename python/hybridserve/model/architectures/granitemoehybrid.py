@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.errors import ConfigError
-from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.architectures.base import CausalLM, mamba_or_attention, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
@@ -155,16 +155,7 @@ class GraniteMoeHybridLayer(nn.Module):
         idx: int,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.input_layernorm(hidden)
-        if self.kind == MAMBA:
-            h = self.mamba(h, ctx, caches.conv[idx], caches.ssm[idx])
-            if keep is not None:
-                hidden, h = hidden[keep], h[keep]
-        else:
-            # with `keep`, the queries of the kept tokens only (K / V of every token are written)
-            h = self.self_attn(h, ctx, caches.kv[idx], keep=keep)
-            if keep is not None:
-                hidden = hidden[keep]
+        hidden, h = mamba_or_attention(self, self.input_layernorm(hidden), hidden, ctx, caches, idx, keep)
         hidden = hidden + h * self.residual_multiplier
         h = self.post_attention_layernorm(hidden)
         if self.block_sparse_moe is None:
