@@ -227,7 +227,21 @@ def test_ngram_speculation_gives_the_same_tokens(temperature: float) -> None:
         )
         return ps
 
-    prompts = [*PROMPTS, "the cat sat the cat sat"]
+    # a grammar that the drafts complete inside a verify row (a repetitive prompt, a short regex)
+    ps_extra = SamplingParams(
+        max_tokens=30, temperature=temperature, seed=11, ignore_eos=True,
+        structured_outputs={"regex": r" on the mat\. the cat sat on"},
+    )  # fmt: skip
+    base_params = params
+
+    def params() -> list[SamplingParams]:  # noqa: F811 - the list above plus that request
+        return [*base_params(), ps_extra]
+
+    prompts = [
+        *PROMPTS,
+        "the cat sat the cat sat",
+        "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat sat",
+    ]
     results = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
         llm = LLM("demo", dtype="float64", speculative_config=spec)
@@ -240,3 +254,13 @@ def test_ngram_speculation_gives_the_same_tokens(temperature: float) -> None:
     assert results[0] == results[1]
     for _tokens, reason in results[0][: len(PROMPTS)]:
         assert reason == "stop"
+
+
+def test_a_grammar_queued_behind_busy_workers_is_refused_after_a_bounded_wait() -> None:
+    from hybridserve.engine.grammar_compiler import QUEUE_WAIT_FACTOR, CompiledGrammar, GrammarTicket
+
+    ticket = GrammarTicket(CompiledGrammar(key="k", kind="json"), 1.0, 100, "response_format")
+    now = time.monotonic()
+    assert ticket.poll(now) is None  # queued, within its wait
+    refused = ticket.poll(now + QUEUE_WAIT_FACTOR * 1.0 + 1)
+    assert isinstance(refused, InvalidRequestError) and "no grammar compiler was free" in str(refused)

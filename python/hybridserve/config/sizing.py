@@ -172,8 +172,12 @@ def compute_cache_sizes(
             f"the Mamba state cache holds {num_mamba_slots} slots but --max-num-seqs {max_num_seqs} "
             f"running sequences with windows of {window} slot{'s' if window > 1 else ''} need {min_slots}, "
             "counting the null slot; "
-            f"it can run {runs} (lower --max-num-seqs to {runs}, or leave it unset to have it lowered), "
-            "or raise --mamba-cache-memory (or --cache-memory) or --num-mamba-slots"
+            + (
+                f"it can run {runs} (lower --max-num-seqs to {runs}, or leave it unset to have it lowered), "
+                if runs > 0
+                else "it cannot run even one, "
+            )
+            + "or raise --mamba-cache-memory (or --cache-memory) or --num-mamba-slots"
         )
     if num_kv_blocks is None:
         wanted = max_num_seqs * per_seq_blocks + 1

@@ -60,6 +60,10 @@ def _error_text(kind: str, raw: str) -> str:
     return f"{what}: {text}"
 
 
+# How long a grammar may wait for a free worker, in compile timeouts (see GrammarTicket.poll).
+QUEUE_WAIT_FACTOR = 3
+
+
 @dataclass
 class CompiledGrammar:
     """One grammar source: its compilation's state and result."""
@@ -84,6 +88,7 @@ class GrammarTicket:
         self.param = param  # the request field errors name
         self._timeout_s = timeout_s
         self._vocab_size = vocab_size
+        self._submitted = time.monotonic()
 
     @property
     def compiled(self) -> CompiledGrammar:
@@ -103,6 +108,13 @@ class GrammarTicket:
             return InvalidRequestError(
                 f"{self.param}: the {c.kind} grammar took longer than {self._timeout_s:g} s to compile; "
                 "simplify it"
+            )
+        # A grammar still queued: the workers are busy with others (slow ones run on after their
+        # own time is up), so the wait in the queue is bounded too, at the queue limit below.
+        if started is None and now - self._submitted > QUEUE_WAIT_FACTOR * self._timeout_s:
+            return InvalidRequestError(
+                f"{self.param}: no grammar compiler was free for {QUEUE_WAIT_FACTOR * self._timeout_s:g} s "
+                "(other grammars are compiling); retry later"
             )
         return None
 
@@ -211,7 +223,8 @@ class GrammarCompiler:
             matcher.compute_bitmask()  # some errors (lexer limits) show only at the first mask
         if matcher.is_error():
             return None, _error_text(spec.kind, matcher.get_error())
-        self.num_compiled += 1
+        with self._lock:  # (two workers count)
+            self.num_compiled += 1
         return matcher, None
 
     # ------------------------------------------------------------------ requests

@@ -108,17 +108,31 @@ class OutputProcessor:
                     st.first_token_time = now
                 st.last_token_time = now
             grammar_error: str | None = None
-            if st.grammar is not None and new_ids and not finished:
-                # Structured outputs: the grammar advances over what the scheduler accepted; once it
-                # allows nothing more the output is complete and the request ends here (as if the
-                # EOS that alone could follow had been sampled).
-                try:
-                    st.grammar.accept(new_ids)
-                except GrammarError as exc:
-                    grammar_error = str(exc)
+            if st.grammar is not None and new_ids:
+                # Structured outputs: the grammar advances over what the scheduler accepted, token by
+                # token; once it allows nothing more the output is complete and the request ends
+                # there (as if the EOS that alone could follow had been sampled). A verify row can
+                # carry tokens past that point (the correction token after a draft that completed
+                # the grammar is the EOS its mask left): they are dropped, so the output is the one
+                # plain steps give. The scheduler's own last token of a finished row (an EOS where
+                # the grammar may end, or the length limit) is not fed to it.
+                for i, tok in enumerate(new_ids):
+                    if st.grammar.is_terminated():
+                        new_ids = new_ids[:i]
+                        break
+                    if d_finished and i == len(new_ids) - 1:
+                        break
+                    try:
+                        st.grammar.accept([tok])
+                    except GrammarError as exc:
+                        grammar_error = str(exc)
+                        break
                 if grammar_error is not None or st.grammar.is_terminated():
-                    finish_in_scheduler(d.request_id)
+                    if not finished:
+                        finish_in_scheduler(d.request_id)
                     finished, reason = True, "stop" if grammar_error is None else "error"
+                    if grammar_error is None:
+                        stop_reason = None
             # Tokens go to the detokenizer one at a time so that a stop string ends the output at
             # the token that completed it, however many tokens this step produced.
             delta_text = ""

@@ -25,6 +25,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # max_tokens 0: the prompt is scored, the one token the engine samples is dropped.
     score_only: bool = False
+    prompt_logprobs_sent: bool = False
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -39,6 +40,10 @@ class RequestState:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        self.prompt_logprobs_sent = True
+        return list(self.prompt_logprobs or [])
 
     def to_output(
         self,
@@ -66,5 +71,9 @@ class RequestState:
             ],
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            # the prompt's logprobs go with the first output and the last (a reader of a stream
+            # takes them once; a copy per streamed token would cost a prompt's length each time)
+            prompt_logprobs=None
+            if self.prompt_logprobs is None or not (finished or not self.prompt_logprobs_sent)
+            else self._take_prompt_logprobs(),
         )
