@@ -434,3 +434,114 @@ async def test_app_before_the_model_is_loaded(aiohttp_client):
     assert r.status == 200
     values = parse_metrics(await r.text())
     assert values["hybridserve_model_ready"] == 0 and values["hybridserve_num_requests_running"] == 0
+
+
+# ------------------------------------------------------------------------- tool-call history
+
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+]
+
+
+def test_tool_call_history_is_accepted_and_parsed():
+    msgs = P._parse_messages(HISTORY)
+    assert msgs[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    }
+    assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    # arguments that are not JSON stay text; "type" may be left out; an empty list is no calls
+    odd = {"id": "c", "function": {"name": "f", "arguments": "not json"}}
+    msgs = P._parse_messages(
+        [{"role": "assistant", "tool_calls": [odd]}, {"role": "assistant", "content": "x", "tool_calls": []}]
+    )
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == "not json"
+    assert "tool_calls" not in msgs[1]
+
+
+def test_tool_call_history_renders_as_hermes_text_for_chatml(info):
+    """The demo template knows neither tool_calls nor the tool role: Hermes text, the result in a
+    user turn."""
+    rendered = P._render_tool_history(info, P._parse_messages(HISTORY))
+    assert rendered[1] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
+    assert rendered[2] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    ids = P._render_chat({"messages": HISTORY}, info, P.UnknownFields(strict=True))
+    text = info.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>tool" not in text and "<tool_response>" in text and "<tool_call>" in text
+
+
+def test_tool_call_history_goes_to_templates_that_render_it(info):
+    tpl = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'tool' %}[result {{ m.tool_call_id }}: {{ m.content }}]"
+        "{% elif m.tool_calls %}{% for c in m.tool_calls %}[call {{ c.function.name }} "
+        "{{ c.function.arguments | tojson }}]{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+
+    class Aware(TokenizerModelInfo):
+        chat_template = tpl
+
+        def encode_chat(self, messages, add_generation_prompt, **kwargs):
+            self.seen = messages
+            return self.encode(tpl.render(messages, add_generation_prompt))
+
+    a = Aware(ensure_demo_model())
+    chat(a, messages=HISTORY, max_tokens=1)
+    assert a.seen[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert a.seen[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def _with(i, **fields):
+    msgs = [dict(m) for m in HISTORY]
+    msgs[i] = {**msgs[i], **fields}
+    return msgs
+
+
+def _call(**fn):
+    return {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}", **fn}}
+
+
+BAD_TOOL_HISTORY = [
+    (
+        _with(1, tool_calls=[{"type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+        "messages[1].tool_calls[0].id",
+    ),
+    (_with(1, tool_calls=[{"id": "c", "type": "function"}]), "messages[1].tool_calls[0].function"),
+    (
+        _with(1, tool_calls=[{"id": "c", "function": {"arguments": "{}"}}]),
+        "messages[1].tool_calls[0].function.name",
+    ),
+    (
+        _with(1, tool_calls=[_call(arguments={"city": "Paris"})]),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (_with(1, tool_calls=[_call(arguments=None)]), "messages[1].tool_calls[0].function.arguments"),
+    (_with(1, tool_calls=[{**_call(), "type": "code"}]), "messages[1].tool_calls[0].type"),
+    (_with(1, tool_calls=[{**_call(), "extra": 1}]), "messages[1].tool_calls[0].extra"),
+    (_with(1, tool_calls={"id": "c"}), "messages[1].tool_calls"),
+    (_with(1, tool_calls=["c"]), "messages[1].tool_calls[0]"),
+    (_with(0, tool_calls=[_call()]), "messages[0].tool_calls"),
+    ([HISTORY[0], HISTORY[1], {"role": "tool", "content": "sunny"}], "messages[2].tool_call_id"),
+    (_with(2, tool_call_id=5), "messages[2].tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("messages,param", BAD_TOOL_HISTORY)
+def test_malformed_tool_history_is_a_400_naming_the_field(info, messages, param):
+    expect_error(lambda: chat(info, messages=messages), param)

@@ -350,3 +350,28 @@ def test_slow_grammar_is_refused_while_others_are_served(client: openai.OpenAI) 
     t0 = time.monotonic()
     body2, _ = slow()
     assert "took longer" in body2["message"] and time.monotonic() - t0 < 10.0
+
+
+def test_multi_turn_tool_calling_loop(client: openai.OpenAI) -> None:
+    """The openai client's agent loop: a call, the assistant message sent back as returned with a
+    tool result, then an answer."""
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=150,
+        seed=11,
+    )
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls
+    messages.append(msg)
+    for call in msg.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21})})
+    r = client.chat.completions.create(
+        model="demo", messages=messages, tools=[WEATHER], max_tokens=10, seed=3
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage is not None and r.usage.completion_tokens > 0

@@ -393,13 +393,42 @@ _CHAT_MESSAGE: Schema = {
         "name": {"type": ["string", "null"]},
         "tool_call_id": {"type": ["string", "null"]},
         "tool_calls": {
-            "enum": [None, False, {}, []],
-            "description": "not supported: only absent, null or empty",
+            "anyOf": [
+                {"type": "array", "items": {"$ref": "#/components/schemas/ChatToolCall"}},
+                {"type": "null"},
+            ],
+            "description": "an assistant's earlier calls, as the server returned them; only in an "
+            "assistant's message",
         },
     },
-    # content may be left out (or null) only in an assistant's message
+    # content may be left out (or null) only in an assistant's message, and only an assistant's
+    # carries tool_calls; a tool result names its call
     "if": {"properties": {"role": {"const": "assistant"}}},
-    "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    "else": {
+        "required": ["content"],
+        "properties": {"content": {"not": {"type": "null"}}, "tool_calls": {"type": "null"}},
+        "if": {"properties": {"role": {"const": "tool"}}},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+    },
+}
+
+_CHAT_TOOL_CALL: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "function"],
+    "properties": {
+        "id": {"type": "string", "minLength": 1},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "arguments": {"type": "string", "description": "the JSON text of the arguments"},
+            },
+        },
+    },
 }
 
 _ERROR: Schema = {
@@ -589,6 +618,7 @@ def document(
                 "ChatCompletionRequest": chat,
                 "ChatMessage": _CHAT_MESSAGE,
                 "ChatContentPart": _CONTENT_PART,
+                "ChatToolCall": _CHAT_TOOL_CALL,
                 **_tokenize_schemas(served_model_name, vocab_size),
                 "Error": _ERROR,
             },

@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -688,15 +689,11 @@ def _parse_messages(v: Any, unknown: UnknownFields | None = None) -> list[dict[s
         role = m.get("role")
         if not isinstance(role, str) or role not in _MESSAGE_ROLES:
             raise _bad(f"{p}.role", f"must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}")
-        tool_calls = m.get("tool_calls")
-        # as the unsupported top-level fields: only absent, null or empty (0 or "" is no tool call
-        # list, and is refused rather than ignored)
-        if tool_calls is not None and tool_calls != {} and tool_calls != [] and tool_calls is not False:
-            raise APIError(
-                f"{p}.tool_calls: not supported by this server",
-                param=f"{p}.tool_calls",
-                code="unsupported_parameter",
-            )
+        calls = None
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise _bad(f"{p}.tool_calls", "only an assistant message carries tool_calls")
+            calls = _parse_tool_calls(f"{p}.tool_calls", m["tool_calls"], unknown)
         content = m.get("content")
         if content is None:
             if role != "assistant":
@@ -736,8 +733,64 @@ def _parse_messages(v: Any, unknown: UnknownFields | None = None) -> list[dict[s
                 val = m[key]
                 if not isinstance(val, str):
                     raise _bad(f"{p}.{key}", "must be a string", "invalid_type")
+                _check_surrogates(f"{p}.{key}", val)
                 msg[key] = val
+        if role == "tool" and "tool_call_id" not in msg:
+            raise _bad(f"{p}.tool_call_id", "required in a tool message", "missing_field")
+        if calls:
+            msg["tool_calls"] = calls
         out.append(msg)
+    return out
+
+
+def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, Any]]:
+    """An assistant message's earlier `tool_calls` (OpenAI's shape: [{"id", "type": "function",
+    "function": {"name", "arguments" (JSON text)}}]), for the chat template. As vLLM hands them to
+    templates, `arguments` becomes the parsed object when it is JSON (templates write it with
+    `tojson`); otherwise it stays the text."""
+    if not isinstance(v, list):
+        raise _bad(p, f"must be a list of tool calls, got {type(v).__name__}", "invalid_type")
+    out: list[dict[str, Any]] = []
+    for i, c in enumerate(v):
+        pc = f"{p}[{i}]"
+        if not isinstance(c, dict):
+            raise _bad(pc, f"must be an object, got {type(c).__name__}", "invalid_type")
+        for key in sorted(set(c) - {"id", "type", "function"}):
+            unknown.found(f"{pc}.{key}")
+        if c.get("type", "function") != "function":
+            raise _bad(f"{pc}.type", f"must be 'function', got {c.get('type')!r}")
+        call_id = c.get("id")
+        if call_id is None:
+            raise _bad(f"{pc}.id", "required", "missing_field")
+        if not isinstance(call_id, str) or not call_id:
+            raise _bad(f"{pc}.id", "must be a non-empty string", "invalid_type")
+        fn = c.get("function")
+        if fn is None:
+            raise _bad(f"{pc}.function", "required", "missing_field")
+        if not isinstance(fn, dict):
+            raise _bad(f"{pc}.function", f"must be an object, got {type(fn).__name__}", "invalid_type")
+        for key in sorted(set(fn) - {"name", "arguments"}):
+            unknown.found(f"{pc}.function.{key}")
+        name, args = fn.get("name"), fn.get("arguments")
+        if name is None:
+            raise _bad(f"{pc}.function.name", "required", "missing_field")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{pc}.function.name", "must be a non-empty string", "invalid_type")
+        if args is None:
+            raise _bad(f"{pc}.function.arguments", "required", "missing_field")
+        if not isinstance(args, str):
+            raise _bad(
+                f"{pc}.function.arguments",
+                f"must be a string (the JSON text of the arguments), got {type(args).__name__}",
+                "invalid_type",
+            )
+        for key, val in (("id", call_id), ("function.name", name), ("function.arguments", args)):
+            _check_surrogates(f"{pc}.{key}", val)
+        try:
+            parsed: Any = json.loads(args)
+        except ValueError:
+            parsed = args
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
     return out
 
 
@@ -792,10 +845,27 @@ def _parse_tool_fields(body: dict[str, Any], unknown: UnknownFields) -> tuple[li
         raise _field_error(e) from None
 
 
+def _template_source(info: ModelInfo) -> str | None:
+    template = getattr(info, "chat_template", None) or getattr(info, "template", None)
+    return template.source if isinstance(template, ChatTemplate) else None
+
+
 def _template_renders_tools(info: ModelInfo) -> bool:
     """Whether the model's chat template renders `tools` itself (it mentions them)."""
-    template = getattr(info, "chat_template", None) or getattr(info, "template", None)
-    return isinstance(template, ChatTemplate) and "tools" in template.source
+    source = _template_source(info)
+    return source is not None and "tools" in source
+
+
+def _render_tool_history(info: ModelInfo, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the assistants' `tool_calls` and the `tool` results as a template that
+    does not render them needs them: a template that mentions `tool_calls` (or the "tool" role)
+    gets them as message fields; otherwise they are written as Hermes text (tools.py)."""
+    source = _template_source(info) or ""
+    calls_as_text = "tool_calls" not in source
+    results_as_text = re.search(r"""['"]tool['"]""", source) is None
+    return T.with_tool_history_as_text(
+        messages, T.TOOL_PARSERS["hermes"], calls=calls_as_text, results=results_as_text
+    )
 
 
 def _render_chat(
@@ -807,7 +877,7 @@ def _render_chat(
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     add_special_tokens = get_bool(body, "add_special_tokens", False)
     template_kwargs = _chat_template_kwargs(body)
-    messages = _parse_messages(body.get("messages"), unknown)
+    messages = _render_tool_history(info, _parse_messages(body.get("messages"), unknown))
     if tools:  # the template renders them, or they go into the system prompt (tools.py)
         if _template_renders_tools(info):
             template_kwargs = {**(template_kwargs or {}), "tools": tools}

@@ -340,3 +340,35 @@ def render_tool_calls(parser: ToolParser, calls: list[dict[str, Any]]) -> str:
         body = json.dumps({"name": fn.get("name"), "arguments": parsed}, ensure_ascii=False)
         parts.append(f"{parser.START}\n{body}\n{parser.END}")
     return "\n".join(parts)
+
+
+def with_tool_history_as_text(
+    messages: list[dict[str, Any]], parser: ToolParser, *, calls: bool, results: bool
+) -> list[dict[str, Any]]:
+    """The messages with an agent's tool history as text, for templates that do not render it.
+    `calls`: an assistant's `tool_calls` are appended to its content as the blocks the model
+    writes (`render_tool_calls`). `results`: the `tool` messages become a user turn of
+    `<tool_response>...</tool_response>` blocks (consecutive results share one turn), as Hermes
+    and Qwen templates write them: a ChatML model knows no "tool" role, and the user turn is
+    where such models see results."""
+    if not (calls or results):
+        return messages
+    if not isinstance(parser, HermesToolParser):
+        raise ValueError(f"the {parser.name} parser cannot render tool history")
+    out: list[dict[str, Any]] = []
+    merged: set[int] = set()  # indexes in `out` of user turns made of tool results
+    for m in messages:
+        if calls and m.get("tool_calls"):
+            blocks = render_tool_calls(parser, m["tool_calls"])
+            content = m.get("content") or ""
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = f"{content}\n{blocks}" if content else blocks
+        elif results and m.get("role") == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if len(out) - 1 in merged:
+                out[-1]["content"] += f"\n{block}"
+                continue
+            merged.add(len(out))
+            m = {"role": "user", "content": block}
+        out.append(m)
+    return out
