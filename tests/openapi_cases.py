@@ -12,6 +12,7 @@ bound; tests/server/test_server_fuzz.py sends a server thousands of requests bui
 from __future__ import annotations
 
 import math
+import re
 from functools import cache
 from typing import Any
 
@@ -163,6 +164,8 @@ class Spec:
         if isinstance(v, str):
             if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", math.inf):
                 return False
+            if "pattern" in s and not re.search(s["pattern"], v):
+                return False
         if isinstance(v, list):
             if len(v) < s.get("minItems", 0) or len(v) > s.get("maxItems", math.inf):
                 return False
@@ -175,6 +178,15 @@ class Spec:
             if s.get("additionalProperties") is False and any(k not in props for k in v):
                 return False
             if not all(self.conforms(props[k], x) for k, x in v.items() if k in props):
+                return False
+            if len(v) > s.get("maxProperties", math.inf):
+                return False
+            if "propertyNames" in s and not all(self.conforms(s["propertyNames"], k) for k in v):
+                return False
+            extra = s.get("additionalProperties")
+            if isinstance(extra, dict) and not all(
+                self.conforms(extra, x) for k, x in v.items() if k not in props
+            ):
                 return False
         return True
 
@@ -243,11 +255,37 @@ class Spec:
         out += [[one, v] for v in bad[:4]]
         return out
 
+    def _key_candidates(self, s: Schema) -> list[str]:
+        """Property names to probe a map (`propertyNames`, `additionalProperties` a schema) with:
+        the ones its `propertyNames` accepts first."""
+        odd = ["0", "1", "7", "00", "01", "-1", "+1", "1.5", "1e2", " 1", "a", "", "\u0661"]
+        odd += [str(10**k + d) for k in range(1, 6) for d in (-1, 0, 1)]
+        names = s.get("propertyNames", {})
+        return sorted(odd, key=lambda k: not self.conforms(names, k))
+
+    def _map_boundary(self, s: Schema, depth: int) -> list[Any]:
+        keys = self._key_candidates(s)
+        names = s.get("propertyNames", {})
+        good_key = keys[0]
+        extra = s.get("additionalProperties")
+        values = self.boundary(extra, depth + 1)[:24] if isinstance(extra, dict) else [0]
+        good_v = next((v for v in values if not isinstance(extra, dict) or self.conforms(extra, v)), 0)
+        out: list[Any] = [{k: good_v} for k in keys]
+        out += [{good_key: v} for v in values]
+        valid_keys = [k for k in keys if self.conforms(names, k)]
+        out.append({k: good_v for k in valid_keys})
+        if "maxProperties" in s:
+            hi = s["maxProperties"]
+            out += [{str(i): good_v for i in range(n)} for n in (hi, hi + 1)]
+        return out
+
     def _object_boundary(self, s: Schema, depth: int) -> list[Any]:
         props: dict[str, Schema] = s.get("properties", {})
         required = s.get("required", [])
         base = {k: self.example(props[k]) for k in required}
         out: list[Any] = [dict(base), {**base, "unknown_field": 1}]
+        if "propertyNames" in s or isinstance(s.get("additionalProperties"), dict):
+            out += self._map_boundary(s, depth)
         for k in required:
             out.append({n: v for n, v in base.items() if n != k})
         for name, p in props.items():
@@ -339,6 +377,16 @@ def _valid(spec: Spec, key: str) -> SearchStrategy[Any]:
             lo = s.get("minItems", 0)
             hi = min(s.get("maxItems", lo + 3), lo + 3)
             options.append(st.lists(spec.valid(s.get("items", {})), min_size=lo, max_size=hi))
+        elif t == "object" and isinstance(s.get("additionalProperties"), dict):
+            names = s.get("propertyNames", {})
+            keys = [k for k in spec._key_candidates(s) if spec.conforms(names, k)]
+            options.append(
+                st.dictionaries(
+                    st.sampled_from(keys),
+                    spec.valid(s["additionalProperties"]),
+                    max_size=min(3, s.get("maxProperties", 3)),
+                )
+            )
         elif t == "object":
             props = s.get("properties", {})
             req = set(s.get("required", []))

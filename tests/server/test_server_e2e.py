@@ -868,7 +868,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (c, "stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}),
         (c, "min_tokens > max_tokens", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
         (c, "wrong model", {"model": "gpt-4", "prompt": "x"}),
-        (c, "logit_bias", {"prompt": "x", "logit_bias": {"5": 100}}),
+        (c, "logit_bias out of range", {"prompt": "x", "logit_bias": {"5": 100.5}}),
         (c, "return_token_ids not a bool", {"prompt": "x", "return_token_ids": 1}),
         (ch, "messages missing", {"max_tokens": 3}),
         (ch, "messages empty", {"messages": []}),

@@ -187,7 +187,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
     ({"prompt": "x", "user": 5}, "user"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "best_of": 4}, "best_of"),
     ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only to score (echo)

@@ -18,6 +18,9 @@ MAX_LOGPROBS = 20
 # match breaks) grows with their length, so each one's length and the total are bounded, in
 # characters (code points). 16 strings at the longest meet the total (16 is the HTTP count limit).
 MAX_STOP_STR_LEN = 2048
+# OpenAI's logit_bias: at most this many tokens, each biased by a value in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_MAX = 100.0
 MAX_STOP_STRS_TOTAL_LEN = 32768
 
 
@@ -67,6 +70,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The grammar the output must match (JSON schema, regex, choice, grammar): structured outputs
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> value added to that token's logit before any other
+    # processing (greedy rows too). None or empty: no bias. Ids are checked against the vocabulary
+    # by the sampler's caller (the HTTP protocol knows the vocabulary; here only id >= 0).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -98,6 +105,8 @@ class SamplingParams:
             setattr(self, name, bool(getattr(self, name)))
         self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +175,21 @@ class SamplingParams:
             is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        lb = self.logit_bias
+        if lb is not None:
+            if not isinstance(lb, dict):
+                raise bad("logit_bias", f"must be a mapping of token id to bias, got {type(lb).__name__}")
+            if len(lb) > MAX_LOGIT_BIAS_ENTRIES:
+                raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(lb)}")
+            for t, b in lb.items():
+                if not is_int(t) or not (0 <= t < 2**63):
+                    raise bad("logit_bias", f"token ids must be non-negative integers, got {t!r}")
+                if (
+                    isinstance(b, bool)
+                    or not isinstance(b, numbers.Real)
+                    or not (-LOGIT_BIAS_MAX <= float(b) <= LOGIT_BIAS_MAX)
+                ):
+                    raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for {t}")
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):

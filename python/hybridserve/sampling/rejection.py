@@ -7,7 +7,8 @@ the flat concatenation of all rows' drafts; `draft_probs`, when the proposer has
 `[sum k_r, V]` aligned with it (None for n-gram drafts).
 
 Every sampling parameter is applied to the target first (`process_logits`, with the drafts before
-each position counted as output for penalties and min_tokens), giving p. Row r's position j is its
+each position counted as output for penalties and min_tokens; `logit_bias` on every position, as
+the plain sampler adds it), giving p. Row r's position j is its
 output token `n_r + j` (`n_r = RowSampling.output_position`), and its draws are keyed by that index.
 
 Drafts without probabilities (point masses: the n-gram and draft-model proposers draft greedily):
@@ -56,6 +57,7 @@ from hybridserve.sampling.sampler import (
     RowSampling,
     Sampler,
     _needs_history,
+    _plain_greedy,
     _unique,
     apply_allowed,
     exponential_noise,
@@ -383,9 +385,7 @@ class RejectionSampler:
                 row_drafts.append(flat_l[off : off + k])
                 off += k
             allowed = row_masks([r.grammar for r in rows], vocab, device, row_drafts)
-        if draft_probs is None and all(
-            r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)
-        ):
+        if draft_probs is None and all(_plain_greedy(r) for r in _unique(rows)):
             return _greedy_point_mass(apply_allowed(target_logits, allowed), drafts, ks)
 
         # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are

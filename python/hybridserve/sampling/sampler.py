@@ -3,6 +3,9 @@
 Every row of a batch carries its own `SamplingParams`, its own seed and its token history. The
 processing order follows vLLM v1:
 
+0. `logit_bias` (OpenAI's): each biased token's value is added to the model's logit of that row,
+   before everything else (greedy rows too). Rows without one are untouched, and a batch without
+   any takes no extra step.
 1. `min_tokens`: while fewer than `min_tokens` tokens were generated, the stop tokens
    (`stop_token_ids`, and EOS unless `ignore_eos`) get -inf.
 2. Penalties on the model's logits: repetition penalty over prompt + output tokens (HF/vLLM:
@@ -175,6 +178,42 @@ def _needs_history(row: RowSampling) -> bool:
     return row.has_penalties or row.params.min_tokens > 0
 
 
+def _plain_greedy(row: RowSampling) -> bool:
+    """Greedy with nothing to apply before the argmax but the grammar mask."""
+    return (
+        row.greedy and not _needs_history(row) and row.params.logprobs is None and not row.params.logit_bias
+    )
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: Sequence[RowSampling], row_index: list[int]) -> None:
+    """Add each row's `logit_bias` to its logit rows, in place (ids outside the vocabulary are
+    left out: the HTTP protocol refuses them, the offline API cannot know the vocabulary)."""
+    vocab = x.shape[1]
+    flat_rows: list[int] = []
+    flat_ids: list[int] = []
+    flat_vals: list[float] = []
+    for i, r in enumerate(row_index):
+        bias = rows[r].params.logit_bias
+        if not bias:
+            continue
+        for t, b in bias.items():
+            if t < vocab:
+                flat_rows.append(i)
+                flat_ids.append(t)
+                flat_vals.append(b)
+    if not flat_rows:
+        return
+    device = x.device
+    x.index_put_(
+        (
+            torch.tensor(flat_rows, dtype=torch.int64, device=device),
+            torch.tensor(flat_ids, dtype=torch.int64, device=device),
+        ),
+        torch.tensor(flat_vals, dtype=x.dtype, device=device),
+        accumulate=True,
+    )
+
+
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """`logits` with the tokens `allowed` (bool, same shape) forbids at -inf; `logits` itself when
     there is no mask."""
@@ -306,6 +345,8 @@ def process_logits(
         raise ValueError(f"extra_tokens has {len(extra_tokens)} entries for {m} logit rows")
     device = logits.device
     x = logits.to(_work_dtype(logits)).clone()
+    if any(r.params.logit_bias for r in _unique(rows)):
+        _apply_logit_bias(x, rows, ridx)  # on the raw logits, before everything else
     if allowed is not None:
         x.masked_fill_(~allowed, float("-inf"))
     _apply_history(x, rows, ridx, extra_tokens)
@@ -466,7 +507,7 @@ class Sampler:
                 token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
             )
         allowed = row_masks([r.grammar for r in rows], vocab, logits.device)
-        if all(r.greedy and not _needs_history(r) and r.params.logprobs is None for r in _unique(rows)):
+        if all(_plain_greedy(r) for r in _unique(rows)):
             # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
             # process_logits.
             return SamplerOutput(token_ids=apply_allowed(logits, allowed).argmax(dim=-1), logprobs=[None] * n)

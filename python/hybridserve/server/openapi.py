@@ -15,7 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from hybridserve._core import __version__
-from hybridserve.sampling.params import MAX_LOGPROBS, MAX_STOP_STR_LEN, MAX_STOP_STRS_TOTAL_LEN
+from hybridserve.sampling.params import (
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_STOP_STR_LEN,
+    MAX_STOP_STRS_TOTAL_LEN,
+)
 from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
 
@@ -55,6 +61,38 @@ def _token_id(vocab_size: int | None) -> Schema:
     if vocab_size is not None:
         s["maximum"] = vocab_size - 1
     return s
+
+
+def _below_pattern(n: int) -> str:
+    """A regular expression of the decimal numbers 0 .. n - 1 (n >= 1), without leading zeros."""
+    top = str(n - 1)
+    width = len(top)
+    alts = ["0"]
+    if width >= 2:
+        alts.append(f"[1-9][0-9]{{0,{width - 2}}}")  # fewer digits than n - 1
+    for i, d in enumerate(top):  # as many digits: a smaller digit at i after n - 1's own prefix
+        lo = 1 if i == 0 else 0
+        if int(d) > lo:
+            rest = width - i - 1
+            alts.append(f"{top[:i]}[{lo}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    if top != "0":
+        alts.append(top)
+    return "^(" + "|".join(alts) + ")$"
+
+
+def _logit_bias(vocab_size: int | None) -> Schema:
+    key = (
+        _below_pattern(vocab_size) if vocab_size is not None and vocab_size >= 1 else "^(0|[1-9][0-9]{0,17})$"
+    )
+    return {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+        "propertyNames": {"type": "string", "pattern": key},
+        "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX, "maximum": LOGIT_BIAS_MAX},
+        "description": "token id (decimal, no leading zeros, below the vocabulary size) -> bias added to "
+        "its logit before any other processing, greedy sampling too; -100 in effect forbids a "
+        "token, 100 in effect forces it",
+    }
 
 
 def _max_tokens(max_model_len: int | None, default: str) -> Schema:
@@ -103,6 +141,7 @@ def _sampling_fields(
             "unpaired UTF-16 surrogates)",
         },
         "stop_token_ids": {"type": "array", "items": _token_id(vocab_size), "description": "stop tokens"},
+        "logit_bias": _logit_bias(vocab_size),
         "ignore_eos": _bool("keep generating after EOS (default false)"),
         # (at most max_tokens, so below max_model_len too; the validator's own bound is INT32_MAX)
         "min_tokens": _int(

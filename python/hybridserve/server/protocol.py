@@ -20,7 +20,13 @@ from typing import Any, Literal, Protocol
 
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams, stop_length_error
+from hybridserve.sampling.params import (
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    SamplingParams,
+    stop_length_error,
+)
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import structured_outputs as constraints
 from hybridserve.server import tools as T
@@ -264,6 +270,8 @@ _SAMPLING_FIELDS = {
     "min_tokens",
     "repetition_penalty",
     "stop_token_ids",
+    # OpenAI's: token id (a decimal string) -> bias in [-100, 100] added to its logit
+    "logit_bias",
     "skip_special_tokens",
     "include_stop_str_in_output",
     # vLLM's extra response field: the prompt and output token ids of each choice
@@ -283,7 +291,7 @@ _SAMPLING_FIELDS = {
     "service_tier",
 }
 # OpenAI fields we know but do not implement: accepted only when absent, null or empty.
-_UNSUPPORTED_COMMON = {"logit_bias"}
+_UNSUPPORTED_COMMON: set[str] = set()
 _COMPLETION_FIELDS = (
     _SAMPLING_FIELDS
     | {"prompt", "echo", "logprobs", "prompt_logprobs", "best_of", "suffix"}
@@ -423,6 +431,39 @@ def _parse_token_list(param: str, v: Any, vocab_size: int | None, *, allow_empty
     return list(v)
 
 
+# A logit_bias key: a token id in decimal, without sign, spaces or leading zeros; at most 18
+# digits, so that an id is below 2^63 while the vocabulary size is not known.
+_LOGIT_BIAS_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def _parse_logit_bias(v: Any, vocab_size: int | None) -> dict[int, float] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(
+            "logit_bias", f"must be an object of token ids to biases, got {type(v).__name__}", "invalid_type"
+        )
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not _LOGIT_BIAS_KEY.fullmatch(key):
+            shown = repr(key) if len(key) <= 32 else repr(key[:32]) + "..."
+            raise _bad("logit_bias", f"keys must be token ids in decimal, got {shown}")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise _bad("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise _bad(
+                "logit_bias", f"biases must be numbers, got {type(bias).__name__} for {key}", "invalid_type"
+            )
+        if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            shown_b = bias if abs(bias) < 10**30 else "a huge number"
+            raise _bad("logit_bias", f"biases must be in [-100, 100], got {shown_b} for {key}")
+        out[token] = float(bias)
+    return out or None
+
+
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
@@ -486,6 +527,7 @@ def _sampling_params(
     )
     top_k = get_int(body, "top_k", 0, -1, 2**31 - 1)
     min_tokens = get_int(body, "min_tokens", 0, 0, 2**31 - 1)
+    logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
     try:
         return SamplingParams(
             n=n,
@@ -506,6 +548,7 @@ def _sampling_params(
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            logit_bias=logit_bias,
         )
     except InvalidRequestError as e:
         msg = str(e)
