@@ -202,11 +202,84 @@ GRANITE_CONFIGS = {
     ),  # fmt: skip
 }
 
+FALCON_H1_CONFIGS = {
+    # GQA 4/2, ngroups 2, the Mamba norm before the gate (the released models' setting), biases on
+    # the Mamba projections, every muP multiplier away from 1
+    "fh_gqa_norm": dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_ssm=48,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=8,
+        mamba_rms_norm=True,
+        mamba_proj_bias=True,
+        projectors_bias=True,
+        intermediate_size=40,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.7,
+        key_multiplier=0.6,
+        attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8,
+        ssm_in_multiplier=0.9,
+        ssm_out_multiplier=1.2,
+        ssm_multipliers=[0.8, 1.25, 0.7, 1.4, 0.9],
+        mlp_multipliers=[1.2, 0.75],
+    ),  # fmt: skip
+    # no Mamba norm (y * silu(z)), odd Mamba head dim 9, ngroups 4, GQA 6/1, conv width 3,
+    # chunk 16, RoPE theta 500, tied embeddings
+    "fh_odd_nonorm": dict(
+        num_hidden_layers=3,
+        hidden_size=36,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        mamba_n_heads=8,
+        mamba_d_ssm=72,
+        mamba_d_head=9,
+        mamba_d_state=8,
+        mamba_n_groups=4,
+        mamba_d_conv=3,
+        mamba_chunk_size=16,
+        mamba_rms_norm=False,
+        intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        tie_word_embeddings=True,
+        key_multiplier=1.4,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+        mlp_multipliers=[0.9, 1.1],
+    ),  # fmt: skip
+    # the Mamba norm after the gate, ngroups 1, MHA, mamba_d_ssm from mamba_expand, attention and
+    # MLP biases
+    "fh_gate_norm_mha": dict(
+        num_hidden_layers=2,
+        hidden_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        mamba_n_heads=3,
+        mamba_d_ssm=None,
+        mamba_expand=2,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=8,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=False,
+        attention_bias=True,
+        mlp_bias=True,
+        intermediate_size=20,
+        embedding_multiplier=2.0,
+        attention_out_multiplier=0.5,
+    ),  # fmt: skip
+}
+
 ALL_CONFIGS = {
     **{k: ("nemotron_h", v) for k, v in NEMOTRON_H_CONFIGS.items()},
     **{k: ("bamba", v) for k, v in BAMBA_CONFIGS.items()},
     **{k: ("mamba2", v) for k, v in MAMBA2_CONFIGS.items()},
     **{k: ("granitemoehybrid", v) for k, v in GRANITE_CONFIGS.items()},
+    **{k: ("falcon_h1", v) for k, v in FALCON_H1_CONFIGS.items()},
 }
 
 
@@ -237,6 +310,9 @@ def build_hf_model(kind: str, overrides: dict, vocab_size: int = 256, seed: int 
             model = transformers.GraniteMoeHybridForCausalLM(cfg)
         # the reference loop over experts: the default grouped_mm has no float64
         model.set_experts_implementation("eager")
+    elif kind == "falcon_h1":
+        cfg = transformers.FalconH1Config(**common, **overrides)
+        model = transformers.FalconH1ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     _scale_weights(model, seed + 1)

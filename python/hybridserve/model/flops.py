@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridserve.model.model_config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from hybridserve.model.model_config import ATTENTION, HYBRID, MAMBA, MLP, MOE, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,9 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
             macs += _mlp(cfg, h, cfg.intermediate_size)
         elif kind == MOE:
             macs += moe
-        if ffn_in_every_layer and kind in (MAMBA, ATTENTION):
+        elif kind == HYBRID:  # Falcon-H1: both mixers on the same input
+            macs += mamba + attention
+        if ffn_in_every_layer and kind in (MAMBA, ATTENTION, HYBRID):
             macs += _mlp(cfg, h, cfg.intermediate_size) + moe
     # QK^T and PV: two products of head_dim per query head and key
     attn_ctx = 2 * cfg.num_heads * cfg.head_dim * cfg.num_attention_layers

@@ -53,6 +53,7 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
             "bamba": "BambaForCausalLM",
             "mamba2": "Mamba2ForCausalLM",
             "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+            "falcon_h1": "FalconH1ForCausalLM",
         }.get(str(mt), "")
         if not name:
             raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")

@@ -19,12 +19,14 @@ from typing import Any
 from hybridserve.errors import ConfigError
 
 # Our layer kinds. Bamba/Mamba2-style layers carry their FFN inside the same layer; NemotronH has
-# separate "mlp" / "moe" layers.
+# separate "mlp" / "moe" layers; a Falcon-H1 "hybrid" layer runs a Mamba2 mixer and attention side
+# by side (it has both a KV cache and a Mamba state: it counts as a Mamba and an attention layer).
 MAMBA = "mamba"
 ATTENTION = "attention"
 MLP = "mlp"
 MOE = "moe"
-LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
+HYBRID = "hybrid"
+LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE, HYBRID)
 
 # transformers 5.x names and the legacy 4.x ones, to our kinds.
 _LAYER_NAME_MAP = {
@@ -159,7 +161,7 @@ class ModelConfig:
 
     @property
     def has_mamba_layers(self) -> bool:
-        return MAMBA in self.layer_types
+        return MAMBA in self.layer_types or HYBRID in self.layer_types
 
     @property
     def supports_boundary_states(self) -> bool:
@@ -169,11 +171,11 @@ class ModelConfig:
 
     @property
     def mamba_layer_ids(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_types) if k == MAMBA]
+        return [i for i, k in enumerate(self.layer_types) if k in (MAMBA, HYBRID)]
 
     @property
     def attention_layer_ids(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_types) if k == ATTENTION]
+        return [i for i, k in enumerate(self.layer_types) if k in (ATTENTION, HYBRID)]
 
     @property
     def num_mamba_layers(self) -> int:
@@ -229,7 +231,7 @@ class ModelConfig:
                 raise bad(f"unsupported mamba activation {self.mamba_act!r}")
             if not (0.0 <= self.dt_min <= self.dt_max):
                 raise bad(f"bad time step limit ({self.dt_min}, {self.dt_max})")
-        if ATTENTION in self.layer_types:
+        if ATTENTION in self.layer_types or HYBRID in self.layer_types:
             if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
                 raise bad("attention dimensions must be positive")
             if self.num_heads % self.num_kv_heads != 0:
@@ -345,7 +347,8 @@ def model_type_of(raw: dict[str, Any]) -> str:
 def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None) -> list[str]:
     """One of LAYER_KINDS per layer, as config.json declares them: `layers_block_type` /
     `layer_types`, NemotronH's `hybrid_override_pattern`, Bamba's `attn_layer_indices`, Mamba2's
-    all-Mamba stack; a model type without Mamba layers is taken as attention layers.
+    all-Mamba stack, Falcon-H1's all-hybrid one; a model type without Mamba layers is taken as
+    attention layers.
     `model_type`: the architecture's own, for a config.json that does not name it."""
     model_type = model_type or model_type_of(raw)
     names = get_field(raw, "layers_block_type", "layer_types")
@@ -370,6 +373,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
         return [ATTENTION if i in attn else MAMBA for i in range(n)]
+    if model_type == "falcon_h1":
+        return [HYBRID] * n
     if model_type in SCAN_CHUNK_DEFAULTS:
         return [MAMBA] * n
     return [ATTENTION] * n
@@ -391,9 +396,8 @@ def model_capabilities(raw: dict[str, Any], source: str) -> dict[str, Any]:
     so `hybridserve config` explains a model type the engine cannot run yet too."""
     model_type = model_type_of(raw)
     kinds = layer_kinds(raw, source)
-    n_mamba, n_attn = kinds.count(MAMBA), kinds.count(ATTENTION)
-    if model_type == "falcon_h1":  # every layer runs attention and Mamba side by side
-        n_attn = n_mamba
+    n_hybrid = kinds.count(HYBRID)  # a Falcon-H1 layer: attention and Mamba side by side
+    n_mamba, n_attn = kinds.count(MAMBA) + n_hybrid, kinds.count(ATTENTION) + n_hybrid
     has_mamba = model_type in SCAN_CHUNK_DEFAULTS and n_mamba > 0
     return {
         "model_type": model_type,

@@ -60,9 +60,15 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> torch.Tensor:
-        T = hidden.shape[0]
-        dtype = hidden.dtype
-        proj = self.in_proj(hidden)
+        y, z = self.scan(self.in_proj(hidden), ctx, conv_state, ssm_state)
+        return self.out_proj(self.norm(y, z, hidden.dtype))
+
+    def scan(
+        self, proj: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y ``[T, d_inner]`` before the gate and norm, the gate z) of the in_proj output `proj`:
+        the conv and SSD scan of every token, writing the states per the ForwardContext."""
+        T = proj.shape[0]
         z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         w = self.conv1d.weight[:, 0, :]
         b = self.conv1d.bias
@@ -76,7 +82,7 @@ class Mamba2Mixer(nn.Module):
         if ndt < T:
             parts.append(self._prefill_tokens(xbc[ndt:], dt[ndt:], w, b, A, conv_state, ssm_state, ctx))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.out_proj(self.norm(y.reshape(T, self.d_inner), z, dtype))
+        return y.reshape(T, self.d_inner), z
 
     def _split_conv_out(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         G, N = self.ngroups, self.dstate

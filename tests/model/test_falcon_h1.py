@@ -1,0 +1,295 @@
+"""Falcon-H1 (FalconH1ForCausalLM) beyond the shared parity matrix of test_model_parity.py (whose
+full-prompt logits, greedy and batched-greedy tests, and test_model_tail_rows.py's, run on the
+`fh_*` configs of model_fixtures.FALCON_H1_CONFIGS): float64 logits against transformers, the
+config parser (every muP multiplier, the Mamba norm options), the layer kind that has both a KV
+cache and a Mamba state, `hybridserve config --explain`, and the engine (prefix hits in every
+cache mode, n-gram speculation) lossless in float64.
+
+float64 against transformers: transformers' Falcon-H1 computes its RMSNorms, the gated norm of the
+mixer, the SSD scan and the rotary cos/sin in float32 even in a float64 model, so the two agree to
+float32 rounding and are compared at the parity tests' 1e-4, not at float64 precision.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.errors import ConfigError
+from hybridserve.model.architectures import get_architecture
+from hybridserve.model.cache_tensors import ModelCaches, kv_bytes_per_block, mamba_bytes_per_slot
+from hybridserve.model.flops import prefill_cost
+from hybridserve.model.loader import load_model
+from hybridserve.model.model_config import HYBRID, model_capabilities
+from model_fixtures import FALCON_H1_CONFIGS, Driver, build_hf_model, random_prompts, save_hf_model
+
+torch.set_num_threads(1)
+
+VOCAB = 256
+NAMES = list(FALCON_H1_CONFIGS)
+ARCH = "FalconH1ForCausalLM"
+
+
+@cache
+def _checkpoint(name: str, root: str) -> tuple[torch.nn.Module, Path]:
+    hf = build_hf_model("falcon_h1", FALCON_H1_CONFIGS[name], vocab_size=VOCAB, seed=200 + NAMES.index(name))
+    return hf, save_hf_model(hf, Path(root) / name)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    root = str(tmp_path_factory.mktemp("falcon_h1"))
+
+    def get(name: str) -> tuple[torch.nn.Module, Path]:
+        return _checkpoint(name, root)
+
+    return get
+
+
+LENGTHS = [5, 21, 1, 13, 30, 9]
+CHUNKS: list[list[int] | None] = [None, [8, 13], None, [3, 10], [16, 7, 7], None]
+ARRIVALS = [0, 0, 1, 2, 2, 4]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_batched_logits_match_transformers(checkpoints, name: str) -> None:
+    """Six requests batched (mixed prefill / decode rows, chunked prefills), float64: the greedy
+    tokens equal transformers' argmax and every logit row equals transformers' at the parity
+    tolerance (see the module docstring for what limits it)."""
+    hf, d = checkpoints(name)
+    lm = load_model(str(d), torch.float64)
+    prompts = random_prompts(len(LENGTHS), VOCAB, LENGTHS, seed=31)
+    ours, logits = Driver(lm, max_seq=64, max_reqs=len(prompts)).generate(
+        prompts, 12, chunks=CHUNKS, arrivals=ARRIVALS
+    )
+    hf64 = hf.to(torch.float64)
+    try:
+        worst = 0.0
+        for p, o, lg in zip(prompts, ours, logits):
+            with torch.no_grad():
+                ref = hf64(torch.tensor([p + o])).logits[0, len(p) - 1 : len(p) - 1 + len(o)]
+            assert ref.dtype == torch.float64 and lg.dtype == torch.float64
+            assert ref.argmax(-1).tolist() == o
+            worst = max(worst, float((lg - ref).abs().max() / ref.abs().max()))
+        assert worst < 1e-4, worst
+        assert len({tuple(o) for o in ours}) > 1  # not a degenerate model
+    finally:
+        hf.to(torch.float32)
+
+
+def test_config_fields_caches_and_flops(checkpoints) -> None:
+    _, d = checkpoints("fh_gqa_norm")
+    lm = load_model(str(d), torch.float32)
+    c = lm.config
+    assert c.architecture == ARCH and c.model_type == "falcon_h1"
+    assert c.layer_types == [HYBRID, HYBRID]
+    assert c.mamba_layer_ids == c.attention_layer_ids == [0, 1]
+    assert (c.nheads, c.headdim, c.d_inner, c.dstate, c.ngroups, c.chunk_size) == (4, 12, 48, 8, 2, 8)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim) == (4, 2, 8, 8)
+    assert c.ssm_multipliers == [0.8, 1.25, 0.7, 1.4, 0.9] and c.mlp_multipliers == [1.2, 0.75]
+    assert (c.mamba_rms_norm, c.mamba_norm_before_gate, c.projectors_bias, c.mamba_proj_bias) == (
+        True,
+        True,
+        True,
+        True,
+    )
+    layer = lm.model.model.layers[0]
+    assert layer.self_attn.scale == pytest.approx(8**-0.5 * 0.6)  # key_multiplier in the scale
+    caps = c.capabilities()
+    assert (caps["scan_chunk_size"], caps["num_mamba_layers"], caps["num_attention_layers"]) == (8, 2, 2)
+    raw = json.loads((d / "config.json").read_text())
+    assert caps == {**model_capabilities(raw, "config.json"), "torch_dtype": caps["torch_dtype"]}
+    # every layer has a KV cache and a Mamba state
+    caches = ModelCaches.for_model(c, torch.float32, 4, 8, 3)
+    assert sorted(caches.kv) == sorted(caches.conv) == sorted(caches.ssm) == [0, 1]
+    assert kv_bytes_per_block(c, 8, torch.float32) == 2 * 2 * 8 * 2 * 8 * 4
+    assert mamba_bytes_per_slot(c, torch.float32) == 2 * (c.conv_dim * 3 + 4 * 12 * 8) * 4
+    # prefill FLOPs: every linear layer, plus the conv and state of each mixer
+    linear = sum(
+        m.weight.numel()
+        for n, m in lm.model.named_modules()
+        if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    )
+    scan = c.conv_dim * c.d_conv + 3 * c.nheads * c.headdim * c.dstate
+    cost = prefill_cost(c)
+    assert cost.per_token == 2 * linear + 2 * c.num_mamba_layers * scan
+    assert cost.attn_per_context_token == 2 * 2 * c.num_heads * c.head_dim * 2
+
+    _, d = checkpoints("fh_odd_nonorm")
+    lm = load_model(str(d), torch.float32)
+    assert (lm.config.headdim, lm.config.head_dim, lm.config.rope_theta) == (9, 6, 500.0)
+    assert not hasattr(lm.model.model.layers[0].mamba, "norm")
+    assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+
+    _, d = checkpoints("fh_gate_norm_mha")
+    c = load_model(str(d), torch.float32).config
+    assert (c.d_inner, c.headdim, c.mamba_norm_before_gate) == (48, 16, False)
+
+
+def _raw(**kw: object) -> dict:
+    base: dict = {
+        "model_type": "falcon_h1", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 4, "mamba_d_ssm": 64,
+        "mamba_d_state": 8, "intermediate_size": 16,
+    }  # fmt: skip
+    base.update(kw)
+    return base
+
+
+def test_parse_released_fields_and_errors() -> None:
+    cls = get_architecture(ARCH)
+    # the released configs: a top-level rope_theta, an explicit head_dim, no layer list
+    c = cls.parse_config(_raw(rope_theta=1e11, head_dim=16, rope_scaling=None), "f/config.json")
+    assert c.layer_types == [HYBRID, HYBRID] and (c.rope_theta, c.head_dim, c.rotary_dim) == (1e11, 16, 16)
+    assert (c.headdim, c.d_inner, c.chunk_size, c.dt_min) == (16, 64, 256, 0.0)
+    assert c.ssm_multipliers == [1.0] * 5 and c.mlp_multipliers == [1.0, 1.0]
+    caps = model_capabilities(_raw(), "f/config.json")
+    assert (caps["num_mamba_layers"], caps["num_attention_layers"], caps["scan_chunk_size"]) == (2, 2, 256)
+    raw = _raw()
+    del raw["mamba_d_ssm"]
+    assert cls.parse_config(raw, "f/config.json").d_inner == 64  # mamba_expand 2 x hidden_size
+    bad = [
+        (_raw(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type"),
+        (_raw(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),
+        (_raw(mlp_multipliers="x"), "mlp_multipliers"),
+        (_raw(mamba_n_heads=3), "f/config.json"),
+        (_raw(layer_types=["mamba", "attention"]), "hybrid"),
+    ]
+    for raw, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            cls.parse_config(raw, "f/config.json")
+
+
+def test_config_explain_shows_capabilities(checkpoints) -> None:
+    _, d = checkpoints("fh_gqa_norm")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "config", str(d), "--explain"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "capabilities: type falcon_h1, Mamba layers 2, attention layers 2, boundary states on, "
+        "scan chunk size 8, max_position_embeddings 8192"
+    ) in proc.stdout, proc.stdout
+    assert "mamba_cache_mode        all" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine, float64: caching and speculation change nothing
+# ------------------------------------------------------------------------------------------------
+
+MAX_TOKENS = 12
+BLOCK = 8
+MAMBA_BLOCK = 16
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _write_tokenizer(d: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    shared = [rng.randrange(3, VOCAB) for _ in range(37)]
+    motif = [rng.randrange(3, VOCAB) for _ in range(5)]
+    return [
+        shared + [rng.randrange(3, VOCAB) for _ in range(9)],  # share a 37-token prefix
+        shared + [rng.randrange(3, VOCAB) for _ in range(20)],
+        (motif * 8)[:38],  # repetitive: n-gram lookup finds drafts
+        [rng.randrange(3, VOCAB) for _ in range(4)],
+        shared[:33],
+    ]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    return [tuple(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def _llm(model: Path, mode: str, **kw: object) -> LLM:
+    args: dict[str, object] = dict(
+        dtype="float64", block_size=BLOCK, max_model_len=256, max_num_seqs=4, seed=0
+    )
+    args.update(kw)
+    if mode == "none":
+        args.update(mamba_cache_mode="none", enable_prefix_caching=False)
+    else:
+        args.update(mamba_cache_mode=mode, enable_prefix_caching=True, mamba_block_size=MAMBA_BLOCK)
+    return LLM(str(model), **args)
+
+
+def _turns(outputs: list[tuple[int, ...]]) -> list[list[int]]:
+    """The next turn of each prompt: the prompt, its output, a few new tokens."""
+    return [p + list(o) + [7 + i] * (2 + i) for i, (p, o) in enumerate(zip(_prompts(), outputs))]
+
+
+@pytest.fixture(scope="module")
+def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """The GQA checkpoint with its LM head moved towards the embeddings (0.7 of them, 0.3 of its
+    own: each position leans towards repeating its input token, so n-gram drafts are partly
+    accepted; the embeddings alone repeat one token for ever here): accepted and rejected drafts
+    both roll back the Mamba states and the KV of every layer; a tokenizer, and the reference
+    outputs of the prompts and of their next turns: one request at a time, no prefix caching,
+    whole prompts in one step."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = checkpoints("fh_gqa_norm")
+    d = tmp_path_factory.mktemp("engine") / "fh_echo"
+    shutil.copytree(src, d)
+    w = load_file(str(d / "model.safetensors"))
+    w["lm_head.weight"] = 0.7 * w["model.embed_tokens.weight"] + 0.3 * w["lm_head.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    _write_tokenizer(d)
+    llm = _llm(d, "none", max_num_batched_tokens=512, max_num_seqs=1)
+    ref, _ = _run(llm, _prompts())
+    ref_turns, _ = _run(llm, _turns(ref))
+    assert all(len(r) == MAX_TOKENS for r in ref) and len(set(ref)) > 1
+    assert all(len(set(r)) > 1 for r in ref)  # not a constant repetition
+    return d, ref, ref_turns
+
+
+@pytest.mark.parametrize("spec", [None, 3], ids=["plain", "ngram3"])
+@pytest.mark.parametrize("mode", ["none", "align", "all"])
+def test_engine_cache_modes_and_ngram_speculation_are_lossless(
+    engine_model, mode: str, spec: int | None
+) -> None:
+    d, ref, ref_turns = engine_model
+    sc = None
+    if spec is not None:
+        sc = {
+            "method": "ngram",
+            "num_speculative_tokens": spec,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+    llm = _llm(d, mode, max_num_batched_tokens=24, speculative_config=sc)
+    prompts = _prompts()
+    first, _ = _run(llm, prompts)
+    again, hits = _run(llm, prompts)
+    nxt, turn_hits = _run(llm, _turns(ref))
+    assert first == ref and again == ref and nxt == ref_turns
+    stats = llm.engine.stats()
+    if mode == "none":
+        assert sum(hits) == 0 and sum(turn_hits) == 0
+    else:
+        assert sum(hits) > 0
+        # every next turn resumes at the last token its first turn computed
+        assert turn_hits == [len(p) + MAX_TOKENS - 1 for p in prompts]
+    if spec is not None:
+        # drafts accepted and drafts rejected
+        assert 0 < stats["spec_decode_accepted_tokens"] < stats["spec_decode_draft_tokens"]
