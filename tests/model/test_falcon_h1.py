@@ -13,8 +13,6 @@ float32 rounding and are compared at the parity tests' 1e-4, not at float64 prec
 from __future__ import annotations
 
 import json
-import random
-import shutil
 import subprocess
 import sys
 from functools import cache
@@ -23,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve import LLM, SamplingParams
+import family_engine
 from hybridserve.errors import ConfigError
 from hybridserve.model.architectures import get_architecture
 from hybridserve.model.cache_tensors import ModelCaches, kv_bytes_per_block, mamba_bytes_per_slot
@@ -186,81 +184,17 @@ def test_config_explain_shows_capabilities(checkpoints) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the engine, float64: caching and speculation change nothing
+# the engine, float64: caching and speculation change nothing (tests/family_engine.py)
 # ------------------------------------------------------------------------------------------------
-
-MAX_TOKENS = 12
-BLOCK = 8
-MAMBA_BLOCK = 16
-PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def _write_tokenizer(d: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(d / "tokenizer.json"))
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(5)
-    shared = [rng.randrange(3, VOCAB) for _ in range(37)]
-    motif = [rng.randrange(3, VOCAB) for _ in range(5)]
-    return [
-        shared + [rng.randrange(3, VOCAB) for _ in range(9)],  # share a 37-token prefix
-        shared + [rng.randrange(3, VOCAB) for _ in range(20)],
-        (motif * 8)[:38],  # repetitive: n-gram lookup finds drafts
-        [rng.randrange(3, VOCAB) for _ in range(4)],
-        shared[:33],
-    ]
-
-
-def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-    return [tuple(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def _llm(model: Path, mode: str, **kw: object) -> LLM:
-    args: dict[str, object] = dict(
-        dtype="float64", block_size=BLOCK, max_model_len=256, max_num_seqs=4, seed=0
-    )
-    args.update(kw)
-    if mode == "none":
-        args.update(mamba_cache_mode="none", enable_prefix_caching=False)
-    else:
-        args.update(mamba_cache_mode=mode, enable_prefix_caching=True, mamba_block_size=MAMBA_BLOCK)
-    return LLM(str(model), **args)
-
-
-def _turns(outputs: list[tuple[int, ...]]) -> list[list[int]]:
-    """The next turn of each prompt: the prompt, its output, a few new tokens."""
-    return [p + list(o) + [7 + i] * (2 + i) for i, (p, o) in enumerate(zip(_prompts(), outputs))]
 
 
 @pytest.fixture(scope="module")
 def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     """The GQA checkpoint with its LM head moved towards the embeddings (0.7 of them, 0.3 of its
-    own: each position leans towards repeating its input token, so n-gram drafts are partly
-    accepted; the embeddings alone repeat one token for ever here): accepted and rejected drafts
-    both roll back the Mamba states and the KV of every layer; a tokenizer, and the reference
-    outputs of the prompts and of their next turns: one request at a time, no prefix caching,
-    whole prompts in one step."""
-    from safetensors.torch import load_file, save_file
-
+    own; the embeddings alone repeat one token for ever here): accepted and rejected drafts both
+    roll back the Mamba states and the KV of every layer; its reference outputs."""
     _, src = checkpoints("fh_gqa_norm")
-    d = tmp_path_factory.mktemp("engine") / "fh_echo"
-    shutil.copytree(src, d)
-    w = load_file(str(d / "model.safetensors"))
-    w["lm_head.weight"] = 0.7 * w["model.embed_tokens.weight"] + 0.3 * w["lm_head.weight"]
-    save_file(w, str(d / "model.safetensors"))
-    _write_tokenizer(d)
-    llm = _llm(d, "none", max_num_batched_tokens=512, max_num_seqs=1)
-    ref, _ = _run(llm, _prompts())
-    ref_turns, _ = _run(llm, _turns(ref))
-    assert all(len(r) == MAX_TOKENS for r in ref) and len(set(ref)) > 1
-    assert all(len(set(r)) > 1 for r in ref)  # not a constant repetition
-    return d, ref, ref_turns
+    return family_engine.echo_model(src, tmp_path_factory.mktemp("engine") / "fh_echo", 0.7)
 
 
 @pytest.mark.parametrize("spec", [None, 3], ids=["plain", "ngram3"])
@@ -268,28 +202,4 @@ def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
 def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:
-    d, ref, ref_turns = engine_model
-    sc = None
-    if spec is not None:
-        sc = {
-            "method": "ngram",
-            "num_speculative_tokens": spec,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        }
-    llm = _llm(d, mode, max_num_batched_tokens=24, speculative_config=sc)
-    prompts = _prompts()
-    first, _ = _run(llm, prompts)
-    again, hits = _run(llm, prompts)
-    nxt, turn_hits = _run(llm, _turns(ref))
-    assert first == ref and again == ref and nxt == ref_turns
-    stats = llm.engine.stats()
-    if mode == "none":
-        assert sum(hits) == 0 and sum(turn_hits) == 0
-    else:
-        assert sum(hits) > 0
-        # every next turn resumes at the last token its first turn computed
-        assert turn_hits == [len(p) + MAX_TOKENS - 1 for p in prompts]
-    if spec is not None:
-        # drafts accepted and drafts rejected
-        assert 0 < stats["spec_decode_accepted_tokens"] < stats["spec_decode_draft_tokens"]
+    family_engine.check_lossless(engine_model, mode, spec)
