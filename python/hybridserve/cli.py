@@ -20,6 +20,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("hybridserve.config", "config_main", "add_config_args"),
     "bench": ("hybridserve.bench", "bench_main", "add_bench_args"),
     "demo-model": ("hybridserve.model.demo", "demo_model_main", "add_demo_model_args"),
+    "replicas": ("hybridserve.deploy.replicas", "replicas_main", "add_replicas_args"),
 }
 
 _HELP = {
@@ -28,6 +29,7 @@ _HELP = {
     "config": "resolve and print the engine configuration (--explain, --json)",
     "bench": "benchmarks: serving load generator and offline throughput",
     "demo-model": "write the built-in demo checkpoint to a folder",
+    "replicas": "start N serve replicas behind a router (vllm-router), or a router for --worker-urls",
 }
 
 

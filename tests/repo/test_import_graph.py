@@ -23,8 +23,9 @@ RANK = {
     "_core": 0,
     "arg_types": 0,
 }
-# The command line and the benchmarks sit above every layer: nothing in a layer imports them.
-TOOLS = {"cli", "bench", "benchmarks", "__main__"}
+# The command line, the benchmarks and the deployment launcher sit above every layer: nothing in a
+# layer imports them.
+TOOLS = {"cli", "bench", "benchmarks", "deploy", "__main__"}
 
 
 def _imports(path: Path) -> Iterator[tuple[str, list[str], int]]:

@@ -1,0 +1,1 @@
+"""Deployment helpers: replicas of the server behind an off-the-shelf router (`hybridserve replicas`)."""

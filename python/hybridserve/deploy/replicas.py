@@ -1,0 +1,273 @@
+"""`hybridserve replicas`: N `hybridserve serve` replicas behind an off-the-shelf router.
+
+    hybridserve replicas --num-replicas 2 --port 8000 -- demo --max-num-seqs 32
+    hybridserve replicas --worker-urls http://gpu1:8000,http://gpu2:8000 --port 8000
+
+Starts the replicas on consecutive ports (`--first-replica-port`, default `--port` + 1), each with
+the `serve` arguments given after `--`, waits until every `/health` answers 200, then starts the
+router (vllm-router, found on PATH or given by `--router-bin`) on `--port` in front of them. With
+`--worker-urls` no replica is started: the router fronts servers that already run elsewhere.
+SIGINT or SIGTERM stops the replicas first (each drains its in-flight requests, `serve
+--shutdown-timeout`), then the router. The router is the only thing in the data path; this
+process only starts, watches and stops. Exit status: 0 after a signal, 1 when the router or a
+replica's start fails or the router dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from hybridserve.arg_types import int_in, seconds
+from hybridserve.errors import ConfigError
+
+DEFAULT_ROUTER = "vllm-router"
+# SGLang's gateway takes the same flags after its `launch` subcommand
+_LAUNCH_SUBCOMMAND = {"sglang-router", "smg"}
+POLICIES = ("cache_aware", "round_robin")
+_SERVE_FLAGS_WE_SET = ("--port", "--host")
+
+
+def add_replicas_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-replicas", type=int_in(1), default=2, help="replicas to start (default 2)")
+    p.add_argument(
+        "--worker-urls",
+        default=None,
+        metavar="URL,...",
+        help="route to these running servers instead of starting replicas (other machines)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int_in(1, 65535), default=8000, help="router port (default 8000)")
+    p.add_argument(
+        "--first-replica-port",
+        type=int_in(1, 65535),
+        default=None,
+        help="port of the first replica, the others follow (default: --port + 1)",
+    )
+    p.add_argument(
+        "--policy", choices=POLICIES, default="cache_aware", help="routing policy (default cache_aware)"
+    )
+    p.add_argument(
+        "--router-bin",
+        default=None,
+        help=f"router executable (default: {DEFAULT_ROUTER} on PATH; sglang-router and smg also work)",
+    )
+    p.add_argument(
+        "--health-check-interval",
+        type=int_in(1),
+        default=5,
+        help="seconds between the router's health checks of each replica (default 5)",
+    )
+    p.add_argument(
+        "--router-metrics-port",
+        type=int_in(1, 65535),
+        default=None,
+        help="the router's Prometheus port (default: the router's own, 29000)",
+    )
+    p.add_argument(
+        "--router-args",
+        default="",
+        help="more router flags, one shell-quoted string (e.g. '--cache-threshold 0.5')",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=seconds(),
+        default=600.0,
+        help="seconds to wait for each replica and the router to answer /health (default 600)",
+    )
+    p.add_argument("--log-dir", default=None, help="write each replica's and the router's output here")
+    p.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- MODEL [serve flags]",
+        help="what each replica gets: `hybridserve serve` arguments (not --port/--host)",
+    )
+
+
+def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
+    """The router's command line: its executable, the workers, the policy, the health checks."""
+    binary = args.router_bin or shutil.which(DEFAULT_ROUTER)
+    if binary is None:
+        raise ConfigError(f"{DEFAULT_ROUTER} is not on PATH: `pip install vllm-router` or give --router-bin")
+    cmd = [binary, *(["launch"] if Path(binary).name in _LAUNCH_SUBCOMMAND else [])]
+    cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    cmd += ["--worker-urls", *worker_urls]
+    cmd += ["--health-check-interval-secs", str(args.health_check_interval)]
+    if args.router_metrics_port is not None:
+        cmd += ["--prometheus-port", str(args.router_metrics_port)]
+    return cmd + shlex.split(args.router_args)
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    serve = list(args.serve_args)
+    if serve[:1] == ["--"]:
+        serve = serve[1:]
+    if args.worker_urls is not None:
+        if serve:
+            raise ConfigError("--worker-urls starts no replica: serve arguments make no sense with it")
+        return []
+    if not serve:
+        raise ConfigError("give the replicas' model after `--`, e.g. `hybridserve replicas -- demo`")
+    for flag in _SERVE_FLAGS_WE_SET:
+        if any(a == flag or a.startswith(flag + "=") for a in serve):
+            raise ConfigError(f"{flag} is set for each replica; use --first-replica-port / --host")
+    return serve
+
+
+def _health(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: the child gets SIGTERM when this process dies, even by SIGKILL (no orphans)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Children:
+    """The processes this command started, in start order, with their names."""
+
+    def __init__(self, log_dir: str | None) -> None:
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.stopping = False
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        out: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # the child writes to it
+        print(f"hybridserve replicas: starting {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        # its own session: a Ctrl-C in the terminal reaches the children once, through us
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+        )
+        if out is not None:
+            out.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def wait_healthy(self, name: str, proc: subprocess.Popen[bytes], url: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.stopping:
+            if proc.poll() is not None:
+                print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
+                return False
+            if _health(url) == 200:
+                return True
+            if time.monotonic() > deadline:
+                print(f"hybridserve replicas: {name} not healthy after {timeout:.0f}s", file=sys.stderr)
+                return False
+            time.sleep(0.2)
+        return False
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """SIGTERM the replicas and wait (they drain), then the router; True when every child that
+        was still running exits 0 (one that died before was reported when it did)."""
+        ok = True
+        running = [(n, p) for n, p in self.procs if p.poll() is None]
+        replicas = [(n, p) for n, p in running if n != "router"]
+        router = [(n, p) for n, p in running if n == "router"]
+        for group in (replicas, router):
+            for _, proc in group:
+                proc.send_signal(signal.SIGTERM)
+            for name, proc in group:
+                try:
+                    rc = proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"hybridserve replicas: {name} did not stop; killing it", file=sys.stderr)
+                    proc.kill()
+                    rc = proc.wait()
+                ok = ok and rc == 0
+        return ok
+
+
+def replicas_main(args: argparse.Namespace) -> int:
+    serve = _serve_args(args)
+    if args.worker_urls is not None:
+        worker_urls = [u.strip().rstrip("/") for u in args.worker_urls.split(",") if u.strip()]
+        if not worker_urls:
+            raise ConfigError("--worker-urls: no URL")
+    else:
+        first = args.first_replica_port or args.port + 1
+        if first + args.num_replicas - 1 > 65535:
+            raise ConfigError("--first-replica-port: the replicas' ports run past 65535")
+        worker_urls = [f"http://127.0.0.1:{first + i}" for i in range(args.num_replicas)]
+    router_cmd = router_command(args, worker_urls)
+
+    children = _Children(args.log_dir)
+    old = {s: signal.signal(s, children.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i, url in enumerate(worker_urls if serve else []):
+            port = url.rsplit(":", 1)[1]
+            cmd = [
+                sys.executable,
+                "-m",
+                "hybridserve",
+                "serve",
+                *serve,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+            ]
+            children.start(f"replica{i}", cmd)
+        for name, proc in list(children.procs):
+            url = worker_urls[int(name.removeprefix("replica"))]
+            if not children.wait_healthy(name, proc, url, args.startup_timeout):
+                children.stop()
+                return 0 if children.stopping else 1
+        router = children.start("router", router_cmd)
+        router_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        if not children.wait_healthy("router", router, router_url, args.startup_timeout):
+            children.stop()
+            return 0 if children.stopping else 1
+        print(
+            f"hybridserve replicas: ready: {router_url} routes ({args.policy}) to {', '.join(worker_urls)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        dead: set[str] = set()
+        while not children.stopping:
+            if router.poll() is not None:
+                print(f"hybridserve replicas: the router exited with {router.returncode}", file=sys.stderr)
+                children.stop()
+                return 1
+            for name, proc in children.procs:
+                if name not in dead and proc.poll() is not None:
+                    dead.add(name)  # the router's health checks take it out of rotation
+                    print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
+            time.sleep(0.2)
+        return 0 if children.stop() else 1
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for _, proc in children.procs:  # an exception above: leave nothing behind
+            if proc.poll() is None:
+                proc.kill()
