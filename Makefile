@@ -93,7 +93,18 @@ $(STAMPS)/guidellm: $(STAMPS)/deps
 	$(GUIDELLM_VENV)/bin/pip install --quiet "guidellm==0.8.1"
 	@touch $@
 
-test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm
+# vllm-router (the router `hybridserve replicas` starts and tests/server/test_router.py drives: a Rust
+# binary in a wheel, with a small Python launcher) lives in an environment of its own too, so that its
+# web-framework pins never meet ours (about 20 s, 130 MB).
+ROUTER_VENV := .venv-router
+$(STAMPS)/router:
+	@mkdir -p $(STAMPS)
+	rm -rf $(ROUTER_VENV)
+	$(PYTHON_BOOTSTRAP) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install --quiet "vllm-router==0.1.17"
+	@touch $@
+
+test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: setup test-rust lint typecheck test-python
@@ -102,4 +113,4 @@ gpu-check: setup
 	bash cuda/gpu_check.sh
 
 clean:
-	rm -rf $(STAMPS) target .mypy_cache python/hybridserve/_core*.so $(GUIDELLM_VENV)
+	rm -rf $(STAMPS) target .mypy_cache python/hybridserve/_core*.so $(GUIDELLM_VENV) $(ROUTER_VENV)
