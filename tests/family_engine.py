@@ -84,11 +84,15 @@ def echo_model(
 
 
 def check_lossless(
-    engine_model: tuple[Path, list[tuple[int, ...]], list[tuple[int, ...]]], mode: str, spec: int | None
+    engine_model: tuple[Path, list[tuple[int, ...]], list[tuple[int, ...]]],
+    mode: str,
+    spec: int | None,
+    **engine_kw: object,
 ) -> None:
-    """The engine in cache mode `mode`, with n-gram speculation of `spec` drafts or none: the
-    prompts, the same prompts again and their next turns give the reference outputs; prefix hits
-    where the mode caches; drafts both accepted and rejected."""
+    """The engine in cache mode `mode`, with n-gram speculation of `spec` drafts or none (and
+    `engine_kw`, e.g. a tensor-parallel size): the prompts, the same prompts again and their next
+    turns give the reference outputs; prefix hits where the mode caches; drafts both accepted and
+    rejected."""
     d, ref, ref_turns = engine_model
     sc = None
     if spec is not None:
@@ -98,11 +102,14 @@ def check_lossless(
             "prompt_lookup_min": 1,
             "prompt_lookup_max": 3,
         }
-    llm = make_llm(d, mode, max_num_batched_tokens=24, speculative_config=sc)
+    llm = make_llm(d, mode, max_num_batched_tokens=24, speculative_config=sc, **engine_kw)
     batch = prompts()
-    first, _ = run(llm, batch)
-    again, hits = run(llm, batch)
-    nxt, turn_hits = run(llm, turns(ref))
+    try:
+        first, _ = run(llm, batch)
+        again, hits = run(llm, batch)
+        nxt, turn_hits = run(llm, turns(ref))
+    finally:
+        llm.engine.stop_workers()  # type: ignore[attr-defined]
     assert first == ref and again == ref and nxt == ref_turns
     stats = llm.engine.stats()
     if mode == "none":

@@ -18,6 +18,7 @@ RANK = {
     "model": 2,
     "sampling": 2,
     "spec_decode": 2,
+    "distributed": 2,
     "kernels": 1,
     "errors": 0,
     "_core": 0,

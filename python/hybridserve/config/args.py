@@ -43,6 +43,7 @@ _PYTHON_UPPER_BOUNDS = {
     "mamba_cache_memory": 2**62,
     "cache_memory": 2**62,
     "cpu_threads": 1024,
+    "tensor_parallel_size": 1024,
     "seed": 2**64 - 1,
     "prefix_cache_hash_seed": 2**64 - 1,
 }
@@ -52,6 +53,7 @@ _PYTHON_LOWER_BOUNDS = {
     "mamba_cache_memory": 1,
     "cache_memory": 1,
     "cpu_threads": 1,
+    "tensor_parallel_size": 1,
     "seed": 0,
     "prefix_cache_hash_seed": 0,
 }
@@ -108,6 +110,9 @@ class EngineArgs:
     dtype: str = "auto"
     #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
     device: str | None = None
+    #: N: tensor-parallel ranks (processes) the model is split over; the engine process is rank 0
+    #: and spawns the others (docs/tensor-parallelism.md).
+    tensor_parallel_size: int = 1
     #: Seed of the engine's sampling (requests without their own seed).
     seed: int = 0
     #: Secret seed of the prefix cache's block hashes (a hit is trusted on the hash, so the seed
@@ -157,7 +162,7 @@ class EngineArgs:
             isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
         ):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {self.device!r}")
-        required = ("block_size", "seed", "max_queue_len")
+        required = ("block_size", "seed", "max_queue_len", "tensor_parallel_size")
         optional = (
             "max_num_seqs",
             "mamba_block_size",

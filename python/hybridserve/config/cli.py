@@ -89,6 +89,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     )
     g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="model dtype (default: auto)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes (ranks; gloo on the CPU, NCCL on cuda:0..N-1; default: 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="engine seed of sampling (default: 0)")
     g.add_argument(
         "--prefix-cache-hash-seed",

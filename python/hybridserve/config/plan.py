@@ -54,6 +54,10 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     caps = read_model_capabilities(model_dir)
     resolved = args.resolve(caps)
     _, mcfg = load_config(model_dir)
+    tp = int(args.tensor_parallel_size)
+    # with tensor parallelism the pools are counted per rank: every rank holds the same blocks and
+    # slots, each of its shard's size (docs/tensor-parallelism.md, "Caches")
+    shard_cfg = _shard_config(mcfg, tp, model_dir)
     core = resolved.core
     dtype = parse_dtype(resolved.dtype)
     k = int(core.num_speculative_tokens)
@@ -64,8 +68,8 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
         max_num_seqs=int(core.max_num_seqs),
         num_speculative_tokens=k,
         prefix_caching_can_hit=caching,
-        kv_bytes_per_token=kv_bytes_per_block(mcfg, 1, dtype),
-        mamba_bytes_per_slot=mamba_bytes_per_slot(mcfg, default_state_dtype(mcfg, dtype)),
+        kv_bytes_per_token=kv_bytes_per_block(shard_cfg, 1, dtype),
+        mamba_bytes_per_slot=mamba_bytes_per_slot(shard_cfg, default_state_dtype(mcfg, dtype)),
         has_mamba_layers=bool(mcfg.has_mamba_layers),
         kv_cache_memory=args.kv_cache_memory,
         mamba_cache_memory=args.mamba_cache_memory,
@@ -113,5 +117,40 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                     "state pool more memory",
                 )
             )
+    if tp > 1:
+        decisions.append(_tensor_parallel_decision(mcfg, tp))
     resolved = dataclasses.replace(resolved, decisions=decisions, model_dir=model_dir)
     return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
+
+
+def _shard_config(mcfg: ModelConfig, tp: int, model_dir: str) -> ModelConfig:
+    """The shapes one rank holds; ConfigError naming --tensor-parallel-size when `tp` does not
+    divide the model."""
+    if tp == 1:
+        return mcfg
+    from hybridserve.distributed.sharding import check_tensor_parallel, local_config
+
+    check_tensor_parallel(mcfg, tp, f"{model_dir}/config.json")
+    return local_config(mcfg, tp)
+
+
+def _tensor_parallel_decision(mcfg: ModelConfig, tp: int) -> Decision:
+    parts = []
+    if mcfg.has_mamba_layers:
+        G = mcfg.ngroups
+        groups = (
+            f"{G // tp} of {G} B/C groups each"
+            if G % tp == 0
+            else f"the one B/C group of its heads ({G} in all)"
+        )
+        parts.append(f"{mcfg.nheads // tp} of {mcfg.nheads} Mamba heads and {groups}")
+    if mcfg.num_attention_layers:
+        kv = mcfg.num_kv_heads
+        kvs = f"{kv // tp} of {kv} KV heads" if kv % tp == 0 else f"1 of {kv} KV heads (replicated)"
+        parts.append(f"{mcfg.num_heads // tp} of {mcfg.num_heads} query heads and {kvs}")
+    return Decision(
+        "tensor_parallel",
+        "info",
+        f"tensor parallel over {tp} ranks: each holds " + "; ".join(parts) + "; the embedding and LM "
+        "head are replicated and rank 0 samples; cache budgets and pool sizes are per rank",
+    )

@@ -175,6 +175,7 @@ class AsyncEngine:
         try:
             self._serve(engine)
         finally:
+            engine.stop_workers()
             # Shutdown (or an unexpected error in the loop): end every stream, including those
             # whose add command is still queued.
             with self._lock:
@@ -184,6 +185,14 @@ class AsyncEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while not self._stop.is_set():
+            dead = engine.dead_reason
+            if dead is not None:
+                # a tensor-parallel worker died: every open request gets the error, and the engine
+                # thread ends (the server then exits non-zero)
+                logger.error("the engine is dead: %s", dead)
+                self._drain_commands(engine)
+                self._fail_all(engine, EngineDeadError(dead))
+                return
             self._drain_commands(engine)
             if not engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)

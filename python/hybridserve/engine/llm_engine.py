@@ -31,7 +31,7 @@ from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request_state import RequestState
 from hybridserve.engine.tokenizer import Tokenizer
-from hybridserve.errors import HybridServeError, InvalidRequestError, StepError
+from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.model.flops import prefill_cost
 from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
@@ -264,8 +264,29 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.scheduler.has_unfinished_requests()
 
+    # ------------------------------------------------------------------ tensor parallelism
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel worker died, or a step failed
+        part way through the ranks), else None. A single-process engine never dies."""
+        ex = self.runner.executor
+        if ex is None:
+            return None
+        try:
+            ex.check_alive()
+        except EngineDeadError as exc:
+            return str(exc)
+        return None
+
+    def stop_workers(self) -> None:
+        """Ends the tensor-parallel worker processes (nothing without them)."""
+        self.runner.stop_workers()
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        dead = self.dead_reason
+        if dead is not None:
+            raise EngineDeadError(dead)
         refused = self._admit_compiled()
         if (refused or self._awaiting_grammar) and not self.scheduler.has_unfinished_requests():
             return refused  # only requests waiting for their grammar: no step to run
@@ -342,7 +363,11 @@ class LLMEngine:
         """A forward that failed half-way may have written some state slots and KV blocks and not
         others. So every request in flight fails, the step is closed without committing any
         checkpoint it would have written (`cancel_step`), and the prefix cache is emptied: nothing
-        written by the broken step can ever be read. The engine is then idle and consistent."""
+        written by the broken step can ever be read. The engine is then idle and consistent.
+        With tensor parallelism the ranks may have stopped at different points of the step: the
+        engine is dead (`dead_reason`), and runs no further step."""
+        if self.runner.executor is not None:
+            self.runner.executor.fail(f"a step failed under tensor parallelism: {exc}")
         failed = list(self.requests)
         for rid in failed:
             self.scheduler.abort_request(rid)

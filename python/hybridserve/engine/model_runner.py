@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from hybridserve import _core
+from hybridserve.distributed.worker import StepInputs
 from hybridserve.engine.model_setup import EngineModel
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
-from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
 
@@ -116,30 +117,23 @@ class ModelRunnerOutput:
 
 def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
     """The scheduler's numpy arrays as the tensors the model reads."""
+    arrays = {name: getattr(out, name) for name in (*DEVICE_ARRAYS, *HOST_ARRAYS)}
+    return forward_batch_from_arrays(arrays, int(out.num_decodes), device)
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-    def host(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    return ForwardBatch(
-        input_ids=t(out.input_ids),
-        positions=t(out.positions),
-        query_start_loc=host(out.query_start_loc),
-        num_computed_tokens=host(out.num_computed_tokens),
-        seq_lens=host(out.seq_lens),
+def _step_inputs(out: _core.SchedulerOutput, scoring: _PromptScoring | None) -> StepInputs:
+    """What the tensor-parallel workers need of this step: its copies and its forward's arrays,
+    with the logits rows this process computes (every rank keeps the same rows)."""
+    batch: dict[str, np.ndarray] | None = None
+    if out.num_scheduled_tokens > 0:
+        batch = {name: np.asarray(getattr(out, name)) for name in (*DEVICE_ARRAYS, *HOST_ARRAYS)}
+        if scoring is not None:
+            batch["logits_indices"] = scoring.logits_indices.numpy()
+    return StepInputs(
+        kv_copies=np.asarray(out.kv_copies),
+        state_copies=np.asarray(out.state_copies),
+        batch=batch,
         num_decodes=int(out.num_decodes),
-        slot_mapping=t(out.slot_mapping),
-        block_table=t(out.block_table),
-        state_read_slot=t(out.state_read_slot),
-        has_initial_state=t(out.has_initial_state),
-        state_write_slots=t(out.state_write_slots),
-        emit_row=t(out.emit_row),
-        emit_token=t(out.emit_token),
-        emit_slot=t(out.emit_slot),
-        # on the CPU: the model moves it to the device itself, and reads it on the CPU too
-        logits_indices=host(out.logits_indices),
     )
 
 
@@ -155,12 +149,19 @@ class ModelRunner:
         logger.info("kernels: %s: %s", self.kernels, backend.describe(self.kernels))
         self.num_speculative_tokens = num_speculative_tokens
         self.sampler = Sampler()
+        # tensor parallelism: the workers that run every step's forward with this process
+        self.executor: Any = em.executor
         self.proposer: Any = em.proposer
         self.rejection_sampler: Any = None
         if num_speculative_tokens > 0:
             from hybridserve.sampling.rejection import RejectionSampler
 
             self.rejection_sampler = RejectionSampler()
+
+    def stop_workers(self) -> None:
+        """Ends the tensor-parallel workers (nothing without them)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def free_request(self, request_id: str) -> None:
         """The request is gone: a proposer that keeps state per request drops it."""
@@ -182,14 +183,16 @@ class ModelRunner:
         )
         caches = self.em.caches
         kv_copies = out.kv_copies
+        copies = out.state_copies
+        scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
+        if self.executor is not None:
+            self.executor.send_step(_step_inputs(out, scoring))
         if len(kv_copies):
             caches.apply_kv_copies(torch.from_numpy(np.ascontiguousarray(kv_copies)))
-        copies = out.state_copies
         if len(copies):
             caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         if out.num_scheduled_tokens > 0:
             batch = to_forward_batch(out, self.em.device)
-            scoring = _prompt_scoring(out, rows)
             if scoring is not None:
                 batch.logits_indices = scoring.logits_indices
             with torch.inference_mode():

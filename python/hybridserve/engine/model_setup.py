@@ -53,6 +53,8 @@ class EngineModel:
     vocab_size: int
     proposer: Any
     model_dir: str
+    # the workers of ranks 1 .. N-1 with tensor parallelism (distributed/executor.py), else None
+    executor: Any = None
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -84,15 +86,97 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         torch.set_num_threads(threads.threads)
     # (torch's intra-op threads; the C++ kernels' pool uses as many: kernels/native.py)
     logger.info("CPU threads: %d (%s)", torch.get_num_threads(), threads.reason)
-    loaded = load_model(model_dir, dtype=dtype, device=str(device))
-    mcfg = loaded.config
-    log_decisions(resolved_engine, logger)
+    tp = int(args.tensor_parallel_size)
+    executor = (
+        _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size)) if tp > 1 else None
+    )
+    try:
+        loaded = load_model(model_dir, dtype=dtype, device=str(device))
+        mcfg = loaded.config
+        cache_cfg = mcfg
+        if executor is not None:
+            from hybridserve.distributed.sharding import local_config, shard_model
 
-    state_dtype = default_state_dtype(mcfg, dtype)
+            shard_model(loaded.model, mcfg, 0, tp)
+            cache_cfg = local_config(mcfg, tp)
+        log_decisions(resolved_engine, logger)
+        caches = _allocate_caches(cache_cfg, sizes, resolved, dtype, device)
+        if executor is not None:
+            executor.wait_ready()
+    except BaseException:
+        if executor is not None:
+            executor.shutdown()
+        raise
+    tokenizer = Tokenizer(model_dir)
+    eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
+    vocab_size = int(mcfg.vocab_size)
+    logger.info(
+        "model %s (%s, %s): %d KV blocks of %d tokens, %d Mamba slots",
+        model_dir,
+        mcfg.architecture,
+        str(dtype).removeprefix("torch."),
+        sizes.num_kv_blocks,
+        int(resolved.block_size),
+        sizes.num_mamba_slots,
+    )
+    try:
+        # a draft model runs whole on rank 0 (docs/tensor-parallelism.md, "Speculative decoding")
+        proposer = build_proposer(resolved_engine.speculative, resolved, dtype, device, vocab_size)
+    except BaseException:
+        if executor is not None:
+            executor.shutdown()
+        raise
+    return EngineModel(
+        model=loaded.model,
+        model_config=mcfg,
+        caches=caches,
+        tokenizer=tokenizer,
+        resolved=resolved,
+        sizes=sizes,
+        device=device,
+        dtype=dtype,
+        eos_token_id=eos,
+        vocab_size=vocab_size,
+        proposer=proposer,
+        model_dir=model_dir,
+        executor=executor,
+    )
+
+
+def _start_workers(
+    args: EngineArgs,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizes: CacheSizes,
+    block_size: int,
+) -> Any:
+    """Spawns the tensor-parallel workers (they load their shards while this process loads its)."""
+    from hybridserve.distributed.executor import TPExecutor
+
+    tp = int(args.tensor_parallel_size)
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + tp > torch.cuda.device_count():
+            raise ConfigError(
+                f"--tensor-parallel-size {tp} on {device}: needs cuda:{first}..cuda:{first + tp - 1}, this "
+                f"machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    spec = TPExecutor.spec_for(
+        model_dir, dtype, device, tp, sizes.num_kv_blocks, block_size, sizes.num_mamba_slots
+    )
+    logger.info("tensor parallel: starting %d worker processes", tp - 1)
+    return TPExecutor(spec)
+
+
+def _allocate_caches(
+    cfg: Any, sizes: CacheSizes, resolved: _core.ResolvedConfig, dtype: torch.dtype, device: torch.device
+) -> ModelCaches:
+    state_dtype = default_state_dtype(cfg, dtype)
     resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
     try:
-        caches = ModelCaches(
-            mcfg,
+        return ModelCaches(
+            cfg,
             num_blocks=sizes.num_kv_blocks,
             block_size=int(resolved.block_size),
             num_slots=sizes.num_mamba_slots,
@@ -108,33 +192,6 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
             f"Mamba slots) on {device}: {str(exc).splitlines()[0]}; lower --kv-cache-memory / "
             "--mamba-cache-memory / --cache-memory or --num-kv-blocks / --num-mamba-slots"
         ) from exc
-    tokenizer = Tokenizer(model_dir)
-    eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
-    vocab_size = int(mcfg.vocab_size)
-    logger.info(
-        "model %s (%s, %s): %d KV blocks of %d tokens, %d Mamba slots",
-        model_dir,
-        mcfg.architecture,
-        str(dtype).removeprefix("torch."),
-        sizes.num_kv_blocks,
-        int(resolved.block_size),
-        sizes.num_mamba_slots,
-    )
-    proposer = build_proposer(resolved_engine.speculative, resolved, dtype, device, vocab_size)
-    return EngineModel(
-        model=loaded.model,
-        model_config=mcfg,
-        caches=caches,
-        tokenizer=tokenizer,
-        resolved=resolved,
-        sizes=sizes,
-        device=device,
-        dtype=dtype,
-        eos_token_id=eos,
-        vocab_size=vocab_size,
-        proposer=proposer,
-        model_dir=model_dir,
-    )
 
 
 def build_proposer(

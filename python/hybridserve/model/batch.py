@@ -7,9 +7,19 @@ Token t of row r is flat index query_start_loc[r] + t.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# The ForwardBatch fields that come from the scheduler's arrays: those moved to the model's
+# device, and those kept on the CPU (the model reads them there).
+DEVICE_ARRAYS = (
+    "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "has_initial_state",
+    "state_write_slots", "emit_row", "emit_token", "emit_slot",
+)  # fmt: skip
+HOST_ARRAYS = ("query_start_loc", "num_computed_tokens", "seq_lens", "logits_indices")
 
 
 @dataclass
@@ -50,3 +60,20 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+def forward_batch_from_arrays(
+    arrays: Mapping[str, np.ndarray], num_decodes: int, device: torch.device
+) -> ForwardBatch:
+    """A ForwardBatch of numpy arrays named as its fields (the scheduler's output, or what a
+    tensor-parallel worker receives of it)."""
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    def host(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    fields: dict[str, torch.Tensor] = {name: t(arrays[name]) for name in DEVICE_ARRAYS}
+    fields.update({name: host(arrays[name]) for name in HOST_ARRAYS})
+    return ForwardBatch(num_decodes=int(num_decodes), **fields)

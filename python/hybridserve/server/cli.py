@@ -248,7 +248,7 @@ async def _serve(args: argparse.Namespace) -> int:
         elif not stop.is_set():
             set_engine(app, engine)
             logger.info("ready: serving %r on http://%s:%d", _served_name(args), args.host, port)
-            await stop_wait
+            rc = await _serve_until_stopped(engine, stop_wait)
     stop_wait.cancel()
     logger.info("shutting down")
     # drain first, still listening: new connections get 503 and /health says "shutting_down"
@@ -263,6 +263,17 @@ async def _serve(args: argparse.Namespace) -> int:
             logger.exception("engine shutdown failed")
     logger.info("stopped")
     return rc
+
+
+async def _serve_until_stopped(engine: Any, stop_wait: asyncio.Future[Any]) -> int:
+    """0 once a signal stops the server; 1 when the engine dies while serving (its thread ended:
+    a tensor-parallel worker died), after it has failed every open request."""
+    while not stop_wait.done():
+        if not getattr(engine, "ready", True):
+            logger.error("the engine stopped while serving; shutting down")
+            return 1
+        await asyncio.wait({stop_wait}, timeout=0.5)
+    return 0
 
 
 class _MalformedHttpFilter(logging.Filter):

@@ -4,6 +4,8 @@ expert, optional latent projections)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +112,9 @@ class MoE(nn.Module):
         else:
             self.fc1_latent_proj = None
             self.fc2_latent_proj = None
+        # Tensor parallelism: the experts' partial sums are summed over the ranks here, once per
+        # layer (distributed/sharding.py); None in a single process.
+        self.routed_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
@@ -119,6 +124,8 @@ class MoE(nn.Module):
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             out = self.experts[e](h[tok])
             acc.index_add_(0, tok, (out * w[tok, slot, None].to(out.dtype)).to(acc.dtype))
+        if self.routed_reduce is not None:
+            acc = self.routed_reduce(acc)
         routed = acc.to(x.dtype)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)

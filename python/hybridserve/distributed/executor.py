@@ -1,0 +1,216 @@
+"""The engine's side of tensor parallelism: rank 0 is the engine process; `TPExecutor` spawns
+ranks 1 .. N-1 (as vLLM's multiprocessing executor does), joins them in one process group, sends
+each step's inputs to every worker before rank 0 runs the same step, and watches them.
+
+- A worker that dies (a crash, SIGKILL, out of memory) is seen at once by a watchdog thread on
+  the processes' sentinels; the collective rank 0 may be waiting in fails as soon as the dead
+  rank's sockets close. `dead_reason` then says why, and the engine fails its requests and stops.
+- Workers are daemonic children: they end with the engine (multiprocessing terminates them at
+  exit; a worker also ends when its pipe from the engine closes, so an engine killed outright
+  leaves no worker behind either).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import pickle
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from hybridserve.distributed.parallel_state import collective_timeout_s, destroy_tp_group, init_tp_group
+from hybridserve.distributed.worker import StepInputs, WorkerSpec, worker_main
+from hybridserve.errors import ConfigError, EngineDeadError
+
+logger = logging.getLogger("hybridserve.distributed")
+
+# Seconds a worker may take to load its shard and allocate its caches.
+START_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TPExecutor:
+    """Spawns and owns the workers of ranks 1 .. N-1; this process is rank 0."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.world_size = spec.world_size
+        self.dead_reason: str | None = None
+        self._closing = False
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._stop_r, self._stop_w = mp.Pipe(duplex=False)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=worker_main, args=(spec, rank, child), name=f"hybridserve-tp-rank-{rank}", daemon=True
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        try:
+            self._expect("joining", time.monotonic() + START_TIMEOUT_S)
+            init_tp_group(0, self.world_size, spec.init_method, torch.device(spec.device))
+        except BaseException:
+            self._kill_all()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="hybridserve-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @classmethod
+    def spec_for(
+        cls,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        world_size: int,
+        num_kv_blocks: int,
+        block_size: int,
+        num_mamba_slots: int,
+    ) -> WorkerSpec:
+        return WorkerSpec(
+            model_dir=model_dir,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            num_mamba_slots=num_mamba_slots,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            cpu_threads=torch.get_num_threads(),
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._procs]
+
+    def wait_ready(self) -> None:
+        """Waits until every worker has loaded its shard; ConfigError with a worker's error."""
+        try:
+            self._expect("ready", time.monotonic() + START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _expect(self, what: str, deadline: float) -> None:
+        """Waits for message `what` from every worker; ConfigError when one fails or exits."""
+        pending = dict(zip(self._conns, range(1, self.world_size)))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConfigError(
+                    f"--tensor-parallel-size: worker rank(s) {sorted(pending.values())} did not start"
+                )
+            sentinels = {self._procs[r - 1].sentinel: r for r in pending.values()}
+            for ready in wait([*pending, *sentinels], timeout=left):
+                if ready in sentinels:
+                    rank = sentinels[ready]
+                    code = self._procs[rank - 1].exitcode
+                    raise ConfigError(
+                        f"--tensor-parallel-size: worker rank {rank} exited with status {code} while starting"
+                    )
+                conn: Connection = ready  # type: ignore[assignment]
+                if conn not in pending:
+                    continue
+                try:
+                    kind, detail = conn.recv()
+                except (EOFError, OSError):
+                    continue  # its sentinel says more
+                rank = pending.pop(conn)
+                if kind == "error":
+                    raise ConfigError(f"--tensor-parallel-size: worker rank {rank} failed to start: {detail}")
+                if kind != what:
+                    raise ConfigError(
+                        f"--tensor-parallel-size: worker rank {rank} sent {kind!r}, not {what!r}"
+                    )
+
+    def send_step(self, step: StepInputs) -> None:
+        """Hands the step's inputs to every worker (before rank 0 runs it)."""
+        self.check_alive()
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as exc:
+                self._fail(f"tensor-parallel worker rank {rank} is gone ({exc})")
+                self.check_alive()
+
+    def check_alive(self) -> None:
+        if self.dead_reason is None:
+            for rank, p in enumerate(self._procs, start=1):
+                if not p.is_alive() and not self._closing:
+                    self._fail(f"tensor-parallel worker rank {rank} exited with status {p.exitcode}")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def fail(self, reason: str) -> None:
+        """Marks the group unusable (a step failed part way: the ranks may be out of step)."""
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s: the engine stops", reason)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs, start=1)}
+        live = dict(sentinels)
+        while live:
+            ready = wait([*live, self._stop_r])
+            if self._stop_r in ready:
+                return
+            for s in ready:
+                rank = live.pop(s)
+                if not self._closing:
+                    code = self._procs[rank - 1].exitcode
+                    self._fail(f"tensor-parallel worker rank {rank} exited with status {code}")
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the workers (asks, then terminates, then kills) and leaves the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._stop_w.send_bytes(b"")
+        except OSError:
+            pass
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        for conn in self._conns:
+            conn.close()
+        try:
+            destroy_tp_group()
+        except Exception:  # noqa: BLE001 - a broken group (a rank died) is left as it is
+            logger.debug("leaving the process group failed", exc_info=True)
+
+    def _kill_all(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+
+
+__all__ = ["StepInputs", "TPExecutor", "WorkerSpec", "collective_timeout_s"]

@@ -1,0 +1,94 @@
+"""The engine at tensor-parallel size 2 (this process is rank 0, one spawned gloo worker), in
+float64: the greedy outputs of the TP 1 engine, token for token, in cache modes none / align / all
+with and without n-gram speculation (the family matrix of tests/family_engine.py on a tiny Bamba
+checkpoint), and on the demo model with prefix hits, draft-model speculation and preemption.
+Flags that do not fit the model are refused naming --tensor-parallel-size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import family_engine
+import pytest
+from model_fixtures import BAMBA_CONFIGS, build_hf_model, save_hf_model
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.config import EngineArgs
+from hybridserve.config.plan import plan_engine
+from hybridserve.errors import ConfigError
+from hybridserve.model.demo import ensure_demo_model
+
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny Bamba checkpoint (8 Mamba heads in 2 groups, 6 query / 2 KV heads) whose LM head
+    leans to its embeddings, and its TP 1 reference outputs."""
+    root = tmp_path_factory.mktemp("tp_engine")
+    src = save_hf_model(build_hf_model("bamba", BAMBA_CONFIGS["bamba_g2"]), root / "src")
+    return family_engine.echo_model(src, root / "echo", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec"), [("none", None), ("align", None), ("all", None), ("align", 3), ("all", 3)]
+)
+def test_cache_modes_and_ngram_speculation_at_tp2_give_the_tp1_outputs(
+    engine_model, mode: str, spec: int | None
+) -> None:
+    family_engine.check_lossless(engine_model, mode, spec, tensor_parallel_size=TP)
+
+
+def _demo_run(tp: int, **kw: object) -> tuple[list[tuple[int, ...]], dict]:
+    prompts = [[(7 * i + j) % 150 + 3 for j in range(40 + 9 * i)] for i in range(4)]
+    prompts.append(prompts[1][:37] + [5, 6, 7])  # a prefix hit on prompt 1
+    llm = LLM(
+        "demo", dtype="float64", seed=0, block_size=16, max_model_len=128, max_num_batched_tokens=64,
+        tensor_parallel_size=tp, **kw,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        runs = []
+        for _ in range(2):  # the second run hits the states the first one left
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            runs.append([tuple(o.outputs[0].token_ids) for o in outs])
+        assert runs[0] == runs[1]
+        return runs[0], llm.engine.stats()
+    finally:
+        llm.engine.stop_workers()  # type: ignore[attr-defined]
+
+
+def test_demo_model_with_draft_speculation_and_preemption_at_tp2() -> None:
+    ref, _ = _demo_run(1, enable_prefix_caching=False, mamba_cache_mode="none")
+    demo = str(ensure_demo_model())
+    spec = {"method": "draft_model", "model": demo, "num_speculative_tokens": 3}
+    # 16 KV blocks of 16 tokens for five sequences of up to 77 tokens: preemption
+    out, stats = _demo_run(
+        TP,
+        mamba_cache_mode="all",
+        enable_prefix_caching=True,
+        mamba_block_size=64,
+        speculative_config=spec,
+        num_kv_blocks=16,
+    )
+    assert out == ref
+    assert stats["num_preemptions_total"] > 0
+    assert stats["spec_decode_accepted_tokens"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_sizes_the_model_does_not_allow_are_refused_naming_the_flag(tmp_path: Path) -> None:
+    demo = str(ensure_demo_model())
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3: .*Mamba heads \(8\)"):
+        plan_engine(EngineArgs(model=demo, tensor_parallel_size=3), demo)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size must be an integer in \[1, 1024\]"):
+        EngineArgs(model=demo, tensor_parallel_size=0).validate()
+    # per-rank pools: at TP 2 a rank's KV block and state slot hold half the bytes, so the same
+    # budget gives about twice the blocks and slots
+    one = plan_engine(EngineArgs(model=demo, cache_memory=1 << 22), demo).sizes
+    two = plan_engine(EngineArgs(model=demo, cache_memory=1 << 22, tensor_parallel_size=TP), demo).sizes
+    assert two.kv_bytes_per_block * 2 == one.kv_bytes_per_block
+    assert two.mamba_bytes_per_slot * 2 == one.mamba_bytes_per_slot
+    decisions = plan_engine(EngineArgs(model=demo, tensor_parallel_size=4), demo).resolved.decisions
+    tp = [d.message for d in decisions if d.code == "tensor_parallel"]
+    assert tp and "2 of 8 Mamba heads" in tp[0] and "1 of 2 KV heads (replicated)" in tp[0]

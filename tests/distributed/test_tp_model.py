@@ -1,0 +1,89 @@
+"""The sharded model on 2 and 4 gloo ranks (spawned processes) against the whole model in this
+process, in float64: logits within 1e-12 relative and the same greedy tokens, on the demo model
+and on tiny random Nemotron-H (MoE, n_groups 1 and 2, GQA), Bamba (n_groups 1 and 2) and Mamba2
+(n_groups 2 and 4) checkpoints, with batched, chunked prefills and decode rows. At TP 4 the
+checkpoints with n_groups 1 or 2 have norm groups spread over ranks and KV heads replicated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tp_harness import driver_logits, run_ranks, sharded_logits
+
+from hybridserve.distributed.sharding import check_tensor_parallel
+from hybridserve.errors import ConfigError
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.model.loader import load_config
+from model_fixtures import ALL_CONFIGS, build_hf_model, random_prompts, save_hf_model
+
+EXTRA = {"m2_g4": ("mamba2", dict(hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                  state_size=8, n_groups=4, chunk_size=8, expand=2))}  # fmt: skip
+# checkpoint -> the TP degrees its shapes allow (of 2 and 4)
+DEGREES = {
+    "demo": (2, 4),
+    "nh_g2_moe": (2, 4),
+    "nh_g1": (2,),
+    "bamba_g1": (2, 4),
+    "bamba_g2": (2,),
+    "m2_g2": (2,),
+    "m2_g4": (2, 4),
+}
+MAX_NEW = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_ckpt")
+    out = {"demo": str(ensure_demo_model())}
+    for name in DEGREES:
+        if name == "demo":
+            continue
+        kind, cfg = ALL_CONFIGS.get(name) or EXTRA[name]
+        out[name] = str(save_hf_model(build_hf_model(kind, cfg, vocab_size=256), root / name))
+    return out
+
+
+def _case(name: str, path: str) -> tuple[str, list[list[int]], int, list[list[int] | None]]:
+    prompts = random_prompts(3, 200, [21, 6, 30], seed=len(name))
+    return path, prompts, MAX_NEW, [[8, 13], None, [16, 14]]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: dict[str, str]) -> dict[str, tuple[list[list[int]], list[torch.Tensor]]]:
+    return {n: driver_logits(*_case(n, p)[:1], 1, 0, *_case(n, p)[1:]) for n, p in checkpoints.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_logits_equal_the_whole_model(
+    tp: int, checkpoints: dict[str, str], reference: dict, tmp_path: Path
+) -> None:
+    names = [n for n, degrees in DEGREES.items() if tp in degrees]
+    cases = [_case(n, checkpoints[n]) for n in names]
+    results = run_ranks(sharded_logits, tp, (cases,), tmp_path)
+    for r, per_rank in enumerate(results):
+        for name, (tokens, logits) in zip(names, per_rank):
+            ref_tokens, ref_logits = reference[name]
+            assert tokens == ref_tokens, (name, r)
+            for a, b in zip(logits, ref_logits):
+                assert a.dtype == torch.float64
+                rel = float((a - b).abs().max() / b.abs().max())
+                assert rel <= 1e-12, (name, r, rel)
+    # every rank computed the same logits (the same all-reduced hidden states)
+    for per_rank in results[1:]:
+        for (_, la), (_, lb) in zip(per_rank, results[0]):
+            assert all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_shapes_the_size_does_not_divide_are_refused(checkpoints: dict[str, str]) -> None:
+    _, nh_g1 = load_config(checkpoints["nh_g1"])  # 6 Mamba heads, 4 KV heads
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: .*Mamba heads \(6\)"):
+        check_tensor_parallel(nh_g1, 4)
+    _, m2_g2 = load_config(checkpoints["m2_g2"])  # 6 heads in 2 groups
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3: .*n_groups \(2: 3 must divide"):
+        check_tensor_parallel(m2_g2, 3)
+    _, bamba_g2 = load_config(checkpoints["bamba_g2"])  # 6 attention heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"attention heads \(6\)"):
+        check_tensor_parallel(bamba_g2, 4)
+    check_tensor_parallel(bamba_g2, 2)
