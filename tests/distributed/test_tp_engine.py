@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import family_engine
 import pytest
-from model_fixtures import BAMBA_CONFIGS, build_hf_model, save_hf_model
 
+import family_engine
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineArgs
 from hybridserve.config.plan import plan_engine
 from hybridserve.errors import ConfigError
 from hybridserve.model.demo import ensure_demo_model
+from model_fixtures import BAMBA_CONFIGS, build_hf_model, save_hf_model
 
 TP = 2
 
@@ -55,7 +55,12 @@ def _demo_run(tp: int, **kw: object) -> tuple[list[tuple[int, ...]], dict]:
         assert runs[0] == runs[1]
         return runs[0], llm.engine.stats()
     finally:
+        executor = llm.engine.runner.executor  # type: ignore[attr-defined]
+        pids = [] if executor is None else executor.pids
+        assert len(pids) == tp - 1
         llm.engine.stop_workers()  # type: ignore[attr-defined]
+        # no worker is left behind (each is reaped: no zombie either)
+        assert not [p for p in pids if Path(f"/proc/{p}").exists()]
 
 
 def test_demo_model_with_draft_speculation_and_preemption_at_tp2() -> None:
@@ -85,8 +90,10 @@ def test_sizes_the_model_does_not_allow_are_refused_naming_the_flag(tmp_path: Pa
         EngineArgs(model=demo, tensor_parallel_size=0).validate()
     # per-rank pools: at TP 2 a rank's KV block and state slot hold half the bytes, so the same
     # budget gives about twice the blocks and slots
-    one = plan_engine(EngineArgs(model=demo, cache_memory=1 << 22), demo).sizes
-    two = plan_engine(EngineArgs(model=demo, cache_memory=1 << 22, tensor_parallel_size=TP), demo).sizes
+    one = plan_engine(EngineArgs(model=demo, cache_memory=1 << 26, max_model_len=256), demo).sizes
+    two = plan_engine(
+        EngineArgs(model=demo, cache_memory=1 << 26, max_model_len=256, tensor_parallel_size=TP), demo
+    ).sizes
     assert two.kv_bytes_per_block * 2 == one.kv_bytes_per_block
     assert two.mamba_bytes_per_slot * 2 == one.mamba_bytes_per_slot
     decisions = plan_engine(EngineArgs(model=demo, tensor_parallel_size=4), demo).resolved.decisions

@@ -1,0 +1,96 @@
+"""`hybridserve serve demo -tp 2`: it answers; then its worker is killed with SIGKILL in the
+middle of a streamed completion: the stream ends with an error within seconds, the server exits
+non-zero, and none of its child processes is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+from hybridserve.model.demo import ensure_demo_model
+from server_fixtures import ServerProcess
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for c, pp in parents.items():
+            if pp == p and c not in out:
+                try:
+                    out[c] = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _post(srv: ServerProcess, body: dict, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    req = urllib.request.Request(
+        srv.base + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def test_serve_tp2_then_a_killed_worker_fails_the_stream_and_the_server_exits_nonzero() -> None:
+    ensure_demo_model()
+    srv = ServerProcess("-tp", "2", "--dtype", "float32", "--cpu-threads", "1")
+    try:
+        srv.wait_ready()
+        with _post(srv, {"prompt": "Hello there", "max_tokens": 5, "temperature": 0}) as r:
+            assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
+        kids = _children(srv.proc.pid)
+        workers = [p for p, cmd in kids.items() if "spawn_main" in cmd]
+        assert len(workers) == 1, kids
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with _post(srv, body) as stream:
+            assert stream.status == 200
+            first = stream.readline()
+            assert first.startswith(b"data: {")
+            os.kill(workers[0], signal.SIGKILL)
+            killed = time.monotonic()
+            rest = b""
+            while True:
+                line = stream.readline()
+                if not line:
+                    break
+                rest += line
+            ended = time.monotonic() - killed
+        events = [json.loads(x[6:]) for x in rest.splitlines() if x.startswith(b"data: {")]
+        assert any("error" in e for e in events), rest[-2000:]
+        assert ended < 10.0
+        rc = srv.wait_exit(30)
+        assert rc != 0
+        assert "tensor-parallel worker rank 1" in srv.output()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in kids if _alive(p)], kids
+    finally:
+        srv.stop()
+    srv.remove_log()
