@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -187,7 +188,7 @@ def test_cache_aware_routing_hits_like_one_replica_and_beats_round_robin(replica
     assert rates["cache_aware"] >= 1.3 * rates["round_robin"], rates
 
 
-def _stream(base: str, prompt: str, max_tokens: int) -> tuple[str, int, float]:
+def _stream(base: str, prompt: str, max_tokens: int, started: threading.Event) -> tuple[str, int, float]:
     """One streamed completion: ("done" | "broken", chunks received, seconds taken). A broken
     connection, a truncated stream, an error event or a non-200 answer are all "broken"; a stream
     that stalls longer than the client timeout fails the test (nothing may hang)."""
@@ -206,6 +207,7 @@ def _stream(base: str, prompt: str, max_tokens: int) -> tuple[str, int, float]:
                     if b'"error"' in line:
                         break
                     chunks += 1
+                    started.set()
     except TimeoutError:
         raise AssertionError(f"a stream stalled for {CLIENT_TIMEOUT_S}s") from None
     except (urllib.error.HTTPError, ConnectionError, OSError, ValueError) as e:
@@ -226,11 +228,13 @@ def test_a_killed_replica_breaks_its_streams_and_the_rest_complete_on_the_other(
     )
     try:
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(_stream, router.base, f"story {i}:", STREAM_TOKENS) for i in range(4)]
-            deadline = time.monotonic() + 20
-            while get_metrics(c)["hybridserve_server_inflight_requests"] < 2:
-                assert time.monotonic() < deadline, "round-robin sent no two streams to C"
-                time.sleep(0.02)
+            started = [threading.Event() for _ in range(4)]
+            streams = [
+                pool.submit(_stream, router.base, f"story {i}:", STREAM_TOKENS, started[i]) for i in range(4)
+            ]
+            # every stream under way (its answer begun: the router can no longer retry it elsewhere)
+            assert all(e.wait(timeout=30) for e in started), "the streams did not start"
+            assert get_metrics(c)["hybridserve_server_inflight_requests"] == 2  # round-robin: two each
             a_finished = _finished(a)
             c.proc.kill()  # SIGKILL: no drain, connections cut
             c.proc.wait()
@@ -356,3 +360,18 @@ def test_the_replicas_command_fronts_worker_urls_it_did_not_start(replicas, tmp_
             proc.kill()
             proc.wait()
     assert _healthy(a.base) and _healthy(b.base)  # not ours to stop
+
+
+def test_the_replicas_command_exits_1_when_the_router_dies(replicas, tmp_path):
+    a, b, _ = replicas
+    proc, _, log = _launch(tmp_path, "--worker-urls", f"{a.base},{b.base}")
+    try:
+        (router,) = _children(proc.pid)
+        os.kill(router, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "the router exited with -9" in log.read_text()
+    assert _healthy(a.base) and _healthy(b.base)

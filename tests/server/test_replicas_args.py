@@ -1,0 +1,62 @@
+"""`hybridserve replicas` command line: the router's command it builds and the arguments it refuses,
+without starting anything (the processes are in test_router.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hybridserve.cli import build_parser, main
+from hybridserve.deploy.replicas import _serve_args, router_command
+from hybridserve.errors import ConfigError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["replicas", *argv])
+
+
+def test_the_router_gets_the_workers_the_policy_and_the_health_interval() -> None:
+    a = _args("--port", "9000", "--policy", "round_robin", "--router-bin", "/opt/vllm-router")
+    a.router_metrics_port, a.router_args = 29001, "--cache-threshold 0.5"
+    urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert router_command(a, urls) == [
+        "/opt/vllm-router", "--host", "127.0.0.1", "--port", "9000", "--policy", "round_robin",
+        "--worker-urls", *urls, "--health-check-interval-secs", "5", "--prometheus-port", "29001",
+        "--cache-threshold", "0.5",
+    ]  # fmt: skip
+
+
+def test_sglangs_gateway_gets_its_launch_subcommand() -> None:
+    assert router_command(_args("--router-bin", "/x/smg"), ["http://h:1"])[:2] == ["/x/smg", "launch"]
+
+
+def test_serve_args_come_after_the_double_dash() -> None:
+    assert _serve_args(_args("--num-replicas", "3", "--", "demo", "--max-num-seqs", "8")) == [
+        "demo",
+        "--max-num-seqs",
+        "8",
+    ]
+    assert _serve_args(_args("--worker-urls", "http://a:1")) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give the replicas' model after `--`"),
+        (["--", "demo", "--port", "9"], "--port is set for each replica"),
+        (["--", "demo", "--host=0.0.0.0"], "--host is set for each replica"),
+        (["--worker-urls", "http://a:1", "--", "demo"], "--worker-urls starts no replica"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _serve_args(_args(*argv))
+
+
+def test_a_missing_router_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["replicas", "--", "demo"]) == 2
+    assert "vllm-router is not on PATH" in capsys.readouterr().err
