@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml Cargo.lock
 EXT_STAMP := $(STAMPS)/extension
 
-.PHONY: all setup build serve test test-rust lint typecheck test-python gpu-check clean
+.PHONY: all setup build serve test test-rust lint typecheck test-python gpu-check clean router
 
 all: test
 
@@ -95,16 +95,20 @@ $(STAMPS)/guidellm: $(STAMPS)/deps
 
 # vllm-router (the router `hybridserve replicas` starts and tests/server/test_router.py drives: a Rust
 # binary in a wheel, with a small Python launcher) lives in an environment of its own too, so that its
-# web-framework pins never meet ours (about 20 s, 130 MB).
+# web-framework pins never meet ours (about 20 s, 130 MB). The stamp names the version, so that a new
+# pin reinstalls.
 ROUTER_VENV := .venv-router
-$(STAMPS)/router:
+ROUTER_VERSION := 0.1.17
+$(STAMPS)/router-$(ROUTER_VERSION):
 	@mkdir -p $(STAMPS)
 	rm -rf $(ROUTER_VENV)
 	$(PYTHON_BOOTSTRAP) -m venv $(ROUTER_VENV)
-	$(ROUTER_VENV)/bin/pip install --quiet "vllm-router==0.1.17"
+	$(ROUTER_VENV)/bin/pip install --quiet "vllm-router==$(ROUTER_VERSION)"
 	@touch $@
 
-test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router
+router: $(STAMPS)/router-$(ROUTER_VERSION)
+
+test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router-$(ROUTER_VERSION)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: setup test-rust lint typecheck test-python

@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--router-bin", default=str(own) if own.exists() else shutil.which("vllm-router"))
     a = ap.parse_args()
     if not a.router_bin:
-        sys.exit("no vllm-router: `make .make/router` or --router-bin")
+        sys.exit("no vllm-router: `make router` or --router-bin")
     tmp = RESULTS / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"load_average_before": os.getloadavg(), "runs": {}}
