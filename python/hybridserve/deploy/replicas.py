@@ -226,25 +226,16 @@ def replicas_main(args: argparse.Namespace) -> int:
     try:
         for i, url in enumerate(worker_urls if serve else []):
             port = url.rsplit(":", 1)[1]
-            cmd = [
-                sys.executable,
-                "-m",
-                "hybridserve",
-                "serve",
-                *serve,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                port,
-            ]
-            children.start(f"replica{i}", cmd)
+            cmd = [sys.executable, "-m", "hybridserve", "serve", *serve]
+            children.start(f"replica{i}", [*cmd, "--host", "127.0.0.1", "--port", port])
         for name, proc in list(children.procs):
             url = worker_urls[int(name.removeprefix("replica"))]
             if not children.wait_healthy(name, proc, url, args.startup_timeout):
                 children.stop()
                 return 0 if children.stopping else 1
         router = children.start("router", router_cmd)
-        router_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        router_url = f"http://{f'[{host}]' if ':' in host else host}:{args.port}"
         if not children.wait_healthy("router", router, router_url, args.startup_timeout):
             children.stop()
             return 0 if children.stopping else 1
