@@ -313,7 +313,7 @@ def _launch(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, P
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while not _healthy(base):
+    while "hybridserve replicas: ready: " not in log.read_text():  # it has seen the router healthy
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
@@ -340,7 +340,6 @@ def test_the_replicas_command_serves_through_the_router_and_sigterm_stops_everyt
             proc.wait()
     assert [pid for pid in children if _alive(pid)] == [], log.read_text()
     assert not _healthy(base) and not _healthy(f"http://127.0.0.1:{first}")
-    assert "ready: " in log.read_text()
 
 
 def test_the_replicas_command_fronts_worker_urls_it_did_not_start(replicas, tmp_path):
