@@ -63,7 +63,7 @@ fn lookup(c: &mut Criterion) {
     hasher.extend(&mut h, &toks, B, None);
     let mut m = HybridCacheManager::new(&cfg(), 8192, 1024);
     m.allocate_new(1, &CacheHit::default(), n, 0).unwrap();
-    m.cache_full_blocks(1, &h, n);
+    m.cache_full_blocks(1, Prefix::of_hashes(&h), n);
     for p in (M..=n).step_by(M) {
         let s = m
             .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid)
@@ -82,7 +82,7 @@ fn lookup(c: &mut Criterion) {
     // Same prompt, but the checkpoints past 1/4 of it are missing: the scan walks back.
     let mut m2 = HybridCacheManager::new(&cfg(), 8192, 1024);
     m2.allocate_new(1, &CacheHit::default(), n, 0).unwrap();
-    m2.cache_full_blocks(1, &h, n);
+    m2.cache_full_blocks(1, Prefix::of_hashes(&h), n);
     for p in (M..=n / 4).step_by(M) {
         let s = m2
             .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid)
@@ -123,7 +123,7 @@ fn eviction(c: &mut Criterion) {
     for _ in 0..blocks / 128 + 1 {
         let h = fill(&mut ctr);
         m.allocate_new(1, &CacheHit::default(), 2048, 0).unwrap();
-        m.cache_full_blocks(1, &h, 2048);
+        m.cache_full_blocks(1, Prefix::of_hashes(&h), 2048);
         for p in (M..=2048).step_by(M) {
             if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid) {
                 m.commit_checkpoint(s);
@@ -138,7 +138,7 @@ fn eviction(c: &mut Criterion) {
             || fill(&mut ctr),
             |h| {
                 m.allocate_new(1, &CacheHit::default(), 2048, 0).unwrap();
-                m.cache_full_blocks(1, &h, 2048);
+                m.cache_full_blocks(1, Prefix::of_hashes(&h), 2048);
                 for p in (M..=2048).step_by(M) {
                     if let Some(s) = m.reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Grid) {
                         m.commit_checkpoint(s);

@@ -56,6 +56,11 @@ pub struct BlockPool {
     /// Blocks on the valuable list.
     num_valuable: usize,
     scratch: Vec<u32>,
+    /// With `record_changes`: hashes cached, evicted, or whose usefulness flipped since the last
+    /// `take_changes` (for KV cache events), and whether the pool was reset.
+    record_changes: bool,
+    changed: Vec<BlockHash>,
+    was_reset: bool,
 }
 
 const NOT_FREE: u8 = 0;
@@ -83,6 +88,9 @@ impl BlockPool {
             useless_evictions: 0,
             num_valuable: 0,
             scratch: Vec::new(),
+            record_changes: false,
+            changed: Vec::new(),
+            was_reset: false,
         };
         p.prev[n] = n as u32;
         p.next[n] = n as u32;
@@ -96,6 +104,30 @@ impl BlockPool {
     /// (hybrid models in a caching mode); otherwise every cached block is (KV-only hits).
     pub fn set_track_usefulness(&mut self, on: bool) {
         self.track_usefulness = on;
+    }
+
+    /// With `on`, the pool records the hashes whose cache state changes (`take_changes`).
+    pub fn set_record_changes(&mut self, on: bool) {
+        self.record_changes = on;
+        self.changed.clear();
+        self.was_reset = false;
+    }
+
+    /// The hashes cached, evicted or whose usefulness flipped since the last call, and whether the
+    /// pool was reset in between (recorded only with `set_record_changes(true)`).
+    pub fn take_changes(&mut self) -> (Vec<BlockHash>, bool) {
+        (
+            std::mem::take(&mut self.changed),
+            std::mem::take(&mut self.was_reset),
+        )
+    }
+
+    /// Records the hashes of the cached blocks among `blocks` as changed.
+    fn record(&mut self, blocks: &[u32]) {
+        if self.record_changes {
+            let hashes = blocks.iter().filter_map(|&x| self.hash[x as usize]);
+            self.changed.extend(hashes);
+        }
     }
 
     /// Blocks including the null block.
@@ -298,6 +330,9 @@ impl BlockPool {
             }
             if let Some(h) = self.hash[x as usize].take() {
                 self.cached.remove(&h);
+                if self.record_changes {
+                    self.changed.push(h);
+                }
                 self.evictions += 1;
                 if useless {
                     self.useless_evictions += 1;
@@ -310,6 +345,7 @@ impl BlockPool {
         }
         // Blocks above that became useless: dropped ones are gone already; the rest move to the
         // front if free.
+        self.record(&gone);
         self.move_useless_to_front(&gone);
         order.clear();
         self.scratch = order;
@@ -423,6 +459,9 @@ impl BlockPool {
         self.hash[i] = Some(h);
         self.cached.insert(h, b);
         self.tree.link(b, p);
+        if self.record_changes {
+            self.changed.push(h);
+        }
         true
     }
 
@@ -452,6 +491,7 @@ impl BlockPool {
         let mut useful = std::mem::take(&mut self.scratch);
         useful.clear();
         self.tree.attach(b, slot, &mut useful);
+        self.record(&useful);
         if self.track_usefulness {
             // Blocks that can serve hits again: a free one rejoins the valuable list as just used.
             for &x in &useful {
@@ -475,6 +515,7 @@ impl BlockPool {
         let mut useless = std::mem::take(&mut self.scratch);
         useless.clear();
         let slot = self.tree.detach(b, &mut useless);
+        self.record(&useless);
         self.move_useless_to_front(&useless);
         useless.clear();
         self.scratch = useless;
@@ -489,6 +530,10 @@ impl BlockPool {
         for (h, b) in self.cached.drain() {
             self.hash[b as usize] = None;
             on_evict(h);
+        }
+        if self.record_changes {
+            self.changed.clear();
+            self.was_reset = true;
         }
         self.tree.clear();
         // Every block is plain now: one cheap list, in its current order.

@@ -43,6 +43,7 @@ use crate::block_hash::{BlockHasher, PassThroughBuild};
 use crate::block_pool::BlockPool;
 pub use crate::block_pool::{BlockId, NULL_BLOCK};
 use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
+use crate::kv_events::{EventLog, KvEvent, Truth};
 pub use crate::mamba_pool::{CheckpointKind, CheckpointTag, SlotId, NULL_SLOT};
 use crate::mamba_pool::{MambaPool, SlotKind};
 
@@ -240,6 +241,8 @@ pub struct HybridCacheManager {
     evictions_for_window: u64,
     evictions_for_kv: u64,
     scratch: Vec<SlotId>,
+    /// KV cache events, when a subscriber wants them (`enable_events`).
+    events: Option<Box<EventLog>>,
 }
 
 impl HybridCacheManager {
@@ -300,6 +303,86 @@ impl HybridCacheManager {
             evictions_for_window: 0,
             evictions_for_kv: 0,
             scratch: Vec::new(),
+            events: None,
+        }
+    }
+
+    /// Starts recording KV cache events (`take_events`). Entries cached before are not announced.
+    pub fn enable_events(&mut self) {
+        if self.events.is_none() {
+            self.events = Some(Box::default());
+            self.kv.set_record_changes(true);
+        }
+    }
+
+    /// Whether KV cache events are recorded.
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Events emitted so far (0 when not recording).
+    pub fn num_events(&self) -> u64 {
+        self.events.as_ref().map_or(0, |e| e.num_emitted())
+    }
+
+    /// The events since the last call (docs/kv-events.md): what a subscriber must apply to see
+    /// exactly the prefixes a request can hit now. Empty when not recording.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        let Some(mut log) = self.events.take() else {
+            return Vec::new();
+        };
+        let (changed, reset) = self.kv.take_changes();
+        if reset {
+            log.clear();
+        }
+        for h in changed {
+            log.mark(h);
+        }
+        let out = log.flush(|h| self.truth(h));
+        self.events = Some(log);
+        out
+    }
+
+    /// What the events announce about `h` now: a cached full block a hit can use (group 0), a
+    /// committed checkpoint whose KV prefix is cached (group 1).
+    fn truth(&self, h: BlockHash) -> Truth {
+        let blk = self.kv.get_cached(h);
+        let kv = blk.is_some_and(|b| {
+            !self.kv.is_tail(b) && (!self.checkpoints() || self.kv.tree().below(b) > 0)
+        });
+        let slot = self.mamba.lookup(h);
+        let checkpoint = slot.is_some_and(|s| self.ck_block[s as usize] != NULL_BLOCK);
+        Truth {
+            kv,
+            checkpoint,
+            known: blk.is_some() || self.mamba.has_checkpoint(h),
+        }
+    }
+
+    /// Marks `h` for the next event flush.
+    fn mark_event(&mut self, h: BlockHash) {
+        if let Some(log) = self.events.as_mut() {
+            log.mark(h);
+        }
+    }
+
+    /// Tells the event log what the newly cached prefix `h` holds. Chains of requests with a
+    /// cache salt (whose `root` is not the unsalted one) are never announced: a subscriber could
+    /// not tell them from the same tokens without the salt, and one tenant's cache is not
+    /// another's to route by.
+    fn describe_event(
+        &mut self,
+        root: BlockHash,
+        h: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        end: usize,
+    ) {
+        if root != self.hasher.root(None) {
+            return;
+        }
+        if let Some(log) = self.events.as_mut() {
+            log.describe(h, parent, tokens, end);
         }
     }
 
@@ -424,14 +507,29 @@ impl HybridCacheManager {
     /// query apart from counters and the checkpoint's recency; takes no references. Call
     /// `allocate_new` with it right away (before other allocations).
     pub fn find_longest_cache_hit(&mut self, prefix: Prefix<'_>, num_tokens: usize) -> CacheHit {
-        let b = self.block_size;
+        let mut hit = self.peek_longest_cache_hit(prefix, num_tokens);
+        if let Some(s) = hit.checkpoint {
+            self.refresh(s);
+        }
+        let l = hit.num_tokens;
         self.queried_tokens += num_tokens as u64;
+        self.hit_tokens += l as u64;
+        self.kv_hit_tokens += hit.kv_hit_tokens as u64;
+        self.lost_tokens += hit.kv_hit_tokens.saturating_sub(l) as u64;
+        hit.kv_blocks.truncate(l / self.block_size);
+        hit
+    }
+
+    /// The hit `find_longest_cache_hit` would return, without counting it or refreshing its
+    /// checkpoint (and with every cached block of the KV prefix in `kv_blocks`).
+    pub fn peek_longest_cache_hit(&self, prefix: Prefix<'_>, num_tokens: usize) -> CacheHit {
+        let b = self.block_size;
         if !self.prefix_caching {
             return CacheHit::default();
         }
         let max_tokens = num_tokens.saturating_sub(1);
         let max_blocks = (max_tokens / b).min(prefix.hashes.len());
-        let mut hit = match (self.mode, self.has_mamba) {
+        match (self.mode, self.has_mamba) {
             // No Mamba layers: the mode has no effect, hits are KV only.
             (_, false) => {
                 let blocks = self.kv_prefix_blocks(prefix.hashes, max_blocks);
@@ -462,16 +560,7 @@ impl HybridCacheManager {
                     },
                 }
             }
-        };
-        if let Some(s) = hit.checkpoint {
-            self.refresh(s);
         }
-        let l = hit.num_tokens;
-        self.hit_tokens += l as u64;
-        self.kv_hit_tokens += hit.kv_hit_tokens as u64;
-        self.lost_tokens += hit.kv_hit_tokens.saturating_sub(l) as u64;
-        hit.kv_blocks.truncate(l / b);
-        hit
     }
 
     /// A hit consumed checkpoint `s`: refresh it (and, with `lru-path`, every checkpoint above it
@@ -725,6 +814,7 @@ impl HybridCacheManager {
         let Some(tag) = self.mamba.checkpoint_tag(s) else {
             return;
         };
+        self.mark_event(tag.hash);
         let blk = match self.kv.get_cached(tag.hash) {
             Some(blk) if self.kv.attach_checkpoint(blk, s) => blk,
             _ => {
@@ -752,6 +842,9 @@ impl HybridCacheManager {
     /// Unlinks checkpoint `s` from its block (before it goes): the checkpoints right below it fall
     /// back to its own fallback position.
     fn detach(&mut self, s: SlotId) {
+        if let Some((h, _)) = self.mamba.tag(s) {
+            self.mark_event(h);
+        }
         let blk = std::mem::replace(&mut self.ck_block[s as usize], NULL_BLOCK);
         if blk == NULL_BLOCK {
             return;
@@ -793,6 +886,7 @@ impl HybridCacheManager {
         let mut gone = Vec::new();
         let ok = self.kv.allocate(n, req_blocks, |h| gone.push(h));
         for h in gone {
+            self.mark_event(h);
             // The pool detached the checkpoint from the tree with the block: it is stale now.
             if let Some(s) = self.mamba.checkpoint_for(h) {
                 self.ck_block[s as usize] = NULL_BLOCK;
@@ -946,12 +1040,14 @@ impl HybridCacheManager {
 
     /// Registers in the prefix cache the request's full KV blocks among its first
     /// `num_accepted_tokens` tokens (only accepted tokens: never call it with draft positions).
+    /// `prefix.tokens` are what the KV cache events say the blocks hold.
     pub fn cache_full_blocks(
         &mut self,
         req: ReqKey,
-        block_hashes: &[BlockHash],
+        prefix: Prefix<'_>,
         num_accepted_tokens: usize,
     ) {
+        let block_hashes = prefix.hashes;
         if !self.prefix_caching {
             return;
         }
@@ -976,6 +1072,9 @@ impl HybridCacheManager {
             let h = block_hashes[i];
             let parent = i.checked_sub(1).map(|p| block_hashes[p]);
             if self.kv.block_hash(blk).is_none() && self.kv.cache_block(blk, h, parent) {
+                let b = self.block_size;
+                let tokens = prefix.tokens.get(i * b..(i + 1) * b).unwrap_or(&[]);
+                self.describe_event(prefix.root, h, parent, tokens, (i + 1) * b);
                 // A checkpoint that went stale when an earlier copy of this block was evicted
                 // can hit again.
                 if let Some(s) = self.mamba.lookup(h) {
@@ -1094,6 +1193,14 @@ impl HybridCacheManager {
                 if !self.kv.cache_tail(blk, h, parent, f == 0) {
                     return false;
                 }
+                let tokens = &prefix.tokens[f * b..num_computed];
+                self.describe_event(
+                    prefix.root,
+                    h,
+                    (f > 0).then_some(parent),
+                    tokens,
+                    num_computed,
+                );
             }
             h
         };

@@ -15,6 +15,10 @@
 //! is (hash of the prefix ending at L, L) and its contents are the state after exactly the
 //! request's first L tokens (same salt), and the hit is the longest one available. At the end
 //! (all requests finished): used = 0 and free + cached = total, no window slot left.
+//!
+//! KV cache events: the driver mirrors them as a subscriber would (by id, parent and tokens only)
+//! and after every operation predicts, for every request without a salt and for every base
+//! prompt, the hit the cache would give it now: the prediction must equal the cache's own.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -23,6 +27,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::block_hash::BlockHasher;
 use crate::config::{CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig};
+use crate::kv_events::{external_id, CacheGroup, KvEvent};
 use crate::mamba_pool::SlotKind;
 
 const B: usize = 4;
@@ -101,6 +106,117 @@ struct Driver {
     /// Hits by checkpoint kind, and tail hits (for the coverage test).
     hits_by_kind: [usize; 3],
     tail_hits: usize,
+    mirror: Mirror,
+    /// Nonzero hits predicted from the events (for the coverage test).
+    predicted_hits: usize,
+}
+
+/// A subscriber of the KV cache events that knows only what they say: per group, the announced
+/// ids with their parent id and tokens.
+/// Announced ids of one group: id -> (parent id, tokens).
+type Announced = HashMap<u64, (Option<u64>, Vec<u32>)>;
+
+#[derive(Default)]
+struct Mirror {
+    groups: [Announced; 2],
+}
+
+impl Mirror {
+    fn apply(&mut self, events: Vec<KvEvent>) {
+        for e in events {
+            match e {
+                KvEvent::Stored {
+                    group,
+                    hash,
+                    parent,
+                    tokens,
+                } => {
+                    let g = &mut self.groups[group as usize];
+                    let old = g.insert(external_id(hash), (parent.map(external_id), tokens));
+                    assert!(old.is_none(), "stored twice without a removal");
+                }
+                KvEvent::Removed { group, hash } => {
+                    let old = self.groups[group as usize].remove(&external_id(hash));
+                    assert!(old.is_some(), "removed without a store");
+                }
+                KvEvent::AllCleared => self.groups.iter_mut().for_each(HashMap::clear),
+            }
+        }
+    }
+
+    /// On a hybrid model, every announced block has an announced checkpoint at or below it (a
+    /// hit can use it).
+    fn check_blocks_useful(&self) {
+        let (kv, ck) = (&self.groups[0], &self.groups[1]);
+        let mut useful = std::collections::HashSet::new();
+        for (&id, (parent, _)) in ck {
+            let mut x = if kv.contains_key(&id) {
+                Some(id)
+            } else {
+                *parent
+            };
+            while let Some(b) = x {
+                if !useful.insert(b) {
+                    break;
+                }
+                x = kv.get(&b).and_then(|e| e.0);
+            }
+        }
+        for id in kv.keys() {
+            assert!(
+                useful.contains(id),
+                "block {id} announced with no checkpoint below it"
+            );
+        }
+    }
+
+    fn child(&self, group: CacheGroup, parent: Option<u64>, tokens: &[u32]) -> Option<u64> {
+        self.groups[group as usize]
+            .iter()
+            .find(|(_, (p, t))| *p == parent && t.as_slice() == tokens)
+            .map(|(&id, _)| id)
+    }
+
+    /// The hit a request of `tokens` gets: the announced full blocks of its prefix, then the
+    /// deepest announced checkpoint on them (or in a tail right below one), at most n - 1 tokens;
+    /// without Mamba checkpoints (`hybrid` false), the blocks alone.
+    fn predict(&self, tokens: &[u32], hybrid: bool) -> usize {
+        let max = tokens.len().saturating_sub(1);
+        let mut path: Vec<u64> = Vec::new();
+        while path.len() < max / B {
+            let d = path.len();
+            match self.child(
+                CacheGroup::Attention,
+                path.last().copied(),
+                &tokens[d * B..(d + 1) * B],
+            ) {
+                Some(id) => path.push(id),
+                None => break,
+            }
+        }
+        if !hybrid {
+            return path.len() * B;
+        }
+        for d in (0..=path.len()).rev() {
+            let parent = d.checked_sub(1).map(|i| path[i]);
+            for t in (1..B).rev() {
+                let end = d * B + t;
+                if end <= max
+                    && self
+                        .child(CacheGroup::Mamba, parent, &tokens[d * B..end])
+                        .is_some()
+                {
+                    return end;
+                }
+            }
+            if let Some(id) = parent {
+                if self.groups[CacheGroup::Mamba as usize].contains_key(&id) {
+                    return d * B;
+                }
+            }
+        }
+        0
+    }
 }
 
 fn base_prompt(base: u8) -> Vec<u32> {
@@ -126,6 +242,39 @@ impl Driver {
             pinned_tail: HashMap::new(),
             hits_by_kind: [0; 3],
             tail_hits: 0,
+            mirror: Mirror::default(),
+            predicted_hits: 0,
+        }
+    }
+
+    /// Applies the events since the last call to the mirror and checks its predictions.
+    fn check_events(&mut self) {
+        let events = self.m.take_events();
+        self.mirror.apply(events);
+        let hybrid = self.hybrid && self.mamba;
+        if hybrid {
+            self.mirror.check_blocks_useful();
+        }
+        let mut prompts: Vec<Vec<u32>> = (0..3).map(base_prompt).collect();
+        for r in self.reqs.values().filter(|r| r.salt.is_none()) {
+            let mut t = r.tokens.clone();
+            prompts.push(t.clone());
+            // A continuation of the whole sequence (a next turn).
+            t.push(7);
+            prompts.push(t);
+        }
+        for tokens in prompts {
+            let mut hashes = Vec::new();
+            self.hasher.extend(&mut hashes, &tokens, B, None);
+            let prefix = Prefix {
+                hashes: &hashes,
+                tokens: &tokens,
+                root: self.hasher.root(None),
+            };
+            let hit = self.m.peek_longest_cache_hit(prefix, tokens.len());
+            let predicted = self.mirror.predict(&tokens, hybrid);
+            assert_eq!(predicted, hit.num_tokens, "predicted hit of {tokens:?}");
+            self.predicted_hits += usize::from(predicted > 0);
         }
     }
 
@@ -598,7 +747,8 @@ impl Driver {
                 pending.push(s);
             }
         }
-        self.m.cache_full_blocks(key, &r.hashes, r.computed);
+        let prefix = self.prefix(r);
+        self.m.cache_full_blocks(key, prefix, r.computed);
         // Pending until `Settle` (the update after the forward), or cancelled right away.
         for s in pending {
             if abort_ckpt {
@@ -762,11 +912,15 @@ proptest! {
         let cfg = config(variant, k, max_num_seqs, placement, eviction);
         let slots = if cfg.has_mamba_layers { 1 + max_num_seqs * (1 + k) + extra_slots } else { 0 };
         let mut d = Driver::new(&cfg, kv_blocks, slots);
+        d.m.enable_events();
         for op in &ops {
             d.apply(op);
             d.check_invariants();
+            d.check_events();
         }
         d.finish_all();
+        d.check_events();
+        prop_assert!(d.mirror.groups.iter().all(HashMap::is_empty), "a reset leaves nothing announced");
     }
 }
 
@@ -782,6 +936,7 @@ fn random_operations_reach_every_checkpoint_kind() {
     );
     let mut by_kind = [0usize; 3];
     let mut tails = 0;
+    let mut predicted = 0;
     for case in 0..300u64 {
         let placement = [
             CheckpointPlacement::Branch,
@@ -796,6 +951,7 @@ fn random_operations_reach_every_checkpoint_kind() {
         );
         let slots = 1 + 3 * (1 + cfg.num_speculative_tokens()) + 4;
         let mut d = Driver::new(&cfg, 40, slots);
+        d.m.enable_events();
         let ops = prop::collection::vec(op(), 40..80)
             .new_tree(&mut runner)
             .unwrap()
@@ -803,7 +959,9 @@ fn random_operations_reach_every_checkpoint_kind() {
         for op in &ops {
             d.apply(op);
             d.check_invariants();
+            d.check_events();
         }
+        predicted += d.predicted_hits;
         d.finish_all();
         for (total, n) in by_kind.iter_mut().zip(d.hits_by_kind) {
             *total += n;
@@ -812,4 +970,5 @@ fn random_operations_reach_every_checkpoint_kind() {
     }
     assert!(by_kind.iter().all(|&n| n > 0), "{by_kind:?}");
     assert!(tails > 0);
+    assert!(predicted > 0, "the events predicted no hit at all");
 }

@@ -45,7 +45,7 @@ fn run_and_publish(
         .allocate_new(req, &CacheHit::default(), tokens.len(), 0)
         .unwrap();
     assert!(ops.is_empty());
-    m.cache_full_blocks(req, &h, tokens.len());
+    m.cache_full_blocks(req, Prefix::of_hashes(&h), tokens.len());
     ckpts
         .iter()
         .map(|&p| {
@@ -64,7 +64,7 @@ fn checkpoint_published_only_after_commit() {
     let t = toks(17);
     let h = hashes(&t, None);
     m.allocate_new(1, &CacheHit::default(), 17, 0).unwrap();
-    m.cache_full_blocks(1, &h, 17);
+    m.cache_full_blocks(1, Prefix::of_hashes(&h), 17);
     let s = m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid).unwrap();
     assert_eq!(m.debug_tag(s), Some((h[1], 8)));
     // Pending: KV prefix is there but the checkpoint is not a hit.
@@ -412,7 +412,7 @@ fn mode_none_on_mamba_model_never_hits() {
     let h = hashes(&t, None);
     m.allocate_new(1, &CacheHit::default(), 17, 0).unwrap();
     assert_eq!(m.state_window(1).len(), 2);
-    m.cache_full_blocks(1, &h, 17);
+    m.cache_full_blocks(1, Prefix::of_hashes(&h), 17);
     assert_eq!(m.stats().kv_blocks_cached, 0);
     assert_eq!(m.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
     m.free(1);
@@ -431,9 +431,9 @@ fn attention_only_model_gets_kv_hits_and_null_windows() {
     assert_eq!(a.block_table(1).len(), 4, "13 + 2 lookahead tokens");
     assert_eq!(a.state_window(1), &[NULL_SLOT; 3]);
     // Only accepted tokens are cached: 9 accepted -> 2 blocks.
-    a.cache_full_blocks(1, &h, 9);
+    a.cache_full_blocks(1, Prefix::of_hashes(&h), 9);
     assert_eq!(a.stats().kv_blocks_cached, 2);
-    a.cache_full_blocks(1, &h, 13);
+    a.cache_full_blocks(1, Prefix::of_hashes(&h), 13);
     assert_eq!(a.stats().kv_blocks_cached, 3);
     assert_eq!(a.reserve_checkpoint(h[1], 8, CheckpointKind::Grid), None);
     let hit = a.find_longest_cache_hit(Prefix::of_hashes(&h), 13);
@@ -460,7 +460,7 @@ fn prefix_caching_off_never_caches() {
     let t = toks(13);
     let h = hashes(&t, None);
     a.allocate_new(1, &CacheHit::default(), 13, 0).unwrap();
-    a.cache_full_blocks(1, &h, 13);
+    a.cache_full_blocks(1, Prefix::of_hashes(&h), 13);
     assert_eq!(
         a.find_longest_cache_hit(Prefix::of_hashes(&h), 13)
             .num_tokens,
@@ -478,7 +478,7 @@ fn windows_always_fit_for_max_num_seqs() {
     for r in 0..8u64 {
         let t: Vec<u32> = (0..9).map(|i| 100 * r as u32 + i).collect();
         m.allocate_new(100 + r, &CacheHit::default(), 9, 0).unwrap();
-        m.cache_full_blocks(100 + r, &hashes(&t, None), 9);
+        m.cache_full_blocks(100 + r, Prefix::of_hashes(&hashes(&t, None)), 9);
         if let Some(s) = m.reserve_checkpoint(hashes(&t, None)[1], 8, CheckpointKind::Grid) {
             n += 1;
             if r % 2 == 0 {
@@ -649,7 +649,7 @@ fn resume_and_keep(
     let h = hashes(tokens, None);
     m.allocate_new(req, hit, tokens.len() - hit.num_tokens, 0)
         .unwrap();
-    m.cache_full_blocks(req, &h, tokens.len());
+    m.cache_full_blocks(req, Prefix::of_hashes(&h), tokens.len());
     let kept = m.keep_last_state(req, prefix(&h, tokens), tokens.len(), 0);
     m.free(req);
     kept
@@ -751,7 +751,7 @@ fn fallback_positions_follow_checkpoints_above() {
     let t = toks(24);
     let h = hashes(&t, None);
     m.allocate_new(1, &CacheHit::default(), 24, 0).unwrap();
-    m.cache_full_blocks(1, &h, 24);
+    m.cache_full_blocks(1, Prefix::of_hashes(&h), 24);
     let at = |m: &mut HybridCacheManager, p: usize| {
         let s = m
             .reserve_checkpoint(h[p / B - 1], p, CheckpointKind::Branch)
@@ -880,7 +880,7 @@ fn lru_path_refreshes_every_checkpoint_on_the_hit_path() {
         let t = toks(24);
         let h = hashes(&t, None);
         m.allocate_new(1, &CacheHit::default(), 24, 0).unwrap();
-        m.cache_full_blocks(1, &h, 24);
+        m.cache_full_blocks(1, Prefix::of_hashes(&h), 24);
         let mut slots = Vec::new();
         for p in [8, 24] {
             let s = m
@@ -971,4 +971,87 @@ fn last_states_that_nobody_resumes_stop_being_kept() {
         let t: Vec<u32> = (0..9).map(|j| 10_000 + i * 16 + j).collect();
         assert!(run_and_keep(&mut m, 100 + i as u64, &t));
     }
+}
+
+/// The prefix of `tokens` under hash seed 0 (the seed `HybridCacheManager::new` uses).
+fn prefix_of<'a>(tokens: &'a [u32], h: &'a [BlockHash], salt: Option<&str>) -> Prefix<'a> {
+    Prefix {
+        hashes: h,
+        tokens,
+        root: BlockHasher::new(0).root(salt),
+    }
+}
+
+#[test]
+fn events_announce_blocks_only_with_a_checkpoint_at_or_below() {
+    use crate::kv_events::{CacheGroup, KvEvent};
+    let mut c = cfg(MambaCacheMode::Align, 0, 2);
+    c.checkpoint_placement = CheckpointPlacement::Branch;
+    let mut m = HybridCacheManager::new(&c, 32, 16);
+    m.enable_events();
+    let t = toks(13);
+    let h = hashes(&t, None);
+    m.allocate_new(1, &CacheHit::default(), 13, 0).unwrap();
+    m.cache_full_blocks(1, prefix_of(&t, &h, None), 13);
+    // Three cached blocks, no checkpoint: nothing a hit could use, nothing announced.
+    assert_eq!(m.take_events(), vec![]);
+    let s = m
+        .reserve_checkpoint(h[1], 8, CheckpointKind::Branch)
+        .unwrap();
+    assert_eq!(m.take_events(), vec![], "a pending checkpoint is not a hit");
+    m.commit_checkpoint(s);
+    let stored = |group, i: usize, parent: Option<BlockHash>| KvEvent::Stored {
+        group,
+        hash: h[i],
+        parent,
+        tokens: t[i * B..(i + 1) * B].to_vec(),
+    };
+    // Blocks 0 and 1 (at or above the checkpoint at 8) in order, then the checkpoint; block 2
+    // stays unannounced.
+    assert_eq!(
+        m.take_events(),
+        vec![
+            stored(CacheGroup::Attention, 0, None),
+            stored(CacheGroup::Attention, 1, Some(h[0])),
+            stored(CacheGroup::Mamba, 1, Some(h[0])),
+        ]
+    );
+    // The request ends: its last state (13 tokens: a tail of 1 token below block 2) is kept,
+    // which makes block 2 usable.
+    assert!(m.keep_last_state(1, prefix_of(&t, &h, None), 13, 0));
+    let ev = m.take_events();
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(ev[0], stored(CacheGroup::Attention, 2, Some(h[1])));
+    match &ev[1] {
+        KvEvent::Stored {
+            group: CacheGroup::Mamba,
+            parent,
+            tokens,
+            ..
+        } => assert_eq!((*parent, tokens.as_slice()), (Some(h[2]), &t[12..13])),
+        e => panic!("expected the tail checkpoint, got {e:?}"),
+    }
+    m.free(1);
+    // A reset clears everything at once.
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.take_events(), vec![KvEvent::AllCleared]);
+    assert_eq!(m.num_events(), 6);
+}
+
+#[test]
+fn events_never_announce_salted_chains() {
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::All, 0, 2), 32, 16);
+    m.enable_events();
+    let t = toks(9);
+    let h = hashes(&t, Some("tenant"));
+    m.allocate_new(1, &CacheHit::default(), 9, 0).unwrap();
+    m.cache_full_blocks(1, prefix_of(&t, &h, Some("tenant")), 9);
+    let s = m
+        .reserve_checkpoint(h[1], 8, CheckpointKind::Branch)
+        .unwrap();
+    m.commit_checkpoint(s);
+    assert_eq!(m.take_events(), vec![]);
+    // The tenant itself still hits.
+    let hit = m.peek_longest_cache_hit(prefix_of(&t, &h, Some("tenant")), 9);
+    assert_eq!(hit.num_tokens, 8);
 }

@@ -7,6 +7,7 @@ pub mod block_pool;
 pub mod cache;
 pub mod config;
 pub mod error;
+pub mod kv_events;
 pub mod mamba_pool;
 pub mod output;
 pub mod policy;

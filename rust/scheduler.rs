@@ -361,6 +361,16 @@ impl Scheduler {
         self.cache.reset_prefix_cache()
     }
 
+    /// Starts recording KV cache events (`take_kv_events`; docs/kv-events.md).
+    pub fn enable_kv_events(&mut self) {
+        self.cache.enable_events();
+    }
+
+    /// The KV cache events since the last call (empty unless enabled).
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.cache.take_events()
+    }
+
     pub fn stats(&self) -> SchedulerStats {
         let mut s = self.stats.clone();
         s.num_running = self.running.len();
@@ -1110,8 +1120,7 @@ impl Scheduler {
             req.num_computed_tokens = after;
             if self.prefix_caching {
                 req.update_hashes(self.cache.hasher(), b);
-                self.cache
-                    .cache_full_blocks(row.key, &req.block_hashes, after);
+                self.cache.cache_full_blocks(row.key, req.prefix(), after);
             }
             if row.is_decode && self.checkpoints && self.placement.grid() {
                 // Accepted tokens crossed or reached boundaries: the state after p·M tokens is in

@@ -282,8 +282,14 @@ class Scheduler:
     # prefix_hits_{kind}, prefix_hit_tokens_{kind} (admissions), checkpoints_{kind} (committed now);
     # checkpoints_kept (last-token states kept), kv_evictions_useless (blocks no hit could use),
     # checkpoint_evictions_{stale,for_checkpoint,for_window,for_kv}, kv_blocks_cached,
-    # mamba_slots_window; floats: prefill_flops_queried, prefill_flops_saved (cost model's).
+    # mamba_slots_window, kv_events_emitted; floats: prefill_flops_queried, prefill_flops_saved
+    # (cost model's).
     def stats(self) -> dict[str, int | float]: ...
     def reset_prefix_cache(self) -> bool: ...  # False while blocks are in use
+    # KV cache events (docs/kv-events.md): recorded from the call on.
+    def enable_kv_events(self) -> None: ...
+    # (kind "stored" | "removed" | "cleared", group 0 attention | 1 mamba, block id, parent id,
+    # token ids) since the last call, in order; empty unless enabled.
+    def take_kv_events(self) -> list[tuple[str, int, int, int | None, list[int]]]: ...
     def get_token_ids(self, request_id: str) -> list[int]: ...  # prompt + output; raises once finished
     def get_num_computed_tokens(self, request_id: str) -> int | None: ...  # extension

@@ -10,9 +10,13 @@ use pyo3::types::{PyDict, PyList};
 use super::errors::{to_pyerr, InternalError, InvalidRequestError};
 use super::policy::PyResolvedConfig;
 use crate::cache::CostModel;
+use crate::kv_events::{external_id, KvEvent};
 use crate::output::SchedulerOutput;
 use crate::request::{FinishReason, NewRequest, StopParams};
 use crate::scheduler::{RequestDelta, Scheduler};
+
+/// A KV cache event as Python sees it: (kind, group, block id, parent id, token ids).
+type KvEventTuple = (&'static str, u32, u64, Option<u64>, Vec<u32>);
 
 fn token_id(v: i64, what: &str) -> PyResult<u32> {
     u32::try_from(v)
@@ -355,11 +359,50 @@ impl PyScheduler {
         }
         d.set_item("prefill_flops_queried", s.prefill_flops_queried)?;
         d.set_item("prefill_flops_saved", s.prefill_flops_saved)?;
+        d.set_item("kv_events_emitted", self.inner.cache().num_events())?;
         Ok(d)
     }
 
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
+    }
+
+    /// Starts recording KV cache events; entries cached before are not announced.
+    fn enable_kv_events(&mut self) {
+        self.inner.enable_kv_events();
+    }
+
+    /// The KV cache events since the last call, in order, as tuples
+    /// `(kind, group, block_id, parent_id, token_ids)`: kind "stored" (parent_id None for a first
+    /// block), "removed" (parent_id None, no tokens) or "cleared" (group 0, block_id 0). Ids are
+    /// the opaque 64-bit ids of docs/kv-events.md.
+    fn take_kv_events(&mut self) -> Vec<KvEventTuple> {
+        self.inner
+            .take_kv_events()
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Stored {
+                    group,
+                    hash,
+                    parent,
+                    tokens,
+                } => (
+                    "stored",
+                    group.index(),
+                    external_id(hash),
+                    parent.map(external_id),
+                    tokens,
+                ),
+                KvEvent::Removed { group, hash } => (
+                    "removed",
+                    group.index(),
+                    external_id(hash),
+                    None,
+                    Vec::new(),
+                ),
+                KvEvent::AllCleared => ("cleared", 0, 0, None, Vec::new()),
+            })
+            .collect()
     }
 
     /// Prompt + output so far. InvalidRequestError for an unknown (or finished) request.

@@ -304,7 +304,7 @@ def test_stats_keys() -> None:
         "prefix_hit_tokens_last_token", "checkpoints_kept", "checkpoints_grid", "checkpoints_branch",
         "checkpoints_last_token", "kv_evictions_useless", "checkpoint_evictions_stale",
         "checkpoint_evictions_for_checkpoint", "checkpoint_evictions_for_window",
-        "checkpoint_evictions_for_kv", "kv_blocks_cached", "mamba_slots_window",
+        "checkpoint_evictions_for_kv", "kv_blocks_cached", "mamba_slots_window", "kv_events_emitted",
     }  # fmt: skip
     flops = {"prefill_flops_queried", "prefill_flops_saved"} | {
         f"checkpoint_reuse_rate_{kind}" for kind in ("grid", "branch", "last_token")
