@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from hybridserve import _core
 from hybridserve.config.capabilities import ModelCapabilities, read_model_capabilities, resolve_model_dir
 from hybridserve.config.explain import Decision, ResolvedEngineConfig
+from hybridserve.config.kv_events import KVEventsConfig
 from hybridserve.config.sizing import min_mamba_slots
 from hybridserve.config.speculative import SpeculativeConfig, parse_speculative_json
 from hybridserve.errors import ConfigError
@@ -138,6 +139,9 @@ class EngineArgs:
     #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
     #: longer is refused (engine/grammar_compiler.py).
     grammar_compile_timeout: float = 10.0
+    #: KV cache events for routers: vLLM's KVEventsConfig fields (config/kv_events.py), as a dict,
+    #: a KVEventsConfig or the JSON text of --kv-events-config. None = no events.
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:
@@ -195,6 +199,14 @@ class EngineArgs:
                 f"--grammar-compile-timeout must be a number of seconds in (0, 3600], got {t!r}"
             )
         self.speculative()
+        self.kv_events()
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The validated KV-events config (None when events are off)."""
+        if self.kv_events_config is None:
+            return None
+        cfg = KVEventsConfig.from_value(self.kv_events_config)
+        return cfg if cfg.enabled else None
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative config (None without speculative decoding)."""

@@ -133,6 +133,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "or torch's choice when OMP_NUM_THREADS is set)",
     )
     g.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV cache events for cache-aware routers, in vLLM's format and spelling, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+        "(docs/kv-events.md; the events carry every request's token ids: publish on a trusted network)",
+    )
+    g.add_argument(
         "--grammar-compile-timeout",
         type=float,
         default=10.0,

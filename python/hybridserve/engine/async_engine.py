@@ -182,6 +182,7 @@ class AsyncEngine:
                 self._closed = True
             self._drain_commands(engine)
             self._fail_all(engine, None)
+            engine.shutdown()
 
     def _serve(self, engine: LLMEngine) -> None:
         while not self._stop.is_set():

@@ -25,6 +25,7 @@ from hybridserve import _core
 from hybridserve.config import EngineArgs
 from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
 from hybridserve.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from hybridserve.engine.kv_events import KVEventPublisher
 from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.output_processor import OutputProcessor
@@ -97,6 +98,13 @@ class LLMEngine:
             engine_seed=int(args.seed),
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
+        # KV cache events for routers (docs/kv-events.md): recorded by the scheduler, sent by a
+        # publisher thread after every step.
+        self.kv_events: KVEventPublisher | None = None
+        events_cfg = args.kv_events()
+        if events_cfg is not None:
+            self.scheduler.enable_kv_events()
+            self.kv_events = KVEventPublisher(events_cfg, int(self.config.block_size))
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
         # structured outputs: requests whose grammar is still being compiled, in arrival order
@@ -254,6 +262,7 @@ class LLMEngine:
         state = self.requests.get(request_id)
         self._forget(request_id)
         found = self.scheduler.abort_request(request_id)
+        self.publish_kv_events()  # its last state may have been kept
         return found or state is not None
 
     def _forget(self, request_id: str) -> None:
@@ -336,7 +345,22 @@ class LLMEngine:
         # are all still in self.requests, where the caller can report to them.
         for rid in done:
             self._forget(rid)
+        self.publish_kv_events()
         return refused + outputs
+
+    def publish_kv_events(self) -> None:
+        """Hands the KV cache events recorded since the last call to the publisher."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
+
+    def shutdown(self) -> None:
+        """Ends what the engine started: the tensor-parallel workers, and the KV-events publisher
+        after it has sent what it has. Idempotent."""
+        self.stop_workers()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.shutdown()
+            self.kv_events = None
 
     def _row_sampling(self, request_id: str) -> RowSampling | None:
         st = self.requests.get(request_id)
@@ -399,6 +423,8 @@ class LLMEngine:
             prefix_cache_lost_tokens=s.get("prefix_lost_tokens", 0),
             # sequences the state pool can run with their windows and a checkpoint slot each
             mamba_state_capacity_seqs=self.em.sizes.state_pool_capacity,
+            block_size=int(self.config.block_size),
+            enable_prefix_caching=bool(self.config.enable_prefix_caching),
         )
         verify_rows = self.counters.spec_decode_verify_rows
         s.update(
@@ -417,4 +443,6 @@ class LLMEngine:
         return s
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.scheduler.reset_prefix_cache())
+        done = bool(self.scheduler.reset_prefix_cache())
+        self.publish_kv_events()
+        return done

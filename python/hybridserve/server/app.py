@@ -234,7 +234,7 @@ def create_app(
     unknown request field is a 400 instead of a logged warning. `access_log`: a line per request
     (request_log.py). `log_stats_interval_s`: seconds between the engine lines (0: none)."""
     state_holder: dict[str, ServerState] = {}
-    metrics = ServerMetrics(lambda: state_holder["s"].engine_stats())
+    metrics = ServerMetrics(lambda: state_holder["s"].engine_stats(), served_model_name)
     state = ServerState(
         served_model_name=served_model_name,
         api_key=api_key or None,
@@ -851,7 +851,7 @@ async def _generate(
             if not c.engine_finished:
                 await _abort(state, c.engine_id)
             if not c.done:  # it ends here, without a finished output
-                state.metrics.requests_finished.labels(finish_reason=ended_by).inc()
+                state.metrics.requests_finished.inc(ended_by)
             state.release(c.engine_id)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -904,7 +904,7 @@ def _observe(state: ServerState, choice: _Choice, delta: _Delta, arrival: float)
         choice.last_token_time = now
     if delta.finished:
         m.e2e_latency.observe(time.monotonic() - arrival)
-        m.requests_finished.labels(finish_reason=choice.finish_reason or "stop").inc()
+        m.requests_finished.inc(choice.finish_reason or "stop")
 
 
 def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:

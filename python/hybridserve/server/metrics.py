@@ -86,6 +86,10 @@ ENGINE_COUNTERS = {
         "hybridserve_kv_cache_evictions_useless",
         "Cached KV blocks evicted that no prefix hit could use any more (no checkpoint at or below).",
     ),
+    "kv_events_emitted": (
+        "hybridserve_kv_events",
+        "KV cache events emitted for subscribers (0 unless --kv-events-config enables them).",
+    ),
     "checkpoints_kept": (
         "hybridserve_mamba_checkpoints_kept_last_token",
         "States kept after the last computed token of a finished or preempted request.",
@@ -141,6 +145,49 @@ ENGINE_LABELLED_GAUGES = (
         },
     ),
 )
+# vLLM's names for the same figures (docs/serving.md, "Metrics"), read by routers, endpoint pickers
+# and autoscalers written for vLLM; each carries a `model_name` label as vLLM's do.
+# name -> (engine.stats() key, help)
+VLLM_GAUGES = {
+    "vllm:num_requests_running": ("num_requests_running", "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("num_requests_waiting", "Number of requests waiting to be processed."),
+}
+VLLM_COUNTERS = {
+    "vllm:prompt_tokens": ("prompt_tokens", "Number of prefill tokens processed."),
+    "vllm:generation_tokens": ("generation_tokens", "Number of generation tokens processed."),
+    "vllm:prefix_cache_queries": (
+        "prefix_cache_queried_tokens",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    "vllm:prefix_cache_hits": (
+        "prefix_cache_hit_tokens",
+        "Prefix cache hits, in terms of number of cached tokens (a hybrid hit needs KV and a Mamba state).",
+    ),
+    "vllm:num_preemptions": ("num_preemptions_total", "Cumulative number of preemptions."),
+    "vllm:spec_decode_num_drafts": ("spec_decode_verify_rows", "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens": ("spec_decode_draft_tokens", "Number of draft tokens."),
+    "vllm:spec_decode_num_accepted_tokens": ("spec_decode_accepted_tokens", "Number of accepted tokens."),
+}
+#: vllm:kv_cache_usage_perc (and its older name): a fraction in [0, 1], as vLLM's is.
+VLLM_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def cache_usage(stats: dict[str, Any]) -> float:
+    """The share of the cache that running requests hold, in [0, 1]: the larger of the KV pool's
+    (blocks referenced by requests; cached free blocks count as free, they are evictable) and the
+    Mamba state pool's (running sequences' windows out of the max_num_seqs windows it reserves).
+    Either pool being full is what stops admission, so the larger share is the load signal."""
+    kv_total = engine_value(stats, "kv_blocks_total")
+    kv = engine_value(stats, "kv_blocks_used") / kv_total if kv_total else 0.0
+    seqs = engine_value(stats, "max_num_seqs")
+    mamba = (
+        engine_value(stats, "num_requests_running") / seqs
+        if seqs and engine_value(stats, "mamba_slots_total")
+        else 0.0
+    )
+    return min(1.0, max(kv, mamba))
+
+
 ENGINE_KEY_ALIASES = {
     "num_requests_running": ("num_running",),
     "num_requests_waiting": ("num_waiting",),
@@ -149,6 +196,7 @@ ENGINE_KEY_ALIASES = {
     "prefix_cache_lost_tokens": ("prefix_lost_tokens",),
     "spec_decode_draft_tokens": ("spec_drafted_tokens",),
     "spec_decode_accepted_tokens": ("spec_accepted_tokens",),
+    "num_preemptions_total": ("num_preemptions",),
 }
 
 
@@ -184,8 +232,9 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: str) -> None:
         self._stats = stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -213,36 +262,106 @@ class _EngineCollector(Collector):
         for pos, n in enumerate(s.get("spec_decode_acceptance_per_position") or []):
             per_position.add_metric([str(pos)], float(n))
         yield per_position
+        yield from self._vllm(s)
+
+    def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """The same figures under vLLM's names."""
+        label = ["model_name"]
+        value = [self._model_name]
+        for name, (key, doc) in VLLM_GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=label)
+            g.add_metric(value, engine_value(s, key))
+            yield g
+        for name in VLLM_CACHE_USAGE:
+            g = GaugeMetricFamily(name, "KV-cache usage. 1 means 100 percent usage.", labels=label)
+            g.add_metric(value, cache_usage(s))
+            yield g
+        for name, (key, doc) in VLLM_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=label)
+            c.add_metric(value, engine_value(s, key))
+            yield c
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the cache config (labels); value 1.",
+            labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        if "block_size" in s:
+            info.add_metric(
+                [
+                    self._model_name,
+                    str(int(engine_value(s, "block_size"))),
+                    str(int(engine_value(s, "kv_blocks_total"))),
+                    str(bool(s.get("enable_prefix_caching"))),
+                ],
+                1.0,
+            )
+        yield info
 
 
-class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats))
-        self.time_to_first_token = Histogram(
-            "hybridserve_time_to_first_token_seconds",
-            "Time from request arrival to its first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.inter_token_latency = Histogram(
-            "hybridserve_inter_token_latency_seconds",
-            "Time between consecutive generated tokens of one request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e_latency = Histogram(
-            "hybridserve_e2e_request_latency_seconds",
-            "Time from request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.requests_finished = Counter(
+class _Latency:
+    """A latency histogram under hybridserve's name and, labelled with the model, vLLM's."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, model_name: str) -> None:
+        self.own = Histogram(f"hybridserve_{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.vllm = Histogram(
+            f"vllm:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry
+        ).labels(model_name=model_name)
+
+    def observe(self, seconds: float) -> None:
+        self.own.observe(seconds)
+        self.vllm.observe(seconds)
+
+
+class _Finished:
+    """Requests finished by reason: hybridserve_requests_finished, and vLLM's
+    vllm:request_success for the reasons vLLM counts there (stop, length, abort)."""
+
+    VLLM_REASONS = ("stop", "length", "abort")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.own = Counter(
             "hybridserve_requests_finished",
             "Engine requests finished, by finish reason.",
             ["finish_reason"],
-            registry=self.registry,
+            registry=registry,
         )
+        self.vllm = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self._model_name = model_name
+
+    def inc(self, finish_reason: str) -> None:
+        self.own.labels(finish_reason=finish_reason).inc()
+        if finish_reason in self.VLLM_REASONS:
+            self.vllm.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats, model_name))
+        self.time_to_first_token = _Latency(
+            self.registry,
+            "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            model_name,
+        )
+        self.inter_token_latency = _Latency(
+            self.registry,
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request.",
+            model_name,
+        )
+        self.e2e_latency = _Latency(
+            self.registry,
+            "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            model_name,
+        )
+        self.requests_finished = _Finished(self.registry, model_name)
         self.http_errors = Counter(
             "hybridserve_http_errors",
             "Requests answered with an error status.",

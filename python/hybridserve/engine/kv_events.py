@@ -1,0 +1,153 @@
+"""Publishing the scheduler's KV cache events over ZMQ in vLLM's wire format (docs/kv-events.md).
+
+The engine loop hands each step's events to `KVEventPublisher.publish`, which only queues them;
+a thread encodes and sends. Every message is three frames: the topic, an 8-byte big-endian
+sequence number (0, 1, 2, ... per engine start) and a msgpack `EventBatch` array
+`[ts, events]` whose events are maps tagged by "type" ("BlockStored", "BlockRemoved",
+"AllBlocksCleared"). With a replay endpoint, a ROUTER socket answers a request carrying a
+starting sequence number with the buffered batches from there on, then an end marker.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from hybridserve.config.kv_events import KVEventsConfig
+
+logger = logging.getLogger(__name__)
+
+#: The cache groups of the events: attention KV blocks, Mamba checkpoints.
+GROUP_SPEC_KINDS = {0: "full_attention", 1: "mamba"}
+#: The tier of every event: the engine's own cache in device memory (on a CPU-only engine too;
+#: consumers keep "GPU" events as the serving tier and treat others as offloaded copies).
+MEDIUM = "GPU"
+#: End of a replay answer: sequence number -1 and an empty payload.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+#: (kind, group, block id, parent id, token ids), as `Scheduler.take_kv_events` returns them.
+RawEvent = tuple[str, int, int, int | None, list[int]]
+
+
+def encode_event(e: RawEvent, block_size: int) -> dict[str, Any]:
+    """One scheduler event as vLLM's tagged map."""
+    kind, group, block_id, parent, tokens = e
+    if kind == "stored":
+        return {
+            "type": "BlockStored",
+            "block_hashes": [block_id],
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+            "group_idx": group,
+            "kv_cache_spec_kind": GROUP_SPEC_KINDS[group],
+        }
+    if kind == "removed":
+        return {"type": "BlockRemoved", "block_hashes": [block_id], "medium": MEDIUM, "group_idx": group}
+    if kind == "cleared":
+        return {"type": "AllBlocksCleared"}
+    raise ValueError(f"unknown KV cache event kind {kind!r}")
+
+
+class KVEventPublisher:
+    """A PUB socket (and optional replay ROUTER socket) fed by a thread of its own."""
+
+    def __init__(self, config: KVEventsConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self._queue: queue.Queue[tuple[float, list[RawEvent]] | None] = queue.Queue(config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            if KVEventsConfig.binds(config.endpoint):
+                self._pub.bind(config.endpoint)
+            else:
+                self._pub.connect(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise OSError(f"--kv-events-config: cannot open {config.endpoint}: {e}") from None
+        self.batches_sent = 0
+        self.batches_dropped = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[RawEvent]) -> None:
+        """Queues one batch (one engine step's events); never blocks the engine loop. A full queue
+        drops the batch, counted in `batches_dropped` (a subscriber sees the gap in sequence
+        numbers, as a slow subscriber does at the PUB socket's high-water mark)."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.batches_dropped += 1
+            if self.batches_dropped == 1 or self.batches_dropped % 1000 == 0:
+                logger.warning(
+                    "KV cache events: publisher queue full, %d batches dropped", self.batches_dropped
+                )
+
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            ts, events = item
+            payload = self._encoder.encode([ts, [encode_event(e, self.block_size) for e in events]])
+            try:
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            except zmq.ZMQError:
+                logger.exception("KV cache events: sending batch %d failed", seq)
+            self._buffer.append((seq, payload))
+            self.batches_sent = seq = seq + 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("KV cache events: malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Sends what is queued (for up to `timeout` seconds), then closes the sockets."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=200)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.term()
