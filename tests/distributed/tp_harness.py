@@ -50,14 +50,22 @@ def driver_logits(
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens and float64 logits of `prompts` (batched, chunked prefills, mixed rows) on
     rank `rank` of `tp` (tp 1: the whole model in this process)."""
+    from model_fixtures import Driver
+
+    lm = sharded_model(model_dir, tp, rank)
+    return Driver(lm, max_seq=96, max_reqs=len(prompts)).generate(prompts, max_new, chunks=chunks)
+
+
+def sharded_model(model_dir: str, tp: int, rank: int) -> Any:
+    """The float64 model of `model_dir`, sharded for rank `rank` of `tp` (a LoadedModel whose
+    config is the rank's shapes); its LM head computes logits on every rank."""
     from hybridserve.distributed.sharding import local_config, shard_model
     from hybridserve.model.loader import load_model
-    from model_fixtures import Driver
 
     lm = load_model(model_dir, dtype=torch.float64)
     shard_model(lm.model, lm.config, rank, tp, drop_head=False)  # every rank picks tokens
     lm.config = local_config(lm.config, tp)
-    return Driver(lm, max_seq=96, max_reqs=len(prompts)).generate(prompts, max_new, chunks=chunks)
+    return lm
 
 
 def sharded_logits(
@@ -65,3 +73,28 @@ def sharded_logits(
 ) -> list[tuple[list[list[int]], list[torch.Tensor]]]:
     """`driver_logits` of every case on this rank (run by `run_ranks`)."""
     return [driver_logits(d, tp, rank, p, n, c) for d, p, n, c in cases]
+
+
+def parity_outputs(
+    rank: int, tp: int, cases: list[tuple[str, list[int], list[int], int]]
+) -> list[tuple[torch.Tensor, list[int], int]]:
+    """Per case (model_dir, prompt, greedy prompt, tokens): the float64 logits of every position
+    of `prompt` in one prefill, the greedy tokens of one request of `greedy prompt`, and how many
+    sums over the ranks the prefill ran (run by `run_ranks`; the transformers parity of
+    tests/model/test_model_parity.py on a sharded model)."""
+    from hybridserve.distributed.parallel_state import get_tp_group
+    from model_fixtures import Driver
+
+    group = get_tp_group()
+    assert group is not None
+    out = []
+    for model_dir, prompt, greedy_prompt, max_new in cases:
+        lm = sharded_model(model_dir, tp, rank)
+        drv = Driver(lm, max_seq=64, max_reqs=1)
+        req = drv._new_req(0, prompt, 0, None, 0)
+        before = group.num_all_reduces
+        logits = drv.step([(req, prompt, False)], all_logits=True)
+        sums = group.num_all_reduces - before
+        tokens, _ = Driver(lm, max_seq=64, max_reqs=1).generate([greedy_prompt], max_new)
+        out.append((logits, tokens[0], sums))
+    return out
