@@ -112,6 +112,21 @@ def test_tokenize_counts_what_the_generation_routes_run(server, info):
     assert status == 400 and err["error"]["param"] == "prompt"
 
 
+def test_render_gives_the_tokens_the_generation_routes_run(server, info):
+    """vLLM's render routes (cache-aware routers tokenize through them): the prompt tokens the
+    generation would run, checked as the generation routes check a request."""
+    status, rendered = call(server, "/v1/completions/render", {"model": "demo", "prompt": [PROMPT, "x"]})
+    assert status == 200 and [r["token_ids"] for r in rendered] == [info.encode(PROMPT), info.encode("x")]
+    assert all(r["request_id"].startswith("cmpl-") and r["model"] == "demo" for r in rendered)
+    _, done = call(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": True})
+    assert done["choices"][0]["prompt_token_ids"] == rendered[0]["token_ids"]
+    status, chat = call(server, "/v1/chat/completions/render", {"messages": CHAT})
+    assert status == 200 and chat["token_ids"] == info.encode_chat(CHAT, True)
+    status, err = call(server, "/v1/chat/completions/render", {"messages": CHAT, "max_tokens": -1})
+    assert status == 400 and err["error"]["param"] == "max_tokens"
+    assert_idle(server)  # nothing reached the engine
+
+
 def test_detokenize_reverses_tokenize_special_tokens_included(server, info):
     text = "<|im_start|>user\nhi there<|im_end|>\n"
     _, tok = call(server, "/tokenize", {"prompt": text, "add_special_tokens": False})

@@ -1,6 +1,6 @@
 """The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (and their /render), GET /v1/models[/{id}], GET /health,
 GET /metrics, GET /openapi.json (openapi.py), and vLLM's tokenizer routes POST /tokenize, POST
 /detokenize, GET /tokenizer_info. Every request is validated (protocol.py) before anything reaches
 the engine; each choice of a request is one engine request whose outputs reach
@@ -261,6 +261,8 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     # vLLM's tokenizer routes (not under /v1, so without the API key, as vLLM's)
+    app.router.add_post("/v1/completions/render", _completions_render, expect_handler=_expect_handler)
+    app.router.add_post("/v1/chat/completions/render", _chat_render, expect_handler=_expect_handler)
     app.router.add_post("/tokenize", _tokenize, expect_handler=_expect_handler)
     app.router.add_post("/detokenize", _detokenize, expect_handler=_expect_handler)
     app.router.add_get("/tokenizer_info", _tokenizer_info)
@@ -682,6 +684,33 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
     return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+
+async def _completions_render(request: web.Request) -> web.Response:
+    """vLLM's /v1/completions/render: a completion request checked as /v1/completions checks it,
+    answered with each prompt's token ids instead of a generation. Cache-aware routers tokenize
+    through it, so they see the tokens the engine will run."""
+    state = request.app[STATE]
+    _, info = _require_engine(state)
+    req = await _parse(request, info, state.served_model_name, P.parse_completion_request)
+    rendered = [
+        {"request_id": f"cmpl-{uuid.uuid4().hex}", "model": req.model, "token_ids": p.token_ids}
+        for p in req.prompts
+    ]
+    return web.json_response(rendered, dumps=_dumps)
+
+
+async def _chat_render(request: web.Request) -> web.Response:
+    """vLLM's /v1/chat/completions/render: the chat prompt's token ids (template applied)."""
+    state = request.app[STATE]
+    _, info = _require_engine(state)
+    req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
+    rendered = {
+        "request_id": f"chatcmpl-{uuid.uuid4().hex}",
+        "model": req.model,
+        "token_ids": req.prompts[0].token_ids,
+    }
+    return web.json_response(rendered, dumps=_dumps)
 
 
 async def _tokenize(request: web.Request) -> web.Response:

@@ -605,6 +605,20 @@ def document(
             "/v1/chat/completions": {
                 "post": _generation("OpenAI chat completions", "ChatCompletionRequest", sec)
             },
+            "/v1/completions/render": {
+                "post": _body_op(
+                    "vLLM's render: the token ids of each prompt of a completion request, no generation",
+                    {"$ref": "#/components/schemas/CompletionRequest"},
+                    _json("[{request_id, model, token_ids}] (one per prompt)"),
+                )
+            },
+            "/v1/chat/completions/render": {
+                "post": _body_op(
+                    "vLLM's render: the token ids of a chat request's prompt (template applied)",
+                    {"$ref": "#/components/schemas/ChatCompletionRequest"},
+                    _json("{request_id, model, token_ids}"),
+                )
+            },
             "/v1/models": {"get": _get("the served model", _json("a list of one model card"), secured=sec)},
             "/v1/models/{model_id}": {
                 "get": {
