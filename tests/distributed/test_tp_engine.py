@@ -1,8 +1,9 @@
 """The engine at tensor-parallel size 2 (this process is rank 0, one spawned gloo worker), in
 float64: the greedy outputs of the TP 1 engine, token for token, in cache modes none / align / all
 with and without n-gram speculation (the family matrix of tests/family_engine.py on a tiny Bamba
-checkpoint), and on the demo model with prefix hits, draft-model speculation and preemption.
-Flags that do not fit the model are refused naming --tensor-parallel-size."""
+checkpoint), and on the demo model with prefix hits, draft-model speculation and preemption;
+seeded random sampling at TP 2 gives the TP 2 reference bit for bit with caching, speculation and
+preemption. Flags that do not fit the model are refused naming --tensor-parallel-size."""
 
 from __future__ import annotations
 
@@ -37,6 +38,77 @@ def test_cache_modes_and_ngram_speculation_at_tp2_give_the_tp1_outputs(
     engine_model, mode: str, spec: int | None
 ) -> None:
     family_engine.check_lossless(engine_model, mode, spec, tensor_parallel_size=TP)
+
+
+SEEDED_TOKENS = 16
+# tests/engine/test_engine_seeded_lossless.py's rows (temperature, top-k / top-p / min-p,
+# penalties, a greedy row), every sampled row seeded
+_BASE: dict = dict(max_tokens=SEEDED_TOKENS, ignore_eos=True)
+SEEDED = [
+    SamplingParams(temperature=0.7, top_k=20, seed=11, **_BASE),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=12, repetition_penalty=1.2, **_BASE),
+    SamplingParams(temperature=0.0, **_BASE),  # greedy on the repetitive prompt: drafts accepted
+    SamplingParams(temperature=0.8, min_p=0.05, seed=13, **_BASE),
+    SamplingParams(
+        temperature=0.3, seed=16, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3, **_BASE
+    ),
+]
+
+
+def _seeded_run(model: Path, mode: str, **kw: object) -> tuple[list[tuple[int, ...]], dict, list[int]]:
+    """The outputs, stats and cached tokens of the prompts, run twice on one engine when it caches
+    (the second pass with prefix hits) and once otherwise."""
+    llm = family_engine.make_llm(model, mode, tensor_parallel_size=TP, **kw)
+    batch = [{"prompt_token_ids": p} for p in family_engine.prompts()]
+    try:
+        runs = [llm.generate(batch, SEEDED) for _ in range(1 if mode == "none" else 2)]
+    finally:
+        llm.engine.stop_workers()  # type: ignore[attr-defined]
+    got = [tuple(o.outputs[0].token_ids) for o in runs[0]]
+    assert all([tuple(o.outputs[0].token_ids) for o in r] == got for r in runs)
+    return got, llm.engine.stats(), [o.num_cached_tokens for o in runs[-1]]
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(engine_model) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    """TP 2, one request at a time, whole prompts in one step, no caching, no speculation."""
+    ref, _, _ = _seeded_run(engine_model[0], "none", max_num_batched_tokens=512, max_num_seqs=1)
+    assert all(len(r) == SEEDED_TOKENS for r in ref)
+    greedy = engine_model[1]  # TP 1, greedy, 12 tokens
+    assert sum(r[: len(g)] != g for r, g in zip(ref, greedy)) >= 3  # the rows are sampled, not argmax
+    return ref
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize(
+    ("mode", "kw"),
+    [
+        # mode none, n-gram speculation, batched rows and chunked prefills
+        ("none", dict(speculative_config=NGRAM, max_num_batched_tokens=24)),
+        # mode align, no speculation: prefix hits on the second pass
+        ("align", dict(max_num_batched_tokens=24)),
+        # mode all, n-gram speculation and preemption: 16 KV blocks of 8 tokens for 4 sequences of
+        # up to 73 tokens
+        ("all", dict(speculative_config=NGRAM, max_num_batched_tokens=32, num_kv_blocks=16, max_model_len=96)),
+    ],
+)  # fmt: skip
+def test_seeded_sampling_at_tp2_is_lossless_with_caching_speculation_and_preemption(
+    engine_model, seeded_reference: list[tuple[int, ...]], mode: str, kw: dict
+) -> None:
+    """Seeded sampling at a fixed TP size (2): each axis of the losslessness matrix once (cache
+    mode none / align / all, n-gram speculation on in none and all and off in align, a forced
+    preemption in all) gives the TP 2 reference outputs bit for bit (twice on the same engine in
+    align and all, the second time with prefix hits)."""
+    got, stats, hits = _seeded_run(engine_model[0], mode, **kw)
+    assert got == seeded_reference
+    if mode != "none":
+        assert sum(hits) > 0
+    if "speculative_config" in kw:
+        assert stats["spec_decode_accepted_tokens"] > 0
+    if "num_kv_blocks" in kw:
+        assert stats["num_preemptions_total"] > 0
 
 
 def _demo_run(tp: int, **kw: object) -> tuple[list[tuple[int, ...]], dict]:
