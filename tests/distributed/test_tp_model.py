@@ -1,11 +1,14 @@
 """The sharded model on 2 and 4 gloo ranks (spawned processes) against the whole model in this
 process, in float64: logits within 1e-12 relative and the same greedy tokens, on the demo model
 and on tiny random Nemotron-H (MoE, n_groups 1 and 2, GQA), Bamba (n_groups 1 and 2) and Mamba2
-(n_groups 2 and 4) checkpoints, with batched, chunked prefills and decode rows. At TP 4 the
-checkpoints with n_groups 1 or 2 have norm groups spread over ranks and KV heads replicated."""
+(n_groups 2 and 4) checkpoints, and Granite-4.0-H (routed and shared experts; dense with GQA 4/1)
+and Falcon-H1 (muP multipliers, the Mamba norm before the gate; no norm, GQA 6/1) ones, with
+batched, chunked prefills and decode rows. At TP 4 the checkpoints with n_groups 1 or 2 have norm
+groups spread over ranks (Falcon-H1's norm before the gate included) and KV heads replicated."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,10 @@ DEGREES = {
     "bamba_g2": (2,),
     "m2_g2": (2,),
     "m2_g4": (2, 4),
+    "gr_moe_rope": (2, 4),
+    "gr_dense_odd": (2,),
+    "fh_gqa_norm": (2, 4),
+    "fh_odd_nonorm": (2,),
 }
 MAX_NEW = 4
 
@@ -87,3 +94,11 @@ def test_shapes_the_size_does_not_divide_are_refused(checkpoints: dict[str, str]
     with pytest.raises(ConfigError, match=r"attention heads \(6\)"):
         check_tensor_parallel(bamba_g2, 4)
     check_tensor_parallel(bamba_g2, 2)
+    _, granite = load_config(checkpoints["gr_moe_rope"])  # experts of 16, a shared MLP of 24
+    with pytest.raises(ConfigError, match=r"the experts' intermediate_size \(18\)"):
+        check_tensor_parallel(dataclasses.replace(granite, moe_intermediate_size=18), 4)
+    with pytest.raises(ConfigError, match=r"shared_intermediate_size \(6\)"):
+        check_tensor_parallel(dataclasses.replace(granite, intermediate_size=6), 4)
+    _, falcon = load_config(checkpoints["fh_odd_nonorm"])  # hybrid layers: 6 attention heads
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: .*attention heads \(6\)"):
+        check_tensor_parallel(falcon, 4)

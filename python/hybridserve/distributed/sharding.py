@@ -18,6 +18,11 @@ the ranks. The shapes every rank holds are those of `local_config`, by which the
   experts of an MoE layer are summed over the ranks once, after the weighted sum of the experts
   (the router runs replicated, so every rank routes each token the same way); the shared expert
   is a row-parallel MLP.
+- Granite-4.0-H: every expert of the stacked expert weights split like an MLP (gate and up rows,
+  output columns), summed once per layer; the shared MLP column- / row-parallel.
+- Falcon-H1: the mixer as above (its out_proj bias added after the sum), the muP vector of
+  `ssm_multipliers` cut with the in_proj sections it scales, its norm before or after the gate;
+  the MLP column- / row-parallel. The scalar multipliers need nothing: they scale whole tensors.
 - Embedding and LM head replicated (sampling runs on rank 0, which needs every logit); the other
   ranks skip the LM head.
 """
@@ -33,17 +38,26 @@ from torch import nn
 
 from hybridserve.distributed.parallel_state import all_reduce_
 from hybridserve.errors import ConfigError
+from hybridserve.model.architectures.falcon_h1 import FalconH1Mixer, FalconH1MLP
+from hybridserve.model.architectures.granitemoehybrid import GraniteMoE, GraniteSharedMLP
 from hybridserve.model.layers.attention import PagedAttention
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.mlp import MLP, GatedMLP, MoE
 from hybridserve.model.layers.norm import GatedRMSNorm, _compute_dtype
-from hybridserve.model.model_config import ATTENTION, MOE, ModelConfig
 from hybridserve.model.model_config import MLP as MLP_KIND
+from hybridserve.model.model_config import MOE, ModelConfig
 
 FLAG = "--tensor-parallel-size"
 
 # The architectures whose every layer has a sharded form here.
-SUPPORTED_ARCHITECTURES = ("NemotronHForCausalLM", "BambaForCausalLM", "Mamba2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "NemotronHForCausalLM",
+    "BambaForCausalLM",
+    "Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM",
+)
+GRANITE = "GraniteMoeHybridForCausalLM"
 
 
 def _divides(n: int, tp: int) -> bool:
@@ -67,15 +81,20 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, source: str = "config.json"
         G = cfg.ngroups
         if not (_divides(G, tp) or _divides(tp, G)):
             bad.append(f"the Mamba groups n_groups ({G}: {tp} must divide it or be a multiple of it)")
-    if ATTENTION in kinds:
+    if cfg.num_attention_layers:
         if not _divides(cfg.num_heads, tp):
             bad.append(f"the attention heads ({cfg.num_heads})")
         kv = cfg.num_kv_heads
         if not (_divides(kv, tp) or _divides(tp, kv)):
             bad.append(f"the KV heads ({kv}: {tp} must divide them or be a multiple of them)")
-    has_mlp = MLP_KIND in kinds or cfg.architecture == "BambaForCausalLM"
+    has_mlp = MLP_KIND in kinds or cfg.architecture in ("BambaForCausalLM", "FalconH1ForCausalLM")
     if has_mlp and not _divides(cfg.intermediate_size, tp):
         bad.append(f"the MLP's intermediate_size ({cfg.intermediate_size})")
+    if cfg.architecture == GRANITE:
+        if not _divides(cfg.intermediate_size, tp):
+            bad.append(f"the shared MLP's shared_intermediate_size ({cfg.intermediate_size})")
+        if cfg.n_routed_experts and not _divides(cfg.moe_intermediate_size, tp):
+            bad.append(f"the experts' intermediate_size ({cfg.moe_intermediate_size})")
     if MOE in kinds:
         if not _divides(cfg.moe_intermediate_size, tp):
             bad.append(f"the experts' moe_intermediate_size ({cfg.moe_intermediate_size})")
@@ -144,10 +163,17 @@ class SplitGroupGatedRMSNorm(nn.Module):
     """The Mamba2 gated RMSNorm of a rank that holds part of one norm group (G < N): the group's
     sum of squares is summed over the ranks that share it, then each rank normalises its channels.
     Every rank adds its partial sum into the column of its group (the others are zero), so one
-    sum over the whole group serves every group at once."""
+    sum over the whole group serves every group at once. `norm_before_gate` (Falcon-H1's
+    default): ``w * norm(y) * silu(z)`` instead of ``w * norm(y * silu(z))``."""
 
     def __init__(
-        self, weight: torch.Tensor, group: int, num_groups: int, group_size: int, eps: float
+        self,
+        weight: torch.Tensor,
+        group: int,
+        num_groups: int,
+        group_size: int,
+        eps: float,
+        norm_before_gate: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -155,16 +181,18 @@ class SplitGroupGatedRMSNorm(nn.Module):
         self.num_groups = num_groups
         self.group_size = group_size  # channels of the whole group, over all its ranks
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         cdt = _compute_dtype(out_dtype)
-        h = y.to(cdt) * F.silu(z.to(cdt))
+        gate = F.silu(z.to(cdt))
+        h = y.to(cdt) if self.norm_before_gate else y.to(cdt) * gate
         sums = torch.zeros((*h.shape[:-1], self.num_groups), dtype=cdt, device=h.device)
         sums[..., self.group] = h.pow(2).sum(-1)
         all_reduce_(sums)
         ms = sums[..., self.group : self.group + 1] / self.group_size
-        h = h * torch.rsqrt(ms + self.eps)
-        return (self.weight.to(cdt) * h).to(out_dtype)
+        h = self.weight.to(cdt) * (h * torch.rsqrt(ms + self.eps))
+        return (h * gate if self.norm_before_gate else h).to(out_dtype)
 
 
 class _NoLogits(nn.Module):
@@ -217,16 +245,20 @@ def _shard_mamba(m: Mamba2Mixer, cfg: ModelConfig, rank: int, tp: int) -> None:
         m.conv1d.bias = _param(_rows(m.conv1d.bias.data, conv))
     for name in ("A_log", "D", "dt_bias"):
         setattr(m, name, _param(getattr(m, name).data[h0 : h0 + hl]))
-    norm = m.norm
+    norm = getattr(m, "norm", None)  # Falcon-H1 without mamba_rms_norm has none
     if isinstance(norm, GatedRMSNorm):
         w = norm.weight.data[ch[0] : ch[0] + ch[1]]
         if G % tp == 0:
             norm.weight = _param(w)  # whole groups on this rank: group_size unchanged
         else:
-            m.norm = SplitGroupGatedRMSNorm(w.clone(), g0, G, norm.group_size, norm.eps)  # type: ignore[assignment]
+            before_gate = isinstance(m, FalconH1Mixer) and m.norm_before_gate
+            m.norm = SplitGroupGatedRMSNorm(w.clone(), g0, G, norm.group_size, norm.eps, before_gate)  # type: ignore[assignment]
     m.out_proj = _row_parallel(m.out_proj, ch[0], ch[1])  # type: ignore[assignment]
     m.nheads, m.d_inner, m.ngroups = hl, hl * P, gl
     m.conv_dim = hl * P + 2 * gl * N
+    if isinstance(m, FalconH1Mixer):  # the muP vector's z, x, B, C, dt sections, as in_proj's
+        m.mup_sizes = [hl * P, hl * P, gl * N, gl * N, hl]
+        m._mup_cache.clear()
 
 
 def _shard_attention(a: PagedAttention, cfg: ModelConfig, rank: int, tp: int) -> None:
@@ -240,12 +272,12 @@ def _shard_attention(a: PagedAttention, cfg: ModelConfig, rank: int, tp: int) ->
     a.num_heads, a.num_kv_heads = hl, kl
 
 
-def _shard_mlp(m: MLP | GatedMLP, rank: int, tp: int, reduce: bool = True) -> None:
+def _shard_mlp(m: MLP | GatedMLP | FalconH1MLP, rank: int, tp: int, reduce: bool = True) -> None:
     inter = m.up_proj.out_features
     il = inter // tp
     span = [(rank * il, il)]
     _column_parallel(m.up_proj, span)
-    if isinstance(m, GatedMLP):
+    if isinstance(m, (GatedMLP, FalconH1MLP)):
         _column_parallel(m.gate_proj, span)
     if reduce:
         m.down_proj = _row_parallel(m.down_proj, rank * il, il)  # type: ignore[assignment]
@@ -266,6 +298,29 @@ def _shard_moe(m: MoE, rank: int, tp: int) -> None:
     _shard_mlp(m.shared_experts, rank, tp)
 
 
+def _shard_granite_moe(m: GraniteMoE, rank: int, tp: int) -> None:
+    """Each expert's gate and up rows and output columns of this rank (the stacked ``[E, 2 * I,
+    hidden]`` and ``[E, hidden, I]`` weights); the weighted sum of the experts summed over the
+    ranks once."""
+    inter = m.inter
+    il = inter // tp
+    w_in = m.input_linear.weight.data
+    gate = w_in[:, rank * il : (rank + 1) * il]
+    up = w_in[:, inter + rank * il : inter + (rank + 1) * il]
+    m.input_linear.weight = _param(torch.cat([gate, up], dim=1))
+    m.output_linear.weight = _param(m.output_linear.weight.data[:, :, rank * il : (rank + 1) * il])
+    m.inter = il
+    m.routed_reduce = _sum_over_ranks
+
+
+def _shard_granite_shared_mlp(m: GraniteSharedMLP, rank: int, tp: int) -> None:
+    inter = m.inter
+    il = inter // tp
+    _column_parallel(m.input_linear, [(rank * il, il), (inter + rank * il, il)])  # gate | up
+    m.output_linear = _row_parallel(m.output_linear, rank * il, il)  # type: ignore[assignment]
+    m.inter = il
+
+
 def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_head: bool = True) -> None:
     """Keeps rank `rank`'s slice of every weight of `model` (loaded whole) and puts in the
     sharded layers; `model` then computes with the other ranks' models what the whole model
@@ -276,14 +331,18 @@ def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_hea
     todo: list[Callable[[], None]] = []
     in_moe = {id(e) for m in model.modules() if isinstance(m, MoE) for e in (*m.experts, m.shared_experts)}
     for mod in model.modules():
-        if type(mod) is Mamba2Mixer:
+        if type(mod) in (Mamba2Mixer, FalconH1Mixer):
             todo.append(lambda mod=mod: _shard_mamba(mod, cfg, rank, tp))  # type: ignore[misc]
         elif type(mod) is PagedAttention:
             todo.append(lambda mod=mod: _shard_attention(mod, cfg, rank, tp))  # type: ignore[misc]
         elif type(mod) is MoE:
             todo.append(lambda mod=mod: _shard_moe(mod, rank, tp))  # type: ignore[misc]
-        elif type(mod) in (MLP, GatedMLP) and id(mod) not in in_moe:
+        elif type(mod) in (MLP, GatedMLP, FalconH1MLP) and id(mod) not in in_moe:
             todo.append(lambda mod=mod: _shard_mlp(mod, rank, tp))  # type: ignore[misc]
+        elif type(mod) is GraniteMoE:
+            todo.append(lambda mod=mod: _shard_granite_moe(mod, rank, tp))  # type: ignore[misc]
+        elif type(mod) is GraniteSharedMLP:
+            todo.append(lambda mod=mod: _shard_granite_shared_mlp(mod, rank, tp))  # type: ignore[misc]
     for f in todo:
         f()
     if drop_head and rank != 0 and isinstance(getattr(model, "lm_head", None), nn.Module):

@@ -48,7 +48,7 @@ from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.mlp import activation
-from hybridserve.model.layers.norm import RMSNorm, gated_rms_norm
+from hybridserve.model.layers.norm import GatedRMSNorm, RMSNorm, gated_rms_norm
 from hybridserve.model.model_config import (
     HYBRID,
     SCAN_CHUNK_DEFAULTS,
@@ -128,6 +128,8 @@ class FalconH1Mixer(Mamba2Mixer):
         if not self.rms_norm:
             cdt = _compute_dtype(dtype)
             out = (y.to(cdt) * F.silu(z.to(cdt))).to(dtype)
+        elif type(self.norm) is not GatedRMSNorm:  # a norm group split over tensor-parallel ranks
+            out = self.norm(y, z, dtype)
         elif not self.norm_before_gate:
             out = gated_rms_norm(y, z, self.norm.weight, self.norm.group_size, self.norm.eps, dtype)
         else:

@@ -24,6 +24,7 @@ released checkpoints use, never fires, and then both are identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,9 @@ class GraniteMoE(nn.Module):
         self.input_linear = _ExpertWeights(E, 2 * inter, h)
         self.output_linear = _ExpertWeights(E, h, inter)
         self.act = activation(cfg.mlp_act)
+        # Tensor parallelism: the experts' partial sums are summed over the ranks here, once per
+        # layer (distributed/sharding.py); None in a single process.
+        self.routed_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -109,7 +113,7 @@ class GraniteMoE(nn.Module):
             gate, up = F.linear(x[tok], w_in[e]).split(self.inter, dim=-1)
             y = F.linear(self.act(gate) * up, w_out[e])
             out.index_add_(0, tok, y * w[tok, slot, None])
-        return out
+        return out if self.routed_reduce is None else self.routed_reduce(out)
 
 
 class GraniteSharedMLP(nn.Module):
