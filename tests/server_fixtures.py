@@ -13,7 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,9 @@ class TokenizerModelInfo:
 class ServerProcess:
     """`python -m hybridserve serve demo --port P ...` in a subprocess (real engine, demo model)."""
 
-    def __init__(self, *extra_args: str, model: str = "demo") -> None:
+    def __init__(self, *extra_args: str, model: str = "demo", launcher: Sequence[str] = ()) -> None:
+        """`launcher`: a command that runs `-m hybridserve ...` in place of this Python (torchrun
+        and its flags)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="hybridserve-serve-", suffix=".log", delete=False)
@@ -75,7 +77,7 @@ class ServerProcess:
         src = str(ROOT / "python")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.args = [
-            sys.executable,
+            *(launcher or [sys.executable]),
             "-m",
             "hybridserve",
             "serve",

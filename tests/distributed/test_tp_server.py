@@ -1,18 +1,22 @@
 """`hybridserve serve demo -tp 2`: it answers; then its worker is killed with SIGKILL in the
 middle of a streamed completion: the stream ends with an error within seconds, the server exits
-non-zero, and none of its child processes is left."""
+non-zero, and none of its child processes is left. Under `torchrun --nproc-per-node 2` the two
+ranks join torchrun's group, rank 0 serves the tokens of the spawned mode, and a SIGTERM to
+torchrun ends every process."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from hybridserve import LLM, SamplingParams
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess
+from server_fixtures import ServerProcess, free_port
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -91,6 +95,45 @@ def test_serve_tp2_then_a_killed_worker_fails_the_stream_and_the_server_exits_no
         while any(_alive(p) for p in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in kids if _alive(p)], kids
+    finally:
+        srv.stop()
+    srv.remove_log()
+
+
+def test_torchrun_ranks_serve_the_spawned_mode_tokens_and_sigterm_ends_them_all() -> None:
+    ensure_demo_model()
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(free_port())]
+    srv = ServerProcess("-tp", "2", "--dtype", "float32", "--cpu-threads", "1", launcher=torchrun)
+    prompt, n = "Once upon a time", 12
+    try:
+        # the spawned mode's tokens, while torchrun's ranks start
+        llm = LLM("demo", dtype="float32", tensor_parallel_size=2, cpu_threads=1)
+        try:
+            ref = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        finally:
+            llm.engine.stop_workers()  # type: ignore[attr-defined]
+        srv.wait_ready()
+        body = {
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        with _post(srv, body) as r:
+            choice = json.loads(r.read())["choices"][0]
+        assert choice["token_ids"] == list(ref[0].outputs[0].token_ids)
+        assert "joining the 2 ranks torchrun started" in srv.output()
+        ranks = {p: cmd for p, cmd in _children(srv.proc.pid).items() if "hybridserve serve" in cmd}
+        assert len(ranks) == 2, ranks  # torchrun's two ranks, and no spawned worker
+        assert not [cmd for cmd in _children(srv.proc.pid).values() if "spawn_main" in cmd]
+        srv.signal(signal.SIGTERM)
+        srv.wait_exit(30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)], ranks
     finally:
         srv.stop()
     srv.remove_log()

@@ -57,9 +57,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 class ShardRunner:
-    """The model shard and its caches on one rank; `run` executes one step's inputs."""
+    """The model shard and its caches on one rank (on `device`, else the rank's device after
+    rank 0's); `run` executes one step's inputs."""
 
-    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int, device: str | None = None) -> None:
         import torch
 
         from hybridserve.distributed.sharding import local_config, shard_model
@@ -67,11 +68,11 @@ class ShardRunner:
         from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype
         from hybridserve.model.loader import load_model
 
-        device = torch.device(rank_device(spec.device, rank))
+        dev = torch.device(device or rank_device(spec.device, rank))
         dtype = getattr(torch, spec.dtype)
-        loaded = load_model(spec.model_dir, dtype=dtype, device=device)
+        loaded = load_model(spec.model_dir, dtype=dtype, device=dev)
         shard_model(loaded.model, loaded.config, rank, spec.world_size)
-        self.device = device
+        self.device = dev
         self.model = loaded.model
         self.caches = ModelCaches(
             local_config(loaded.config, spec.world_size),
@@ -80,9 +81,9 @@ class ShardRunner:
             num_slots=spec.num_mamba_slots,
             kv_dtype=dtype,
             state_dtype=default_state_dtype(loaded.config, dtype),
-            device=device,
+            device=dev,
         )
-        backend.pin(backend.resolve(device))
+        backend.pin(backend.resolve(dev))
 
     def run(self, step: StepInputs) -> None:
         import torch

@@ -151,8 +151,10 @@ def _start_workers(
     sizes: CacheSizes,
     block_size: int,
 ) -> Any:
-    """Spawns the tensor-parallel workers (they load their shards while this process loads its)."""
+    """Spawns the tensor-parallel workers, or joins those a launcher (torchrun) started (they load
+    their shards while this process loads its)."""
     from hybridserve.distributed.executor import TPExecutor
+    from hybridserve.distributed.torchrun import TorchrunExecutor, check_torchrun
 
     tp = int(args.tensor_parallel_size)
     if device.type == "cuda":
@@ -165,6 +167,10 @@ def _start_workers(
     spec = TPExecutor.spec_for(
         model_dir, dtype, device, tp, sizes.num_kv_blocks, block_size, sizes.num_mamba_slots
     )
+    env = check_torchrun(tp)
+    if env is not None:
+        logger.info("tensor parallel: joining the %d ranks torchrun started", tp)
+        return TorchrunExecutor(spec, env)
     logger.info("tensor parallel: starting %d worker processes", tp - 1)
     return TPExecutor(spec)
 

@@ -304,4 +304,14 @@ def serve_main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
+    from hybridserve.distributed.torchrun import check_torchrun, run_worker
+    from hybridserve.errors import ConfigError
+
+    try:
+        env = check_torchrun(int(getattr(args, "tensor_parallel_size", None) or 1))
+    except ConfigError as e:
+        print(f"hybridserve serve: {e}", file=sys.stderr)
+        return 2
+    if env is not None and env.rank > 0:  # started by torchrun: rank 0 serves, the others compute
+        return run_worker(env, args.device)
     return asyncio.run(_serve(args))
