@@ -32,7 +32,7 @@ DEGREES = {
     "bamba_g2": (2,),
     "m2_g2": (2,),
     "m2_g4": (2, 4),
-    "gr_moe_rope": (2, 4),
+    "gr_moe_rope": (2,),
     "gr_dense_odd": (2,),
     "fh_gqa_norm": (2, 4),
     "fh_odd_nonorm": (2,),
