@@ -274,12 +274,54 @@ FALCON_H1_CONFIGS = {
     ),  # fmt: skip
 }
 
+ZAMBA2_CONFIGS = {
+    # two shared blocks alternating over three uses, attention adapters, RoPE on the shared
+    # attention, ngroups 2, biases (add_bias_linear), tied embeddings (the blocks shared)
+    "z2_two_blocks": dict(
+        num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"],
+        hidden_size=32,
+        n_mamba_heads=4,
+        mamba_d_state=8,
+        mamba_ngroups=2,
+        chunk_size=8,
+        num_attention_heads=4,
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=4,
+        use_mem_rope=True,
+        intermediate_size=40,
+        add_bias_linear=True,
+    ),  # fmt: skip
+    # one shared block used twice (the first layer a use), no attention adapters, no rotary
+    # embedding, GQA 4/2 (head size 12), ngroups 1, conv width 3, chunk 16, silu, untied
+    # embeddings (transformers 5 then gives every use its own block weights)
+    "z2_gqa_nope": dict(
+        num_hidden_layers=5,
+        layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "mamba"],
+        hidden_size=24,
+        n_mamba_heads=3,
+        mamba_d_state=16,
+        mamba_ngroups=1,
+        mamba_d_conv=3,
+        chunk_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_mem_blocks=1,
+        adapter_rank=3,
+        intermediate_size=20,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+}
+
 ALL_CONFIGS = {
     **{k: ("nemotron_h", v) for k, v in NEMOTRON_H_CONFIGS.items()},
     **{k: ("bamba", v) for k, v in BAMBA_CONFIGS.items()},
     **{k: ("mamba2", v) for k, v in MAMBA2_CONFIGS.items()},
     **{k: ("granitemoehybrid", v) for k, v in GRANITE_CONFIGS.items()},
     **{k: ("falcon_h1", v) for k, v in FALCON_H1_CONFIGS.items()},
+    **{k: ("zamba2", v) for k, v in ZAMBA2_CONFIGS.items()},
 }
 
 
@@ -313,6 +355,14 @@ def build_hf_model(kind: str, overrides: dict, vocab_size: int = 256, seed: int 
     elif kind == "falcon_h1":
         cfg = transformers.FalconH1Config(**common, **overrides)
         model = transformers.FalconH1ForCausalLM(cfg)
+    elif kind == "zamba2":
+        cfg = transformers.Zamba2Config(**common, **overrides)
+        model = transformers.Zamba2ForCausalLM(cfg)
+        # time_step_min = 0, as for NemotronH: transformers clamps dt only in prefill
+        cfg.time_step_min = 0.0
+        for m in model.modules():
+            if hasattr(m, "time_step_limit"):
+                m.time_step_limit = (0.0, float("inf"))
     else:
         raise ValueError(kind)
     _scale_weights(model, seed + 1)

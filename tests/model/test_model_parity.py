@@ -136,7 +136,17 @@ def test_greedy_eight_requests_batched_matches_transformers_generate(checkpoints
 
 
 @pytest.mark.parametrize(
-    "name", ["nh_g2_moe", "nh_g1", "bamba_g2", "m2_g2", "gr_moe_rope", "gr_dense_odd", "fh_gqa_norm"]
+    "name",
+    [
+        "nh_g2_moe",
+        "nh_g1",
+        "bamba_g2",
+        "m2_g2",
+        "gr_moe_rope",
+        "gr_dense_odd",
+        "fh_gqa_norm",
+        "z2_two_blocks",
+    ],
 )
 def test_float64_chunked_prefill_and_decode_equal_one_shot(checkpoints, name):
     _, d = checkpoints(name)
@@ -164,7 +174,7 @@ def test_float64_chunked_prefill_and_decode_equal_one_shot(checkpoints, name):
     assert p == len(prompt)
 
 
-@pytest.mark.parametrize("name", ["nh_g2_moe", "bamba_g1", "gr_dense_odd", "fh_odd_nonorm"])
+@pytest.mark.parametrize("name", ["nh_g2_moe", "bamba_g1", "gr_dense_odd", "fh_odd_nonorm", "z2_gqa_nope"])
 def test_prefill_emits_boundary_states(checkpoints, name):
     """The state emitted at an absolute chunk boundary inside a prefill equals the state of a
     prefill that stops exactly there (conv and ssm, every Mamba layer), float64."""

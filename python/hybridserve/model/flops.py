@@ -35,6 +35,20 @@ def _mlp(cfg: ModelConfig, hidden: int, inner: int) -> int:
     return (3 if cfg.mlp_gated else 2) * hidden * inner
 
 
+def _zamba2_shared_block(cfg: ModelConfig) -> int:
+    """MACs per token of one use of a Zamba2 shared block: attention over 2 * hidden_size channels,
+    the gated MLP, this use's adapters and its projection back into the backbone."""
+    h, w, inter = cfg.hidden_size, 2 * cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    rank = int(getattr(cfg, "adapter_rank", 0))
+    macs = w * (q + 2 * kv) + q * h + _mlp(cfg, h, inter) + h * h
+    macs += rank * (h + 2 * inter)  # the MLP's gate_up adapter
+    if getattr(cfg, "use_shared_attention_adapter", False):
+        macs += 3 * rank * 2 * w  # q, k, v adapters
+    return macs
+
+
 def prefill_cost(cfg: ModelConfig) -> PrefillCost:
     h = cfg.hidden_size
     mamba = (
@@ -57,6 +71,9 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
     # Bamba-style layers carry their feed-forward inside every mixer layer (Granite's: a shared MLP
     # and the routed experts); NemotronH lists it as layers of its own.
     ffn_in_every_layer = MLP not in kinds and MOE not in kinds
+    if cfg.architecture == "Zamba2ForCausalLM":  # hybrid: a shared block's use, then Mamba
+        attention = _zamba2_shared_block(cfg)
+        ffn_in_every_layer = False
     macs = 0
     for kind in kinds:
         if kind == MAMBA:
@@ -67,7 +84,7 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
             macs += _mlp(cfg, h, cfg.intermediate_size)
         elif kind == MOE:
             macs += moe
-        elif kind == HYBRID:  # Falcon-H1: both mixers on the same input
+        elif kind == HYBRID:  # Falcon-H1: both mixers on the same input; Zamba2: one after the other
             macs += mamba + attention
         if ffn_in_every_layer and kind in (MAMBA, ATTENTION, HYBRID):
             macs += _mlp(cfg, h, cfg.intermediate_size) + moe

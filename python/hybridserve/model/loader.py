@@ -54,6 +54,7 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
             "mamba2": "Mamba2ForCausalLM",
             "granitemoehybrid": "GraniteMoeHybridForCausalLM",
             "falcon_h1": "FalconH1ForCausalLM",
+            "zamba2": "Zamba2ForCausalLM",
         }.get(str(mt), "")
         if not name:
             raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")
@@ -164,11 +165,12 @@ def load_model(
 
     handles: dict[Path, Any] = {}
     try:
-        tied = {k: v for k, v in cls.tied_weights.items() if cfg.tie_word_embeddings}
+        ties = model.tied_weight_map()
+        tied = {k: v for k, v in ties.items() if cfg.tie_word_embeddings}
         to_load = [n for n in params if n not in tied]
         for name in to_load:
             if name not in files:
-                alias = cls.tied_weights.get(name)
+                alias = ties.get(name)
                 if alias is not None and alias in files:
                     # untied config but the checkpoint only stores the shared matrix
                     tied[name] = alias

@@ -19,8 +19,9 @@ from typing import Any
 from hybridserve.errors import ConfigError
 
 # Our layer kinds. Bamba/Mamba2-style layers carry their FFN inside the same layer; NemotronH has
-# separate "mlp" / "moe" layers; a Falcon-H1 "hybrid" layer runs a Mamba2 mixer and attention side
-# by side (it has both a KV cache and a Mamba state: it counts as a Mamba and an attention layer).
+# separate "mlp" / "moe" layers; a "hybrid" layer has both a KV cache and a Mamba state (it counts as
+# a Mamba and an attention layer): Falcon-H1's runs a Mamba2 mixer and attention side by side,
+# Zamba2's one use of a shared attention block followed by a Mamba2 layer.
 MAMBA = "mamba"
 ATTENTION = "attention"
 MLP = "mlp"
@@ -81,6 +82,7 @@ SCAN_CHUNK_DEFAULTS = {
     "mamba2": 256,
     "granitemoehybrid": 256,
     "falcon_h1": 256,
+    "zamba2": 256,
 }
 # NemotronH's hybrid_override_pattern: one character per layer.
 NEMOTRON_H_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -344,10 +346,33 @@ def model_type_of(raw: dict[str, Any]) -> str:
     return str(raw.get("model_type") or "unknown").lower()
 
 
+# transformers' Zamba2Config default `layers_block_type` ("hybrid": a shared attention block's use
+# followed by a Mamba2 layer).
+ZAMBA2_DEFAULT_LAYERS = (
+    ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3
+    + ["hybrid"] + ["mamba"] * 2
+)  # fmt: skip
+
+
+def _zamba2_kinds(names: list[Any], source: str) -> list[str]:
+    """Zamba2's `layers_block_type`: "mamba" (or transformers 5's "linear_attention") and "hybrid"."""
+    kinds = {"mamba": MAMBA, "linear_attention": MAMBA, "hybrid": HYBRID}
+    out = []
+    for n in names:
+        kind = kinds.get(str(n))
+        if kind is None:
+            raise ConfigError(
+                f"{source}: layers_block_type: unsupported Zamba2 layer type {n!r} (known: {sorted(kinds)})"
+            )
+        out.append(kind)
+    return out
+
+
 def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None) -> list[str]:
     """One of LAYER_KINDS per layer, as config.json declares them: `layers_block_type` /
     `layer_types`, NemotronH's `hybrid_override_pattern`, Bamba's `attn_layer_indices`, Mamba2's
-    all-Mamba stack, Falcon-H1's all-hybrid one; a model type without Mamba layers is taken as
+    all-Mamba stack, Falcon-H1's all-hybrid one, Zamba2's Mamba and hybrid layers (transformers'
+    default layout when its config.json has none); a model type without Mamba layers is taken as
     attention layers.
     `model_type`: the architecture's own, for a config.json that does not name it."""
     model_type = model_type or model_type_of(raw)
@@ -355,6 +380,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     if names is not None:
         if not isinstance(names, list):
             raise ConfigError(f"{source}: layers_block_type must be a list")
+        if model_type == "zamba2":
+            return _zamba2_kinds(names, source)
         return layer_kinds_from_names(names, source)
     if model_type == "nemotron_h":
         pattern = raw.get("hybrid_override_pattern")
@@ -375,6 +402,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         return [ATTENTION if i in attn else MAMBA for i in range(n)]
     if model_type == "falcon_h1":
         return [HYBRID] * n
+    if model_type == "zamba2":  # transformers' default layout (Zamba2-2.7B's 54 layers)
+        return _zamba2_kinds(ZAMBA2_DEFAULT_LAYERS, source)
     if model_type in SCAN_CHUNK_DEFAULTS:
         return [MAMBA] * n
     return [ATTENTION] * n

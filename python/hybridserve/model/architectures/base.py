@@ -54,6 +54,10 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         super().__init__()
         self.config = config
 
+    def tied_weight_map(self) -> dict[str, str]:
+        """`tied_weights` of this model (a family whose ties depend on its config adds its own)."""
+        return dict(self.tied_weights)
+
     @classmethod
     @abc.abstractmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:

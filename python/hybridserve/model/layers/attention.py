@@ -71,11 +71,25 @@ class PagedAttention(nn.Module):
         """The attention output of every token, or with `keep` (flat token indices, increasing)
         of those tokens only: K and V are still computed and written for every token (later
         tokens read them), the queries, scores and o_proj only for the kept ones."""
-        T = hidden.shape[0]
+        q = self.q_proj(hidden if keep is None else hidden[keep])
+        return self.attend(q, self.k_proj(hidden), self.v_proj(hidden), ctx, kv_cache, keep)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        kv_cache: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` after the projections: q ``[T or len(keep), H * D]``, k / v ``[T, KVH * D]``
+        (a family with its own projections, such as Zamba2's adapters, calls this)."""
+        T = k.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(hidden if keep is None else hidden[keep]).view(-1, H, D)
-        k = self.k_proj(hidden).view(T, KVH, D)
-        v = self.v_proj(hidden).view(T, KVH, D)
+        q = q.view(-1, H, D)
+        k = k.view(T, KVH, D)
+        v = v.view(T, KVH, D)
         if self.rotary_dim > 0:
             cos, sin = ctx.rope(self.rotary_dim, self.rope_theta, q.dtype)
             k = apply_rotary(k, cos, sin)
