@@ -206,10 +206,10 @@ def build() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on the first call; None when it is turned off or
     cannot be built (logged once)."""
     global _lib, _tried
+    if _tried:  # every kernel call comes here: the answer is settled after the first
+        return _lib
     if not enabled():
         return None
-    if _tried:
-        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -307,8 +307,19 @@ def _attention_fn(dtype: torch.dtype) -> str | None:
     return None if suffix is None else f"hs_paged_attention_{suffix}"
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous: t itself when it already is (no torch call: at batch 1 the
+    wrappers' conversions cost more than the kernels they feed)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
+
+
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or t.device.type == "cpu" for t in tensors)
+    for t in tensors:  # a loop, not all(<generator>): this runs several times per kernel call
+        if t is not None and not t.is_cpu:
+            return False
+    return True
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -426,8 +437,8 @@ def _mixer_args(
     if int(query_start_loc[-1]) != n:
         raise ValueError(f"{name}: query_start_loc ends at {int(query_start_loc[-1])} for {n} tokens")
     w = conv_weight.contiguous()
-    b = conv_bias.to(dtype).contiguous() if conv_bias is not None else None
-    A_, D_, db = (v.to(dtype).contiguous() for v in (A, D, dt_bias))
+    b = _as(conv_bias, dtype) if conv_bias is not None else None
+    A_, D_, db = (_as(v, dtype) for v in (A, D, dt_bias))
     y = torch.empty((n, H, P), dtype=xbc.dtype)
     common = (
         xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), w.data_ptr(),
@@ -447,7 +458,7 @@ def _mixer_result(name: str, rc: int, args: _MixerArgs) -> torch.Tensor | None:
         return None
     conv_dim, W, H, P, G, N = args.tail[:6]
     _check_rc(name, rc, f"conv_dim={conv_dim}, H={H}, P={P}, G={G}, N={N}, W={W}")
-    return args.y.to(args.out_dtype)
+    return args.y if args.y.dtype == args.out_dtype else args.y.to(args.out_dtype)
 
 
 def mamba_decode(
@@ -489,9 +500,9 @@ def mamba_decode(
     if write_slots.dim() != 2 or write_slots.shape[0] != R:
         raise ValueError(f"mamba_decode: write_slots of shape {tuple(write_slots.shape)} for {R} rows")
     i64 = torch.int64
-    qsl = query_start_loc.to(i64).contiguous()
-    rs = read_slot.to(i64).contiguous()
-    ws = write_slots.to(i64).contiguous()
+    qsl = _as(query_start_loc, i64)
+    rs = _as(read_slot, i64)
+    ws = _as(write_slots, i64)
     fn = getattr(args.lib, f"hs_mamba_decode_{args.suffix}")
     rc = fn(*args.common, qsl.data_ptr(), R, rs.data_ptr(), ws.data_ptr(), ws.shape[1], *args.tail)
     return _mixer_result("mamba_decode", rc, args)
@@ -605,7 +616,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if lib is None:
         return None
     suffix, compute = kind
-    w = weight.to(compute).contiguous()
+    w = _as(weight, compute)
     out = torch.empty(x2.shape, dtype=x.dtype)
     rc = getattr(lib, f"hs_rms_norm_{suffix}")(
         x2.data_ptr(),
@@ -651,7 +662,7 @@ def gated_rms_norm(
     if lib is None:
         return None
     suffix, compute = kind
-    w = weight.to(compute).contiguous()
+    w = _as(weight, compute)
     out = torch.empty(y.shape, dtype=dtype)
     rc = getattr(lib, f"hs_gated_rms_norm_{suffix}")(
         y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),

@@ -10,6 +10,26 @@ import torch
 from hybridserve.model.batch import ForwardBatch
 
 
+def _host64(t: torch.Tensor) -> torch.Tensor:
+    """t as int64 on the CPU; t itself when it is (the scheduler's arrays are)."""
+    if t.dtype == torch.int64 and t.is_cpu:
+        return t
+    return t.to(torch.device("cpu"), torch.int64)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t as int64 on `device`; t itself when it is."""
+    if t.dtype == torch.int64 and t.device == device:
+        return t
+    return t.to(device, torch.int64)
+
+
+# The prefill fields of a decode-only step (never written: layers only read them).
+_ZERO_QSL = torch.zeros(1, dtype=torch.int64)
+_EMPTY64 = torch.zeros(0, dtype=torch.int64)
+_EMPTY_BOOL = torch.zeros(0, dtype=torch.bool)
+
+
 @dataclass
 class ForwardContext:
     batch: ForwardBatch
@@ -45,44 +65,58 @@ class ForwardContext:
 
     @classmethod
     def build(cls, batch: ForwardBatch, device: torch.device) -> ForwardContext:
-        cpu = torch.device("cpu")
-        qsl = batch.query_start_loc.to(cpu, torch.int64)
+        qsl = _host64(batch.query_start_loc)
         nd = int(batch.num_decodes)
         R = int(qsl.numel()) - 1
         T = int(batch.input_ids.numel())
-        if int(qsl[-1]) != T:
-            raise ValueError(f"query_start_loc ends at {int(qsl[-1])} but the batch has {T} tokens")
-        ndt = int(qsl[nd])
-        wslots = batch.state_write_slots.to(cpu, torch.int64)
+        bounds = qsl[[nd, R]].tolist() if R >= 0 else [0, 0]  # one read for both ends
+        if bounds[1] != T:
+            raise ValueError(f"query_start_loc ends at {bounds[1]} but the batch has {T} tokens")
+        ndt = bounds[0]
+        wslots = _host64(batch.state_write_slots)
         if wslots.dim() == 1:
             wslots = wslots[:, None]
-        er = batch.emit_row.to(cpu, torch.int64)
+        read_slot = _host64(batch.state_read_slot)
+        num_computed = _host64(batch.num_computed_tokens)
+        er = _host64(batch.emit_row)
         if er.numel() > 0 and bool((er < nd).any()):
             raise ValueError("emits are only allowed in prefill rows")
+        if R == nd:  # decode rows only (every decode step): the prefill fields are empty
+            pre_qsl, pre_computed, pre_read, pre_init, pre_write = (
+                _ZERO_QSL, _EMPTY64, _EMPTY64, _EMPTY_BOOL, _EMPTY64,
+            )  # fmt: skip
+            emit_row = er
+        else:
+            pre_qsl = qsl[nd:] - ndt
+            pre_computed = num_computed[nd:]
+            pre_read = read_slot[nd:]
+            pre_init = batch.has_initial_state.to(torch.device("cpu"), torch.bool)[nd:]
+            pre_write = wslots[nd:, 0]
+            emit_row = er - nd
         return cls(
             batch=batch,
             device=device,
             num_tokens=T,
             num_decodes=nd,
             num_decode_tokens=ndt,
-            positions=batch.positions.to(device, torch.int64),
-            slot_mapping=batch.slot_mapping.to(device, torch.int64),
-            block_table=batch.block_table.to(device, torch.int64),
+            positions=_on(batch.positions, device),
+            slot_mapping=_on(batch.slot_mapping, device),
+            block_table=_on(batch.block_table, device),
             qsl=qsl,
-            seq_lens=batch.seq_lens.to(cpu, torch.int64),
-            num_computed=batch.num_computed_tokens.to(cpu, torch.int64),
-            logits_indices=batch.logits_indices.to(cpu, torch.int64),
+            seq_lens=_host64(batch.seq_lens),
+            num_computed=num_computed,
+            logits_indices=_host64(batch.logits_indices),
             dec_qsl=qsl[: nd + 1].clone(),
-            dec_read_slot=batch.state_read_slot.to(cpu, torch.int64)[:nd],
+            dec_read_slot=read_slot[:nd],
             dec_write_slots=wslots[:nd],
-            pre_qsl=qsl[nd:] - ndt,
-            pre_num_computed=batch.num_computed_tokens.to(cpu, torch.int64)[nd:],
-            pre_read_slot=batch.state_read_slot.to(cpu, torch.int64)[nd:],
-            pre_has_initial_state=batch.has_initial_state.to(cpu, torch.bool)[nd:],
-            pre_write_slot=wslots[nd:, 0] if R > nd else torch.zeros(0, dtype=torch.int64),
-            emit_row=er - nd,
-            emit_token=batch.emit_token.to(cpu, torch.int64),
-            emit_slot=batch.emit_slot.to(cpu, torch.int64),
+            pre_qsl=pre_qsl,
+            pre_num_computed=pre_computed,
+            pre_read_slot=pre_read,
+            pre_has_initial_state=pre_init,
+            pre_write_slot=pre_write,
+            emit_row=emit_row,
+            emit_token=_host64(batch.emit_token),
+            emit_slot=_host64(batch.emit_slot),
         )
 
     @property

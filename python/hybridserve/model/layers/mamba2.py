@@ -70,19 +70,31 @@ class Mamba2Mixer(nn.Module):
         the conv and SSD scan of every token, writing the states per the ForwardContext."""
         T = proj.shape[0]
         z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        w = self.conv1d.weight[:, 0, :]
+        w, A = self._constants(ssm_state.dtype)
         b = self.conv1d.bias
-        sdt = ssm_state.dtype
-        A = -torch.exp(self.A_log.to(sdt))
         ndt = ctx.num_decode_tokens
 
         parts = []
-        if ndt > 0:
+        if ndt == T:  # decode rows only: no slicing
+            parts.append(self._decode_tokens(xbc, dt, w, b, A, conv_state, ssm_state, ctx))
+        elif ndt > 0:
             parts.append(self._decode_tokens(xbc[:ndt], dt[:ndt], w, b, A, conv_state, ssm_state, ctx))
         if ndt < T:
             parts.append(self._prefill_tokens(xbc[ndt:], dt[ndt:], w, b, A, conv_state, ssm_state, ctx))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         return y.reshape(T, self.d_inner), z
+
+    def _constants(self, state_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the conv weight as [conv_dim, W], A = -exp(A_log) in the state dtype), derived from the
+        weights once rather than in every forward; derived again when a weight changes (its
+        tensor or its version counter)."""
+        weight, a_log = self.conv1d.weight, self.A_log
+        key = (weight.data_ptr(), weight._version, a_log.data_ptr(), a_log._version, state_dtype)
+        cached = self.__dict__.get("_constants_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, weight[:, 0, :], -torch.exp(a_log.to(state_dtype)))
+            self.__dict__["_constants_cache"] = cached
+        return cached[1], cached[2]
 
     def _split_conv_out(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         G, N = self.ngroups, self.dstate

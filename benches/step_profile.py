@@ -1,0 +1,185 @@
+"""Where one engine step's time goes: the phases of `LLMEngine.step` timed on every step.
+
+    .venv/bin/python benches/step_profile.py [--batch 1,64] [--prompt-len 256] [--output-len 128]
+        [--model demo] [--repeats 3] [--result-file F]
+
+For each batch size: `LLM(model, dtype="float32", cpu_threads=1)` generates `batch` prompts of
+random token ids (seeded), greedy, exactly `output-len` tokens each; the run is warmed up, then
+repeated. Every step is split into phases, each timed in thread CPU time (the machine may be
+shared: CPU time of the engine's thread is what the code costs) and in wall time:
+
+- schedule: the Rust scheduler's `schedule()`;
+- inputs: the runner's copies and the forward batch built from the scheduler's arrays
+  (`to_forward_batch`);
+- forward: the model (`model.forward`);
+- sample: sampling and the proposer (`ModelRunner._sample`, `_propose`);
+- update: the scheduler's `update_from_output`;
+- outputs: detokenizing and request outputs (`OutputProcessor.process`);
+- rest: everything else of `step()` and of the `generate` loop around it.
+
+Printed per batch size: microseconds per step per phase (median over steps of the best repeat),
+the share outside the forward, and tokens/s of the whole run (prompt + output tokens over wall).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs", "rest")
+
+
+class PhaseClock:
+    """Per-step sums of thread CPU and wall nanoseconds, by phase."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, tuple[int, int]]] = []
+        self.current: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+        cur = self.current
+
+        def timed(*a: Any, **k: Any) -> Any:
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc = cur[phase]
+                acc[0] += time.thread_time_ns() - c0
+                acc[1] += time.perf_counter_ns() - w0
+
+        setattr(obj, name, timed)
+
+    def wrap_step(self, engine: Any) -> None:
+        step = engine.step
+
+        def timed_step() -> Any:
+            self.current.clear()
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            out = step()
+            cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+            phases = {p: (v[0], v[1]) for p, v in self.current.items()}
+            # the runner's execute contains the forward and sampling: its own part is "inputs"
+            ex = phases.pop("execute", (0, 0))
+            inner = [phases.get(p, (0, 0)) for p in ("forward", "sample")]
+            phases["inputs"] = (ex[0] - sum(i[0] for i in inner), ex[1] - sum(i[1] for i in inner))
+            phases["rest"] = (
+                cpu - sum(v[0] for v in phases.values()),
+                wall - sum(v[1] for v in phases.values()),
+            )
+            self.steps.append(phases)
+            return out
+
+        engine.step = timed_step
+
+
+class TimedScheduler:
+    """The Rust scheduler (an extension object, whose methods cannot be replaced) behind a proxy
+    that times `schedule` and `update_from_output`."""
+
+    def __init__(self, inner: Any, clock: PhaseClock) -> None:
+        self._inner = inner
+        clock.wrap(self, "_schedule", "schedule")
+        clock.wrap(self, "_update", "update")
+
+    def _schedule(self) -> Any:
+        return self._inner.schedule()
+
+    def _update(self, *a: Any) -> Any:
+        return self._inner.update_from_output(*a)
+
+    def schedule(self) -> Any:
+        return self._schedule()
+
+    def update_from_output(self, *a: Any) -> Any:
+        return self._update(*a)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def run(model: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict[str, Any]:
+    from hybridserve import LLM, SamplingParams
+
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(100, 700) for _ in range(prompt_len)] for _ in range(batch)]
+    llm = LLM(model=model, dtype="float32", cpu_threads=1, max_num_seqs=max(batch, 1))
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    generate: Callable[[], Any] = lambda: llm.generate(prompts, params)  # noqa: E731
+    generate()
+    generate()
+    clock = PhaseClock()
+    runner = engine.runner
+    engine.scheduler = TimedScheduler(engine.scheduler, clock)
+    clock.wrap(runner, "execute", "execute")
+    clock.wrap(runner.em.model, "forward", "forward")
+    clock.wrap(runner, "_sample", "sample")
+    clock.wrap(runner, "_propose", "sample")
+    clock.wrap(engine.outputs, "process", "outputs")
+    clock.wrap_step(engine)
+    best: dict[str, Any] | None = None
+    for _ in range(repeats):
+        clock.steps.clear()
+        t0 = time.perf_counter()
+        outs = generate()
+        wall = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+        per_phase = {
+            p: (
+                statistics.median(s.get(p, (0, 0))[0] for s in clock.steps) / 1e3,
+                statistics.median(s.get(p, (0, 0))[1] for s in clock.steps) / 1e3,
+            )
+            for p in PHASES
+        }
+        r = {
+            "batch": batch,
+            "steps": len(clock.steps),
+            "wall_s": wall,
+            "tok_per_s": batch * (prompt_len + output_len) / wall,
+            "us_per_step_cpu": {p: v[0] for p, v in per_phase.items()},
+            "us_per_step_wall": {p: v[1] for p, v in per_phase.items()},
+        }
+        if best is None or wall < best["wall_s"]:
+            best = r
+    assert best is not None
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--result-file", default=None)
+    a = ap.parse_args()
+    results = [run(a.model, int(b), a.prompt_len, a.output_len, a.repeats) for b in a.batch.split(",")]
+    print("| batch | tok/s | " + " | ".join(PHASES) + " | outside forward | step |")
+    print("|---|---|" + "---|" * (len(PHASES) + 2))
+    for r in results:
+        cpu = r["us_per_step_cpu"]
+        total = sum(cpu.values())
+        row = " | ".join(f"{cpu[p]:.0f}" for p in PHASES)
+        print(f"| {r['batch']} | {r['tok_per_s']:.0f} | {row} | {total - cpu['forward']:.0f} | {total:.0f} |")
+    print("(median microseconds of thread CPU time per step)")
+    if a.result_file:
+        Path(a.result_file).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
