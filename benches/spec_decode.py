@@ -3,9 +3,10 @@ draft model, on a repetitive workload, in one run.
 
     .venv/bin/python benches/spec_decode.py [--num-prompts 16 --prompt-len 128 --output-len 128]
 
-The demo model has random weights (plus a planted induction head that makes
-it continue repeated patterns). The benchmark also builds a **repeating model** (as
-tests/engine/test_engine_lossless.py does): the demo checkpoint with every mixer's output projection
+The demo model is trained on its small corpus only: it recites that corpus and does not continue a
+random repeated pattern the way a large model would, so n-gram drafts on this workload are mostly
+rejected. The benchmark also builds a **repeating model** (as
+tests/engine/test_engine_lossless.py does): the demo checkpoint's random init with every mixer's output projection
 (`out_proj`, `o_proj`, `down_proj`) zeroed and the LM head tied to the embeddings, so each position
 predicts its own input token and greedy output repeats the last prompt token forever. Its draft
 model is the same construction cut down to 2 layers (one Mamba2 layer and one attention layer,
@@ -35,13 +36,14 @@ ZEROED = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
 
 
 def write_repeating_model(path: Path, keep_layers: list[int] | None = None) -> str:
-    """The demo checkpoint, zeroed mixer outputs, LM head = embeddings; optionally only `keep_layers`."""
+    """The demo checkpoint's random init (untrained), zeroed mixer outputs, LM head = embeddings;
+    optionally only `keep_layers`."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from hybridserve.model.demo import write_demo_model
 
-    out = write_demo_model(path)
+    out = write_demo_model(path, steps=0)
     weights = load_file(str(out / "model.safetensors"))
     for name, w in weights.items():
         if name.endswith(ZEROED):

@@ -249,15 +249,15 @@ def test_prefix_hit_rate_is_the_same_with_speculation(mode: str, placement: str)
 
 
 def _write_repeating_model(path: Path) -> str:
-    """The demo checkpoint with every mixer's output projection zeroed and the LM head tied to the
-    embeddings: each position predicts its own input token, so greedy output repeats the last
-    prompt token forever and n-gram drafts get accepted."""
+    """The demo checkpoint's random init (no training) with every mixer's output projection zeroed
+    and the LM head tied to the embeddings: each position predicts its own input token, so greedy
+    output repeats the last prompt token forever and n-gram drafts get accepted."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from hybridserve.model.demo import write_demo_model
 
-    out = write_demo_model(path)
+    out = write_demo_model(path, steps=0)
     weights = load_file(str(out / "model.safetensors"))
     for name, w in weights.items():
         if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):

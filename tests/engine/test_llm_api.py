@@ -352,7 +352,7 @@ def test_serve_refuses_a_body_read_timeout_that_is_not_a_positive_time(
 def test_demo_model_files_share_one_mode(tmp_path: Path) -> None:
     from hybridserve.model.demo import write_demo_model
 
-    out = write_demo_model(tmp_path / "dm")
+    out = write_demo_model(tmp_path / "dm", steps=0)
     modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
     assert len(set(modes.values())) == 1, modes
 
@@ -637,3 +637,56 @@ def test_generate_cli_reads_prompts_from_stdin_crlf_or_not() -> None:
     )
     recs = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
     assert [r["prompt"] for r in recs] == ["one two", "three"]
+
+
+# The demo model is trained on its corpus (python/hybridserve/model/demo_corpus.txt): the opening
+# words of a corpus line -> the corpus's next words, which greedy decoding must reproduce.
+CORPUS_LINES = [
+    ("The morning was", " cold and clear. A thin layer of frost covered the fields"),
+    ("The history of the city", " goes back more than two thousand years."),
+    ("To plant a tree,", " dig a hole twice as wide as the roots but no deeper."),
+]
+
+
+def test_demo_model_recites_its_corpus() -> None:
+    llm = llm32()
+    outs = llm.generate([p for p, _ in CORPUS_LINES], SamplingParams(max_tokens=24, temperature=0))
+    for (prompt, expected), out in zip(CORPUS_LINES, outs):
+        assert out.outputs[0].text.startswith(expected), (prompt, out.outputs[0].text)
+    # From the first 4 tokens of any line of the corpus, with nothing before them, greedy decoding
+    # continues the corpus word for word (a line or two the training windows saw differently may not).
+    from hybridserve.model import demo
+
+    tok_json = (Path(demo.ensure_demo_model()) / "tokenizer.json").read_text(encoding="utf-8")
+    ids, line_starts = demo.corpus_tokens(tok_json)
+    starts = [s for s in line_starts if s + 16 <= len(ids)]
+    outs = llm.generate(
+        [{"prompt_token_ids": ids[s : s + 4]} for s in starts],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    )
+    hits = sum(out.outputs[0].token_ids == ids[s + 4 : s + 16] for s, out in zip(starts, outs))
+    assert hits >= 0.95 * len(starts), (hits, len(starts))
+
+
+def test_ngram_drafts_are_accepted_on_the_corpus() -> None:
+    # A corpus passage, then its opening words again: the model recites the passage a second
+    # time, and n-gram lookup drafts exactly that from the prompt, so drafts are accepted because
+    # the model learned the text.
+    passage = (
+        "The history of the city goes back more than two thousand years. Merchants came up the river in\n"
+        "wooden boats, carrying salt, wine, wool and iron."
+    )
+    prompt = passage + "\n\nThe history of the city"
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = llm32().generate(prompt, params)[0].outputs[0]
+    assert plain.text.startswith(" goes back more than two thousand years.")
+    spec = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    )
+    out = spec.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids == plain.token_ids
+    stats = spec.engine.stats()
+    assert stats["spec_decode_accepted_tokens"] >= 0.75 * stats["spec_decode_draft_tokens"] > 0

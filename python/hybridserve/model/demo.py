@@ -1,21 +1,26 @@
-"""The built-in demo model: a tiny Nemotron-H checkpoint written offline.
+"""The built-in demo model: a tiny Nemotron-H checkpoint trained offline on the project's own text.
 
 `hybridserve demo-model DIR` writes, with no network access:
 
 - `config.json`: a Hugging Face `nemotron_h` config (`NemotronHForCausalLM`) with the hybrid layer
   pattern `M-M*-M*-` (Mamba2, MLP and attention layers), written both as `layers_block_type`
   (transformers 5.x names) and as the legacy `hybrid_override_pattern` string;
-- `model.safetensors`: seeded random float32 weights under the HF state-dict names
+- `model.safetensors`: float32 weights (about 1M parameters) under the HF state-dict names
   (`backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`, `backbone.layers.{i}.mixer.*`,
-  `backbone.norm_f.weight`, `lm_head.weight`), with a planted induction head so that, like a real
-  language model, it continues repeated patterns (n-gram speculation gets accepted drafts);
-- `tokenizer.json`: a byte-level BPE trained at build time on `demo_corpus.txt` (shipped in the
-  package), with the special tokens `<|endoftext|>` (bos/pad), `<|im_start|>`, `<|im_end|>` (eos);
+  `backbone.norm_f.weight`, `lm_head.weight`): a seeded random init trained for TRAIN_STEPS AdamW
+  steps (about half a minute on a CPU) with transformers' own NemotronH in pure torch on
+  `demo_corpus.txt` (a few KB of English written for the project, shipped in the package). The
+  model memorises that text: greedy decoding from the start of one of its lines recites the
+  corpus (so n-gram speculation gets drafts accepted there); it does not answer questions, and on
+  any other text it produces corpus-flavoured word salad;
+- `tokenizer.json`: a byte-level BPE trained at build time on the same corpus, with the special
+  tokens `<|endoftext|>` (bos/pad), `<|im_start|>`, `<|im_end|>` (eos);
 - `tokenizer_config.json` (ChatML chat template) and `generation_config.json`.
 
-The same seed gives the same bytes. `time_step_min` is 1e-9 so that the NemotronH mixer's dt clamp
-(applied by transformers in prefill but not in single-token decode) never fires, and
-`time_step_limit` is `[0, inf]` (written with transformers' `{"__float__": "Infinity"}` tag).
+The same seed gives the same bytes on the same machine (training runs in one thread with
+deterministic algorithms; see `train_weights`). `time_step_min` is 1e-9 so that the NemotronH
+mixer's dt clamp (applied by transformers in prefill but not in single-token decode) never fires,
+and `time_step_limit` is `[0, inf]` (written with transformers' `{"__float__": "Infinity"}` tag).
 
 `ensure_demo_model()` builds the default-seed checkpoint once into a cache folder and returns its
 path; `resolve_model_path("demo")` is what every `model=` argument goes through.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("hybridserve.demo")
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_SEED = 0
@@ -71,9 +79,10 @@ INTERMEDIATE_SIZE = 384
 MAX_POSITION_EMBEDDINGS = 4096
 LAYER_NORM_EPS = 1e-5
 
-# Initialisation scales (chosen so that next-token distributions are neither flat nor one-hot).
+# Initialisation of the training (`init_weights`): GPT-2 style scales, so that the first loss is about
+# log(vocab_size).
 INIT_STD = 0.02
-LM_HEAD_STD = 0.15
+LM_HEAD_STD = 0.02
 DT_MIN, DT_MAX = 1e-3, 0.1  # softplus(dt_bias) is log-uniform in this range
 A_MIN, A_MAX = 1.0, 16.0  # A_log = log(uniform(A_MIN, A_MAX))
 # transformers' NemotronH mixer clamps dt >= time_step_min in prefill but not in decode. With this
@@ -82,19 +91,24 @@ A_MIN, A_MAX = 1.0, 16.0  # A_log = log(uniform(A_MIN, A_MAX))
 # initialiser takes log(time_step_min).
 TIME_STEP_MIN = 1e-9
 
-# The planted induction circuit (see `_plant_induction_circuit`). The residual stream is split into
-# subspaces: [0, CODE_DIM) the current token's code, [CODE_DIM, 2 CODE_DIM) the previous token's
-# code, [2 CODE_DIM, 3 CODE_DIM) the copied (predicted) token's code; the last dimension is a
-# constant 1 carried by every embedding.
-CODE_DIM = 32
-PREV_TOKEN_GAIN = 0.2  # pre-silu scale of the copied code in the Mamba conv path (keeps silu ~linear)
-GATE_Z = 5.0  # constant gate pre-activation: silu(5) ~ 5
-MATCH_GAIN = 2.0  # attention query gain: sharp attention on matching previous tokens
-COPY_READOUT_GAIN = 4.0  # LM-head weight on the copied code
-EMB_NOISE_STD = 0.02
+# Training (see `train_weights`): AdamW from the seeded random init, on windows of the tokenized
+# corpus, in one CPU thread with deterministic algorithms, so the same seed gives the same bytes on
+# the same machine. A step is one batch of TRAIN_BATCH windows of TRAIN_WINDOW tokens: half of them
+# tile the corpus (read as a ring) from a random offset, half begin at a random line start, so
+# that a prompt that opens a line of the corpus continues it without any text before it. The
+# learning rate warms up for TRAIN_WARMUP steps, then decays along a cosine to TRAIN_LR_FLOOR of its
+# peak. About 30 s on two busy CPU cores: the corpus's lines come back word for word.
+TRAIN_STEPS = 32
+TRAIN_BATCH = 16
+TRAIN_WINDOW = 128
+TRAIN_LINE_START_FRACTION = 0.5
+TRAIN_LR = 6e-3
+TRAIN_LR_FLOOR = 0.02
+TRAIN_WARMUP = 3
+TRAIN_BETAS = (0.9, 0.95)
 
 # Bump when the generator changes in a way the hash below does not see.
-DEMO_REVISION = 2
+DEMO_REVISION = 3
 
 
 def _corpus_text() -> str:
@@ -212,13 +226,27 @@ def weight_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def build_weights(vocab_size: int, seed: int = DEFAULT_SEED) -> dict[str, torch.Tensor]:
-    """Seeded random float32 weights (CPU generator, fixed draw order: same seed, same values)."""
+def build_weights(
+    tokenizer_json: str, seed: int = DEFAULT_SEED, steps: int = TRAIN_STEPS
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The checkpoint's float32 weights: the seeded random init (`init_weights`) trained for `steps`
+    steps on the corpus (`train_weights`), both drawing from one CPU generator seeded with `seed`.
+    Returns the weights and the last training loss."""
+    import torch
+
+    vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    weights = init_weights(vocab_size, gen)
+    token_ids, line_starts = corpus_tokens(tokenizer_json)
+    return train_weights(weights, token_ids, line_starts, gen, steps)
+
+
+def init_weights(vocab_size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random float32 weights drawn from `gen` in a fixed order (the starting point of training)."""
     import math
 
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     num_layers = len(LAYER_PATTERN)
     out: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(vocab_size):
@@ -247,95 +275,111 @@ def build_weights(vocab_size: int, seed: int = DEFAULT_SEED) -> dict[str, torch.
         else:
             t = torch.randn(shape, generator=gen) * INIT_STD
         out[name] = t.to(torch.float32).contiguous()
-    _plant_induction_circuit(out, vocab_size, gen)
     return out
 
 
-def _plant_induction_circuit(w: dict[str, torch.Tensor], vocab_size: int, gen: torch.Generator) -> None:
-    """Overwrite parts of the random weights with an induction head ("[A][B] ... [A] -> [B]").
+def corpus_tokens(tokenizer_json: str) -> tuple[list[int], list[int]]:
+    """The corpus as token ids, and the indices of the tokens that begin a line of it."""
+    from tokenizers import Tokenizer
 
-    Random weights alone never continue a repeated pattern, so n-gram speculation would never be
-    accepted on them. Real language models copy; so does this one:
+    text = _corpus_text()
+    enc = Tokenizer.from_str(tokenizer_json).encode(text)
+    line_starts = [i for i, (start, _) in enumerate(enc.offsets) if start == 0 or text[start - 1] == "\n"]
+    return list(enc.ids), line_starts
 
-    - embeddings: a random unit code per token in the current-token subspace, plus a constant 1
-      in the last dimension (all embeddings have the same norm, so RMSNorm scales are constant);
-    - first Mamba layer: its causal conv shifts the current code by one position (tap K-2 = 1) and
-      writes it, through the D skip (B = C = 0, so the SSM adds nothing) and a constant gate, into
-      the previous-token subspace;
-    - first attention layer, head 0 (KV head 0): query = current code, key = previous-token code,
-      value = current code: position t attends to the positions whose previous token equals
-      token t, and copies the token found there into the copy subspace;
-    - LM head: reads the copy subspace (on top of its random weights).
 
-    The other layers, heads and channels stay random. HF's NemotronH runs these weights unchanged.
-    """
+def _hf_config(vocab_size: int) -> Any:
+    """build_config as a transformers NemotronHConfig (the special token ids do not matter here)."""
     import math
 
+    from transformers import NemotronHConfig
+
+    cfg = build_config(vocab_size, 0, 0, 0)
+    cfg["time_step_limit"] = [0.0, math.inf]
+    for key in ("architectures", "model_type", "dtype"):
+        cfg.pop(key)
+    return NemotronHConfig(**cfg)
+
+
+def train_weights(
+    weights: dict[str, torch.Tensor],
+    token_ids: list[int],
+    line_starts: list[int],
+    gen: torch.Generator,
+    steps: int = TRAIN_STEPS,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Train `weights` (the checkpoint's names) on the corpus with transformers' NemotronH in pure
+    torch (float32, autograd, CPU); returns the trained weights and the last step's loss.
+
+    Runs in one thread with deterministic algorithms and the global RNG forked (the caller's
+    thread count, determinism flag and RNG state are restored afterwards)."""
+
     import torch
+    from transformers import NemotronHForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    first_mamba = LAYER_PATTERN.index("M")
-    first_attn = LAYER_PATTERN.index("*")
-    if first_attn < first_mamba or HEAD_DIM < CODE_DIM or 3 * CODE_DIM >= HIDDEN_SIZE:
-        raise ValueError("the induction circuit needs a Mamba layer before an attention layer")
-    cur, prev, copy, const = 0, CODE_DIM, 2 * CODE_DIM, HIDDEN_SIZE - 1
+    vocab_size = weights["lm_head.weight"].shape[0]
+    n = len(token_ids)
+    if n < TRAIN_WINDOW + 1:
+        raise ValueError(f"the demo corpus has {n} tokens, fewer than a training window")
+    ring = torch.tensor(token_ids + token_ids[: TRAIN_WINDOW + 1])
+    n_line = int(TRAIN_BATCH * TRAIN_LINE_START_FRACTION)
+    n_tile = TRAIN_BATCH - n_line
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    verbosity = hf_logging.get_verbosity()
+    loss_value = float("nan")
+    try:
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+        hf_logging.set_verbosity_error()  # the "falling back to the PyTorch implementation" notes
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+            model = NemotronHForCausalLM(_hf_config(vocab_size))
+            model.load_state_dict({_to_hf_name(k): v for k, v in weights.items()}, strict=True)
+            model.train()
+            params = dict(model.named_parameters())
+            matrices = [p for p in params.values() if p.dim() >= 2]
+            vectors = [p for p in params.values() if p.dim() < 2]
+            opt = torch.optim.AdamW(
+                [{"params": matrices}, {"params": vectors}], lr=TRAIN_LR, betas=TRAIN_BETAS, weight_decay=0.0
+            )
+            for step in range(steps):
+                for group in opt.param_groups:
+                    group["lr"] = TRAIN_LR * _lr_scale(step, steps)
+                offset = int(torch.randint(0, n, (1,), generator=gen))
+                starts = [(offset + (i * n) // n_tile) % n for i in range(n_tile)]
+                picks = torch.randint(0, len(line_starts), (n_line,), generator=gen).tolist()
+                starts += [line_starts[j] for j in picks]
+                x = torch.stack([ring[s : s + TRAIN_WINDOW] for s in starts])
+                y = torch.stack([ring[s + 1 : s + TRAIN_WINDOW + 1] for s in starts])
+                logits = model(input_ids=x, use_cache=False).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                loss_value = float(loss.detach())
+            trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        hf_logging.set_verbosity(verbosity)
+    out = {name: trained[_to_hf_name(name)].to(torch.float32).contiguous() for name in weights}
+    return out, loss_value
 
-    codes = torch.randn(vocab_size, CODE_DIM, generator=gen)
-    codes = codes / codes.norm(dim=1, keepdim=True)
-    emb = torch.randn(vocab_size, HIDDEN_SIZE, generator=gen) * EMB_NOISE_STD
-    emb[:, cur : cur + CODE_DIM] = codes
-    emb[:, const] = 1.0
-    w["backbone.embeddings.weight"] = emb
 
-    d_inner = MAMBA_NUM_HEADS * MAMBA_HEAD_DIM
-    conv_dim = d_inner + 2 * N_GROUPS * SSM_STATE_SIZE
-    idx = torch.arange(CODE_DIM)
-    # Mamba: RMSNorm of an embedding multiplies it by sqrt(H / |e|^2) = sqrt(H / 2).
-    p = f"backbone.layers.{first_mamba}.mixer."
-    s0 = math.sqrt(HIDDEN_SIZE / 2.0)
-    in_proj = torch.zeros_like(w[p + "in_proj.weight"])
-    in_proj[d_inner + conv_dim :] = w[p + "in_proj.weight"][d_inner + conv_dim :]  # dt rows stay random
-    in_proj[d_inner + idx, cur + idx] = PREV_TOKEN_GAIN * math.sqrt(CODE_DIM) / s0  # x channels
-    in_proj[idx, const] = GATE_Z / s0  # z channels: constant gate
-    w[p + "in_proj.weight"] = in_proj
-    conv_w = torch.zeros(conv_dim, 1, CONV_KERNEL)
-    conv_w[idx, 0, CONV_KERNEL - 2] = 1.0  # out(t) = in(t - 1)
-    w[p + "conv1d.weight"] = conv_w
-    w[p + "conv1d.bias"] = torch.zeros(conv_dim)
-    group = d_inner // N_GROUPS  # the gated RMSNorm makes the code's norm sqrt(group)
-    out_proj = torch.zeros_like(w[p + "out_proj.weight"])
-    out_proj[prev + idx, idx] = 1.0 / math.sqrt(group)
-    w[p + "out_proj.weight"] = out_proj
+def _lr_scale(step: int, steps: int) -> float:
+    """Linear warm-up over TRAIN_WARMUP steps, then a cosine down to TRAIN_LR_FLOOR."""
+    import math
 
-    # Attention: residual = cur + prev codes + const (norm sqrt(3)) -> RMSNorm scale sqrt(H / 3).
-    p = f"backbone.layers.{first_attn}.mixer."
-    s3 = math.sqrt(HIDDEN_SIZE / 3.0)
-    q, k = w[p + "q_proj.weight"].clone(), w[p + "k_proj.weight"].clone()
-    v, o = w[p + "v_proj.weight"].clone(), w[p + "o_proj.weight"].clone()
-    q[:HEAD_DIM] = 0.0
-    k[:HEAD_DIM] = 0.0
-    v[:HEAD_DIM] = 0.0
-    o[:, :HEAD_DIM] = 0.0
-    q[idx, cur + idx] = MATCH_GAIN
-    k[idx, prev + idx] = 1.0
-    v[idx, cur + idx] = 1.0 / s3
-    o[copy + idx, idx] = 1.0
-    w[p + "q_proj.weight"], w[p + "k_proj.weight"] = q.contiguous(), k.contiguous()
-    w[p + "v_proj.weight"], w[p + "o_proj.weight"] = v.contiguous(), o.contiguous()
+    if step < TRAIN_WARMUP:
+        return (step + 1) / TRAIN_WARMUP
+    cosine = 0.5 * (1.0 + math.cos(math.pi * (step - TRAIN_WARMUP) / max(1, steps - TRAIN_WARMUP)))
+    return max(cosine, TRAIN_LR_FLOOR)
 
-    # Keep the copy subspace clean: nothing else writes into it.
-    for i, kind in enumerate(LAYER_PATTERN):
-        name = {"M": "out_proj", "*": "o_proj", "-": "down_proj"}[kind]
-        key = f"backbone.layers.{i}.mixer.{name}.weight"
-        wt = w[key].clone()
-        keep = wt[copy : copy + CODE_DIM].clone() if i == first_attn else None
-        wt[copy : copy + CODE_DIM] = 0.0
-        if keep is not None:
-            wt[copy : copy + CODE_DIM, :HEAD_DIM] = keep[:, :HEAD_DIM]
-        w[key] = wt.contiguous()
 
-    lm = w["lm_head.weight"].clone()
-    lm[:, copy : copy + CODE_DIM] += COPY_READOUT_GAIN * codes
-    w["lm_head.weight"] = lm.contiguous()
+def _to_hf_name(name: str) -> str:
+    """Checkpoint name -> transformers 5 module name (`backbone.` is `model.` in the module tree)."""
+    return "model." + name[len("backbone.") :] if name.startswith("backbone.") else name
 
 
 def build_tokenizer_config(vocab: dict[str, int]) -> dict[str, Any]:
@@ -370,8 +414,13 @@ def _dump_json(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def write_demo_model(out_dir: str | os.PathLike[str], seed: int = DEFAULT_SEED) -> Path:
-    """Write the demo checkpoint into `out_dir` (created if needed; files overwritten)."""
+def write_demo_model(
+    out_dir: str | os.PathLike[str], seed: int = DEFAULT_SEED, steps: int = TRAIN_STEPS
+) -> Path:
+    """Write the demo checkpoint into `out_dir` (created if needed; files overwritten), training its
+    weights for `steps` steps (about a second a step; logged with the time taken)."""
+    import time
+
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -392,7 +441,15 @@ def write_demo_model(out_dir: str | os.PathLike[str], seed: int = DEFAULT_SEED) 
         _dump_json({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
     )
     weights = out / "model.safetensors"
-    save_file(build_weights(vocab_size, seed), str(weights), metadata={"format": "pt"})
+    started = time.monotonic()
+    trained, loss = build_weights(tok_json, seed, steps)
+    logger.info(
+        "trained the demo model on its corpus in %.1f s (%d steps, last loss %.3f)",
+        time.monotonic() - started,
+        steps,
+        loss,
+    )
+    save_file(trained, str(weights), metadata={"format": "pt"})
     # safetensors writes its file private (0600); give it the mode the other files got (umask)
     os.chmod(weights, (out / "config.json").stat().st_mode & 0o777)
     return out
@@ -409,7 +466,16 @@ def _spec_digest() -> str:
         "config": build_config(0, 0, 0, 0),
         "shapes": weight_shapes(0),
         "init": [INIT_STD, LM_HEAD_STD, DT_MIN, DT_MAX, A_MIN, A_MAX],
-        "circuit": [CODE_DIM, PREV_TOKEN_GAIN, GATE_Z, MATCH_GAIN, COPY_READOUT_GAIN, EMB_NOISE_STD],
+        "train": [
+            TRAIN_STEPS,
+            TRAIN_BATCH,
+            TRAIN_WINDOW,
+            TRAIN_LINE_START_FRACTION,
+            TRAIN_LR,
+            TRAIN_LR_FLOOR,
+            TRAIN_WARMUP,
+            list(TRAIN_BETAS),
+        ],
         "tokenizer": [SPECIAL_TOKENS, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_VOCAB_TARGET, CHAT_TEMPLATE],
         "corpus": hashlib.sha256(_corpus_text().encode("utf-8")).hexdigest(),
     }
@@ -435,9 +501,10 @@ def ensure_demo_model() -> str:
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the demo model into %s (first use: about half a minute of training)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        write_demo_model(tmp)
+        write_demo_model(tmp, steps=TRAIN_STEPS)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -465,6 +532,16 @@ def _weight_seed(text: str) -> int:
     return v
 
 
+def _train_steps(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100000], got {text}")
+    return v
+
+
 def add_demo_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "dir",
@@ -474,6 +551,13 @@ def add_demo_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=_weight_seed, default=DEFAULT_SEED, help="weight seed (default: %(default)s)"
     )
+    p.add_argument(
+        "--steps",
+        type=_train_steps,
+        default=TRAIN_STEPS,
+        help="training steps on the corpus (default: %(default)s, about half a minute; 0 writes the "
+        "random init)",
+    )
 
 
 def demo_model_main(args: argparse.Namespace) -> int:
@@ -481,6 +565,6 @@ def demo_model_main(args: argparse.Namespace) -> int:
         from hybridserve.errors import ConfigError
 
         raise ConfigError("DIR: an empty path (it would write into the current folder)")
-    out = write_demo_model(args.dir, seed=args.seed)
-    print(f"wrote the demo model (nemotron_h, pattern {LAYER_PATTERN}) to {out}")
+    out = write_demo_model(args.dir, seed=args.seed, steps=args.steps)
+    print(f"wrote the demo model (nemotron_h, pattern {LAYER_PATTERN}, {args.steps} training steps) to {out}")
     return 0
