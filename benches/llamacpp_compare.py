@@ -1,7 +1,7 @@
 """hybridserve against llama.cpp on the same checkpoint and shapes, in one run.
 
     .venv/bin/python benches/llamacpp_compare.py [--batch 1,8,64] [--prompt-len 256] [--output-len 128]
-        [--repeats 3] [--threads 1] [--model demo] [--work-dir DIR] [--result-file F]
+        [--repeats 3] [--threads 1] [--model demo|nemotron-h-100m|DIR] [--work-dir DIR] [--result-file F]
 
 llama.cpp is a peer, never a dependency: everything it needs goes into a throw-away folder
 (`--work-dir`, default `~/.cache/hybridserve-peers/llama.cpp-0.3.36`), built once and reused:
@@ -92,6 +92,57 @@ import convert_hf_to_gguf
 
 convert_hf_to_gguf.main()
 """
+
+
+# The larger checkpoint (`--model nemotron-h-100m`): the demo model's config and tokenizer with
+# wider and more layers, random weights (seed 0) written by transformers: 9 Mamba2, 3 attention and
+# 9 MLP layers at hidden size 768, 89M parameters.
+BIG_MODEL = "nemotron-h-100m"
+BIG_CONFIG = {
+    "hidden_size": 768,
+    "hybrid_override_pattern": "M-M-M*-M-M-M*-M-M-M*-",
+    "num_hidden_layers": 21,
+    "intermediate_size": 3584,
+    "mamba_num_heads": 24,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 64,
+    "n_groups": 2,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def big_checkpoint(work: Path, demo_dir: Path) -> Path:
+    """The random ~100M-parameter Nemotron-H of BIG_CONFIG, written once into `work`."""
+    out = work / BIG_MODEL
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    cfg.update(BIG_CONFIG)
+    cfg.pop("layers_block_type", None)  # derived from the pattern
+    cfg.pop("time_step_limit", None)  # written as JSON with an infinity the config class refuses
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(**cfg)).float()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    # The config as the demo model writes it (a hybrid_override_pattern, which llama.cpp's converter
+    # reads; transformers writes the per-layer list instead)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
+        if (demo_dir / name).exists():
+            shutil.copy(demo_dir / name, out / name)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({n / 1e6:.1f}M parameters)", flush=True)
+    return out
 
 
 def _run(cmd: list[str], log: Path, **kw: Any) -> None:
@@ -221,7 +272,11 @@ def main() -> int:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         print("llama.cpp needs a C++ compiler (g++)", file=sys.stderr)
         return 2
-    model_dir = Path(resolve_model_path(a.model))
+    if a.model == BIG_MODEL:
+        model_dir = big_checkpoint(a.work_dir, Path(resolve_model_path("demo")))
+        a.model = str(model_dir)
+    else:
+        model_dir = Path(resolve_model_path(a.model))
     binary = build(a.work_dir, log)
     gguf = convert(a.work_dir, model_dir, log)
     batches = [int(b) for b in a.batch.split(",")]
