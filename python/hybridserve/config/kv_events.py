@@ -7,10 +7,10 @@ written for vLLM (and the routers and indexers that read vLLM's events) works un
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.config.json_flag import parse_json_object
 from hybridserve.errors import ConfigError
 
 FLAG = "--kv-events-config"
@@ -62,10 +62,7 @@ class KVEventsConfig:
             value.validate()
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"{FLAG} must be a JSON object: {e}") from None
+            value = parse_json_object(value, FLAG)
         if not isinstance(value, dict):
             raise ConfigError(f"{FLAG} must be a JSON object, got {value!r}")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from hybridserve import _core
+from hybridserve.config.json_flag import parse_json_object
 from hybridserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -102,10 +102,4 @@ class SpeculativeConfig:
 
 
 def parse_speculative_json(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"--speculative-config must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--speculative-config must be a JSON object, got {text!r}")
-    return value
+    return parse_json_object(text, "--speculative-config")
