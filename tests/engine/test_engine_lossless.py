@@ -17,15 +17,26 @@ BLOCK = 16
 MAMBA_BLOCK = 64
 
 
+@cache
+def corpus_passage_repeated() -> list[int]:
+    """60 tokens of the demo model's corpus, then its first 20 again: the model (trained on that
+    corpus) recites the passage a second time, and n-gram lookup drafts exactly that from the
+    prompt, so drafts get accepted."""
+    from hybridserve.model import demo
+
+    tok_json = (Path(demo.ensure_demo_model()) / "tokenizer.json").read_text(encoding="utf-8")
+    ids, _ = demo.corpus_tokens(tok_json)
+    return ids[:60] + ids[:20]
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(1234)
     shared = [rng.randrange(3, 780) for _ in range(150)]
-    motif = [rng.randrange(3, 780) for _ in range(7)]
     prompts = [
         shared + [rng.randrange(3, 780) for _ in range(21)],  # share a 150-token prefix
         shared + [rng.randrange(3, 780) for _ in range(40)],
         [rng.randrange(3, 780) for _ in range(97)],
-        (motif * 12)[:80],  # repetitive: n-gram lookup finds drafts
+        corpus_passage_repeated(),  # repetitive: n-gram lookup finds drafts the model accepts
         [rng.randrange(3, 780) for _ in range(5)],
         shared[:131],
     ]

@@ -654,18 +654,24 @@ def test_demo_model_recites_its_corpus() -> None:
     for (prompt, expected), out in zip(CORPUS_LINES, outs):
         assert out.outputs[0].text.startswith(expected), (prompt, out.outputs[0].text)
     # From the first 4 tokens of any line of the corpus, with nothing before them, greedy decoding
-    # continues the corpus word for word (a line or two the training windows saw differently may not).
+    # continues the corpus word for word, up to the EOS that ends each paragraph in training (a
+    # line or two the training windows saw differently may not).
     from hybridserve.model import demo
 
     tok_json = (Path(demo.ensure_demo_model()) / "tokenizer.json").read_text(encoding="utf-8")
     ids, line_starts = demo.corpus_tokens(tok_json)
-    starts = [s for s in line_starts if s + 16 <= len(ids)]
+    eos = llm.get_tokenizer().eos_token_id
+    starts = [s for s in line_starts if s + 16 <= len(ids) and eos not in ids[s : s + 4]]
+    wanted = [ids[s + 4 : s + 16] for s in starts]
+    wanted = [w[: w.index(eos) + 1] if eos in w else w for w in wanted]
     outs = llm.generate(
-        [{"prompt_token_ids": ids[s : s + 4]} for s in starts],
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        [{"prompt_token_ids": ids[s : s + 4]} for s in starts], SamplingParams(max_tokens=12, temperature=0)
     )
-    hits = sum(out.outputs[0].token_ids == ids[s + 4 : s + 16] for s, out in zip(starts, outs))
+    hits = sum(out.outputs[0].token_ids == w for w, out in zip(wanted, outs))
     assert hits >= 0.95 * len(starts), (hits, len(starts))
+    # A recited paragraph ends with EOS: the request stops there.
+    last = llm.generate("When the last bus", SamplingParams(max_tokens=128, temperature=0))[0].outputs[0]
+    assert last.finish_reason == "stop" and last.text.endswith("exactly how everyone liked it.")
 
 
 def test_ngram_drafts_are_accepted_on_the_corpus() -> None:

@@ -228,13 +228,13 @@ def test_stop_string_echo_and_token_prompt(client):
 
 
 def test_stop_reason_is_null_on_eos_and_the_token_id_on_a_stop_token(client):
-    # [1, 2, 3] leads greedy decoding to EOS (id 2) as its 5th token
+    # [1, 2, 3] leads greedy decoding to EOS (id 2) as its 5th token, with 536 as its 3rd
     eos = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0).choices[0]
     assert eos.finish_reason == "stop" and eos.model_extra["stop_reason"] is None
     tok = client.completions.create(
-        model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [122]}
+        model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [536]}
     ).choices[0]
-    assert tok.finish_reason == "stop" and tok.model_extra["stop_reason"] == 122
+    assert tok.finish_reason == "stop" and tok.model_extra["stop_reason"] == 536
     assert (
         client.completions.create(
             model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
@@ -554,8 +554,8 @@ def test_return_token_ids_end_at_the_token_that_stopped(server):
                                                       "return_token_ids": True})  # fmt: skip
     assert eos["choices"][0]["finish_reason"] == "stop" and eos["choices"][0]["token_ids"][-1] == 2
     status, st, _ = post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0,
-                                                     "return_token_ids": True, "stop_token_ids": [122]})  # fmt: skip
-    assert st["choices"][0]["stop_reason"] == 122 and st["choices"][0]["token_ids"][-1] == 122
+                                                     "return_token_ids": True, "stop_token_ids": [536]})  # fmt: skip
+    assert st["choices"][0]["stop_reason"] == 536 and st["choices"][0]["token_ids"][-1] == 536
 
 
 def test_chat_return_token_ids(server):

@@ -26,7 +26,10 @@ SERVER_ARGS = ("--grammar-compile-timeout", "0.25", "--max-num-seqs", "16")
 
 
 class Person(pydantic.BaseModel):
-    """Bounded fields: the output's language is finite, so the grammar forces it to end."""
+    """Bounded fields and no others (additionalProperties false): the output's language is finite,
+    so the grammar forces it to end."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
 
     name: Annotated[str, pydantic.StringConstraints(max_length=12)]
     age: Annotated[int, pydantic.Field(ge=0, le=120)]

@@ -108,7 +108,7 @@ TRAIN_WARMUP = 3
 TRAIN_BETAS = (0.9, 0.95)
 
 # Bump when the generator changes in a way the hash below does not see.
-DEMO_REVISION = 3
+DEMO_REVISION = 4
 
 
 def _corpus_text() -> str:
@@ -279,13 +279,24 @@ def init_weights(vocab_size: int, gen: torch.Generator) -> dict[str, torch.Tenso
 
 
 def corpus_tokens(tokenizer_json: str) -> tuple[list[int], list[int]]:
-    """The corpus as token ids, and the indices of the tokens that begin a line of it."""
+    """The training text as token ids, and the indices of the tokens that begin a line of it.
+
+    The corpus with EOS (`<|im_end|>`) after every paragraph, before the blank line: a recited
+    paragraph ends the request (finish reason "stop") the way a chat turn would."""
     from tokenizers import Tokenizer
 
-    text = _corpus_text()
-    enc = Tokenizer.from_str(tokenizer_json).encode(text)
-    line_starts = [i for i, (start, _) in enumerate(enc.offsets) if start == 0 or text[start - 1] == "\n"]
-    return list(enc.ids), line_starts
+    tok = Tokenizer.from_str(tokenizer_json)
+    eos = tok.token_to_id(EOS_TOKEN)
+    ids: list[int] = []
+    line_starts: list[int] = []
+    for i, para in enumerate(_corpus_text().rstrip("\n").split("\n\n")):
+        chunk = para if i == 0 else "\n\n" + para
+        enc = tok.encode(chunk)
+        for j, (a, _) in enumerate(enc.offsets):
+            if chunk[a] != "\n" and (a == 0 or chunk[a - 1] == "\n"):
+                line_starts.append(len(ids) + j)
+        ids += [*enc.ids, eos]
+    return ids, line_starts
 
 
 def _hf_config(vocab_size: int) -> Any:
