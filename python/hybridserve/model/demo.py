@@ -287,6 +287,8 @@ def corpus_tokens(tokenizer_json: str) -> tuple[list[int], list[int]]:
 
     tok = Tokenizer.from_str(tokenizer_json)
     eos = tok.token_to_id(EOS_TOKEN)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {EOS_TOKEN}")
     ids: list[int] = []
     line_starts: list[int] = []
     for i, para in enumerate(_corpus_text().rstrip("\n").split("\n\n")):
