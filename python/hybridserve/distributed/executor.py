@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from hybridserve.distributed.group_failure import GroupFailure
 from hybridserve.distributed.parallel_state import collective_timeout_s, destroy_tp_group, init_tp_group
 from hybridserve.distributed.worker import StepInputs, WorkerSpec, worker_main
-from hybridserve.errors import ConfigError, EngineDeadError
+from hybridserve.errors import ConfigError
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -39,13 +40,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TPExecutor:
+class TPExecutor(GroupFailure):
     """Spawns and owns the workers of ranks 1 .. N-1; this process is rank 0."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__()
         self.spec = spec
         self.world_size = spec.world_size
-        self.dead_reason: str | None = None
         self._closing = False
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -144,25 +145,15 @@ class TPExecutor:
             try:
                 conn.send_bytes(data)
             except OSError as exc:
-                self._fail(f"tensor-parallel worker rank {rank} is gone ({exc})")
+                self.fail(f"tensor-parallel worker rank {rank} is gone ({exc})")
                 self.check_alive()
 
     def check_alive(self) -> None:
         if self.dead_reason is None:
             for rank, p in enumerate(self._procs, start=1):
                 if not p.is_alive() and not self._closing:
-                    self._fail(f"tensor-parallel worker rank {rank} exited with status {p.exitcode}")
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-
-    def fail(self, reason: str) -> None:
-        """Marks the group unusable (a step failed part way: the ranks may be out of step)."""
-        self._fail(reason)
-
-    def _fail(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("%s: the engine stops", reason)
+                    self.fail(f"tensor-parallel worker rank {rank} exited with status {p.exitcode}")
+        self.raise_if_dead()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs, start=1)}
@@ -175,7 +166,7 @@ class TPExecutor:
                 rank = live.pop(s)
                 if not self._closing:
                     code = self._procs[rank - 1].exitcode
-                    self._fail(f"tensor-parallel worker rank {rank} exited with status {code}")
+                    self.fail(f"tensor-parallel worker rank {rank} exited with status {code}")
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the workers (asks, then terminates, then kills) and leaves the process group."""

@@ -25,7 +25,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.errors import ConfigError, EngineDeadError
+from hybridserve.distributed.group_failure import GroupFailure
+from hybridserve.errors import ConfigError
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -92,7 +93,7 @@ def _recv(group: Any) -> Any:
     return box[0]
 
 
-class TorchrunExecutor:
+class TorchrunExecutor(GroupFailure):
     """Rank 0 of a launcher's group: TPExecutor's interface, with the workers reached by
     broadcasts instead of pipes. The launcher owns the processes: it started them and ends them
     all when one fails."""
@@ -105,9 +106,9 @@ class TorchrunExecutor:
                 f"rank {env.rank} of a torchrun group does not build an engine: only rank 0 does "
                 "(`hybridserve serve` runs the worker loop on the others)"
             )
+        super().__init__()
         self.spec = spec
         self.world_size = env.world_size
-        self.dead_reason: str | None = None
         self._closing = False
         self._group = _join(0, env.world_size, torch.device(spec.device))
         _send(spec, self._group)  # the workers load their shards while this rank loads its own
@@ -135,20 +136,11 @@ class TorchrunExecutor:
         try:
             _send(step, self._group)
         except Exception as exc:  # noqa: BLE001 - a worker is gone (its sockets closed)
-            self._fail(f"a tensor-parallel worker is gone ({exc})")
+            self.fail(f"a tensor-parallel worker is gone ({exc})")
             self.check_alive()
 
     def check_alive(self) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-
-    def fail(self, reason: str) -> None:
-        self._fail(reason)
-
-    def _fail(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("%s: the engine stops", reason)
+        self.raise_if_dead()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Tells the workers to exit and leaves the groups."""

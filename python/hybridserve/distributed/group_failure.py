@@ -1,0 +1,29 @@
+"""Why a tensor-parallel group became unusable: the state both executors (workers spawned here,
+`executor.TPExecutor`, or started by a launcher, `torchrun.TorchrunExecutor`) keep, so that they
+report a failure the same way. Imports no torch (torchrun.py reads its environment without it)."""
+
+from __future__ import annotations
+
+import logging
+
+from hybridserve.errors import EngineDeadError
+
+logger = logging.getLogger("hybridserve.distributed")
+
+
+class GroupFailure:
+    """`dead_reason`: the first failure's reason (None while the group is usable). The first
+    reason wins: a dead rank makes the others fail too, and the cause is the one to report."""
+
+    def __init__(self) -> None:
+        self.dead_reason: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Marks the group unusable (a step failed part way: the ranks may be out of step)."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s: the engine stops", reason)
+
+    def raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
