@@ -2,7 +2,10 @@
 
 A new architecture is one file here: a `CausalLM` subclass decorated with `@register("XForCausalLM")`
 that implements `parse_config(raw, source) -> ModelConfig` and builds its modules under the
-checkpoint's state-dict names; then add its module name to `_MODULES` below.
+checkpoint's state-dict names; then add its module name to `_MODULES` below. A family shaped as
+embeddings -> decoder layers -> final norm -> LM head (all of them so far) subclasses
+`base.StackedCausalLM`, and its parser reads the fields other families spell alike with
+`shared_fields`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The base class of all architectures and the registry."""
+"""The base classes of all architectures and the registry: `CausalLM` (what the engine runs),
+`StackedCausalLM` with its `DecoderStack` (the shape every family here has)."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
+from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import MAMBA, ModelConfig
 
 _REGISTRY: dict[str, type[CausalLM]] = {}
@@ -121,6 +123,81 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         after it must not read the ForwardContext (they run on the logits rows only). Every layer
         takes ``keep`` (flat token indices, increasing) and then returns those rows only."""
         return len(self.decoder_layers()) - 1
+
+
+class DecoderStack(nn.Module):
+    """Token embeddings, the decoder layers and the final RMSNorm, under the names the family's
+    checkpoint gives them: `embedding` ("embed_tokens", NemotronH's and Mamba2's "embeddings"),
+    `layers`, `norm` ("final_layernorm", Granite's "norm", "norm_f"). A family whose layers need
+    the embedding module (Zamba2's) passes no layers and adds them to `layers` afterwards."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: Iterable[nn.Module] = (),
+        *,
+        embedding: str = "embed_tokens",
+        norm: str = "final_layernorm",
+    ) -> None:
+        super().__init__()
+        self.embedding_name, self.norm_name = embedding, norm
+        self.add_module(embedding, nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(layers)
+        self.add_module(norm, RMSNorm(cfg.hidden_size, cfg.norm_eps))
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return cast(nn.Embedding, self._modules[self.embedding_name])
+
+    @property
+    def output_norm(self) -> RMSNorm:
+        return cast(RMSNorm, self._modules[self.norm_name])
+
+
+class StackedCausalLM(CausalLM):
+    """A CausalLM that is a DecoderStack, held as `stack_name` (the checkpoint's prefix: "model",
+    or "backbone"), and a bias-free `lm_head` that a checkpoint may tie to the embeddings. A
+    family builds its stack (`build_stack`) and overrides what it does its own way (multipliers
+    on the embeddings or the logits, a cast before the final norm).
+    `config_class`: the config its parse_config returns (a family with fields of its own has a
+    ModelConfig subclass; any other config is refused at construction)."""
+
+    stack_name: ClassVar[str] = "model"
+    config_class: ClassVar[type[ModelConfig]] = ModelConfig
+
+    def __init__(self, config: ModelConfig) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs the config of its parse_config")
+        super().__init__(config)
+        self.add_module(self.stack_name, self.build_stack())
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @abc.abstractmethod
+    def build_stack(self) -> DecoderStack:
+        """The embeddings, decoder layers and final norm for `self.config`."""
+        raise NotImplementedError
+
+    def stack(self) -> DecoderStack:
+        return cast(DecoderStack, self._modules[self.stack_name])
+
+    def tied_weight_map(self) -> dict[str, str]:
+        s = self.stack()
+        return {**super().tied_weight_map(), "lm_head.weight": f"{self.stack_name}.{s.embedding_name}.weight"}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.stack().token_embedding(input_ids)
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.stack().token_embedding.weight
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.stack().layers)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stack().output_norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 def _drops_rows(logits_indices: torch.Tensor, num_tokens: int) -> bool:

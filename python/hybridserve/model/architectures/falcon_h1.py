@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.errors import ConfigError
-from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.architectures import shared_fields
+from hybridserve.model.architectures.base import DecoderStack, StackedCausalLM, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
@@ -51,17 +52,12 @@ from hybridserve.model.layers.mlp import activation
 from hybridserve.model.layers.norm import GatedRMSNorm, RMSNorm, gated_rms_norm
 from hybridserve.model.model_config import (
     HYBRID,
-    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
-    get_field,
     get_flag,
     get_float,
     get_int,
     integral,
     layer_kinds,
-    scan_chunk_size,
-    time_step_limit,
-    token_ids,
 )
 
 MODEL_TYPE = "falcon_h1"
@@ -207,24 +203,6 @@ class FalconH1Layer(nn.Module):
         return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 
 
-class _Inner(nn.Module):
-    def __init__(self, cfg: FalconH1Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([FalconH1Layer(cfg) for _ in range(cfg.num_layers)])
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rp, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object")
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{source}: unsupported rope_type {rope_type!r}")
-    return get_float(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0))
-
-
 def _floats(raw: dict[str, Any], name: str, n: int, source: str) -> list[float]:
     v = raw.get(name)
     if v is None:
@@ -239,30 +217,20 @@ def _floats(raw: dict[str, Any], name: str, n: int, source: str) -> list[float]:
 
 
 @register("FalconH1ForCausalLM")
-class FalconH1ForCausalLM(CausalLM):
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+class FalconH1ForCausalLM(StackedCausalLM):
     config: FalconH1Config
+    config_class = FalconH1Config
 
     def __init__(self, config: ModelConfig) -> None:
-        if not isinstance(config, FalconH1Config):
-            raise TypeError("FalconH1ForCausalLM needs the config of its parse_config")
         super().__init__(config)
-        self.model = _Inner(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.embedding_multiplier = config.embedding_multiplier
-        self.lm_head_multiplier = config.lm_head_multiplier
+        self.embedding_multiplier = self.config.embedding_multiplier
+        self.lm_head_multiplier = self.config.lm_head_multiplier
+
+    def build_stack(self) -> DecoderStack:
+        return DecoderStack(self.config, [FalconH1Layer(self.config) for _ in range(self.config.num_layers)])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids) * self.embedding_multiplier
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.model.layers)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.final_layernorm(hidden)
+        return super().embed(input_ids) * self.embedding_multiplier
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) * self.lm_head_multiplier
@@ -276,21 +244,8 @@ class FalconH1ForCausalLM(CausalLM):
         if len(kinds) != n:
             kinds = [HYBRID] * n
         hidden = get_int(raw, "hidden_size")
-        d_ssm = raw.get("mamba_d_ssm")
-        if d_ssm is None:
-            d_inner = integral(
-                get_float(raw, "mamba_expand", default=2) * hidden, "mamba_expand * hidden_size"
-            )
-        else:
-            d_inner = integral(d_ssm, "mamba_d_ssm")
-        nheads = get_int(raw, "mamba_n_heads", default=128)
-        d_head = raw.get("mamba_d_head", "auto")
-        headdim = d_inner // nheads if d_head in (None, "auto") else integral(d_head, "mamba_d_head")
-        num_heads = get_int(raw, "num_attention_heads")
-        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
-        bos, _ = token_ids(raw, "bos_token_id")
-        eos, eos_all = token_ids(raw, "eos_token_id")
-        pad, _ = token_ids(raw, "pad_token_id")
+        d_ssm = raw.get("mamba_d_ssm")  # the mixer's channels, when not mamba_expand * hidden_size
+        d_inner = None if d_ssm is None else integral(d_ssm, "mamba_d_ssm")
         eps = get_float(raw, "rms_norm_eps", default=1e-5)
         act = str(raw.get("hidden_act", "silu"))
         mlp_mult = _floats(raw, "mlp_multipliers", 2, source)
@@ -303,29 +258,13 @@ class FalconH1ForCausalLM(CausalLM):
             layer_types=kinds,
             norm_eps=eps,
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
-            bos_token_id=bos,
-            eos_token_id=eos,
-            eos_token_ids=eos_all,
-            pad_token_id=pad,
+            **shared_fields.special_tokens(raw),
             max_position_embeddings=get_int(raw, "max_position_embeddings", default=8192),
-            nheads=nheads,
-            headdim=headdim,
-            dstate=get_int(raw, "mamba_d_state", default=256),
-            ngroups=get_int(raw, "mamba_n_groups", default=1),
-            d_conv=get_int(raw, "mamba_d_conv", default=4),
-            chunk_size=scan_chunk_size(raw, source, MODEL_TYPE) or SCAN_CHUNK_DEFAULTS[MODEL_TYPE],
-            d_inner=d_inner,
-            mamba_conv_bias=get_flag(raw, "mamba_conv_bias", default=True),
-            mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),
+            **shared_fields.mamba_fields(raw, source, MODEL_TYPE, hidden, d_inner),
             mamba_act=act,
             mamba_norm_eps=eps,
-            dt_min=dt_min,
-            dt_max=dt_max,
-            num_heads=num_heads,
-            num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
-            head_dim=get_int(raw, "head_dim", default=hidden // num_heads),
-            attention_bias=get_flag(raw, "attention_bias", default=False),
-            rope_theta=_rope_theta(raw, source),
+            **shared_fields.attention_fields(raw, hidden),
+            rope_theta=shared_fields.rope_theta(raw, shared_fields.rope_parameters(raw, source)),
             partial_rotary_factor=1.0,
             intermediate_size=get_int(raw, "intermediate_size", default=14336),
             mlp_act=act,

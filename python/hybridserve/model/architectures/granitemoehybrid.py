@@ -33,27 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.errors import ConfigError
-from hybridserve.model.architectures.base import CausalLM, mamba_or_attention, register
+from hybridserve.model.architectures import shared_fields
+from hybridserve.model.architectures.base import DecoderStack, StackedCausalLM, mamba_or_attention, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.mlp import activation
 from hybridserve.model.layers.norm import RMSNorm
-from hybridserve.model.model_config import (
-    MAMBA,
-    SCAN_CHUNK_DEFAULTS,
-    ModelConfig,
-    get_field,
-    get_flag,
-    get_float,
-    get_int,
-    integral,
-    layer_kinds,
-    scan_chunk_size,
-    time_step_limit,
-    token_ids,
-)
+from hybridserve.model.model_config import MAMBA, ModelConfig, get_flag, get_float, get_int, layer_kinds
 
 MODEL_TYPE = "granitemoehybrid"
 
@@ -172,57 +160,32 @@ class GraniteMoeHybridLayer(nn.Module):
         return hidden + f * self.residual_multiplier
 
 
-class _Inner(nn.Module):
-    def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([GraniteMoeHybridLayer(cfg, k) for k in cfg.layer_types])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, float]:
     """(partial_rotary_factor, rope_theta): rotary embedding on the whole head for
     `position_embedding_type` "rope", none for "nope" or null."""
     pet = raw.get("position_embedding_type")
     if pet not in (None, "nope", "rope"):
         raise ConfigError(f"{source}: unsupported position_embedding_type {pet!r} (known: 'rope', 'nope')")
-    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rp, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object")
-    theta = get_float(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0))
-    if pet != "rope":
-        return 0.0, theta
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{source}: unsupported rope_type {rope_type!r}")
-    return 1.0, theta
+    rp = shared_fields.rope_parameters(raw, source, check_type=pet == "rope")
+    return (1.0 if pet == "rope" else 0.0), shared_fields.rope_theta(raw, rp)
 
 
 @register("GraniteMoeHybridForCausalLM")
-class GraniteMoeHybridForCausalLM(CausalLM):
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+class GraniteMoeHybridForCausalLM(StackedCausalLM):
     config: GraniteMoeHybridConfig
+    config_class = GraniteMoeHybridConfig
 
     def __init__(self, config: ModelConfig) -> None:
-        if not isinstance(config, GraniteMoeHybridConfig):
-            raise TypeError("GraniteMoeHybridForCausalLM needs the config of its parse_config")
         super().__init__(config)
-        self.model = _Inner(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.embedding_multiplier = config.embedding_multiplier
-        self.logits_scaling = config.logits_scaling
+        self.embedding_multiplier = self.config.embedding_multiplier
+        self.logits_scaling = self.config.logits_scaling
+
+    def build_stack(self) -> DecoderStack:
+        layers = [GraniteMoeHybridLayer(self.config, k) for k in self.config.layer_types]
+        return DecoderStack(self.config, layers, norm="norm")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids) * self.embedding_multiplier
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.model.layers)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
+        return super().embed(input_ids) * self.embedding_multiplier
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) / self.logits_scaling
@@ -232,17 +195,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         kinds = layer_kinds(raw, source, MODEL_TYPE)
         n = get_int(raw, "num_hidden_layers", default=len(kinds))
         hidden = get_int(raw, "hidden_size")
-        expand = get_float(raw, "mamba_expand", default=2)
-        d_inner = integral(expand * hidden, "mamba_expand * hidden_size")
-        nheads = get_int(raw, "mamba_n_heads", default=128)
-        d_head = raw.get("mamba_d_head", "auto")
-        headdim = d_inner // nheads if d_head in (None, "auto") else integral(d_head, "mamba_d_head")
-        num_heads = get_int(raw, "num_attention_heads")
         partial, theta = _rope(raw, source)
-        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
-        bos, _ = token_ids(raw, "bos_token_id")
-        eos, eos_all = token_ids(raw, "eos_token_id")
-        pad, _ = token_ids(raw, "pad_token_id")
         eps = get_float(raw, "rms_norm_eps", default=1e-6)
         act = str(raw.get("hidden_act", "silu"))
         experts = get_int(raw, "num_local_experts", default=8)
@@ -255,28 +208,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             layer_types=kinds,
             norm_eps=eps,
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
-            bos_token_id=bos,
-            eos_token_id=eos,
-            eos_token_ids=eos_all,
-            pad_token_id=pad,
+            **shared_fields.special_tokens(raw),
             max_position_embeddings=get_int(raw, "max_position_embeddings", default=2048),
-            nheads=nheads,
-            headdim=headdim,
-            dstate=get_int(raw, "mamba_d_state", default=256),
-            ngroups=get_int(raw, "mamba_n_groups", default=1),
-            d_conv=get_int(raw, "mamba_d_conv", default=4),
-            chunk_size=scan_chunk_size(raw, source, MODEL_TYPE) or SCAN_CHUNK_DEFAULTS[MODEL_TYPE],
-            d_inner=d_inner,
-            mamba_conv_bias=get_flag(raw, "mamba_conv_bias", default=True),
-            mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),
+            **shared_fields.mamba_fields(raw, source, MODEL_TYPE, hidden),
             mamba_act=act,
             mamba_norm_eps=eps,
-            dt_min=dt_min,
-            dt_max=dt_max,
-            num_heads=num_heads,
-            num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
-            head_dim=get_int(raw, "head_dim", default=hidden // num_heads),
-            attention_bias=get_flag(raw, "attention_bias", default=False),
+            **shared_fields.attention_fields(raw, hidden),
             rope_theta=theta,
             partial_rotary_factor=partial,
             intermediate_size=get_int(raw, "shared_intermediate_size", default=1024),

@@ -11,22 +11,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.architectures import shared_fields
+from hybridserve.model.architectures.base import DecoderStack, StackedCausalLM, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import (
     MAMBA,
-    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_flag,
     get_float,
     get_int,
     integral,
-    scan_chunk_size,
     time_step_limit,
-    token_ids,
 )
 
 
@@ -53,38 +51,20 @@ class Mamba2Block(nn.Module):
         return out if keep is None else out[keep]
 
 
-class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Mamba2Block(cfg) for _ in range(cfg.num_layers)])
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 @register("Mamba2ForCausalLM")
-class Mamba2ForCausalLM(CausalLM):
-    tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+class Mamba2ForCausalLM(StackedCausalLM):
+    stack_name = "backbone"
     key_aliases = {"backbone.embeddings.weight": ("backbone.embedding.weight",)}  # state-spaces naming
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.backbone = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.backbone.embeddings(input_ids)
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.backbone.embeddings.weight
-
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.backbone.layers)
+    def build_stack(self) -> DecoderStack:
+        cfg = self.config
+        layers = [Mamba2Block(cfg) for _ in range(cfg.num_layers)]
+        return DecoderStack(cfg, layers, embedding="embeddings", norm="norm_f")
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.backbone.norm_f(hidden.to(self.backbone.norm_f.weight.dtype))
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        # a residual kept in fp32 (`residual_in_fp32`) meets the norm in the model's dtype
+        norm = self.stack().output_norm
+        return norm(hidden.to(norm.weight.dtype))
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
@@ -95,9 +75,6 @@ class Mamba2ForCausalLM(CausalLM):
         headdim = get_int(raw, "head_dim", default=64)
         nheads = get_int(raw, "num_heads", default=d_inner // headdim)
         dt_min, dt_max = time_step_limit(raw, "time_step_limit")
-        bos, _ = token_ids(raw, "bos_token_id")
-        eos, eos_all = token_ids(raw, "eos_token_id")
-        pad, _ = token_ids(raw, "pad_token_id")
         eps = get_float(raw, "layer_norm_epsilon", default=1e-5)
         cfg = ModelConfig(
             architecture="Mamba2ForCausalLM",
@@ -109,17 +86,14 @@ class Mamba2ForCausalLM(CausalLM):
             norm_eps=eps,
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
             residual_in_fp32=get_flag(raw, "residual_in_fp32", default=True),
-            bos_token_id=bos,
-            eos_token_id=eos,
-            eos_token_ids=eos_all,
-            pad_token_id=pad,
+            **shared_fields.special_tokens(raw),
             max_position_embeddings=get_int(raw, "max_position_embeddings", default=1 << 20),
             nheads=nheads,
             headdim=headdim,
             dstate=get_int(raw, "state_size", default=128),
             ngroups=get_int(raw, "n_groups", default=1),
             d_conv=get_int(raw, "conv_kernel", default=4),
-            chunk_size=scan_chunk_size(raw, source, "mamba2") or SCAN_CHUNK_DEFAULTS["mamba2"],
+            chunk_size=shared_fields.chunk_size(raw, source, "mamba2"),
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "use_bias", default=False),

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from hybridserve.errors import ConfigError
-from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.architectures import shared_fields
+from hybridserve.model.architectures.base import DecoderStack, StackedCausalLM, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
@@ -31,7 +32,6 @@ from hybridserve.model.model_config import (
     ATTENTION,
     MAMBA,
     MOE,
-    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_field,
     get_flag,
@@ -39,8 +39,6 @@ from hybridserve.model.model_config import (
     get_int,
     integral,
     layer_kinds,
-    scan_chunk_size,
-    token_ids,
 )
 from hybridserve.model.model_config import (
     MLP as MLP_KIND,
@@ -82,42 +80,18 @@ class NemotronHBlock(nn.Module):
         return out if keep is None else out[keep]
 
 
-class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([NemotronHBlock(cfg, k) for k in cfg.layer_types])
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 @register("NemotronHForCausalLM")
-class NemotronHForCausalLM(CausalLM):
-    tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+class NemotronHForCausalLM(StackedCausalLM):
+    stack_name = "backbone"
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.backbone = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.backbone.embeddings(input_ids)
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.backbone.embeddings.weight
-
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.backbone.layers)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.backbone.norm_f(hidden)
+    def build_stack(self) -> DecoderStack:
+        layers = [NemotronHBlock(self.config, k) for k in self.config.layer_types]
+        return DecoderStack(self.config, layers, embedding="embeddings", norm="norm_f")
 
     def last_cache_layer(self) -> int:
         # the MLP / MoE layers after the last Mamba or attention layer write no cache
         kinds = self.config.layer_types
         return max((i for i, k in enumerate(kinds) if k in (MAMBA, ATTENTION)), default=len(kinds) - 1)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
@@ -126,9 +100,6 @@ class NemotronHForCausalLM(CausalLM):
         nheads = get_int(raw, "mamba_num_heads", default=0)
         headdim = get_int(raw, "mamba_head_dim", default=0)
         num_heads = get_int(raw, "num_attention_heads", default=0)
-        bos, _ = token_ids(raw, "bos_token_id")
-        eos, eos_all = token_ids(raw, "eos_token_id")
-        pad, _ = token_ids(raw, "pad_token_id")
         head_dim = get_field(raw, "head_dim", "attention_head_dim")
         if head_dim is None and num_heads > 0:
             head_dim = hidden // num_heads
@@ -143,17 +114,14 @@ class NemotronHForCausalLM(CausalLM):
             norm_eps=get_float(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5),
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=False),
             residual_in_fp32=get_flag(raw, "residual_in_fp32", default=False),
-            bos_token_id=bos,
-            eos_token_id=eos,
-            eos_token_ids=eos_all,
-            pad_token_id=pad,
+            **shared_fields.special_tokens(raw),
             max_position_embeddings=get_int(raw, "max_position_embeddings", default=4096),
             nheads=nheads,
             headdim=headdim,
             dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=0),
             ngroups=get_int(raw, "n_groups", "mamba_n_groups", default=1),
             d_conv=get_int(raw, "conv_kernel", "mamba_d_conv", default=4),
-            chunk_size=scan_chunk_size(raw, source, "nemotron_h") or SCAN_CHUNK_DEFAULTS["nemotron_h"],
+            chunk_size=shared_fields.chunk_size(raw, source, "nemotron_h"),
             d_inner=nheads * headdim,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", "use_bias", default=False),

@@ -58,7 +58,8 @@ import torch
 from torch import nn
 
 from hybridserve.errors import ConfigError
-from hybridserve.model.architectures.base import CausalLM, register
+from hybridserve.model.architectures import shared_fields
+from hybridserve.model.architectures.base import DecoderStack, StackedCausalLM, register
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.attention import PagedAttention
@@ -68,16 +69,11 @@ from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import (
     HYBRID,
     MAMBA,
-    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
-    get_field,
     get_flag,
     get_float,
     get_int,
-    integral,
     layer_kinds,
-    scan_chunk_size,
-    token_ids,
 )
 
 MODEL_TYPE = "zamba2"
@@ -194,14 +190,14 @@ class Zamba2MambaLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mamba = Mamba2Mixer(cfg)
 
-    def run(
+    def forward(
         self,
         hidden: torch.Tensor,
-        extra: torch.Tensor | None,
         ctx: ForwardContext,
         caches: ModelCaches,
         idx: int,
-        keep: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(hidden if extra is None else hidden + extra)
         if keep is None:
@@ -210,16 +206,6 @@ class Zamba2MambaLayer(nn.Module):
         # kept rows
         y, z = self.mamba.scan(self.mamba.in_proj(h), ctx, caches.conv[idx], caches.ssm[idx])
         return hidden[keep] + self.mamba.out_proj(self.mamba.norm(y[keep], z[keep], h.dtype))
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        ctx: ForwardContext,
-        caches: ModelCaches,
-        idx: int,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.run(hidden, None, ctx, caches, idx, keep)
 
 
 class Zamba2HybridLayer(nn.Module):
@@ -256,15 +242,16 @@ class Zamba2HybridLayer(nn.Module):
     ) -> torch.Tensor:
         # every token: the Mamba layer after the attention needs them all
         s = self.shared_transformer(hidden, self._embeds(ctx), self.use, ctx, caches.kv[idx])
-        return self.mamba_decoder.run(hidden, self.linear(s), ctx, caches, idx, keep)
+        return self.mamba_decoder(hidden, ctx, caches, idx, keep, extra=self.linear(s))
 
 
-class _Inner(nn.Module):
+class _Inner(DecoderStack):
+    """The stack; every hybrid layer holds the embedding module (its shared block reads the
+    token embeddings)."""
+
     def __init__(self, cfg: Zamba2Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        super().__init__(cfg)
         blocks: list[Zamba2SharedBlock] = []
-        layers: list[nn.Module] = []
         # layer index of each hybrid layer -> that of the first layer using the same block
         self.first_use: dict[int, int] = {}
         hybrid = cfg.hybrid_layer_ids
@@ -280,41 +267,26 @@ class _Inner(nn.Module):
                     blocks.append(block)
                 else:
                     block = blocks[b]
-                layers.append(Zamba2HybridLayer(cfg, block, use, self.embed_tokens))
+                self.layers.append(Zamba2HybridLayer(cfg, block, use, self.token_embedding))
             else:
-                layers.append(Zamba2MambaLayer(cfg))
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    rp = get_field(raw, "rope_parameters", "rope_scaling", default={})
-    if not isinstance(rp, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object")
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{source}: rope_parameters: unsupported rope_type {rope_type!r} (only 'default')")
-    return get_float(rp, "rope_theta", default=get_field(raw, "rope_theta", default=10000.0))
+                self.layers.append(Zamba2MambaLayer(cfg))
 
 
 @register(ARCHITECTURE)
-class Zamba2ForCausalLM(CausalLM):
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+class Zamba2ForCausalLM(StackedCausalLM):
     config: Zamba2Config
+    config_class = Zamba2Config
+    model: _Inner
 
-    def __init__(self, config: ModelConfig) -> None:
-        if not isinstance(config, Zamba2Config):
-            raise TypeError("Zamba2ForCausalLM needs the config of its parse_config")
-        super().__init__(config)
-        self.model = _Inner(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    def build_stack(self) -> DecoderStack:
+        return _Inner(self.config)
 
     def tied_weight_map(self) -> dict[str, str]:
         """The LM head, and with untied embeddings every later use's block weights -> the first
         use's, for a checkpoint that stores only the first (they are then shared; a checkpoint
         that stores every use's, as transformers 5 writes an untied Zamba2, loads them as they
         are: transformers ties the blocks only together with the embeddings)."""
-        ties = dict(self.tied_weights)
+        ties = super().tied_weight_map()
         if self.config.tie_word_embeddings:
             return ties  # one module per shared block
         layers = self.model.layers
@@ -326,21 +298,6 @@ class Zamba2ForCausalLM(CausalLM):
                         f"model.layers.{first}.shared_transformer.{n}"
                     )
         return ties
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.model.layers)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.final_layernorm(hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
@@ -357,7 +314,7 @@ class Zamba2ForCausalLM(CausalLM):
         if num_heads <= 0 or hidden <= 0:
             raise bad("hidden_size and num_attention_heads must be positive")
         head_dim = 2 * hidden // num_heads  # transformers derives it (attention_head_dim)
-        d_inner = integral(get_float(raw, "mamba_expand", default=2) * hidden, "mamba_expand * hidden_size")
+        d_inner = shared_fields.mamba_expand_channels(raw, hidden)
         nheads = get_int(raw, "n_mamba_heads", default=8)
         if nheads <= 0:
             raise bad("n_mamba_heads must be positive")
@@ -385,13 +342,12 @@ class Zamba2ForCausalLM(CausalLM):
         except ConfigError:
             raise bad(f"hidden_act: unsupported activation {act!r}") from None
         use_rope = get_flag(raw, "use_mem_rope", default=False)
-        rope_theta = _rope_theta(raw, source) if use_rope else 10000.0
+        theta = (
+            shared_fields.rope_theta(raw, shared_fields.rope_parameters(raw, source)) if use_rope else 10000.0
+        )
         max_pos = get_int(raw, "max_position_embeddings", default=4096)
         if get_flag(raw, "use_long_context", default=False):
             max_pos = 16384  # what transformers' config sets
-        bos, _ = token_ids(raw, "bos_token_id")
-        eos, eos_all = token_ids(raw, "eos_token_id")
-        pad, _ = token_ids(raw, "pad_token_id")
         bias = get_flag(raw, "add_bias_linear", default=False)
         intermediate = get_int(raw, "intermediate_size", default=4 * hidden)
         cfg = Zamba2Config(
@@ -403,17 +359,11 @@ class Zamba2ForCausalLM(CausalLM):
             layer_types=kinds,
             norm_eps=get_float(raw, "rms_norm_eps", default=1e-5),
             tie_word_embeddings=get_flag(raw, "tie_word_embeddings", default=True),
-            bos_token_id=bos,
-            eos_token_id=eos,
-            eos_token_ids=eos_all,
-            pad_token_id=pad,
+            **shared_fields.special_tokens(raw),
             max_position_embeddings=max_pos,
             nheads=nheads,
             headdim=d_inner // nheads,
-            dstate=get_int(raw, "mamba_d_state", default=64),
-            ngroups=get_int(raw, "mamba_ngroups", default=1),
-            d_conv=get_int(raw, "mamba_d_conv", default=4),
-            chunk_size=scan_chunk_size(raw, source, MODEL_TYPE) or SCAN_CHUNK_DEFAULTS[MODEL_TYPE],
+            **shared_fields.mamba_state_fields(raw, source, MODEL_TYPE, d_state=64, n_groups="mamba_ngroups"),
             d_inner=d_inner,
             mamba_conv_bias=True,
             mamba_proj_bias=bias,
@@ -424,7 +374,7 @@ class Zamba2ForCausalLM(CausalLM):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             attention_bias=False,
-            rope_theta=rope_theta,
+            rope_theta=theta,
             partial_rotary_factor=1.0 if use_rope else 0.0,
             intermediate_size=intermediate,
             mlp_act=act,
