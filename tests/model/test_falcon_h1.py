@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,60 +26,23 @@ from hybridserve.model.cache_tensors import ModelCaches, kv_bytes_per_block, mam
 from hybridserve.model.flops import prefill_cost
 from hybridserve.model.loader import load_model
 from hybridserve.model.model_config import HYBRID, model_capabilities
-from model_fixtures import FALCON_H1_CONFIGS, Driver, build_hf_model, random_prompts, save_hf_model
+from model_fixtures import FALCON_H1_CONFIGS
 
 torch.set_num_threads(1)
 
-VOCAB = 256
+VOCAB = family_engine.VOCAB
 NAMES = list(FALCON_H1_CONFIGS)
 ARCH = "FalconH1ForCausalLM"
 
 
-@cache
-def _checkpoint(name: str, root: str) -> tuple[torch.nn.Module, Path]:
-    hf = build_hf_model("falcon_h1", FALCON_H1_CONFIGS[name], vocab_size=VOCAB, seed=200 + NAMES.index(name))
-    return hf, save_hf_model(hf, Path(root) / name)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory):
-    root = str(tmp_path_factory.mktemp("falcon_h1"))
-
-    def get(name: str) -> tuple[torch.nn.Module, Path]:
-        return _checkpoint(name, root)
-
-    return get
-
-
-LENGTHS = [5, 21, 1, 13, 30, 9]
-CHUNKS: list[list[int] | None] = [None, [8, 13], None, [3, 10], [16, 7, 7], None]
-ARRIVALS = [0, 0, 1, 2, 2, 4]
+checkpoints = family_engine.checkpoints_fixture("falcon_h1", FALCON_H1_CONFIGS, seed=200)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_batched_logits_match_transformers(checkpoints, name: str) -> None:
-    """Six requests batched (mixed prefill / decode rows, chunked prefills), float64: the greedy
-    tokens equal transformers' argmax and every logit row equals transformers' at the parity
-    tolerance (see the module docstring for what limits it)."""
-    hf, d = checkpoints(name)
-    lm = load_model(str(d), torch.float64)
-    prompts = random_prompts(len(LENGTHS), VOCAB, LENGTHS, seed=31)
-    ours, logits = Driver(lm, max_seq=64, max_reqs=len(prompts)).generate(
-        prompts, 12, chunks=CHUNKS, arrivals=ARRIVALS
-    )
-    hf64 = hf.to(torch.float64)
-    try:
-        worst = 0.0
-        for p, o, lg in zip(prompts, ours, logits):
-            with torch.no_grad():
-                ref = hf64(torch.tensor([p + o])).logits[0, len(p) - 1 : len(p) - 1 + len(o)]
-            assert ref.dtype == torch.float64 and lg.dtype == torch.float64
-            assert ref.argmax(-1).tolist() == o
-            worst = max(worst, float((lg - ref).abs().max() / ref.abs().max()))
-        assert worst < 1e-4, worst
-        assert len({tuple(o) for o in ours}) > 1  # not a degenerate model
-    finally:
-        hf.to(torch.float32)
+    """family_engine.check_float64_logits (see the module docstring for what limits the
+    tolerance)."""
+    family_engine.check_float64_logits(checkpoints(name), 12)
 
 
 def test_config_fields_caches_and_flops(checkpoints) -> None:
@@ -197,8 +158,7 @@ def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     return family_engine.echo_model(src, tmp_path_factory.mktemp("engine") / "fh_echo", 0.7)
 
 
-@pytest.mark.parametrize("spec", [None, 3], ids=["plain", "ngram3"])
-@pytest.mark.parametrize("mode", ["none", "align", "all"])
+@family_engine.engine_matrix
 def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:

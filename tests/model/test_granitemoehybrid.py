@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,71 +26,33 @@ from hybridserve.errors import ConfigError
 from hybridserve.model.architectures import get_architecture
 from hybridserve.model.loader import load_model
 from hybridserve.model.model_config import model_capabilities
-from model_fixtures import GRANITE_CONFIGS, Driver, build_hf_model, hf_greedy, random_prompts, save_hf_model
+from model_fixtures import GRANITE_CONFIGS, Driver, hf_greedy, random_prompts
 
 torch.set_num_threads(1)
 
-VOCAB = 256
+VOCAB = family_engine.VOCAB
 NAMES = list(GRANITE_CONFIGS)
 ARCH = "GraniteMoeHybridForCausalLM"
 
 
-@cache
-def _checkpoint(name: str, root: str) -> tuple[torch.nn.Module, Path]:
-    hf = build_hf_model(
-        "granitemoehybrid", GRANITE_CONFIGS[name], vocab_size=VOCAB, seed=100 + NAMES.index(name)
-    )
-    return hf, save_hf_model(hf, Path(root) / name)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory):
-    root = str(tmp_path_factory.mktemp("granite"))
-
-    def get(name: str) -> tuple[torch.nn.Module, Path]:
-        return _checkpoint(name, root)
-
-    return get
-
-
-LENGTHS = [5, 21, 1, 13, 30, 9]
-CHUNKS: list[list[int] | None] = [None, [8, 13], None, [3, 10], [16, 7, 7], None]
-ARRIVALS = [0, 0, 1, 2, 2, 4]
+checkpoints = family_engine.checkpoints_fixture("granitemoehybrid", GRANITE_CONFIGS, seed=100)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_batched_logits_match_transformers(checkpoints, name: str) -> None:
-    """Six requests batched (mixed prefill / decode rows, chunked prefills), float64: the greedy
-    tokens equal transformers' argmax and every logit row equals transformers' at the parity
-    tolerance (see the module docstring for what limits it)."""
-    hf, d = checkpoints(name)
-    lm = load_model(str(d), torch.float64)
-    prompts = random_prompts(len(LENGTHS), VOCAB, LENGTHS, seed=31)
-    ours, logits = Driver(lm, max_seq=64, max_reqs=len(prompts)).generate(
-        prompts, 12, chunks=CHUNKS, arrivals=ARRIVALS
-    )
-    hf64 = hf.to(torch.float64)
-    try:
-        worst = 0.0
-        for p, o, lg in zip(prompts, ours, logits):
-            with torch.no_grad():
-                ref = hf64(torch.tensor([p + o])).logits[0, len(p) - 1 : len(p) - 1 + len(o)]
-            assert ref.dtype == torch.float64 and lg.dtype == torch.float64
-            assert ref.argmax(-1).tolist() == o
-            worst = max(worst, float((lg - ref).abs().max() / ref.abs().max()))
-        assert worst < 1e-4, worst
-        assert len({tuple(o) for o in ours}) > 1  # not a degenerate model
-    finally:
-        hf.to(torch.float32)
+    """family_engine.check_float64_logits (see the module docstring for what limits the
+    tolerance)."""
+    family_engine.check_float64_logits(checkpoints(name), 12)
 
 
 @pytest.mark.parametrize("name", ["gr_moe_rope", "gr_dense_odd"])
 def test_greedy_batched_matches_transformers_generate(checkpoints, name: str) -> None:
     hf, d = checkpoints(name)
     lm = load_model(str(d), torch.float32)
-    prompts = random_prompts(len(LENGTHS), VOCAB, LENGTHS, seed=37)
+    lengths = family_engine.LENGTHS
+    prompts = random_prompts(len(lengths), VOCAB, lengths, seed=37)
     ours, _ = Driver(lm, max_seq=64, max_reqs=len(prompts)).generate(
-        prompts, 16, chunks=CHUNKS, arrivals=ARRIVALS
+        prompts, 16, chunks=family_engine.CHUNKS, arrivals=family_engine.ARRIVALS
     )
     for p, o in zip(prompts, ours):
         assert o == hf_greedy(hf, p, 16)
@@ -197,8 +157,7 @@ def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     return family_engine.echo_model(src, tmp_path_factory.mktemp("engine") / "gr_echo", 1.0)
 
 
-@pytest.mark.parametrize("spec", [None, 3], ids=["plain", "ngram3"])
-@pytest.mark.parametrize("mode", ["none", "align", "all"])
+@family_engine.engine_matrix
 def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:

@@ -13,7 +13,6 @@ the parity tests' 1e-4, not at float64 precision.
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -29,64 +28,23 @@ from hybridserve.model.cache_tensors import ModelCaches, kv_bytes_per_block, mam
 from hybridserve.model.flops import prefill_cost
 from hybridserve.model.loader import load_model
 from hybridserve.model.model_config import HYBRID, MAMBA, ZAMBA2_DEFAULT_LAYERS, model_capabilities
-from model_fixtures import ZAMBA2_CONFIGS, Driver, build_hf_model, random_prompts, save_hf_model
+from model_fixtures import ZAMBA2_CONFIGS
 
 torch.set_num_threads(1)
 
-VOCAB = 256
+VOCAB = family_engine.VOCAB
 NAMES = list(ZAMBA2_CONFIGS)
 ARCH = "Zamba2ForCausalLM"
 
 
-@cache
-def _checkpoint(name: str, root: str) -> tuple[torch.nn.Module, Path]:
-    hf = build_hf_model("zamba2", ZAMBA2_CONFIGS[name], vocab_size=VOCAB, seed=300 + NAMES.index(name))
-    return hf, save_hf_model(hf, Path(root) / name)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory):
-    root = str(tmp_path_factory.mktemp("zamba2"))
-
-    def get(name: str) -> tuple[torch.nn.Module, Path]:
-        return _checkpoint(name, root)
-
-    return get
-
-
-LENGTHS = [5, 21, 1, 13, 30, 9]
-CHUNKS: list[list[int] | None] = [None, [8, 13], None, [3, 10], [16, 7, 7], None]
-ARRIVALS = [0, 0, 1, 2, 2, 4]
+checkpoints = family_engine.checkpoints_fixture("zamba2", ZAMBA2_CONFIGS, seed=300)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_batched_logits_match_transformers(checkpoints, name: str) -> None:
-    """Six requests batched (mixed prefill / decode rows, chunked prefills), float64: the greedy
-    tokens equal transformers' argmax and every logit row equals transformers' at the parity
-    tolerance (see the module docstring for what limits it)."""
-    hf, d = checkpoints(name)
-    lm = load_model(str(d), torch.float64)
-    prompts = random_prompts(len(LENGTHS), VOCAB, LENGTHS, seed=31)
-    ours, logits = Driver(lm, max_seq=64, max_reqs=len(prompts)).generate(
-        prompts, 10, chunks=CHUNKS, arrivals=ARRIVALS
-    )
-    hf64 = hf.to(torch.float64)
-    try:
-        # one right-padded forward of every prompt + output (causal: the padding comes after)
-        seqs = [p + o for p, o in zip(prompts, ours)]
-        L = max(len(s) for s in seqs)
-        with torch.no_grad():
-            refs = hf64(torch.tensor([s + [0] * (L - len(s)) for s in seqs])).logits
-        worst = 0.0
-        for i, (p, o, lg) in enumerate(zip(prompts, ours, logits)):
-            ref = refs[i, len(p) - 1 : len(p) - 1 + len(o)]
-            assert ref.dtype == torch.float64 and lg.dtype == torch.float64
-            assert ref.argmax(-1).tolist() == o
-            worst = max(worst, float((lg - ref).abs().max() / ref.abs().max()))
-        assert worst < 1e-4, worst
-        assert len({tuple(o) for o in ours}) > 1  # not a degenerate model
-    finally:
-        hf.to(torch.float32)
+    """family_engine.check_float64_logits (see the module docstring for what limits the
+    tolerance)."""
+    family_engine.check_float64_logits(checkpoints(name), 10, padded_batch=True)
 
 
 def _use_linears(lm, i: int) -> int:
@@ -273,8 +231,7 @@ def engine_model(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     return family_engine.echo_model(untied, root / "z2_echo", 0.8)
 
 
-@pytest.mark.parametrize("spec", [None, 3], ids=["plain", "ngram3"])
-@pytest.mark.parametrize("mode", ["none", "align", "all"])
+@family_engine.engine_matrix
 def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:
