@@ -394,11 +394,21 @@ def _label_bytes(label: str) -> bytes:
     return label.encode("utf-8")
 
 
+def _utf8_piece_bias() -> dict[str, int]:
+    """A logit bias on the byte tokens of "é" and "日" (the demo tokenizer has no merges for them:
+    its corpus is ASCII), which the trained demo model would otherwise almost never sample."""
+    ids = TokenizerModelInfo(ensure_demo_model()).encode("é日")
+    assert len(ids) == 5
+    return {str(i): 8 for i in ids}
+
+
 def test_logprobs_of_pieces_of_characters(client):
-    # temperature 2 on the demo model samples byte tokens that are pieces of UTF-8 characters
+    # temperature 2 on the demo model, with the bias, samples byte tokens that are pieces of UTF-8
+    # characters
+    bias = _utf8_piece_bias()
     r = client.completions.create(
         model=MODEL, prompt="Once", max_tokens=40, temperature=2.0, seed=5, logprobs=5,
-        extra_body={"ignore_eos": True},
+        logit_bias=bias, extra_body={"ignore_eos": True},
     )  # fmt: skip
     c = r.choices[0]
     lp = c.logprobs
@@ -423,13 +433,14 @@ def test_logprobs_of_pieces_of_characters(client):
     # streamed: the same tokens and offsets, whatever deltas split the characters
     chunks = client.completions.create(
         model=MODEL, prompt="Once", max_tokens=40, temperature=2.0, seed=5, logprobs=5,
-        extra_body={"ignore_eos": True}, stream=True,
+        logit_bias=bias, extra_body={"ignore_eos": True}, stream=True,
     )  # fmt: skip
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for x in streamed for t in x.tokens] == lp.tokens
     assert [o for x in streamed for o in x.text_offset] == lp.text_offset
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=40, temperature=2.0, seed=5, logprobs=True, top_logprobs=3,
+        logit_bias=bias,
     )  # fmt: skip
     content = chat.choices[0].logprobs.content
     assert any(e.token.startswith("bytes:") for e in content)
