@@ -108,8 +108,12 @@ $(STAMPS)/router-$(ROUTER_VERSION):
 
 router: $(STAMPS)/router-$(ROUTER_VERSION)
 
+# Test files are spread over PYTEST_WORKERS processes (pytest-xdist), each file's tests on one worker so
+# that a module's server or process group is started once. Many tests wait on servers and
+# subprocesses rather than compute, so two workers finish sooner than one on two cores.
+PYTEST_WORKERS ?= 2
 test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router-$(ROUTER_VERSION)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: setup test-rust lint typecheck test-python
 
