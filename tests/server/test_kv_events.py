@@ -188,6 +188,7 @@ def complete(server: ServerProcess, tokens: list[int], max_tokens: int) -> dict[
         "prompt": tokens,
         "max_tokens": max_tokens,
         "temperature": 0,
+        "ignore_eos": True,  # every answer runs to max_tokens (the demo model ends paragraphs)
         "return_token_ids": True,
     }
     req = urllib.request.Request(

@@ -138,16 +138,21 @@ class KVEventPublisher:
         self._replay.send_multipart((client, b"", END_SEQ, b""))
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Sends what is queued (for up to `timeout` seconds), then closes the sockets."""
+        """Sends what is queued (for up to `timeout` seconds), then closes the sockets. Sockets are
+        not thread-safe: when the thread has not ended by then (a subscriber that cannot keep up
+        with a full queue), they are left to the process's exit rather than closed under it."""
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             pass
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("KV cache events: the publisher did not finish sending within %.0f s", timeout)
+            return
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._pub.close(linger=200)
+        self._pub.close(linger=200)  # ms for the last messages to leave
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
