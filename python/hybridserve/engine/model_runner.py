@@ -214,36 +214,27 @@ class ModelRunner:
         logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
         num_logits = np.asarray(out.num_logits, dtype=np.int64)
         num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
-        plain_rows: list[int] = []
-        spec_rows: list[int] = []
-        offset = 0
-        draft_offset = 0
-        draft_starts: dict[int, int] = {}
-        logit_starts: dict[int, int] = {}
-        for r in range(len(rows)):
-            n = int(num_logits[r])
-            k = int(num_drafts[r])
-            logit_starts[r] = offset
-            draft_starts[r] = draft_offset
-            if n > 0 and rows[r] is not None:
-                if k > 0:
-                    spec_rows.append(r)
-                else:
-                    plain_rows.append(r)
-            offset += n
-            draft_offset += k
+        # Where each row's logits and drafts start in the flat arrays, and which rows sample
+        # (array operations: at batch 64 a loop over the rows cost more than the argmax).
+        logit_ends = np.cumsum(num_logits)
+        logit_starts = logit_ends - num_logits
+        draft_starts = np.cumsum(num_drafts) - num_drafts
+        known = np.fromiter((r is not None for r in rows), dtype=bool, count=len(rows))
+        samples = known & (num_logits > 0)
+        plain_rows: list[int] = np.flatnonzero(samples & (num_drafts == 0)).tolist()
+        spec_rows: list[int] = np.flatnonzero(samples & (num_drafts > 0)).tolist()
 
         # A row's failure is its own: logits that are not finite (NaN or inf: an overflow in
         # this sequence) or an error while sampling it end that request alone, and the other
         # rows sample exactly as they would have (sampling draws are keyed per request).
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        for rows_of_kind, used in (
-            (plain_rows, lambda r: [logit_starts[r] + int(num_logits[r]) - 1]),
-            (spec_rows, lambda r: range(logit_starts[r], logit_starts[r] + int(num_logits[r]))),
-        ):
-            for r in [r for r in rows_of_kind if not all(finite[i] for i in used(r))]:
-                result.failed[r] = "the model's logits for this request are not finite (NaN or inf)"
-                rows_of_kind.remove(r)
+        finite = torch.isfinite(logits).all(dim=-1).cpu().numpy()
+        if not finite.all():
+            bad_plain = ~finite[logit_ends[plain_rows] - 1] if plain_rows else np.zeros(0, dtype=bool)
+            bad_spec = [not finite[logit_starts[r] : logit_ends[r]].all() for r in spec_rows]
+            for rows_of_kind, bad in ((plain_rows, bad_plain), (spec_rows, bad_spec)):
+                for r in [r for r, b in zip(list(rows_of_kind), bad) if b]:
+                    result.failed[r] = "the model's logits for this request are not finite (NaN or inf)"
+                    rows_of_kind.remove(r)
         if plain_rows:
             self._isolating(
                 plain_rows, lambda rs: self._sample_plain(rs, rows, logits, logit_starts, num_logits), result
@@ -292,11 +283,11 @@ class ModelRunner:
         plain_rows: list[int],
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
-        logit_starts: dict[int, int],
+        logit_starts: np.ndarray,
         num_logits: np.ndarray,
     ) -> dict[int, _RowResult]:
         plain = [_known(rows[r]) for r in plain_rows]
-        idx = [logit_starts[r] + int(num_logits[r]) - 1 for r in plain_rows]
+        idx = (logit_starts[plain_rows] + num_logits[plain_rows] - 1).tolist()
         res = self.sampler.sample(logits[idx], plain)
         token_ids = res.token_ids.tolist()  # one conversion, not one per row
         done: dict[int, _RowResult] = {}
@@ -311,8 +302,8 @@ class ModelRunner:
         out: _core.SchedulerOutput,
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
-        logit_starts: dict[int, int],
-        draft_starts: dict[int, int],
+        logit_starts: np.ndarray,
+        draft_starts: np.ndarray,
         num_logits: np.ndarray,
         num_drafts: np.ndarray,
     ) -> dict[int, _RowResult]:
