@@ -113,6 +113,8 @@ router: $(STAMPS)/router-$(ROUTER_VERSION)
 # subprocesses rather than compute, so two workers finish sooner than one on two cores.
 PYTEST_WORKERS ?= 2
 test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router-$(ROUTER_VERSION)
+	@# the demo model (trained at its first use) once, before the workers would both train it
+	$(PY) -c "from hybridserve.model.demo import ensure_demo_model; ensure_demo_model()"
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: setup test-rust lint typecheck test-python
