@@ -148,8 +148,13 @@ class TPExecutor(GroupFailure):
                 self.fail(f"tensor-parallel worker rank {rank} is gone ({exc})")
                 self.check_alive()
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raises EngineDeadError once the group is dead; a worker process that has exited makes
+        it so. `grace`: seconds to wait for one to exit first (after a failed step, a worker
+        killed a moment ago is still being torn down when its peers' collectives break)."""
         if self.dead_reason is None:
+            if grace > 0 and not self._closing:
+                wait([p.sentinel for p in self._procs], timeout=grace)
             for rank, p in enumerate(self._procs, start=1):
                 if not p.is_alive() and not self._closing:
                     self.fail(f"tensor-parallel worker rank {rank} exited with status {p.exitcode}")

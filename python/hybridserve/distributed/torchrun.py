@@ -139,7 +139,8 @@ class TorchrunExecutor(GroupFailure):
             self.fail(f"a tensor-parallel worker is gone ({exc})")
             self.check_alive()
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raises EngineDeadError once the group is dead (the launcher watches the processes)."""
         self.raise_if_dead()
 
     def shutdown(self, timeout: float = 5.0) -> None:

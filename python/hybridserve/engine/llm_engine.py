@@ -390,8 +390,15 @@ class LLMEngine:
         written by the broken step can ever be read. The engine is then idle and consistent.
         With tensor parallelism the ranks may have stopped at different points of the step: the
         engine is dead (`dead_reason`), and runs no further step."""
-        if self.runner.executor is not None:
-            self.runner.executor.fail(f"a step failed under tensor parallelism: {exc}")
+        executor = self.runner.executor
+        if executor is not None:
+            # A worker that died is the cause of the failed step (its peers' collectives broke):
+            # record that first, if so, rather than the step's own error.
+            try:
+                executor.check_alive(grace=1.0)
+            except EngineDeadError:
+                pass
+            executor.fail(f"a step failed under tensor parallelism: {exc}")
         failed = list(self.requests)
         for rid in failed:
             self.scheduler.abort_request(rid)
