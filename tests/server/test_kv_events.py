@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from tests.server_fixtures import ServerProcess, free_port, get_metrics, running_server
+
+from server_fixtures import ServerProcess, free_port, get_metrics, running_server
 
 
 # ---- vLLM's event schema (vllm/distributed/kv_events.py), nothing of hybridserve's
