@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -93,6 +95,18 @@ def check_float64_logits(checkpoint: Checkpoint, new_tokens: int, *, padded_batc
         assert len({tuple(o) for o in ours}) > 1  # not a degenerate model
     finally:
         hf.to(torch.float32)
+
+
+def explain(model_dir: Path) -> str:
+    """What `hybridserve config MODEL_DIR --explain` prints (it must succeed)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "config", str(model_dir), "--explain"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def write_tokenizer(d: Path) -> None:

@@ -13,8 +13,6 @@ float32 rounding and are compared at the parity tests' 1e-4, not at float64 prec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -130,18 +128,12 @@ def test_parse_released_fields_and_errors() -> None:
 
 def test_config_explain_shows_capabilities(checkpoints) -> None:
     _, d = checkpoints("fh_gqa_norm")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(d), "--explain"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
+    out = family_engine.explain(d)
     assert (
         "capabilities: type falcon_h1, Mamba layers 2, attention layers 2, boundary states on, "
         "scan chunk size 8, max_position_embeddings 8192"
-    ) in proc.stdout, proc.stdout
-    assert "mamba_cache_mode        all" in proc.stdout
+    ) in out, out
+    assert "mamba_cache_mode        all" in out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,8 +15,6 @@ compared at the parity tests' 1e-4, not at float64 precision; float64 self-consi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -129,19 +127,13 @@ def test_parse_legacy_fields_and_errors() -> None:
 
 def test_config_explain_shows_capabilities(checkpoints) -> None:
     _, d = checkpoints("gr_moe_rope")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(d), "--explain"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
+    out = family_engine.explain(d)
     assert (
         "capabilities: type granitemoehybrid, Mamba layers 2, attention layers 1, boundary states on, "
         "scan chunk size 8, max_position_embeddings 2048"
-    ) in proc.stdout, proc.stdout
-    assert "mamba_cache_mode        all" in proc.stdout
-    assert "scan_chunk_size         8" in proc.stdout
+    ) in out, out
+    assert "mamba_cache_mode        all" in out
+    assert "scan_chunk_size         8" in out
 
 
 # ------------------------------------------------------------------------------------------------
