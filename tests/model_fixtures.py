@@ -315,6 +315,46 @@ ZAMBA2_CONFIGS = {
     ),  # fmt: skip
 }
 
+JAMBA_CONFIGS = {
+    # attention every other layer (GQA 4/2), MoE of 4 experts top-2 in the other layers, dt rank
+    # 4, state 8, conv bias
+    "jb_moe_gqa": dict(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+    ),  # fmt: skip
+    # Mamba layers first and last, one attention layer (head size 12, no GQA), MoE of 3 experts
+    # top-1 in every third layer, expand 3 (odd channel count 72), state 16, conv width 3, no conv
+    # bias, dt rank "auto" (2)
+    "jb_odd_top1": dict(
+        num_hidden_layers=5,
+        hidden_size=24,
+        intermediate_size=20,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=3,
+        num_experts_per_tok=1,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=3,
+        expert_layer_offset=1,
+        mamba_d_state=16,
+        mamba_d_conv=3,
+        mamba_expand=3,
+        mamba_conv_bias=False,
+    ),  # fmt: skip
+}
+
 ALL_CONFIGS = {
     **{k: ("nemotron_h", v) for k, v in NEMOTRON_H_CONFIGS.items()},
     **{k: ("bamba", v) for k, v in BAMBA_CONFIGS.items()},
@@ -322,6 +362,7 @@ ALL_CONFIGS = {
     **{k: ("granitemoehybrid", v) for k, v in GRANITE_CONFIGS.items()},
     **{k: ("falcon_h1", v) for k, v in FALCON_H1_CONFIGS.items()},
     **{k: ("zamba2", v) for k, v in ZAMBA2_CONFIGS.items()},
+    **{k: ("jamba", v) for k, v in JAMBA_CONFIGS.items()},
 }
 
 
@@ -363,6 +404,11 @@ def build_hf_model(kind: str, overrides: dict, vocab_size: int = 256, seed: int 
         for m in model.modules():
             if hasattr(m, "time_step_limit"):
                 m.time_step_limit = (0.0, float("inf"))
+    elif kind == "jamba":
+        cfg = transformers.JambaConfig(**common, **overrides)
+        model = transformers.JambaForCausalLM(cfg)
+        # the reference loop over experts: the default grouped_mm has no float64
+        model.set_experts_implementation("eager")
     else:
         raise ValueError(kind)
     _scale_weights(model, seed + 1)

@@ -146,6 +146,7 @@ def test_greedy_eight_requests_batched_matches_transformers_generate(checkpoints
         "gr_dense_odd",
         "fh_gqa_norm",
         "z2_two_blocks",
+        "jb_odd_top1",
     ],
 )
 def test_float64_chunked_prefill_and_decode_equal_one_shot(checkpoints, name):

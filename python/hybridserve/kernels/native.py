@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_norms.cpp")
+_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_mamba1_scan.cpp", "cpu_norms.cpp")
 _HEADERS = ("cpu_parallel.h", "cpu_common.h")
 SOURCE_FILES = (*_SOURCES, *_HEADERS)  # everything in source_dir() the build reads
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
@@ -189,6 +189,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"hs_mamba_prefill_{suffix}")
         # qsl, R, read_slot, has_init, write_offsets, write_token, write_slot
         fn.argtypes = [*common, _P, _I64, _P, _P, _P, _P, _P, *tail]
+        fn.restype = ctypes.c_int
+    for suffix in ("f32", "f64"):
+        fn = getattr(lib, f"hs_mamba1_scan_{suffix}")
+        # x, x_stride, dt, dt_stride, A, B, b_stride, C, c_stride, Dskip, ssm_state, num_slots,
+        # qsl, R, read_slot, has_init, write_offsets, write_token, write_slot, T, Dc, N, y, threads
+        fn.argtypes = (
+            [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _I64]
+            + [_P] * 5
+            + [_I64, _I64, _I64, _P, ctypes.c_int]
+        )
         fn.restype = ctypes.c_int
 
 
@@ -580,6 +590,78 @@ def mamba_prefill(
         wslot.data_ptr(), *args.tail,
     )  # fmt: skip
     return _mixer_result("mamba_prefill", rc, args)
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    read_slot: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The Mamba1 selective scan of `selective_scan.selective_scan_rows` (same arguments: x, dt
+    ``[T, Dc]``, A ``[Dc, N]``, B, C ``[T, N]``, D ``[Dc]``, ssm_state ``[slots, Dc, N]``, the
+    writes as (row, token, slot) sorted by row and token). Returns y ``[T, Dc]``, or None when
+    the kernel does not apply (not the CPU, not float32 / float64 states): the caller then runs
+    the twin. Out-of-range rows, tokens or slots raise ValueError before anything is written."""
+    import torch
+
+    dtype = ssm_state.dtype
+    if (
+        dtype not in (torch.float32, torch.float64)
+        or not _on_cpu(x, dt, A, B, C, D, ssm_state, query_start_loc, read_slot, has_initial_state, *writes)
+        or ssm_state.dim() != 3
+        or not ssm_state.is_contiguous()
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    T, Dc = x.shape
+    N = ssm_state.shape[2]
+    R = query_start_loc.numel() - 1
+    if (
+        dt.shape != (T, Dc)
+        or A.shape != (Dc, N)
+        or B.shape != (T, N)
+        or C.shape != (T, N)
+        or D.numel() != Dc
+        or ssm_state.shape[1] != Dc
+        or read_slot.shape != (R,)
+        or (has_initial_state is not None and has_initial_state.shape != (R,))
+    ):
+        raise ValueError(
+            f"mamba1_scan: shapes do not fit (x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
+            f"B {tuple(B.shape)}, ssm_state {tuple(ssm_state.shape)}, {R} rows)"
+        )
+    out_dtype = x.dtype
+    xs, dts, Bs, Cs = (_dense(v.to(dtype)) for v in (x, dt, B, C))
+    A_, D_ = _as(A, dtype), _as(D.reshape(Dc), dtype)
+    i64 = torch.int64
+    qsl, rs = _as(query_start_loc, i64), _as(read_slot, i64)
+    his = None if has_initial_state is None else (has_initial_state != 0).to(torch.uint8).contiguous()
+    w_row, w_tok, w_slot = (_as(w, i64) for w in writes)
+    if w_row.numel() > 0 and (int(w_row.min()) < 0 or int(w_row.max()) >= R):
+        raise ValueError("mamba1_scan: a write names a row out of range")
+    offsets = torch.zeros(R + 1, dtype=i64)
+    offsets[1:] = torch.bincount(w_row, minlength=R).cumsum(0)
+    y = torch.empty((T, Dc), dtype=dtype)
+    fn = getattr(lib, f"hs_mamba1_scan_{_SUFFIX[str(dtype)]}")
+    rc = fn(
+        xs.data_ptr(), xs.stride(0) if T > 0 else Dc, dts.data_ptr(), dts.stride(0) if T > 0 else Dc,
+        A_.data_ptr(), Bs.data_ptr(), Bs.stride(0) if T > 0 else N, Cs.data_ptr(), Cs.stride(0) if T > 0 else N,
+        D_.data_ptr(), ssm_state.data_ptr(), ssm_state.shape[0], qsl.data_ptr(), R, rs.data_ptr(),
+        his.data_ptr() if his is not None else None, offsets.data_ptr(), w_tok.data_ptr(), w_slot.data_ptr(),
+        T, Dc, N, y.data_ptr(), threads(),
+    )  # fmt: skip
+    _check_rc("mamba1_scan", rc, f"T={T}, Dc={Dc}, N={N}, {R} rows")
+    return y if out_dtype == dtype else y.to(out_dtype)
 
 
 def _norm_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -49,6 +49,21 @@ def _zamba2_shared_block(cfg: ModelConfig) -> int:
     return macs
 
 
+def _mamba1(cfg: ModelConfig) -> int:
+    """MACs per token of a Mamba1 mixer (Jamba's): in_proj (x | z), x_proj (dt | B | C), dt_proj,
+    out_proj, the conv and the per-channel state."""
+    rank = int(getattr(cfg, "dt_rank", 0))
+    d, n = cfg.d_inner, cfg.dstate
+    return (
+        cfg.hidden_size * 2 * d
+        + d * (rank + 2 * n)
+        + rank * d
+        + d * cfg.hidden_size
+        + d * cfg.d_conv
+        + 3 * d * n
+    )
+
+
 def prefill_cost(cfg: ModelConfig) -> PrefillCost:
     h = cfg.hidden_size
     mamba = (
@@ -57,6 +72,8 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
         + cfg.conv_dim * cfg.d_conv  # causal conv
         + 3 * cfg.nheads * cfg.headdim * cfg.dstate  # decay, input and output of the state
     )
+    if cfg.mamba_version == 1:
+        mamba = _mamba1(cfg)
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     attention = h * (q + 2 * kv) + q * h
@@ -74,8 +91,14 @@ def prefill_cost(cfg: ModelConfig) -> PrefillCost:
     if cfg.architecture == "Zamba2ForCausalLM":  # hybrid: a shared block's use, then Mamba
         attention = _zamba2_shared_block(cfg)
         ffn_in_every_layer = False
+    # Jamba: an MoE in the layers it lists, a gated MLP in the others
+    moe_layers: list[bool] | None = getattr(cfg, "moe_layers", None)
+    if moe_layers is not None:
+        ffn_in_every_layer = False
     macs = 0
-    for kind in kinds:
+    for i, kind in enumerate(kinds):
+        if moe_layers is not None:
+            macs += moe if moe_layers[i] else _mlp(cfg, h, cfg.intermediate_size)
         if kind == MAMBA:
             macs += mamba
         elif kind == ATTENTION:

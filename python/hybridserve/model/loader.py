@@ -55,6 +55,7 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
             "granitemoehybrid": "GraniteMoeHybridForCausalLM",
             "falcon_h1": "FalconH1ForCausalLM",
             "zamba2": "Zamba2ForCausalLM",
+            "jamba": "JambaForCausalLM",
         }.get(str(mt), "")
         if not name:
             raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")

@@ -83,6 +83,9 @@ SCAN_CHUNK_DEFAULTS = {
     "granitemoehybrid": 256,
     "falcon_h1": 256,
     "zamba2": 256,
+    # Mamba1's scan is a plain recurrence: the state after every token is at hand, any token ends
+    # a "chunk"
+    "jamba": 1,
 }
 # NemotronH's hybrid_override_pattern: one character per layer.
 NEMOTRON_H_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -117,7 +120,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     max_position_embeddings: int = 4096
-    # --- Mamba2 mixer ---
+    # --- Mamba mixer (Mamba2; Mamba1 when mamba_version is 1: a state per channel, held as
+    # nheads = d_inner heads of headdim 1, and a conv over the d_inner channels only) ---
+    mamba_version: int = 2
     nheads: int = 0
     headdim: int = 0
     dstate: int = 0
@@ -159,6 +164,8 @@ class ModelConfig:
     # ---- derived ----
     @property
     def conv_dim(self) -> int:
+        if self.mamba_version == 1:
+            return self.d_inner
         return self.d_inner + 2 * self.ngroups * self.dstate
 
     @property
@@ -372,7 +379,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     """One of LAYER_KINDS per layer, as config.json declares them: `layers_block_type` /
     `layer_types`, NemotronH's `hybrid_override_pattern`, Bamba's `attn_layer_indices`, Mamba2's
     all-Mamba stack, Falcon-H1's all-hybrid one, Zamba2's Mamba and hybrid layers (transformers'
-    default layout when its config.json has none); a model type without Mamba layers is taken as
+    default layout when its config.json has none), Jamba's attention every `attn_layer_period`-th
+    layer from `attn_layer_offset`; a model type without Mamba layers is taken as
     attention layers.
     `model_type`: the architecture's own, for a config.json that does not name it."""
     model_type = model_type or model_type_of(raw)
@@ -404,9 +412,23 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         return [HYBRID] * n
     if model_type == "zamba2":  # transformers' default layout (Zamba2-2.7B's 54 layers)
         return _zamba2_kinds(ZAMBA2_DEFAULT_LAYERS, source)
+    if model_type == "jamba":
+        return [ATTENTION if on_period(raw, source, "attn_layer", i, (8, 4)) else MAMBA for i in range(n)]
     if model_type in SCAN_CHUNK_DEFAULTS:
         return [MAMBA] * n
     return [ATTENTION] * n
+
+
+def on_period(raw: dict[str, Any], source: str, prefix: str, i: int, default: tuple[int, int]) -> bool:
+    """Whether layer `i` is one of Jamba's every-`{prefix}_period`-th layers from
+    `{prefix}_offset` (attention layers, MoE layers)."""
+    period = config_count(raw, source, f"{prefix}_period") or default[0]
+    offset = get_field(raw, f"{prefix}_offset", default=default[1])
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise ConfigError(
+            f"{source}: {prefix}_offset must be an integer in [0, {prefix}_period), got {offset!r}"
+        )
+    return i % period == offset
 
 
 def scan_chunk_size(raw: dict[str, Any], source: str, model_type: str | None = None) -> int | None:

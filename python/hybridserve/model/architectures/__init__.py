@@ -15,7 +15,7 @@ import importlib
 from hybridserve.errors import ConfigError
 from hybridserve.model.architectures.base import CausalLM, register, registered
 
-_MODULES = ("nemotron_h", "bamba", "mamba2", "granitemoehybrid", "falcon_h1", "zamba2")
+_MODULES = ("nemotron_h", "bamba", "mamba2", "granitemoehybrid", "falcon_h1", "zamba2", "jamba")
 _loaded = False
 
 
