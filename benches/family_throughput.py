@@ -94,6 +94,11 @@ def write_checkpoint(family: str, root: Path) -> Path:
                 p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
     d = root / family
     model.save_pretrained(str(d))
+    if family == "zamba2":
+        # transformers' Zamba2 clamps dt to time_step_min in its prefill path only, hybridserve in
+        # both: with no clamp the two compute the same model (make_transformers lifts its clamp)
+        raw = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**raw, "time_step_min": 0.0}, indent=2))
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     # the engine needs a tokenizer.json; the prompts are token ids, so any vocabulary will do
@@ -127,9 +132,16 @@ def make_hybridserve(model: Path, prompts: list[list[int]], output_len: int) -> 
 
 def make_transformers(model: Path, prompts: list[list[int]], output_len: int) -> Callable[[], Timed]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    cfg = AutoConfig.from_pretrained(str(model))
+    zamba2 = cfg.model_type == "zamba2"
+    if zamba2:  # its weight init takes the log of time_step_min: load with the default ...
+        cfg.time_step_min = 1e-3
+    hf = AutoModelForCausalLM.from_pretrained(str(model), config=cfg, dtype=torch.float32).eval()
+    for m in hf.modules():
+        if zamba2 and hasattr(m, "time_step_limit"):  # ... then lift the clamp (write_checkpoint)
+            m.time_step_limit = (0.0, float("inf"))
     if hasattr(hf, "set_experts_implementation"):
         hf.set_experts_implementation("eager")
     width = max(len(p) for p in prompts)
