@@ -93,7 +93,7 @@ def compile_results() -> dict[str, str | None]:
 
 
 def test_sources_present():
-    assert {"ssd.cu", "ssu.cu", "conv1d.cu", "slot_copy.cu", "rejection.cu"} <= set(CU_FILES)
+    assert {"ssd.cu", "ssu.cu", "conv1d.cu", "slot_copy.cu", "rejection.cu", "mamba1.cu"} <= set(CU_FILES)
     assert "ops.cpp" in CPP_FILES
 
 

@@ -286,3 +286,39 @@ def test_rejection_sample_matches_twin(emu, V):
     assert torch.equal(c[0][:4], a[0][:4])
     toks = a[0].tolist()
     assert all(-1 <= t < V for t in toks)
+
+
+@pytest.mark.parametrize("N", [16, 40])
+def test_mamba1_scan_matches_twin(emu, N):
+    """Jamba's Mamba1 scan (kernels/csrc/cuda/mamba1.cu): prefill-like rows (one from zeros) with
+    writes after several tokens, and decode-like rows writing after every token, against the
+    float64 twin of kernels/selective_scan.py."""
+    from hybridserve.kernels.selective_scan import selective_scan_rows
+
+    g = _g(7)
+    lengths, Dc = [5, 1, 0, 7], 40
+    T = sum(lengths)
+    x = torch.randn((T, Dc), generator=g)
+    dt = torch.rand((T, Dc), generator=g) * 0.3
+    A = -torch.rand((Dc, N), generator=g) * 4
+    B, C = torch.randn((T, N), generator=g), torch.randn((T, N), generator=g)
+    D = torch.randn(Dc, generator=g)
+    pool = torch.randn((12, Dc, N), generator=g)
+    pool[0] = 0
+    read = torch.tensor([1, 2, 3, 4])
+    has_init = torch.tensor([True, False, True, True])
+    # (row, token, slot) sorted by row then token; slot 0 is skipped; row 3 writes after every token
+    writes = [(0, 1, 5), (0, 4, 6), (1, 0, 7), (1, 0, 0), *[(3, t, 8 + t % 4) for t in range(4, 7)]]
+    w = tuple(torch.tensor(c, dtype=torch.int64) for c in zip(*writes))
+    p_emu = pool.clone()
+    y = emu.mamba1_scan(x, dt, A, B, C, D, p_emu, _qsl(lengths), read, has_init, *w)
+    p_ref = pool.double()
+    want = selective_scan_rows(
+        x.double(), dt.double(), A.double(), B.double(), C.double(), D.double(), p_ref, _qsl(lengths), read,
+        has_init, w,
+    )  # fmt: skip
+    assert _rel(y, want) < 1e-5
+    assert _rel(p_emu, p_ref) < 1e-5
+    assert torch.equal(p_emu[0], pool[0]) and torch.equal(p_emu[11], pool[11])  # untouched
+    with pytest.raises(ValueError, match="out of range"):
+        emu.mamba1_scan(x, dt, A, B, C, D, p_emu, _qsl(lengths), read, has_init, *w[:2], w[2] + 20)

@@ -31,7 +31,7 @@ __all__ = [
     "source_hash",
 ]
 
-CUDA_SOURCES = ("ops.cpp", "ssd.cu", "ssu.cu", "conv1d.cu", "slot_copy.cu", "rejection.cu")
+CUDA_SOURCES = ("ops.cpp", "ssd.cu", "ssu.cu", "conv1d.cu", "slot_copy.cu", "rejection.cu", "mamba1.cu")
 _HEADERS = ("kernels.h", "common.cuh")
 SOURCE_FILES = (*CUDA_SOURCES, *_HEADERS)  # everything in cuda_source_dir() the build reads
 

@@ -25,6 +25,7 @@ __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "copy_slots",
+    "mamba1_scan",
     "rejection_sample",
     "rejection_sample_reference",
     "selective_state_update",
@@ -150,6 +151,30 @@ def causal_conv1d_update(
     if _use_cuda(x, _conv_supported(x, weight, conv_state)):
         return _ops().causal_conv1d_update(*args)
     return ref.causal_conv1d_update(*args)
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    read_slot: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The CUDA op of ``selective_scan.selective_scan_rows`` (same arguments) for CUDA tensors
+    with a float32 state of at most 128 per channel; None otherwise: the caller then runs the C++
+    CPU kernel or the twin (which, unlike the others here, lives in kernels/selective_scan.py)."""
+    supported = ssm_state.dtype == torch.float32 and ssm_state.is_cuda and int(A.shape[-1]) <= 128
+    if not _use_cuda(x, supported):
+        return None
+    return _ops().mamba1_scan(
+        x, dt, A, B, C, D, ssm_state, query_start_loc, read_slot, has_initial_state, *writes
+    )
 
 
 def copy_slots(state: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

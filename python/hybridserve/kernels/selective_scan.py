@@ -1,6 +1,7 @@
 """The Mamba1 selective scan (Jamba's mixer) over packed rows: the pure-torch twin, and the entry
-points the mixer calls, which take the C++ CPU kernel (kernels/native.py `mamba1_scan`) when it
-applies and this twin otherwise (any other device, or no kernel library).
+points the mixer calls, which take the CUDA op (`torch.ops.hybridserve.mamba1_scan`,
+kernels/csrc/cuda/mamba1.cu) on a GPU, the C++ CPU kernel (kernels/native.py `mamba1_scan`) on a
+CPU, and this twin otherwise (no kernels built, a float64 state on a GPU).
 
 Mamba1 keeps a state per channel: ``h [D, N]`` for the D = d_inner channels, with a decay per
 (channel, state) pair. Token by token, with ``dt [D]`` (already ``softplus(dt_raw + dt_bias)``),
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.kernels import native
+from hybridserve.kernels import dispatch, native
 from hybridserve.kernels.reference import _check_emits, _padded_token_index, _step_index
 
 __all__ = ["selective_scan_prefill", "selective_scan_update", "selective_scan_rows"]
@@ -101,8 +102,10 @@ def _run(
     writes: Writes,
 ) -> torch.Tensor:
     args = (x, dt, A, B, C, D, ssm_state, query_start_loc, read_slot, has_initial_state, writes)
-    fused = native.mamba1_scan(*args)
-    return fused if fused is not None else selective_scan_rows(*args)
+    out = dispatch.mamba1_scan(*args)  # the CUDA op, on a GPU
+    if out is None:
+        out = native.mamba1_scan(*args)  # the C++ kernel, on a CPU
+    return out if out is not None else selective_scan_rows(*args)
 
 
 def selective_scan_prefill(

@@ -78,6 +78,32 @@ struct SsdParams {
 void launch_ssd(const SsdParams& p, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------------
+// The Mamba1 selective scan (Jamba): every tensor float32; x, dt, B, C with unit inner stride;
+// A [Dc, N], D [Dc] and ssm_state [S, Dc, N] contiguous; writes as CSR per row (device).
+struct Mamba1Params {
+  const float* x;  // [T, Dc]
+  int64_t x_st;
+  const float* dt;  // [T, Dc] processed
+  int64_t dt_st;
+  const float* B;  // [T, N]
+  int64_t b_st;
+  const float* C;  // [T, N]
+  int64_t c_st;
+  const float* A;  // [Dc, N]
+  const float* D;  // [Dc]
+  float* state;    // [S, Dc, N]
+  const int64_t* qsl;            // [R + 1]
+  const int64_t* read_slot;      // [R]
+  const int64_t* has_init;       // [R] 0/1, or nullptr: every row reads its slot
+  const int64_t* write_offsets;  // [R + 1]
+  const int64_t* write_token;    // [E]
+  const int64_t* write_slot;     // [E]
+  float* out;                    // [T, Dc] contiguous
+  int T, Dc, N, R;
+};
+void launch_mamba1(const Mamba1Params& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------------
 // Gather/scatter of whole state slots: dst_state[dst_slot[i]] = src_buf[src_index[i]] for every
 // i with dst_slot[i] > 0 (bytes per slot = slot_bytes). Used for slot copies (src_buf == dst_state)
 // and for writing gathered final / boundary states.

@@ -345,6 +345,93 @@ Tensor selective_state_update(const Tensor& x, const Tensor& dt, const Tensor& A
 }
 
 // ------------------------------------------------------------------------------------------------
+// The Mamba1 selective scan (kernels/selective_scan.py is its twin). Rows, tokens and slots are
+// validated on the host before the launch (the write lists come from the host anyway).
+Tensor mamba1_scan(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                   const Tensor& D, Tensor ssm_state, const Tensor& query_start_loc, const Tensor& read_slot,
+                   const std::optional<Tensor>& has_initial_state, const Tensor& write_row,
+                   const Tensor& write_token, const Tensor& write_slot) {
+  TORCH_CHECK(HS_ON_DEVICE(x) && x.dim() == 2, "x must be a CUDA tensor [T, Dc]");
+  HS_GUARD(x.device());
+  const int64_t T = x.size(0), Dc = x.size(1);
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat, "CUDA mamba1_scan needs a float32 ssm_state");
+  check_state(ssm_state, x, "ssm_state");
+  TORCH_CHECK(ssm_state.dim() == 3 && ssm_state.size(1) == Dc, "ssm_state must be [num_slots, Dc, N]");
+  const int64_t N = ssm_state.size(2), S = ssm_state.size(0);
+  TORCH_CHECK(N <= 128, "CUDA mamba1_scan supports d_state <= 128");
+  TORCH_CHECK(dt.sizes() == x.sizes(), "dt must be [T, Dc]");
+  TORCH_CHECK(B.dim() == 2 && C.dim() == 2 && B.size(0) == T && B.size(1) == N && C.sizes() == B.sizes(),
+              "B and C must be [T, N]");
+  TORCH_CHECK(A.dim() == 2 && A.size(0) == Dc && A.size(1) == N && D.numel() == Dc, "A must be [Dc, N], D [Dc]");
+  const int64_t R = query_start_loc.numel() - 1;
+  Tensor out = at::empty({T, Dc}, x.options().dtype(at::kFloat));
+  if (T == 0 || R <= 0) return out.to(x.scalar_type());
+  TORCH_CHECK(R <= 65535, "mamba1_scan: at most 65535 rows per call");
+  // host checks: row lengths, slots in range, each row's writes sorted by token (CSR offsets)
+  const Tensor q = cpu_long(query_start_loc), rsl = cpu_long(read_slot), wr = cpu_long(write_row),
+               wt = cpu_long(write_token), ws = cpu_long(write_slot);
+  const std::vector<int64_t> len = row_lengths(q, T);
+  TORCH_CHECK_VALUE(q.data_ptr<int64_t>()[R] == T, "query_start_loc must end at the token count");
+  TORCH_CHECK(rsl.numel() == R, "read_slot must have one entry per row");
+  std::optional<Tensor> hi;
+  if (has_initial_state.has_value()) {
+    TORCH_CHECK(has_initial_state->numel() == R, "has_initial_state must have one entry per row");
+    hi = cpu_long(*has_initial_state);
+  }
+  const int64_t E = wr.numel();
+  TORCH_CHECK(wt.numel() == E && ws.numel() == E, "write_row, write_token and write_slot must have one length");
+  Tensor offsets = at::zeros({R + 1}, at::TensorOptions().dtype(at::kLong));
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const bool reads = !hi.has_value() || hi->data_ptr<int64_t>()[r] != 0;
+    const int64_t s = rsl.data_ptr<int64_t>()[r];
+    TORCH_CHECK_VALUE(!reads || (s >= 0 && s < S), "read_slot ", s, " out of range [0, ", S, ")");
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r = wr.data_ptr<int64_t>()[e], t = wt.data_ptr<int64_t>()[e], s = ws.data_ptr<int64_t>()[e];
+    TORCH_CHECK_VALUE(r >= 0 && r < R && t >= 0 && t < len[r] && s >= 0 && s < S,
+                      "a write (row ", r, ", token ", t, ", slot ", s, ") is out of range");
+    TORCH_CHECK_VALUE(e == 0 || r > wr.data_ptr<int64_t>()[e - 1] ||
+                          (r == wr.data_ptr<int64_t>()[e - 1] && t >= wt.data_ptr<int64_t>()[e - 1]),
+                      "writes must be sorted by row, then token");
+    off[r + 1] += 1;
+  }
+  for (int64_t r = 0; r < R; ++r) off[r + 1] += off[r];
+  const Tensor xf = inner_contig(x, at::kFloat), dtf = inner_contig(dt, at::kFloat), bf = inner_contig(B, at::kFloat),
+               cf = inner_contig(C, at::kFloat), af = f32_param(A, x), df = f32_param(D, x);
+  const Tensor qd = dev_long(q, x), rd = dev_long(rsl, x), od = dev_long(offsets, x), td = dev_long(wt, x),
+               sd = dev_long(ws, x);
+  std::optional<Tensor> hd;
+  if (hi.has_value()) hd = dev_long(*hi, x);
+  hs::Mamba1Params p{};
+  p.x = xf.data_ptr<float>();
+  p.x_st = xf.stride(0);
+  p.dt = dtf.data_ptr<float>();
+  p.dt_st = dtf.stride(0);
+  p.B = bf.data_ptr<float>();
+  p.b_st = bf.stride(0);
+  p.C = cf.data_ptr<float>();
+  p.c_st = cf.stride(0);
+  p.A = af.data_ptr<float>();
+  p.D = df.data_ptr<float>();
+  p.state = ssm_state.data_ptr<float>();
+  p.qsl = qd.data_ptr<int64_t>();
+  p.read_slot = rd.data_ptr<int64_t>();
+  p.has_init = hd ? hd->data_ptr<int64_t>() : nullptr;
+  p.write_offsets = od.data_ptr<int64_t>();
+  p.write_token = td.data_ptr<int64_t>();
+  p.write_slot = sd.data_ptr<int64_t>();
+  p.out = out.data_ptr<float>();
+  p.T = static_cast<int>(T);
+  p.Dc = static_cast<int>(Dc);
+  p.N = static_cast<int>(N);
+  p.R = static_cast<int>(R);
+  hs::launch_mamba1(p, HS_STREAM());
+  check_launch();
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// ------------------------------------------------------------------------------------------------
 bool want_silu(const std::optional<c10::string_view>& activation) {
   if (!activation.has_value()) return false;
   const std::string a(activation->data(), activation->size());
@@ -617,6 +704,10 @@ HS_TORCH_LIBRARY(HS_NS, m) {
       "rejection_sample(Tensor target_probs, Tensor? target_logits, Tensor draft_token_ids, "
       "Tensor num_draft_tokens, Tensor is_greedy, Tensor? draft_probs, Tensor? uniforms, Tensor? noise, "
       "Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
+  m.def(
+      "mamba1_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor(a!) ssm_state, "
+      "Tensor query_start_loc, Tensor read_slot, Tensor? has_initial_state, Tensor write_row, "
+      "Tensor write_token, Tensor write_slot) -> Tensor");
 }
 
 HS_TORCH_LIBRARY_IMPL(HS_NS, HS_KEY, m) {
@@ -626,4 +717,5 @@ HS_TORCH_LIBRARY_IMPL(HS_NS, HS_KEY, m) {
   m.impl("causal_conv1d_update", &causal_conv1d_update);
   m.impl("copy_slots", &copy_slots);
   m.impl("rejection_sample", &rejection_sample);
+  m.impl("mamba1_scan", &mamba1_scan);
 }
