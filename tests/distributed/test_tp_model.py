@@ -2,7 +2,8 @@
 process, in float64: logits within 1e-12 relative and the same greedy tokens, on the demo model
 and on tiny random Nemotron-H (MoE, n_groups 1 and 2, GQA), Bamba (n_groups 1 and 2) and Mamba2
 (n_groups 2 and 4) checkpoints, and Granite-4.0-H (routed and shared experts; dense with GQA 4/1)
-and Falcon-H1 (muP multipliers, the Mamba norm before the gate; no norm, GQA 6/1) ones, with
+and Falcon-H1 (muP multipliers, the Mamba norm before the gate; no norm, GQA 6/1) and Jamba
+(Mamba1 mixers split by channel, MoE and dense MLP layers, GQA 4/2; 72 channels) ones, with
 batched, chunked prefills and decode rows. At TP 4 the checkpoints with n_groups 1 or 2 have norm
 groups spread over ranks (Falcon-H1's norm before the gate included) and KV heads replicated."""
 
@@ -36,6 +37,8 @@ DEGREES = {
     "gr_dense_odd": (2,),
     "fh_gqa_norm": (2, 4),
     "fh_odd_nonorm": (2,),
+    "jb_moe_gqa": (2, 4),
+    "jb_odd_top1": (2,),
 }
 MAX_NEW = 4
 

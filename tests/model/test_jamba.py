@@ -3,8 +3,10 @@ test_model_parity.py (whose full-prompt logits, greedy and batched-greedy tests 
 configs of model_fixtures.JAMBA_CONFIGS): the Mamba1 selective scan (the C++ CPU kernel against
 its torch twin, the twin against a plain loop of transformers' recurrence), float64 logits
 against transformers, states emitted after any token, the config parser and what it refuses,
-the state layout, FLOPs, tensor parallelism refused at start, `hybridserve config --explain`, and
-the engine (prefix hits in every cache mode, n-gram speculation) lossless in float64.
+the state layout, FLOPs, tensor-parallel sizes the shapes do not allow refused at start,
+`hybridserve config --explain`, and the engine (prefix hits in every cache mode, n-gram
+speculation) lossless in float64, at TP 1 and (a subset) at TP 2. The sharded logits are checked
+in tests/distributed/test_tp_model.py.
 
 float64 against transformers: transformers' Jamba computes A = -exp(A_log) and the router's
 softmax in float32 even in a float64 model, so the two agree to float32 rounding and are compared
@@ -276,16 +278,15 @@ def test_parse_defaults_and_errors() -> None:
             cls.parse_config(raw, "j/config.json")
 
 
-def test_plan_explain_and_tensor_parallel_refused(checkpoints) -> None:
+def test_plan_explain_and_tensor_parallel_sizes(checkpoints) -> None:
     _, d = checkpoints("jb_moe_gqa")
     text = family_engine.explain(d)
     assert (
         "capabilities: type jamba, Mamba layers 2, attention layers 2, boundary states on, scan chunk size 1"
     ) in text, text
-    with pytest.raises(
-        ConfigError, match=r"--tensor-parallel-size 2: JambaForCausalLM has no tensor-parallel form"
-    ):
-        plan_engine(EngineArgs(model=str(d), tensor_parallel_size=2), str(d))
+    # 64 channels, 4 / 2 attention heads, experts and MLP of 24: 3 ranks cannot split them
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3: .*the Mamba channels \(d_inner 64\)"):
+        plan_engine(EngineArgs(model=str(d), tensor_parallel_size=3), str(d))
     plan = plan_engine(EngineArgs(model=str(d)), str(d))
     assert "mamba_cache_mode" in format_resolved(plan.resolved, explain=True)
 
@@ -320,3 +321,10 @@ def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:
     family_engine.check_lossless(engine_model, mode, spec)
+
+
+@pytest.mark.parametrize(("mode", "spec"), [("align", 3), ("all", None)])
+def test_engine_at_tensor_parallel_2_gives_the_tp1_outputs(engine_model, mode: str, spec: int | None) -> None:
+    """One spawned gloo worker: the TP 1 reference outputs, prefix hits and n-gram speculation
+    included (the Mamba1 mixer split by channel, the experts summed over the ranks)."""
+    family_engine.check_lossless(engine_model, mode, spec, tensor_parallel_size=2)

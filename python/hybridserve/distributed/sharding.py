@@ -23,6 +23,11 @@ the ranks. The shapes every rank holds are those of `local_config`, by which the
 - Falcon-H1: the mixer as above (its out_proj bias added after the sum), the muP vector of
   `ssm_multipliers` cut with the in_proj sections it scales, its norm before or after the gate;
   the MLP column- / row-parallel. The scalar multipliers need nothing: they scale whole tensors.
+- Jamba: the Mamba1 mixer split by channel (in_proj's x and z rows, the conv, dt_proj's rows,
+  A_log, D); x_proj reads every channel, so it is row-parallel: dt, B and C are summed over the
+  ranks (one more sum per layer), then every rank norms them and runs dt_proj on the whole dt.
+  out_proj row-parallel. Its MoE experts split like an MLP and summed once per layer (the router
+  runs replicated), its dense MLPs column- / row-parallel.
 - Embedding and LM head replicated (sampling runs on rank 0, which needs every logit); the other
   ranks skip the LM head.
 """
@@ -40,7 +45,9 @@ from hybridserve.distributed.parallel_state import all_reduce_
 from hybridserve.errors import ConfigError
 from hybridserve.model.architectures.falcon_h1 import FalconH1Mixer, FalconH1MLP
 from hybridserve.model.architectures.granitemoehybrid import GraniteMoE, GraniteSharedMLP
+from hybridserve.model.architectures.jamba import JambaMoE
 from hybridserve.model.layers.attention import PagedAttention
+from hybridserve.model.layers.mamba1 import Mamba1Mixer
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
 from hybridserve.model.layers.mlp import MLP, GatedMLP, MoE
 from hybridserve.model.layers.norm import GatedRMSNorm, _compute_dtype
@@ -56,8 +63,10 @@ SUPPORTED_ARCHITECTURES = (
     "Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM",
     "FalconH1ForCausalLM",
+    "JambaForCausalLM",
 )
 GRANITE = "GraniteMoeHybridForCausalLM"
+JAMBA = "JambaForCausalLM"
 
 
 def _divides(n: int, tp: int) -> bool:
@@ -77,7 +86,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, source: str = "config.json"
     bad: list[str] = []
     if cfg.has_mamba_layers:
         if not _divides(cfg.nheads, tp):
-            bad.append(f"the Mamba heads ({cfg.nheads})")
+            # a Mamba1 mixer (Jamba) splits its channels, held as heads of one channel
+            what = f"channels (d_inner {cfg.nheads})" if cfg.mamba_version == 1 else f"heads ({cfg.nheads})"
+            bad.append(f"the Mamba {what}")
         G = cfg.ngroups
         if not (_divides(G, tp) or _divides(tp, G)):
             bad.append(f"the Mamba groups n_groups ({G}: {tp} must divide it or be a multiple of it)")
@@ -87,7 +98,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, source: str = "config.json"
         kv = cfg.num_kv_heads
         if not (_divides(kv, tp) or _divides(tp, kv)):
             bad.append(f"the KV heads ({kv}: {tp} must divide them or be a multiple of them)")
-    has_mlp = MLP_KIND in kinds or cfg.architecture in ("BambaForCausalLM", "FalconH1ForCausalLM")
+    has_mlp = MLP_KIND in kinds or cfg.architecture in ("BambaForCausalLM", "FalconH1ForCausalLM", JAMBA)
     if has_mlp and not _divides(cfg.intermediate_size, tp):
         bad.append(f"the MLP's intermediate_size ({cfg.intermediate_size})")
     if cfg.architecture == GRANITE:
@@ -95,6 +106,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, source: str = "config.json"
             bad.append(f"the shared MLP's shared_intermediate_size ({cfg.intermediate_size})")
         if cfg.n_routed_experts and not _divides(cfg.moe_intermediate_size, tp):
             bad.append(f"the experts' intermediate_size ({cfg.moe_intermediate_size})")
+    if cfg.architecture == JAMBA and cfg.n_routed_experts and not _divides(cfg.moe_intermediate_size, tp):
+        bad.append(f"the experts' intermediate_size ({cfg.moe_intermediate_size})")
     if MOE in kinds:
         if not _divides(cfg.moe_intermediate_size, tp):
             bad.append(f"the experts' moe_intermediate_size ({cfg.moe_intermediate_size})")
@@ -261,6 +274,30 @@ def _shard_mamba(m: Mamba2Mixer, cfg: ModelConfig, rank: int, tp: int) -> None:
         m._mup_cache.clear()
 
 
+def _shard_mamba1(m: Mamba1Mixer, rank: int, tp: int) -> None:
+    """Jamba's mixer: this rank's channels of x and z (in_proj rows), of the conv, dt_proj, A_log
+    and D; x_proj and out_proj row-parallel (the first sums dt, B and C over the ranks)."""
+    d = m.d_inner
+    dl = d // tp
+    c0 = rank * dl
+    _column_parallel(m.in_proj, [(c0, dl), (d + c0, dl)])  # x | z
+    m.conv1d.weight = _param(m.conv1d.weight.data[c0 : c0 + dl])
+    if m.conv1d.bias is not None:
+        m.conv1d.bias = _param(m.conv1d.bias.data[c0 : c0 + dl])
+    m.x_proj = _row_parallel(m.x_proj, c0, dl)  # type: ignore[assignment]
+    _column_parallel(m.dt_proj, [(c0, dl)])
+    m.A_log = _param(m.A_log.data[c0 : c0 + dl])
+    m.D = _param(m.D.data[c0 : c0 + dl])
+    m.out_proj = _row_parallel(m.out_proj, c0, dl)  # type: ignore[assignment]
+    m.d_inner = dl
+
+
+def _shard_jamba_moe(m: JambaMoE, rank: int, tp: int) -> None:
+    for e in m.experts:
+        _shard_mlp(e, rank, tp, reduce=False)  # type: ignore[arg-type]
+    m.routed_reduce = _sum_over_ranks
+
+
 def _shard_attention(a: PagedAttention, cfg: ModelConfig, rank: int, tp: int) -> None:
     D = cfg.head_dim
     hl = cfg.num_heads // tp
@@ -330,6 +367,7 @@ def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_hea
     check_tensor_parallel(cfg, tp)
     todo: list[Callable[[], None]] = []
     in_moe = {id(e) for m in model.modules() if isinstance(m, MoE) for e in (*m.experts, m.shared_experts)}
+    in_moe |= {id(e) for m in model.modules() if isinstance(m, JambaMoE) for e in m.experts}
     for mod in model.modules():
         if type(mod) in (Mamba2Mixer, FalconH1Mixer):
             todo.append(lambda mod=mod: _shard_mamba(mod, cfg, rank, tp))  # type: ignore[misc]
@@ -343,6 +381,10 @@ def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_hea
             todo.append(lambda mod=mod: _shard_granite_moe(mod, rank, tp))  # type: ignore[misc]
         elif type(mod) is GraniteSharedMLP:
             todo.append(lambda mod=mod: _shard_granite_shared_mlp(mod, rank, tp))  # type: ignore[misc]
+        elif type(mod) is Mamba1Mixer:
+            todo.append(lambda mod=mod: _shard_mamba1(mod, rank, tp))  # type: ignore[misc]
+        elif type(mod) is JambaMoE:
+            todo.append(lambda mod=mod: _shard_jamba_moe(mod, rank, tp))  # type: ignore[misc]
     for f in todo:
         f()
     if drop_head and rank != 0 and isinstance(getattr(model, "lm_head", None), nn.Module):

@@ -22,6 +22,7 @@ layers), `model.final_layernorm.weight`, `lm_head.weight`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,9 @@ class JambaMoE(nn.Module):
                 for _ in range(cfg.n_routed_experts)
             ]
         )
+        # Tensor parallelism: the experts' partial sums are summed over the ranks here, once per
+        # layer (distributed/sharding.py); None in a single process.
+        self.routed_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -84,7 +88,7 @@ class JambaMoE(nn.Module):
         for e in torch.unique(idx).tolist():
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
-        return out
+        return out if self.routed_reduce is None else self.routed_reduce(out)
 
 
 class JambaLayer(nn.Module):
