@@ -3,7 +3,8 @@ process, in float64: logits within 1e-12 relative and the same greedy tokens, on
 and on tiny random Nemotron-H (MoE, n_groups 1 and 2, GQA), Bamba (n_groups 1 and 2) and Mamba2
 (n_groups 2 and 4) checkpoints, and Granite-4.0-H (routed and shared experts; dense with GQA 4/1)
 and Falcon-H1 (muP multipliers, the Mamba norm before the gate; no norm, GQA 6/1) and Jamba
-(Mamba1 mixers split by channel, MoE and dense MLP layers, GQA 4/2; 72 channels) ones, with
+(Mamba1 mixers split by channel, MoE and dense MLP layers, GQA 4/2; 72 channels) and Zamba2 (two
+shared blocks over three uses, attention and MLP adapters, biases) ones, with
 batched, chunked prefills and decode rows. At TP 4 the checkpoints with n_groups 1 or 2 have norm
 groups spread over ranks (Falcon-H1's norm before the gate included) and KV heads replicated."""
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 from tp_harness import driver_logits, run_ranks, sharded_logits
 
-from hybridserve.distributed.sharding import check_tensor_parallel
+from hybridserve.distributed.sharding import SUPPORTED_ARCHITECTURES, check_tensor_parallel
 from hybridserve.errors import ConfigError
+from hybridserve.model.architectures import supported_architectures
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.model.loader import load_config
 from model_fixtures import ALL_CONFIGS, build_hf_model, random_prompts, save_hf_model
@@ -39,6 +41,7 @@ DEGREES = {
     "fh_odd_nonorm": (2,),
     "jb_moe_gqa": (2, 4),
     "jb_odd_top1": (2,),
+    "z2_two_blocks": (2, 4),
 }
 MAX_NEW = 4
 
@@ -105,3 +108,9 @@ def test_shapes_the_size_does_not_divide_are_refused(checkpoints: dict[str, str]
     _, falcon = load_config(checkpoints["fh_odd_nonorm"])  # hybrid layers: 6 attention heads
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: .*attention heads \(6\)"):
         check_tensor_parallel(falcon, 4)
+    # an architecture without a sharded form is refused by name (every family loaded has one)
+    assert set(SUPPORTED_ARCHITECTURES) == set(supported_architectures())
+    with pytest.raises(
+        ConfigError, match=r"--tensor-parallel-size 2: NewForCausalLM has no tensor-parallel form"
+    ):
+        check_tensor_parallel(dataclasses.replace(falcon, architecture="NewForCausalLM"), 2)

@@ -2,8 +2,10 @@
 full-prompt logits, greedy and batched-greedy tests, and test_model_tail_rows.py's, run on the
 `z2_*` configs of model_fixtures.ZAMBA2_CONFIGS): float64 logits against transformers, the shared
 blocks (one module per block, every use with its own adapters and KV cache), the config parser and
-what it refuses, tensor parallelism refused at start, `hybridserve config --explain`, and the
-engine (prefix hits in every cache mode, n-gram speculation) lossless in float64.
+what it refuses, tensor-parallel sizes the shapes do not allow refused at start, `hybridserve
+config --explain`, and the engine (prefix hits in every cache mode, n-gram speculation) lossless in
+float64, at TP 1 and (a subset) at TP 2. The sharded logits are checked in
+tests/distributed/test_tp_model.py.
 
 float64 against transformers: transformers' Zamba2 computes its RMSNorms and the gated norm of the
 mixer in float32 even in a float64 model, so the two agree to float32 rounding and are compared at
@@ -186,7 +188,7 @@ def test_parse_defaults_and_errors() -> None:
             cls.parse_config(raw, "z/config.json")
 
 
-def test_plan_explain_and_tensor_parallel_refused(checkpoints) -> None:
+def test_plan_explain_and_tensor_parallel_sizes(checkpoints) -> None:
     _, d = checkpoints("z2_two_blocks")
     plan = plan_engine(EngineArgs(model=str(d)), str(d))
     text = format_resolved(plan.resolved, explain=True)
@@ -194,10 +196,9 @@ def test_plan_explain_and_tensor_parallel_refused(checkpoints) -> None:
         "capabilities: type zamba2, Mamba layers 6, attention layers 3, boundary states on, "
         "scan chunk size 8, max_position_embeddings 4096"
     ) in text, text
-    with pytest.raises(
-        ConfigError, match=r"--tensor-parallel-size 2: Zamba2ForCausalLM has no tensor-parallel form"
-    ):
-        plan_engine(EngineArgs(model=str(d), tensor_parallel_size=2), str(d))
+    # 4 Mamba heads, 4 attention heads, an MLP of 40: 3 ranks cannot split them
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3: .*the Mamba heads \(4\)"):
+        plan_engine(EngineArgs(model=str(d), tensor_parallel_size=3), str(d))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,3 +237,10 @@ def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     engine_model, mode: str, spec: int | None
 ) -> None:
     family_engine.check_lossless(engine_model, mode, spec)
+
+
+@pytest.mark.parametrize(("mode", "spec"), [("align", 3), ("all", None)])
+def test_engine_at_tensor_parallel_2_gives_the_tp1_outputs(engine_model, mode: str, spec: int | None) -> None:
+    """One spawned gloo worker: the TP 1 reference outputs, prefix hits and n-gram speculation
+    included (the shared blocks' attention, MLP and adapters split over the ranks)."""
+    family_engine.check_lossless(engine_model, mode, spec, tensor_parallel_size=2)

@@ -28,6 +28,11 @@ the ranks. The shapes every rank holds are those of `local_config`, by which the
   ranks (one more sum per layer), then every rank norms them and runs dt_proj on the whole dt.
   out_proj row-parallel. Its MoE experts split like an MLP and summed once per layer (the router
   runs replicated), its dense MLPs column- / row-parallel.
+- Zamba2: its Mamba2 layers as above; a shared block's attention (over 2 * hidden_size channels)
+  and gated MLP as attention and MLP, each use's adapters cut with the projection they add to
+  (the up half of an adapter column-parallel like its q, k, v or gate | up rows; the down half,
+  rank-sized, replicated); a block is sharded once, whichever uses share it. The per-layer
+  `linear` into the Mamba layer replicated.
 - Embedding and LM head replicated (sampling runs on rank 0, which needs every logit); the other
   ranks skip the LM head.
 """
@@ -46,6 +51,7 @@ from hybridserve.errors import ConfigError
 from hybridserve.model.architectures.falcon_h1 import FalconH1Mixer, FalconH1MLP
 from hybridserve.model.architectures.granitemoehybrid import GraniteMoE, GraniteSharedMLP
 from hybridserve.model.architectures.jamba import JambaMoE
+from hybridserve.model.architectures.zamba2 import Zamba2Attention, Zamba2MLP
 from hybridserve.model.layers.attention import PagedAttention
 from hybridserve.model.layers.mamba1 import Mamba1Mixer
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
@@ -64,6 +70,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeHybridForCausalLM",
     "FalconH1ForCausalLM",
     "JambaForCausalLM",
+    "Zamba2ForCausalLM",
 )
 GRANITE = "GraniteMoeHybridForCausalLM"
 JAMBA = "JambaForCausalLM"
@@ -98,7 +105,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, source: str = "config.json"
         kv = cfg.num_kv_heads
         if not (_divides(kv, tp) or _divides(tp, kv)):
             bad.append(f"the KV heads ({kv}: {tp} must divide them or be a multiple of them)")
-    has_mlp = MLP_KIND in kinds or cfg.architecture in ("BambaForCausalLM", "FalconH1ForCausalLM", JAMBA)
+    has_mlp = MLP_KIND in kinds or cfg.architecture in (
+        "BambaForCausalLM",
+        "FalconH1ForCausalLM",
+        "Zamba2ForCausalLM",
+        JAMBA,
+    )
     if has_mlp and not _divides(cfg.intermediate_size, tp):
         bad.append(f"the MLP's intermediate_size ({cfg.intermediate_size})")
     if cfg.architecture == GRANITE:
@@ -298,6 +310,31 @@ def _shard_jamba_moe(m: JambaMoE, rank: int, tp: int) -> None:
     m.routed_reduce = _sum_over_ranks
 
 
+def _shard_adapters(adapters: nn.ModuleList, spans: list[tuple[int, int]]) -> None:
+    """Zamba2's per-use adapters (`up(down(x))`) of a projection cut to `spans`: each up half
+    keeps those rows; placeholders (uses of another block) have no weights."""
+    for a in adapters:
+        if isinstance(a, nn.Sequential) and isinstance(up := a[1], nn.Linear):
+            _column_parallel(up, spans)
+
+
+def _shard_zamba2_attention(a: Zamba2Attention, cfg: ModelConfig, rank: int, tp: int) -> None:
+    _shard_attention(a, cfg, rank, tp)
+    if a.adapters:  # no GQA with adapters (refused at load): k and v split like q
+        D, hl = cfg.head_dim, cfg.num_heads // tp
+        for lst in (a.linear_q_adapter_list, a.linear_k_adapter_list, a.linear_v_adapter_list):
+            _shard_adapters(lst, [(rank * hl * D, hl * D)])
+
+
+def _shard_zamba2_mlp(m: Zamba2MLP, rank: int, tp: int) -> None:
+    inter = m.down_proj.in_features
+    il = inter // tp
+    spans = [(rank * il, il), (inter + rank * il, il)]  # gate | up
+    _column_parallel(m.gate_up_proj, spans)
+    _shard_adapters(m.gate_up_proj_adapter_list, spans)
+    m.down_proj = _row_parallel(m.down_proj, rank * il, il)  # type: ignore[assignment]
+
+
 def _shard_attention(a: PagedAttention, cfg: ModelConfig, rank: int, tp: int) -> None:
     D = cfg.head_dim
     hl = cfg.num_heads // tp
@@ -385,6 +422,10 @@ def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_hea
             todo.append(lambda mod=mod: _shard_mamba1(mod, rank, tp))  # type: ignore[misc]
         elif type(mod) is JambaMoE:
             todo.append(lambda mod=mod: _shard_jamba_moe(mod, rank, tp))  # type: ignore[misc]
+        elif type(mod) is Zamba2Attention:
+            todo.append(lambda mod=mod: _shard_zamba2_attention(mod, cfg, rank, tp))  # type: ignore[misc]
+        elif type(mod) is Zamba2MLP:
+            todo.append(lambda mod=mod: _shard_zamba2_mlp(mod, rank, tp))  # type: ignore[misc]
     for f in todo:
         f()
     if drop_head and rank != 0 and isinstance(getattr(model, "lm_head", None), nn.Module):
