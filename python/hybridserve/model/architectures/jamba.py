@@ -41,7 +41,6 @@ from hybridserve.model.layers.mlp import GatedMLP
 from hybridserve.model.layers.norm import RMSNorm
 from hybridserve.model.model_config import (
     MAMBA,
-    SCAN_CHUNK_DEFAULTS,
     ModelConfig,
     get_field,
     get_flag,
@@ -113,7 +112,12 @@ class JambaLayer(nn.Module):
         idx: int,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden, h = mamba_or_attention(self, self.input_layernorm(hidden), hidden, ctx, caches, idx, keep)
+        h = self.input_layernorm(hidden)
+        if self.kind == MAMBA:  # with `keep`, its out_proj runs the kept rows only
+            h = self.mamba(h, ctx, caches.conv[idx], caches.ssm[idx], keep=keep)
+            hidden = hidden if keep is None else hidden[keep]
+        else:
+            hidden, h = mamba_or_attention(self, h, hidden, ctx, caches, idx, keep)
         hidden = hidden + h
         return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 
@@ -160,7 +164,7 @@ class JambaForCausalLM(StackedCausalLM):
             dstate=get_int(raw, "mamba_d_state", default=16),
             ngroups=1,
             d_conv=get_int(raw, "mamba_d_conv", default=4),
-            chunk_size=SCAN_CHUNK_DEFAULTS[MODEL_TYPE],
+            chunk_size=shared_fields.chunk_size(raw, source, MODEL_TYPE),  # 1 unless config.json says
             d_inner=d_inner,
             mamba_conv_bias=get_flag(raw, "mamba_conv_bias", default=True),
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),

@@ -50,8 +50,16 @@ class Mamba1Mixer(nn.Module):
             self.c_layernorm = RMSNorm(self.dstate, cfg.mamba_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The mixer's output of every token, or with `keep` (flat token indices) of those rows
+        only: the scan still runs every token (the states need them all), the gate and out_proj
+        only the kept rows."""
         T = hidden.shape[0]
         x, z = self.in_proj(hidden).split([self.d_inner, self.d_inner], dim=-1)
         w = self.conv1d.weight[:, 0, :]
@@ -136,6 +144,8 @@ class Mamba1Mixer(nn.Module):
                 )  # fmt: skip
             )
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        if keep is not None:
+            y, z = y[keep], z[keep]
         return self.out_proj((y * F.silu(z)).to(hidden.dtype))
 
     def _A(self, state_dtype: torch.dtype) -> torch.Tensor:
