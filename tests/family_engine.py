@@ -181,6 +181,13 @@ def engine_matrix(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.parametrize("mode", ["none", "align", "all"])(test)
 
 
+def tensor_parallel_subset(test: Callable[..., None]) -> Callable[..., None]:
+    """Parametrizes `test(engine_model, mode, spec)` over the part of the engine matrix a family
+    also runs at tensor-parallel size 2 (each case spawns a worker): align with n-gram speculation
+    of 3 drafts, and all without speculation."""
+    return pytest.mark.parametrize(("mode", "spec"), [("align", 3), ("all", None)])(test)
+
+
 def check_lossless(
     engine_model: tuple[Path, list[tuple[int, ...]], list[tuple[int, ...]]],
     mode: str,

@@ -323,7 +323,7 @@ def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     family_engine.check_lossless(engine_model, mode, spec)
 
 
-@pytest.mark.parametrize(("mode", "spec"), [("align", 3), ("all", None)])
+@family_engine.tensor_parallel_subset
 def test_engine_at_tensor_parallel_2_gives_the_tp1_outputs(engine_model, mode: str, spec: int | None) -> None:
     """One spawned gloo worker: the TP 1 reference outputs, prefix hits and n-gram speculation
     included (the Mamba1 mixer split by channel, the experts summed over the ranks)."""

@@ -239,7 +239,7 @@ def test_engine_cache_modes_and_ngram_speculation_are_lossless(
     family_engine.check_lossless(engine_model, mode, spec)
 
 
-@pytest.mark.parametrize(("mode", "spec"), [("align", 3), ("all", None)])
+@family_engine.tensor_parallel_subset
 def test_engine_at_tensor_parallel_2_gives_the_tp1_outputs(engine_model, mode: str, spec: int | None) -> None:
     """One spawned gloo worker: the TP 1 reference outputs, prefix hits and n-gram speculation
     included (the shared blocks' attention, MLP and adapters split over the ranks)."""

@@ -215,6 +215,10 @@ class AsyncEngine:
                 self._drain_commands(engine)
                 self._fail_all(engine, exc)
                 continue
+            # the stats of this step first: a client that has its answer and reads /metrics at once
+            # must see the tokens it was given counted
+            self._snapshot_stats()
+            aborted = False
             for out in outputs:
                 stream = self._live_owner(out.request_id)
                 if out.finished:
@@ -227,7 +231,9 @@ class AsyncEngine:
                     stream.put(out)
                     if stream.dead and not out.finished:
                         self._abort(engine, out.request_id)
-            self._snapshot_stats()
+                        aborted = True
+            if aborted:
+                self._snapshot_stats()
 
     def _live_owner(self, rid: str) -> _Stream | None:
         """The stream that owns request `rid` in the engine, if its consumer still reads it."""
