@@ -150,6 +150,25 @@ def test_scan_verify_rows_write_after_every_token(
     assert torch.equal(s[4], state[4])
 
 
+def test_scan_kernel_splits_channels_over_threads_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough work for the kernel to split the channels over two threads: the same result as one
+    thread, bit for bit (channels are independent), and as the twin."""
+    x, dt, A, B, C, D, state = _scan_inputs(torch.float64, 300, 200, 16, 8, seed=4)
+    args = (torch.tensor([0, 100, 101, 300]), torch.tensor([1, 2, 3]), torch.tensor([True, True, False]))
+    writes = (torch.tensor([4, 5, 6]), torch.tensor([0, 2]), torch.tensor([50, 10]), torch.tensor([7, 3]))
+    outs = []
+    for threads in (1, 2, 0):
+        if threads:
+            monkeypatch.setattr(native, "threads", lambda n=threads: n)
+        else:
+            _twin_only(monkeypatch)
+        s = state.clone()
+        outs.append((selective_scan.selective_scan_prefill(x, dt, A, B, C, D, s, *args, *writes), s))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[0][0], outs[2][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outs[0][1], outs[2][1], rtol=1e-12, atol=1e-12)
+
+
 def test_scan_kernel_refuses_out_of_range_slots_writing_nothing() -> None:
     x, dt, A, B, C, D, state = _scan_inputs(torch.float32, 4, 8, 4, 5, seed=3)
     before = state.clone()
