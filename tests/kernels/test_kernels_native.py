@@ -543,7 +543,8 @@ def test_rms_norms_match_the_torch_ops(dtype):
     norm = RMSNorm(48, 1e-5)
     norm.weight.data = torch.randn(48, generator=g)
     wide = torch.randn(7, 60, generator=g, dtype=torch.float64).to(dtype)
-    for x in (wide[:, :48], wide[:, 12:].reshape(7, 1, 48)[:, 0], torch.randn(2, 3, 48, dtype=dtype)):
+    plain = (torch.randn(5, 48, generator=g, dtype=torch.float64).to(dtype), wide[:1, :48].contiguous())
+    for x in (wide[:, :48], wide[:, 12:].reshape(7, 1, 48)[:, 0], torch.randn(2, 3, 48, dtype=dtype), *plain):
         out = native.rms_norm(x, norm.weight, norm.eps)
         assert out is not None and out.shape == x.shape and out.dtype == dtype
         h = x.double()
@@ -557,6 +558,22 @@ def test_rms_norms_match_the_torch_ops(dtype):
         out = native.gated_rms_norm(y, z, w, group, 1e-6)
         ref = gated_rms_norm_torch(y.double(), z.double(), w.double(), group, 1e-6, torch.float64)
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norm_fast_paths_are_the_general_paths(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that need no conversion take a shorter wrapper around the same kernels: the same
+    values, bit for bit, as the general wrapper gives."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(64, generator=g, dtype=torch.float64).to(dtype)
+    z = torch.randn(6, 80, generator=g, dtype=torch.float64).to(dtype)[:, 8:72]
+    fast = (native.rms_norm(x, w, 1e-5), native.gated_rms_norm(x, z, w, 16, 1e-5))
+    monkeypatch.setattr(native, "_NORM_FAST", {})
+    monkeypatch.setattr(native, "_GATED_NORM_FAST", {})
+    general = (native.rms_norm(x, w, 1e-5), native.gated_rms_norm(x, z, w, 16, 1e-5))
+    for a, b in zip(fast, general):
+        assert a is not None and b is not None and torch.equal(a, b)
 
 
 def test_rms_norms_decline_what_they_do_not_cover():

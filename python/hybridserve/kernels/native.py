@@ -62,6 +62,10 @@ _SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+# The norm kernels' entry points by torch dtype (float32, float64), for the calls that need no
+# conversion at all: at batch 1 the general path's checks cost three times the kernel.
+_NORM_FAST: dict[Any, Any] = {}
+_GATED_NORM_FAST: dict[Any, Any] = {}
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -229,6 +233,11 @@ def build() -> ctypes.CDLL | None:
                 raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
             lib = ctypes.CDLL(str(_build(cxx)))
             _declare(lib)
+            import torch
+
+            for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
+                _NORM_FAST[dtype] = getattr(lib, f"hs_rms_norm_{suffix}")
+                _GATED_NORM_FAST[dtype] = getattr(lib, f"hs_gated_rms_norm_{suffix}")
             _lib = lib
         except Exception as e:  # any failure leaves the pure-torch path in place
             logger.warning("native CPU kernels unavailable, using the pure-torch path: %s", e)
@@ -679,11 +688,41 @@ def _norm_fn(dtype: torch.dtype) -> tuple[str, torch.dtype] | None:
     return suffix, torch.float32 if dtype == torch.bfloat16 else dtype
 
 
+def _native_cpu() -> bool:
+    """Whether the C++ kernels are the kernel backend of the CPU (what `library()` checks)."""
+    from hybridserve.kernels import backend
+
+    return backend.active("cpu") is backend.Backend.CPU_NATIVE
+
+
+def _plain_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x a non-empty contiguous [n, d] CPU tensor and weight its contiguous [d] of the same
+    dtype: a norm kernel reads them as they are."""
+    return (
+        x.dim() == 2
+        and x.is_cpu
+        and weight.dtype == x.dtype
+        and x.is_contiguous()
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and weight.dim() == 1
+        and weight.shape[0] == x.shape[1]
+        and x.numel() > 0
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``weight * x / sqrt(mean(x^2, -1) + eps)`` of a float32 / float64 / bfloat16 ``[..., d]``
     tensor on the CPU (norm.RMSNorm); None when it does not apply. bfloat16 (and float16, widened
     here): computed in float32, as the reference does, and rounded once."""
     import torch
+
+    fast = _NORM_FAST.get(x.dtype)
+    if fast is not None and _plain_rows(x, weight) and _native_cpu():
+        n, d = x.shape
+        out = torch.empty((n, d), dtype=x.dtype)
+        if fast(x.data_ptr(), d, weight.data_ptr(), out.data_ptr(), d, n, d, eps) == 0:
+            return out
 
     if x.dtype == torch.float16 and _on_cpu(x, weight) and library() is not None:
         out = rms_norm(x.float(), weight, eps)
@@ -724,6 +763,36 @@ def gated_rms_norm(
     rounded once."""
     import torch
 
+    fast = _GATED_NORM_FAST.get(y.dtype)
+    if (
+        fast is not None
+        and _plain_rows(y, weight)
+        and z.dtype == y.dtype
+        and z.is_cpu
+        and z.shape == y.shape
+        and z.stride(1) == 1
+        and (y.shape[0] <= 1 or z.stride(0) >= y.shape[1])
+        and 0 < group_size
+        and y.shape[1] % group_size == 0
+        and _native_cpu()
+    ):
+        n, d = y.shape
+        out = torch.empty((n, d), dtype=y.dtype)
+        rc = fast(
+            y.data_ptr(),
+            d,
+            z.data_ptr(),
+            z.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            d,
+            n,
+            d,
+            group_size,
+            eps,
+        )
+        if rc == 0:
+            return out
     if y.dtype == torch.float16 and z.dtype == y.dtype and _on_cpu(y, z, weight) and library() is not None:
         out = gated_rms_norm(y.float(), z.float(), weight, group_size, eps)
         return None if out is None else out.to(y.dtype)
