@@ -720,9 +720,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     fast = _NORM_FAST.get(x.dtype)
     if fast is not None and _plain_rows(x, weight) and _native_cpu():
         n, d = x.shape
-        out = torch.empty((n, d), dtype=x.dtype)
-        if fast(x.data_ptr(), d, weight.data_ptr(), out.data_ptr(), d, n, d, eps) == 0:
-            return out
+        normed = torch.empty((n, d), dtype=x.dtype)
+        if fast(x.data_ptr(), d, weight.data_ptr(), normed.data_ptr(), d, n, d, eps) == 0:
+            return normed
 
     if x.dtype == torch.float16 and _on_cpu(x, weight) and library() is not None:
         out = rms_norm(x.float(), weight, eps)
@@ -777,14 +777,14 @@ def gated_rms_norm(
         and _native_cpu()
     ):
         n, d = y.shape
-        out = torch.empty((n, d), dtype=y.dtype)
+        normed = torch.empty((n, d), dtype=y.dtype)
         rc = fast(
             y.data_ptr(),
             d,
             z.data_ptr(),
             z.stride(0),
             weight.data_ptr(),
-            out.data_ptr(),
+            normed.data_ptr(),
             d,
             n,
             d,
@@ -792,7 +792,7 @@ def gated_rms_norm(
             eps,
         )
         if rc == 0:
-            return out
+            return normed
     if y.dtype == torch.float16 and z.dtype == y.dtype and _on_cpu(y, z, weight) and library() is not None:
         out = gated_rms_norm(y.float(), z.float(), weight, group_size, eps)
         return None if out is None else out.to(y.dtype)
