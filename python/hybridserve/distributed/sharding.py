@@ -304,12 +304,6 @@ def _shard_mamba1(m: Mamba1Mixer, rank: int, tp: int) -> None:
     m.d_inner = dl
 
 
-def _shard_jamba_moe(m: JambaMoE, rank: int, tp: int) -> None:
-    for e in m.experts:
-        _shard_mlp(e, rank, tp, reduce=False)  # type: ignore[arg-type]
-    m.routed_reduce = _sum_over_ranks
-
-
 def _shard_adapters(adapters: nn.ModuleList, spans: list[tuple[int, int]]) -> None:
     """Zamba2's per-use adapters (`up(down(x))`) of a projection cut to `spans`: each up half
     keeps those rows; placeholders (uses of another block) have no weights."""
@@ -365,10 +359,15 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_(t)
 
 
-def _shard_moe(m: MoE, rank: int, tp: int) -> None:
+def _shard_routed_experts(m: MoE | JambaMoE, rank: int, tp: int) -> None:
+    """Every routed expert split like an MLP, their weighted sum summed over the ranks once."""
     for e in m.experts:
         _shard_mlp(e, rank, tp, reduce=False)  # type: ignore[arg-type]
     m.routed_reduce = _sum_over_ranks
+
+
+def _shard_moe(m: MoE, rank: int, tp: int) -> None:
+    _shard_routed_experts(m, rank, tp)
     _shard_mlp(m.shared_experts, rank, tp)
 
 
@@ -421,7 +420,7 @@ def shard_model(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, drop_hea
         elif type(mod) is Mamba1Mixer:
             todo.append(lambda mod=mod: _shard_mamba1(mod, rank, tp))  # type: ignore[misc]
         elif type(mod) is JambaMoE:
-            todo.append(lambda mod=mod: _shard_jamba_moe(mod, rank, tp))  # type: ignore[misc]
+            todo.append(lambda mod=mod: _shard_routed_experts(mod, rank, tp))  # type: ignore[misc]
         elif type(mod) is Zamba2Attention:
             todo.append(lambda mod=mod: _shard_zamba2_attention(mod, cfg, rank, tp))  # type: ignore[misc]
         elif type(mod) is Zamba2MLP:

@@ -164,7 +164,7 @@ def selective_scan_update(
         raise ValueError(
             f"a row has {int(lengths.max())} tokens but write_slots has only {ws.shape[1]} columns"
         )
-    idx, valid, _ = _padded_token_index(qsl)
+    _, valid, _ = _padded_token_index(qsl)
     rows = torch.arange(R, dtype=torch.int64)[:, None].expand_as(valid)[valid]
     toks = torch.arange(valid.shape[1], dtype=torch.int64)[None, :].expand_as(valid)[valid]
     writes = (rows.contiguous(), toks.contiguous(), ws[:, : valid.shape[1]][valid].contiguous())

@@ -184,8 +184,6 @@ class JambaForCausalLM(StackedCausalLM):
             moe_layers=moe,
             raw=raw,
         )
-        if len(kinds) != n:
-            raise ConfigError(f"{source}: layer pattern has {len(kinds)} entries for {n} layers")
         cfg.validate(source)
         if dt_rank <= 0 or inter <= 0:
             raise ConfigError(f"{source}: mamba_dt_rank and intermediate_size must be positive")
