@@ -11,7 +11,8 @@ shared: CPU time of the engine's thread is what the code costs) and in wall time
 - schedule: the Rust scheduler's `schedule()`;
 - inputs: the runner's copies and the forward batch built from the scheduler's arrays
   (`to_forward_batch`);
-- forward: the model (`model.forward`);
+- forward: the model (`model.forward`, or for a step of one-token decode rows the native decode
+  step, `DecodeStep.run`, when it applies);
 - sample: sampling and the proposer (`ModelRunner._sample`, `_propose`);
 - update: the scheduler's `update_from_output`;
 - outputs: detokenizing and request outputs (`OutputProcessor.process`);
@@ -126,6 +127,8 @@ def run(model: str, batch: int, prompt_len: int, output_len: int, repeats: int) 
     engine.scheduler = TimedScheduler(engine.scheduler, clock)
     clock.wrap(runner, "execute", "execute")
     clock.wrap(runner.em.model, "forward", "forward")
+    if runner.decode_step is not None:  # the whole forward of a decode step in one native call
+        clock.wrap(runner.decode_step, "run", "forward")
     clock.wrap(runner, "_sample", "sample")
     clock.wrap(runner, "_propose", "sample")
     clock.wrap(engine.outputs, "process", "outputs")

@@ -494,6 +494,24 @@ class Driver:
         """rows: (req, token ids to run, is_decode); decode rows must come first. emits: (row,
         token index in row, slot). Returns the logits of every token of decode rows and of the
         last token of final prefill chunks (`all_logits`: of every token)."""
+        logits = self.lm.model(self.batch(rows, emits, all_logits), self.caches)
+        self.advance(rows)
+        return logits
+
+    def advance(self, rows: list[tuple[_Req, list[int], bool]]) -> None:
+        """The requests of `rows` after their step ran."""
+        for req, toks, is_dec in rows:
+            req.num_computed += len(toks)
+            req.has_state = True
+            req.live_slot_idx = len(toks) - 1 if is_dec else 0
+
+    def batch(
+        self,
+        rows: list[tuple[_Req, list[int], bool]],
+        emits: list[tuple[int, int, int]] | None = None,
+        all_logits: bool = False,
+    ) -> ForwardBatch:
+        """The ForwardBatch of a `step` (nothing run, no request advanced)."""
         ids, pos, qsl, nct, sl, slot_map = [], [], [0], [], [], []
         read, has_init, wslots, logits_idx = [], [], [], []
         num_decodes = 0
@@ -524,7 +542,7 @@ class Driver:
         def t(v: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(v, dtype=dtype)
 
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=t(ids).to(dev),
             positions=t(pos).to(dev),
             query_start_loc=t(qsl),
@@ -541,12 +559,6 @@ class Driver:
             emit_slot=t([e[2] for e in emits or []]),
             logits_indices=t(list(range(len(ids))) if all_logits else logits_idx).to(dev),
         )
-        logits = self.lm.model(batch, self.caches)
-        for req, toks, is_dec in rows:
-            req.num_computed += len(toks)
-            req.has_state = True
-            req.live_slot_idx = len(toks) - 1 if is_dec else 0
-        return logits
 
     def generate(
         self,

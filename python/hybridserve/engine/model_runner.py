@@ -22,8 +22,9 @@ from hybridserve.engine.model_setup import EngineModel
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
 from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
+from hybridserve.model.decode_step import DecodeOutput, DecodeStep
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, plain_greedy
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -85,6 +86,8 @@ def _prompt_scoring(out: _core.SchedulerOutput, rows: Sequence[RowSampling | Non
         spans=[(r, first, [where[i] for i in flat]) for r, first, flat in extra_spans],
     )
 
+
+_NOT_FINITE = "the model's logits for this request are not finite (NaN or inf)"
 
 # What sampling produced for one row: its tokens, their logprobs (when asked for), and
 # (drafts verified, drafts accepted) for a verify row.
@@ -152,6 +155,11 @@ class ModelRunner:
         # tensor parallelism: the workers that run every step's forward with this process
         self.executor: Any = em.executor
         self.proposer: Any = em.proposer
+        self.decode_step = (
+            DecodeStep.for_model(em.model, em.caches)
+            if em.device.type == "cpu" and self.executor is None
+            else None
+        )
         self.rejection_sampler: Any = None
         if num_speculative_tokens > 0:
             from hybridserve.sampling.rejection import RejectionSampler
@@ -192,15 +200,22 @@ class ModelRunner:
         if len(copies):
             caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         if out.num_scheduled_tokens > 0:
-            batch = to_forward_batch(out, self.em.device)
-            if scoring is not None:
-                batch.logits_indices = scoring.logits_indices
-            with torch.inference_mode():
-                logits = self.em.model.forward(batch, caches)
-            if scoring is not None:
-                result.prompt_logprobs = scoring.logprobs(logits, rows)
-                logits = logits[scoring.sampling_rows]
-            self._sample(out, rows, logits, result)
+            # a step of one-token decode rows runs in one native call when the model allows
+            # (model/decode_step.py); None: the model's forward runs it
+            fused = self.decode_step.run(out) if self.decode_step is not None and scoring is None else None
+            if fused is not None:
+                if not _take_greedy(fused, rows, result):
+                    self._sample(out, rows, fused.logits, result)
+            else:
+                batch = to_forward_batch(out, self.em.device)
+                if scoring is not None:
+                    batch.logits_indices = scoring.logits_indices
+                with torch.inference_mode():
+                    logits = self.em.model.forward(batch, caches)
+                if scoring is not None:
+                    result.prompt_logprobs = scoring.logprobs(logits, rows)
+                    logits = logits[scoring.sampling_rows]
+                self._sample(out, rows, logits, result)
         result.draft_token_ids, result.num_draft_tokens = self._propose(req_ids, rows, result.sampled)
         return result
 
@@ -233,7 +248,7 @@ class ModelRunner:
             bad_spec = [not finite[logit_starts[r] : logit_ends[r]].all() for r in spec_rows]
             for rows_of_kind, bad in ((plain_rows, bad_plain), (spec_rows, bad_spec)):
                 for r in [r for r, b in zip(list(rows_of_kind), bad) if b]:
-                    result.failed[r] = "the model's logits for this request are not finite (NaN or inf)"
+                    result.failed[r] = _NOT_FINITE
                     rows_of_kind.remove(r)
         if plain_rows:
             self._isolating(
@@ -363,6 +378,23 @@ class ModelRunner:
                 counts[r] = len(p)
                 flat.extend(int(t) for t in p)
         return np.asarray(flat, dtype=np.int32), counts
+
+
+def _take_greedy(fused: DecodeOutput, rows: Sequence[RowSampling | None], result: ModelRunnerOutput) -> bool:
+    """Sampling of a decode step whose every row is plain greedy (no logprobs, penalties, logit
+    bias or grammar): each row's token is the argmax the decode step computed, as the sampler's
+    would be; a row with a non-finite logit fails alone, as in `_sample`. False (nothing
+    recorded) when some row needs the sampler."""
+    for row in {id(r): r for r in rows}.values():
+        if row is None or row.grammar is not None or not plain_greedy(row):
+            return False
+    finite = fused.finite.tolist()
+    for r, (token, ok) in enumerate(zip(fused.greedy.tolist(), finite)):
+        if ok:
+            result.sampled[r] = [token]
+        else:
+            result.failed[r] = _NOT_FINITE
+    return True
 
 
 def _known(row: RowSampling | None) -> RowSampling:

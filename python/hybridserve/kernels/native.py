@@ -46,7 +46,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_paged_attention.cpp", "cpu_mamba_scan.cpp", "cpu_mamba1_scan.cpp", "cpu_norms.cpp")
+_SOURCES = (
+    "cpu_paged_attention.cpp",
+    "cpu_mamba_scan.cpp",
+    "cpu_mamba1_scan.cpp",
+    "cpu_norms.cpp",
+    "cpu_decode_step.cpp",
+)
 _HEADERS = ("cpu_parallel.h", "cpu_common.h")
 SOURCE_FILES = (*_SOURCES, *_HEADERS)  # everything in source_dir() the build reads
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
@@ -203,6 +209,15 @@ def _declare(lib: ctypes.CDLL) -> None:
             + [_P] * 5
             + [_I64, _I64, _I64, _P, ctypes.c_int]
         )
+        fn.restype = ctypes.c_int
+    for suffix in ("f32", "f64"):
+        fn = getattr(lib, f"hs_decode_step_{suffix}")
+        # layers, doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, lm_head,
+        # input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, write_slots,
+        # ws_stride, qsl, logits_indices, B, logits, argmax, all_finite, threads
+        # (model/decode_step.py)
+        fn.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _I64]
+        fn.argtypes += [_P, _P, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int]
         fn.restype = ctypes.c_int
 
 

@@ -57,10 +57,10 @@ from hybridserve.sampling.sampler import (
     RowSampling,
     Sampler,
     _needs_history,
-    _plain_greedy,
     _unique,
     apply_allowed,
     exponential_noise,
+    plain_greedy,
     process_logits,
     race_sample,
     uniform_draws,
@@ -385,7 +385,7 @@ class RejectionSampler:
                 row_drafts.append(flat_l[off : off + k])
                 off += k
             allowed = row_masks([r.grammar for r in rows], vocab, device, row_drafts)
-        if draft_probs is None and all(_plain_greedy(r) for r in _unique(rows)):
+        if draft_probs is None and all(plain_greedy(r) for r in _unique(rows)):
             return _greedy_point_mass(apply_allowed(target_logits, allowed), drafts, ks)
 
         # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are

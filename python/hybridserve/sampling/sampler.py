@@ -178,7 +178,7 @@ def _needs_history(row: RowSampling) -> bool:
     return row.has_penalties or row.params.min_tokens > 0
 
 
-def _plain_greedy(row: RowSampling) -> bool:
+def plain_greedy(row: RowSampling) -> bool:
     """Greedy with nothing to apply before the argmax but the grammar mask."""
     return (
         row.greedy and not _needs_history(row) and row.params.logprobs is None and not row.params.logit_bias
@@ -507,7 +507,7 @@ class Sampler:
                 token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
             )
         allowed = row_masks([r.grammar for r in rows], vocab, logits.device)
-        if all(_plain_greedy(r) for r in _unique(rows)):
+        if all(plain_greedy(r) for r in _unique(rows)):
             # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
             # process_logits.
             return SamplerOutput(token_ids=apply_allowed(logits, allowed).argmax(dim=-1), logprobs=[None] * n)

@@ -1,0 +1,423 @@
+// One decode step of a whole Nemotron-H-shaped model on the CPU, in one call
+// (hybridserve.model.decode_step): every row holds one new token; embeddings, then per layer an
+// RMSNorm and a mixer (Mamba2, attention without rotary embedding, or a non-gated MLP) added to the
+// residual stream, then the final norm and the LM head. At batch 1 the same forward as torch ops
+// costs about 450 dispatches of a few microseconds each for a few microseconds of arithmetic per
+// layer; here it is one ctypes call.
+//
+// The mixers call the library's own kernels (hs_mamba_decode, hs_paged_attention, the norms), so
+// the recurrence, attention and norms are exactly those of the per-op path; the projections are
+// the matrix-vector products below (the per-op path runs them as torch GEMMs, which sum in another
+// order: results agree to rounding, not bit for bit).
+//
+// Layers come as records of kFields int64 (pointers as integers) and kDoubles doubles, written
+// once per weight version by the caller; see decode_step.py for the field names. Per step:
+// input_ids, positions, slot_mapping [B]; block_table [B, bt_stride]; read_slot [B];
+// write_slots [B, ws_stride]; qsl [B + 1] and logits_indices [B] (must be 0 .. B, 0 .. B - 1: one
+// token per row, every row's logits); out: logits [B, vocab], and per row the greedy token
+// (argmax, the first of equal maxima, as torch.argmax) and whether every logit is finite.
+//
+// Return codes: 0 ok; 1 bad shapes; 2 a token id, position, KV slot, block id or state slot out
+// of range; 3 not a plain decode step of independent rows (logits rows other than every row, or
+// rows sharing a state slot): the caller runs the per-op forward; 4 out of memory before anything
+// was written; 5 a failure after the caches were written (out of memory, or a check of a kernel
+// that check_step should have made): the step is lost and the caller must not run it again.
+// Everything that can be checked is checked before the first cache write, so codes 1 to 4 leave
+// the caches as they were.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_parallel.h"
+
+extern "C" {
+int hs_rms_norm_f32(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, double);
+int hs_rms_norm_f64(const double*, int64_t, const double*, double*, int64_t, int64_t, int64_t, double);
+int hs_gated_rms_norm_f32(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                          int64_t, int64_t, double);
+int hs_gated_rms_norm_f64(const double*, int64_t, const double*, int64_t, const double*, double*, int64_t,
+                          int64_t, int64_t, int64_t, double);
+int hs_paged_attention_f32(const float*, const float*, float*, const int64_t*, int64_t, const int64_t*,
+                           const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                           int);
+int hs_paged_attention_f64(const double*, const double*, double*, const int64_t*, int64_t, const int64_t*,
+                           const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                           int);
+int hs_mamba_decode_f32(const float*, int64_t, const float*, int64_t, const float*, const float*, float*, int64_t,
+                        const float*, const float*, const float*, float*, int64_t, const int64_t*, int64_t,
+                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int, double, double, float*, int);
+int hs_mamba_decode_f64(const double*, int64_t, const double*, int64_t, const double*, const double*, double*,
+                        int64_t, const double*, const double*, const double*, double*, int64_t, const int64_t*,
+                        int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int, double, double, double*, int);
+}
+
+namespace {
+
+constexpr int kFields = 24;
+constexpr int kDoubles = 4;
+
+enum Kind : int64_t { kMamba = 0, kAttention = 1, kMlp = 2 };
+enum Act : int64_t { kRelu2 = 0, kSilu = 1, kRelu = 2 };
+
+// The record of one layer. Field 0 is the kind, field 1 the pre-norm weight; the others by kind:
+//   Mamba2:    2 in_proj.w 3 in_proj.b 4 conv w [conv_dim, W] 5 conv b 6 A (= -exp(A_log)) 7 D
+//              8 dt_bias 9 gated-norm w 10 out_proj.w 11 out_proj.b 12 conv_state 13 its slots
+//              14 ssm_state 15 its slots 16 H 17 P 18 G 19 N 20 W 21 silu 22 norm group size
+//   attention: 2 q.w 3 q.b 4 k.w 5 k.b 6 v.w 7 v.b 8 o.w 9 o.b 10 kv_cache 11 its blocks 12 H
+//              13 KVH 14 D 15 block_size
+//   MLP:       2 up.w 3 up.b 4 down.w 5 down.b 6 intermediate size 7 activation (Act)
+// Doubles: 0 the pre-norm eps; Mamba2: 1 gated-norm eps 2 dt_min 3 dt_max (< 0: none);
+// attention: 1 the softmax scale.
+template <typename T>
+inline const T* cptr(const int64_t* rec, int i) {
+    return reinterpret_cast<const T*>(static_cast<uintptr_t>(rec[i]));
+}
+template <typename T>
+inline T* mptr(const int64_t* rec, int i) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(rec[i]));
+}
+
+template <typename T>
+struct Ops;
+
+template <>
+struct Ops<float> {
+    static constexpr auto rms_norm = hs_rms_norm_f32;
+    static constexpr auto gated_rms_norm = hs_gated_rms_norm_f32;
+    static constexpr auto paged_attention = hs_paged_attention_f32;
+    static constexpr auto mamba_decode = hs_mamba_decode_f32;
+};
+template <>
+struct Ops<double> {
+    static constexpr auto rms_norm = hs_rms_norm_f64;
+    static constexpr auto gated_rms_norm = hs_gated_rms_norm_f64;
+    static constexpr auto paged_attention = hs_paged_attention_f64;
+    static constexpr auto mamba_decode = hs_mamba_decode_f64;
+};
+
+// y[b, j] = x[b, :] . W[j, :] + bias[j] for outputs j in [j0, j1) of rows b < B; W is [out, in]
+// row-major (nn.Linear's weight), x is [B, in], y is [B, out].
+template <typename T>
+void linear_range(const T* x, int64_t B, int64_t in, const T* W, const T* bias, int64_t out, T* y, int64_t j0,
+                  int64_t j1) {
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float>) {
+        // The rows left (one at a time): 16 outputs per tile, one vector of partial sums per
+        // output; the last tile repeats the last weight row and stores only the real outputs
+        const __mmask16 tail_in = static_cast<__mmask16>((1u << (in % 16)) - 1u);
+        // Groups of 4 rows: 4 rows x 4 outputs per tile, each weight vector loaded serving 4 rows,
+        // the 16 partial-sum vectors reduced together by hs::sum16 (its tree is the same for
+        // every value, so a row's result is the one-row path's below: no row depends on how many
+        // share the step). Outputs outer, rows inner: a tile's 4 weight rows stay in cache while
+        // every group of rows reads them.
+        const int64_t b4 = B / 4 * 4;
+        for (int64_t jt = j0; jt < j1 && b4 > 0; jt += 4) {
+            const int64_t nj = j1 - jt < 4 ? j1 - jt : 4;
+            const float* wr[4];
+            for (int j = 0; j < 4; ++j) wr[j] = W + (jt + (j < nj ? j : nj - 1)) * in;
+            for (int64_t g = 0; g < b4; g += 4) {
+                const float* xr[4] = {x + g * in, x + (g + 1) * in, x + (g + 2) * in, x + (g + 3) * in};
+                __m512 acc[16];
+                for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= in; i += 16) {
+                    __m512 wv[4];
+                    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wr[j] + i);
+                    for (int u = 0; u < 4; ++u) {
+                        const __m512 xv = _mm512_loadu_ps(xr[u] + i);
+                        for (int j = 0; j < 4; ++j) acc[u * 4 + j] = _mm512_fmadd_ps(wv[j], xv, acc[u * 4 + j]);
+                    }
+                }
+                if (i < in) {
+                    __m512 wv[4];
+                    for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(tail_in, wr[j] + i);
+                    for (int u = 0; u < 4; ++u) {
+                        const __m512 xv = _mm512_maskz_loadu_ps(tail_in, xr[u] + i);
+                        for (int j = 0; j < 4; ++j) acc[u * 4 + j] = _mm512_fmadd_ps(wv[j], xv, acc[u * 4 + j]);
+                    }
+                }
+                alignas(64) float sums[16];
+                _mm512_store_ps(sums, hs::sum16(acc));
+                for (int u = 0; u < 4; ++u)
+                    for (int j = 0; j < nj; ++j)
+                        y[(g + u) * out + jt + j] = bias != nullptr ? sums[u * 4 + j] + bias[jt + j] : sums[u * 4 + j];
+            }
+        }
+        if (b4 == B) return;
+        x += b4 * in;
+        y += b4 * out;
+        B -= b4;
+        for (int64_t jt = j0; jt < j1; jt += 16) {
+            const int64_t nj = j1 - jt < 16 ? j1 - jt : 16;
+            const float* wr[16];
+            for (int j = 0; j < 16; ++j) wr[j] = W + (jt + (j < nj ? j : nj - 1)) * in;
+            const __mmask16 keep = static_cast<__mmask16>(nj == 16 ? 0xffffu : (1u << nj) - 1u);
+            const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + jt) : _mm512_setzero_ps();
+            for (int64_t b = 0; b < B; ++b) {
+                const float* xb = x + b * in;
+                __m512 acc[16];
+                for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= in; i += 16) {
+                    const __m512 xv = _mm512_loadu_ps(xb + i);
+                    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[j] + i), xv, acc[j]);
+                }
+                if (i < in) {
+                    const __m512 xv = _mm512_maskz_loadu_ps(tail_in, xb + i);
+                    for (int j = 0; j < 16; ++j)
+                        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_in, wr[j] + i), xv, acc[j]);
+                }
+                _mm512_mask_storeu_ps(y + b * out + jt, keep, _mm512_add_ps(hs::sum16(acc), bv));
+            }
+        }
+        return;
+    }
+#endif
+    using V = hs::Vec<T>;
+    using VT = typename V::type;
+    constexpr int L = V::lanes;
+    for (int64_t b = 0; b < B; ++b) {
+        const T* xb = x + b * in;
+        for (int64_t j = j0; j < j1; ++j) {
+            const T* w = W + j * in;
+            VT a0 = V::zero(), a1 = V::zero();
+            int64_t i = 0;
+            for (; i + 2 * L <= in; i += 2 * L) {
+                a0 += V::load(xb + i) * V::load(w + i);
+                a1 += V::load(xb + i + L) * V::load(w + i + L);
+            }
+            for (; i + L <= in; i += L) a0 += V::load(xb + i) * V::load(w + i);
+            a0 += a1;
+            T s = 0;
+            for (int l = 0; l < L; ++l) s += a0[l];
+            for (; i < in; ++i) s += xb[i] * w[i];
+            y[b * out + j] = bias != nullptr ? s + bias[j] : s;
+        }
+    }
+}
+
+// A projection is split over threads by output tiles only when each thread gets at least this
+// many multiply-adds (below it, waking the pool costs more than the split saves).
+constexpr int64_t kMinMacsPerThread = 1 << 18;
+
+template <typename T>
+bool linear(const T* x, int64_t B, int64_t in, const T* W, const T* bias, int64_t out, T* y, int threads) {
+    const int64_t tiles = (out + 15) / 16;
+    const int64_t macs = B * in * out;
+    int n = threads < 1 ? 1 : threads;
+    if (macs / kMinMacsPerThread < n) n = static_cast<int>(macs / kMinMacsPerThread);
+    if (n <= 1 || tiles < 2) {
+        linear_range<T>(x, B, in, W, bias, out, y, 0, out);
+        return true;
+    }
+    std::vector<int64_t> weight(static_cast<size_t>(tiles + 1));
+    for (int64_t t = 0; t <= tiles; ++t) weight[static_cast<size_t>(t)] = t;
+    return hs::parallel_rows(tiles, n, weight, 1, [&](int64_t tb, int64_t te) {
+        const int64_t e = te * 16 < out ? te * 16 : out;
+        linear_range<T>(x, B, in, W, bias, out, y, tb * 16, e);
+    });
+}
+
+// By the exponent bits: the library is built with -ffast-math, under which std::isfinite may be
+// folded to true.
+inline bool is_finite(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return (u & 0x7f800000u) != 0x7f800000u;
+}
+inline bool is_finite(double v) {
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+
+template <typename T>
+inline T activate(T v, int64_t act) {
+    if (act == kSilu) return hs::silu(v);
+    const T r = v > T(0) ? v : T(0);
+    return act == kRelu2 ? r * r : r;
+}
+
+// Everything the step reads that could be out of range, checked before anything is written.
+int check_step(const int64_t* layers, int64_t num_layers, int64_t vocab, const int64_t* input_ids,
+               const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table,
+               int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,
+               const int64_t* qsl, const int64_t* logits_indices, int64_t B) {
+    if (qsl[0] != 0) return 3;
+    for (int64_t b = 0; b < B; ++b) {
+        if (qsl[b + 1] != b + 1 || logits_indices[b] != b) return 3;
+        if (input_ids[b] < 0 || input_ids[b] >= vocab) return 2;
+    }
+    // rows whose state slots overlap are not independent: the per-op path orders their reads and
+    // writes (or falls back to the reference twins)
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t w = write_slots[b * ws_stride];
+        for (int64_t c = 0; c < B; ++c) {
+            if (c == b) continue;
+            if (read_slot[c] == w || (w != 0 && write_slots[c * ws_stride] == w)) return 3;
+        }
+    }
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t* rec = layers + l * kFields;
+        if (rec[0] == kMamba) {
+            const int64_t slots = rec[13] < rec[15] ? rec[13] : rec[15];
+            for (int64_t b = 0; b < B; ++b) {
+                const int64_t w = write_slots[b * ws_stride];
+                if (read_slot[b] < 0 || read_slot[b] >= slots || w < 0 || w >= slots) return 2;
+            }
+        } else if (rec[0] == kAttention) {
+            const int64_t blocks = rec[11], bs = rec[15];
+            for (int64_t b = 0; b < B; ++b) {
+                if (slot_mapping[b] < 0 || slot_mapping[b] >= blocks * bs) return 2;
+                if (positions[b] < 0 || positions[b] >= bt_stride * bs) return 2;
+                const int64_t nb = positions[b] / bs + 1;
+                for (int64_t k = 0; k < nb; ++k) {
+                    const int64_t id = block_table[b * bt_stride + k];
+                    if (id < 0 || id >= blocks) return 2;
+                }
+                // the new token's K / V go where its row reads its own position from
+                if (block_table[b * bt_stride + positions[b] / bs] * bs + positions[b] % bs != slot_mapping[b])
+                    return 3;
+            }
+        } else if (rec[0] != kMlp) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+template <typename T>
+int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_layers, int64_t hidden,
+                int64_t vocab, const T* embed, const T* final_norm, double final_eps, const T* lm_head,
+                const int64_t* input_ids, const int64_t* positions, const int64_t* slot_mapping,
+                const int64_t* block_table, int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots,
+                int64_t ws_stride, const int64_t* qsl, const int64_t* logits_indices, int64_t B, T* logits,
+                int64_t* argmax, uint8_t* all_finite, int threads) {
+    if (B <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
+    const int rc = check_step(layers, num_layers, vocab, input_ids, positions, slot_mapping, block_table, bt_stride,
+                              read_slot, write_slots, ws_stride, qsl, logits_indices, B);
+    if (rc != 0) return rc;
+    // the widest intermediate of any layer sizes the scratch buffers
+    int64_t widest = hidden;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t* rec = layers + l * kFields;
+        int64_t w = 0;
+        if (rec[0] == kMamba) {
+            const int64_t d_inner = rec[16] * rec[17];
+            w = 2 * d_inner + 2 * rec[18] * rec[19] + rec[16];
+        } else if (rec[0] == kAttention) {
+            w = (rec[12] + 2 * rec[13]) * rec[14];
+        } else {
+            w = rec[6];
+        }
+        widest = w > widest ? w : widest;
+    }
+    std::vector<T> h(static_cast<size_t>(B * hidden)), xn(static_cast<size_t>(B * hidden)),
+        mix(static_cast<size_t>(B * hidden));
+    std::vector<T> a(static_cast<size_t>(B * widest)), c(static_cast<size_t>(B * widest)),
+        d(static_cast<size_t>(B * widest));
+    for (int64_t b = 0; b < B; ++b)
+        std::memcpy(h.data() + b * hidden, embed + input_ids[b] * hidden, sizeof(T) * static_cast<size_t>(hidden));
+    bool ok = true;
+    for (int64_t l = 0; l < num_layers && ok; ++l) {
+        const int64_t* rec = layers + l * kFields;
+        const double* dbl = layer_doubles + l * kDoubles;
+        if (Ops<T>::rms_norm(h.data(), hidden, cptr<T>(rec, 1), xn.data(), hidden, B, hidden, dbl[0]) != 0) return 5;
+        if (rec[0] == kMamba) {
+            const int64_t H = rec[16], P = rec[17], G = rec[18], N = rec[19], W = rec[20];
+            const int64_t d_inner = H * P, conv_dim = d_inner + 2 * G * N, proj = d_inner + conv_dim + H;
+            // a = [z | xBC | dt] per row; c = y; d = the gated norm's output
+            ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), proj, a.data(), threads);
+            const T* z = a.data();
+            const T* xbc = a.data() + d_inner;
+            const T* dt = a.data() + d_inner + conv_dim;
+            int r = Ops<T>::mamba_decode(xbc, proj, dt, proj, cptr<T>(rec, 4), cptr<T>(rec, 5), mptr<T>(rec, 12),
+                                         rec[13], cptr<T>(rec, 6), cptr<T>(rec, 7), cptr<T>(rec, 8),
+                                         mptr<T>(rec, 14), rec[15], qsl, B, read_slot, write_slots, ws_stride,
+                                         conv_dim, W, H, P, G, N, static_cast<int>(rec[21]), dbl[2], dbl[3], c.data(),
+                                         threads);
+            if (r != 0) return 5;
+            r = Ops<T>::gated_rms_norm(c.data(), d_inner, z, proj, cptr<T>(rec, 9), d.data(), d_inner, B, d_inner,
+                                       rec[22], dbl[1]);
+            if (r != 0) return 5;
+            ok = ok && linear<T>(d.data(), B, d_inner, cptr<T>(rec, 10), cptr<T>(rec, 11), hidden, mix.data(), threads);
+        } else if (rec[0] == kAttention) {
+            const int64_t H = rec[12], KVH = rec[13], D = rec[14], bs = rec[15];
+            const int64_t qw = H * D, kw = KVH * D;
+            // a = q; c = k | v per row (kw each); d = the attention output
+            ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), qw, a.data(), threads) &&
+                 linear<T>(xn.data(), B, hidden, cptr<T>(rec, 4), cptr<T>(rec, 5), kw, c.data(), threads) &&
+                 linear<T>(xn.data(), B, hidden, cptr<T>(rec, 6), cptr<T>(rec, 7), kw, c.data() + B * kw, threads);
+            T* kv = mptr<T>(rec, 10);
+            for (int64_t b = 0; b < B; ++b) {
+                const int64_t blk = slot_mapping[b] / bs, off = slot_mapping[b] % bs;
+                T* kdst = kv + ((blk * 2 + 0) * bs + off) * kw;
+                T* vdst = kv + ((blk * 2 + 1) * bs + off) * kw;
+                std::memcpy(kdst, c.data() + b * kw, sizeof(T) * static_cast<size_t>(kw));
+                std::memcpy(vdst, c.data() + B * kw + b * kw, sizeof(T) * static_cast<size_t>(kw));
+            }
+            const int r = Ops<T>::paged_attention(a.data(), kv, d.data(), block_table, bt_stride, qsl, positions,
+                                                  B, B, rec[11], H, KVH, D, bs, dbl[1], threads);
+            if (r != 0) return 5;
+            ok = ok && linear<T>(d.data(), B, qw, cptr<T>(rec, 8), cptr<T>(rec, 9), hidden, mix.data(), threads);
+        } else if (rec[0] == kMlp) {
+            const int64_t inter = rec[6];
+            ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), inter, a.data(), threads);
+            for (int64_t i = 0; i < B * inter; ++i) a[static_cast<size_t>(i)] = activate(a[static_cast<size_t>(i)], rec[7]);
+            ok = ok && linear<T>(a.data(), B, inter, cptr<T>(rec, 4), cptr<T>(rec, 5), hidden, mix.data(), threads);
+        } else {
+            return 5;
+        }
+        for (int64_t i = 0; i < B * hidden; ++i) h[static_cast<size_t>(i)] += mix[static_cast<size_t>(i)];
+    }
+    if (!ok) return 5;
+    if (Ops<T>::rms_norm(h.data(), hidden, final_norm, xn.data(), hidden, B, hidden, final_eps) != 0) return 5;
+    if (!linear<T>(xn.data(), B, hidden, lm_head, nullptr, vocab, logits, threads)) return 5;
+    for (int64_t b = 0; b < B; ++b) {
+        const T* row = logits + b * vocab;
+        int64_t best = 0;
+        bool finite = true;
+        for (int64_t j = 0; j < vocab; ++j) {
+            finite = finite && is_finite(row[j]);
+            if (row[j] > row[best]) best = j;
+        }
+        argmax[b] = best;
+        all_finite[b] = finite ? 1 : 0;
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+#define HS_DECODE_STEP(SUF, T)                                                                                   \
+    int hs_decode_step_##SUF(const int64_t* layers, const double* layer_doubles, int64_t num_layers,             \
+                             int64_t hidden, int64_t vocab, const T* embed, const T* final_norm, double final_eps, \
+                             const T* lm_head, const int64_t* input_ids, const int64_t* positions,              \
+                             const int64_t* slot_mapping, const int64_t* block_table, int64_t bt_stride,         \
+                             const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,            \
+                             const int64_t* qsl, const int64_t* logits_indices, int64_t B, T* logits,            \
+                             int64_t* argmax, uint8_t* all_finite, int threads) {                                \
+        try {                                                                                                    \
+            return decode_step<T>(layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, \
+                                  lm_head, input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, \
+                                  write_slots, ws_stride, qsl, logits_indices, B, logits, argmax, all_finite,     \
+                                  threads);                                                                       \
+        } catch (...) {                                                                                          \
+            return 4;                                                                                            \
+        }                                                                                                        \
+    }
+
+HS_DECODE_STEP(f32, float)
+HS_DECODE_STEP(f64, double)
+
+#undef HS_DECODE_STEP
+
+}  // extern "C"

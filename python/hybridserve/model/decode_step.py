@@ -1,0 +1,276 @@
+"""A decode step of a whole model in one call of the C++ CPU library (``hs_decode_step``,
+kernels/csrc/cpu/cpu_decode_step.cpp), for the steps where every row holds one new token.
+
+At batch 1 a small model's forward as torch ops is some 450 dispatches of a few microseconds
+each, around a few microseconds of arithmetic per layer; this is one ctypes call. The mixers run
+the library's own kernels (the Mamba2 recurrence, paged attention, the norms), so states, K / V
+and norms are computed exactly as on the per-op path; the projections are the library's
+matrix-vector products, which agree with torch's GEMMs to rounding (tests/model/test_decode_step.py
+compares the two in float64 and float32).
+
+`DecodeStep.for_model` builds the layer records once, from a model whose every part it knows
+(NemotronH's Mamba2, attention without rotary embedding, non-gated MLP layers; float32 or
+float64; one process: a tensor-parallel shard has other modules and is refused), and returns None
+for any other model. `run` returns None, having written nothing, for a step it does not take:
+not every row a one-token decode row, more rows than `max_rows`, rows sharing a state slot, or
+weights that changed since the records were built (the caller then runs the model's forward).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridserve.kernels import native
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.layers.attention import PagedAttention
+from hybridserve.model.layers.mamba2 import Mamba2Mixer
+from hybridserve.model.layers.mlp import MLP, _ReLU2
+from hybridserve.model.layers.norm import GatedRMSNorm, RMSNorm
+from hybridserve.model.model_config import ATTENTION, MAMBA
+from hybridserve.model.model_config import MLP as MLP_KIND
+
+# The record layout of cpu_decode_step.cpp (kFields int64 and kDoubles doubles per layer).
+_FIELDS = 24
+_DOUBLES = 4
+_KIND = {MAMBA: 0, ATTENTION: 1, MLP_KIND: 2}
+_ACT = {_ReLU2: 0, nn.SiLU: 1, nn.ReLU: 2}
+
+# The projections' multiply-adds of a step above which the model's forward runs it: the library's
+# products reach about 70% of torch's GEMM rate on a wide layer, which at small batch the
+# per-op path's fixed cost (hundreds of dispatches) more than makes up for. Measured on one thread
+# (benches/README.md "Per-step overhead"): on an 89M-parameter checkpoint the fused step wins at
+# 8 rows and loses at 32 (crossover about 16 rows, 2^30 / 88M = 12 here); on the 1M-parameter
+# demo model it wins at every batch the scheduler makes.
+MAX_STEP_MACS = 1 << 30
+
+
+def enabled() -> bool:
+    return os.environ.get("HYBRIDSERVE_DECODE_STEP", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _ptr(a: np.ndarray) -> int:
+    """The address of an int64 array's first element (the scheduler's arrays are C-contiguous
+    int64; anything else is a bug upstream, not a step to run)."""
+    if a.dtype != np.int64 or not a.flags.c_contiguous:
+        raise ValueError(f"decode step: an array of {a.dtype} (contiguous: {a.flags.c_contiguous})")
+    return int(a.ctypes.data)
+
+
+class DecodeOutput(NamedTuple):
+    """A decode step's logits ``[rows, vocab]`` (float32, float64 for a float64 model), each
+    row's argmax (int64: the first of equal maxima, as torch.argmax) and whether all its logits
+    are finite (bool)."""
+
+    logits: torch.Tensor
+    greedy: np.ndarray
+    finite: np.ndarray
+
+
+class _Refused(Exception):
+    """A part of the model the fused step does not know (the model keeps its forward)."""
+
+
+class DecodeStep:
+    def __init__(self, model: nn.Module, caches: ModelCaches, max_rows: int | None = None) -> None:
+        """Raises _Refused for a model it cannot run (`for_model` turns that into None)."""
+        from hybridserve.model.architectures.nemotron_h import NemotronHBlock, NemotronHForCausalLM
+
+        if type(model) is not NemotronHForCausalLM:
+            raise _Refused(f"{type(model).__name__} is not a plain NemotronHForCausalLM")
+        dtype = model.dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise _Refused(f"dtype {dtype}")
+        lib = native.library()
+        if lib is None:
+            raise _Refused("no native CPU library")
+        self.fn = getattr(lib, "hs_decode_step_f32" if dtype == torch.float32 else "hs_decode_step_f64")
+        self.dtype = dtype
+        self.caches = caches
+        self.vocab = int(model.config.vocab_size)
+        self.hidden = int(model.config.hidden_size)
+        self._watch: list[torch.Tensor] = []  # every tensor the records point to
+        self._keep: list[torch.Tensor] = []  # derived tensors (A) the records point to
+        stack = model.stack()
+        layers = list(stack.layers)
+        rec = np.zeros((max(1, len(layers)), _FIELDS), dtype=np.int64)
+        dbl = np.zeros((max(1, len(layers)), _DOUBLES), dtype=np.float64)
+        for i, layer in enumerate(layers):
+            if type(layer) is not NemotronHBlock or layer.kind not in _KIND:
+                raise _Refused(f"layer {i} ({getattr(layer, 'kind', type(layer).__name__)})")
+            rec[i, 0] = _KIND[layer.kind]
+            rec[i, 1] = self._norm(layer.norm)
+            dbl[i, 0] = float(layer.norm.eps)
+            m = layer.mixer
+            if layer.kind == MAMBA:
+                self._mamba(m, caches, i, rec[i], dbl[i])
+            elif layer.kind == ATTENTION:
+                self._attention(m, caches, i, rec[i], dbl[i])
+            else:
+                self._mlp(m, rec[i])
+        self.final_norm = self._norm(stack.output_norm)
+        self.final_eps = float(stack.output_norm.eps)
+        self.embed = self._weight(stack.token_embedding.weight, (self.vocab, self.hidden))
+        self.lm_head = self._linear(model.lm_head, self.hidden, self.vocab, bias=False)[0]
+        self.num_layers = len(layers)
+        macs = sum(int(np.prod(t.shape)) for t in self._watch if t.dim() == 2) - self.vocab * self.hidden
+        self.max_rows = max_rows if max_rows is not None else max(1, MAX_STEP_MACS // max(1, macs))
+        self.records = rec
+        self.doubles = dbl
+        self._versions = self._current_versions()
+        self._rec_ptr = rec.ctypes.data
+        self._dbl_ptr = dbl.ctypes.data
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, caches: ModelCaches, max_rows: int | None = None
+    ) -> DecodeStep | None:
+        """The fused step of `model` over `caches`, or None when it does not run this model here
+        (or ``HYBRIDSERVE_DECODE_STEP=0`` turns it off). `max_rows`: the most rows of a step it
+        takes (default: as many as keep the projections' work under MAX_STEP_MACS)."""
+        if (max_rows is not None and max_rows <= 0) or not enabled():
+            return None
+        try:
+            return cls(model, caches, max_rows)
+        except _Refused:
+            return None
+
+    # --- the records ---
+    def _weight(self, t: torch.Tensor | None, shape: tuple[int, ...]) -> int:
+        if t is None:
+            raise _Refused("a missing weight")
+        if not t.is_cpu or t.dtype != self.dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise _Refused(f"a weight of shape {tuple(t.shape)}, {t.dtype} (wanted {shape}, {self.dtype})")
+        self._watch.append(t)
+        return t.data_ptr()
+
+    def _linear(self, lin: nn.Module, n_in: int, n_out: int, bias: bool | None = None) -> tuple[int, int]:
+        """(weight, bias or 0) of an nn.Linear of these sizes; `bias` False requires none."""
+        if type(lin) is not nn.Linear:
+            raise _Refused(f"{type(lin).__name__} is not an nn.Linear")
+        assert isinstance(lin, nn.Linear)
+        w = self._weight(lin.weight, (n_out, n_in))
+        if lin.bias is None:
+            return w, 0
+        if bias is False:
+            raise _Refused("a bias where the model has none")
+        return w, self._weight(lin.bias, (n_out,))
+
+    def _norm(self, norm: nn.Module) -> int:
+        if type(norm) is not RMSNorm:
+            raise _Refused(f"{type(norm).__name__} is not an RMSNorm")
+        assert isinstance(norm, RMSNorm)
+        return self._weight(norm.weight, (self.hidden,))
+
+    def _cache(self, t: torch.Tensor) -> int:
+        if not t.is_cpu or t.dtype != self.dtype or not t.is_contiguous():
+            raise _Refused(f"a cache of {t.dtype} (the model is {self.dtype})")
+        return t.data_ptr()
+
+    def _mamba(self, m: nn.Module, caches: ModelCaches, i: int, rec: np.ndarray, dbl: np.ndarray) -> None:
+        if type(m) is not Mamba2Mixer or type(m.norm) is not GatedRMSNorm:
+            raise _Refused(f"layer {i}: {type(m).__name__}")
+        assert isinstance(m, Mamba2Mixer)
+        H, P, G, N = m.nheads, m.headdim, m.ngroups, m.dstate
+        d_inner, conv_dim = m.d_inner, m.conv_dim
+        if d_inner != H * P or conv_dim != d_inner + 2 * G * N:
+            raise _Refused(f"layer {i}: Mamba sizes")
+        if not (math.isfinite(m.dt_min) and m.dt_min >= 0.0 and (m.dt_max == math.inf or 0.0 <= m.dt_max)):
+            raise _Refused(f"layer {i}: dt limits")
+        conv, ssm = caches.conv[i], caches.ssm[i]
+        W = int(m.conv1d.weight.shape[-1])
+        if tuple(conv.shape[1:]) != (conv_dim, W - 1) or tuple(ssm.shape[1:]) != (H, P, N):
+            raise _Refused(f"layer {i}: state shapes")
+        rec[2], rec[3] = self._linear(m.in_proj, self.hidden, d_inner + conv_dim + H)
+        w, A = m._constants(ssm.dtype)
+        rec[4] = self._weight(m.conv1d.weight, (conv_dim, 1, W))  # [conv_dim, W] in memory
+        rec[5] = 0 if m.conv1d.bias is None else self._weight(m.conv1d.bias, (conv_dim,))
+        A = A.contiguous()
+        self._keep.append(A)
+        rec[6] = A.data_ptr()
+        rec[7] = self._weight(m.D, (H,))
+        rec[8] = self._weight(m.dt_bias, (H,))
+        rec[9] = self._weight(m.norm.weight, (d_inner,))
+        rec[10], rec[11] = self._linear(m.out_proj, d_inner, self.hidden)
+        rec[12], rec[13] = self._cache(conv), conv.shape[0]
+        rec[14], rec[15] = self._cache(ssm), ssm.shape[0]
+        rec[16:23] = (H, P, G, N, W, int(m.activation is not None), m.norm.group_size)
+        self._watch.append(m.A_log)  # A is derived from it
+        del w
+        dbl[1] = float(m.norm.eps)
+        dbl[2] = float(m.dt_min)
+        dbl[3] = float(m.dt_max) if math.isfinite(m.dt_max) else -1.0
+
+    def _attention(self, a: nn.Module, caches: ModelCaches, i: int, rec: np.ndarray, dbl: np.ndarray) -> None:
+        if type(a) is not PagedAttention:
+            raise _Refused(f"layer {i}: {type(a).__name__}")
+        assert isinstance(a, PagedAttention)
+        if a.rotary_dim != 0:
+            raise _Refused(f"layer {i}: rotary embedding")
+        H, KVH, D = a.num_heads, a.num_kv_heads, a.head_dim
+        kv = caches.kv[i]
+        if H % KVH != 0 or tuple(kv.shape[1:]) != (2, kv.shape[2], KVH, D):
+            raise _Refused(f"layer {i}: attention sizes")
+        rec[2], rec[3] = self._linear(a.q_proj, self.hidden, H * D)
+        rec[4], rec[5] = self._linear(a.k_proj, self.hidden, KVH * D)
+        rec[6], rec[7] = self._linear(a.v_proj, self.hidden, KVH * D)
+        rec[8], rec[9] = self._linear(a.o_proj, H * D, self.hidden)
+        rec[10], rec[11] = self._cache(kv), kv.shape[0]
+        rec[12:16] = (H, KVH, D, kv.shape[2])
+        dbl[1] = float(a.scale)
+
+    def _mlp(self, m: nn.Module, rec: np.ndarray) -> None:
+        if type(m) is not MLP or type(m.act) not in _ACT:
+            raise _Refused(f"{type(m).__name__} with {type(getattr(m, 'act', None)).__name__}")
+        assert isinstance(m, MLP)
+        inter = int(m.up_proj.weight.shape[0])
+        rec[2], rec[3] = self._linear(m.up_proj, self.hidden, inter)
+        rec[4], rec[5] = self._linear(m.down_proj, inter, self.hidden)
+        rec[6], rec[7] = inter, _ACT[type(m.act)]
+
+    def _current_versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in self._watch)
+
+    # --- a step ---
+    def run(self, out: Any) -> DecodeOutput | None:
+        """The logits of a step given as the scheduler's output (its numpy arrays: input_ids,
+        positions, slot_mapping, block_table, state_read_slot, state_write_slots,
+        query_start_loc, logits_indices; `num_decodes`), or None, with nothing written, when the
+        step is not one this runs."""
+        ids = out.input_ids
+        B = len(ids)
+        if B == 0 or B > self.max_rows or int(out.num_decodes) != B:
+            return None
+        qsl = out.query_start_loc
+        if len(qsl) != B + 1 or int(qsl[B]) != B:
+            return None
+        if self._current_versions() != self._versions:
+            return None  # weights changed in place: the model's forward reads them as they are
+        bt = out.block_table
+        ws = out.state_write_slots
+        li = out.logits_indices
+        if len(li) != B:
+            return None
+        logits = torch.empty((B, self.vocab), dtype=self.dtype)
+        greedy = np.empty(B, dtype=np.int64)
+        finite = np.empty(B, dtype=np.bool_)
+        rc = self.fn(
+            self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
+            self.final_eps, self.lm_head, _ptr(ids), _ptr(out.positions), _ptr(out.slot_mapping), _ptr(bt),
+            bt.shape[1] if bt.ndim == 2 else 0, _ptr(out.state_read_slot), _ptr(ws),
+            ws.shape[1] if ws.ndim == 2 else 1, _ptr(qsl), _ptr(li), B, logits.data_ptr(), greedy.ctypes.data,
+            finite.ctypes.data, native.threads(),
+        )  # fmt: skip
+        if rc == 0:
+            return DecodeOutput(logits, greedy, finite)
+        if rc == 3:
+            return None
+        if rc == 5:
+            raise RuntimeError("decode step: a kernel failed after the caches were written")
+        native._check_rc("decode_step", rc, f"{B} rows, {self.num_layers} layers")
+        return None

@@ -1,0 +1,268 @@
+"""The native decode step (model/decode_step.py): a step of one-token decode rows in one call of
+the C++ library, held to the model's own forward on the same caches.
+
+- float64: logits, K / V and Mamba states within 1e-10 of the forward's, and the greedy tokens of
+  several steps equal; float32 within 1e-4;
+- the steps it does not take (a prefill or verify row, more rows than its limit, rows that share
+  a state slot, weights changed in place) return None with nothing written;
+- bad token or block ids raise ValueError with nothing written;
+- models it does not know (MoE layers, another family, bfloat16) get no decode step;
+- through the engine: greedy outputs identical with it on and off, and a row whose logits are
+  not finite fails alone.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hybridserve.engine.llm import LLM
+from hybridserve.kernels import backend, native
+from hybridserve.kernels.backend import Backend
+from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.cache_tensors import ModelCaches
+from hybridserve.model.decode_step import DecodeStep
+from hybridserve.model.loader import LoadedModel, load_model
+from hybridserve.sampling.params import SamplingParams
+from model_fixtures import ALL_CONFIGS, Driver, build_hf_model, random_prompts, save_hf_model
+
+torch.set_num_threads(1)
+
+VOCAB = 256
+pytestmark = pytest.mark.skipif(native.build() is None, reason="no C++ compiler for the CPU kernels")
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend, "_pinned", Backend.CPU_NATIVE)
+
+
+def _model(tmp_path: Any, name: str, dtype: torch.dtype) -> LoadedModel:
+    kind, ov = ALL_CONFIGS[name]
+    path = save_hf_model(build_hf_model(kind, ov, vocab_size=VOCAB, seed=7), tmp_path / name)
+    return load_model(str(path), dtype)
+
+
+def _out(batch: ForwardBatch) -> SimpleNamespace:
+    """A ForwardBatch as the scheduler's output gives it to the runner (numpy arrays)."""
+    arrays = {
+        name: np.ascontiguousarray(getattr(batch, name).cpu().numpy())
+        for name in (
+            "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot",
+            "state_write_slots", "query_start_loc", "logits_indices",
+        )
+    }  # fmt: skip
+    return SimpleNamespace(num_decodes=batch.num_decodes, **arrays)
+
+
+def _snapshot(caches: ModelCaches) -> dict[str, dict[int, torch.Tensor]]:
+    return {k: {i: t.clone() for i, t in getattr(caches, k).items()} for k in ("kv", "conv", "ssm")}
+
+
+def _assert_caches(a: ModelCaches | dict, b: ModelCaches | dict, tol: float) -> None:
+    for k in ("kv", "conv", "ssm"):
+        da = a[k] if isinstance(a, dict) else getattr(a, k)
+        db = b[k] if isinstance(b, dict) else getattr(b, k)
+        assert da.keys() == db.keys()
+        for i in da:
+            torch.testing.assert_close(da[i], db[i], rtol=tol, atol=tol, msg=f"{k}[{i}]")
+
+
+def _two_drivers(lm: LoadedModel, prompts: list[list[int]]) -> tuple[Driver, Driver, list, list]:
+    """Two drivers whose requests have run the same prefill (the same forward: equal caches)."""
+    drivers, reqs = [], []
+    for _ in range(2):
+        drv = Driver(lm, max_seq=64, max_reqs=len(prompts), window=4)
+        rs = [drv._new_req(i, p, 0, None, 0) for i, p in enumerate(prompts)]
+        logits = drv.step([(r, r.tokens, False) for r in rs])
+        for r, row in zip(rs, logits):
+            r.tokens.append(int(row.argmax()))
+            r.prompt_len = len(r.tokens)
+        drivers.append(drv)
+        reqs.append(rs)
+    _assert_caches(drivers[0].caches, drivers[1].caches, 0.0)
+    return drivers[0], drivers[1], reqs[0], reqs[1]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["f64", "f32"]
+)
+def test_decode_steps_match_the_forward(tmp_path: Any, dtype: torch.dtype, tol: float) -> None:
+    lm = _model(tmp_path, "nh_g1", dtype)
+    prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=1)
+    ref, mine, ref_reqs, my_reqs = _two_drivers(lm, prompts)
+    step = DecodeStep.for_model(lm.model, mine.caches)
+    assert step is not None
+    for _ in range(6):
+        ref_rows = [(r, [r.tokens[-1]], True) for r in ref_reqs]
+        my_rows = [(r, [r.tokens[-1]], True) for r in my_reqs]
+        want = ref.step(ref_rows)
+        got = step.run(_out(mine.batch(my_rows)))
+        assert got is not None
+        mine.advance(my_rows)
+        assert got.logits.dtype == dtype and got.logits.shape == want.shape
+        torch.testing.assert_close(got.logits, want, rtol=tol, atol=tol)
+        assert got.finite.all()
+        assert got.greedy.tolist() == want.argmax(dim=-1).tolist()
+        _assert_caches(mine.caches, ref.caches, tol)
+        for r, m, t in zip(ref_reqs, my_reqs, got.greedy.tolist()):
+            r.tokens.append(int(t))
+            m.tokens.append(int(t))
+
+
+def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=2)
+    _, drv, _, reqs = _two_drivers(lm, prompts)
+    step = DecodeStep.for_model(lm.model, drv.caches, max_rows=2)
+    assert step is not None
+    before = _snapshot(drv.caches)
+    a, b, c = reqs
+    fresh = drv._new_req(3, random_prompts(1, VOCAB, [6], seed=3)[0], 0, None, 0)
+    cases = {
+        "a prefill row": [(a, [a.tokens[-1]], True), (fresh, fresh.tokens, False)],
+        "a verify row": [(a, [a.tokens[-1], 5], True)],
+        "more rows than max_rows": [(r, [r.tokens[-1]], True) for r in reqs],
+    }
+    for what, rows in cases.items():
+        assert step.run(_out(drv.batch(rows))) is None, what
+        _assert_caches(drv.caches, before, 0.0)
+    # a row reading the slot another row writes: the per-op path orders those
+    out = _out(drv.batch([(a, [a.tokens[-1]], True), (b, [b.tokens[-1]], True)]))
+    out.state_read_slot[1] = out.state_write_slots[0, 0]
+    assert step.run(out) is None
+    _assert_caches(drv.caches, before, 0.0)
+    # logits asked of other rows than every decode row
+    out = _out(drv.batch([(a, [a.tokens[-1]], True)]))
+    out.logits_indices = np.zeros(0, dtype=np.int64)
+    assert step.run(out) is None
+    # weights changed in place since the records were built: the forward must read them
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(2.0)
+    assert step.run(_out(drv.batch([(a, [a.tokens[-1]], True)]))) is None
+    _assert_caches(drv.caches, before, 0.0)
+    again = DecodeStep.for_model(lm.model, drv.caches)
+    assert again is not None and again.run(_out(drv.batch([(a, [a.tokens[-1]], True)]))) is not None
+
+
+@pytest.mark.parametrize("field", ["input_ids", "block_table", "slot_mapping", "state_read_slot"])
+def test_out_of_range_ids_are_refused_before_any_write(tmp_path: Any, field: str) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    _, drv, _, reqs = _two_drivers(lm, random_prompts(2, VOCAB, [9, 7], seed=4))
+    step = DecodeStep.for_model(lm.model, drv.caches)
+    assert step is not None
+    before = _snapshot(drv.caches)
+    out = _out(drv.batch([(r, [r.tokens[-1]], True) for r in reqs]))
+    arr = getattr(out, field)
+    arr[(-1, 0) if arr.ndim == 2 else -1] = 10**9  # the last row's first block, or its id / slot
+    with pytest.raises(ValueError, match="decode_step"):
+        step.run(out)
+    _assert_caches(drv.caches, before, 0.0)
+
+
+def test_non_finite_logits_are_flagged_per_row(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    _, drv, _, reqs = _two_drivers(lm, random_prompts(2, VOCAB, [9, 7], seed=6))
+    with torch.no_grad():  # a huge embedding row: that token's row overflows, the other stays finite
+        lm.model.stack().token_embedding.weight[reqs[1].tokens[-1]] = float("inf")
+    step = DecodeStep.for_model(lm.model, drv.caches)
+    assert step is not None
+    got = step.run(_out(drv.batch([(r, [r.tokens[-1]], True) for r in reqs])))
+    assert got is not None
+    assert got.finite.tolist() == [True, False] or reqs[0].tokens[-1] == reqs[1].tokens[-1]
+
+
+@pytest.mark.parametrize(
+    "name", ["nh_g2_moe", *[n for n, (k, _) in ALL_CONFIGS.items() if k != "nemotron_h"][:3]]
+)
+def test_models_it_does_not_know_get_none(tmp_path: Any, name: str) -> None:
+    lm = _model(tmp_path, name, torch.float32)
+    caches = ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4)
+    assert DecodeStep.for_model(lm.model, caches) is None
+
+
+def test_bfloat16_gets_none(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.bfloat16)
+    caches = ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4)
+    assert DecodeStep.for_model(lm.model, caches) is None
+
+
+def _generate(monkeypatch: pytest.MonkeyPatch, on: bool, **engine: Any) -> list[list[int]]:
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_STEP", "1" if on else "0")
+    llm = LLM("demo", dtype="float64", cpu_threads=1, max_model_len=512, **engine)
+    assert (llm.engine.runner.decode_step is not None) == on
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 700, [40, 90, 17, 64, 33], seed=8)]
+    params = [SamplingParams(max_tokens=24 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {
+            "enable_prefix_caching": True,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+        },
+    ],
+    ids=["plain", "prefix-cache+ngram"],
+)
+def test_engine_outputs_are_the_same_with_and_without_it(
+    monkeypatch: pytest.MonkeyPatch, engine: dict
+) -> None:
+    assert _generate(monkeypatch, True, **engine) == _generate(monkeypatch, False, **engine)
+
+
+def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM("demo", dtype="float32", cpu_threads=1, max_model_len=512)
+    step = llm.engine.runner.decode_step
+    assert step is not None
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 700, [20, 30, 25], seed=9)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    real = step.run
+    calls = {"n": 0}
+
+    def poisoned(out: Any) -> Any:
+        got = real(out)
+        calls["n"] += 1
+        if got is not None and calls["n"] == 3 and len(got.finite) == 3:
+            got.finite[1] = False  # the second row's logits "overflowed"
+        return got
+
+    monkeypatch.setattr(step, "run", poisoned)
+    outs = llm.generate(prompts, params)
+    assert calls["n"] >= 3
+    assert outs[1].outputs[0].finish_reason == "error" and "not finite" in (outs[1].error or "")
+    assert [list(outs[i].outputs[0].token_ids) for i in (0, 2)] == [want[0], want[2]]
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torch.dtype) -> None:
+    # 6 rows: a group of 4 (the 4-row tiles of the projections) and 2 left over (the one-row path)
+    lm = _model(tmp_path, "nh_g1", dtype)
+    prompts = random_prompts(6, VOCAB, [9, 14, 5, 11, 8, 20], seed=10)
+    together, alone, t_reqs, a_reqs = _two_drivers(lm, prompts)
+    t_step = DecodeStep.for_model(lm.model, together.caches)
+    a_step = DecodeStep.for_model(lm.model, alone.caches)
+    assert t_step is not None and a_step is not None
+    for _ in range(3):
+        rows = [(r, [r.tokens[-1]], True) for r in t_reqs]
+        batched = t_step.run(_out(together.batch(rows)))
+        assert batched is not None
+        together.advance(rows)
+        for i, r in enumerate(a_reqs):
+            row = [(r, [r.tokens[-1]], True)]
+            single = a_step.run(_out(alone.batch(row)))
+            assert single is not None
+            alone.advance(row)
+            assert torch.equal(single.logits[0], batched.logits[i]), i
+        _assert_caches(together.caches, alone.caches, 0.0)
+        for r, s, t in zip(t_reqs, a_reqs, batched.greedy.tolist()):
+            r.tokens.append(int(t))
+            s.tokens.append(int(t))
