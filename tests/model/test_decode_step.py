@@ -3,7 +3,10 @@ the C++ library, held to the model's own forward on the same caches.
 
 - float64: logits, K / V and Mamba states within 1e-10 of the forward's, and the greedy tokens of
   several steps equal; float32 within 1e-4;
-- the steps it does not take (a prefill or verify row, more rows than its limit, rows that share
+- verify rows (a token with its drafts): the forward's logits and caches, and in float32 each
+  token's logits bit-equal to decoding the tokens one at a time; a row's bits do not depend on its
+  batch;
+- the steps it does not take (a prefill row, more tokens than its limit, rows that share
   a state slot, weights changed in place) return None with nothing written;
 - bad token or block ids raise ValueError with nothing written;
 - models it does not know (MoE layers, another family, bfloat16) get no decode step;
@@ -118,15 +121,15 @@ def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
     lm = _model(tmp_path, "nh_g1", torch.float64)
     prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=2)
     _, drv, _, reqs = _two_drivers(lm, prompts)
-    step = DecodeStep.for_model(lm.model, drv.caches, max_rows=2)
+    step = DecodeStep.for_model(lm.model, drv.caches, max_tokens=2)
     assert step is not None
     before = _snapshot(drv.caches)
     a, b, c = reqs
     fresh = drv._new_req(3, random_prompts(1, VOCAB, [6], seed=3)[0], 0, None, 0)
     cases = {
         "a prefill row": [(a, [a.tokens[-1]], True), (fresh, fresh.tokens, False)],
-        "a verify row": [(a, [a.tokens[-1], 5], True)],
-        "more rows than max_rows": [(r, [r.tokens[-1]], True) for r in reqs],
+        "more tokens than max_tokens": [(r, [r.tokens[-1]], True) for r in reqs],
+        "a verify row over max_tokens": [(a, [a.tokens[-1], 5, 6], True)],
     }
     for what, rows in cases.items():
         assert step.run(_out(drv.batch(rows))) is None, what
@@ -266,3 +269,45 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torc
         for r, s, t in zip(t_reqs, a_reqs, batched.greedy.tolist()):
             r.tokens.append(int(t))
             s.tokens.append(int(t))
+
+
+def test_verify_rows_match_the_forward(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=11)
+    ref, mine, ref_reqs, my_reqs = _two_drivers(lm, prompts)
+    step = DecodeStep.for_model(lm.model, mine.caches)
+    assert step is not None
+    drafts = [[7, 8], [], [9, 10, 11]]  # rows of 3, 1 and 4 tokens
+    ref_rows = [(r, [r.tokens[-1], *d], True) for r, d in zip(ref_reqs, drafts)]
+    my_rows = [(r, [r.tokens[-1], *d], True) for r, d in zip(my_reqs, drafts)]
+    want = ref.step(ref_rows)
+    got = step.run(_out(mine.batch(my_rows)))
+    assert got is not None and got.logits.shape == want.shape == (8, VOCAB)
+    torch.testing.assert_close(got.logits, want, rtol=1e-10, atol=1e-10)
+    _assert_caches(mine.caches, ref.caches, 1e-10)
+
+
+def test_a_verified_token_gets_its_decode_bits(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float32)
+    prompts = random_prompts(2, VOCAB, [12, 7], seed=12)
+    verify, decode, v_reqs, d_reqs = _two_drivers(lm, prompts)
+    v_step = DecodeStep.for_model(lm.model, verify.caches)
+    d_step = DecodeStep.for_model(lm.model, decode.caches)
+    assert v_step is not None and d_step is not None
+    tails = [[v_reqs[0].tokens[-1], 21, 22, 23], [v_reqs[1].tokens[-1], 31, 32]]
+    rows = [(r, t, True) for r, t in zip(v_reqs, tails)]
+    verified = v_step.run(_out(verify.batch(rows)))
+    assert verified is not None
+    starts = [0, len(tails[0])]
+    for i in range(max(len(t) for t in tails)):
+        live = [(r, t) for r, t in zip(d_reqs, tails) if i < len(t)]
+        one = [(r, [t[i]], True) for r, t in live]
+        decoded = d_step.run(_out(decode.batch(one)))
+        assert decoded is not None
+        decode.advance(one)
+        for k, (r, _) in enumerate(live):
+            row = d_reqs.index(r)
+            assert torch.equal(decoded.logits[k], verified.logits[starts[row] + i]), (row, i)
+    # K / V of every position are the same bits (the states sit in other window slots)
+    for i in verify.caches.kv:
+        assert torch.equal(verify.caches.kv[i], decode.caches.kv[i])

@@ -385,6 +385,8 @@ def _take_greedy(fused: DecodeOutput, rows: Sequence[RowSampling | None], result
     bias or grammar): each row's token is the argmax the decode step computed, as the sampler's
     would be; a row with a non-finite logit fails alone, as in `_sample`. False (nothing
     recorded) when some row needs the sampler."""
+    if len(fused.greedy) != len(rows):
+        return False  # verify rows: the rejection sampler's
     for row in {id(r): r for r in rows}.values():
         if row is None or row.grammar is not None or not plain_greedy(row):
             return False

@@ -1,5 +1,6 @@
 """A decode step of a whole model in one call of the C++ CPU library (``hs_decode_step``,
-kernels/csrc/cpu/cpu_decode_step.cpp), for the steps where every row holds one new token.
+kernels/csrc/cpu/cpu_decode_step.cpp), for the steps where every row is a decode row: one new
+token, or one verifying its drafts (every token's logits).
 
 At batch 1 a small model's forward as torch ops is some 450 dispatches of a few microseconds
 each, around a few microseconds of arithmetic per layer; this is one ctypes call. The mixers run
@@ -12,8 +13,10 @@ compares the two in float64 and float32).
 (NemotronH's Mamba2, attention without rotary embedding, non-gated MLP layers; float32 or
 float64; one process: a tensor-parallel shard has other modules and is refused), and returns None
 for any other model. `run` returns None, having written nothing, for a step it does not take:
-not every row a one-token decode row, more rows than `max_rows`, rows sharing a state slot, or
-weights that changed since the records were built (the caller then runs the model's forward).
+a prefill row, more tokens than `max_tokens`, rows sharing a state slot, or weights that changed
+since the records were built (the caller then runs the model's forward). A token's arithmetic
+does not depend on the other tokens of the step, so a verified token gets exactly the logits it
+gets decoded alone, in float32 too.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ def _ptr(a: np.ndarray) -> int:
 
 
 class DecodeOutput(NamedTuple):
-    """A decode step's logits ``[rows, vocab]`` (float32, float64 for a float64 model), each
-    row's argmax (int64: the first of equal maxima, as torch.argmax) and whether all its logits
+    """A decode step's logits ``[tokens, vocab]`` (float32, float64 for a float64 model), each
+    token's argmax (int64: the first of equal maxima, as torch.argmax) and whether all its logits
     are finite (bool)."""
 
     logits: torch.Tensor
@@ -77,7 +80,7 @@ class _Refused(Exception):
 
 
 class DecodeStep:
-    def __init__(self, model: nn.Module, caches: ModelCaches, max_rows: int | None = None) -> None:
+    def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None) -> None:
         """Raises _Refused for a model it cannot run (`for_model` turns that into None)."""
         from hybridserve.model.architectures.nemotron_h import NemotronHBlock, NemotronHForCausalLM
 
@@ -119,7 +122,7 @@ class DecodeStep:
         self.lm_head = self._linear(model.lm_head, self.hidden, self.vocab, bias=False)[0]
         self.num_layers = len(layers)
         macs = sum(int(np.prod(t.shape)) for t in self._watch if t.dim() == 2) - self.vocab * self.hidden
-        self.max_rows = max_rows if max_rows is not None else max(1, MAX_STEP_MACS // max(1, macs))
+        self.max_tokens = max_tokens if max_tokens is not None else max(1, MAX_STEP_MACS // max(1, macs))
         self.records = rec
         self.doubles = dbl
         self._versions = self._current_versions()
@@ -128,15 +131,16 @@ class DecodeStep:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, caches: ModelCaches, max_rows: int | None = None
+        cls, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None
     ) -> DecodeStep | None:
         """The fused step of `model` over `caches`, or None when it does not run this model here
-        (or ``HYBRIDSERVE_DECODE_STEP=0`` turns it off). `max_rows`: the most rows of a step it
-        takes (default: as many as keep the projections' work under MAX_STEP_MACS)."""
-        if (max_rows is not None and max_rows <= 0) or not enabled():
+        (or ``HYBRIDSERVE_DECODE_STEP=0`` turns it off). `max_tokens`: the most tokens of a step it
+        takes (default: as many as keep the projections' work under
+        MAX_STEP_MACS)."""
+        if (max_tokens is not None and max_tokens <= 0) or not enabled():
             return None
         try:
-            return cls(model, caches, max_rows)
+            return cls(model, caches, max_tokens)
         except _Refused:
             return None
 
@@ -238,32 +242,34 @@ class DecodeStep:
 
     # --- a step ---
     def run(self, out: Any) -> DecodeOutput | None:
-        """The logits of a step given as the scheduler's output (its numpy arrays: input_ids,
-        positions, slot_mapping, block_table, state_read_slot, state_write_slots,
-        query_start_loc, logits_indices; `num_decodes`), or None, with nothing written, when the
-        step is not one this runs."""
+        """The logits of every token of a step given as the scheduler's output (its numpy
+        arrays: input_ids, positions, slot_mapping, block_table, state_read_slot,
+        state_write_slots, query_start_loc, logits_indices; `num_decodes`) whose rows are all
+        decode rows (one token, or one verifying its drafts), or None, with nothing written, when
+        the step is not one this runs."""
         ids = out.input_ids
-        B = len(ids)
-        if B == 0 or B > self.max_rows or int(out.num_decodes) != B:
+        T = len(ids)
+        R = int(out.num_decodes)
+        if R == 0 or T > self.max_tokens:
             return None
         qsl = out.query_start_loc
-        if len(qsl) != B + 1 or int(qsl[B]) != B:
-            return None
+        if len(qsl) != R + 1 or int(qsl[R]) != T:
+            return None  # prefill rows too
         if self._current_versions() != self._versions:
             return None  # weights changed in place: the model's forward reads them as they are
         bt = out.block_table
         ws = out.state_write_slots
         li = out.logits_indices
-        if len(li) != B:
+        if len(li) != T:
             return None
-        logits = torch.empty((B, self.vocab), dtype=self.dtype)
-        greedy = np.empty(B, dtype=np.int64)
-        finite = np.empty(B, dtype=np.bool_)
+        logits = torch.empty((T, self.vocab), dtype=self.dtype)
+        greedy = np.empty(T, dtype=np.int64)
+        finite = np.empty(T, dtype=np.bool_)
         rc = self.fn(
             self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
             self.final_eps, self.lm_head, _ptr(ids), _ptr(out.positions), _ptr(out.slot_mapping), _ptr(bt),
             bt.shape[1] if bt.ndim == 2 else 0, _ptr(out.state_read_slot), _ptr(ws),
-            ws.shape[1] if ws.ndim == 2 else 1, _ptr(qsl), _ptr(li), B, logits.data_ptr(), greedy.ctypes.data,
+            ws.shape[1] if ws.ndim == 2 else 1, _ptr(qsl), _ptr(li), R, logits.data_ptr(), greedy.ctypes.data,
             finite.ctypes.data, native.threads(),
         )  # fmt: skip
         if rc == 0:
@@ -272,5 +278,5 @@ class DecodeStep:
             return None
         if rc == 5:
             raise RuntimeError("decode step: a kernel failed after the caches were written")
-        native._check_rc("decode_step", rc, f"{B} rows, {self.num_layers} layers")
+        native._check_rc("decode_step", rc, f"{R} rows, {T} tokens, {self.num_layers} layers")
         return None

@@ -7,18 +7,23 @@ draft has not seen yet as a prefill row (read window[0], write window[0]), then 
 decode row that reads window[j - 2] and writes window[j - 1] (scratch slots). K/V written for draft
 positions is overwritten when those positions are run for real.
 Drafts are greedy (argmax), so the rejection sampler treats them as drafts without probabilities.
+On the CPU the decode rows take the native decode step (model/decode_step.py) where it runs the
+draft model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from hybridserve.errors import ConfigError
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype, kv_bytes_per_block
+from hybridserve.model.decode_step import DecodeStep
 from hybridserve.model.loader import load_model
 from hybridserve.spec_decode.base import Proposer
 
@@ -77,6 +82,8 @@ class DraftModelProposer(Proposer):
             state_dtype=default_state_dtype(self.config, dtype),
             device=device,
         )
+        # the draft's decode rows (one token each) in one native call, where the model allows
+        self.decode_step = DecodeStep.for_model(self.model, self.caches) if device.type == "cpu" else None
         self.free_blocks = list(range(num_blocks - 1, 0, -1))
         self.free_slots = list(range(max(2, num_slots) - 1, 0, -1))
         self.requests: dict[str, _DraftRequest] = {}
@@ -172,6 +179,10 @@ class DraftModelProposer(Proposer):
         write = [st.window[0] if not decode else st.window[step] for _, st, _ in rows]
         has_init = [True if decode else s > 0 for s in starts]
         n = len(rows)
+        if decode and self.decode_step is not None:
+            fused = self.decode_step.run(_decode_arrays(ids, pos, slots, table, read, write))
+            if fused is not None:
+                return fused.logits
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -191,3 +202,26 @@ class DraftModelProposer(Proposer):
             logits_indices=torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=dev),
         )
         return self.model.forward(batch, self.caches)
+
+
+def _decode_arrays(
+    ids: list[int], pos: list[int], slots: list[int], table: torch.Tensor, read: list[int], write: list[int]
+) -> SimpleNamespace:
+    """A step of one-token decode rows as the arrays `DecodeStep.run` reads (the layout of the
+    scheduler's output)."""
+    n = len(ids)
+
+    def a(v: list[int]) -> np.ndarray:
+        return np.asarray(v, dtype=np.int64)
+
+    return SimpleNamespace(
+        num_decodes=n,
+        input_ids=a(ids),
+        positions=a(pos),
+        slot_mapping=a(slots),
+        block_table=np.ascontiguousarray(table.numpy()),
+        state_read_slot=a(read),
+        state_write_slots=a(write).reshape(n, 1),
+        query_start_loc=np.arange(n + 1, dtype=np.int64),
+        logits_indices=np.arange(n, dtype=np.int64),
+    )

@@ -1,5 +1,6 @@
 // One decode step of a whole Nemotron-H-shaped model on the CPU, in one call
-// (hybridserve.model.decode_step): every row holds one new token; embeddings, then per layer an
+// (hybridserve.model.decode_step): every row holds one new token, or one verifying its drafts
+// (1 + k tokens, each with its logits); embeddings, then per layer an
 // RMSNorm and a mixer (Mamba2, attention without rotary embedding, or a non-gated MLP) added to the
 // residual stream, then the final norm and the LM head. At batch 1 the same forward as torch ops
 // costs about 450 dispatches of a few microseconds each for a few microseconds of arithmetic per
@@ -11,15 +12,17 @@
 // order: results agree to rounding, not bit for bit).
 //
 // Layers come as records of kFields int64 (pointers as integers) and kDoubles doubles, written
-// once per weight version by the caller; see decode_step.py for the field names. Per step:
-// input_ids, positions, slot_mapping [B]; block_table [B, bt_stride]; read_slot [B];
-// write_slots [B, ws_stride]; qsl [B + 1] and logits_indices [B] (must be 0 .. B, 0 .. B - 1: one
-// token per row, every row's logits); out: logits [B, vocab], and per row the greedy token
-// (argmax, the first of equal maxima, as torch.argmax) and whether every logit is finite.
+// once per weight version by the caller; see decode_step.py for the field names. Per step of R
+// rows and T = qsl[R] tokens: qsl [R + 1] (row r owns tokens qsl[r] .. qsl[r + 1], at least one
+// and at most ws_stride); input_ids, positions, slot_mapping, logits_indices [T] (logits_indices
+// must be 0 .. T - 1: every token's logits); block_table [R, bt_stride]; read_slot [R];
+// write_slots [R, ws_stride] (the state after token t of row r goes to [r, t]); out: logits
+// [T, vocab], and per token the greedy token (argmax, the first of equal maxima, as torch.argmax)
+// and whether every logit is finite.
 //
 // Return codes: 0 ok; 1 bad shapes; 2 a token id, position, KV slot, block id or state slot out
-// of range; 3 not a plain decode step of independent rows (logits rows other than every row, or
-// rows sharing a state slot): the caller runs the per-op forward; 4 out of memory before anything
+// of range; 3 not a decode step of independent rows (logits of other tokens than all, or rows
+// sharing a state slot): the caller runs the per-op forward; 4 out of memory before anything
 // was written; 5 a failure after the caches were written (out of memory, or a check of a kernel
 // that check_step should have made): the step is lost and the caller must not run it again.
 // Everything that can be checked is checked before the first cache write, so codes 1 to 4 leave
@@ -248,42 +251,57 @@ inline T activate(T v, int64_t act) {
 int check_step(const int64_t* layers, int64_t num_layers, int64_t vocab, const int64_t* input_ids,
                const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table,
                int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,
-               const int64_t* qsl, const int64_t* logits_indices, int64_t B) {
+               const int64_t* qsl, const int64_t* logits_indices, int64_t R) {
     if (qsl[0] != 0) return 3;
-    for (int64_t b = 0; b < B; ++b) {
-        if (qsl[b + 1] != b + 1 || logits_indices[b] != b) return 3;
-        if (input_ids[b] < 0 || input_ids[b] >= vocab) return 2;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t n = qsl[r + 1] - qsl[r];
+        if (n < 1 || n > ws_stride) return 3;  // a row of one token, or one verifying its drafts
+    }
+    const int64_t T = qsl[R];
+    for (int64_t t = 0; t < T; ++t) {
+        if (logits_indices[t] != t) return 3;
+        if (input_ids[t] < 0 || input_ids[t] >= vocab) return 2;
     }
     // rows whose state slots overlap are not independent: the per-op path orders their reads and
     // writes (or falls back to the reference twins)
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t w = write_slots[b * ws_stride];
-        for (int64_t c = 0; c < B; ++c) {
-            if (c == b) continue;
-            if (read_slot[c] == w || (w != 0 && write_slots[c * ws_stride] == w)) return 3;
+    for (int64_t r = 0; r < R; ++r) {
+        for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i) {
+            const int64_t w = write_slots[r * ws_stride + i];
+            for (int64_t c = 0; c < R; ++c) {
+                if (c == r) continue;
+                if (read_slot[c] == w) return 3;
+                if (w == 0) continue;
+                for (int64_t k = 0; k < qsl[c + 1] - qsl[c]; ++k)
+                    if (write_slots[c * ws_stride + k] == w) return 3;
+            }
         }
     }
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t* rec = layers + l * kFields;
         if (rec[0] == kMamba) {
             const int64_t slots = rec[13] < rec[15] ? rec[13] : rec[15];
-            for (int64_t b = 0; b < B; ++b) {
-                const int64_t w = write_slots[b * ws_stride];
-                if (read_slot[b] < 0 || read_slot[b] >= slots || w < 0 || w >= slots) return 2;
+            for (int64_t r = 0; r < R; ++r) {
+                if (read_slot[r] < 0 || read_slot[r] >= slots) return 2;
+                for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i) {
+                    const int64_t w = write_slots[r * ws_stride + i];
+                    if (w < 0 || w >= slots) return 2;
+                }
             }
         } else if (rec[0] == kAttention) {
             const int64_t blocks = rec[11], bs = rec[15];
-            for (int64_t b = 0; b < B; ++b) {
-                if (slot_mapping[b] < 0 || slot_mapping[b] >= blocks * bs) return 2;
-                if (positions[b] < 0 || positions[b] >= bt_stride * bs) return 2;
-                const int64_t nb = positions[b] / bs + 1;
-                for (int64_t k = 0; k < nb; ++k) {
-                    const int64_t id = block_table[b * bt_stride + k];
-                    if (id < 0 || id >= blocks) return 2;
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t* table = block_table + r * bt_stride;
+                int64_t last = 0;
+                for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t) {
+                    if (slot_mapping[t] < 0 || slot_mapping[t] >= blocks * bs) return 2;
+                    if (positions[t] < 0 || positions[t] >= bt_stride * bs) return 2;
+                    last = positions[t] > last ? positions[t] : last;
                 }
-                // the new token's K / V go where its row reads its own position from
-                if (block_table[b * bt_stride + positions[b] / bs] * bs + positions[b] % bs != slot_mapping[b])
-                    return 3;
+                for (int64_t k = 0; k <= last / bs; ++k)
+                    if (table[k] < 0 || table[k] >= blocks) return 2;
+                // each new token's K / V go where its row reads its position from
+                for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t)
+                    if (table[positions[t] / bs] * bs + positions[t] % bs != slot_mapping[t]) return 3;
             }
         } else if (rec[0] != kMlp) {
             return 1;
@@ -297,12 +315,13 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
                 int64_t vocab, const T* embed, const T* final_norm, double final_eps, const T* lm_head,
                 const int64_t* input_ids, const int64_t* positions, const int64_t* slot_mapping,
                 const int64_t* block_table, int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots,
-                int64_t ws_stride, const int64_t* qsl, const int64_t* logits_indices, int64_t B, T* logits,
+                int64_t ws_stride, const int64_t* qsl, const int64_t* logits_indices, int64_t R, T* logits,
                 int64_t* argmax, uint8_t* all_finite, int threads) {
-    if (B <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
+    if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
     const int rc = check_step(layers, num_layers, vocab, input_ids, positions, slot_mapping, block_table, bt_stride,
-                              read_slot, write_slots, ws_stride, qsl, logits_indices, B);
+                              read_slot, write_slots, ws_stride, qsl, logits_indices, R);
     if (rc != 0) return rc;
+    const int64_t B = qsl[R];  // tokens: every projection runs on B rows of activations
     // the widest intermediate of any layer sizes the scratch buffers
     int64_t widest = hidden;
     for (int64_t l = 0; l < num_layers; ++l) {
@@ -339,7 +358,7 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
             const T* dt = a.data() + d_inner + conv_dim;
             int r = Ops<T>::mamba_decode(xbc, proj, dt, proj, cptr<T>(rec, 4), cptr<T>(rec, 5), mptr<T>(rec, 12),
                                          rec[13], cptr<T>(rec, 6), cptr<T>(rec, 7), cptr<T>(rec, 8),
-                                         mptr<T>(rec, 14), rec[15], qsl, B, read_slot, write_slots, ws_stride,
+                                         mptr<T>(rec, 14), rec[15], qsl, R, read_slot, write_slots, ws_stride,
                                          conv_dim, W, H, P, G, N, static_cast<int>(rec[21]), dbl[2], dbl[3], c.data(),
                                          threads);
             if (r != 0) return 5;
@@ -363,7 +382,7 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
                 std::memcpy(vdst, c.data() + B * kw + b * kw, sizeof(T) * static_cast<size_t>(kw));
             }
             const int r = Ops<T>::paged_attention(a.data(), kv, d.data(), block_table, bt_stride, qsl, positions,
-                                                  B, B, rec[11], H, KVH, D, bs, dbl[1], threads);
+                                                  R, B, rec[11], H, KVH, D, bs, dbl[1], threads);
             if (r != 0) return 5;
             ok = ok && linear<T>(d.data(), B, qw, cptr<T>(rec, 8), cptr<T>(rec, 9), hidden, mix.data(), threads);
         } else if (rec[0] == kMlp) {
@@ -403,12 +422,12 @@ extern "C" {
                              const T* lm_head, const int64_t* input_ids, const int64_t* positions,              \
                              const int64_t* slot_mapping, const int64_t* block_table, int64_t bt_stride,         \
                              const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,            \
-                             const int64_t* qsl, const int64_t* logits_indices, int64_t B, T* logits,            \
+                             const int64_t* qsl, const int64_t* logits_indices, int64_t R, T* logits,            \
                              int64_t* argmax, uint8_t* all_finite, int threads) {                                \
         try {                                                                                                    \
             return decode_step<T>(layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, \
                                   lm_head, input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, \
-                                  write_slots, ws_stride, qsl, logits_indices, B, logits, argmax, all_finite,     \
+                                  write_slots, ws_stride, qsl, logits_indices, R, logits, argmax, all_finite,     \
                                   threads);                                                                       \
         } catch (...) {                                                                                          \
             return 4;                                                                                            \
