@@ -1,14 +1,17 @@
 """Throughput of each newer model family on the CPU: hybridserve vs transformers' `generate`.
 
-    .venv/bin/python benches/family_throughput.py [--families jamba zamba2 falcon_h1 granitemoehybrid]
-        [--num-prompts 16 --prompt-len 128 --output-len 64 --threads 1 --repeats 2] [--result-file F]
+    .venv/bin/python benches/family_throughput.py [--families jamba zamba2 falcon_h1 granitemoehybrid
+        bamba mamba2] [--num-prompts 16 --prompt-len 128 --output-len 64 --threads 1 --repeats 2]
+        [--per-op] [--result-file F]
 
 Per family, a random checkpoint of 20M to 50M parameters written by transformers (shapes in
 `FAMILIES`: hidden 512, 8 layers, vocabulary 4096, the family's own mixers, MoE and attention layout), float32, and
 the same prompts (random token ids, seeded) for both, greedy, exactly `output-len` new tokens each:
 
 - hybridserve: `LLM(checkpoint, dtype="float32", max_num_seqs=num_prompts)` with its defaults
-  (prefix caching, chunked prefill), the C++ CPU kernels;
+  (prefix caching, chunked prefill), the C++ CPU kernels (and the native decode step for the
+  families it runs: Bamba, Mamba2); with `--per-op`, also `hybridserve_per_op`, the same with
+  every step through the per-op forward;
 - transformers: one left-padded batch with an attention mask, cache on, eager expert loops (the
   default grouped-GEMM experts are no faster here); its Mamba paths are its own pure-torch
   fallbacks (no `mamba_ssm` / `causal_conv1d` on a CPU).
@@ -73,6 +76,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             layer_types=["mamba", "mamba", "mamba", "attention"] * 2,
         ),
     ),
+    # the families the native decode step runs (model/decode_step.py), beside Nemotron-H
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=2, attn_layer_indices=[3, 7], mamba_n_heads=16, mamba_d_head=64,
+            mamba_d_state=64, mamba_n_groups=1,
+        ),
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, n_groups=1, expand=2),
+    ),
 }  # fmt: skip
 
 Timed = tuple[float, list[list[int]]]  # wall s, output tokens per prompt
@@ -114,10 +132,23 @@ def _timed(fn: Callable[[], list[list[int]]]) -> Timed:
     return time.perf_counter() - t0, toks
 
 
-def make_hybridserve(model: Path, prompts: list[list[int]], output_len: int) -> Callable[[], Timed]:
+def make_hybridserve(
+    model: Path, prompts: list[list[int]], output_len: int, decode_step: bool = True
+) -> Callable[[], Timed]:
+    import os
+
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(str(model), dtype="float32", max_num_seqs=len(prompts), seed=0)
+    # `decode_step=False`: every step through the per-op forward (HYBRIDSERVE_DECODE_STEP=0)
+    before = os.environ.get("HYBRIDSERVE_DECODE_STEP")
+    os.environ["HYBRIDSERVE_DECODE_STEP"] = "1" if decode_step else "0"
+    try:
+        llm = LLM(str(model), dtype="float32", max_num_seqs=len(prompts), seed=0)
+    finally:
+        if before is None:
+            del os.environ["HYBRIDSERVE_DECODE_STEP"]
+        else:
+            os.environ["HYBRIDSERVE_DECODE_STEP"] = before
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch, params)  # warm-up
@@ -167,6 +198,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
+        "--per-op",
+        action="store_true",
+        help="also run hybridserve with every step through the per-op forward (no native decode step)",
+    )
+    ap.add_argument(
         "--result-file", type=Path, default=ROOT / "benches" / "results" / "family_throughput.json"
     )
     a = ap.parse_args()
@@ -184,7 +220,13 @@ def main() -> int:
             model = write_checkpoint(fam, Path(tmp))
             params = sum(t.numel() for t in load_file(str(model / "model.safetensors")).values())
             runs: dict[str, list[Timed]] = {"hybridserve": [], "transformers": []}
-            makers = {"hybridserve": make_hybridserve, "transformers": make_transformers}
+            makers: dict[str, Callable[..., Callable[[], Timed]]] = {
+                "hybridserve": make_hybridserve,
+                "transformers": make_transformers,
+            }
+            if a.per_op:
+                runs["hybridserve_per_op"] = []
+                makers["hybridserve_per_op"] = lambda *x: make_hybridserve(*x, decode_step=False)
             once = {name: make(model, prompts, a.output_len) for name, make in makers.items()}
             for _ in range(a.repeats):
                 for name in runs:
@@ -192,12 +234,21 @@ def main() -> int:
             best = {name: min(r, key=lambda t: t[0]) for name, r in runs.items()}
             n = a.num_prompts * a.output_len
             same = sum(x == y for x, y in zip(best["hybridserve"][1], best["transformers"][1]))
+            if a.per_op:  # the two hybridserve paths give the same greedy outputs?
+                row_extra = {
+                    "identical_per_op": sum(
+                        x == y for x, y in zip(best["hybridserve"][1], best["hybridserve_per_op"][1])
+                    )
+                }
+            else:
+                row_extra = {}
             row = {
                 "parameters": params,
                 **{f"{name}_tok_per_s": n / b[0] for name, b in best.items()},
                 **{f"{name}_all_wall_s": [t[0] for t in r] for name, r in runs.items()},
                 "ratio": best["transformers"][0] / best["hybridserve"][0],
                 "identical_outputs": same,
+                **row_extra,
             }
             results[fam] = row
             print(

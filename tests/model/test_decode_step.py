@@ -9,7 +9,8 @@ the C++ library, held to the model's own forward on the same caches.
 - the steps it does not take (a prefill row, more tokens than its limit, rows that share
   a state slot, weights changed in place) return None with nothing written;
 - bad token or block ids raise ValueError with nothing written;
-- models it does not know (MoE layers, another family, bfloat16) get no decode step;
+- Nemotron-H (no MoE), Mamba2 and Bamba (rotary attention, gated MLP) are covered; models it
+  does not know (MoE layers, the other families, bfloat16) get no decode step;
 - through the engine: greedy outputs identical with it on and off, and a row whose logits are
   not finite fails alone.
 """
@@ -91,11 +92,17 @@ def _two_drivers(lm: LoadedModel, prompts: list[list[int]]) -> tuple[Driver, Dri
     return drivers[0], drivers[1], reqs[0], reqs[1]
 
 
+# the configs of the families it runs (Nemotron-H without MoE, Mamba2, Bamba with its rotary
+# attention and gated MLP)
+SUPPORTED = ["nh_g1", "m2_g2", "bamba_g1", "bamba_g2"]
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
 @pytest.mark.parametrize(
     ("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["f64", "f32"]
 )
-def test_decode_steps_match_the_forward(tmp_path: Any, dtype: torch.dtype, tol: float) -> None:
-    lm = _model(tmp_path, "nh_g1", dtype)
+def test_decode_steps_match_the_forward(tmp_path: Any, name: str, dtype: torch.dtype, tol: float) -> None:
+    lm = _model(tmp_path, name, dtype)
     prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=1)
     ref, mine, ref_reqs, my_reqs = _two_drivers(lm, prompts)
     step = DecodeStep.for_model(lm.model, mine.caches)
@@ -179,9 +186,13 @@ def test_non_finite_logits_are_flagged_per_row(tmp_path: Any) -> None:
     assert got.finite.tolist() == [True, False] or reqs[0].tokens[-1] == reqs[1].tokens[-1]
 
 
-@pytest.mark.parametrize(
-    "name", ["nh_g2_moe", *[n for n, (k, _) in ALL_CONFIGS.items() if k != "nemotron_h"][:3]]
-)
+UNSUPPORTED = [
+    "nh_g2_moe",
+    *[n for n, (k, _) in ALL_CONFIGS.items() if k not in ("nemotron_h", "bamba", "mamba2")],
+]
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
 def test_models_it_does_not_know_get_none(tmp_path: Any, name: str) -> None:
     lm = _model(tmp_path, name, torch.float32)
     caches = ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4)
@@ -245,10 +256,11 @@ def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatc
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("name", ["nh_g1", "bamba_g2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torch.dtype) -> None:
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torch.dtype, name: str) -> None:
     # 6 rows: a group of 4 (the 4-row tiles of the projections) and 2 left over (the one-row path)
-    lm = _model(tmp_path, "nh_g1", dtype)
+    lm = _model(tmp_path, name, dtype)
     prompts = random_prompts(6, VOCAB, [9, 14, 5, 11, 8, 20], seed=10)
     together, alone, t_reqs, a_reqs = _two_drivers(lm, prompts)
     t_step = DecodeStep.for_model(lm.model, together.caches)
@@ -271,8 +283,9 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torc
             s.tokens.append(int(t))
 
 
-def test_verify_rows_match_the_forward(tmp_path: Any) -> None:
-    lm = _model(tmp_path, "nh_g1", torch.float64)
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_verify_rows_match_the_forward(tmp_path: Any, name: str) -> None:
+    lm = _model(tmp_path, name, torch.float64)
     prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=11)
     ref, mine, ref_reqs, my_reqs = _two_drivers(lm, prompts)
     step = DecodeStep.for_model(lm.model, mine.caches)

@@ -9,10 +9,11 @@ and norms are computed exactly as on the per-op path; the projections are the li
 matrix-vector products, which agree with torch's GEMMs to rounding (tests/model/test_decode_step.py
 compares the two in float64 and float32).
 
-`DecodeStep.for_model` builds the layer records once, from a model whose every part it knows
-(NemotronH's Mamba2, attention without rotary embedding, non-gated MLP layers; float32 or
-float64; one process: a tensor-parallel shard has other modules and is refused), and returns None
-for any other model. `run` returns None, having written nothing, for a step it does not take:
+`DecodeStep.for_model` builds its records once (one per residual block ``x + mixer(norm(x))``)
+from a model whose every part it knows: Nemotron-H (Mamba2, attention, non-gated MLP layers;
+no MoE), Mamba2, and Bamba (Mamba2 or rotary attention, then a gated MLP); float32 or float64;
+one process (a tensor-parallel shard has other modules and is refused). It returns None for any
+other model. `run` returns None, having written nothing, for a step it does not take:
 a prefill row, more tokens than `max_tokens`, rows sharing a state slot, or weights that changed
 since the records were built (the caller then runs the model's forward). A token's arithmetic
 does not depend on the other tokens of the step, so a verified token gets exactly the logits it
@@ -33,7 +34,7 @@ from hybridserve.kernels import native
 from hybridserve.model.cache_tensors import ModelCaches
 from hybridserve.model.layers.attention import PagedAttention
 from hybridserve.model.layers.mamba2 import Mamba2Mixer
-from hybridserve.model.layers.mlp import MLP, _ReLU2
+from hybridserve.model.layers.mlp import MLP, GatedMLP, _ReLU2
 from hybridserve.model.layers.norm import GatedRMSNorm, RMSNorm
 from hybridserve.model.model_config import ATTENTION, MAMBA
 from hybridserve.model.model_config import MLP as MLP_KIND
@@ -47,10 +48,57 @@ _ACT = {_ReLU2: 0, nn.SiLU: 1, nn.ReLU: 2}
 # The projections' multiply-adds of a step above which the model's forward runs it: the library's
 # products reach about 70% of torch's GEMM rate on a wide layer, which at small batch the
 # per-op path's fixed cost (hundreds of dispatches) more than makes up for. Measured on one thread
-# (benches/README.md "Per-step overhead"): on an 89M-parameter checkpoint the fused step wins at
-# 8 rows and loses at 32 (crossover about 16 rows, 2^30 / 88M = 12 here); on the 1M-parameter
+# (benches/README.md "Per-step overhead"): on an 89M-parameter checkpoint the native step wins at
+# 8 rows and loses at 32 (crossover about 16 rows; 2^30 / 88M = 12 here); on the 1M-parameter
 # demo model it wins at every batch the scheduler makes.
 MAX_STEP_MACS = 1 << 30
+
+
+# A decoder layer as the residual blocks ``x + mixer(norm(x))`` it is made of: (cache index, kind,
+# norm, mixer) each, or _Refused for a layer of another shape.
+_Block = tuple[int, str, nn.Module, nn.Module]
+
+
+def _nemotron_h_blocks(i: int, layer: nn.Module) -> list[_Block]:
+    from hybridserve.model.architectures.nemotron_h import NemotronHBlock
+
+    if type(layer) is not NemotronHBlock or layer.kind not in _KIND:
+        raise _Refused(f"layer {i} ({getattr(layer, 'kind', type(layer).__name__)})")
+    return [(i, layer.kind, layer.norm, layer.mixer)]
+
+
+def _mamba2_blocks(i: int, layer: nn.Module) -> list[_Block]:
+    from hybridserve.model.architectures.mamba2 import Mamba2Block
+
+    if type(layer) is not Mamba2Block:
+        raise _Refused(f"layer {i} ({type(layer).__name__})")
+    return [(i, MAMBA, layer.norm, layer.mixer)]
+
+
+def _bamba_blocks(i: int, layer: nn.Module) -> list[_Block]:
+    from hybridserve.model.architectures.bamba import BambaLayer
+
+    if type(layer) is not BambaLayer:
+        raise _Refused(f"layer {i} ({type(layer).__name__})")
+    mixer = layer.mamba if layer.kind == MAMBA else layer.self_attn
+    return [
+        (i, layer.kind, layer.input_layernorm, mixer),
+        (i, MLP_KIND, layer.pre_ff_layernorm, layer.feed_forward),
+    ]
+
+
+def _blocks_of() -> dict[type, Any]:
+    """The families the decode step runs (their embedding, final norm and LM head are the plain
+    ones of StackedCausalLM, in float32 and float64), with their layers' blocks."""
+    from hybridserve.model.architectures.bamba import BambaForCausalLM
+    from hybridserve.model.architectures.mamba2 import Mamba2ForCausalLM
+    from hybridserve.model.architectures.nemotron_h import NemotronHForCausalLM
+
+    return {
+        NemotronHForCausalLM: _nemotron_h_blocks,
+        Mamba2ForCausalLM: _mamba2_blocks,
+        BambaForCausalLM: _bamba_blocks,
+    }
 
 
 def enabled() -> bool:
@@ -82,10 +130,8 @@ class _Refused(Exception):
 class DecodeStep:
     def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None) -> None:
         """Raises _Refused for a model it cannot run (`for_model` turns that into None)."""
-        from hybridserve.model.architectures.nemotron_h import NemotronHBlock, NemotronHForCausalLM
-
-        if type(model) is not NemotronHForCausalLM:
-            raise _Refused(f"{type(model).__name__} is not a plain NemotronHForCausalLM")
+        if type(model) not in _blocks_of():
+            raise _Refused(f"{type(model).__name__} is not a family the decode step runs")
         dtype = model.dtype
         if dtype not in (torch.float32, torch.float64):
             raise _Refused(f"dtype {dtype}")
@@ -100,27 +146,24 @@ class DecodeStep:
         self._watch: list[torch.Tensor] = []  # every tensor the records point to
         self._keep: list[torch.Tensor] = []  # derived tensors (A) the records point to
         stack = model.stack()
-        layers = list(stack.layers)
-        rec = np.zeros((max(1, len(layers)), _FIELDS), dtype=np.int64)
-        dbl = np.zeros((max(1, len(layers)), _DOUBLES), dtype=np.float64)
-        for i, layer in enumerate(layers):
-            if type(layer) is not NemotronHBlock or layer.kind not in _KIND:
-                raise _Refused(f"layer {i} ({getattr(layer, 'kind', type(layer).__name__)})")
-            rec[i, 0] = _KIND[layer.kind]
-            rec[i, 1] = self._norm(layer.norm)
-            dbl[i, 0] = float(layer.norm.eps)
-            m = layer.mixer
-            if layer.kind == MAMBA:
-                self._mamba(m, caches, i, rec[i], dbl[i])
-            elif layer.kind == ATTENTION:
-                self._attention(m, caches, i, rec[i], dbl[i])
+        blocks = [b for i, layer in enumerate(stack.layers) for b in _blocks_of()[type(model)](i, layer)]
+        rec = np.zeros((max(1, len(blocks)), _FIELDS), dtype=np.int64)
+        dbl = np.zeros((max(1, len(blocks)), _DOUBLES), dtype=np.float64)
+        for j, (i, kind, norm, mixer) in enumerate(blocks):
+            rec[j, 0] = _KIND[kind]
+            rec[j, 1] = self._norm(norm)
+            dbl[j, 0] = float(norm.eps)
+            if kind == MAMBA:
+                self._mamba(mixer, caches, i, rec[j], dbl[j])
+            elif kind == ATTENTION:
+                self._attention(mixer, caches, i, rec[j], dbl[j])
             else:
-                self._mlp(m, rec[i])
+                self._mlp(mixer, rec[j])
         self.final_norm = self._norm(stack.output_norm)
         self.final_eps = float(stack.output_norm.eps)
         self.embed = self._weight(stack.token_embedding.weight, (self.vocab, self.hidden))
         self.lm_head = self._linear(model.lm_head, self.hidden, self.vocab, bias=False)[0]
-        self.num_layers = len(layers)
+        self.num_layers = len(blocks)  # records: residual blocks
         macs = sum(int(np.prod(t.shape)) for t in self._watch if t.dim() == 2) - self.vocab * self.hidden
         self.max_tokens = max_tokens if max_tokens is not None else max(1, MAX_STEP_MACS // max(1, macs))
         self.records = rec
@@ -214,8 +257,8 @@ class DecodeStep:
         if type(a) is not PagedAttention:
             raise _Refused(f"layer {i}: {type(a).__name__}")
         assert isinstance(a, PagedAttention)
-        if a.rotary_dim != 0:
-            raise _Refused(f"layer {i}: rotary embedding")
+        if a.rotary_dim % 2 != 0 or a.rotary_dim > a.head_dim:
+            raise _Refused(f"layer {i}: rotary dimension {a.rotary_dim}")
         H, KVH, D = a.num_heads, a.num_kv_heads, a.head_dim
         kv = caches.kv[i]
         if H % KVH != 0 or tuple(kv.shape[1:]) != (2, kv.shape[2], KVH, D):
@@ -225,17 +268,20 @@ class DecodeStep:
         rec[6], rec[7] = self._linear(a.v_proj, self.hidden, KVH * D)
         rec[8], rec[9] = self._linear(a.o_proj, H * D, self.hidden)
         rec[10], rec[11] = self._cache(kv), kv.shape[0]
-        rec[12:16] = (H, KVH, D, kv.shape[2])
+        rec[12:17] = (H, KVH, D, kv.shape[2], a.rotary_dim)
         dbl[1] = float(a.scale)
+        dbl[2] = float(a.rope_theta)
 
     def _mlp(self, m: nn.Module, rec: np.ndarray) -> None:
-        if type(m) is not MLP or type(m.act) not in _ACT:
+        if type(m) not in (MLP, GatedMLP) or type(m.act) not in _ACT:
             raise _Refused(f"{type(m).__name__} with {type(getattr(m, 'act', None)).__name__}")
-        assert isinstance(m, MLP)
+        assert isinstance(m, (MLP, GatedMLP))
         inter = int(m.up_proj.weight.shape[0])
         rec[2], rec[3] = self._linear(m.up_proj, self.hidden, inter)
         rec[4], rec[5] = self._linear(m.down_proj, inter, self.hidden)
         rec[6], rec[7] = inter, _ACT[type(m.act)]
+        if isinstance(m, GatedMLP):
+            rec[8], rec[9] = self._linear(m.gate_proj, self.hidden, inter)
 
     def _current_versions(self) -> tuple[int, ...]:
         return tuple(t._version for t in self._watch)

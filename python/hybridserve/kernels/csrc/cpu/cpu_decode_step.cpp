@@ -1,10 +1,10 @@
-// One decode step of a whole Nemotron-H-shaped model on the CPU, in one call
-// (hybridserve.model.decode_step): every row holds one new token, or one verifying its drafts
-// (1 + k tokens, each with its logits); embeddings, then per layer an
-// RMSNorm and a mixer (Mamba2, attention without rotary embedding, or a non-gated MLP) added to the
-// residual stream, then the final norm and the LM head. At batch 1 the same forward as torch ops
-// costs about 450 dispatches of a few microseconds each for a few microseconds of arithmetic per
-// layer; here it is one ctypes call.
+// One decode step of a whole model on the CPU, in one call (hybridserve.model.decode_step): every
+// row holds one new token, or one verifying its drafts (1 + k tokens, each with its logits).
+// Embeddings, then residual blocks x + mixer(norm(x)), each an RMSNorm and a mixer (Mamba2,
+// attention with or without rotary embedding, an MLP gated or not), then the final norm and the LM
+// head: Nemotron-H's layers are one block each, Bamba's two (mixer, then MLP). At batch 1 the same
+// forward as torch ops costs about 450 dispatches of a few microseconds each for a few
+// microseconds of arithmetic per layer; here it is one ctypes call.
 //
 // The mixers call the library's own kernels (hs_mamba_decode, hs_paged_attention, the norms), so
 // the recurrence, attention and norms are exactly those of the per-op path; the projections are
@@ -68,15 +68,17 @@ constexpr int kDoubles = 4;
 enum Kind : int64_t { kMamba = 0, kAttention = 1, kMlp = 2 };
 enum Act : int64_t { kRelu2 = 0, kSilu = 1, kRelu = 2 };
 
-// The record of one layer. Field 0 is the kind, field 1 the pre-norm weight; the others by kind:
+// The record of one residual block, x + mixer(norm(x)) (a decoder layer is one or two of them).
+// Field 0 is the kind, field 1 the pre-norm weight; the others by kind:
 //   Mamba2:    2 in_proj.w 3 in_proj.b 4 conv w [conv_dim, W] 5 conv b 6 A (= -exp(A_log)) 7 D
 //              8 dt_bias 9 gated-norm w 10 out_proj.w 11 out_proj.b 12 conv_state 13 its slots
 //              14 ssm_state 15 its slots 16 H 17 P 18 G 19 N 20 W 21 silu 22 norm group size
 //   attention: 2 q.w 3 q.b 4 k.w 5 k.b 6 v.w 7 v.b 8 o.w 9 o.b 10 kv_cache 11 its blocks 12 H
-//              13 KVH 14 D 15 block_size
-//   MLP:       2 up.w 3 up.b 4 down.w 5 down.b 6 intermediate size 7 activation (Act)
+//              13 KVH 14 D 15 block_size 16 rotary dimension (0: no rotary embedding)
+//   MLP:       2 up.w 3 up.b 4 down.w 5 down.b 6 intermediate size 7 activation (Act) 8 gate.w
+//              (0: not gated, down(act(up(x))); else down(act(gate(x)) * up(x))) 9 gate.b
 // Doubles: 0 the pre-norm eps; Mamba2: 1 gated-norm eps 2 dt_min 3 dt_max (< 0: none);
-// attention: 1 the softmax scale.
+// attention: 1 the softmax scale 2 the rotary base (theta).
 template <typename T>
 inline const T* cptr(const int64_t* rec, int i) {
     return reinterpret_cast<const T*>(static_cast<uintptr_t>(rec[i]));
@@ -240,11 +242,66 @@ inline bool is_finite(double v) {
     return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
+// The default rotary embedding (as layers/attention.py's apply_rotary with ForwardContext.rope) on
+// the first rd channels of each of the `heads` heads of every token's row x [B, heads * D]: angle
+// position * theta^(-2i / rd), channel i < rd / 2 paired with i + rd / 2 (rotate_half).
+template <typename T>
+void rotate(T* x, int64_t B, int64_t heads, int64_t D, int64_t rd, double theta, const int64_t* positions) {
+    const int64_t half = rd / 2;
+    std::vector<T> cs(static_cast<size_t>(rd));  // cos | sin of one position
+    for (int64_t b = 0; b < B; ++b) {
+        const T p = static_cast<T>(positions[b]);
+        for (int64_t i = 0; i < half; ++i) {
+            const T inv = T(1) / std::pow(static_cast<T>(theta), static_cast<T>(2 * i) / static_cast<T>(rd));
+            const T f = p * inv;
+            cs[static_cast<size_t>(i)] = std::cos(f);
+            cs[static_cast<size_t>(half + i)] = std::sin(f);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            T* v = x + (b * heads + h) * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const T c = cs[static_cast<size_t>(i)], s = cs[static_cast<size_t>(half + i)];
+                const T lo = v[i], hi = v[i + half];
+                v[i] = lo * c - hi * s;
+                v[i + half] = hi * c + lo * s;
+            }
+        }
+    }
+}
+
 template <typename T>
 inline T activate(T v, int64_t act) {
     if (act == kSilu) return hs::silu(v);
     const T r = v > T(0) ? v : T(0);
     return act == kRelu2 ? r * r : r;
+}
+
+// The activation of kActBatch values (times `mul`, the gated MLP's up projection, when given).
+// Every value goes through this one fixed-width function (a row's short tail is padded), so the
+// vectorised exp, which rounds differently from the scalar one, applies to all of them alike: a
+// value does not depend on where in the step's buffer it sits (a row's bits do not depend on
+// its batch). Not inlined, for the same reason.
+constexpr int64_t kActBatch = 16;
+template <typename T>
+__attribute__((noinline)) void activate_block(T* v, const T* mul, int64_t act) {
+    for (int64_t j = 0; j < kActBatch; ++j) {
+        const T r = activate(v[j], act);
+        v[j] = mul != nullptr ? r * mul[j] : r;
+    }
+}
+
+template <typename T>
+void activate_row(T* v, const T* mul, int64_t n, int64_t act) {
+    int64_t i = 0;
+    for (; i + kActBatch <= n; i += kActBatch) activate_block<T>(v + i, mul != nullptr ? mul + i : nullptr, act);
+    if (i == n) return;
+    T buf[kActBatch] = {}, mbuf[kActBatch] = {};
+    for (int64_t j = 0; j < n - i; ++j) {
+        buf[j] = v[i + j];
+        if (mul != nullptr) mbuf[j] = mul[i + j];
+    }
+    activate_block<T>(buf, mul != nullptr ? mbuf : nullptr, act);
+    for (int64_t j = 0; j < n - i; ++j) v[i + j] = buf[j];
 }
 
 // Everything the step reads that could be out of range, checked before anything is written.
@@ -373,6 +430,10 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
             ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), qw, a.data(), threads) &&
                  linear<T>(xn.data(), B, hidden, cptr<T>(rec, 4), cptr<T>(rec, 5), kw, c.data(), threads) &&
                  linear<T>(xn.data(), B, hidden, cptr<T>(rec, 6), cptr<T>(rec, 7), kw, c.data() + B * kw, threads);
+            if (rec[16] > 0) {
+                rotate<T>(a.data(), B, H, D, rec[16], dbl[2], positions);
+                rotate<T>(c.data(), B, KVH, D, rec[16], dbl[2], positions);
+            }
             T* kv = mptr<T>(rec, 10);
             for (int64_t b = 0; b < B; ++b) {
                 const int64_t blk = slot_mapping[b] / bs, off = slot_mapping[b] % bs;
@@ -387,8 +448,14 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
             ok = ok && linear<T>(d.data(), B, qw, cptr<T>(rec, 8), cptr<T>(rec, 9), hidden, mix.data(), threads);
         } else if (rec[0] == kMlp) {
             const int64_t inter = rec[6];
-            ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), inter, a.data(), threads);
-            for (int64_t i = 0; i < B * inter; ++i) a[static_cast<size_t>(i)] = activate(a[static_cast<size_t>(i)], rec[7]);
+            if (rec[8] != 0) {  // gated: a = act(gate(x)) * up(x)
+                ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 8), cptr<T>(rec, 9), inter, a.data(), threads) &&
+                     linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), inter, c.data(), threads);
+                for (int64_t b = 0; b < B; ++b) activate_row<T>(a.data() + b * inter, c.data() + b * inter, inter, rec[7]);
+            } else {
+                ok = linear<T>(xn.data(), B, hidden, cptr<T>(rec, 2), cptr<T>(rec, 3), inter, a.data(), threads);
+                for (int64_t b = 0; b < B; ++b) activate_row<T>(a.data() + b * inter, nullptr, inter, rec[7]);
+            }
             ok = ok && linear<T>(a.data(), B, inter, cptr<T>(rec, 4), cptr<T>(rec, 5), hidden, mix.data(), threads);
         } else {
             return 5;
