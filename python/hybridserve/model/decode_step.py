@@ -130,9 +130,11 @@ class _Refused(Exception):
 class DecodeStep:
     def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None) -> None:
         """Raises _Refused for a model it cannot run (`for_model` turns that into None)."""
-        if type(model) not in _blocks_of():
+        from hybridserve.model.architectures.base import StackedCausalLM
+
+        if type(model) not in _blocks_of() or not isinstance(model, StackedCausalLM):
             raise _Refused(f"{type(model).__name__} is not a family the decode step runs")
-        dtype = model.dtype
+        dtype: torch.dtype = model.dtype
         if dtype not in (torch.float32, torch.float64):
             raise _Refused(f"dtype {dtype}")
         lib = native.library()

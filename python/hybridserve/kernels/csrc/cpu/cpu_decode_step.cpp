@@ -28,10 +28,12 @@
 // Everything that can be checked is checked before the first cache write, so codes 1 to 4 leave
 // the caches as they were.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -320,18 +322,20 @@ int check_step(const int64_t* layers, int64_t num_layers, int64_t vocab, const i
         if (input_ids[t] < 0 || input_ids[t] >= vocab) return 2;
     }
     // rows whose state slots overlap are not independent: the per-op path orders their reads and
-    // writes (or falls back to the reference twins)
-    for (int64_t r = 0; r < R; ++r) {
-        for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i) {
-            const int64_t w = write_slots[r * ws_stride + i];
-            for (int64_t c = 0; c < R; ++c) {
-                if (c == r) continue;
-                if (read_slot[c] == w) return 3;
-                if (w == 0) continue;
-                for (int64_t k = 0; k < qsl[c + 1] - qsl[c]; ++k)
-                    if (write_slots[c * ws_stride + k] == w) return 3;
-            }
-        }
+    // writes (or falls back to the reference twins). (slot, row) of every write, sorted: no slot
+    // written by two rows, none read by a row other than its writer. (Slot 0 is the null slot:
+    // writes to it are skipped.)
+    std::vector<std::pair<int64_t, int64_t>> writes;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i)
+            if (write_slots[r * ws_stride + i] != 0) writes.emplace_back(write_slots[r * ws_stride + i], r);
+    std::sort(writes.begin(), writes.end());
+    for (size_t k = 1; k < writes.size(); ++k)
+        if (writes[k].first == writes[k - 1].first && writes[k].second != writes[k - 1].second) return 3;
+    for (int64_t c = 0; c < R; ++c) {
+        auto it = std::lower_bound(writes.begin(), writes.end(), std::make_pair(read_slot[c], int64_t(0)));
+        for (; it != writes.end() && it->first == read_slot[c]; ++it)
+            if (it->second != c) return 3;
     }
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t* rec = layers + l * kFields;
