@@ -324,3 +324,34 @@ def test_a_verified_token_gets_its_decode_bits(tmp_path: Any) -> None:
     # K / V of every position are the same bits (the states sit in other window slots)
     for i in verify.caches.kv:
         assert torch.equal(verify.caches.kv[i], decode.caches.kv[i])
+
+
+def test_threads_split_the_projections_without_changing_a_bit(tmp_path: Any) -> None:
+    # wide enough that a projection of 4 rows is split over 2 threads (kMinMacsPerThread)
+    kind, ov = ALL_CONFIGS["nh_g1"]
+    wide = {**ov, "hidden_size": 256, "mamba_num_heads": 16, "mamba_head_dim": 32, "intermediate_size": 1024}
+    path = save_hf_model(build_hf_model(kind, wide, vocab_size=VOCAB, seed=13), tmp_path / "wide")
+    lm = load_model(str(path), torch.float32)
+    prompts = random_prompts(4, VOCAB, [9, 14, 5, 11], seed=14)
+    one, two, one_reqs, two_reqs = _two_drivers(lm, prompts)
+    step_one = DecodeStep.for_model(lm.model, one.caches)
+    step_two = DecodeStep.for_model(lm.model, two.caches)
+    assert step_one is not None and step_two is not None
+    try:
+        for _ in range(3):
+            rows_one = [(r, [r.tokens[-1]], True) for r in one_reqs]
+            rows_two = [(r, [r.tokens[-1]], True) for r in two_reqs]
+            torch.set_num_threads(1)
+            a = step_one.run(_out(one.batch(rows_one)))
+            torch.set_num_threads(2)
+            b = step_two.run(_out(two.batch(rows_two)))
+            assert a is not None and b is not None
+            one.advance(rows_one)
+            two.advance(rows_two)
+            assert torch.equal(a.logits, b.logits)
+            _assert_caches(one.caches, two.caches, 0.0)
+            for r, s, t in zip(one_reqs, two_reqs, a.greedy.tolist()):
+                r.tokens.append(int(t))
+                s.tokens.append(int(t))
+    finally:
+        torch.set_num_threads(1)
