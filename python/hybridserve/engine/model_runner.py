@@ -200,8 +200,8 @@ class ModelRunner:
         if len(copies):
             caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         if out.num_scheduled_tokens > 0:
-            # a step of one-token decode rows runs in one native call when the model allows
-            # (model/decode_step.py); None: the model's forward runs it
+            # a step of decode rows (one token, or a token with its drafts) runs in one native
+            # call when the model allows (model/decode_step.py); None: the model's forward runs it
             fused = self.decode_step.run(out) if self.decode_step is not None and scoring is None else None
             if fused is not None:
                 if not _take_greedy(fused, rows, result):

@@ -115,8 +115,7 @@ void linear_range(const T* x, int64_t B, int64_t in, const T* W, const T* bias, 
                   int64_t j1) {
 #ifdef __AVX512F__
     if constexpr (std::is_same_v<T, float>) {
-        // The rows left (one at a time): 16 outputs per tile, one vector of partial sums per
-        // output; the last tile repeats the last weight row and stores only the real outputs
+        // (the last 0 - 15 inputs of a row: masked loads)
         const __mmask16 tail_in = static_cast<__mmask16>((1u << (in % 16)) - 1u);
         // Groups of 4 rows: 4 rows x 4 outputs per tile, each weight vector loaded serving 4 rows,
         // the 16 partial-sum vectors reduced together by hs::sum16 (its tree is the same for
@@ -160,6 +159,8 @@ void linear_range(const T* x, int64_t B, int64_t in, const T* W, const T* bias, 
         x += b4 * in;
         y += b4 * out;
         B -= b4;
+        // The rows left (one at a time): 16 outputs per tile, one vector of partial sums per
+        // output; the last tile repeats the last weight row and stores only the real outputs.
         for (int64_t jt = j0; jt < j1; jt += 16) {
             const int64_t nj = j1 - jt < 16 ? j1 - jt : 16;
             const float* wr[16];
