@@ -305,9 +305,11 @@ class DecodeStep:
             return None  # prefill rows too
         if self._current_versions() != self._versions:
             return None  # weights changed in place: the model's forward reads them as they are
-        bt = out.block_table
-        ws = out.state_write_slots
-        li = out.logits_indices
+        # every array held here for the call (a getter may return a fresh one each time)
+        pos, slots, bt, rs, ws, li = (
+            out.positions, out.slot_mapping, out.block_table, out.state_read_slot, out.state_write_slots,
+            out.logits_indices,
+        )  # fmt: skip
         if len(li) != T:
             return None
         logits = torch.empty((T, self.vocab), dtype=self.dtype)
@@ -315,8 +317,8 @@ class DecodeStep:
         finite = np.empty(T, dtype=np.bool_)
         rc = self.fn(
             self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
-            self.final_eps, self.lm_head, _ptr(ids), _ptr(out.positions), _ptr(out.slot_mapping), _ptr(bt),
-            bt.shape[1] if bt.ndim == 2 else 0, _ptr(out.state_read_slot), _ptr(ws),
+            self.final_eps, self.lm_head, _ptr(ids), _ptr(pos), _ptr(slots), _ptr(bt),
+            bt.shape[1] if bt.ndim == 2 else 0, _ptr(rs), _ptr(ws),
             ws.shape[1] if ws.ndim == 2 else 1, _ptr(qsl), _ptr(li), R, logits.data_ptr(), greedy.ctypes.data,
             finite.ctypes.data, native.threads(),
         )  # fmt: skip
