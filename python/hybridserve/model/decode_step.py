@@ -310,7 +310,9 @@ class DecodeStep:
             out.positions, out.slot_mapping, out.block_table, out.state_read_slot, out.state_write_slots,
             out.logits_indices,
         )  # fmt: skip
-        if len(li) != T:
+        if len(li) != T or len(pos) != T or len(slots) != T or len(rs) != R:
+            return None  # not the layout of a step (the forward reports what is wrong)
+        if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
             return None
         logits = torch.empty((T, self.vocab), dtype=self.dtype)
         greedy = np.empty(T, dtype=np.int64)
@@ -318,8 +320,7 @@ class DecodeStep:
         rc = self.fn(
             self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
             self.final_eps, self.lm_head, _ptr(ids), _ptr(pos), _ptr(slots), _ptr(bt),
-            bt.shape[1] if bt.ndim == 2 else 0, _ptr(rs), _ptr(ws),
-            ws.shape[1] if ws.ndim == 2 else 1, _ptr(qsl), _ptr(li), R, logits.data_ptr(), greedy.ctypes.data,
+            bt.shape[1], _ptr(rs), _ptr(ws), ws.shape[1], _ptr(qsl), _ptr(li), R, logits.data_ptr(), greedy.ctypes.data,
             finite.ctypes.data, native.threads(),
         )  # fmt: skip
         if rc == 0:
