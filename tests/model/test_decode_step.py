@@ -146,6 +146,11 @@ def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
     out.state_read_slot[1] = out.state_write_slots[0, 0]
     assert step.run(out) is None
     _assert_caches(drv.caches, before, 0.0)
+    # arrays that are not a step's layout (a block table short of a row): the forward reports it
+    out = _out(drv.batch([(a, [a.tokens[-1]], True), (b, [b.tokens[-1]], True)]))
+    out.block_table = np.ascontiguousarray(out.block_table[:1])
+    assert step.run(out) is None
+    _assert_caches(drv.caches, before, 0.0)
     # logits asked of other rows than every decode row
     out = _out(drv.batch([(a, [a.tokens[-1]], True)]))
     out.logits_indices = np.zeros(0, dtype=np.int64)
