@@ -89,8 +89,13 @@ def source_dir() -> Path:
     return Path(__file__).resolve().parent / "csrc" / "cpu"
 
 
+def env_switch(name: str) -> bool:
+    """Whether the on-by-default switch `name` is on (unset, or anything but 0 / false / no / off)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("HYBRIDSERVE_NATIVE_CPU", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("HYBRIDSERVE_NATIVE_CPU")
 
 
 def _compiler() -> str | None:

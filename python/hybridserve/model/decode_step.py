@@ -23,7 +23,6 @@ gets decoded alone, in float32 too.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,7 +101,7 @@ def _blocks_of() -> dict[type, Any]:
 
 
 def enabled() -> bool:
-    return os.environ.get("HYBRIDSERVE_DECODE_STEP", "1").strip().lower() not in ("0", "false", "no", "off")
+    return native.env_switch("HYBRIDSERVE_DECODE_STEP")
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -142,7 +141,7 @@ class DecodeStep:
             raise _Refused("no native CPU library")
         self.fn = getattr(lib, "hs_decode_step_f32" if dtype == torch.float32 else "hs_decode_step_f64")
         self.dtype = dtype
-        self.caches = caches
+        self.caches = caches  # the records point into its tensors: held while they are used
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)
         self._watch: list[torch.Tensor] = []  # every tensor the records point to
@@ -236,7 +235,7 @@ class DecodeStep:
         if tuple(conv.shape[1:]) != (conv_dim, W - 1) or tuple(ssm.shape[1:]) != (H, P, N):
             raise _Refused(f"layer {i}: state shapes")
         rec[2], rec[3] = self._linear(m.in_proj, self.hidden, d_inner + conv_dim + H)
-        w, A = m._constants(ssm.dtype)
+        _, A = m._constants(ssm.dtype)
         rec[4] = self._weight(m.conv1d.weight, (conv_dim, 1, W))  # [conv_dim, W] in memory
         rec[5] = 0 if m.conv1d.bias is None else self._weight(m.conv1d.bias, (conv_dim,))
         A = A.contiguous()
@@ -250,7 +249,6 @@ class DecodeStep:
         rec[14], rec[15] = self._cache(ssm), ssm.shape[0]
         rec[16:23] = (H, P, G, N, W, int(m.activation is not None), m.norm.group_size)
         self._watch.append(m.A_log)  # A is derived from it
-        del w
         dbl[1] = float(m.norm.eps)
         dbl[2] = float(m.dt_min)
         dbl[3] = float(m.dt_max) if math.isfinite(m.dt_max) else -1.0
