@@ -6,8 +6,8 @@
 Both run the same checkpoint (the built-in demo model, float32) on the same prompts (random token
 ids, seeded), greedy, exactly `output-len` new tokens each:
 
-- hybridserve: `LLM("demo", dtype="float32", max_num_seqs=num_prompts).generate(...)` (defaults
-  otherwise: prefix caching on, chunked prefill, mode `all`; the C++ CPU kernels of
+- hybridserve: `LLM("demo", dtype="float32", max_num_seqs=num_prompts, async_scheduling=False)
+  .generate(...)` (synchronous steps; defaults otherwise: prefix caching on, chunked prefill, mode `all`; the C++ CPU kernels of
   kernels/native.py for attention decode and the Mamba recurrence);
 - hybridserve_ngram3: the same plus n-gram speculative decoding with K = 3 (mode `align`; greedy
   outputs are identical with and without speculation, which the run checks);
@@ -104,6 +104,7 @@ def make_hybridserve(
         dtype=dtype,
         max_num_seqs=max(64, len(prompts)),
         speculative_config=speculative_config,
+        async_scheduling=False,  # synchronous steps: no core beyond the contestant's
         **({} if block_size is None else {"block_size": block_size}),
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,8 @@ Per family, a random checkpoint of 20M to 50M parameters written by transformers
 `FAMILIES`: hidden 512, 8 layers, vocabulary 4096, the family's own mixers, MoE and attention layout), float32, and
 the same prompts (random token ids, seeded) for both, greedy, exactly `output-len` new tokens each:
 
-- hybridserve: `LLM(checkpoint, dtype="float32", max_num_seqs=num_prompts)` with its defaults
-  (prefix caching, chunked prefill), the C++ CPU kernels (and the native decode step for the
+- hybridserve: `LLM(checkpoint, dtype="float32", max_num_seqs=num_prompts,
+  async_scheduling=False)` (synchronous steps) with its defaults otherwise (prefix caching, chunked prefill), the C++ CPU kernels (and the native decode step for the
   families it runs: Bamba, Mamba2); with `--per-op`, also `hybridserve_per_op`, the same with
   every step through the per-op forward;
 - transformers: one left-padded batch with an attention mask, cache on, eager expert loops (the
@@ -143,7 +143,8 @@ def make_hybridserve(
     before = os.environ.get("HYBRIDSERVE_DECODE_STEP")
     os.environ["HYBRIDSERVE_DECODE_STEP"] = "1" if decode_step else "0"
     try:
-        llm = LLM(str(model), dtype="float32", max_num_seqs=len(prompts), seed=0)
+        # synchronous steps: no core beyond the contestant's
+        llm = LLM(str(model), dtype="float32", max_num_seqs=len(prompts), seed=0, async_scheduling=False)
     finally:
         if before is None:
             del os.environ["HYBRIDSERVE_DECODE_STEP"]

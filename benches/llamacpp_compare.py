@@ -2,6 +2,7 @@
 
     .venv/bin/python benches/llamacpp_compare.py [--batch 1,8,64] [--prompt-len 256] [--output-len 128]
         [--repeats 3] [--threads 1] [--model demo|nemotron-h-100m|DIR] [--work-dir DIR] [--result-file F]
+        [--overlapped]
 
 llama.cpp is a peer, never a dependency: everything it needs goes into a throw-away folder
 (`--work-dir`, default `~/.cache/hybridserve-peers/llama.cpp-0.3.36`), built once and reused:
@@ -18,8 +19,12 @@ llama.cpp is a peer, never a dependency: everything it needs goes into a throw-a
 
 Then, for each batch size B, interleaved and repeated (the fastest run of each counts):
 
-- hybridserve: `LLM(model, dtype="float32", cpu_threads=T, max_num_seqs=B)`, B prompts of
-  `prompt-len` random token ids, greedy, exactly `output-len` new tokens each (ignore_eos);
+- hybridserve: `LLM(model, dtype="float32", cpu_threads=T, max_num_seqs=B,
+  async_scheduling=False)`, B prompts of `prompt-len` random token ids, greedy, exactly
+  `output-len` new tokens each (ignore_eos): one core, as llama.cpp with `-t T`;
+- hybridserve overlapped (its own row, `--overlapped`): the same with `async_scheduling=True`,
+  whose decode steps compute on a background thread while the engine builds the previous step's
+  outputs on another core, so it uses T compute threads plus that one;
 - llama.cpp: `llama-batched-bench -npp P -ntg G -npl B -t T -tb T -c B*(P+G) -ctk f32 -ctv f32
   -fa off -no-kvu` (f32 KV as hybridserve's; flash attention off: it rounds K/V to f16; a KV
   buffer per sequence, which is faster here than one shared buffer).
@@ -234,12 +239,14 @@ def run_llamacpp(binary: Path, gguf: Path, batch: int, p: int, g: int, threads: 
     raise RuntimeError(f"no result row in llama-batched-bench output:\n{text}")
 
 
-def make_hybridserve(model: str, batch: int, p: int, g: int, threads: int) -> Any:
+def make_hybridserve(model: str, batch: int, p: int, g: int, threads: int, overlapped: bool = False) -> Any:
     from hybridserve import LLM, SamplingParams
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(100, 700) for _ in range(p)] for _ in range(batch)]
-    llm = LLM(model=model, dtype="float32", cpu_threads=threads, max_num_seqs=batch)
+    llm = LLM(
+        model=model, dtype="float32", cpu_threads=threads, max_num_seqs=batch, async_scheduling=overlapped
+    )
     params = SamplingParams(max_tokens=g, temperature=0, ignore_eos=True)
 
     def once() -> float:
@@ -263,6 +270,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--result-file", type=Path, default=None)
+    ap.add_argument(
+        "--overlapped",
+        action="store_true",
+        help="also a row of hybridserve with overlapped steps (one more core)",
+    )
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "python"))
     from hybridserve.model.demo import resolve_model_path
@@ -281,21 +293,27 @@ def main() -> int:
     gguf = convert(a.work_dir, model_dir, log)
     batches = [int(b) for b in a.batch.split(",")]
     p, g, t = a.prompt_len, a.output_len, a.threads
-    ours = {b: make_hybridserve(a.model, b, p, g, t) for b in batches}
-    best: dict[int, dict[str, float]] = {b: {"hybridserve": 0.0, "llama.cpp": 0.0} for b in batches}
+    ours = {b: {"hybridserve": make_hybridserve(a.model, b, p, g, t)} for b in batches}
+    if a.overlapped:
+        for b in batches:
+            ours[b]["hybridserve overlapped"] = make_hybridserve(a.model, b, p, g, t, overlapped=True)
+    names = [*ours[batches[0]], "llama.cpp"]
+    best: dict[int, dict[str, float]] = {b: dict.fromkeys(names, 0.0) for b in batches}
     for r in range(a.repeats):
         for b in batches:
-            hs = ours[b]()
-            lc = run_llamacpp(binary, gguf, b, p, g, t)
-            print(f"repeat {r} batch {b}: hybridserve {hs:.0f} tok/s, llama.cpp {lc:.0f} tok/s", flush=True)
-            best[b]["hybridserve"] = max(best[b]["hybridserve"], hs)
-            best[b]["llama.cpp"] = max(best[b]["llama.cpp"], lc)
+            got = {name: run() for name, run in ours[b].items()}
+            got["llama.cpp"] = run_llamacpp(binary, gguf, b, p, g, t)
+            shown = ", ".join(f"{name} {v:.0f} tok/s" for name, v in got.items())
+            print(f"repeat {r} batch {b}: {shown}", flush=True)
+            for name, v in got.items():
+                best[b][name] = max(best[b][name], v)
     print(f"\n{p} prompt + {g} output tokens per sequence, {t} thread(s) each, best of {a.repeats}")
-    print("| batch | hybridserve tok/s | llama.cpp tok/s | ratio |")
-    print("|---|---|---|---|")
+    print("| batch | engine | tok/s | llama.cpp tok/s | ratio |")
+    print("|---|---|---|---|---|")
     for b in batches:
-        hs, lc = best[b]["hybridserve"], best[b]["llama.cpp"]
-        print(f"| {b} | {hs:.0f} | {lc:.0f} | {hs / lc:.2f}x |")
+        lc = best[b]["llama.cpp"]
+        for name in names[:-1]:
+            print(f"| {b} | {name} | {best[b][name]:.0f} | {lc:.0f} | {best[b][name] / lc:.2f}x |")
     if a.result_file:
         info = {"prompt_len": p, "output_len": g, "threads": t, "repeats": a.repeats, "model": a.model}
         a.result_file.write_text(json.dumps({"config": info, "best_tok_per_s": best}, indent=1))

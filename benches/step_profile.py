@@ -1,9 +1,10 @@
 """Where one engine step's time goes: the phases of `LLMEngine.step` timed on every step.
 
     .venv/bin/python benches/step_profile.py [--batch 1,64] [--prompt-len 256] [--output-len 128]
-        [--model demo] [--repeats 3] [--result-file F]
+        [--model demo] [--repeats 3] [--result-file F] [--overlapped]
 
-For each batch size: `LLM(model, dtype="float32", cpu_threads=1)` generates `batch` prompts of
+For each batch size: `LLM(model, dtype="float32", cpu_threads=1, async_scheduling=False)`
+generates `batch` prompts of
 random token ids (seeded), greedy, exactly `output-len` tokens each; the run is warmed up, then
 repeated. Every step is split into phases, each timed in thread CPU time (the machine may be
 shared: CPU time of the engine's thread is what the code costs) and in wall time:
@@ -20,6 +21,12 @@ shared: CPU time of the engine's thread is what the code costs) and in wall time
 
 Printed per batch size: microseconds per step per phase (median over steps of the best repeat),
 the share outside the forward, and tokens/s of the whole run (prompt + output tokens over wall).
+
+`--overlapped`: the same run with `async_scheduling=True`, where a decode step computes on the
+native library's background thread while the engine thread builds the previous step's outputs.
+The phases are then wall time on the engine thread, and "forward" is the part of the forward the
+engine thread waits for (`PendingDecode.wait`, or the forward run in the engine thread); what it
+builds while the forward runs is off the step's critical path.
 """
 
 from __future__ import annotations
@@ -111,12 +118,17 @@ class TimedScheduler:
         return getattr(self._inner, name)
 
 
-def run(model: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict[str, Any]:
+def run(
+    model: str, batch: int, prompt_len: int, output_len: int, repeats: int, overlapped: bool
+) -> dict[str, Any]:
     from hybridserve import LLM, SamplingParams
+    from hybridserve.model.decode_step import PendingDecode
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(100, 700) for _ in range(prompt_len)] for _ in range(batch)]
-    llm = LLM(model=model, dtype="float32", cpu_threads=1, max_num_seqs=max(batch, 1))
+    llm = LLM(
+        model=model, dtype="float32", cpu_threads=1, max_num_seqs=max(batch, 1), async_scheduling=overlapped
+    )
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     engine = llm.engine
     generate: Callable[[], Any] = lambda: llm.generate(prompts, params)  # noqa: E731
@@ -125,10 +137,12 @@ def run(model: str, batch: int, prompt_len: int, output_len: int, repeats: int) 
     clock = PhaseClock()
     runner = engine.runner
     engine.scheduler = TimedScheduler(engine.scheduler, clock)
-    clock.wrap(runner, "execute", "execute")
+    clock.wrap(runner, "start", "execute")
+    clock.wrap(runner, "finish", "execute")
     clock.wrap(runner.em.model, "forward", "forward")
     if runner.decode_step is not None:  # the whole forward of a decode step in one native call
         clock.wrap(runner.decode_step, "run", "forward")
+        clock.wrap(PendingDecode, "wait", "forward")  # (overlapped: the wait for it)
     clock.wrap(runner, "_sample", "sample")
     clock.wrap(runner, "_propose", "sample")
     clock.wrap(engine.outputs, "process", "outputs")
@@ -169,16 +183,19 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--result-file", default=None)
+    ap.add_argument("--overlapped", action="store_true", help="async_scheduling=True; phases in wall time")
     a = ap.parse_args()
-    results = [run(a.model, int(b), a.prompt_len, a.output_len, a.repeats) for b in a.batch.split(",")]
+    results = [
+        run(a.model, int(b), a.prompt_len, a.output_len, a.repeats, a.overlapped) for b in a.batch.split(",")
+    ]
     print("| batch | tok/s | " + " | ".join(PHASES) + " | outside forward | step |")
     print("|---|---|" + "---|" * (len(PHASES) + 2))
     for r in results:
-        cpu = r["us_per_step_cpu"]
+        cpu = r["us_per_step_wall" if a.overlapped else "us_per_step_cpu"]
         total = sum(cpu.values())
         row = " | ".join(f"{cpu[p]:.0f}" for p in PHASES)
         print(f"| {r['batch']} | {r['tok_per_s']:.0f} | {row} | {total - cpu['forward']:.0f} | {total:.0f} |")
-    print("(median microseconds of thread CPU time per step)")
+    print(f"(median microseconds of {'wall' if a.overlapped else 'thread CPU'} time per step)")
     if a.result_file:
         Path(a.result_file).write_text(json.dumps(results, indent=1))
     return 0

@@ -18,8 +18,8 @@ Both engines get the same workload: B prompts of `prompt-len` random token ids (
 3..vocab-1, so nothing is shared between prompts), greedy, exactly `output-len` new tokens each
 (`ignore_eos`; not `min_tokens`, under which vLLM masks EOS and hybridserve, with ignore_eos, does not).
 
-- hybridserve, in this process: `LLM(model, dtype="float32", cpu_threads=1, max_num_seqs=B)` with
-  its defaults, and a second engine with prefix caching off (`enable_prefix_caching=False,
+- hybridserve, in this process: `LLM(model, dtype="float32", cpu_threads=1, max_num_seqs=B,
+  async_scheduling=False)` (synchronous steps: one core) with its defaults otherwise, and a second engine with prefix caching off (`enable_prefix_caching=False,
   mamba_cache_mode="none"`), like vLLM's;
 - vLLM, in a long-lived subprocess of its venv (so that its start-up, 35-100 s of torch.compile, is
   paid once): `LLM(model, dtype="float32", max_num_seqs=B, enable_prefix_caching=False,
@@ -254,7 +254,10 @@ def make_hybridserve(model: str, batch: int, g: int, prompts: list, **engine_kwa
     """A function running prompt set i on a hybridserve engine: (wall seconds, output ids)."""
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", cpu_threads=1, max_num_seqs=batch, **engine_kwargs)
+    # synchronous steps: one core for the engine, as vLLM's one OpenMP thread
+    llm = LLM(
+        model, dtype="float32", cpu_threads=1, max_num_seqs=batch, async_scheduling=False, **engine_kwargs
+    )
     params = SamplingParams(max_tokens=g, temperature=0, ignore_eos=True)  # as vLLM's (VLLM_RUNNER)
 
     def run(i: int) -> dict[str, Any]:

@@ -450,8 +450,9 @@ def test_an_interrupt_mid_step_leaves_the_llm_usable(monkeypatch: pytest.MonkeyP
     llm = LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=4)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = llm.generate(PROMPT, params)[0].outputs[0].token_ids
-    # the second step's model run (its forward, or the native decode step) is interrupted
-    real = llm.engine.runner.execute
+    # the second step's model run (its forward, or the wait for the native decode step running
+    # on the background thread) is interrupted
+    real = llm.engine.runner.finish
     calls = []
 
     def interrupted(*args: object, **kwargs: object) -> object:
@@ -460,7 +461,7 @@ def test_an_interrupt_mid_step_leaves_the_llm_usable(monkeypatch: pytest.MonkeyP
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    monkeypatch.setattr(llm.engine.runner, "finish", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([PROMPT, "Hello"], params)
     monkeypatch.undo()

@@ -236,24 +236,34 @@ def test_engine_outputs_are_the_same_with_and_without_it(
     assert _generate(monkeypatch, True, **engine) == _generate(monkeypatch, False, **engine)
 
 
-def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM("demo", dtype="float32", cpu_threads=1, max_model_len=512)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "overlapped"])
+def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatch, overlapped: bool) -> None:
+    llm = LLM("demo", dtype="float32", cpu_threads=1, max_model_len=512, async_scheduling=overlapped)
     step = llm.engine.runner.decode_step
     assert step is not None
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 700, [20, 30, 25], seed=9)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-    real = step.run
     calls = {"n": 0}
 
-    def poisoned(out: Any) -> Any:
-        got = real(out)
+    def poison(got: Any) -> Any:
         calls["n"] += 1
         if got is not None and calls["n"] == 3 and len(got.finite) == 3:
             got.finite[1] = False  # the second row's logits "overflowed"
         return got
 
-    monkeypatch.setattr(step, "run", poisoned)
+    # the step runs in the caller (run) or on the background thread (launch, then wait)
+    real_run, real_launch = step.run, step.launch
+    monkeypatch.setattr(step, "run", lambda out: poison(real_run(out)))
+
+    def launch(out: Any) -> Any:
+        pending = real_launch(out)
+        if pending is not None:
+            real_wait = pending.wait
+            pending.wait = lambda: poison(real_wait())  # type: ignore[method-assign]
+        return pending
+
+    monkeypatch.setattr(step, "launch", launch)
     outs = llm.generate(prompts, params)
     assert calls["n"] >= 3
     assert outs[1].outputs[0].finish_reason == "error" and "not finite" in (outs[1].error or "")
@@ -360,3 +370,49 @@ def test_threads_split_the_projections_without_changing_a_bit(tmp_path: Any) -> 
                 s.tokens.append(int(t))
     finally:
         torch.set_num_threads(1)
+
+
+def test_a_step_on_the_background_thread_gets_the_bits_of_one_run_here(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "bamba_g2", torch.float32)
+    prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=4)
+    here, there, here_reqs, there_reqs = _two_drivers(lm, prompts)
+    step_here = DecodeStep.for_model(lm.model, here.caches)
+    step_there = DecodeStep.for_model(lm.model, there.caches)
+    assert step_here is not None and step_there is not None
+    assert step_there.wait_fn() == -1  # nothing is out
+    for _ in range(4):
+        here_rows = [(r, [r.tokens[-1]], True) for r in here_reqs]
+        there_rows = [(r, [r.tokens[-1]], True) for r in there_reqs]
+        out_there = _out(there.batch(there_rows))
+        pending = step_there.launch(out_there)
+        assert pending is not None
+        # one step at a time runs there: another is not posted, and runs in the caller
+        out_here = _out(here.batch(here_rows))
+        assert step_here.launch(out_here) is None
+        want = step_here.run(out_here)
+        got = pending.wait()
+        assert want is not None
+        assert torch.equal(got.logits, want.logits) and got.greedy.tolist() == want.greedy.tolist()
+        with pytest.raises(RuntimeError, match="twice"):
+            pending.wait()
+        here.advance(here_rows)
+        there.advance(there_rows)
+        _assert_caches(here.caches, there.caches, 0.0)
+        for a, b, t in zip(here_reqs, there_reqs, want.greedy.tolist()):
+            a.tokens.append(int(t))
+            b.tokens.append(int(t))
+
+
+def test_a_launch_it_does_not_take_posts_nothing(tmp_path: Any) -> None:
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    _, drv, _, reqs = _two_drivers(lm, random_prompts(2, VOCAB, [9, 5], seed=6))
+    step = DecodeStep.for_model(lm.model, drv.caches)
+    assert step is not None
+    before = _snapshot(drv.caches)
+    out = _out(drv.batch([(r, [r.tokens[-1]], True) for r in reqs]))
+    out.input_ids = out.input_ids.copy()
+    out.input_ids[0] = VOCAB + 5  # out of range: refused by the checks before anything is posted
+    with pytest.raises(ValueError, match="out of bounds"):
+        step.launch(out)
+    assert step.wait_fn() == -1
+    _assert_caches(drv.caches, before, 0.0)

@@ -136,6 +136,10 @@ class EngineArgs:
     #: None = engine/cpu_threads.py's default: the usable cores minus one (spinning OpenMP threads
     #: lose badly to any other load on their cores), or torch's own with OMP_NUM_THREADS set.
     cpu_threads: int | None = None
+    #: Overlapped steps: a step of decode rows computes on a background thread while the engine
+    #: builds the previous step's outputs (engine/llm_engine.py). None = auto: on when the native
+    #: decode step runs the model and a core is left beside the compute threads.
+    async_scheduling: bool | None = None
     #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
     #: longer is refused (engine/grammar_compiler.py).
     grammar_compile_timeout: float = 10.0
@@ -148,7 +152,7 @@ class EngineArgs:
         """Type and range checks; ConfigError names the flag."""
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("MODEL: a model folder or 'demo' is required")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")

@@ -133,6 +133,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "or torch's choice when OMP_NUM_THREADS is set)",
     )
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped steps: a step of decode rows computes on a background thread while the previous "
+        "step's outputs are built (default: on when the native decode step runs the model and a core is "
+        "left beside the CPU threads)",
+    )
+    g.add_argument(
         "--kv-events-config",
         default=None,
         metavar="JSON",

@@ -76,6 +76,7 @@ class ResolvedEngineConfig:
                 "num_mamba_slots": a.num_mamba_slots,
                 "max_queue_len": a.max_queue_len,
                 "cpu_threads": a.cpu_threads,
+                "async_scheduling": a.async_scheduling,
                 "capabilities": self.capabilities.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],
             }

@@ -17,22 +17,24 @@ import logging
 import secrets
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from hybridserve import _core
 from hybridserve.config import EngineArgs
+from hybridserve.engine.cpu_threads import usable_cores
 from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
 from hybridserve.engine.input_processor import EngineRequest, InputProcessor, Prompt
 from hybridserve.engine.kv_events import KVEventPublisher
-from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput, StartedStep
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request_state import RequestState
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
+from hybridserve.kernels import native
 from hybridserve.model.flops import prefill_cost
 from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
@@ -50,6 +52,17 @@ class EngineCounters:
     spec_decode_accepted_tokens: int = 0
     spec_decode_verify_rows: int = 0  # rows that verified at least one draft
     num_steps: int = 0
+    num_overlapped_steps: int = 0  # steps whose forward ran while the step before was output
+
+
+@dataclass
+class _ClosedStep:
+    """A step committed in the scheduler whose outputs are still to be built."""
+
+    out: _core.SchedulerOutput
+    ran: ModelRunnerOutput
+    deltas: list[Any]
+    row_failures: dict[str, str]
 
 
 @dataclass
@@ -60,6 +73,33 @@ class _AwaitingGrammar:
     ticket: GrammarTicket
     cache_salt: str | None
     priority: int
+
+
+OverlapMode = Literal["off", "on", "streaming"]
+
+
+def choose_async_scheduling(requested: bool | None, runner: ModelRunner) -> tuple[OverlapMode, str]:
+    """When steps overlap (`LLMEngine.step`): "on", "off", or "streaming" (only while every
+    step's outputs are built, as the server streams them); and why.
+
+    Only the native decode step runs in the background, so without one there is nothing to
+    overlap. By default steps overlap when a core is left beside the compute threads (on a core
+    the step uses, the outputs would only take turns with it) and the outputs are streamed: the
+    offline `LLM` API builds an output only when a request finishes, which leaves too little to
+    hide to pay for the hand-over (benches/README.md, "Overlapped steps")."""
+    if requested is False:
+        return "off", "--no-async-scheduling"
+    if runner.decode_step is None:
+        return "off", "this model, dtype or device has no native decode step to run in the background"
+    if requested:
+        return "on", "--async-scheduling"
+    cores, threads = usable_cores(), native.threads()
+    if cores > threads:
+        return (
+            "streaming",
+            f"default: {cores} usable core(s), {threads} compute thread(s); when outputs are streamed",
+        )
+    return "off", f"default: {cores} usable core(s), all of them compute threads"
 
 
 def prefix_cache_hash_seed(args: EngineArgs) -> int:
@@ -105,6 +145,12 @@ class LLMEngine:
         if events_cfg is not None:
             self.scheduler.enable_kv_events()
             self.kv_events = KVEventPublisher(events_cfg, int(self.config.block_size))
+        # overlapped steps (`step`): the step left running on the background thread, and the
+        # outputs of a step completed outside `step` (reset_prefix_cache) for the next call
+        self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
+        logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
+        self._in_flight: StartedStep | None = None
+        self._carried: list[RequestOutput] = []
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
         # structured outputs: requests whose grammar is still being compiled, in arrival order
@@ -146,6 +192,11 @@ class LLMEngine:
     def requests(self) -> dict[str, RequestState]:
         """The requests the engine runs, by id."""
         return self.outputs.requests
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the next step may be left running in the background (`step`)."""
+        return self.overlap_mode == "on" or (self.overlap_mode == "streaming" and self.stream_outputs)
 
     @property
     def stream_outputs(self) -> bool:
@@ -271,7 +322,12 @@ class LLMEngine:
         self.runner.free_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self.scheduler.has_unfinished_requests()
+        return (
+            self._in_flight is not None
+            or bool(self._carried)
+            or bool(self.requests)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # ------------------------------------------------------------------ tensor parallelism
     @property
@@ -293,12 +349,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests it advanced (streaming) or finished.
+
+        With overlapped steps (`async_scheduling`) a step of decode rows that the native decode
+        step runs is left running on its background thread when this returns, and the outputs
+        returned are the previous step's, built (detokenized, stop strings matched) while it
+        runs; the next call waits for it, commits it and schedules the one after. The plan of a
+        step is still made from the committed tokens of the step before, so what runs is what
+        a synchronous engine runs, except that a request that a stop string or its grammar ends
+        may have one more row computed, whose token is dropped (docs/architecture.md, "Overlapped
+        steps")."""
         dead = self.dead_reason
         if dead is not None:
             raise EngineDeadError(dead)
+        carried, self._carried = self._carried, []
+        previous = self._close_in_flight()
         refused = self._admit_compiled()
-        if (refused or self._awaiting_grammar) and not self.scheduler.has_unfinished_requests():
-            return refused  # only requests waiting for their grammar: no step to run
+        if not self.scheduler.has_unfinished_requests():
+            # only requests waiting for their grammar, or none: no step to run
+            return carried + refused + (self._emit(previous) if previous is not None else [])
         try:
             out = self.scheduler.schedule()
         except BaseException as exc:
@@ -310,7 +379,35 @@ class LLMEngine:
             raise
         self.counters.num_steps += 1
         try:
-            ran = self.runner.execute(out, [self._row_sampling(rid) for rid in out.req_ids])
+            started = self.runner.start(
+                out, [self._row_sampling(rid) for rid in out.req_ids], background=self.async_scheduling
+            )
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise self._recover_from_failed_step(out, exc) from exc
+            self._recover_from_failed_step(out, exc)
+            raise
+        if started.running is not None:
+            # the forward runs on the background thread while the previous step's outputs are built
+            self._in_flight = started
+            self.counters.num_overlapped_steps += 1
+            return carried + refused + (self._emit(previous) if previous is not None else [])
+        outputs = carried + refused + (self._emit(previous) if previous is not None else [])
+        return outputs + self._emit(self._close(started))
+
+    def _close_in_flight(self) -> _ClosedStep | None:
+        """Waits for the step left running on the background thread, if any, and commits it."""
+        started, self._in_flight = self._in_flight, None
+        return None if started is None else self._close(started)
+
+    def _close(self, started: StartedStep) -> _ClosedStep:
+        """Finishes a started step (its forward, or the wait for it; sampling) and commits it in
+        the scheduler."""
+        out = started.out
+        try:
+            # the rows are read now: a request a stop string ended since the step was planned
+            # has its row computed and nothing sampled for it
+            ran = self.runner.finish(started, [self._row_sampling(rid) for rid in out.req_ids])
             self._count_verified(ran)
             # A row that failed alone (non-finite logits, a sampling error) ends its request: it
             # is aborted before the update, which so drops every state its row wrote this step.
@@ -322,16 +419,26 @@ class LLMEngine:
                 out, sampled, num_sampled, ran.draft_token_ids, ran.num_draft_tokens
             )
         except Exception as exc:
+            started.abandon()
             raise self._recover_from_failed_step(out, exc) from exc
         except BaseException as exc:
             # Ctrl-C (or SystemExit) mid-step: close the step the same way, so that the engine
             # stays usable, and let the interrupt through
+            started.abandon()
             self._recover_from_failed_step(out, exc)
             raise
+        return _ClosedStep(out, ran, deltas, row_failures)
+
+    def _emit(self, closed: _ClosedStep) -> list[RequestOutput]:
+        """The outputs of a committed step: its tokens detokenized, stop strings matched,
+        finished requests forgotten, KV events published."""
+        out, ran = closed.out, closed.ran
         for r, (first, entries) in ran.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(str(out.req_ids[r]), first, entries)
-        outputs, done = self.outputs.process(deltas, out.req_ids, ran.logprobs, self.scheduler.finish_request)
-        for rid, why in row_failures.items():
+        outputs, done = self.outputs.process(
+            closed.deltas, out.req_ids, ran.logprobs, self.scheduler.finish_request
+        )
+        for rid, why in closed.row_failures.items():
             st = self.requests.get(rid)
             if st is None:
                 continue
@@ -346,7 +453,13 @@ class LLMEngine:
         for rid in done:
             self._forget(rid)
         self.publish_kv_events()
-        return refused + outputs
+        return outputs
+
+    def _settle(self) -> None:
+        """Completes the step left running, if any; its outputs come with the next `step()`."""
+        previous = self._close_in_flight()
+        if previous is not None:
+            self._carried.extend(self._emit(previous))
 
     def publish_kv_events(self) -> None:
         """Hands the KV cache events recorded since the last call to the publisher."""
@@ -356,6 +469,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Ends what the engine started: the tensor-parallel workers, and the KV-events publisher
         after it has sent what it has. Idempotent."""
+        self._settle()
         self.stop_workers()
         if self.kv_events is not None:
             self.publish_kv_events()
@@ -446,10 +560,12 @@ class LLMEngine:
                 1.0 + self.counters.spec_decode_accepted_tokens / verify_rows if verify_rows else 0.0
             ),
             num_steps=self.counters.num_steps,
+            num_overlapped_steps=self.counters.num_overlapped_steps,
         )
         return s
 
     def reset_prefix_cache(self) -> bool:
+        self._settle()  # the scheduler refuses while a step is open
         done = bool(self.scheduler.reset_prefix_cache())
         self.publish_kv_events()
         return done

@@ -22,7 +22,7 @@ from hybridserve.engine.model_setup import EngineModel
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
 from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
-from hybridserve.model.decode_step import DecodeOutput, DecodeStep
+from hybridserve.model.decode_step import DecodeOutput, DecodeStep, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, plain_greedy
 
@@ -118,6 +118,26 @@ class ModelRunnerOutput:
         return np.asarray(flat, dtype=np.int32), np.asarray(counts, dtype=np.int32)
 
 
+@dataclass
+class StartedStep:
+    """A step `ModelRunner.start` has begun: its copies are applied; `running` is its native
+    decode step when that runs on the background thread (until `finish` waits for it)."""
+
+    out: _core.SchedulerOutput
+    scoring: _PromptScoring | None
+    running: PendingDecode | None = None
+
+    def abandon(self) -> None:
+        """Waits for the background step, if any, dropping what it computed: a step that
+        failed must not go on writing the caches while the engine recovers."""
+        running, self.running = self.running, None
+        if running is not None:
+            try:
+                running.wait()
+            except Exception:  # (its own failure: the step fails anyway)
+                pass
+
+
 def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
     """The scheduler's numpy arrays as the tensors the model reads."""
     arrays = {name: getattr(out, name) for name in (*DEVICE_ARRAYS, *HOST_ARRAYS)}
@@ -181,6 +201,32 @@ class ModelRunner:
         """Copy the cache blocks and states the scheduler asked for, run the forward, sample (or
         verify drafts), and propose the next drafts. `rows[r]` describes request `out.req_ids[r]`;
         None for a request that is gone (its row is computed and nothing is sampled for it)."""
+        return self.finish(self.start(out, rows), rows)
+
+    def start(
+        self, out: _core.SchedulerOutput, rows: Sequence[RowSampling | None], background: bool = False
+    ) -> StartedStep:
+        """The first half of `execute`: the copies, and with `background` a step of decode rows
+        that the native decode step runs is started on its background thread and left running
+        (`StartedStep.running`); `finish` waits for it. Every other step's forward runs in
+        `finish`, so that nothing of it has run when this returns."""
+        scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
+        if self.executor is not None:
+            self.executor.send_step(_step_inputs(out, scoring))
+        caches = self.em.caches
+        if len(out.kv_copies):
+            caches.apply_kv_copies(torch.from_numpy(np.ascontiguousarray(out.kv_copies)))
+        if len(out.state_copies):
+            caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(out.state_copies)))
+        started = StartedStep(out, scoring)
+        if background and self.decode_step is not None and scoring is None and out.num_scheduled_tokens > 0:
+            started.running = self.decode_step.launch(out)
+        return started
+
+    def finish(self, started: StartedStep, rows: Sequence[RowSampling | None]) -> ModelRunnerOutput:
+        """The second half of `execute`: the forward (or the wait for the one `start` left
+        running), sampling or verification, and the next drafts."""
+        out, scoring = started.out, started.scoring
         req_ids: list[str] = list(out.req_ids)
         num_rows = len(req_ids)
         result = ModelRunnerOutput(
@@ -189,20 +235,16 @@ class ModelRunner:
             draft_token_ids=np.zeros(0, dtype=np.int32),
             num_draft_tokens=np.zeros(num_rows, dtype=np.int32),
         )
-        caches = self.em.caches
-        kv_copies = out.kv_copies
-        copies = out.state_copies
-        scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
-        if self.executor is not None:
-            self.executor.send_step(_step_inputs(out, scoring))
-        if len(kv_copies):
-            caches.apply_kv_copies(torch.from_numpy(np.ascontiguousarray(kv_copies)))
-        if len(copies):
-            caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(copies)))
         if out.num_scheduled_tokens > 0:
             # a step of decode rows (one token, or a token with its drafts) runs in one native
             # call when the model allows (model/decode_step.py); None: the model's forward runs it
-            fused = self.decode_step.run(out) if self.decode_step is not None and scoring is None else None
+            if started.running is not None:
+                running, started.running = started.running, None
+                fused: DecodeOutput | None = running.wait()
+            elif self.decode_step is not None and scoring is None:
+                fused = self.decode_step.run(out)
+            else:
+                fused = None
             if fused is not None:
                 if not _take_greedy(fused, rows, result):
                     self._sample(out, rows, fused.logits, result)
@@ -211,7 +253,7 @@ class ModelRunner:
                 if scoring is not None:
                     batch.logits_indices = scoring.logits_indices
                 with torch.inference_mode():
-                    logits = self.em.model.forward(batch, caches)
+                    logits = self.em.model.forward(batch, self.em.caches)
                 if scoring is not None:
                     result.prompt_logprobs = scoring.logprobs(logits, rows)
                     logits = logits[scoring.sampling_rows]

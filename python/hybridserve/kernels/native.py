@@ -53,7 +53,7 @@ _SOURCES = (
     "cpu_norms.cpp",
     "cpu_decode_step.cpp",
 )
-_HEADERS = ("cpu_parallel.h", "cpu_common.h")
+_HEADERS = ("cpu_parallel.h", "cpu_common.h", "cpu_background.h")
 SOURCE_FILES = (*_SOURCES, *_HEADERS)  # everything in source_dir() the build reads
 # -ffast-math lets the compiler vectorise the dot-product reductions and call glibc's vector exp
 # (3x faster than scalar expf here). Every value the kernels use is finite for finite inputs:
@@ -224,6 +224,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _I64]
         fn.argtypes += [_P, _P, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int]
         fn.restype = ctypes.c_int
+        # the same step on the library's background thread: 0 posted, 6 not (busy), else as above
+        launch = getattr(lib, f"hs_decode_step_launch_{suffix}")
+        launch.argtypes, launch.restype = fn.argtypes, ctypes.c_int
+    lib.hs_decode_step_wait.argtypes = []
+    lib.hs_decode_step_wait.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:

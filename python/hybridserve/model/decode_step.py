@@ -139,7 +139,10 @@ class DecodeStep:
         lib = native.library()
         if lib is None:
             raise _Refused("no native CPU library")
-        self.fn = getattr(lib, "hs_decode_step_f32" if dtype == torch.float32 else "hs_decode_step_f64")
+        suffix = "f32" if dtype == torch.float32 else "f64"
+        self.fn = getattr(lib, f"hs_decode_step_{suffix}")
+        self.launch_fn = getattr(lib, f"hs_decode_step_launch_{suffix}")
+        self.wait_fn = lib.hs_decode_step_wait
         self.dtype = dtype
         self.caches = caches  # the records point into its tensors: held while they are used
         self.vocab = int(model.config.vocab_size)
@@ -293,6 +296,27 @@ class DecodeStep:
         state_write_slots, query_start_loc, logits_indices; `num_decodes`) whose rows are all
         decode rows (one token, or one verifying its drafts), or None, with nothing written, when
         the step is not one this runs."""
+        call = self._call(out)
+        if call is None:
+            return None
+        return call.result(self.fn(*call.args))
+
+    def launch(self, out: Any) -> PendingDecode | None:
+        """The same step run on the native library's background thread: returns at once with
+        the step running, or None, with nothing written or started, when `run` would return None
+        or another step is already running there (the caller then runs this one itself)."""
+        call = self._call(out)
+        if call is None:
+            return None
+        rc = self.launch_fn(*call.args)
+        if rc == 6:
+            return None
+        if rc != 0:
+            call.result(rc)  # the checks made before anything was posted: raises, or None
+            return None
+        return PendingDecode(call, self.wait_fn)
+
+    def _call(self, out: Any) -> _Call | None:
         ids = out.input_ids
         T = len(ids)
         R = int(out.num_decodes)
@@ -312,20 +336,66 @@ class DecodeStep:
             return None  # not the layout of a step (the forward reports what is wrong)
         if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
             return None
-        logits = torch.empty((T, self.vocab), dtype=self.dtype)
-        greedy = np.empty(T, dtype=np.int64)
-        finite = np.empty(T, dtype=np.bool_)
-        rc = self.fn(
+        output = DecodeOutput(
+            torch.empty((T, self.vocab), dtype=self.dtype),
+            np.empty(T, dtype=np.int64),
+            np.empty(T, dtype=np.bool_),
+        )
+        args = (
             self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
             self.final_eps, self.lm_head, _ptr(ids), _ptr(pos), _ptr(slots), _ptr(bt),
-            bt.shape[1], _ptr(rs), _ptr(ws), ws.shape[1], _ptr(qsl), _ptr(li), R, logits.data_ptr(), greedy.ctypes.data,
-            finite.ctypes.data, native.threads(),
+            bt.shape[1], _ptr(rs), _ptr(ws), ws.shape[1], _ptr(qsl), _ptr(li), R, output.logits.data_ptr(),
+            output.greedy.ctypes.data, output.finite.ctypes.data, native.threads(),
         )  # fmt: skip
+        return _Call(
+            args,
+            output,
+            (ids, pos, slots, bt, rs, ws, qsl, li),
+            f"{R} rows, {T} tokens, {self.num_layers} layers",
+        )
+
+
+class _Call(NamedTuple):
+    """One decode step's native arguments, the output they write, and the arrays they point into
+    (held until the step has run)."""
+
+    args: tuple[Any, ...]
+    output: DecodeOutput
+    arrays: tuple[np.ndarray, ...]
+    shapes: str
+
+    def result(self, rc: int) -> DecodeOutput | None:
         if rc == 0:
-            return DecodeOutput(logits, greedy, finite)
+            return self.output
         if rc == 3:
             return None
         if rc == 5:
             raise RuntimeError("decode step: a kernel failed after the caches were written")
-        native._check_rc("decode_step", rc, f"{R} rows, {T} tokens, {self.num_layers} layers")
+        native._check_rc("decode_step", rc, self.shapes)
         return None
+
+
+class PendingDecode:
+    """A decode step running on the native library's background thread (`DecodeStep.launch`).
+    `wait` must be called, once, before the caches it writes are read or written again."""
+
+    def __init__(self, call: _Call, wait_fn: Any) -> None:
+        self._call: _Call | None = call
+        self._wait_fn = wait_fn
+
+    def __del__(self) -> None:
+        # never waited for (an error between launch and wait): the step must still end before
+        # the arrays it points into go, and the background thread must be free for the next
+        if getattr(self, "_call", None) is not None:
+            self._wait_fn()
+            self._call = None
+
+    def wait(self) -> DecodeOutput:
+        call, self._call = self._call, None
+        if call is None:
+            raise RuntimeError("decode step: waited for twice")
+        rc = int(self._wait_fn())
+        got = call.result(rc)
+        if got is None:  # (the checks that return 3 ran before the step was posted)
+            raise RuntimeError(f"decode step: the background step returned {rc}")
+        return got

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_background.h"
 #include "cpu_common.h"
 #include "cpu_parallel.h"
 
@@ -510,5 +511,43 @@ HS_DECODE_STEP(f32, float)
 HS_DECODE_STEP(f64, double)
 
 #undef HS_DECODE_STEP
+
+// The same step on the background thread (cpu_background.h): the checks that leave the caches
+// untouched run here, in the caller, and return their code (1 to 3) with nothing posted; 0 means
+// the step was posted and hs_decode_step_wait gives its code; 6 means nothing was posted because
+// a step is already out (another engine's) or the thread cannot start: the caller runs it itself.
+// Every array must stay alive and unchanged until the wait returns.
+#define HS_DECODE_STEP_LAUNCH(SUF, T)                                                                            \
+    int hs_decode_step_launch_##SUF(                                                                             \
+        const int64_t* layers, const double* layer_doubles, int64_t num_layers, int64_t hidden, int64_t vocab,   \
+        const T* embed, const T* final_norm, double final_eps, const T* lm_head, const int64_t* input_ids,       \
+        const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table, int64_t bt_stride,    \
+        const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride, const int64_t* qsl,             \
+        const int64_t* logits_indices, int64_t R, T* logits, int64_t* argmax, uint8_t* all_finite, int threads) { \
+        if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1; \
+        const int rc = check_step(layers, num_layers, vocab, input_ids, positions, slot_mapping, block_table,     \
+                                  bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R);          \
+        if (rc != 0) return rc;                                                                                  \
+        try {                                                                                                    \
+            const bool posted = hs::background().post([=] {                                                      \
+                return hs_decode_step_##SUF(layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm,  \
+                                            final_eps, lm_head, input_ids, positions, slot_mapping, block_table,  \
+                                            bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R, \
+                                            logits, argmax, all_finite, threads);                                 \
+            });                                                                                                  \
+            return posted ? 0 : 6;                                                                               \
+        } catch (...) {                                                                                          \
+            return 6;                                                                                            \
+        }                                                                                                        \
+    }
+
+HS_DECODE_STEP_LAUNCH(f32, float)
+HS_DECODE_STEP_LAUNCH(f64, double)
+
+#undef HS_DECODE_STEP_LAUNCH
+
+// The code of the step hs_decode_step_launch_* posted (as hs_decode_step_* returns it), once it
+// has run; -1 if none is out.
+int hs_decode_step_wait() { return hs::background().wait(); }
 
 }  // extern "C"

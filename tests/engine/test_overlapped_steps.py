@@ -1,0 +1,263 @@
+"""Overlapped steps (`LLMEngine.step` with `async_scheduling`): a step of decode rows computes on
+the native library's background thread while the previous step's outputs are built. What every
+request gets (tokens, text, finish and stop reasons, logprobs) is the same with steps overlapped
+or not, whatever ends a request (its length, a stop string that is matched while the request's
+next row already runs, an abort), and nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine import llm_engine
+from hybridserve.engine.llm_engine import LLMEngine, choose_async_scheduling
+from hybridserve.errors import StepError
+from hybridserve.model.decode_step import PendingDecode
+
+BASE: dict[str, Any] = dict(dtype="float64", cpu_threads=1, block_size=16, max_model_len=512, seed=0)
+
+
+def _prompts(n: int = 6, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 780) for _ in range(70)]
+    return [
+        (shared if i % 2 == 0 else []) + [rng.randrange(3, 780) for _ in range(9 + 13 * i)] for i in range(n)
+    ]
+
+
+def _llm(overlapped: bool, **engine: Any) -> LLM:
+    llm = LLM("demo", **{**BASE, **engine, "async_scheduling": overlapped})
+    assert llm.engine.async_scheduling is overlapped
+    return llm
+
+
+def _what_requests_get(outs: list[Any]) -> list[tuple[Any, ...]]:
+    got = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = None if c.logprobs is None else [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs]
+        got.append((list(c.token_ids), c.text, c.finish_reason, c.stop_reason, lps))
+    return got
+
+
+def _both(engine: dict[str, Any], params: Any, prompts: list[list[int]]) -> list[list[tuple[Any, ...]]]:
+    """What the requests get with steps overlapped and not; the overlapped engine really
+    overlapped steps, and both engines end with nothing held."""
+    runs = []
+    for overlapped in (False, True):
+        llm = _llm(overlapped, **engine)
+        runs.append(_what_requests_get(llm.generate([{"prompt_token_ids": p} for p in prompts], params)))
+        stats = llm.engine.stats()
+        assert (stats["num_overlapped_steps"] > 0) is overlapped
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not llm.engine.requests
+    return runs
+
+
+def _stop_strings(prompts: list[list[int]]) -> list[str]:
+    """For each prompt, a piece of the text its greedy output has half-way: a stop string the
+    output reaches."""
+    llm = _llm(False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0)
+    )
+    stops = []
+    for o in outs:
+        text = o.outputs[0].text
+        mid = len(text) // 2
+        stops.append(text[mid : mid + 3] if len(text) >= 6 else "\x00never")
+    return stops
+
+
+def test_stop_strings_end_requests_the_same_way() -> None:
+    prompts = _prompts()
+    stops = _stop_strings(prompts)
+    params = [SamplingParams(max_tokens=24, temperature=0, stop=[s]) for s in stops]
+    sync, overlapped = _both({"max_num_seqs": 8}, params, prompts)
+    assert sync == overlapped
+    assert sum(r[2] == "stop" and isinstance(r[3], str) for r in sync) >= 3  # stop strings did end some
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["sampling", "prefix-cache+ngram", "draft-model", "preempting"],
+)
+def test_outputs_are_the_same_with_steps_overlapped_or_not(case: str) -> None:
+    prompts = _prompts()
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine: dict[str, Any] = {}
+    params: Any = greedy
+    if case == "sampling":
+        # seeded draws, penalties over the output so far, logprobs: the rows are sampled after the
+        # previous step's outputs were built
+        params = [
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.9,
+                top_p=0.95,
+                seed=100 + i,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+                repetition_penalty=1.2,
+                logprobs=2,
+                ignore_eos=True,
+            )
+            for i in range(len(prompts))
+        ]
+    elif case == "prefix-cache+ngram":
+        engine = dict(
+            enable_prefix_caching=True,
+            mamba_cache_mode="align",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        )
+        prompts = prompts + prompts[:3]  # second users of the same prompts hit the cache
+    elif case == "draft-model":
+        engine = dict(
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "demo"}
+        )
+    else:
+        engine = dict(max_num_batched_tokens=128, num_kv_blocks=30, max_model_len=256)
+    sync, overlapped = _both(engine, params, prompts)
+    assert sync == overlapped
+    assert all(len(r[0]) == 20 for r in sync)
+
+
+def _engine(overlapped: bool) -> LLMEngine:
+    return _llm(overlapped, max_num_seqs=8).engine
+
+
+def _drain(engine: LLMEngine, into: dict[str, list[int]]) -> None:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            into.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+
+
+def _start_overlapping(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, list[int]]:
+    """Adds the prompts and steps until a step is left running in the background."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    got: dict[str, list[int]] = {}
+    while engine._in_flight is None:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+    return got
+
+
+def test_an_abort_while_a_step_runs_ends_only_that_request() -> None:
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want: dict[str, list[int]] = {}
+    ref = _engine(False)
+    for i, p in enumerate(prompts):
+        ref.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    _drain(ref, want)
+
+    engine = _engine(True)
+    got = _start_overlapping(engine, prompts, params)
+    assert engine.abort_request("r1")
+    # requests still run: the reset is refused, as it is between synchronous steps, and the step
+    # it completed first hands its outputs to the next call
+    assert engine.reset_prefix_cache() is False
+    assert engine._in_flight is None and engine.has_unfinished_requests()
+    _drain(engine, got)
+    assert got["r0"] == want["r0"] and got["r2"] == want["r2"]
+    assert len(got.get("r1", [])) < 16
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert stats["num_overlapped_steps"] > 0
+
+
+def test_the_cache_resets_once_the_running_step_of_aborted_requests_ends() -> None:
+    engine = _engine(True)
+    _start_overlapping(engine, _prompts(3), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for rid in ("r0", "r1", "r2"):
+        assert engine.abort_request(rid)
+    assert engine._in_flight is not None  # the step of the aborted rows still runs
+    assert engine.reset_prefix_cache()
+    assert engine._in_flight is None
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_failed_background_step_fails_its_requests_and_the_engine_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = _llm(True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(2)]
+    want = _what_requests_get(llm.generate(prompts, params))
+    real_wait = PendingDecode.wait
+    calls = {"n": 0}
+
+    def failing(self: PendingDecode) -> Any:
+        got = real_wait(self)  # the step ends before the failure is reported
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("decode step: a kernel failed after the caches were written")
+        return got
+
+    monkeypatch.setattr(PendingDecode, "wait", failing)
+    with pytest.raises(StepError) as err:
+        llm.generate(prompts, params)
+    assert len(err.value.request_ids) == 2
+    monkeypatch.undo()
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not llm.engine.requests
+    assert llm.engine._in_flight is None
+    assert _what_requests_get(llm.generate(prompts, params)) == want
+
+
+def test_when_steps_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_step = SimpleNamespace(decode_step=object())
+    without = SimpleNamespace(decode_step=None)
+    assert choose_async_scheduling(False, with_step)[0] == "off"  # type: ignore[arg-type]
+    assert choose_async_scheduling(True, with_step)[0] == "on"  # type: ignore[arg-type]
+    # nothing runs in the background without the native decode step, whatever was asked
+    assert choose_async_scheduling(True, without)[0] == "off"  # type: ignore[arg-type]
+    monkeypatch.setattr(llm_engine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(llm_engine.native, "threads", lambda: 1)
+    assert choose_async_scheduling(None, with_step)[0] == "streaming"  # type: ignore[arg-type]
+    monkeypatch.setattr(llm_engine.native, "threads", lambda: 2)
+    mode, why = choose_async_scheduling(None, with_step)  # type: ignore[arg-type]
+    assert mode == "off" and "all of them compute threads" in why
+
+
+def test_by_default_steps_overlap_while_outputs_are_streamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llm_engine, "usable_cores", lambda: 2)
+    llm = LLM("demo", **{**BASE, "async_scheduling": None})
+    engine = llm.engine
+    assert engine.overlap_mode == "streaming"
+    prompt = {"prompt_token_ids": _prompts(1)[0]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = list(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    # the LLM API builds outputs only when requests finish: no overlap
+    assert engine.stats()["num_overlapped_steps"] == 0
+    engine.stream_outputs = True  # as the server's engine
+    assert engine.async_scheduling
+    engine.add_request("s", prompt, params)
+    streamed: dict[str, list[int]] = {}
+    _drain(engine, streamed)
+    assert engine.stats()["num_overlapped_steps"] > 0
+    assert streamed["s"] == want
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"), [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)]
+)
+def test_the_flag(argv: list[str], want: bool | None) -> None:
+    import argparse
+
+    from hybridserve.config import EngineArgs
+    from hybridserve.config.cli import add_engine_args
+    from hybridserve.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert EngineArgs.from_cli(p.parse_args(["demo", *argv])).async_scheduling is want
+    with pytest.raises(ConfigError, match="--async-scheduling"):
+        EngineArgs(model="demo", async_scheduling="yes").validate()  # type: ignore[arg-type]
