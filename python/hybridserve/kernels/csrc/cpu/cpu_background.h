@@ -4,9 +4,11 @@
 //
 // The hand-over has to be cheap next to a step of a few hundred microseconds. A thread asleep on
 // a condition variable took 40-80 us to wake on the 2-core VM of benches/README.md, twice per
-// step, so both sides first poll (yielding the core to any other runnable thread) for up to
-// kPollUs, and only then sleep. Steps that follow each other never sleep; an idle engine stops
-// polling after kPollUs.
+// step, so both sides poll (yielding the core to any other runnable thread) for up to kPollUs
+// before they sleep: steps that follow each other never sleep, and an idle engine stops polling
+// after kPollUs. The waiter does not poll through a long step, though: a polling core is CPU time
+// the step's own core may lack on a shared machine (a step of 64 rows ran 10-40% slower so), so
+// it sleeps until kMarginUs before the time the previous job took, then polls.
 #pragma once
 
 #include <pthread.h>
@@ -37,6 +39,7 @@ class Background {
             started_ = true;
         }
         job_ = std::move(job);
+        posted_at_ = std::chrono::steady_clock::now();
         state_.store(kPosted, std::memory_order_release);
         cv_.notify_all();
         return true;
@@ -45,6 +48,11 @@ class Background {
     // The return code of the posted job, once it has run (-1 when nothing was posted).
     int wait() {
         if (state_.load(std::memory_order_acquire) == kIdle) return -1;
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            const auto wake = posted_at_ + last_run_ - std::chrono::microseconds(kMarginUs);
+            cv_.wait_until(lock, wake, [this] { return state_.load(std::memory_order_relaxed) == kDone; });
+        }
         poll_for(kDone);
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return state_.load(std::memory_order_relaxed) == kDone; });
@@ -54,7 +62,7 @@ class Background {
 
    private:
     static constexpr int kIdle = 0, kPosted = 1, kRunning = 2, kDone = 3;
-    static constexpr int kPollUs = 2000;
+    static constexpr int kPollUs = 2000, kMarginUs = 150;
 
     void poll_for(int wanted) const {
         const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(kPollUs);
@@ -72,6 +80,7 @@ class Background {
                 job = std::move(job_);
                 state_.store(kRunning, std::memory_order_relaxed);
             }
+            const auto start = std::chrono::steady_clock::now();
             int rc = 5;  // a job that throws has failed part way (its writes are unknown)
             try {
                 rc = job();
@@ -79,6 +88,7 @@ class Background {
             }
             {
                 std::lock_guard<std::mutex> lock(mu_);
+                last_run_ = std::chrono::steady_clock::now() - start;
                 rc_ = rc;
                 state_.store(kDone, std::memory_order_release);
             }
@@ -92,6 +102,8 @@ class Background {
     std::function<int()> job_;
     int rc_ = 0;
     bool started_ = false;
+    std::chrono::steady_clock::time_point posted_at_;
+    std::chrono::steady_clock::duration last_run_{0};  // how long the previous job ran
 };
 
 // The process's background thread. A forked child gets a fresh one (it has none of the parent's
