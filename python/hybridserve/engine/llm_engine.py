@@ -379,9 +379,7 @@ class LLMEngine:
             raise
         self.counters.num_steps += 1
         try:
-            started = self.runner.start(
-                out, [self._row_sampling(rid) for rid in out.req_ids], background=self.async_scheduling
-            )
+            started = self.runner.start(out, self._prefill_rows(out), background=self.async_scheduling)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 raise self._recover_from_failed_step(out, exc) from exc
@@ -488,6 +486,14 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             grammar=st.grammar,
         )
+
+    def _prefill_rows(self, out: _core.SchedulerOutput) -> list[RowSampling | None]:
+        """What `ModelRunner.start` reads of the rows: the prefill rows' (whether they score the
+        prompt); the decode rows (the first `num_decodes`) are left None, their sampling is built
+        when the step finishes."""
+        req_ids = out.req_ids
+        num_decodes = int(out.num_decodes)
+        return [None] * num_decodes + [self._row_sampling(rid) for rid in req_ids[num_decodes:]]
 
     def _count_verified(self, ran: ModelRunnerOutput) -> None:
         for drafted, accepted in ran.verified:

@@ -209,7 +209,8 @@ class ModelRunner:
         """The first half of `execute`: the copies, and with `background` a step of decode rows
         that the native decode step runs is started on its background thread and left running
         (`StartedStep.running`); `finish` waits for it. Every other step's forward runs in
-        `finish`, so that nothing of it has run when this returns."""
+        `finish`, so that nothing of it has run when this returns. Only the prefill rows of
+        `rows` are read here (whether they ask for prompt logprobs)."""
         scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
         if self.executor is not None:
             self.executor.send_step(_step_inputs(out, scoring))
