@@ -114,6 +114,22 @@ def test_prefill_then_decode_arrays_and_length_finish() -> None:
     assert st["kv_blocks_used"] == 0 and st["num_running"] == 0
 
 
+def test_array_addresses_are_those_of_the_getters_arrays() -> None:
+    s = make("align")
+    s.add_request("a", list(range(1, 31)), max_tokens=3)
+    s.add_request("b", list(range(1, 12)), max_tokens=3)
+    o = s.schedule()
+    names = [
+        "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
+        "query_start_loc", "logits_indices",
+    ]  # fmt: skip
+    got = o.array_addresses(names)
+    assert got == [getattr(o, n).ctypes.data for n in names]
+    assert got[0] != got[1]
+    with pytest.raises(ValueError, match="num_logits"):
+        o.array_addresses(["num_logits"])  # an int32 array: not one of them
+
+
 def test_chunked_prefill_under_budget_and_decodes_first() -> None:
     s = make("none")
     s.add_request("long", list(range(1, 151)), max_tokens=4)

@@ -23,6 +23,7 @@ gets decoded alone, in float32 too.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,6 +103,14 @@ def _blocks_of() -> dict[type, Any]:
 
 def enabled() -> bool:
     return native.env_switch("HYBRIDSERVE_DECODE_STEP")
+
+
+# the scheduler's arrays a step reads, in the order of the native call's arguments
+_ARRAYS = (
+    "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
+    "query_start_loc", "logits_indices",
+)  # fmt: skip
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place write counter
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -287,7 +296,7 @@ class DecodeStep:
             rec[8], rec[9] = self._linear(m.gate_proj, self.hidden, inter)
 
     def _current_versions(self) -> tuple[int, ...]:
-        return tuple(t._version for t in self._watch)
+        return tuple(map(_VERSION, self._watch))
 
     # --- a step ---
     def run(self, out: Any) -> DecodeOutput | None:
@@ -336,6 +345,13 @@ class DecodeStep:
             return None  # not the layout of a step (the forward reports what is wrong)
         if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
             return None
+        addresses = getattr(out, "array_addresses", None)
+        if addresses is not None:  # the scheduler's output: every address in one call
+            p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = addresses(list(_ARRAYS))
+        else:  # any object holding the same int64 arrays
+            p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = map(
+                _ptr, (ids, pos, slots, bt, rs, ws, qsl, li)
+            )
         output = DecodeOutput(
             torch.empty((T, self.vocab), dtype=self.dtype),
             np.empty(T, dtype=np.int64),
@@ -343,8 +359,8 @@ class DecodeStep:
         )
         args = (
             self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
-            self.final_eps, self.lm_head, _ptr(ids), _ptr(pos), _ptr(slots), _ptr(bt),
-            bt.shape[1], _ptr(rs), _ptr(ws), ws.shape[1], _ptr(qsl), _ptr(li), R, output.logits.data_ptr(),
+            self.final_eps, self.lm_head, p_ids, p_pos, p_slots, p_bt,
+            bt.shape[1], p_rs, p_ws, ws.shape[1], p_qsl, p_li, R, output.logits.data_ptr(),
             output.greedy.ctypes.data, output.finite.ctypes.data, native.threads(),
         )  # fmt: skip
         return _Call(
