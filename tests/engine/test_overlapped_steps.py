@@ -125,14 +125,23 @@ def test_outputs_are_the_same_with_steps_overlapped_or_not(case: str) -> None:
     assert all(len(r[0]) == 20 for r in sync)
 
 
-def _engine(overlapped: bool) -> LLMEngine:
-    return _llm(overlapped, max_num_seqs=8).engine
+def _engine(overlapped: bool, **engine: Any) -> LLMEngine:
+    e = _llm(overlapped, max_num_seqs=8, **engine).engine
+    e.stream_outputs = True  # every step's tokens come out, as in the server
+    return e
+
+
+def _collect(outs: list[Any], into: dict[str, list[int]]) -> None:
+    for out in outs:
+        got = into.setdefault(out.request_id, [])
+        got.extend(out.outputs[0].delta_token_ids)
+        if out.finished:
+            assert got == list(out.outputs[0].token_ids)
 
 
 def _drain(engine: LLMEngine, into: dict[str, list[int]]) -> None:
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            into.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+        _collect(engine.step(), into)
 
 
 def _start_overlapping(
@@ -143,8 +152,7 @@ def _start_overlapping(
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     got: dict[str, list[int]] = {}
     while engine._in_flight is None:
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+        _collect(engine.step(), got)
     return got
 
 
@@ -165,11 +173,48 @@ def test_an_abort_while_a_step_runs_ends_only_that_request() -> None:
     assert engine.reset_prefix_cache() is False
     assert engine._in_flight is None and engine.has_unfinished_requests()
     _drain(engine, got)
-    assert got["r0"] == want["r0"] and got["r2"] == want["r2"]
+    assert got["r0"] == want["r0"] and got["r2"] == want["r2"] and len(want["r0"]) == 16
     assert len(got.get("r1", [])) < 16
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
     assert stats["num_overlapped_steps"] > 0
+
+
+def test_an_id_aborted_and_added_again_while_a_step_runs_is_a_new_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The running step's row of the aborted request is not the new request's: it is finished
+    with no sampling (no draws, no drafts proposed for the id), and the new request gets exactly
+    what it gets alone."""
+    spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2, "model": "demo"}}
+    old_prompt, new_prompt, other = _prompts(3, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def alone(prompt: list[int]) -> list[int]:
+        return list(
+            _llm(False, **spec).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        )
+
+    engine = _engine(True, **spec)
+    got = _start_overlapping(engine, [other, old_prompt], params)
+    running = engine._in_flight
+    assert running is not None and list(running.started.out.req_ids) == ["r0", "r1"]
+    assert engine.abort_request("r1")
+    got.pop("r1", None)
+    engine.add_request("r1", {"prompt_token_ids": new_prompt}, params)
+    seen: list[list[Any]] = []
+    real_finish = engine.runner.finish
+
+    def finish(started: Any, rows: Any) -> Any:
+        seen.append(list(rows))
+        return real_finish(started, rows)
+
+    monkeypatch.setattr(engine.runner, "finish", finish)
+    _drain(engine, got)
+    assert seen[0][0] is not None and seen[0][1] is None  # the old r1's row: nothing to sample
+    assert got["r1"] == alone(new_prompt) and len(got["r1"]) == 12
+    assert got["r0"] == alone(other)
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 def test_the_cache_resets_once_the_running_step_of_aborted_requests_ends() -> None:

@@ -66,6 +66,14 @@ class _ClosedStep:
 
 
 @dataclass
+class _Running:
+    """A started step, and the requests its rows were planned for (by row)."""
+
+    started: StartedStep
+    owners: list[RequestState | None]
+
+
+@dataclass
 class _AwaitingGrammar:
     """A request held back from the scheduler until its grammar is compiled."""
 
@@ -149,7 +157,7 @@ class LLMEngine:
         # outputs of a step completed outside `step` (reset_prefix_cache) for the next call
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
         logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
-        self._in_flight: StartedStep | None = None
+        self._in_flight: _Running | None = None
         self._carried: list[RequestOutput] = []
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
@@ -385,27 +393,34 @@ class LLMEngine:
                 raise self._recover_from_failed_step(out, exc) from exc
             self._recover_from_failed_step(out, exc)
             raise
+        running = _Running(started, [self.requests.get(rid) for rid in out.req_ids])
         if started.running is not None:
             # the forward runs on the background thread while the previous step's outputs are built
-            self._in_flight = started
+            self._in_flight = running
             self.counters.num_overlapped_steps += 1
             return carried + refused + (self._emit(previous) if previous is not None else [])
         outputs = carried + refused + (self._emit(previous) if previous is not None else [])
-        return outputs + self._emit(self._close(started))
+        return outputs + self._emit(self._close(running))
 
     def _close_in_flight(self) -> _ClosedStep | None:
         """Waits for the step left running on the background thread, if any, and commits it."""
-        started, self._in_flight = self._in_flight, None
-        return None if started is None else self._close(started)
+        running, self._in_flight = self._in_flight, None
+        return None if running is None else self._close(running)
 
-    def _close(self, started: StartedStep) -> _ClosedStep:
+    def _close(self, running: _Running) -> _ClosedStep:
         """Finishes a started step (its forward, or the wait for it; sampling) and commits it in
         the scheduler."""
+        started = running.started
         out = started.out
         try:
-            # the rows are read now: a request a stop string ended since the step was planned
-            # has its row computed and nothing sampled for it
-            ran = self.runner.finish(started, [self._row_sampling(rid) for rid in out.req_ids])
+            # The rows are read now. A request that a stop string ended, or that was aborted,
+            # since the step was planned has its row computed and nothing sampled for it; so
+            # does one aborted and added again under the same id (a new request, not this row's).
+            rows = [
+                self._row_sampling(rid) if owner is not None and self.requests.get(rid) is owner else None
+                for rid, owner in zip(out.req_ids, running.owners)
+            ]
+            ran = self.runner.finish(started, rows)
             self._count_verified(ran)
             # A row that failed alone (non-finite logits, a sampling error) ends its request: it
             # is aborted before the update, which so drops every state its row wrote this step.
