@@ -407,10 +407,13 @@ class PendingDecode:
             self._call = None
 
     def wait(self) -> DecodeOutput:
-        call, self._call = self._call, None
+        call = self._call
         if call is None:
             raise RuntimeError("decode step: waited for twice")
         rc = int(self._wait_fn())
+        # cleared only once the step has ended: an interrupt before this line leaves the wait
+        # to __del__, so the step never outlives the arrays it reads
+        self._call = None
         got = call.result(rc)
         if got is None:  # (the checks that return 3 ran before the step was posted)
             raise RuntimeError(f"decode step: the background step returned {rc}")
