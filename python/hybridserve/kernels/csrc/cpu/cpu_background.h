@@ -11,7 +11,6 @@
 // it sleeps until kMarginUs before the time the previous job took, then polls.
 #pragma once
 
-#include <pthread.h>
 #include <sched.h>
 
 #include <atomic>
@@ -20,6 +19,8 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+
+#include "cpu_parallel.h"
 
 namespace hs {
 
@@ -106,20 +107,7 @@ class Background {
     std::chrono::steady_clock::duration last_run_{0};  // how long the previous job ran
 };
 
-// The process's background thread. A forked child gets a fresh one (it has none of the parent's
-// threads); the old one is leaked, as the pool is (cpu_parallel.h).
-inline Background*& background_slot() {
-    static Background* b = nullptr;
-    return b;
-}
-
-inline Background& background() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-        background_slot() = new Background();
-        pthread_atfork(nullptr, nullptr, [] { background_slot() = new Background(); });
-    });
-    return *background_slot();
-}
+// The process's background thread (a forked child gets its own: cpu_parallel.h per_process).
+inline Background& background() { return per_process<Background>(); }
 
 }  // namespace hs

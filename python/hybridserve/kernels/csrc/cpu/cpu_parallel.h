@@ -86,22 +86,22 @@ class Pool {
     bool failed_ = false;
 };
 
-// The process's pool. A forked child gets a fresh one: it has none of the parent's threads, and
-// the parent's locks and condition variables may be in any state. The old pool is leaked, never
-// destroyed (detached workers may outlive static destructors).
-inline Pool*& pool_slot() {
-    static Pool* p = nullptr;
-    return p;
-}
-
-inline Pool& pool() {
+// The process's one T, made on first use. A forked child gets a fresh one: it has none of the
+// parent's threads, and the parent's locks and condition variables may be in any state. The old
+// one is leaked, never destroyed (detached threads may outlive static destructors).
+template <typename T>
+inline T& per_process() {
+    static T* instance = nullptr;
     static std::once_flag once;
     std::call_once(once, [] {
-        pool_slot() = new Pool();
-        pthread_atfork(nullptr, nullptr, [] { pool_slot() = new Pool(); });
+        instance = new T();
+        pthread_atfork(nullptr, nullptr, [] { instance = new T(); });
     });
-    return *pool_slot();
+    return *instance;
 }
+
+// The process's pool.
+inline Pool& pool() { return per_process<Pool>(); }
 
 // Splits rows [0, R) into at most `threads` contiguous ranges of about equal total weight
 // (weight_prefix[r] = the weight of rows before r, weight_prefix[R] the total) and runs
