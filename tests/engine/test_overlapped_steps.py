@@ -257,6 +257,45 @@ def test_a_failed_background_step_fails_its_requests_and_the_engine_recovers(
     assert _what_requests_get(llm.generate(prompts, params)) == want
 
 
+def test_a_request_the_step_before_a_failed_one_finished_gets_its_last_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Overlapped, a step's tokens are committed at the start of the next call, before the next
+    step starts: when that next step fails, the finished request still gets its output, and only
+    the requests still running fail."""
+    engine = _engine(True)
+    short, long = _prompts(2)
+    engine.add_request(
+        "short", {"prompt_token_ids": short}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    )
+    engine.add_request(
+        "long", {"prompt_token_ids": long}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    committed = {"short": False}
+    real_close, real_start = engine._close, engine.runner.start
+
+    def close(running: Any) -> Any:
+        closed = real_close(running)
+        committed["short"] |= any(d.request_id == "short" and d.finished for d in closed.deltas)
+        return closed
+
+    def start(*a: Any, **k: Any) -> Any:
+        if committed["short"]:
+            raise RuntimeError("the step after the short request's last token fails")
+        return real_start(*a, **k)
+
+    monkeypatch.setattr(engine, "_close", close)
+    monkeypatch.setattr(engine.runner, "start", start)
+    got: dict[str, list[int]] = {}
+    with pytest.raises(StepError) as err:
+        _drain(engine, got)
+    assert err.value.request_ids == ["long"]
+    monkeypatch.undo()
+    last = [o for o in engine.step() if o.request_id == "short"]
+    assert len(last) == 1 and last[0].finished and len(last[0].outputs[0].token_ids) == 3
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
 def test_when_steps_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
     with_step = SimpleNamespace(decode_step=object())
     without = SimpleNamespace(decode_step=None)

@@ -158,6 +158,7 @@ class LLMEngine:
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
         logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
         self._in_flight: _Running | None = None
+        self._previous: _ClosedStep | None = None  # committed, outputs not built (inside `step`)
         self._carried: list[RequestOutput] = []
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
@@ -320,6 +321,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
         self._forget(request_id)
+        # (an output kept for the next step, after a failure, is not delivered either)
+        self._carried = [o for o in self._carried if o.request_id != request_id]
         found = self.scheduler.abort_request(request_id)
         self.publish_kv_events()  # its last state may have been kept
         return found or state is not None
@@ -370,37 +373,53 @@ class LLMEngine:
         dead = self.dead_reason
         if dead is not None:
             raise EngineDeadError(dead)
-        carried, self._carried = self._carried, []
-        previous = self._close_in_flight()
-        refused = self._admit_compiled()
-        if not self.scheduler.has_unfinished_requests():
-            # only requests waiting for their grammar, or none: no step to run
-            return carried + refused + (self._emit(previous) if previous is not None else [])
+        outputs, self._carried = self._carried, []
         try:
-            out = self.scheduler.schedule()
-        except BaseException as exc:
-            # An interrupt can land after schedule() returned and before `out` was bound: the
-            # step it opened must still be closed, or every later schedule() fails.
-            lost = self.scheduler.open_step_output()
-            if lost is not None:
-                self._recover_from_failed_step(lost, exc)
+            self._previous = self._close_in_flight()
+            outputs += self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                # only requests waiting for their grammar, or none: no step to run
+                return outputs + self._emit_previous()
+            try:
+                out = self.scheduler.schedule()
+            except BaseException as exc:
+                # An interrupt can land after schedule() returned and before `out` was bound:
+                # the step it opened must still be closed, or every later schedule() fails.
+                lost = self.scheduler.open_step_output()
+                if lost is not None:
+                    self._recover_from_failed_step(lost, exc)
+                raise
+            self.counters.num_steps += 1
+            try:
+                started = self.runner.start(out, self._prefill_rows(out), background=self.async_scheduling)
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    raise self._recover_from_failed_step(out, exc) from exc
+                self._recover_from_failed_step(out, exc)
+                raise
+            running = _Running(started, [self.requests.get(rid) for rid in out.req_ids])
+            if started.running is not None:
+                # the forward runs on the background thread while the previous step's outputs
+                # are built
+                self._in_flight = running
+                self.counters.num_overlapped_steps += 1
+                return outputs + self._emit_previous()
+            outputs += self._emit_previous()
+            return outputs + self._emit(self._close(running))
+        except BaseException:
+            # What was built before the failure is not lost: the next call returns it (a request
+            # the previous step finished gets its last output, not the error of this one).
+            try:
+                outputs += self._emit_previous()
+            except Exception:
+                logger.exception("building the outputs of the step before the failed one failed")
+            self._carried = outputs + self._carried
             raise
-        self.counters.num_steps += 1
-        try:
-            started = self.runner.start(out, self._prefill_rows(out), background=self.async_scheduling)
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                raise self._recover_from_failed_step(out, exc) from exc
-            self._recover_from_failed_step(out, exc)
-            raise
-        running = _Running(started, [self.requests.get(rid) for rid in out.req_ids])
-        if started.running is not None:
-            # the forward runs on the background thread while the previous step's outputs are built
-            self._in_flight = running
-            self.counters.num_overlapped_steps += 1
-            return carried + refused + (self._emit(previous) if previous is not None else [])
-        outputs = carried + refused + (self._emit(previous) if previous is not None else [])
-        return outputs + self._emit(self._close(running))
+
+    def _emit_previous(self) -> list[RequestOutput]:
+        """The outputs of the step committed at the start of this one, once."""
+        previous, self._previous = self._previous, None
+        return [] if previous is None else self._emit(previous)
 
     def _close_in_flight(self) -> _ClosedStep | None:
         """Waits for the step left running on the background thread, if any, and commits it."""
@@ -525,6 +544,12 @@ class LLMEngine:
         written by the broken step can ever be read. The engine is then idle and consistent.
         With tensor parallelism the ranks may have stopped at different points of the step: the
         engine is dead (`dead_reason`), and runs no further step."""
+        # The step committed before this one still has its outputs to build: built first, while
+        # its requests are known, they come with the next call.
+        try:
+            self._carried.extend(self._emit_previous())
+        except Exception:
+            logger.exception("building the outputs of the step before the failed one failed")
         executor = self.runner.executor
         if executor is not None:
             # A worker that died is the cause of the failed step (its peers' collectives broke):
