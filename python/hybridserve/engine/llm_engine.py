@@ -2,13 +2,15 @@
 
 1. the Rust scheduler picks the rows of the step (`Scheduler.schedule` → `SchedulerOutput`);
 2. the model runner copies cache blocks, runs the forward, samples or verifies, and proposes the
-   next drafts (`ModelRunner.execute` → `ModelRunnerOutput`);
+   next drafts (`ModelRunner.start`, `ModelRunner.finish` → `ModelRunnerOutput`);
 3. the scheduler commits the step (`Scheduler.update_from_output` → one delta per request:
    new tokens, finish, prefix-cache checkpoints published);
 4. the output processor turns the deltas into `RequestOutput`s (`OutputProcessor.process`).
 
-Requests come in through the input processor (tokenize, validate, seed). The engine is synchronous
-and single-threaded; `AsyncEngine` runs it in a thread of its own.
+Requests come in through the input processor (tokenize, validate, seed). The engine runs in one
+thread (`AsyncEngine` gives it a thread of its own). With overlapped steps a step of decode rows
+computes on the C++ library's background thread between two calls of `step`, while the engine
+builds the previous step's outputs and the caller delivers them (`step`).
 """
 
 from __future__ import annotations

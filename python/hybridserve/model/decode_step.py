@@ -18,6 +18,10 @@ a prefill row, more tokens than `max_tokens`, rows sharing a state slot, or weig
 since the records were built (the caller then runs the model's forward). A token's arithmetic
 does not depend on the other tokens of the step, so a verified token gets exactly the logits it
 gets decoded alone, in float32 too.
+
+`launch` runs the same step on the library's one background thread and returns at once; the
+caller waits for it (`PendingDecode.wait`) before it reads or writes the caches again. The
+engine's overlapped steps build the previous step's outputs meanwhile (engine/llm_engine.py).
 """
 
 from __future__ import annotations
