@@ -555,9 +555,10 @@ class LLMEngine:
         executor = self.runner.executor
         if executor is not None:
             # A worker that died is the cause of the failed step (its peers' collectives broke):
-            # record that first, if so, rather than the step's own error.
+            # record that first, if so, rather than the step's own error. A killed worker holding
+            # a model takes a while to be torn down on a loaded machine: it is given 3 s.
             try:
-                executor.check_alive(grace=1.0)
+                executor.check_alive(grace=3.0)
             except EngineDeadError:
                 pass
             executor.fail(f"a step failed under tensor parallelism: {exc}")
