@@ -197,20 +197,14 @@ class ModelRunner:
         if free is not None:
             free(request_id)
 
-    def execute(self, out: _core.SchedulerOutput, rows: Sequence[RowSampling | None]) -> ModelRunnerOutput:
-        """Copy the cache blocks and states the scheduler asked for, run the forward, sample (or
-        verify drafts), and propose the next drafts. `rows[r]` describes request `out.req_ids[r]`;
-        None for a request that is gone (its row is computed and nothing is sampled for it)."""
-        return self.finish(self.start(out, rows), rows)
-
     def start(
         self, out: _core.SchedulerOutput, rows: Sequence[RowSampling | None], background: bool = False
     ) -> StartedStep:
-        """The first half of `execute`: the copies, and with `background` a step of decode rows
-        that the native decode step runs is started on its background thread and left running
-        (`StartedStep.running`); `finish` waits for it. Every other step's forward runs in
-        `finish`, so that nothing of it has run when this returns. Only the prefill rows of
-        `rows` are read here (whether they ask for prompt logprobs)."""
+        """The first half of a step: the copies the scheduler asked for, and with `background` a
+        step of decode rows that the native decode step runs is started on its background thread
+        and left running (`StartedStep.running`); `finish` waits for it. Every other step's
+        forward runs in `finish`, so that nothing of it has run when this returns. Only the
+        prefill rows of `rows` are read here (whether they ask for prompt logprobs)."""
         scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
         if self.executor is not None:
             self.executor.send_step(_step_inputs(out, scoring))
@@ -225,8 +219,10 @@ class ModelRunner:
         return started
 
     def finish(self, started: StartedStep, rows: Sequence[RowSampling | None]) -> ModelRunnerOutput:
-        """The second half of `execute`: the forward (or the wait for the one `start` left
-        running), sampling or verification, and the next drafts."""
+        """The second half of a step: the forward (or the wait for the one `start` left running),
+        sampling (or verification of drafts), and the next drafts. `rows[r]` describes request
+        `out.req_ids[r]`; None for a request that is gone (its row is computed and nothing is
+        sampled for it)."""
         out, scoring = started.out, started.scoring
         req_ids: list[str] = list(out.req_ids)
         num_rows = len(req_ids)
