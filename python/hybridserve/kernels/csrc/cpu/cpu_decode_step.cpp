@@ -308,11 +308,13 @@ void activate_row(T* v, const T* mul, int64_t n, int64_t act) {
     for (int64_t j = 0; j < n - i; ++j) v[i + j] = buf[j];
 }
 
-// Everything the step reads that could be out of range, checked before anything is written.
-int check_step(const int64_t* layers, int64_t num_layers, int64_t vocab, const int64_t* input_ids,
+// Everything the step reads that could be out of range, checked before anything is written
+// (codes 1 to 3; 0: the step may run).
+int check_step(const int64_t* layers, int64_t num_layers, int64_t hidden, int64_t vocab, const int64_t* input_ids,
                const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table,
                int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,
                const int64_t* qsl, const int64_t* logits_indices, int64_t R) {
+    if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
     if (qsl[0] != 0) return 3;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = qsl[r + 1] - qsl[r];
@@ -373,16 +375,26 @@ int check_step(const int64_t* layers, int64_t num_layers, int64_t vocab, const i
     return 0;
 }
 
+// The arguments of a step, in the order of every entry point (and of decode_step.py's call).
+#define HS_STEP_PARAMS(T)                                                                                  \
+    const int64_t *layers, const double *layer_doubles, int64_t num_layers, int64_t hidden, int64_t vocab,  \
+        const T *embed, const T *final_norm, double final_eps, const T *lm_head, const int64_t *input_ids,  \
+        const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_table, int64_t bt_stride, \
+        const int64_t *read_slot, const int64_t *write_slots, int64_t ws_stride, const int64_t *qsl,         \
+        const int64_t *logits_indices, int64_t R, T *logits, int64_t *argmax, uint8_t *all_finite, int threads
+#define HS_STEP_ARGS                                                                                         \
+    layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, lm_head, input_ids,       \
+        positions, slot_mapping, block_table, bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R, \
+        logits, argmax, all_finite, threads
+
+// check_step's arguments out of a step's
+#define HS_CHECK_ARGS                                                                                   \
+    layers, num_layers, hidden, vocab, input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, \
+        write_slots, ws_stride, qsl, logits_indices, R
+
 template <typename T>
-int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_layers, int64_t hidden,
-                int64_t vocab, const T* embed, const T* final_norm, double final_eps, const T* lm_head,
-                const int64_t* input_ids, const int64_t* positions, const int64_t* slot_mapping,
-                const int64_t* block_table, int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots,
-                int64_t ws_stride, const int64_t* qsl, const int64_t* logits_indices, int64_t R, T* logits,
-                int64_t* argmax, uint8_t* all_finite, int threads) {
-    if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
-    const int rc = check_step(layers, num_layers, vocab, input_ids, positions, slot_mapping, block_table, bt_stride,
-                              read_slot, write_slots, ws_stride, qsl, logits_indices, R);
+int decode_step(HS_STEP_PARAMS(T)) {
+    const int rc = check_step(HS_CHECK_ARGS);
     if (rc != 0) return rc;
     const int64_t B = qsl[R];  // tokens: every projection runs on B rows of activations
     // the widest intermediate of any layer sizes the scratch buffers
@@ -485,66 +497,47 @@ int decode_step(const int64_t* layers, const double* layer_doubles, int64_t num_
     return 0;
 }
 
-}  // namespace
-
-extern "C" {
-
-#define HS_DECODE_STEP(SUF, T)                                                                                   \
-    int hs_decode_step_##SUF(const int64_t* layers, const double* layer_doubles, int64_t num_layers,             \
-                             int64_t hidden, int64_t vocab, const T* embed, const T* final_norm, double final_eps, \
-                             const T* lm_head, const int64_t* input_ids, const int64_t* positions,              \
-                             const int64_t* slot_mapping, const int64_t* block_table, int64_t bt_stride,         \
-                             const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,            \
-                             const int64_t* qsl, const int64_t* logits_indices, int64_t R, T* logits,            \
-                             int64_t* argmax, uint8_t* all_finite, int threads) {                                \
-        try {                                                                                                    \
-            return decode_step<T>(layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, \
-                                  lm_head, input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, \
-                                  write_slots, ws_stride, qsl, logits_indices, R, logits, argmax, all_finite,     \
-                                  threads);                                                                       \
-        } catch (...) {                                                                                          \
-            return 4;                                                                                            \
-        }                                                                                                        \
+// A step in the caller; an exception (out of memory) is code 4.
+template <typename T>
+int guarded_step(HS_STEP_PARAMS(T)) {
+    try {
+        return decode_step<T>(HS_STEP_ARGS);
+    } catch (...) {
+        return 4;
     }
-
-HS_DECODE_STEP(f32, float)
-HS_DECODE_STEP(f64, double)
-
-#undef HS_DECODE_STEP
+}
 
 // The same step on the background thread (cpu_background.h): the checks that leave the caches
 // untouched run here, in the caller, and return their code (1 to 3) with nothing posted; 0 means
 // the step was posted and hs_decode_step_wait gives its code; 6 means nothing was posted because
 // a step is already out (another engine's) or the thread cannot start: the caller runs it itself.
 // Every array must stay alive and unchanged until the wait returns.
-#define HS_DECODE_STEP_LAUNCH(SUF, T)                                                                            \
-    int hs_decode_step_launch_##SUF(                                                                             \
-        const int64_t* layers, const double* layer_doubles, int64_t num_layers, int64_t hidden, int64_t vocab,   \
-        const T* embed, const T* final_norm, double final_eps, const T* lm_head, const int64_t* input_ids,       \
-        const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table, int64_t bt_stride,    \
-        const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride, const int64_t* qsl,             \
-        const int64_t* logits_indices, int64_t R, T* logits, int64_t* argmax, uint8_t* all_finite, int threads) { \
-        if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1; \
-        const int rc = check_step(layers, num_layers, vocab, input_ids, positions, slot_mapping, block_table,     \
-                                  bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R);          \
-        if (rc != 0) return rc;                                                                                  \
-        try {                                                                                                    \
-            const bool posted = hs::background().post([=] {                                                      \
-                return hs_decode_step_##SUF(layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm,  \
-                                            final_eps, lm_head, input_ids, positions, slot_mapping, block_table,  \
-                                            bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R, \
-                                            logits, argmax, all_finite, threads);                                 \
-            });                                                                                                  \
-            return posted ? 0 : 6;                                                                               \
-        } catch (...) {                                                                                          \
-            return 6;                                                                                            \
-        }                                                                                                        \
+template <typename T>
+int launch_step(HS_STEP_PARAMS(T)) {
+    const int rc = check_step(HS_CHECK_ARGS);
+    if (rc != 0) return rc;
+    try {
+        return hs::background().post([=] { return guarded_step<T>(HS_STEP_ARGS); }) ? 0 : 6;
+    } catch (...) {
+        return 6;
     }
+}
 
-HS_DECODE_STEP_LAUNCH(f32, float)
-HS_DECODE_STEP_LAUNCH(f64, double)
+}  // namespace
 
-#undef HS_DECODE_STEP_LAUNCH
+extern "C" {
+
+#define HS_DECODE_STEP(SUF, T)                                                                            \
+    int hs_decode_step_##SUF(HS_STEP_PARAMS(T)) { return guarded_step<T>(HS_STEP_ARGS); }                \
+    int hs_decode_step_launch_##SUF(HS_STEP_PARAMS(T)) { return launch_step<T>(HS_STEP_ARGS); }
+
+HS_DECODE_STEP(f32, float)
+HS_DECODE_STEP(f64, double)
+
+#undef HS_DECODE_STEP
+#undef HS_STEP_PARAMS
+#undef HS_STEP_ARGS
+#undef HS_CHECK_ARGS
 
 // The code of the step hs_decode_step_launch_* posted (as hs_decode_step_* returns it), once it
 // has run; -1 if none is out.
