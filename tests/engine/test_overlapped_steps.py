@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine import llm_engine
@@ -214,6 +215,25 @@ def test_an_id_aborted_and_added_again_while_a_step_runs_is_a_new_request(
     assert seen[0][0] is not None and seen[0][1] is None  # the old r1's row: nothing to sample
     assert got["r1"] == alone(new_prompt) and len(got["r1"]) == 12
     assert got["r0"] == alone(other)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_weights_written_between_calls_while_a_step_runs_stop_the_native_step() -> None:
+    """Each call checks the weights while the step in flight computes, for the step it starts:
+    a write between two calls is seen there, and that step and every later one run through the
+    model's forward, which reads the weights as they are (the native step's records would not)."""
+    engine = _engine(True)
+    got = _start_overlapping(
+        engine, _prompts(3), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    before = engine.stats()["num_overlapped_steps"]
+    assert before > 0 and engine._in_flight is not None
+    with torch.no_grad():
+        engine.runner.em.model.lm_head.weight.mul_(-1.0)
+    assert not engine.runner.decode_weights_unchanged()
+    _drain(engine, got)
+    assert engine.stats()["num_overlapped_steps"] == before
+    assert all(len(got[f"r{i}"]) == 12 for i in range(3))
     assert engine.stats()["kv_blocks_used"] == 0
 
 

@@ -181,6 +181,43 @@ def test_out_of_range_ids_are_refused_before_any_write(tmp_path: Any, field: str
     _assert_caches(drv.caches, before, 0.0)
 
 
+def test_output_arrays_are_lent_to_one_step_at_a_time(tmp_path: Any) -> None:
+    """A step writes its outputs into arrays its caller gives back (`recycle`) once read: the next
+    step reuses them, and gets the values of a step into fresh arrays; arrays not given back, or
+    given back twice, are never lent to two steps at once."""
+    lm = _model(tmp_path, "nh_g1", torch.float64)
+    prompts = random_prompts(2, VOCAB, [9, 7], seed=12)
+    one, two, one_reqs, two_reqs = _two_drivers(lm, prompts)
+    reused = DecodeStep.for_model(lm.model, one.caches)
+    fresh = DecodeStep.for_model(lm.model, two.caches)
+    assert reused is not None and fresh is not None
+    bases = []
+    for _ in range(3):
+        one_rows = [(r, [r.tokens[-1]], True) for r in one_reqs]
+        two_rows = [(r, [r.tokens[-1]], True) for r in two_reqs]
+        got = reused.run(_out(one.batch(one_rows)))
+        want = fresh.run(_out(two.batch(two_rows)))
+        assert got is not None and want is not None
+        assert torch.equal(got.logits, want.logits) and got.greedy.tolist() == want.greedy.tolist()
+        bases.append(got.greedy.base)
+        reused.recycle(got)
+        reused.recycle(got)  # a second time: still one buffer
+        one.advance(one_rows)
+        two.advance(two_rows)
+        for a, b, t in zip(one_reqs, two_reqs, want.greedy.tolist()):
+            a.tokens.append(int(t))
+            b.tokens.append(int(t))
+    assert bases[0] is not None and all(b is bases[0] for b in bases)
+    rows = [(r, [r.tokens[-1]], True) for r in one_reqs]
+    first = reused.run(_out(one.batch(rows)))  # kept, not given back
+    assert first is not None
+    kept = first.logits.clone()
+    second = reused.run(_out(one.batch(rows)))  # (the same rows again: other logits)
+    assert second is not None and not torch.equal(second.logits, kept)
+    assert first.greedy.base is not second.greedy.base
+    assert torch.equal(first.logits, kept)  # not written by the second step
+
+
 def test_non_finite_logits_are_flagged_per_row(tmp_path: Any) -> None:
     lm = _model(tmp_path, "nh_g1", torch.float64)
     _, drv, _, reqs = _two_drivers(lm, random_prompts(2, VOCAB, [9, 7], seed=6))
@@ -258,8 +295,8 @@ def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatc
     real_run, real_launch = step.run, step.launch
     monkeypatch.setattr(step, "run", lambda out: poison(real_run(out)))
 
-    def launch(out: Any) -> Any:
-        pending = real_launch(out)
+    def launch(out: Any, *args: Any) -> Any:
+        pending = real_launch(out, *args)
         if pending is not None:
             real_wait = pending.wait
             pending.wait = lambda: poison(real_wait())  # type: ignore[method-assign]

@@ -376,6 +376,9 @@ class LLMEngine:
         if dead is not None:
             raise EngineDeadError(dead)
         outputs, self._carried = self._carried, []
+        # Checked while the step in flight computes, for the one this call starts: weights are
+        # written in place only between calls, never by a step.
+        weights_checked = self._in_flight is not None and self.runner.decode_weights_unchanged()
         try:
             self._previous = self._close_in_flight()
             outputs += self._admit_compiled()
@@ -393,7 +396,12 @@ class LLMEngine:
                 raise
             self.counters.num_steps += 1
             try:
-                started = self.runner.start(out, self._prefill_rows(out), background=self.async_scheduling)
+                started = self.runner.start(
+                    out,
+                    self._prefill_rows(out),
+                    background=self.async_scheduling,
+                    weights_checked=weights_checked,
+                )
             except BaseException as exc:
                 if isinstance(exc, Exception):
                     raise self._recover_from_failed_step(out, exc) from exc

@@ -198,13 +198,19 @@ class ModelRunner:
             free(request_id)
 
     def start(
-        self, out: _core.SchedulerOutput, rows: Sequence[RowSampling | None], background: bool = False
+        self,
+        out: _core.SchedulerOutput,
+        rows: Sequence[RowSampling | None],
+        background: bool = False,
+        weights_checked: bool = False,
     ) -> StartedStep:
         """The first half of a step: the copies the scheduler asked for, and with `background` a
         step of decode rows that the native decode step runs is started on its background thread
         and left running (`StartedStep.running`); `finish` waits for it. Every other step's
         forward runs in `finish`, so that nothing of it has run when this returns. Only the
-        prefill rows of `rows` are read here (whether they ask for prompt logprobs)."""
+        prefill rows of `rows` are read here (whether they ask for prompt logprobs).
+        `weights_checked`: `decode_weights_unchanged()` was true since the weights could last
+        have been written."""
         scoring = _prompt_scoring(out, rows) if out.num_scheduled_tokens > 0 else None
         if self.executor is not None:
             self.executor.send_step(_step_inputs(out, scoring))
@@ -215,8 +221,13 @@ class ModelRunner:
             caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(out.state_copies)))
         started = StartedStep(out, scoring)
         if background and self.decode_step is not None and scoring is None and out.num_scheduled_tokens > 0:
-            started.running = self.decode_step.launch(out)
+            started.running = self.decode_step.launch(out, weights_checked)
         return started
+
+    def decode_weights_unchanged(self) -> bool:
+        """Whether the native decode step may run on the weights as they are now (none written in
+        place since it was built); False without one."""
+        return self.decode_step is not None and self.decode_step.weights_unchanged()
 
     def finish(self, started: StartedStep, rows: Sequence[RowSampling | None]) -> ModelRunnerOutput:
         """The second half of a step: the forward (or the wait for the one `start` left running),
@@ -237,14 +248,18 @@ class ModelRunner:
             # call when the model allows (model/decode_step.py); None: the model's forward runs it
             if started.running is not None:
                 running, started.running = started.running, None
+                greedy = _plain_greedy_rows(rows)  # (while the step computes)
                 fused: DecodeOutput | None = running.wait()
             elif self.decode_step is not None and scoring is None:
                 fused = self.decode_step.run(out)
+                greedy = fused is not None and _plain_greedy_rows(rows)
             else:
-                fused = None
+                fused, greedy = None, False
             if fused is not None:
-                if not _take_greedy(fused, rows, result):
+                if not (greedy and _take_greedy(fused, result)):
                     self._sample(out, rows, fused.logits, result)
+                assert self.decode_step is not None
+                self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
             else:
                 batch = to_forward_batch(out, self.em.device)
                 if scoring is not None:
@@ -419,18 +434,25 @@ class ModelRunner:
         return np.asarray(flat, dtype=np.int32), counts
 
 
-def _take_greedy(fused: DecodeOutput, rows: Sequence[RowSampling | None], result: ModelRunnerOutput) -> bool:
-    """Sampling of a decode step whose every row is plain greedy (no logprobs, penalties, logit
-    bias or grammar): each row's token is the argmax the decode step computed, as the sampler's
-    would be; a row with a non-finite logit fails alone, as in `_sample`. False (nothing
-    recorded) when some row needs the sampler."""
-    if len(fused.greedy) != len(rows):
-        return False  # verify rows: the rejection sampler's
+def _plain_greedy_rows(rows: Sequence[RowSampling | None]) -> bool:
+    """Whether every row is plain greedy (no logprobs, penalties, logit bias or grammar), so that
+    its token is the argmax the decode step computed, as the sampler's would be."""
     for row in {id(r): r for r in rows}.values():
         if row is None or row.grammar is not None or not plain_greedy(row):
             return False
-    finite = fused.finite.tolist()
-    for r, (token, ok) in enumerate(zip(fused.greedy.tolist(), finite)):
+    return True
+
+
+def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput) -> bool:
+    """Sampling of a decode step of plain greedy rows (`_plain_greedy_rows`): each row's token is
+    the argmax the decode step computed; a row with a non-finite logit fails alone, as in
+    `_sample`. False (nothing recorded) for a step of verify rows (the rejection sampler's)."""
+    if len(fused.greedy) != len(result.sampled):
+        return False
+    if fused.finite.all():
+        result.sampled = [[token] for token in fused.greedy.tolist()]
+        return True
+    for r, (token, ok) in enumerate(zip(fused.greedy.tolist(), fused.finite.tolist())):
         if ok:
             result.sampled[r] = [token]
         else:

@@ -135,6 +135,30 @@ class DecodeOutput(NamedTuple):
     finite: np.ndarray
 
 
+class _Buffers:
+    """The output arrays of steps of up to `capacity` tokens, with their addresses: lent to one
+    step at a time and taken back once its caller has read them (`DecodeStep.recycle`), so that
+    a step allocates nothing (a fresh [tokens, vocab] tensor cost 10-40 µs after a forward had
+    emptied the caches, on the path from one step to the next)."""
+
+    __slots__ = ("logits", "greedy", "finite", "addresses", "capacity")
+
+    def __init__(self, capacity: int, vocab: int, dtype: torch.dtype) -> None:
+        self.capacity = capacity
+        self.logits = torch.empty((capacity, vocab), dtype=dtype)
+        self.greedy = np.empty(capacity, dtype=np.int64)
+        self.finite = np.empty(capacity, dtype=np.bool_)
+        self.addresses = (self.logits.data_ptr(), int(self.greedy.ctypes.data), int(self.finite.ctypes.data))
+
+    def view(self, num_tokens: int) -> DecodeOutput:
+        return DecodeOutput(self.logits[:num_tokens], self.greedy[:num_tokens], self.finite[:num_tokens])
+
+
+# Output buffers a step keeps track of; past this, those lent and never given back (a step that
+# failed before its caller read it) are forgotten.
+_MAX_BUFFERS = 4
+
+
 class _Refused(Exception):
     """A part of the model the fused step does not know (the model keeps its forward)."""
 
@@ -186,8 +210,13 @@ class DecodeStep:
         self.records = rec
         self.doubles = dbl
         self._versions = self._current_versions()
-        self._rec_ptr = rec.ctypes.data
-        self._dbl_ptr = dbl.ctypes.data
+        # the arguments every step passes first: the records, the sizes, the shared weights
+        self._head = (
+            rec.ctypes.data, dbl.ctypes.data, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
+            self.final_eps, self.lm_head,
+        )  # fmt: skip
+        self._buffers: dict[int, _Buffers] = {}  # by id of its `greedy` array (held here: ids stay unique)
+        self._spare: list[_Buffers] = []
 
     @classmethod
     def for_model(
@@ -302,6 +331,36 @@ class DecodeStep:
     def _current_versions(self) -> tuple[int, ...]:
         return tuple(map(_VERSION, self._watch))
 
+    def weights_unchanged(self) -> bool:
+        """Whether no weight the records point to was written in place since they were built
+        (each step checks this unless its caller did: `launch(out, weights_checked=True)`)."""
+        return self._current_versions() == self._versions
+
+    # --- output buffers ---
+    def _lend(self, num_tokens: int) -> _Buffers:
+        fits = [b for b in self._spare if b.capacity >= num_tokens]
+        if fits:
+            b = min(fits, key=operator.attrgetter("capacity"))
+            self._spare.remove(b)
+            return b
+        if len(self._buffers) >= _MAX_BUFFERS:
+            self._buffers = {id(s.greedy): s for s in self._spare}
+        # rounded up to a power of two (batches shrink and grow by a few rows at a time)
+        capacity = max(num_tokens, min(1 << (num_tokens - 1).bit_length(), self.max_tokens))
+        b = _Buffers(capacity, self.vocab, self.dtype)
+        self._buffers[id(b.greedy)] = b
+        return b
+
+    def recycle(self, output: DecodeOutput) -> None:
+        """Gives back the arrays of a step's output (from `run`, or `PendingDecode.wait`) once the
+        caller has read them and keeps no view of them: a later step writes them. Anything else
+        is ignored."""
+        base = output.greedy.base
+        b = self._buffers.get(id(base))
+        if b is None or b.greedy is not base or any(s is b for s in self._spare):
+            return
+        self._spare.append(b)
+
     # --- a step ---
     def run(self, out: Any) -> DecodeOutput | None:
         """The logits of every token of a step given as the scheduler's output (its numpy
@@ -312,24 +371,29 @@ class DecodeStep:
         call = self._call(out)
         if call is None:
             return None
-        return call.result(self.fn(*call.args))
+        got = call.result(self.fn(*call.args))
+        if got is None:
+            self.recycle(call.output)
+        return got
 
-    def launch(self, out: Any) -> PendingDecode | None:
+    def launch(self, out: Any, weights_checked: bool = False) -> PendingDecode | None:
         """The same step run on the native library's background thread: returns at once with
         the step running, or None, with nothing written or started, when `run` would return None
-        or another step is already running there (the caller then runs this one itself)."""
-        call = self._call(out)
+        or another step is already running there (the caller then runs this one itself).
+        `weights_checked`: the caller has seen `weights_unchanged()` true since the weights
+        could last have been written (the check then stays off the path between two steps)."""
+        call = self._call(out, weights_checked)
         if call is None:
             return None
         rc = self.launch_fn(*call.args)
-        if rc == 6:
-            return None
         if rc != 0:
-            call.result(rc)  # the checks made before anything was posted: raises, or None
+            if rc != 6:  # (6: busy) the checks made before anything was posted: raises, or None
+                call.result(rc)
+            self.recycle(call.output)
             return None
         return PendingDecode(call, self.wait_fn)
 
-    def _call(self, out: Any) -> _Call | None:
+    def _call(self, out: Any, weights_checked: bool = False) -> _Call | None:
         ids = out.input_ids
         T = len(ids)
         R = int(out.num_decodes)
@@ -338,7 +402,7 @@ class DecodeStep:
         qsl = out.query_start_loc
         if len(qsl) != R + 1 or int(qsl[R]) != T:
             return None  # prefill rows too
-        if self._current_versions() != self._versions:
+        if not weights_checked and not self.weights_unchanged():
             return None  # weights changed in place: the model's forward reads them as they are
         # every array held here for the call (a getter may return a fresh one each time)
         pos, slots, bt, rs, ws, li = (
@@ -356,16 +420,12 @@ class DecodeStep:
             p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = map(
                 _ptr, (ids, pos, slots, bt, rs, ws, qsl, li)
             )
-        output = DecodeOutput(
-            torch.empty((T, self.vocab), dtype=self.dtype),
-            np.empty(T, dtype=np.int64),
-            np.empty(T, dtype=np.bool_),
-        )
+        buffers = self._lend(T)
+        output = buffers.view(T)
+        p_logits, p_greedy, p_finite = buffers.addresses
         args = (
-            self._rec_ptr, self._dbl_ptr, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
-            self.final_eps, self.lm_head, p_ids, p_pos, p_slots, p_bt,
-            bt.shape[1], p_rs, p_ws, ws.shape[1], p_qsl, p_li, R, output.logits.data_ptr(),
-            output.greedy.ctypes.data, output.finite.ctypes.data, native.threads(),
+            *self._head, p_ids, p_pos, p_slots, p_bt, bt.shape[1], p_rs, p_ws, ws.shape[1], p_qsl, p_li, R,
+            p_logits, p_greedy, p_finite, native.threads(),
         )  # fmt: skip
         return _Call(
             args,
