@@ -35,10 +35,27 @@ class _Stream:
         self.dead = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        _deliver([(self, item)])
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Hands items to their streams in order, with one thread-safe call per event loop: each call
+    writes to the loop's wake-up pipe (a system call, and a wake-up of the loop), which per output
+    was a tenth of the engine thread's time while it streamed 64 requests."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the loop is closed; the engine thread must not die of it
-            self.dead = True
+            for stream, _ in batch:
+                stream.dead = True
 
 
 class AsyncEngine:
@@ -218,20 +235,25 @@ class AsyncEngine:
             # the stats of this step first: a client that has its answer and reads /metrics at once
             # must see the tokens it was given counted
             self._snapshot_stats()
-            aborted = False
+            items: list[tuple[_Stream, RequestOutput | BaseException]] = []
             for out in outputs:
                 stream = self._live_owner(out.request_id)
                 if out.finished:
                     self._owner.pop(out.request_id, None)
                 if stream is not None and out.error is not None and out.invalid:
-                    stream.put(InvalidRequestError(out.error))  # refused after it was accepted
+                    items.append((stream, InvalidRequestError(out.error)))  # refused after it was accepted
                 elif stream is not None and out.error is not None:
-                    stream.put(HybridServeError(f"the engine failed while running this request: {out.error}"))
+                    err = HybridServeError(f"the engine failed while running this request: {out.error}")
+                    items.append((stream, err))
                 elif stream is not None:
-                    stream.put(out)
-                    if stream.dead and not out.finished:
-                        self._abort(engine, out.request_id)
-                        aborted = True
+                    items.append((stream, out))
+            _deliver(items)
+            # streams whose event loop has closed: nobody reads them, their requests end here
+            aborted = False
+            for stream, item in items:
+                if stream.dead and isinstance(item, RequestOutput) and not item.finished:
+                    self._abort(engine, item.request_id)
+                    aborted = True
             if aborted:
                 self._snapshot_stats()
 
