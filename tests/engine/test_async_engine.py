@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -161,5 +162,39 @@ def test_a_request_whose_row_fails_ends_with_an_error_and_the_others_finish() ->
         for outs in (ok1, ok2):
             assert isinstance(outs, list) and outs[-1].finished
             assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 6
+
+    asyncio.run(main())
+
+
+def test_a_step_wakes_each_event_loop_once_for_all_its_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four streams on one loop: each step's outputs arrive in one thread-safe call (one write to
+    the loop's wake-up pipe), in order, not one call per request."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        loop = asyncio.get_running_loop()
+        calls = {"engine": 0}
+        real = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if threading.current_thread() is engine._thread:
+                calls["engine"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+        try:
+            before = engine.stats()["num_steps"]
+            outs = await asyncio.wait_for(
+                asyncio.gather(*(_collect(engine, f"r{i}", params) for i in range(4))), 60
+            )
+            steps = engine.stats()["num_steps"] - before
+        finally:
+            engine.shutdown()
+        for got in outs:
+            assert got[-1].finished and len(got[-1].outputs[0].token_ids) == 12
+            assert len(got) == 12  # one output per token, none lost or merged
+        assert 12 <= calls["engine"] <= steps  # 48 outputs
 
     asyncio.run(main())
