@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "benches"))
 
 from hybridserve.benchmarks import cache_replay as cr  # noqa: E402
-from hybridserve.benchmarks.serve_client import ServeConfig, serve_main  # noqa: E402
+from hybridserve.benchmarks.serve_client import ServeConfig, percentile, serve_main  # noqa: E402
 from hybridserve.benchmarks.traces import generate  # noqa: E402
 from hybridserve.benchmarks.workloads import WorkloadSpec  # noqa: E402
 from server_process import BenchServer  # noqa: E402
@@ -43,6 +43,46 @@ POLICIES = {
     "grid": cr.Policy("grid", "grid", "lru", 256),
     "default": cr.POLICIES["hybridserve"],
 }
+
+
+GROUPS = ("1st", "2nd", "3rd+", "follow-up")
+
+
+def reuse_order(trace: Any) -> dict[str, str]:
+    """Each request's place among the requests whose prompt starts like its own (the same first
+    16 tokens: one system prompt in T1), by arrival: "1st" (nothing earlier to hit), "2nd" (the
+    first reuse, where no placement that waits for a second sharer has kept a state at the
+    shared prefix's end yet), "3rd+"; "follow-up" for later turns of a conversation."""
+    groups: dict[tuple[int, ...], int] = {}
+    order: dict[str, str] = {}
+    firsts = sorted((r for r in trace.requests if r.prompt is not None), key=lambda r: (r.arrival, r.id))
+    for r in firsts:
+        key = tuple(r.prompt[:16])
+        seen = groups.get(key, 0)
+        groups[key] = seen + 1
+        order[r.id] = ("1st", "2nd")[seen] if seen < 2 else "3rd+"
+    for r in trace.requests:
+        order.setdefault(r.id, "follow-up")
+    return order
+
+
+def ttft_by_reuse(trace: Any, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """TTFT of the completed requests by `reuse_order` group: count, share, p50 / p95 (ms)."""
+    order = reuse_order(trace)
+    by: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.get("error") is None and rec.get("ttft_ms") is not None:
+            by.setdefault(order.get(str(rec.get("id")), "?"), []).append(float(rec["ttft_ms"]))
+    total = sum(len(v) for v in by.values()) or 1
+    return {
+        group: {
+            "n": len(v),
+            "share": len(v) / total,
+            "ttft_p50_ms": percentile(v, 50),
+            "ttft_p95_ms": percentile(v, 95),
+        }
+        for group, v in sorted(by.items())
+    }
 
 
 def main() -> int:
@@ -126,6 +166,7 @@ def main() -> int:
                     "wall_s": wall,
                     "server_hit_tokens": after.get("hybridserve_prefix_cache_hit_tokens_total", 0)
                     - before.get("hybridserve_prefix_cache_hit_tokens_total", 0),
+                    "ttft_by_reuse": ttft_by_reuse(trace, result["requests"]),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -136,6 +177,19 @@ def main() -> int:
             f"| {r['trace']} | {r['config']} | {r['hit_rate']:.3f} | {r['replay_hit_rate']:.3f} | "
             f"{r['ttft_p50_ms']:.1f} / {r['ttft_p95_ms']:.1f} / {r['ttft_p99_ms']:.1f} |"
         )
+    print("\nTTFT by the request's place among those sharing its prompt's start (p50 / p95 ms):")
+    print("| trace | config | " + " | ".join(GROUPS) + " |")
+    print("|---|---|" + "---|" * len(GROUPS))
+    for r in rows:
+        cells = []
+        for group in GROUPS:
+            g = r["ttft_by_reuse"].get(group)
+            cells.append(
+                ""
+                if g is None
+                else f"{g['n']} ({100 * g['share']:.0f}%): {g['ttft_p50_ms']:.1f} / {g['ttft_p95_ms']:.1f}"
+            )
+        print(f"| {r['trace']} | {r['config']} | " + " | ".join(cells) + " |")
     by = {(r["trace"], r["config"]): r for r in rows}
     for t in traces:
         g, b = by.get((t.name, "grid")), by.get((t.name, "default"))
