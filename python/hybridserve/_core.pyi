@@ -181,10 +181,12 @@ class SchedulerOutput:  # made by the extension only: no constructor
     def draft_token_ids(self) -> npt.NDArray[np.int32]: ...  # [sum k], also the last k inputs of each row
     @property
     def finished_req_ids(self) -> list[str]: ...  # finished or aborted since the previous output
-    def array_addresses(self, names: list[str]) -> list[int]:
-        """The data addresses of the named int64 arrays (input_ids, positions, query_start_loc,
-        slot_mapping, block_table, state_read_slot, state_write_slots, logits_indices), each the
-        array its getter returns; ValueError for another name."""
+    def decode_layout(self) -> list[int] | None:
+        """None unless every row is a decode row (one token, or a token and its drafts, every
+        token's logits asked); else [tokens, rows, block_table's row stride, state_write_slots'
+        row stride] and the data addresses of input_ids, positions, slot_mapping, block_table,
+        state_read_slot, state_write_slots, query_start_loc, logits_indices (the getters'
+        arrays)."""
     def __len__(self) -> int: ...
 
 @final

@@ -3,7 +3,7 @@
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -588,35 +588,56 @@ impl PySchedulerOutput {
         self.cached(py, 19, |py, o| Ok(vec1(py, &mut o.draft_token_ids)))
     }
 
-    /// The data addresses of the named int64 arrays, each taken as its getter gives it: for
-    /// native code that reads them in place (the native decode step). One call instead of one
-    /// `ndarray.ctypes.data` per array, which cost about a microsecond each. The arrays live as
-    /// long as this output.
-    fn array_addresses(&mut self, py: Python<'_>, names: Vec<String>) -> PyResult<Vec<usize>> {
-        let mut out = Vec::with_capacity(names.len());
-        for name in &names {
-            let array = match name.as_str() {
-                "input_ids" => self.input_ids(py)?,
-                "positions" => self.positions(py)?,
-                "query_start_loc" => self.query_start_loc(py)?,
-                "slot_mapping" => self.slot_mapping(py)?,
-                "block_table" => self.block_table(py)?,
-                "state_read_slot" => self.state_read_slot(py)?,
-                "state_write_slots" => self.state_write_slots(py)?,
-                "logits_indices" => self.logits_indices(py)?,
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "array_addresses: no int64 array named {other:?}"
-                    )))
-                }
-            };
+    /// For native code that runs a step of decode rows reading the arrays in place (the native
+    /// decode step): None unless every row is a decode row (one token, or a token and its
+    /// drafts, every token's logits asked); else `[tokens, rows, block_table's row stride,
+    /// state_write_slots' row stride]` and the data addresses of input_ids, positions,
+    /// slot_mapping, block_table, state_read_slot, state_write_slots, query_start_loc and
+    /// logits_indices, each the array its getter returns (they live as long as this output).
+    /// One call where the getters and the checks of the layout cost a dozen.
+    fn decode_layout(&mut self, py: Python<'_>) -> PyResult<Option<Vec<usize>>> {
+        let rows = self.out.num_decodes;
+        if rows == 0 || rows != self.out.rows.len() {
+            return Ok(None);
+        }
+        let arrays = [
+            self.input_ids(py)?,
+            self.positions(py)?,
+            self.slot_mapping(py)?,
+            self.block_table(py)?,
+            self.state_read_slot(py)?,
+            self.state_write_slots(py)?,
+            self.query_start_loc(py)?,
+            self.logits_indices(py)?,
+        ];
+        let mut addresses = Vec::with_capacity(arrays.len());
+        let mut shapes: Vec<Vec<usize>> = Vec::with_capacity(arrays.len());
+        for array in &arrays {
             let array = array.bind(py).cast::<PyArrayDyn<i64>>()?;
             if !array.is_c_contiguous() {
-                return Err(InternalError::new_err(format!("{name} is not contiguous")));
+                return Err(InternalError::new_err("a step array is not contiguous"));
             }
-            out.push(array.data() as usize);
+            addresses.push(array.data() as usize);
+            shapes.push(array.shape().to_vec());
         }
-        Ok(out)
+        let qsl = arrays[6].bind(py).cast::<PyArrayDyn<i64>>()?.readonly();
+        let qsl = qsl.as_slice()?;
+        let tokens = shapes[0][0];
+        let (bt, ws) = (&shapes[3], &shapes[5]);
+        let laid_out = qsl.len() == rows + 1
+            && usize::try_from(qsl[rows]).ok() == Some(tokens)
+            && [1, 2, 7].iter().all(|&i| shapes[i] == [tokens])
+            && shapes[4] == [rows]
+            && bt.len() == 2
+            && bt[0] == rows
+            && ws.len() == 2
+            && ws[0] == rows;
+        if !laid_out {
+            return Ok(None);
+        }
+        let mut layout = vec![tokens, rows, bt[1], ws[1]];
+        layout.extend(addresses);
+        Ok(Some(layout))
     }
 
     fn __len__(&self) -> usize {

@@ -114,20 +114,28 @@ def test_prefill_then_decode_arrays_and_length_finish() -> None:
     assert st["kv_blocks_used"] == 0 and st["num_running"] == 0
 
 
-def test_array_addresses_are_those_of_the_getters_arrays() -> None:
+def test_decode_layout_is_that_of_the_getters_arrays_for_a_step_of_decode_rows() -> None:
     s = make("align")
     s.add_request("a", list(range(1, 31)), max_tokens=3)
     s.add_request("b", list(range(1, 12)), max_tokens=3)
     o = s.schedule()
+    prefills = 0
+    while o.num_decodes < o.num_rows:
+        assert o.decode_layout() is None  # prefill rows
+        prefills += 1
+        done = (np.asarray(o.num_logits) > 0).astype(np.int32)
+        s.update_from_output(o, np.full(int(done.sum()), 7, dtype=np.int32), done)
+        o = s.schedule()
+    assert prefills > 0 and o.num_decodes == o.num_rows == 2
     names = [
         "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
         "query_start_loc", "logits_indices",
     ]  # fmt: skip
-    got = o.array_addresses(names)
-    assert got == [getattr(o, n).ctypes.data for n in names]
-    assert got[0] != got[1]
-    with pytest.raises(ValueError, match="num_logits"):
-        o.array_addresses(["num_logits"])  # an int32 array: not one of them
+    got = o.decode_layout()
+    assert got is not None
+    assert got[:4] == [len(o.input_ids), 2, o.block_table.shape[1], o.state_write_slots.shape[1]]
+    assert got[4:] == [getattr(o, n).ctypes.data for n in names]
+    assert len(set(got[4:])) == len(names)
 
 
 def test_chunked_prefill_under_budget_and_decodes_first() -> None:

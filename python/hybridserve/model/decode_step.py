@@ -22,6 +22,10 @@ gets decoded alone, in float32 too.
 `launch` runs the same step on the library's one background thread and returns at once; the
 caller waits for it (`PendingDecode.wait`) before it reads or writes the caches again. The
 engine's overlapped steps build the previous step's outputs meanwhile (engine/llm_engine.py).
+
+A step's output arrays are lent to that step alone; a caller that has read them and keeps no
+view of them gives them back (`recycle`) for a later step to write, so that steps allocate
+nothing.
 """
 
 from __future__ import annotations
@@ -109,11 +113,6 @@ def enabled() -> bool:
     return native.env_switch("HYBRIDSERVE_DECODE_STEP")
 
 
-# the scheduler's arrays a step reads, in the order of the native call's arguments
-_ARRAYS = (
-    "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
-    "query_start_loc", "logits_indices",
-)  # fmt: skip
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place write counter
 
 
@@ -394,55 +393,57 @@ class DecodeStep:
         return PendingDecode(call, self.wait_fn)
 
     def _call(self, out: Any, weights_checked: bool = False) -> _Call | None:
-        ids = out.input_ids
-        T = len(ids)
-        R = int(out.num_decodes)
-        if R == 0 or T > self.max_tokens:
+        layout = getattr(out, "decode_layout", None)
+        # the scheduler's output: its layout checked and its addresses in one call (it holds the
+        # arrays); any other object holding the same int64 arrays: read here, and held
+        lay, held = (layout(), out) if layout is not None else _decode_layout(out)
+        if lay is None:
+            return None  # prefill rows too, or not the layout of a step (the forward reports it)
+        T, R, bt_stride, ws_stride, p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = lay
+        if T > self.max_tokens:
             return None
-        qsl = out.query_start_loc
-        if len(qsl) != R + 1 or int(qsl[R]) != T:
-            return None  # prefill rows too
         if not weights_checked and not self.weights_unchanged():
             return None  # weights changed in place: the model's forward reads them as they are
-        # every array held here for the call (a getter may return a fresh one each time)
-        pos, slots, bt, rs, ws, li = (
-            out.positions, out.slot_mapping, out.block_table, out.state_read_slot, out.state_write_slots,
-            out.logits_indices,
-        )  # fmt: skip
-        if len(li) != T or len(pos) != T or len(slots) != T or len(rs) != R:
-            return None  # not the layout of a step (the forward reports what is wrong)
-        if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
-            return None
-        addresses = getattr(out, "array_addresses", None)
-        if addresses is not None:  # the scheduler's output: every address in one call
-            p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = addresses(list(_ARRAYS))
-        else:  # any object holding the same int64 arrays
-            p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = map(
-                _ptr, (ids, pos, slots, bt, rs, ws, qsl, li)
-            )
         buffers = self._lend(T)
-        output = buffers.view(T)
         p_logits, p_greedy, p_finite = buffers.addresses
         args = (
-            *self._head, p_ids, p_pos, p_slots, p_bt, bt.shape[1], p_rs, p_ws, ws.shape[1], p_qsl, p_li, R,
+            *self._head, p_ids, p_pos, p_slots, p_bt, bt_stride, p_rs, p_ws, ws_stride, p_qsl, p_li, R,
             p_logits, p_greedy, p_finite, native.threads(),
         )  # fmt: skip
-        return _Call(
-            args,
-            output,
-            (ids, pos, slots, bt, rs, ws, qsl, li),
-            f"{R} rows, {T} tokens, {self.num_layers} layers",
-        )
+        return _Call(args, buffers.view(T), held, (R, T, self.num_layers))
+
+
+def _decode_layout(out: Any) -> tuple[list[int] | None, tuple[np.ndarray, ...]]:
+    """`SchedulerOutput.decode_layout` of any object holding the scheduler output's arrays
+    (int64, C-contiguous), and the arrays it read (a getter may return a fresh one each time)."""
+    ids, qsl = out.input_ids, out.query_start_loc
+    T, R = len(ids), int(out.num_decodes)
+    if R == 0 or len(qsl) != R + 1 or int(qsl[R]) != T:
+        return None, ()
+    pos, slots, bt, rs, ws, li = (
+        out.positions, out.slot_mapping, out.block_table, out.state_read_slot, out.state_write_slots,
+        out.logits_indices,
+    )  # fmt: skip
+    if len(li) != T or len(pos) != T or len(slots) != T or len(rs) != R:
+        return None, ()
+    if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
+        return None, ()
+    arrays = (ids, pos, slots, bt, rs, ws, qsl, li)
+    return [T, R, bt.shape[1], ws.shape[1], *map(_ptr, arrays)], arrays
 
 
 class _Call(NamedTuple):
-    """One decode step's native arguments, the output they write, and the arrays they point into
-    (held until the step has run)."""
+    """One decode step's native arguments, the output they write, what holds the arrays they
+    point into (held until the step has run), and its (rows, tokens, layers) for messages."""
 
     args: tuple[Any, ...]
     output: DecodeOutput
-    arrays: tuple[np.ndarray, ...]
-    shapes: str
+    arrays: Any
+    sizes: tuple[int, int, int]
+
+    @property
+    def shapes(self) -> str:
+        return "{} rows, {} tokens, {} layers".format(*self.sizes)
 
     def result(self, rc: int) -> DecodeOutput | None:
         if rc == 0:
