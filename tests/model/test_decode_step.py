@@ -92,6 +92,16 @@ def _two_drivers(lm: LoadedModel, prompts: list[list[int]]) -> tuple[Driver, Dri
     return drivers[0], drivers[1], reqs[0], reqs[1]
 
 
+def _two_steps(
+    lm: LoadedModel, prompts: list[list[int]]
+) -> tuple[Driver, Driver, list, list, DecodeStep, DecodeStep]:
+    """`_two_drivers` and a native decode step over each driver's caches."""
+    a, b, a_reqs, b_reqs = _two_drivers(lm, prompts)
+    a_step, b_step = DecodeStep.for_model(lm.model, a.caches), DecodeStep.for_model(lm.model, b.caches)
+    assert a_step is not None and b_step is not None
+    return a, b, a_reqs, b_reqs, a_step, b_step
+
+
 # the configs of the families it runs (Nemotron-H without MoE, Mamba2, Bamba with its rotary
 # attention and gated MLP)
 SUPPORTED = ["nh_g1", "m2_g2", "bamba_g1", "bamba_g2"]
@@ -187,10 +197,7 @@ def test_output_arrays_are_lent_to_one_step_at_a_time(tmp_path: Any) -> None:
     given back twice, are never lent to two steps at once."""
     lm = _model(tmp_path, "nh_g1", torch.float64)
     prompts = random_prompts(2, VOCAB, [9, 7], seed=12)
-    one, two, one_reqs, two_reqs = _two_drivers(lm, prompts)
-    reused = DecodeStep.for_model(lm.model, one.caches)
-    fresh = DecodeStep.for_model(lm.model, two.caches)
-    assert reused is not None and fresh is not None
+    one, two, one_reqs, two_reqs, reused, fresh = _two_steps(lm, prompts)
     bases = []
     for _ in range(3):
         one_rows = [(r, [r.tokens[-1]], True) for r in one_reqs]
@@ -316,10 +323,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(tmp_path: Any, dtype: torc
     # 6 rows: a group of 4 (the 4-row tiles of the projections) and 2 left over (the one-row path)
     lm = _model(tmp_path, name, dtype)
     prompts = random_prompts(6, VOCAB, [9, 14, 5, 11, 8, 20], seed=10)
-    together, alone, t_reqs, a_reqs = _two_drivers(lm, prompts)
-    t_step = DecodeStep.for_model(lm.model, together.caches)
-    a_step = DecodeStep.for_model(lm.model, alone.caches)
-    assert t_step is not None and a_step is not None
+    together, alone, t_reqs, a_reqs, t_step, a_step = _two_steps(lm, prompts)
     for _ in range(3):
         rows = [(r, [r.tokens[-1]], True) for r in t_reqs]
         batched = t_step.run(_out(together.batch(rows)))
@@ -357,10 +361,7 @@ def test_verify_rows_match_the_forward(tmp_path: Any, name: str) -> None:
 def test_a_verified_token_gets_its_decode_bits(tmp_path: Any) -> None:
     lm = _model(tmp_path, "nh_g1", torch.float32)
     prompts = random_prompts(2, VOCAB, [12, 7], seed=12)
-    verify, decode, v_reqs, d_reqs = _two_drivers(lm, prompts)
-    v_step = DecodeStep.for_model(lm.model, verify.caches)
-    d_step = DecodeStep.for_model(lm.model, decode.caches)
-    assert v_step is not None and d_step is not None
+    verify, decode, v_reqs, d_reqs, v_step, d_step = _two_steps(lm, prompts)
     tails = [[v_reqs[0].tokens[-1], 21, 22, 23], [v_reqs[1].tokens[-1], 31, 32]]
     rows = [(r, t, True) for r, t in zip(v_reqs, tails)]
     verified = v_step.run(_out(verify.batch(rows)))
@@ -387,10 +388,7 @@ def test_threads_split_the_projections_without_changing_a_bit(tmp_path: Any) -> 
     path = save_hf_model(build_hf_model(kind, wide, vocab_size=VOCAB, seed=13), tmp_path / "wide")
     lm = load_model(str(path), torch.float32)
     prompts = random_prompts(4, VOCAB, [9, 14, 5, 11], seed=14)
-    one, two, one_reqs, two_reqs = _two_drivers(lm, prompts)
-    step_one = DecodeStep.for_model(lm.model, one.caches)
-    step_two = DecodeStep.for_model(lm.model, two.caches)
-    assert step_one is not None and step_two is not None
+    one, two, one_reqs, two_reqs, step_one, step_two = _two_steps(lm, prompts)
     try:
         for _ in range(3):
             rows_one = [(r, [r.tokens[-1]], True) for r in one_reqs]
@@ -414,10 +412,7 @@ def test_threads_split_the_projections_without_changing_a_bit(tmp_path: Any) -> 
 def test_a_step_on_the_background_thread_gets_the_bits_of_one_run_here(tmp_path: Any) -> None:
     lm = _model(tmp_path, "bamba_g2", torch.float32)
     prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=4)
-    here, there, here_reqs, there_reqs = _two_drivers(lm, prompts)
-    step_here = DecodeStep.for_model(lm.model, here.caches)
-    step_there = DecodeStep.for_model(lm.model, there.caches)
-    assert step_here is not None and step_there is not None
+    here, there, here_reqs, there_reqs, step_here, step_there = _two_steps(lm, prompts)
     assert step_there.wait_fn() == -1  # nothing is out
     for _ in range(4):
         here_rows = [(r, [r.tokens[-1]], True) for r in here_reqs]
