@@ -29,8 +29,9 @@
 //! running reuse rate) per byte it holds (its state and the KV blocks between the two), on a log
 //! scale. A hit refreshes the checkpoint it consumed (`lru-path`: every checkpoint on its path).
 //! With `flops`, KV blocks that no checkpoint at or below them can use are evicted before any other
-//! cached block, a KV shortage evicts the checkpoint whose path is worth least, and last-token
-//! states are not kept while almost none of them get used (single-turn traffic), but for a probe.
+//! cached block, a KV shortage evicts the checkpoint whose path is worth least, and while almost
+//! no admission resumes a last-token state (single-turn traffic) they are not kept, but for a
+//! probe, and grid points may take the places of those kept.
 //!
 //! Counters: `find_longest_cache_hit` adds `num_tokens` to `queried_tokens`, L to `hit_tokens`, the
 //! KV-only hit to `kv_hit_tokens`, and the difference (KV prefix cached, no checkpoint there) to
@@ -57,9 +58,11 @@ pub const DEFAULT_FLOP_WEIGHT: f64 = 1.0;
 /// Weight of the newest outcome in the running reuse rate of each checkpoint kind.
 const REUSE_RATE_STEP: f64 = 1.0 / 32.0;
 
-/// Below this reuse rate of last-token states, the FLOP-aware policy keeps only every
-/// `LAST_STATE_PROBE`-th of them.
+/// Below this share of admissions that resume a last-token state, the FLOP-aware policy keeps
+/// only every `LAST_STATE_PROBE`-th of them, and grid points may take their places.
 const MIN_LAST_STATE_REUSE: f64 = 0.05;
+/// Weight of the newest admission in `resume_rate`.
+const RESUME_RATE_STEP: f64 = 1.0 / 16.0;
 const LAST_STATE_PROBE: u64 = 16;
 
 /// An operation the runner executes, in order, before the forward.
@@ -229,6 +232,14 @@ pub struct HybridCacheManager {
     reuse_rate: [f64; 3],
     /// Last-token states offered while their kind's reuse rate was too low to keep them.
     declined_last_states: u64,
+    /// A running share of admissions that resume a last-token state (FLOP-aware policy). It
+    /// decides whether last-token states are kept and whether grid points may take their
+    /// places. It is learned from every admission, so it falls within a few dozen requests of
+    /// single-turn traffic; a rate learned when kept states are evicted unused fell only where
+    /// something evicted them, and in a pool where grid points may not, unused last-token states
+    /// of single-turn traffic filled the places that a system prompt's second user needed a grid
+    /// point in.
+    resume_rate: f64,
     cost: CostModel,
     flop_weight: f64,
     reqs: HashMap<ReqKey, ReqState, PassThroughBuild>,
@@ -291,6 +302,7 @@ impl HybridCacheManager {
             ck_consumed: vec![false; n_slots],
             reuse_rate: [0.5; 3],
             declined_last_states: 0,
+            resume_rate: 0.5,
             cost: CostModel::default(),
             flop_weight: DEFAULT_FLOP_WEIGHT,
             reqs: HashMap::with_capacity_and_hasher(cfg.max_num_seqs, PassThroughBuild::default()),
@@ -728,15 +740,21 @@ impl HybridCacheManager {
     }
 
     /// Admission of last-token states (FLOP-aware policy): while fewer than
-    /// `MIN_LAST_STATE_REUSE` of them get used (single-turn traffic: a state after a unique answer
-    /// is never resumed), keeping one would only push out checkpoints that do get hit. Every
-    /// `LAST_STATE_PROBE`-th is still kept, so that the rate notices when conversations start.
+    /// `MIN_LAST_STATE_REUSE` of the admissions resume one (single-turn traffic: a state after a
+    /// unique answer is never resumed), keeping one would only push out checkpoints that do get
+    /// hit. Every `LAST_STATE_PROBE`-th is still kept, so that the rate notices when
+    /// conversations start.
     fn last_state_worth_keeping(&mut self) -> bool {
-        if self.reuse_rate[CheckpointKind::LastToken.index()] >= MIN_LAST_STATE_REUSE {
+        if self.last_states_resumed() {
             return true;
         }
         self.declined_last_states += 1;
         self.declined_last_states % LAST_STATE_PROBE == 0
+    }
+
+    /// Whether enough admissions resume a last-token state for keeping them to pay.
+    fn last_states_resumed(&self) -> bool {
+        self.resume_rate >= MIN_LAST_STATE_REUSE
     }
 
     /// Checkpoint `s` is about to go: if no hit used it, its kind's reuse rate learns a miss.
@@ -781,7 +799,8 @@ impl HybridCacheManager {
     }
 
     /// Room for one more grid checkpoint next to branch points and last tokens: free capacity,
-    /// else the least recently used grid checkpoint goes.
+    /// else the least recently used grid checkpoint goes (with the FLOP-aware policy, or
+    /// last-token state while admissions do not resume those).
     fn make_grid_room(&mut self) -> bool {
         while self.mamba.at_checkpoint_cap() || self.mamba.num_free() == 0 {
             let grid = self
@@ -789,10 +808,15 @@ impl HybridCacheManager {
                 .stale_victim()
                 .or_else(|| self.mamba.superseded_victim())
                 .or_else(|| {
+                    // last-token states too while admissions do not resume them: kept as
+                    // probes, not for a reason that holds
+                    let last_too =
+                        self.eviction == EvictionPolicy::Flops && !self.last_states_resumed();
                     self.mamba.live_evictable().find(|&s| {
-                        self.mamba
-                            .checkpoint_tag(s)
-                            .is_some_and(|t| t.kind == CheckpointKind::Grid)
+                        self.mamba.checkpoint_tag(s).is_some_and(|t| {
+                            t.kind == CheckpointKind::Grid
+                                || (last_too && t.kind == CheckpointKind::LastToken)
+                        })
                     })
                 });
             let Some(v) = grid else {
@@ -967,6 +991,8 @@ impl HybridCacheManager {
             st.pinned = Some(c);
             self.learn_use(c);
         }
+        let resumed = f64::from(u8::from(hit.kind == Some(CheckpointKind::LastToken)));
+        self.resume_rate += RESUME_RATE_STEP * (resumed - self.resume_rate);
         let ok = self.allocate_blocks(&mut st.blocks, to_alloc);
         debug_assert!(ok);
         let mut ops = Vec::new();
@@ -1109,7 +1135,8 @@ impl HybridCacheManager {
         }
         // Beside branch points and last tokens, grid checkpoints are a bet on a sharer to come
         // that nothing tells of yet: they take spare room, or the place of another grid
-        // checkpoint, never that of a checkpoint placed for a reason.
+        // checkpoint, never that of a checkpoint placed for a reason (but for last-token states
+        // that admissions do not resume).
         let room = if kind == CheckpointKind::Grid && self.placement.branch() {
             self.make_grid_room()
         } else {

@@ -800,7 +800,8 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
                     format!(
                         "the scan emits it there), after the last token of every finished \
                          sequence, and every {m} tokens where the state pool has spare room \
-                         (grid points never push out a checkpoint placed for a reason); \
+                         (grid points never push out a checkpoint placed for a reason, but for \
+                         last-token states while no request resumes them); \
                          --mamba-checkpoint-placement branch drops the grid points, grid keeps \
                          only them"
                     ),
