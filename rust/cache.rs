@@ -230,7 +230,7 @@ pub struct HybridCacheManager {
     /// makes last-token states useless, chat makes them the most valuable of all. The `flops` score
     /// weighs the FLOPs a checkpoint saves by its kind's rate.
     reuse_rate: [f64; 3],
-    /// Last-token states offered while their kind's reuse rate was too low to keep them.
+    /// Last-token states offered while too few admissions resumed one to keep them.
     declined_last_states: u64,
     /// A running share of admissions that resume a last-token state (FLOP-aware policy). It
     /// decides whether last-token states are kept and whether grid points may take their
@@ -799,8 +799,8 @@ impl HybridCacheManager {
     }
 
     /// Room for one more grid checkpoint next to branch points and last tokens: free capacity,
-    /// else the least recently used grid checkpoint goes (with the FLOP-aware policy, or
-    /// last-token state while admissions do not resume those).
+    /// else the least recently used grid checkpoint goes (or, with the FLOP-aware policy, the
+    /// least recently used last-token state while admissions do not resume those).
     fn make_grid_room(&mut self) -> bool {
         while self.mamba.at_checkpoint_cap() || self.mamba.num_free() == 0 {
             let grid = self
