@@ -449,14 +449,9 @@ def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput) -> bool:
     `_sample`. False (nothing recorded) for a step of verify rows (the rejection sampler's)."""
     if len(fused.greedy) != len(result.sampled):
         return False
-    if fused.finite.all():
-        result.sampled = [[token] for token in fused.greedy.tolist()]
-        return True
-    for r, (token, ok) in enumerate(zip(fused.greedy.tolist(), fused.finite.tolist())):
-        if ok:
-            result.sampled[r] = [token]
-        else:
-            result.failed[r] = _NOT_FINITE
+    finite = fused.finite.tolist()
+    result.sampled = [[token] if ok else [] for token, ok in zip(fused.greedy.tolist(), finite)]
+    result.failed.update((r, _NOT_FINITE) for r, ok in enumerate(finite) if not ok)
     return True
 
 

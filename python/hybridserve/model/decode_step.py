@@ -153,9 +153,9 @@ class _Buffers:
         return DecodeOutput(self.logits[:num_tokens], self.greedy[:num_tokens], self.finite[:num_tokens])
 
 
-# Output buffers a step keeps track of; past this, those lent and never given back (a step that
-# failed before its caller read it) are forgotten.
-_MAX_BUFFERS = 4
+# Output buffers lent out at once; past this, those never given back (a step that failed before
+# its caller read it) are forgotten.
+_MAX_LENT = 4
 
 
 class _Refused(Exception):
@@ -214,7 +214,7 @@ class DecodeStep:
             rec.ctypes.data, dbl.ctypes.data, self.num_layers, self.hidden, self.vocab, self.embed, self.final_norm,
             self.final_eps, self.lm_head,
         )  # fmt: skip
-        self._buffers: dict[int, _Buffers] = {}  # by id of its `greedy` array (held here: ids stay unique)
+        self._lent: list[_Buffers] = []
         self._spare: list[_Buffers] = []
 
     @classmethod
@@ -341,13 +341,13 @@ class DecodeStep:
         if fits:
             b = min(fits, key=operator.attrgetter("capacity"))
             self._spare.remove(b)
-            return b
-        if len(self._buffers) >= _MAX_BUFFERS:
-            self._buffers = {id(s.greedy): s for s in self._spare}
-        # rounded up to a power of two (batches shrink and grow by a few rows at a time)
-        capacity = max(num_tokens, min(1 << (num_tokens - 1).bit_length(), self.max_tokens))
-        b = _Buffers(capacity, self.vocab, self.dtype)
-        self._buffers[id(b.greedy)] = b
+        else:
+            if len(self._lent) >= _MAX_LENT:
+                self._lent.clear()
+            # rounded up to a power of two (batches shrink and grow by a few rows at a time)
+            capacity = max(num_tokens, min(1 << (num_tokens - 1).bit_length(), self.max_tokens))
+            b = _Buffers(capacity, self.vocab, self.dtype)
+        self._lent.append(b)
         return b
 
     def recycle(self, output: DecodeOutput) -> None:
@@ -355,10 +355,10 @@ class DecodeStep:
         caller has read them and keeps no view of them: a later step writes them. Anything else
         is ignored."""
         base = output.greedy.base
-        b = self._buffers.get(id(base))
-        if b is None or b.greedy is not base or any(s is b for s in self._spare):
-            return
-        self._spare.append(b)
+        for i, b in enumerate(self._lent):
+            if b.greedy is base:
+                self._spare.append(self._lent.pop(i))
+                return
 
     # --- a step ---
     def run(self, out: Any) -> DecodeOutput | None:
