@@ -23,10 +23,15 @@ Printed per batch size: microseconds per step per phase (median over steps of th
 the share outside the forward, and tokens/s of the whole run (prompt + output tokens over wall).
 
 `--overlapped`: the same run with `async_scheduling=True`, where a decode step computes on the
-native library's background thread while the engine thread builds the previous step's outputs.
-The phases are then wall time on the engine thread, and "forward" is the part of the forward the
-engine thread waits for (`PendingDecode.wait`, or the forward run in the engine thread); what it
-builds while the forward runs is off the step's critical path.
+native library's background thread while the engine thread builds the previous step's outputs
+and plans the next step. The phases are then wall time on the engine thread, and "forward" is
+the part of the forward the engine thread waits for (`PendingDecode.wait`, or the forward run in
+the engine thread); what it does while the forward runs is off the step's critical path. The
+plan of a step made ahead counts as "schedule" (`schedule_ahead`), its confirmation as "update"
+(`confirm_ahead`), its prepared native call as "inputs". Also printed: "between forwards", the
+median wall time from the end of one background forward's wait to the return of the next one's
+post (the critical path the overlap leaves). `HYBRIDSERVE_PLAN_AHEAD=0` measures the same without
+steps planned ahead.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ class TimedScheduler:
         self._inner = inner
         clock.wrap(self, "_schedule", "schedule")
         clock.wrap(self, "_update", "update")
+        clock.wrap(self, "_schedule_ahead", "schedule")
+        clock.wrap(self, "_confirm_ahead", "update")
 
     def _schedule(self) -> Any:
         return self._inner.schedule()
@@ -108,14 +115,55 @@ class TimedScheduler:
     def _update(self, *a: Any) -> Any:
         return self._inner.update_from_output(*a)
 
+    def _schedule_ahead(self) -> Any:
+        return self._inner.schedule_ahead()
+
+    def _confirm_ahead(self, *a: Any) -> Any:
+        return self._inner.confirm_ahead(*a)
+
     def schedule(self) -> Any:
         return self._schedule()
 
     def update_from_output(self, *a: Any) -> Any:
         return self._update(*a)
 
+    def schedule_ahead(self) -> Any:
+        return self._schedule_ahead()
+
+    def confirm_ahead(self, *a: Any) -> Any:
+        return self._confirm_ahead(*a)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class BetweenForwards:
+    """The wall time from the end of each background forward's wait to the return of the next
+    post (overlapped steps): what of a step the overlap leaves between two forwards."""
+
+    def __init__(self, decode_step: Any) -> None:
+        from hybridserve.model.decode_step import PendingDecode
+
+        self.gaps: list[int] = []
+        self._waited: int | None = None
+        if decode_step is None:
+            return
+        wait, post = PendingDecode.wait, decode_step.post
+
+        def timed_wait(pending: Any) -> Any:
+            got = wait(pending)
+            self._waited = time.perf_counter_ns()
+            return got
+
+        def timed_post(call: Any) -> Any:
+            got = post(call)
+            if got is not None and self._waited is not None:
+                self.gaps.append(time.perf_counter_ns() - self._waited)
+            self._waited = None
+            return got
+
+        PendingDecode.wait = timed_wait  # type: ignore[method-assign]
+        decode_step.post = timed_post
 
 
 def run(
@@ -131,6 +179,25 @@ def run(
     )
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     engine = llm.engine
+    real_wait = PendingDecode.wait  # (wrapped below for this run only)
+    try:
+        return _profile(llm, engine, prompts, params, batch, prompt_len, output_len, repeats)
+    finally:
+        PendingDecode.wait = real_wait  # type: ignore[method-assign]
+
+
+def _profile(
+    llm: Any,
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    repeats: int,
+) -> dict[str, Any]:
+    from hybridserve.model.decode_step import PendingDecode
+
     generate: Callable[[], Any] = lambda: llm.generate(prompts, params)  # noqa: E731
     generate()
     generate()
@@ -139,6 +206,9 @@ def run(
     engine.scheduler = TimedScheduler(engine.scheduler, clock)
     clock.wrap(runner, "start", "execute")
     clock.wrap(runner, "finish", "execute")
+    clock.wrap(runner, "prepare", "execute")
+    clock.wrap(runner, "start_prepared", "execute")
+    gaps = BetweenForwards(runner.decode_step)
     clock.wrap(runner.em.model, "forward", "forward")
     if runner.decode_step is not None:  # the whole forward of a decode step in one native call
         clock.wrap(runner.decode_step, "run", "forward")
@@ -150,6 +220,7 @@ def run(
     best: dict[str, Any] | None = None
     for _ in range(repeats):
         clock.steps.clear()
+        gaps.gaps.clear()
         t0 = time.perf_counter()
         outs = generate()
         wall = time.perf_counter() - t0
@@ -168,6 +239,8 @@ def run(
             "tok_per_s": batch * (prompt_len + output_len) / wall,
             "us_per_step_cpu": {p: v[0] for p, v in per_phase.items()},
             "us_per_step_wall": {p: v[1] for p, v in per_phase.items()},
+            "num_planned_steps": engine.stats()["num_planned_steps"],
+            "us_between_forwards": statistics.median(gaps.gaps) / 1e3 if gaps.gaps else None,
         }
         if best is None or wall < best["wall_s"]:
             best = r
@@ -188,13 +261,19 @@ def main() -> int:
     results = [
         run(a.model, int(b), a.prompt_len, a.output_len, a.repeats, a.overlapped) for b in a.batch.split(",")
     ]
-    print("| batch | tok/s | " + " | ".join(PHASES) + " | outside forward | step |")
-    print("|---|---|" + "---|" * (len(PHASES) + 2))
+    print(
+        "| batch | tok/s | " + " | ".join(PHASES) + " | outside forward | step | between forwards | planned |"
+    )
+    print("|---|---|" + "---|" * (len(PHASES) + 4))
     for r in results:
         cpu = r["us_per_step_wall" if a.overlapped else "us_per_step_cpu"]
         total = sum(cpu.values())
         row = " | ".join(f"{cpu[p]:.0f}" for p in PHASES)
-        print(f"| {r['batch']} | {r['tok_per_s']:.0f} | {row} | {total - cpu['forward']:.0f} | {total:.0f} |")
+        gap = "" if r["us_between_forwards"] is None else f"{r['us_between_forwards']:.0f}"
+        print(
+            f"| {r['batch']} | {r['tok_per_s']:.0f} | {row} | {total - cpu['forward']:.0f} | {total:.0f} "
+            f"| {gap} | {r['num_planned_steps']} |"
+        )
     print(f"(median microseconds of {'wall' if a.overlapped else 'thread CPU'} time per step)")
     if a.result_file:
         Path(a.result_file).write_text(json.dumps(results, indent=1))

@@ -129,6 +129,8 @@ pub struct Scheduler {
     align: bool,
     placement: CheckpointPlacement,
     usable_kv_blocks: usize,
+    /// The step planned while the one in flight runs (`schedule_ahead`), until confirmed.
+    ahead: Option<plan_ahead::PlannedAhead>,
     stats: SchedulerStats,
 }
 
@@ -205,6 +207,7 @@ impl Scheduler {
             align,
             placement: cfg.checkpoint_placement,
             usable_kv_blocks: num_kv_blocks - 1,
+            ahead: None,
             stats: SchedulerStats::default(),
         })
     }
@@ -352,6 +355,7 @@ impl Scheduler {
         if self.in_flight.is_some() || self.cache.holds_requests() {
             return false;
         }
+        self.ahead = None;
         // The publishes of the last update (a request that finished on a checkpoint boundary)
         // would copy into their reserved checkpoints at the start of the next step: with every
         // checkpoint dropped they are moot. Kept, they would make a reset of an idle engine fail.
@@ -576,6 +580,7 @@ impl Scheduler {
                 "schedule() called before update_from_output() of the previous step".into(),
             ));
         }
+        self.ahead = None;
         let mut budget = self.cfg.max_num_batched_tokens;
         let preemptions_before = self.stats.num_preemptions_total;
         let mut plan: Vec<Planned> = Vec::with_capacity(self.running.len() + 8);
@@ -1034,6 +1039,7 @@ impl Scheduler {
             ));
         }
         self.in_flight = None;
+        self.ahead = None;
         for &slot in &out.pending_checkpoints {
             self.cache.cancel_checkpoint(slot);
         }
@@ -1209,6 +1215,10 @@ impl Scheduler {
         Ok(deltas)
     }
 }
+
+#[path = "plan_ahead.rs"]
+mod plan_ahead;
+pub use plan_ahead::AheadPatch;
 
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]

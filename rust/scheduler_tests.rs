@@ -108,6 +108,12 @@ struct Sim {
     /// Admissions that started from a hit, and those that started inside a block (tail hits).
     hits: usize,
     tail_hits: usize,
+    /// Steps planned ahead and confirmed, and their rows whose request had ended meanwhile.
+    planned_steps: usize,
+    dead_rows: usize,
+    /// Plan each step ahead while the one before runs where the scheduler can.
+    plan_ahead: bool,
+    next: Option<SchedulerOutput>,
 }
 
 impl Sim {
@@ -129,6 +135,10 @@ impl Sim {
             row_log: Vec::new(),
             hits: 0,
             tail_hits: 0,
+            planned_steps: 0,
+            dead_rows: 0,
+            plan_ahead: false,
+            next: None,
         }
     }
 
@@ -200,12 +210,23 @@ impl Sim {
 
     /// One schedule + forward + update. Returns the number of rows.
     fn step(&mut self) -> usize {
-        let o = self.s.schedule().unwrap();
+        let o = match self.next.take() {
+            Some(planned) => planned,
+            None => self.s.schedule().unwrap(),
+        };
+        let (rows, next) = self.run(o, self.plan_ahead);
+        self.next = next;
+        rows
+    }
+
+    /// The forward and update of `o`; with `ahead`, the next step is planned (`schedule_ahead`)
+    /// while `o` "runs", confirmed after its update and returned with its patch applied.
+    fn run(&mut self, o: SchedulerOutput, ahead: bool) -> (usize, Option<SchedulerOutput>) {
         if o.rows.is_empty() {
             for r in self.reqs.values_mut().filter(|r| r.finished.is_none()) {
                 r.steps_waited += 1;
             }
-            return 0;
+            return (0, None);
         }
         self.steps += 1;
         let vocab = self.vocab;
@@ -262,6 +283,29 @@ impl Sim {
         for (r, row) in o.rows.iter().enumerate() {
             let id = o.req_ids[r].to_string();
             assert!(seen.insert(id.clone()), "request twice in a batch");
+            if self.s.get_request(&id).is_none() {
+                // A row planned ahead whose request ended before it ran: it writes nothing
+                // that is read (KV into the null block, states into the null slot).
+                // (A request aborted while the step runs has its row computed as planned, as in
+                // any step: nothing is allocated before that step's update.)
+                let ended = self.reqs[&id].finished;
+                assert!(ahead && ended.is_some(), "{id}: a row of no request");
+                if ended != Some(FinishReason::Abort) {
+                    assert!(o.slot_mapping[o.row_range(r)].iter().all(|&x| x < b));
+                    assert!(o.write_slots_row(r).iter().all(|&x| x == 0));
+                }
+                // what it writes is garbage to any reader
+                for flat in o.row_range(r) {
+                    self.kv.insert(o.slot_mapping[flat], 0xdead);
+                }
+                for &slot in o.write_slots_row(r).iter().filter(|&&x| x != 0) {
+                    self.slots.insert(slot, (0xdead, 0));
+                }
+                num_sampled.push(0);
+                num_drafts.push(0);
+                self.dead_rows += 1;
+                continue;
+            }
             scheduled_ids.insert(id.clone());
             let residency = self.s.get_request(&id).unwrap().num_preemptions;
             let sr = self.reqs.get_mut(&id).unwrap();
@@ -424,6 +468,11 @@ impl Sim {
             sr.drafts = d.iter().map(|&x| x as u32).collect();
         }
         let before_ids: Vec<String> = o.req_ids.iter().map(|s| s.to_string()).collect();
+        let planned = if ahead {
+            self.s.schedule_ahead(&o).unwrap()
+        } else {
+            None
+        };
         let deltas = self
             .s
             .update_from_output(&o, &sampled, &num_sampled, Some((&drafts, &num_drafts)))
@@ -480,7 +529,13 @@ impl Sim {
                 self.max_wait = self.max_wait.max(sr.steps_waited);
             }
         }
-        o.rows.len()
+        let next = planned.and_then(|mut p| {
+            let patch = self.s.confirm_ahead(&p).unwrap()?;
+            patch.apply_to(&mut p).unwrap();
+            self.planned_steps += 1;
+            Some(p)
+        });
+        (o.rows.len(), next)
     }
 
     fn run_to_end(&mut self, max_steps: usize) {
@@ -1252,6 +1307,33 @@ fn simulate_with(
     seed: u64,
     tweak: impl Fn(&mut ResolvedConfig),
 ) -> Sim {
+    simulate_full(
+        mode,
+        k,
+        (blocks, slots),
+        budget,
+        chunked,
+        n,
+        abort_every,
+        seed,
+        false,
+        tweak,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate_full(
+    mode: MambaCacheMode,
+    k: usize,
+    (blocks, slots): (usize, usize),
+    budget: usize,
+    chunked: bool,
+    n: usize,
+    abort_every: usize,
+    seed: u64,
+    plan_ahead: bool,
+    tweak: impl Fn(&mut ResolvedConfig),
+) -> Sim {
     let mut c = cfg(mode, k);
     c.max_num_batched_tokens = budget;
     c.enable_chunked_prefill = chunked || mode == MambaCacheMode::Align;
@@ -1259,6 +1341,7 @@ fn simulate_with(
     c.max_model_len = 200;
     tweak(&mut c);
     let mut sim = Sim::new(c, blocks, slots, seed);
+    sim.plan_ahead = plan_ahead;
     let mut rng = Rng(seed ^ 0x55);
     let shared: Vec<Vec<u32>> = (0..3)
         .map(|j| {
@@ -1312,6 +1395,7 @@ fn simulate_with(
         t += 1;
         assert!(t < 20_000, "does not terminate");
     }
+    assert!(sim.next.is_none());
     let _ = aborted;
     sim.check_end();
     sim
@@ -1551,4 +1635,204 @@ fn in_flight_step_is_the_scheduled_step_until_its_update() {
     assert_eq!(s.in_flight_step(), Some(o.step_id));
     s.update_from_output(&o, &[5], &[1], None).unwrap();
     assert_eq!(s.in_flight_step(), None);
+}
+
+// ------------------------------------------------------------------ steps planned ahead
+
+#[test]
+fn steps_planned_ahead_give_every_request_its_true_output() {
+    // Random arrivals, priorities, EOS tokens, aborts and preemption, every step that can be
+    // planned ahead planned so: the Sim checks each row's tokens, KV and initial state, and
+    // `check_end` every output and that nothing leaks. Rows of requests an EOS ended while their
+    // next step was planned run writing nothing that is read.
+    let (mut planned, mut dead) = (0, 0);
+    for (i, mode) in [
+        MambaCacheMode::None,
+        MambaCacheMode::Align,
+        MambaCacheMode::All,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (blocks, abort_every) in [(40, 0), (200, 9)] {
+            let sim = simulate_full(
+                mode,
+                0,
+                (blocks, 40),
+                48,
+                true,
+                24,
+                abort_every,
+                300 + i as u64 * 7 + blocks as u64,
+                true,
+                |_| {},
+            );
+            planned += sim.planned_steps;
+            dead += sim.dead_rows;
+            if mode != MambaCacheMode::None {
+                assert!(sim.s.stats().prefix_hit_tokens > 0, "{mode:?}");
+            }
+        }
+    }
+    assert!(planned > 50, "{planned} steps planned ahead");
+    assert!(dead > 0, "no planned row outlived its request");
+}
+
+#[test]
+fn a_step_is_planned_ahead_only_where_its_plan_cannot_depend_on_the_running_step() {
+    let mut c = cfg(MambaCacheMode::All, 0);
+    c.max_num_seqs = 2;
+    c.mamba_block_size = 16; // (no token below lands on a grid boundary)
+    let mut s = Scheduler::new(&c, 64, 16, 7).unwrap();
+    s.add_request(NewRequest::new("a", (1..=5).collect(), 10))
+        .unwrap();
+    // a prefill row: the next step's rows depend on it only through the token it samples, but
+    // the plan needs a step of decode rows
+    let o = s.schedule().unwrap();
+    assert_eq!(s.schedule_ahead(&o).unwrap(), None);
+    s.update_from_output(&o, &[7], &[1], None).unwrap();
+    let o = s.schedule().unwrap();
+    let p = s
+        .schedule_ahead(&o)
+        .unwrap()
+        .expect("a step of decode rows is planned ahead");
+    assert_eq!(s.planned_step(), Some(p.step_id));
+    assert_eq!(
+        (p.positions.clone(), p.num_computed_tokens.clone()),
+        (vec![6], vec![6])
+    );
+    // another step may not be scheduled while the one in flight is open; confirming before its
+    // update is refused
+    assert!(s.confirm_ahead(&p).is_err());
+    // a request that arrives while the step runs, with room to run it: the plan is discarded, and
+    // the step that admits it is scheduled as usual
+    s.add_request(NewRequest::new("b", vec![2, 3], 4)).unwrap();
+    s.update_from_output(&o, &[8], &[1], None).unwrap();
+    assert_eq!(s.confirm_ahead(&p).unwrap(), None);
+    assert_eq!(s.planned_step(), None);
+    let o = s.schedule().unwrap();
+    assert_eq!(ids(&o), ["a", "b"]);
+    assert_eq!(s.schedule_ahead(&o).unwrap(), None, "b's prefill row");
+    s.update_from_output(&o, &[9, 4], &[1, 1], None).unwrap();
+    // both decode: planned, and confirmed with the tokens just sampled
+    let o = s.schedule().unwrap();
+    let mut p = s.schedule_ahead(&o).unwrap().unwrap();
+    s.update_from_output(&o, &[10, 5], &[1, 1], None).unwrap();
+    let patch = s.confirm_ahead(&p).unwrap().expect("confirmed");
+    assert_eq!(
+        (patch.input_ids.clone(), patch.dead_rows.clone()),
+        (vec![10, 5], vec![])
+    );
+    patch.apply_to(&mut p).unwrap();
+    assert_eq!(s.in_flight_step(), Some(p.step_id));
+    // the same step a synchronous schedule makes from the same state
+    let mut twin = Scheduler::new(&c, 64, 16, 7).unwrap();
+    twin.add_request(NewRequest::new("a", (1..=5).collect(), 10))
+        .unwrap();
+    let t = twin.schedule().unwrap();
+    twin.update_from_output(&t, &[7], &[1], None).unwrap();
+    let t = twin.schedule().unwrap();
+    twin.update_from_output(&t, &[8], &[1], None).unwrap();
+    twin.add_request(NewRequest::new("b", vec![2, 3], 4))
+        .unwrap();
+    let t = twin.schedule().unwrap();
+    twin.update_from_output(&t, &[9, 4], &[1, 1], None).unwrap();
+    let t = twin.schedule().unwrap();
+    twin.update_from_output(&t, &[10, 5], &[1, 1], None)
+        .unwrap();
+    let t = twin.schedule().unwrap();
+    let arrays = |o: &SchedulerOutput| {
+        (
+            o.input_ids.clone(),
+            o.positions.clone(),
+            o.slot_mapping.clone(),
+            o.block_table.clone(),
+            o.state_read_slot.clone(),
+            o.state_write_slots.clone(),
+            o.seq_lens.clone(),
+            o.rows.clone(),
+        )
+    };
+    assert_eq!(arrays(&p), arrays(&t));
+    // b's next token ends it by length (max_tokens 4): no row for it in the step after
+    let q = s.schedule_ahead(&p).unwrap().unwrap();
+    assert_eq!(ids(&q), ["a", "b"]);
+    s.update_from_output(&p, &[11, 6], &[1, 1], None).unwrap();
+    let q2 = s.schedule().unwrap(); // (discards q)
+    let r = s.schedule_ahead(&q2).unwrap().unwrap();
+    assert_eq!(
+        ids(&r),
+        ["a"],
+        "b's last token is sampled in the running step"
+    );
+    // a token that lands on a grid boundary: its state is published by a copy before the next
+    // step, so that step is scheduled once the update has found it (M = 8 here)
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 0), 64, 16, 7).unwrap();
+    s.add_request(NewRequest::new("a", (1..=6).collect(), 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[7], &[1], None).unwrap();
+    let o = s.schedule().unwrap(); // computes token 7 (position 6)
+    assert!(s.schedule_ahead(&o).unwrap().is_some());
+    s.update_from_output(&o, &[8], &[1], None).unwrap();
+    let o = s.schedule().unwrap(); // computes the 8th token: the state after it is published
+    assert_eq!(s.schedule_ahead(&o).unwrap(), None);
+    // speculation: never planned ahead (the drafts come with the tokens)
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 2), 64, 16, 7).unwrap();
+    s.add_request(NewRequest::new("a", (1..=5).collect(), 10))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[7], &[1], None).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(s.schedule_ahead(&o).unwrap(), None);
+}
+
+#[test]
+fn a_row_planned_ahead_for_a_request_an_eos_ended_leaves_its_last_state_to_the_next_turn() {
+    // t1 ends by its EOS token while the step after is planned with a row for it: that row runs
+    // writing only the null block and slot, so the state after t1's last computed token, kept
+    // for the next turn, is intact when t2 (t1's tokens and more) hits it (the Sim checks the
+    // state a hit reads).
+    for mode in CHECKPOINT_MODES {
+        let mut sim = Sim::new(cfg_branch(mode, 0, EvictionPolicy::Flops), 256, 64, 11);
+        sim.plan_ahead = true;
+        let prompt: Vec<u32> = (1..=10).collect();
+        let probe = Sim::new(cfg_branch(mode, 0, EvictionPolicy::Flops), 256, 64, 11);
+        let mut first = SimReq {
+            prompt: prompt.clone(),
+            out: Vec::new(),
+            max_tokens: 12,
+            eos: None,
+            finished: None,
+            ph: vec![H0],
+            last_end: 0,
+            residency: 0,
+            drafts: Vec::new(),
+            steps_waited: 0,
+        };
+        let greedy = probe.expected_output(&first);
+        first.eos = Some(greedy[7]); // the 8th token ends it (if it is not also an earlier one)
+        let stop_at = greedy.iter().position(|&t| Some(t) == first.eos).unwrap();
+        sim.add("t1", prompt, 12, first.eos);
+        // (a step whose every row is of an ended request is not run: another request runs on)
+        sim.add("other", (30..=40).collect(), 30, None);
+        sim.run_to_end(200);
+        assert_eq!(sim.reqs["t1"].out.len(), stop_at + 1);
+        assert_eq!(sim.reqs["t1"].finished, Some(FinishReason::Stop));
+        assert!(
+            sim.dead_rows >= 1,
+            "{mode:?}: t1 had a row planned past its EOS ({} planned, {stop_at})",
+            sim.planned_steps
+        );
+        let mut p2 = sim.reqs["t1"].seq();
+        p2.extend([3, 4, 5]);
+        sim.add("t2", p2, 3, None);
+        sim.run_to_end(200);
+        sim.check_end();
+        let st = sim.s.stats();
+        assert_eq!(st.checkpoints_kept, 3);
+        // t1 computed its prompt and every output token but the EOS
+        assert_eq!(st.prefix_hit_tokens, (10 + stop_at) as u64, "{mode:?}");
+        assert_eq!(st.prefix_hits_by_kind, [0, 0, 1]);
+    }
 }

@@ -247,6 +247,18 @@ class Scheduler:
     def abort_request(self, request_id: str) -> bool: ...
     def finish_request(self, request_id: str) -> bool: ...
     def schedule(self) -> SchedulerOutput: ...  # GIL released
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The step after the one in flight, planned while it runs: its input tokens are
+        placeholders until `confirm_ahead`. None where its plan could depend on the tokens of
+        the step in flight (a prefill row, drafts, a grid boundary, a request that could be
+        admitted) or no step is in flight."""
+    def confirm_ahead(self, planned: SchedulerOutput) -> bool:
+        """After the update of the step in flight: True when the planned step is what `schedule`
+        would now make; it is then the step in flight, its `input_ids` hold the tokens just
+        sampled, and rows of requests that ended since write nothing that is read. False: the
+        plan is discarded (call `schedule`). InvalidRequestError for an output that is not the
+        planned one."""
+    def discard_ahead(self) -> None: ...  # drops the step planned ahead, if any
     def open_step_output(self) -> SchedulerOutput | None:
         """The output of the step scheduled and not yet updated (the same object `schedule`
         returned), None if no step is open: how a caller that lost it closes the step."""

@@ -55,6 +55,8 @@ pub(crate) struct PyScheduler {
     /// The output of the last `schedule()`, for `open_step_output`: a caller interrupted between
     /// the call's return and the assignment of its result has lost it and must still close the step.
     last_output: Option<Py<PySchedulerOutput>>,
+    /// The output of the step planned ahead (`schedule_ahead`), until confirmed or discarded.
+    ahead_output: Option<Py<PySchedulerOutput>>,
 }
 
 impl PyScheduler {
@@ -98,6 +100,7 @@ impl PyScheduler {
         Ok(PyScheduler {
             inner,
             last_output: None,
+            ahead_output: None,
         })
     }
 
@@ -157,11 +160,95 @@ impl PyScheduler {
 
     /// The next batch (the GIL is released while it is computed).
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Py<PySchedulerOutput>> {
+        self.ahead_output = None;
         let inner = &mut self.inner;
         let out = py.detach(move || inner.schedule()).map_err(to_pyerr)?;
         let obj = Py::new(py, PySchedulerOutput::new(out))?;
         self.last_output = Some(obj.clone_ref(py));
         Ok(obj)
+    }
+
+    /// The step after the one in flight, planned while that one runs (its input tokens are
+    /// placeholders until `confirm_ahead`), or None where its plan could depend on the tokens
+    /// of the step in flight (docs/architecture.md, "Overlapped steps").
+    fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<Py<PySchedulerOutput>>> {
+        self.ahead_output = None;
+        let Some(running) = self.last_output.as_ref().map(|o| o.clone_ref(py)) else {
+            return Ok(None);
+        };
+        if self.inner.in_flight_step() != Some(running.borrow(py).out.step_id) {
+            return Ok(None);
+        }
+        let planned = {
+            let running = running.borrow(py);
+            self.inner.schedule_ahead(&running.out).map_err(to_pyerr)?
+        };
+        let Some(planned) = planned else {
+            return Ok(None);
+        };
+        let obj = Py::new(py, PySchedulerOutput::new(planned))?;
+        self.ahead_output = Some(obj.clone_ref(py));
+        Ok(Some(obj))
+    }
+
+    /// After the update of the step in flight: True when the planned step `planned` is what
+    /// `schedule()` would now make, and is now the step in flight, with the tokens just sampled
+    /// written into its `input_ids` (and the rows of requests that ended since writing nothing
+    /// that is read). False: the plan is discarded; call `schedule()`.
+    fn confirm_ahead(
+        &mut self,
+        py: Python<'_>,
+        mut planned: PyRefMut<'_, PySchedulerOutput>,
+    ) -> PyResult<bool> {
+        let ours = self
+            .ahead_output
+            .take()
+            .is_some_and(|a| a.as_ptr() == planned.as_ptr());
+        if !ours {
+            self.inner.discard_ahead();
+            return Err(InvalidRequestError::new_err(
+                "confirm_ahead: this output is not the step this scheduler planned ahead",
+            ));
+        }
+        let Some(patch) = self.inner.confirm_ahead(&planned.out).map_err(to_pyerr)? else {
+            return Ok(false);
+        };
+        let arrays = [
+            planned.input_ids(py)?,
+            planned.slot_mapping(py)?,
+            planned.block_table(py)?,
+            planned.state_write_slots(py)?,
+        ];
+        let mut views = Vec::with_capacity(arrays.len());
+        for a in &arrays {
+            views.push(a.bind(py).cast::<PyArrayDyn<i64>>()?.clone());
+        }
+        let [ids, slots, table, writes] = &views[..] else {
+            return Err(InternalError::new_err("four arrays"));
+        };
+        // SAFETY: four distinct arrays this output created and holds, contiguous (each made from
+        // a Vec); the GIL is held and no Rust borrow of them is alive (the native decode step
+        // reads them only once the step is posted, after this returns). Unchecked mutable
+        // slices: numpy's borrow registry costs more than the patch at batch 1.
+        let applied = unsafe {
+            patch.apply(
+                ids.as_slice_mut()?,
+                slots.as_slice_mut()?,
+                table.as_slice_mut()?,
+                writes.as_slice_mut()?,
+            )
+        };
+        drop(views);
+        let this: Py<PySchedulerOutput> = planned.into();
+        self.last_output = Some(this);
+        applied.map_err(to_pyerr)?;
+        Ok(true)
+    }
+
+    /// Drops the step planned ahead, if any.
+    fn discard_ahead(&mut self) {
+        self.ahead_output = None;
+        self.inner.discard_ahead();
     }
 
     /// The output of the step that is open (scheduled, not yet updated), None if no step is open.
@@ -216,6 +303,7 @@ impl PyScheduler {
         output: PyRef<'py, PySchedulerOutput>,
     ) -> PyResult<Bound<'py, PyList>> {
         self.check_own_output(&output, "cancel_step")?;
+        self.ahead_output = None;
         let deltas = self.inner.cancel_step(&output.out).map_err(to_pyerr)?;
         PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
     }

@@ -292,20 +292,25 @@ def test_a_request_the_step_before_a_failed_one_finished_gets_its_last_output(
         "long", {"prompt_token_ids": long}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     )
     committed = {"short": False}
-    real_close, real_start = engine._close, engine.runner.start
+    real_close = engine._close
 
     def close(running: Any) -> Any:
         closed = real_close(running)
         committed["short"] |= any(d.request_id == "short" and d.finished for d in closed.deltas)
         return closed
 
-    def start(*a: Any, **k: Any) -> Any:
-        if committed["short"]:
-            raise RuntimeError("the step after the short request's last token fails")
-        return real_start(*a, **k)
+    def failing(real: Any) -> Any:
+        def start(*a: Any, **k: Any) -> Any:
+            if committed["short"]:
+                raise RuntimeError("the step after the short request's last token fails")
+            return real(*a, **k)
+
+        return start
 
     monkeypatch.setattr(engine, "_close", close)
-    monkeypatch.setattr(engine.runner, "start", start)
+    # (a step is started as scheduled, or as planned while the one before computed)
+    monkeypatch.setattr(engine.runner, "start", failing(engine.runner.start))
+    monkeypatch.setattr(engine.runner, "start_prepared", failing(engine.runner.start_prepared))
     got: dict[str, list[int]] = {}
     with pytest.raises(StepError) as err:
         _drain(engine, got)
@@ -365,3 +370,37 @@ def test_the_flag(argv: list[str], want: bool | None) -> None:
     assert EngineArgs.from_cli(p.parse_args(["demo", *argv])).async_scheduling is want
     with pytest.raises(ConfigError, match="--async-scheduling"):
         EngineArgs(model="demo", async_scheduling="yes").validate()  # type: ignore[arg-type]
+
+
+def test_steps_planned_ahead_end_requests_by_stop_token_and_leave_the_next_turn_its_hit() -> None:
+    """With overlapped steps each step of decode rows is planned while the one before computes,
+    before that one's tokens are known. A request its stop token ends then already has a row in
+    the planned step: the row runs writing nothing that is read, so the state after the request's
+    last computed token, kept for its next turn, is the one that turn hits. Outputs and hits are
+    those of synchronous steps."""
+    prompts = _prompts(4)
+    probe = _llm(False).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0)
+    )
+    # each request stops at a token its greedy output reaches at a different step
+    stops = [list(o.outputs[0].token_ids)[3 + 3 * i] for i, o in enumerate(probe)]
+    first = [SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[t]) for t in stops]
+    runs = []
+    for overlapped in (False, True):
+        llm = _llm(overlapped, enable_prefix_caching=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], first)
+        got = _what_requests_get(outs)
+        # the next turns: each conversation so far and more
+        follow = [p + list(o.outputs[0].token_ids) + [5, 6, 7] for p, o in zip(prompts, outs)]
+        nexts = llm.generate(
+            [{"prompt_token_ids": p} for p in follow], SamplingParams(max_tokens=6, temperature=0)
+        )
+        hits = [o.num_cached_tokens for o in nexts]
+        runs.append((got, _what_requests_get(nexts), hits))
+        stats = llm.engine.stats()
+        assert (stats["num_planned_steps"] > 0) is overlapped
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+        # each next turn hit everything its request computed: all but the stop token
+        assert hits == [len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, outs)]
+    assert [r[2] == "stop" for r in runs[0][0]] == [True] * len(prompts)
+    assert runs[0] == runs[1]

@@ -298,18 +298,19 @@ def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatc
             got.finite[1] = False  # the second row's logits "overflowed"
         return got
 
-    # the step runs in the caller (run) or on the background thread (launch, then wait)
-    real_run, real_launch = step.run, step.launch
+    # the step runs in the caller (run) or on the background thread (posted by launch, or as a
+    # step planned ahead; then waited for)
+    real_run, real_post = step.run, step.post
     monkeypatch.setattr(step, "run", lambda out: poison(real_run(out)))
 
-    def launch(out: Any, *args: Any) -> Any:
-        pending = real_launch(out, *args)
+    def post(call: Any) -> Any:
+        pending = real_post(call)
         if pending is not None:
             real_wait = pending.wait
             pending.wait = lambda: poison(real_wait())  # type: ignore[method-assign]
         return pending
 
-    monkeypatch.setattr(step, "launch", launch)
+    monkeypatch.setattr(step, "post", post)
     outs = llm.generate(prompts, params)
     assert calls["n"] >= 3
     assert outs[1].outputs[0].finish_reason == "error" and "not finite" in (outs[1].error or "")

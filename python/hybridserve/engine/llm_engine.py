@@ -29,7 +29,7 @@ from hybridserve.engine.cpu_threads import usable_cores
 from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
 from hybridserve.engine.input_processor import EngineRequest, InputProcessor, Prompt
 from hybridserve.engine.kv_events import KVEventPublisher
-from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput, StartedStep
+from hybridserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PreparedStep, StartedStep
 from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.outputs import RequestOutput
@@ -55,6 +55,7 @@ class EngineCounters:
     spec_decode_verify_rows: int = 0  # rows that verified at least one draft
     num_steps: int = 0
     num_overlapped_steps: int = 0  # steps whose forward ran while the step before was output
+    num_planned_steps: int = 0  # overlapped steps planned while the step before computed
 
 
 @dataclass
@@ -160,6 +161,9 @@ class LLMEngine:
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
         logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
         self._in_flight: _Running | None = None
+        # plan each overlapped step while the one before computes (`_plan_ahead`); the switch is
+        # for measuring what that saves
+        self._plan_steps = native.env_switch("HYBRIDSERVE_PLAN_AHEAD")
         self._previous: _ClosedStep | None = None  # committed, outputs not built (inside `step`)
         self._carried: list[RequestOutput] = []
         self.counters = EngineCounters()
@@ -367,11 +371,12 @@ class LLMEngine:
         With overlapped steps (`async_scheduling`) a step of decode rows that the native decode
         step runs is left running on its background thread when this returns, and the outputs
         returned are the previous step's, built (detokenized, stop strings matched) while it
-        runs; the next call waits for it, commits it and schedules the one after. The plan of a
-        step is still made from the committed tokens of the step before, so what runs is what
-        a synchronous engine runs, except that a request that a stop string or its grammar ends
-        may have one more row computed, whose token is dropped (docs/architecture.md, "Overlapped
-        steps")."""
+        runs; the next call plans the step after it while it still computes (where that plan
+        cannot depend on its tokens), then waits for it, commits it, and starts the planned step
+        with the tokens just sampled, or schedules one as usual. What runs is what a synchronous
+        engine runs, except that a request that a stop string, its grammar or an EOS ends may
+        have one more row computed, whose token is dropped, and which writes nothing that is read
+        (docs/architecture.md, "Overlapped steps")."""
         dead = self.dead_reason
         if dead is not None:
             raise EngineDeadError(dead)
@@ -379,34 +384,23 @@ class LLMEngine:
         # Checked while the step in flight computes, for the one this call starts: weights are
         # written in place only between calls, never by a step.
         weights_checked = self._in_flight is not None and self.runner.decode_weights_unchanged()
+        planned: PreparedStep | None = None
         try:
+            if weights_checked:
+                planned = self._plan_ahead()
             self._previous = self._close_in_flight()
             outputs += self._admit_compiled()
             if not self.scheduler.has_unfinished_requests():
                 # only requests waiting for their grammar, or none: no step to run
                 return outputs + self._emit_previous()
-            try:
-                out = self.scheduler.schedule()
-            except BaseException as exc:
-                # An interrupt can land after schedule() returned and before `out` was bound:
-                # the step it opened must still be closed, or every later schedule() fails.
-                lost = self.scheduler.open_step_output()
-                if lost is not None:
-                    self._recover_from_failed_step(lost, exc)
-                raise
+            started = None
+            if planned is not None:
+                prepared, planned = planned, None
+                started = self._start_planned(prepared)
+            if started is None:
+                started = self._schedule_and_start(weights_checked)
+            out = started.out
             self.counters.num_steps += 1
-            try:
-                started = self.runner.start(
-                    out,
-                    self._prefill_rows(out),
-                    background=self.async_scheduling,
-                    weights_checked=weights_checked,
-                )
-            except BaseException as exc:
-                if isinstance(exc, Exception):
-                    raise self._recover_from_failed_step(out, exc) from exc
-                self._recover_from_failed_step(out, exc)
-                raise
             running = _Running(started, [self.requests.get(rid) for rid in out.req_ids])
             if started.running is not None:
                 # the forward runs on the background thread while the previous step's outputs
@@ -417,6 +411,9 @@ class LLMEngine:
             outputs += self._emit_previous()
             return outputs + self._emit(self._close(running))
         except BaseException:
+            if planned is not None:  # (the failure came before it was started)
+                self.scheduler.discard_ahead()
+                self.runner.drop_prepared(planned)
             # What was built before the failure is not lost: the next call returns it (a request
             # the previous step finished gets its last output, not the error of this one).
             try:
@@ -425,6 +422,67 @@ class LLMEngine:
                 logger.exception("building the outputs of the step before the failed one failed")
             self._carried = outputs + self._carried
             raise
+
+    def _schedule_and_start(self, weights_checked: bool) -> StartedStep:
+        """A step scheduled from the committed tokens, its copies applied and, with overlapped
+        steps, its native decode step started in the background."""
+        try:
+            out = self.scheduler.schedule()
+        except BaseException as exc:
+            # An interrupt can land after schedule() returned and before `out` was bound:
+            # the step it opened must still be closed, or every later schedule() fails.
+            lost = self.scheduler.open_step_output()
+            if lost is not None:
+                self._recover_from_failed_step(lost, exc)
+            raise
+        try:
+            return self.runner.start(
+                out,
+                self._prefill_rows(out),
+                background=self.async_scheduling,
+                weights_checked=weights_checked,
+            )
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise self._recover_from_failed_step(out, exc) from exc
+            self._recover_from_failed_step(out, exc)
+            raise
+
+    def _plan_ahead(self) -> PreparedStep | None:
+        """The step after the one in flight, planned and its native decode step prepared while
+        that one computes, or None where the scheduler cannot plan it yet (it then schedules
+        after the update, as without overlap). Called only with the weights checked."""
+        if not self._plan_steps or self._in_flight is None:
+            return None
+        out = self.scheduler.schedule_ahead()
+        if out is None:
+            return None
+        prepared = self.runner.prepare(out)
+        if prepared is None:
+            self.scheduler.discard_ahead()
+        return prepared
+
+    def _start_planned(self, prepared: PreparedStep) -> StartedStep | None:
+        """Starts the planned step once the step before is committed, when the scheduler
+        confirms it is what it would schedule now (the tokens just sampled are then written
+        into it); None, with the plan dropped, when it is not."""
+        try:
+            confirmed = self.scheduler.confirm_ahead(prepared.out)
+        except BaseException:
+            self.runner.drop_prepared(prepared)
+            raise
+        if not confirmed:
+            self.runner.drop_prepared(prepared)
+            return None
+        try:
+            started = self.runner.start_prepared(prepared)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise self._recover_from_failed_step(prepared.out, exc) from exc
+            self._recover_from_failed_step(prepared.out, exc)
+            raise
+        self.counters.num_planned_steps += 1
+        return started
 
     def _emit_previous(self) -> list[RequestOutput]:
         """The outputs of the step committed at the start of this one, once."""
@@ -618,6 +676,7 @@ class LLMEngine:
             ),
             num_steps=self.counters.num_steps,
             num_overlapped_steps=self.counters.num_overlapped_steps,
+            num_planned_steps=self.counters.num_planned_steps,
         )
         return s
 

@@ -22,7 +22,7 @@ from hybridserve.engine.model_setup import EngineModel
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
 from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
-from hybridserve.model.decode_step import DecodeOutput, DecodeStep, PendingDecode
+from hybridserve.model.decode_step import DecodeOutput, DecodeStep, NativeCall, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, plain_greedy
 
@@ -138,6 +138,16 @@ class StartedStep:
                 pass
 
 
+@dataclass
+class PreparedStep:
+    """A step planned ahead (`Scheduler.schedule_ahead`) with its native decode step prepared
+    while the step before computes (`ModelRunner.prepare`); `start_prepared` posts it once its
+    input tokens are written."""
+
+    out: _core.SchedulerOutput
+    call: NativeCall
+
+
 def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
     """The scheduler's numpy arrays as the tensors the model reads."""
     arrays = {name: getattr(out, name) for name in (*DEVICE_ARRAYS, *HOST_ARRAYS)}
@@ -223,6 +233,30 @@ class ModelRunner:
         if background and self.decode_step is not None and scoring is None and out.num_scheduled_tokens > 0:
             started.running = self.decode_step.launch(out, weights_checked)
         return started
+
+    def prepare(self, out: _core.SchedulerOutput) -> PreparedStep | None:
+        """The native decode step of a step planned ahead, prepared (its layout checked, its
+        arguments and output buffer ready) while the step before it computes; None where the
+        native decode step does not run it. The caller has checked the weights
+        (`decode_weights_unchanged`) and checks them again before `start_prepared`. A planned
+        step has no copies."""
+        if self.decode_step is None or len(out.state_copies) or len(out.kv_copies):
+            return None
+        call = self.decode_step.prepare(out, weights_checked=True)
+        return None if call is None else PreparedStep(out, call)
+
+    def start_prepared(self, prepared: PreparedStep) -> StartedStep:
+        """`start` of a prepared step: posted to the background thread (or, if it will not run
+        there, left for `finish` to run as any step)."""
+        assert self.decode_step is not None
+        started = StartedStep(prepared.out, None)
+        started.running = self.decode_step.post(prepared.call)
+        return started
+
+    def drop_prepared(self, prepared: PreparedStep) -> None:
+        """A prepared step that will not run gives back its output buffer."""
+        if self.decode_step is not None:
+            self.decode_step.recycle(prepared.call.output)
 
     def decode_weights_unchanged(self) -> bool:
         """Whether the native decode step may run on the weights as they are now (none written in

@@ -367,7 +367,7 @@ class DecodeStep:
         state_write_slots, query_start_loc, logits_indices; `num_decodes`) whose rows are all
         decode rows (one token, or one verifying its drafts), or None, with nothing written, when
         the step is not one this runs."""
-        call = self._call(out)
+        call = self.prepare(out)
         if call is None:
             return None
         got = call.result(self.fn(*call.args))
@@ -381,9 +381,12 @@ class DecodeStep:
         or another step is already running there (the caller then runs this one itself).
         `weights_checked`: the caller has seen `weights_unchanged()` true since the weights
         could last have been written (the check then stays off the path between two steps)."""
-        call = self._call(out, weights_checked)
-        if call is None:
-            return None
+        call = self.prepare(out, weights_checked)
+        return None if call is None else self.post(call)
+
+    def post(self, call: NativeCall) -> PendingDecode | None:
+        """Starts a prepared step (`prepare`) on the background thread: as `launch`. The arrays
+        it points into may have been written since it was prepared, not reallocated."""
         rc = self.launch_fn(*call.args)
         if rc != 0:
             if rc != 6:  # (6: busy) the checks made before anything was posted: raises, or None
@@ -392,7 +395,11 @@ class DecodeStep:
             return None
         return PendingDecode(call, self.wait_fn)
 
-    def _call(self, out: Any, weights_checked: bool = False) -> _Call | None:
+    def prepare(self, out: Any, weights_checked: bool = False) -> NativeCall | None:
+        """The native arguments of a step (`run` and `launch` call this), with an output buffer
+        lent to it (given back by `recycle(call.output)` if it never runs), or None for a step
+        this does not run. For a step planned ahead this runs while the step before computes;
+        its input tokens are written into the same arrays before `post`."""
         layout = getattr(out, "decode_layout", None)
         # the scheduler's output: its layout checked and its addresses in one call (it holds the
         # arrays); any other object holding the same int64 arrays: read here, and held
@@ -410,7 +417,7 @@ class DecodeStep:
             *self._head, p_ids, p_pos, p_slots, p_bt, bt_stride, p_rs, p_ws, ws_stride, p_qsl, p_li, R,
             p_logits, p_greedy, p_finite, native.threads(),
         )  # fmt: skip
-        return _Call(args, buffers.view(T), held, (R, T, self.num_layers))
+        return NativeCall(args, buffers.view(T), held, (R, T, self.num_layers))
 
 
 def _decode_layout(out: Any) -> tuple[list[int] | None, tuple[np.ndarray, ...]]:
@@ -432,7 +439,7 @@ def _decode_layout(out: Any) -> tuple[list[int] | None, tuple[np.ndarray, ...]]:
     return [T, R, bt.shape[1], ws.shape[1], *map(_ptr, arrays)], arrays
 
 
-class _Call(NamedTuple):
+class NativeCall(NamedTuple):
     """One decode step's native arguments, the output they write, what holds the arrays they
     point into (held until the step has run), and its (rows, tokens, layers) for messages."""
 
@@ -460,8 +467,8 @@ class PendingDecode:
     """A decode step running on the native library's background thread (`DecodeStep.launch`).
     `wait` must be called, once, before the caches it writes are read or written again."""
 
-    def __init__(self, call: _Call, wait_fn: Any) -> None:
-        self._call: _Call | None = call
+    def __init__(self, call: NativeCall, wait_fn: Any) -> None:
+        self._call: NativeCall | None = call
         self._wait_fn = wait_fn
 
     def __del__(self) -> None:
