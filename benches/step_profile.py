@@ -221,6 +221,7 @@ def _profile(
     for _ in range(repeats):
         clock.steps.clear()
         gaps.gaps.clear()
+        planned_before = engine.stats()["num_planned_steps"]
         t0 = time.perf_counter()
         outs = generate()
         wall = time.perf_counter() - t0
@@ -239,7 +240,7 @@ def _profile(
             "tok_per_s": batch * (prompt_len + output_len) / wall,
             "us_per_step_cpu": {p: v[0] for p, v in per_phase.items()},
             "us_per_step_wall": {p: v[1] for p, v in per_phase.items()},
-            "num_planned_steps": engine.stats()["num_planned_steps"],
+            "num_planned_steps": engine.stats()["num_planned_steps"] - planned_before,
             "us_between_forwards": statistics.median(gaps.gaps) / 1e3 if gaps.gaps else None,
         }
         if best is None or wall < best["wall_s"]:
@@ -272,7 +273,7 @@ def main() -> int:
         gap = "" if r["us_between_forwards"] is None else f"{r['us_between_forwards']:.0f}"
         print(
             f"| {r['batch']} | {r['tok_per_s']:.0f} | {row} | {total - cpu['forward']:.0f} | {total:.0f} "
-            f"| {gap} | {r['num_planned_steps']} |"
+            f"| {gap} | {r['num_planned_steps']} of {r['steps']} |"
         )
     print(f"(median microseconds of {'wall' if a.overlapped else 'thread CPU'} time per step)")
     if a.result_file:

@@ -215,9 +215,9 @@ impl Scheduler {
 
     /// After the update of the step it was planned beside: whether the planned step `planned`
     /// is what `schedule()` would now make, up to rows of requests that ended meanwhile. Some:
-    /// it is now the step in flight; write the patch into its arrays before it runs. None: the
-    /// plan is discarded (call `schedule()`).
-    pub fn confirm_ahead(&mut self, planned: &SchedulerOutput) -> HsResult<Option<AheadPatch>> {
+    /// it is now the step in flight (with the ids finished since the last output); write the
+    /// patch into its arrays before it runs. None: the plan is discarded (call `schedule()`).
+    pub fn confirm_ahead(&mut self, planned: &mut SchedulerOutput) -> HsResult<Option<AheadPatch>> {
         if self.in_flight.is_some() {
             return Err(HsError::Internal(
                 "confirm_ahead() before the update of the step in flight".into(),
@@ -269,6 +269,7 @@ impl Scheduler {
             return Ok(None);
         }
         self.in_flight = Some(plan.step_id);
+        planned.finished_req_ids = std::mem::take(&mut self.finished_ids);
         self.stats.num_steps += 1;
         self.stats.num_scheduled_tokens_last = planned.num_scheduled_tokens;
         self.stats.num_scheduled_tokens_total += planned.num_scheduled_tokens as u64;

@@ -530,7 +530,7 @@ impl Sim {
             }
         }
         let next = planned.and_then(|mut p| {
-            let patch = self.s.confirm_ahead(&p).unwrap()?;
+            let patch = self.s.confirm_ahead(&mut p).unwrap()?;
             patch.apply_to(&mut p).unwrap();
             self.planned_steps += 1;
             Some(p)
@@ -1692,7 +1692,7 @@ fn a_step_is_planned_ahead_only_where_its_plan_cannot_depend_on_the_running_step
     assert_eq!(s.schedule_ahead(&o).unwrap(), None);
     s.update_from_output(&o, &[7], &[1], None).unwrap();
     let o = s.schedule().unwrap();
-    let p = s
+    let mut p = s
         .schedule_ahead(&o)
         .unwrap()
         .expect("a step of decode rows is planned ahead");
@@ -1703,12 +1703,12 @@ fn a_step_is_planned_ahead_only_where_its_plan_cannot_depend_on_the_running_step
     );
     // another step may not be scheduled while the one in flight is open; confirming before its
     // update is refused
-    assert!(s.confirm_ahead(&p).is_err());
+    assert!(s.confirm_ahead(&mut p).is_err());
     // a request that arrives while the step runs, with room to run it: the plan is discarded, and
     // the step that admits it is scheduled as usual
     s.add_request(NewRequest::new("b", vec![2, 3], 4)).unwrap();
     s.update_from_output(&o, &[8], &[1], None).unwrap();
-    assert_eq!(s.confirm_ahead(&p).unwrap(), None);
+    assert_eq!(s.confirm_ahead(&mut p).unwrap(), None);
     assert_eq!(s.planned_step(), None);
     let o = s.schedule().unwrap();
     assert_eq!(ids(&o), ["a", "b"]);
@@ -1718,7 +1718,7 @@ fn a_step_is_planned_ahead_only_where_its_plan_cannot_depend_on_the_running_step
     let o = s.schedule().unwrap();
     let mut p = s.schedule_ahead(&o).unwrap().unwrap();
     s.update_from_output(&o, &[10, 5], &[1, 1], None).unwrap();
-    let patch = s.confirm_ahead(&p).unwrap().expect("confirmed");
+    let patch = s.confirm_ahead(&mut p).unwrap().expect("confirmed");
     assert_eq!(
         (patch.input_ids.clone(), patch.dead_rows.clone()),
         (vec![10, 5], vec![])

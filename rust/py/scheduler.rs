@@ -170,7 +170,8 @@ impl PyScheduler {
 
     /// The step after the one in flight, planned while that one runs (its input tokens are
     /// placeholders until `confirm_ahead`), or None where its plan could depend on the tokens
-    /// of the step in flight (docs/architecture.md, "Overlapped steps").
+    /// of the step in flight (docs/architecture.md, "Overlapped steps"). The GIL is released
+    /// while it is computed.
     fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<Py<PySchedulerOutput>>> {
         self.ahead_output = None;
         let Some(running) = self.last_output.as_ref().map(|o| o.clone_ref(py)) else {
@@ -181,7 +182,9 @@ impl PyScheduler {
         }
         let planned = {
             let running = running.borrow(py);
-            self.inner.schedule_ahead(&running.out).map_err(to_pyerr)?
+            let (inner, out) = (&mut self.inner, &running.out);
+            py.detach(move || inner.schedule_ahead(out))
+                .map_err(to_pyerr)?
         };
         let Some(planned) = planned else {
             return Ok(None);
@@ -210,9 +213,14 @@ impl PyScheduler {
                 "confirm_ahead: this output is not the step this scheduler planned ahead",
             ));
         }
-        let Some(patch) = self.inner.confirm_ahead(&planned.out).map_err(to_pyerr)? else {
+        let Some(patch) = self
+            .inner
+            .confirm_ahead(&mut planned.out)
+            .map_err(to_pyerr)?
+        else {
             return Ok(false);
         };
+        planned.arrays[1] = None; // (finished_req_ids: set by the confirmation)
         let arrays = [
             planned.input_ids(py)?,
             planned.slot_mapping(py)?,

@@ -15,7 +15,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine import llm_engine
-from hybridserve.engine.llm_engine import LLMEngine, choose_async_scheduling
+from hybridserve.engine.llm_engine import LLMEngine, PlanMode, choose_async_scheduling
 from hybridserve.errors import StepError
 from hybridserve.model.decode_step import PendingDecode
 
@@ -126,9 +126,10 @@ def test_outputs_are_the_same_with_steps_overlapped_or_not(case: str) -> None:
     assert all(len(r[0]) == 20 for r in sync)
 
 
-def _engine(overlapped: bool, **engine: Any) -> LLMEngine:
+def _engine(overlapped: bool, plan: PlanMode = "on", **engine: Any) -> LLMEngine:
     e = _llm(overlapped, max_num_seqs=8, **engine).engine
     e.stream_outputs = True  # every step's tokens come out, as in the server
+    e.plan_mode = plan  # (by default a streaming engine does not plan ahead: these tests do)
     return e
 
 
@@ -157,7 +158,8 @@ def _start_overlapping(
     return got
 
 
-def test_an_abort_while_a_step_runs_ends_only_that_request() -> None:
+@pytest.mark.parametrize("plan", ["on", "off"])
+def test_an_abort_while_a_step_runs_ends_only_that_request(plan: PlanMode) -> None:
     prompts = _prompts(3)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want: dict[str, list[int]] = {}
@@ -166,7 +168,7 @@ def test_an_abort_while_a_step_runs_ends_only_that_request() -> None:
         ref.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     _drain(ref, want)
 
-    engine = _engine(True)
+    engine = _engine(True, plan)
     got = _start_overlapping(engine, prompts, params)
     assert engine.abort_request("r1")
     # requests still run: the reset is refused, as it is between synchronous steps, and the step
@@ -179,6 +181,26 @@ def test_an_abort_while_a_step_runs_ends_only_that_request() -> None:
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
     assert stats["num_overlapped_steps"] > 0
+    assert (stats["num_planned_steps"] > 0) is (plan == "on")
+
+
+def test_which_steps_are_planned_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default overlapped steps are planned ahead while outputs are not streamed (the offline
+    API); `HYBRIDSERVE_PLAN_AHEAD` forces it on or off."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for env, offline, streaming in (("", True, False), ("1", True, True), ("0", False, False)):
+        if env:
+            monkeypatch.setenv("HYBRIDSERVE_PLAN_AHEAD", env)
+        else:
+            monkeypatch.delenv("HYBRIDSERVE_PLAN_AHEAD", raising=False)
+        llm = _llm(True)
+        engine = llm.engine
+        assert engine.plans_ahead is offline
+        llm.generate(prompts, params)
+        assert (engine.stats()["num_planned_steps"] > 0) is offline
+        engine.stream_outputs = True
+        assert engine.plans_ahead is streaming
 
 
 def test_an_id_aborted_and_added_again_while_a_step_runs_is_a_new_request(

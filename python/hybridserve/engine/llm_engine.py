@@ -16,6 +16,7 @@ builds the previous step's outputs and the caller delivers them (`step`).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from functools import cached_property
@@ -87,6 +88,18 @@ class _AwaitingGrammar:
 
 
 OverlapMode = Literal["off", "on", "streaming"]
+PlanMode = Literal["auto", "on", "off"]
+
+
+def plan_mode_from_env() -> PlanMode:
+    """`HYBRIDSERVE_PLAN_AHEAD`: 1 / on plans every overlapped step it can ahead, 0 / off none;
+    unset (auto) plans ahead while outputs are not streamed (`LLMEngine.plans_ahead`)."""
+    value = os.environ.get("HYBRIDSERVE_PLAN_AHEAD", "auto").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "auto"
 
 
 def choose_async_scheduling(requested: bool | None, runner: ModelRunner) -> tuple[OverlapMode, str]:
@@ -161,9 +174,8 @@ class LLMEngine:
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
         logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
         self._in_flight: _Running | None = None
-        # plan each overlapped step while the one before computes (`_plan_ahead`); the switch is
-        # for measuring what that saves
-        self._plan_steps = native.env_switch("HYBRIDSERVE_PLAN_AHEAD")
+        # whether each overlapped step is planned while the one before computes (`_plan_ahead`)
+        self.plan_mode: PlanMode = plan_mode_from_env()
         self._previous: _ClosedStep | None = None  # committed, outputs not built (inside `step`)
         self._carried: list[RequestOutput] = []
         self.counters = EngineCounters()
@@ -212,6 +224,15 @@ class LLMEngine:
     def async_scheduling(self) -> bool:
         """Whether the next step may be left running in the background (`step`)."""
         return self.overlap_mode == "on" or (self.overlap_mode == "streaming" and self.stream_outputs)
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether an overlapped step is planned while the one before computes (`step`). By
+        default only while outputs are not streamed: a streamed step's outputs are delivered by
+        another Python thread (the server's event loop) just when the plan would be made, and
+        the plan then holds the GIL that thread needs; through the server on two cores it
+        streamed no faster with plans made ahead (benches/README.md, "Overlapped steps")."""
+        return self.plan_mode == "on" or (self.plan_mode == "auto" and not self.stream_outputs)
 
     @property
     def stream_outputs(self) -> bool:
@@ -452,7 +473,7 @@ class LLMEngine:
         """The step after the one in flight, planned and its native decode step prepared while
         that one computes, or None where the scheduler cannot plan it yet (it then schedules
         after the update, as without overlap). Called only with the weights checked."""
-        if not self._plan_steps or self._in_flight is None:
+        if not self.plans_ahead or self._in_flight is None:
             return None
         out = self.scheduler.schedule_ahead()
         if out is None:
