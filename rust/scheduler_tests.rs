@@ -1777,6 +1777,30 @@ fn a_step_is_planned_ahead_only_where_its_plan_cannot_depend_on_the_running_step
     s.update_from_output(&o, &[8], &[1], None).unwrap();
     let o = s.schedule().unwrap(); // computes the 8th token: the state after it is published
     assert_eq!(s.schedule_ahead(&o).unwrap(), None);
+    // a request its EOS ends in the running step: its planned row writes nothing that is read,
+    // and the confirmed step names it among the finished
+    let mut s = Scheduler::new(&c, 64, 16, 7).unwrap();
+    s.add_request(NewRequest::new("a", (1..=5).collect(), 10))
+        .unwrap();
+    let mut e = NewRequest::new("e", (1..=6).collect(), 10);
+    e.stop.eos_token_id = Some(2);
+    s.add_request(e).unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[7, 8], &[1, 1], None).unwrap();
+    let o = s.schedule().unwrap();
+    let mut p = s.schedule_ahead(&o).unwrap().unwrap();
+    let (e_slot, e_pos) = (p.state_write_slots[1], p.positions[1] as usize);
+    assert_ne!(e_slot, 0);
+    let deltas = s.update_from_output(&o, &[9, 2], &[1, 1], None).unwrap();
+    assert!(deltas[1].finished && deltas[1].stop_token_id == Some(2));
+    let patch = s.confirm_ahead(&mut p).unwrap().unwrap();
+    assert_eq!(patch.dead_rows, vec![1]);
+    assert_eq!(p.finished_req_ids, vec!["e".to_string()]);
+    patch.apply_to(&mut p).unwrap();
+    assert_eq!(p.input_ids[0], 9);
+    assert_eq!(p.write_slots_row(1), &[0]);
+    assert_eq!(p.slot_mapping[1], (e_pos % c.block_size) as i64);
+    assert_eq!(p.block_table_row(1)[e_pos / c.block_size], 0);
     // speculation: never planned ahead (the drafts come with the tokens)
     let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 2), 64, 16, 7).unwrap();
     s.add_request(NewRequest::new("a", (1..=5).collect(), 10))
