@@ -601,14 +601,17 @@ class LLMEngine:
         st = self.requests.get(request_id)
         if st is None:
             return None
-        return RowSampling(
-            params=st.params,
-            seed=st.seed,
-            prompt_token_ids=st.prompt_token_ids,
-            output_token_ids=st.output_token_ids,
-            eos_token_id=self.eos_token_id,
-            grammar=st.grammar,
-        )
+        row = st.sampling_row
+        if row is None:  # (after the grammar is known: a request is scheduled once it is)
+            row = st.sampling_row = RowSampling(
+                params=st.params,
+                seed=st.seed,
+                prompt_token_ids=st.prompt_token_ids,
+                output_token_ids=st.output_token_ids,
+                eos_token_id=self.eos_token_id,
+                grammar=st.grammar,
+            )
+        return row
 
     def _prefill_rows(self, out: _core.SchedulerOutput) -> list[RowSampling | None]:
         """What `ModelRunner.start` reads of the rows: the prefill rows' (whether they score the

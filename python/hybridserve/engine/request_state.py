@@ -9,6 +9,7 @@ from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.sampler import RowSampling
 
 
 @dataclass
@@ -36,6 +37,10 @@ class RequestState:
     # Structured outputs: the request's state in its grammar, advanced over every accepted token
     # (None without a grammar, and while the grammar is still being compiled)
     grammar: GrammarMatcher | None = None
+    # What the sampler reads of the request, made at its first step and kept: it holds the
+    # request's lists (the output grows in place), so it is current at every step, and a step
+    # does not build one object per row
+    sampling_row: RowSampling | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
