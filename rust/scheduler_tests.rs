@@ -588,6 +588,11 @@ fn cfg_branch(mode: MambaCacheMode, k: usize, eviction: EvictionPolicy) -> Resol
 }
 
 const CHECKPOINT_MODES: [MambaCacheMode; 2] = [MambaCacheMode::Align, MambaCacheMode::All];
+const ALL_MODES: [MambaCacheMode; 3] = [
+    MambaCacheMode::None,
+    MambaCacheMode::Align,
+    MambaCacheMode::All,
+];
 
 // ------------------------------------------------------------------ behaviours
 
@@ -1409,14 +1414,7 @@ fn c_prompt_ok(cfg: &ResolvedConfig, len: usize, blocks: usize) -> bool {
 
 #[test]
 fn simulation_all_modes_with_spec_and_preemption() {
-    for (i, mode) in [
-        MambaCacheMode::None,
-        MambaCacheMode::Align,
-        MambaCacheMode::All,
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, mode) in ALL_MODES.into_iter().enumerate() {
         for k in [0, 3] {
             let sim = simulate(
                 mode,
@@ -1646,14 +1644,7 @@ fn steps_planned_ahead_give_every_request_its_true_output() {
     // `check_end` every output and that nothing leaks. Rows of requests an EOS ended while their
     // next step was planned run writing nothing that is read.
     let (mut planned, mut dead) = (0, 0);
-    for (i, mode) in [
-        MambaCacheMode::None,
-        MambaCacheMode::Align,
-        MambaCacheMode::All,
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, mode) in ALL_MODES.into_iter().enumerate() {
         for (blocks, abort_every) in [(40, 0), (200, 9)] {
             let sim = simulate_full(
                 mode,
