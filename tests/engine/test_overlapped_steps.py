@@ -426,3 +426,25 @@ def test_steps_planned_ahead_end_requests_by_stop_token_and_leave_the_next_turn_
         assert hits == [len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, outs)]
     assert [r[2] == "stop" for r in runs[0][0]] == [True] * len(prompts)
     assert runs[0] == runs[1]
+
+
+def test_grammar_requests_end_the_same_way_with_steps_planned_ahead() -> None:
+    """Requests under a JSON schema end by EOS when their grammar allows nothing else: each such
+    end comes while the next step is planned with a row for the request. Seeded draws, the
+    grammar's masks and the ends are those of synchronous steps, and nothing leaks."""
+    from test_structured_outputs import PROMPTS, SCHEMA
+
+    params = [
+        SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured_outputs={"json": SCHEMA})
+        for s in range(8)
+    ]
+    runs = []
+    for overlapped in (False, True):
+        llm = _llm(overlapped, dtype="float32", enable_prefix_caching=True, max_model_len=1024)
+        outs = llm.generate([PROMPTS[s % 4] for s in range(8)], params)
+        runs.append(_what_requests_get(outs))
+        stats = llm.engine.stats()
+        assert (stats["num_planned_steps"] > 0) is overlapped
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert all(r[2] == "stop" for r in runs[0])
+    assert runs[0] == runs[1]
