@@ -448,3 +448,21 @@ def test_grammar_requests_end_the_same_way_with_steps_planned_ahead() -> None:
         assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
     assert all(r[2] == "stop" for r in runs[0])
     assert runs[0] == runs[1]
+
+
+def test_a_plan_whose_every_request_ended_is_dropped() -> None:
+    """The last request ends by its stop token while the next step is planned: no step runs, the
+    plan is dropped, and its output buffer given back (none stays lent)."""
+    prompt = _prompts(1)[0]
+    probe = _llm(False).generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0))
+    stop = list(probe[0].outputs[0].token_ids)[6]
+    llm = _llm(True)
+    step = llm.engine.runner.decode_step
+    assert step is not None
+    for _ in range(3):
+        out = llm.generate(
+            {"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop])
+        )[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+        assert step._lent == []
+    assert llm.engine.stats()["num_planned_steps"] > 0

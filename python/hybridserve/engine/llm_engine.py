@@ -392,9 +392,9 @@ class LLMEngine:
         With overlapped steps (`async_scheduling`) a step of decode rows that the native decode
         step runs is left running on its background thread when this returns, and the outputs
         returned are the previous step's, built (detokenized, stop strings matched) while it
-        runs; the next call plans the step after it while it still computes (where that plan
-        cannot depend on its tokens), then waits for it, commits it, and starts the planned step
-        with the tokens just sampled, or schedules one as usual. What runs is what a synchronous
+        runs; the next call plans the step after it while it still computes (where the engine
+        `plans_ahead` and that plan cannot depend on its tokens), then waits for it, commits it,
+        and starts the planned step with the tokens just sampled, or schedules one as usual. What runs is what a synchronous
         engine runs, except that a request that a stop string, its grammar or an EOS ends may
         have one more row computed, whose token is dropped, and which writes nothing that is read
         (docs/architecture.md, "Overlapped steps")."""
@@ -413,6 +413,9 @@ class LLMEngine:
             outputs += self._admit_compiled()
             if not self.scheduler.has_unfinished_requests():
                 # only requests waiting for their grammar, or none: no step to run
+                if planned is not None:  # (its every request ended)
+                    prepared, planned = planned, None
+                    self._drop_plan(prepared)
                 return outputs + self._emit_previous()
             started = None
             if planned is not None:
@@ -433,8 +436,7 @@ class LLMEngine:
             return outputs + self._emit(self._close(running))
         except BaseException:
             if planned is not None:  # (the failure came before it was started)
-                self.scheduler.discard_ahead()
-                self.runner.drop_prepared(planned)
+                self._drop_plan(planned)
             # What was built before the failure is not lost: the next call returns it (a request
             # the previous step finished gets its last output, not the error of this one).
             try:
@@ -475,13 +477,23 @@ class LLMEngine:
         after the update, as without overlap). Called only with the weights checked."""
         if not self.plans_ahead or self._in_flight is None:
             return None
-        out = self.scheduler.schedule_ahead()
-        if out is None:
+        try:
+            out = self.scheduler.schedule_ahead()
+            prepared = None if out is None else self.runner.prepare(out)
+        except Exception:
+            # a plan is an optimisation: the step is scheduled after the update instead
+            logger.exception("planning the next step ahead failed; scheduling it after the update")
+            self.scheduler.discard_ahead()
             return None
-        prepared = self.runner.prepare(out)
-        if prepared is None:
+        if out is not None and prepared is None:
             self.scheduler.discard_ahead()
         return prepared
+
+    def _drop_plan(self, prepared: PreparedStep) -> None:
+        """A planned step that will not be started: the scheduler forgets it, its output buffer
+        is given back."""
+        self.scheduler.discard_ahead()
+        self.runner.drop_prepared(prepared)
 
     def _start_planned(self, prepared: PreparedStep) -> StartedStep | None:
         """Starts the planned step once the step before is committed, when the scheduler
