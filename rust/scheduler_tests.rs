@@ -1151,6 +1151,16 @@ fn branch_point_is_kept_for_the_next_sharer() {
     }
 }
 
+/// t1's next turn: "t2", t1's tokens and three more, run to the end and every output checked.
+fn next_turn(sim: &mut Sim) -> SchedulerStats {
+    let mut p2 = sim.reqs["t1"].seq();
+    p2.extend([3, 4, 5]);
+    sim.add("t2", p2, 3, None);
+    sim.run_to_end(200);
+    sim.check_end();
+    sim.s.stats()
+}
+
 #[test]
 fn last_token_checkpoint_serves_the_next_turn_exactly() {
     // t1 (10 prompt tokens, 20 generated) has computed 29 tokens when it finishes: a state at 29,
@@ -1164,12 +1174,7 @@ fn last_token_checkpoint_serves_the_next_turn_exactly() {
                 sim.add("t1", (1..=10).collect(), max_tokens, None);
                 sim.run_to_end(200);
                 assert_eq!(sim.s.stats().checkpoints_kept, 1);
-                let mut p2 = sim.reqs["t1"].seq();
-                p2.extend([3, 4, 5]);
-                sim.add("t2", p2, 3, None);
-                sim.run_to_end(200);
-                sim.check_end();
-                let st = sim.s.stats();
+                let st = next_turn(&mut sim);
                 assert_eq!(st.prefix_hit_tokens, expect, "{mode:?} k={k}");
                 assert_eq!(st.prefix_hits_by_kind, [0, 0, 1]);
                 let tail = expect % 4 != 0;
@@ -1839,12 +1844,7 @@ fn a_row_planned_ahead_for_a_request_an_eos_ended_leaves_its_last_state_to_the_n
             "{mode:?}: t1 had a row planned past its EOS ({} planned, {stop_at})",
             sim.planned_steps
         );
-        let mut p2 = sim.reqs["t1"].seq();
-        p2.extend([3, 4, 5]);
-        sim.add("t2", p2, 3, None);
-        sim.run_to_end(200);
-        sim.check_end();
-        let st = sim.s.stats();
+        let st = next_turn(&mut sim);
         assert_eq!(st.checkpoints_kept, 3);
         // t1 computed its prompt and every output token but the EOS
         assert_eq!(st.prefix_hit_tokens, (10 + stop_at) as u64, "{mode:?}");
