@@ -110,9 +110,14 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step: row -> (first prompt position, entries for it and on),
     # one entry per prompt token whose predicting position the row's chunk holds.
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs | None]]] = field(default_factory=dict)
+    # `sampled_arrays()` already made, when sampling produced the tokens as an array (a step of
+    # plain greedy rows takes the native step's argmaxes): no loop over the rows to make them
+    flat: tuple[np.ndarray, np.ndarray] | None = None
 
     def sampled_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(every sampled token back to back, the count of each row) as the scheduler takes them."""
+        if self.flat is not None:
+            return self.flat
         flat = [t for row in self.sampled for t in row]
         counts = [len(r) for r in self.sampled]
         return np.asarray(flat, dtype=np.int32), np.asarray(counts, dtype=np.int32)
@@ -481,10 +486,15 @@ def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput) -> bool:
     """Sampling of a decode step of plain greedy rows (`_plain_greedy_rows`): each row's token is
     the argmax the decode step computed; a row with a non-finite logit fails alone, as in
     `_sample`. False (nothing recorded) for a step of verify rows (the rejection sampler's)."""
-    if len(fused.greedy) != len(result.sampled):
+    greedy = fused.greedy
+    if len(greedy) != len(result.sampled):
         return False
+    if fused.finite.all():  # (the rule: array operations, no loop over the rows)
+        result.sampled = greedy.reshape(-1, 1).tolist()  # one list per row, made in C
+        result.flat = (greedy.astype(np.int32), np.ones(len(greedy), dtype=np.int32))
+        return True
     finite = fused.finite.tolist()
-    result.sampled = [[token] if ok else [] for token, ok in zip(fused.greedy.tolist(), finite)]
+    result.sampled = [[token] if ok else [] for token, ok in zip(greedy.tolist(), finite)]
     result.failed.update((r, _NOT_FINITE) for r, ok in enumerate(finite) if not ok)
     return True
 
