@@ -230,8 +230,8 @@ class LLMEngine:
         """Whether an overlapped step is planned while the one before computes (`step`). By
         default only while outputs are not streamed: a streamed step's outputs are delivered by
         another Python thread (the server's event loop) just when the plan would be made, and
-        the plan then holds the GIL that thread needs; through the server on two cores it
-        streamed no faster with plans made ahead (benches/README.md, "Overlapped steps")."""
+        the plan takes the GIL that thread then needs; through the server on two cores it
+        streamed no faster with plans made ahead (benches/README.md, "Per-step overhead")."""
         return self.plan_mode == "on" or (self.plan_mode == "auto" and not self.stream_outputs)
 
     @property
