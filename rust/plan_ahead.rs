@@ -19,14 +19,6 @@ use crate::error::{HsError, HsResult};
 use crate::output::{RowInfo, SchedulerOutput};
 use crate::request::RequestStatus;
 
-/// The step planned ahead: its id and, per row, the request and the tokens it must have
-/// computed when the step starts.
-#[derive(Debug, Clone)]
-pub(super) struct PlannedAhead {
-    step_id: u64,
-    rows: Vec<(ReqKey, usize)>,
-}
-
 /// What `confirm_ahead` asks to be written into the planned step's arrays (`apply`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AheadPatch {
@@ -140,7 +132,7 @@ impl Scheduler {
         let step_id = self.next_step;
         self.next_step += 1;
         let out = self.build_ahead(step_id, &rows)?;
-        self.ahead = Some(PlannedAhead { step_id, rows });
+        self.ahead = Some(step_id);
         Ok(Some(out))
     }
 
@@ -223,10 +215,10 @@ impl Scheduler {
                 "confirm_ahead() before the update of the step in flight".into(),
             ));
         }
-        let Some(plan) = self.ahead.take() else {
+        let Some(step_id) = self.ahead.take() else {
             return Ok(None);
         };
-        if plan.step_id != planned.step_id || planned.rows.len() != plan.rows.len() {
+        if step_id != planned.step_id {
             return Err(HsError::Internal(
                 "confirm_ahead() got an output that is not the planned step".into(),
             ));
@@ -238,14 +230,16 @@ impl Scheduler {
             return Ok(None);
         }
         let mut patch = AheadPatch {
-            input_ids: Vec::with_capacity(plan.rows.len()),
+            input_ids: Vec::with_capacity(planned.rows.len()),
             max_blocks: planned.max_blocks,
             window_len: planned.window_len,
             block_size: self.cfg.block_size,
             ..AheadPatch::default()
         };
         let mut live = 0usize;
-        for (r, &(key, pos)) in plan.rows.iter().enumerate() {
+        for (r, row) in planned.rows.iter().enumerate() {
+            // the row's request, and the tokens it must have computed when the step starts
+            let (key, pos) = (row.key, row.num_computed_before);
             match self.requests.get(&key) {
                 Some(req) if req.status == RequestStatus::Running => {
                     if req.num_computed_tokens != pos
@@ -268,7 +262,7 @@ impl Scheduler {
         if live == 0 || live != self.running.len() {
             return Ok(None);
         }
-        self.in_flight = Some(plan.step_id);
+        self.in_flight = Some(step_id);
         planned.finished_req_ids = std::mem::take(&mut self.finished_ids);
         self.stats.num_steps += 1;
         self.stats.num_scheduled_tokens_last = planned.num_scheduled_tokens;
@@ -283,6 +277,6 @@ impl Scheduler {
 
     /// The id of the step planned ahead and not yet confirmed, if any.
     pub fn planned_step(&self) -> Option<u64> {
-        self.ahead.as_ref().map(|p| p.step_id)
+        self.ahead
     }
 }

@@ -129,8 +129,9 @@ pub struct Scheduler {
     align: bool,
     placement: CheckpointPlacement,
     usable_kv_blocks: usize,
-    /// The step planned while the one in flight runs (`schedule_ahead`), until confirmed.
-    ahead: Option<plan_ahead::PlannedAhead>,
+    /// The id of the step planned while the one in flight runs (`schedule_ahead`), until
+    /// confirmed; its output carries its rows.
+    ahead: Option<u64>,
     stats: SchedulerStats,
 }
 
