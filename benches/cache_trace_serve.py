@@ -4,7 +4,7 @@
         [--server-args "..."] [--result-file benches/results/cache_trace_serve.json]
 
 For each configuration (`grid`: a checkpoint every mamba_block_size tokens with LRU eviction, the
-grid baseline; `default`: the engine's defaults, branch points, last tokens and grid points
+grid baseline; `default`: the engine's defaults, branch points, declared shared prefixes, last tokens and grid points
 in spare room with FLOP-aware eviction), a `hybridserve serve demo` subprocess is started and every trace is replayed through it
 with `bench serve --workload trace` (follow-up turns built from the server's real answers). Per
 trace and configuration: the token hit rate the requests saw (`cached_tokens`), TTFT p50 / p95 /
@@ -30,14 +30,16 @@ sys.path.insert(0, str(ROOT / "benches"))
 
 from hybridserve.benchmarks import cache_replay as cr  # noqa: E402
 from hybridserve.benchmarks.serve_client import ServeConfig, percentile, serve_main  # noqa: E402
-from hybridserve.benchmarks.traces import generate  # noqa: E402
+from hybridserve.benchmarks.traces import chat_template_ids, generate  # noqa: E402
 from hybridserve.benchmarks.workloads import WorkloadSpec  # noqa: E402
 from server_process import BenchServer  # noqa: E402
 
 # server flags, and the same cache policy for the replay
 CONFIGS = {
     "grid": ["--mamba-checkpoint-placement", "grid", "--prefix-cache-eviction", "lru"],
-    "default": [],
+    # the defaults; the generated traces end a message with their own END_OF_TURN id, which the
+    # server takes as its shared-prefix marker as it would take its chat template's
+    "default": ["--shared-prefix-markers", str(chat_template_ids()[0])],
 }
 POLICIES = {
     "grid": cr.Policy("grid", "grid", "lru", 256),

@@ -169,8 +169,8 @@ pub struct CacheStats {
     pub mamba_slots_window: usize,
     pub checkpoints_committed: usize,
     pub checkpoints_pending: usize,
-    /// Committed checkpoints by kind (grid, branch, last token).
-    pub checkpoints_by_kind: [usize; 3],
+    /// Committed checkpoints by kind (`CheckpointKind::index`).
+    pub checkpoints_by_kind: [usize; CheckpointKind::COUNT],
     pub checkpoint_bytes: u64,
     pub queried_tokens: u64,
     pub hit_tokens: u64,
@@ -186,7 +186,7 @@ pub struct CacheStats {
     pub checkpoint_evictions_for_window: u64,
     pub checkpoint_evictions_for_kv: u64,
     /// The running rate at which checkpoints of each kind get used before they go.
-    pub checkpoint_reuse_rate: [f64; 3],
+    pub checkpoint_reuse_rate: [f64; CheckpointKind::COUNT],
 }
 
 #[derive(Clone, Debug, Default)]
@@ -225,11 +225,11 @@ pub struct HybridCacheManager {
     ck_parent_pos: Vec<usize>,
     /// Per slot: a hit has used this checkpoint since it was placed.
     ck_consumed: Vec<bool>,
-    /// Per checkpoint kind (grid, branch, last token): a running rate of checkpoints used by a hit
+    /// Per checkpoint kind (`CheckpointKind::index`): a running rate of checkpoints used by a hit
     /// before they were evicted. Shared system prompts make branch points pay; single-turn traffic
     /// makes last-token states useless, chat makes them the most valuable of all. The `flops` score
     /// weighs the FLOPs a checkpoint saves by its kind's rate.
-    reuse_rate: [f64; 3],
+    reuse_rate: [f64; CheckpointKind::COUNT],
     /// Last-token states offered while too few admissions resumed one to keep them.
     declined_last_states: u64,
     /// A running share of admissions that resume a last-token state (FLOP-aware policy). It
@@ -300,7 +300,7 @@ impl HybridCacheManager {
             ck_block: vec![NULL_BLOCK; n_slots],
             ck_parent_pos: vec![0; n_slots],
             ck_consumed: vec![false; n_slots],
-            reuse_rate: [0.5; 3],
+            reuse_rate: [0.5; CheckpointKind::COUNT],
             declined_last_states: 0,
             resume_rate: 0.5,
             cost: CostModel::default(),
@@ -1125,7 +1125,9 @@ impl HybridCacheManager {
     ) -> Option<SlotId> {
         let step = match kind {
             CheckpointKind::Grid => self.mamba_block_size,
-            CheckpointKind::Branch | CheckpointKind::LastToken => self.block_size,
+            CheckpointKind::Branch | CheckpointKind::LastToken | CheckpointKind::Declared => {
+                self.block_size
+            }
         };
         if !self.checkpoints() || position == 0 || position % step != 0 {
             return None;
@@ -1137,7 +1139,8 @@ impl HybridCacheManager {
         // that nothing tells of yet: they take spare room, or the place of another grid
         // checkpoint, never that of a checkpoint placed for a reason (but for last-token states
         // that admissions do not resume).
-        let room = if kind == CheckpointKind::Grid && self.placement.branch() {
+        let bet = matches!(kind, CheckpointKind::Grid | CheckpointKind::Declared);
+        let room = if bet && self.placement.branch() {
             self.make_grid_room()
         } else {
             self.make_checkpoint_room()
@@ -1291,7 +1294,7 @@ impl HybridCacheManager {
 
     pub fn stats(&self) -> CacheStats {
         let ckpts = self.mamba.num_committed() + self.mamba.num_pending();
-        let mut by_kind = [0usize; 3];
+        let mut by_kind = [0usize; CheckpointKind::COUNT];
         for s in 1..self.mamba.num_slots() as SlotId {
             if self.mamba.kind(s) == Some(SlotKind::Committed) {
                 if let Some(t) = self.mamba.checkpoint_tag(s) {

@@ -104,7 +104,7 @@ struct Driver {
     /// Tail blocks a hit holds until its copy has run (the request's next allocation or free).
     pinned_tail: HashMap<ReqKey, BlockId>,
     /// Hits by checkpoint kind, and tail hits (for the coverage test).
-    hits_by_kind: [usize; 3],
+    hits_by_kind: [usize; CheckpointKind::COUNT],
     tail_hits: usize,
     mirror: Mirror,
     /// Nonzero hits predicted from the events (for the coverage test).
@@ -240,7 +240,7 @@ impl Driver {
             kv_mem: HashMap::new(),
             token_ctr: 50_000,
             pinned_tail: HashMap::new(),
-            hits_by_kind: [0; 3],
+            hits_by_kind: [0; CheckpointKind::COUNT],
             tail_hits: 0,
             mirror: Mirror::default(),
             predicted_hits: 0,
@@ -727,7 +727,14 @@ impl Driver {
             let last_blk = end / B;
             if last_blk >= first {
                 let pos = (first + (new % (last_blk - first + 1))) * B;
-                targets.push((pos, CheckpointKind::Branch));
+                // a found branch point or a declared shared prefix (same granularity, their
+                // own reuse rates)
+                let kind = if new % 2 == 0 {
+                    CheckpointKind::Branch
+                } else {
+                    CheckpointKind::Declared
+                };
+                targets.push((pos, kind));
             }
         }
         let mut p = start / M + 1;
@@ -934,7 +941,7 @@ fn random_operations_reach_every_checkpoint_kind() {
         Config::default(),
         TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
     );
-    let mut by_kind = [0usize; 3];
+    let mut by_kind = [0usize; CheckpointKind::COUNT];
     let mut tails = 0;
     let mut predicted = 0;
     for case in 0..300u64 {

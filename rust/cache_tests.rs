@@ -664,7 +664,7 @@ fn last_state_with_a_tail_is_hit_exactly_and_copied() {
         assert!(run_and_keep(&mut m, 1, &t1));
         let tail_blk = m.kv_pool().get_cached(hashes(&t1, None)[1]).unwrap() + 1;
         assert!(m.kv_pool().is_tail(tail_blk));
-        assert_eq!(m.stats().checkpoints_by_kind, [0, 0, 1]);
+        assert_eq!(m.stats().checkpoints_by_kind, [0, 0, 1, 0]);
         // A continuation hits all 10 tokens; without tokens (no tail lookup) nothing.
         let mut t2 = t1.clone();
         t2.extend([7, 8, 9]);
@@ -989,7 +989,7 @@ fn grid_points_take_the_places_of_last_states_that_admissions_do_not_resume() {
         let t: Vec<u32> = (0..9).map(|j| 20_000 + i * 16 + j).collect();
         assert!(run_and_keep(&mut m, 10 + u64::from(i), &t));
     }
-    assert_eq!(m.stats().checkpoints_by_kind, [0, 0, cap]);
+    assert_eq!(m.stats().checkpoints_by_kind, [0, 0, cap, 0]);
     let grid_hash = |n: u32| {
         hashes(
             &(0..(m_grid as u32))
@@ -1015,7 +1015,7 @@ fn grid_points_take_the_places_of_last_states_that_admissions_do_not_resume() {
         .reserve_checkpoint(h[m_grid / B - 1], m_grid, CheckpointKind::Grid)
         .expect("a grid point takes a last-token state's place");
     m.commit_checkpoint(s);
-    assert_eq!(m.stats().checkpoints_by_kind, [1, 0, cap - 1]);
+    assert_eq!(m.stats().checkpoints_by_kind, [1, 0, cap - 1, 0]);
     // The LRU baseline keeps its rule: grid points only in spare room or in another grid point's.
     let c = cfg_with(
         MambaCacheMode::All,

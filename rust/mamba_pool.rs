@@ -47,20 +47,28 @@ pub enum CheckpointKind {
     Branch,
     /// The last computed token of a finished (or preempted) sequence.
     LastToken,
+    /// The end of a prompt's leading part that other prompts are expected to share, as its caller
+    /// declared it (`NewRequest::shared_prefix_len`: e.g. where a chat's system message ends),
+    /// kept by its first user so that the second one already hits it.
+    Declared,
 }
 
 impl CheckpointKind {
-    pub const ALL: [CheckpointKind; 3] = [
+    pub const ALL: [CheckpointKind; 4] = [
         CheckpointKind::Grid,
         CheckpointKind::Branch,
         CheckpointKind::LastToken,
+        CheckpointKind::Declared,
     ];
+    /// How many kinds there are (the length of per-kind arrays).
+    pub const COUNT: usize = Self::ALL.len();
 
     pub fn as_str(self) -> &'static str {
         match self {
             CheckpointKind::Grid => "grid",
             CheckpointKind::Branch => "branch",
             CheckpointKind::LastToken => "last_token",
+            CheckpointKind::Declared => "declared",
         }
     }
 
@@ -69,6 +77,7 @@ impl CheckpointKind {
             CheckpointKind::Grid => 0,
             CheckpointKind::Branch => 1,
             CheckpointKind::LastToken => 2,
+            CheckpointKind::Declared => 3,
         }
     }
 }

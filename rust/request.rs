@@ -74,6 +74,11 @@ pub struct NewRequest {
     /// logits of every prompt position (prompt logprobs). The blocks and states it computes are
     /// still cached for others; once its prompt is done (a resume after preemption) it hits.
     pub skip_prefix_hit: bool,
+    /// How many leading prompt tokens other prompts are expected to share (e.g. where a chat's
+    /// system message ends), if the caller knows. The first request to compute that prefix keeps
+    /// the state at its last full KV block, so that the second sharer already hits it (branch
+    /// placement; without it the second sharer is the one that finds the branch point).
+    pub shared_prefix_len: Option<usize>,
 }
 
 impl NewRequest {
@@ -89,6 +94,7 @@ impl NewRequest {
             priority: 0,
             cache_salt: None,
             skip_prefix_hit: false,
+            shared_prefix_len: None,
         }
     }
 }
@@ -108,6 +114,8 @@ pub struct Request {
     pub cache_salt: Option<String>,
     /// See `NewRequest::skip_prefix_hit`.
     pub skip_prefix_hit: bool,
+    /// See `NewRequest::shared_prefix_len`.
+    pub shared_prefix_len: Option<usize>,
     pub status: RequestStatus,
     /// Tokens whose KV and state are computed (and valid) in the current residency.
     pub num_computed_tokens: usize,
@@ -144,6 +152,7 @@ impl Request {
             arrival,
             cache_salt: req.cache_salt,
             skip_prefix_hit: req.skip_prefix_hit,
+            shared_prefix_len: req.shared_prefix_len,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
             block_hashes: Vec::new(),
@@ -174,6 +183,14 @@ impl Request {
                 "the prompt has {} tokens; max_model_len is {max_model_len}, which leaves no room for output",
                 req.prompt_token_ids.len()
             ));
+        }
+        if let Some(n) = req.shared_prefix_len {
+            if n > req.prompt_token_ids.len() {
+                return bad(format!(
+                    "shared_prefix_len ({n}) is longer than the prompt ({} tokens)",
+                    req.prompt_token_ids.len()
+                ));
+            }
         }
         if req.stop.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());

@@ -81,8 +81,8 @@ pub struct SchedulerStats {
     pub prefix_hit_tokens: u64,
     pub prefix_lost_tokens: u64,
     /// Hits and hit tokens by where the checkpoint came from (grid, branch point, last token).
-    pub prefix_hits_by_kind: [u64; 3],
-    pub prefix_hit_tokens_by_kind: [u64; 3],
+    pub prefix_hits_by_kind: [u64; CheckpointKind::COUNT],
+    pub prefix_hit_tokens_by_kind: [u64; CheckpointKind::COUNT],
     /// Prefill FLOPs of the admitted prompts, and those their hits saved (the cost model's).
     pub prefill_flops_queried: f64,
     pub prefill_flops_saved: f64,
@@ -450,9 +450,20 @@ impl Scheduler {
     /// state was kept at its end), at the deepest cached block (branch placement), or, with grid
     /// checkpoints only and mode `align`, at the deepest M boundary inside it (mode `all` emits
     /// every boundary anyway).
-    fn branch_target(&self, hit: &CacheHit) -> Option<(usize, CheckpointKind)> {
-        if !self.checkpoints || hit.kv_hit_tokens <= hit.num_tokens {
+    /// Else, with branch placement, at the last full block of the prefix the request declares
+    /// shared (`NewRequest::shared_prefix_len`) when the hit ends before it and the prompt goes on
+    /// past it.
+    fn branch_target(&self, hit: &CacheHit, req: &Request) -> Option<(usize, CheckpointKind)> {
+        if !self.checkpoints {
             return None;
+        }
+        if hit.kv_hit_tokens <= hit.num_tokens {
+            let b = self.cfg.block_size;
+            let declared = req.shared_prefix_len.map_or(0, |n| n / b * b);
+            let wanted = self.placement.branch()
+                && declared > hit.num_tokens
+                && declared < req.num_prompt_tokens;
+            return wanted.then_some((declared, CheckpointKind::Declared));
         }
         if self.placement.branch() {
             return Some((hit.kv_hit_tokens, CheckpointKind::Branch));
@@ -677,7 +688,7 @@ impl Scheduler {
                 if hit.num_tokens >= known {
                     hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
                 }
-                let target = self.branch_target(&hit);
+                let target = self.branch_target(&hit, req);
                 let num_new = self.prefill_chunk(hit.num_tokens, known, budget, target);
                 if num_new == 0 {
                     break;

@@ -147,7 +147,7 @@ impl Sim {
     }
 
     fn add(&mut self, id: &str, prompt: Vec<u32>, max_tokens: usize, eos: Option<u32>) {
-        self.add_prio(id, prompt, max_tokens, eos, 0);
+        self.add_prio(id, prompt, max_tokens, eos, 0, None);
     }
 
     fn add_prio(
@@ -157,10 +157,12 @@ impl Sim {
         max_tokens: usize,
         eos: Option<u32>,
         priority: i64,
+        shared_prefix_len: Option<usize>,
     ) {
         let mut nr = NewRequest::new(id, prompt.clone(), max_tokens);
         nr.stop.eos_token_id = eos;
         nr.priority = priority;
+        nr.shared_prefix_len = shared_prefix_len;
         self.s.add_request(nr).unwrap();
         let mut ph = vec![H0];
         for &t in &prompt {
@@ -1145,10 +1147,70 @@ fn branch_point_is_kept_for_the_next_sharer() {
                 st.prefix_hit_tokens, 24,
                 "{mode:?} k={k}: c hits b's branch point"
             );
-            assert_eq!(st.prefix_hits_by_kind, [0, 1, 0]);
+            assert_eq!(st.prefix_hits_by_kind, [0, 1, 0, 0]);
             assert_eq!(st.cache.checkpoints_by_kind[0], 0, "no grid checkpoint");
         }
     }
+}
+
+#[test]
+fn a_declared_shared_prefix_is_kept_by_its_first_user() {
+    // "a" declares that its first 26 tokens are shared: it keeps the state at 24, the last full
+    // block (align: its first chunk ends there; all: the scan emits it from inside the row), so
+    // "b", the second sharer, already hits 24 where it would otherwise be the one to find the
+    // branch point. Grid placement ignores the declaration.
+    for mode in CHECKPOINT_MODES {
+        for k in [0, 2] {
+            for placement in [CheckpointPlacement::Branch, CheckpointPlacement::Grid] {
+                let mut c = cfg_branch(mode, k, EvictionPolicy::Flops);
+                c.checkpoint_placement = placement;
+                let mut sim = Sim::new(c, 256, 64, 5);
+                let shared: Vec<u32> = (1..=26).collect();
+                let with =
+                    |tail: &[u32]| -> Vec<u32> { shared.iter().chain(tail).copied().collect() };
+                sim.add_prio("a", with(&[9; 10]), 3, None, 0, Some(26));
+                sim.run_to_end(100);
+                let first_a = sim.row_log.iter().find(|r| r.0 == "a").unwrap().clone();
+                sim.add_prio("b", with(&[8; 12]), 3, None, 0, Some(26));
+                sim.run_to_end(100);
+                sim.check_end();
+                let st = sim.s.stats();
+                let what = format!("{mode:?} k={k} {placement:?}");
+                if placement == CheckpointPlacement::Grid {
+                    assert_eq!(st.prefix_hits_by_kind[3], 0, "{what}");
+                    continue;
+                }
+                match mode {
+                    MambaCacheMode::Align => {
+                        assert_eq!(first_a, ("a".into(), 0, 24, vec![23]), "{what}")
+                    }
+                    _ => assert_eq!(first_a, ("a".into(), 0, 36, vec![23]), "{what}"),
+                }
+                assert_eq!(
+                    st.prefix_hit_tokens, 24,
+                    "{what}: b hits a's declared prefix"
+                );
+                assert_eq!(st.prefix_hits_by_kind, [0, 0, 0, 1], "{what}");
+                assert_eq!(st.prefix_lost_tokens, 0, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_declared_shared_prefix_longer_than_the_prompt_is_refused() {
+    let mut s = Scheduler::new(&cfg(MambaCacheMode::All, 0), 64, 16, 1).unwrap();
+    let mut nr = NewRequest::new("r", vec![1, 2, 3], 4);
+    nr.shared_prefix_len = Some(4);
+    let err = s.add_request(nr).unwrap_err().to_string();
+    assert!(
+        err.contains("shared_prefix_len (4) is longer than the prompt (3 tokens)"),
+        "{err}"
+    );
+    assert!(!s.has_unfinished_requests(), "nothing was added");
+    let mut nr = NewRequest::new("r", vec![1, 2, 3], 4);
+    nr.shared_prefix_len = Some(3);
+    s.add_request(nr).unwrap();
 }
 
 /// t1's next turn: "t2", t1's tokens and three more, run to the end and every output checked.
@@ -1176,7 +1238,7 @@ fn last_token_checkpoint_serves_the_next_turn_exactly() {
                 assert_eq!(sim.s.stats().checkpoints_kept, 1);
                 let st = next_turn(&mut sim);
                 assert_eq!(st.prefix_hit_tokens, expect, "{mode:?} k={k}");
-                assert_eq!(st.prefix_hits_by_kind, [0, 0, 1]);
+                assert_eq!(st.prefix_hits_by_kind, [0, 0, 1, 0]);
                 let tail = expect % 4 != 0;
                 assert_eq!(
                     (sim.tail_hits, sim.kv_copies),
@@ -1201,7 +1263,7 @@ fn a_follow_up_right_after_a_finish_on_a_grid_boundary_hits_it() {
         sim.run_to_end(50);
         assert_eq!(sim.s.pending_publishes.len(), 0, "k={k}");
         assert_eq!(run_t2_on_t1s_prefix(&mut sim), 8, "k={k}");
-        assert_eq!(sim.s.stats().prefix_hits_by_kind, [0, 0, 1]);
+        assert_eq!(sim.s.stats().prefix_hits_by_kind, [0, 0, 1, 0]);
     }
 }
 
@@ -1259,20 +1321,20 @@ fn a_cancelled_step_commits_nothing_and_its_requests_recompute() {
 
 // ------------------------------------------------------------------ simulation
 
-fn workload(
-    sim: &mut Sim,
-    n: usize,
-    shared: &[Vec<u32>],
-    seed: u64,
-) -> Vec<(usize, String, Vec<u32>, usize)> {
+/// (arrival step, id, prompt, max_tokens, declared shared prefix) of `n` requests: each starts
+/// with one of `shared` and half of them declare it (`NewRequest::shared_prefix_len`).
+type Arrival = (usize, String, Vec<u32>, usize, Option<usize>);
+
+fn workload(sim: &mut Sim, n: usize, shared: &[Vec<u32>], seed: u64) -> Vec<Arrival> {
     let mut rng = Rng(seed);
     let mut out = Vec::new();
     for i in 0..n {
         let mut p = shared[rng.below(shared.len())].clone();
+        let declared = (rng.below(2) == 0).then_some(p.len());
         let extra = 1 + rng.below(40);
         p.extend((0..extra).map(|_| 1 + rng.below(sim.vocab as usize) as u32));
         let at = rng.below(n * 2);
-        out.push((at, format!("r{i}"), p, 1 + rng.below(30)));
+        out.push((at, format!("r{i}"), p, 1 + rng.below(30), declared));
     }
     out.sort_by_key(|x| x.0);
     out
@@ -1365,11 +1427,11 @@ fn simulate_full(
     let mut idle = 0;
     let mut aborted = 0;
     while !arrivals.is_empty() || sim.s.has_unfinished_requests() {
-        while let Some((at, _, _, _)) = arrivals.first() {
+        while let Some((at, _, _, _, _)) = arrivals.first() {
             if *at > t {
                 break;
             }
-            let (_, id, p, mt) = arrivals.remove(0);
+            let (_, id, p, mt, declared) = arrivals.remove(0);
             let eos = if rng.below(2) == 0 {
                 Some(1 + rng.below(50) as u32)
             } else {
@@ -1378,7 +1440,7 @@ fn simulate_full(
             let budget_ok = c_prompt_ok(&sim.cfg, p.len(), blocks);
             if budget_ok {
                 let prio = rng.below(3) as i64;
-                sim.add_prio(&id, p, mt, eos, prio);
+                sim.add_prio(&id, p, mt, eos, prio, declared);
             }
         }
         if abort_every > 0 && rng.below(abort_every) == 0 {
@@ -1462,6 +1524,7 @@ fn simulation_branch_placements_and_evictions() {
         EvictionPolicy::LruPath,
     ];
     let mut tail_hits = 0;
+    let mut declared_hits = 0;
     for (i, mode) in CHECKPOINT_MODES.into_iter().enumerate() {
         for (j, placement) in placements.into_iter().enumerate() {
             for (e, eviction) in evictions.into_iter().enumerate() {
@@ -1479,11 +1542,13 @@ fn simulation_branch_placements_and_evictions() {
                     );
                     assert!(st.cache.checkpoint_evictions > 0, "a small pool evicts");
                     tail_hits += sim.tail_hits;
+                    declared_hits += st.prefix_hits_by_kind[3];
                 }
             }
         }
     }
     assert!(tail_hits > 0, "preempted requests resumed inside a block");
+    assert!(declared_hits > 0, "second sharers hit declared prefixes");
 }
 
 #[test]
@@ -1848,6 +1913,6 @@ fn a_row_planned_ahead_for_a_request_an_eos_ended_leaves_its_last_state_to_the_n
         assert_eq!(st.checkpoints_kept, 3);
         // t1 computed its prompt and every output token but the EOS
         assert_eq!(st.prefix_hit_tokens, (10 + stop_at) as u64, "{mode:?}");
-        assert_eq!(st.prefix_hits_by_kind, [0, 0, 1]);
+        assert_eq!(st.prefix_hits_by_kind, [0, 0, 1, 0]);
     }
 }

@@ -40,6 +40,9 @@ SpeculativeMethodName: TypeAlias = Literal["ngram", "draft_model"]
 MAMBA_CACHE_MODES: tuple[MambaCacheModeName, ...]
 CHECKPOINT_PLACEMENTS: tuple[CheckpointPlacementName, ...]
 EVICTION_POLICIES: tuple[EvictionPolicyName, ...]
+# where a Mamba checkpoint was placed: "grid", "branch", "last_token", "declared" (the suffixes of
+# Scheduler.stats' per-kind keys)
+CHECKPOINT_KINDS: tuple[str, ...]
 SPECULATIVE_METHODS: tuple[SpeculativeMethodName, ...]
 # (smallest, largest) of every integer setting the core checks, by EngineArgs field name
 FLAG_LIMITS: dict[str, tuple[int, int]]
@@ -243,6 +246,9 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         skip_prefix_hit: bool = False,  # compute the whole prompt (prompt logprobs); still cached
+        # leading tokens other prompts will share (a system message): its first user keeps the
+        # state at the last full block of it, so the second already hits; <= len(prompt)
+        shared_prefix_len: int | None = None,
     ) -> None: ...  # InvalidRequestError on bad input (empty, too long, duplicate id, ...)
     def abort_request(self, request_id: str) -> bool: ...
     def finish_request(self, request_id: str) -> bool: ...
@@ -296,7 +302,7 @@ class Scheduler:
     # mamba_slots_total, mamba_slots_used, checkpoints_committed, checkpoints_pending,
     # checkpoint_bytes, cache_queried_tokens, cache_hit_tokens, cache_kv_hit_tokens,
     # cache_lost_tokens (every lookup), kv_evictions, checkpoint_evictions, max_num_batched_tokens,
-    # max_num_seqs, num_speculative_tokens; by checkpoint kind (grid, branch, last_token):
+    # max_num_seqs, num_speculative_tokens; by checkpoint kind (grid, branch, last_token, declared):
     # prefix_hits_{kind}, prefix_hit_tokens_{kind} (admissions), checkpoints_{kind} (committed now);
     # checkpoints_kept (last-token states kept), kv_evictions_useless (blocks no hit could use),
     # checkpoint_evictions_{stale,for_checkpoint,for_window,for_kv}, kv_blocks_cached,

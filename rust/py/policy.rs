@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyString, PyTuple};
 
 use super::errors::to_pyerr;
+use crate::cache::CheckpointKind;
 use crate::config::{
     check_flag, one_of, CheckpointPlacement, EvictionPolicy, MambaCacheMode, ResolvedConfig,
     SpecMethod, FLAG_LIMITS, MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_MAMBA_SLOTS, MAX_NUM_SEQS,
@@ -432,6 +433,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             py,
             CheckpointPlacement::ALL.map(CheckpointPlacement::as_str),
         )?,
+    )?;
+    // Where a Mamba checkpoint was placed: the suffixes of the per-kind keys of Scheduler.stats.
+    m.add(
+        "CHECKPOINT_KINDS",
+        PyTuple::new(py, CheckpointKind::ALL.map(CheckpointKind::as_str))?,
     )?;
     m.add(
         "EVICTION_POLICIES",

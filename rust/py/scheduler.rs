@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::{to_pyerr, InternalError, InvalidRequestError};
 use super::policy::PyResolvedConfig;
-use crate::cache::CostModel;
+use crate::cache::{CheckpointKind, CostModel};
 use crate::kv_events::{external_id, KvEvent};
 use crate::output::SchedulerOutput;
 use crate::request::{FinishReason, NewRequest, StopParams};
@@ -104,7 +104,7 @@ impl PyScheduler {
         })
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None, skip_prefix_hit = false))]
+    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id = None, stop_token_ids = Vec::new(), ignore_eos = false, min_tokens = 0, priority = 0, cache_salt = None, skip_prefix_hit = false, shared_prefix_len = None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -118,6 +118,7 @@ impl PyScheduler {
         priority: i64,
         cache_salt: Option<String>,
         skip_prefix_hit: bool,
+        shared_prefix_len: Option<i64>,
     ) -> PyResult<()> {
         let prompt = prompt_token_ids
             .into_iter()
@@ -143,6 +144,9 @@ impl PyScheduler {
                 priority,
                 cache_salt,
                 skip_prefix_hit,
+                shared_prefix_len: shared_prefix_len
+                    .map(|n| count(n, "shared_prefix_len"))
+                    .transpose()?,
             })
             .map_err(to_pyerr)
     }
@@ -377,7 +381,7 @@ impl PyScheduler {
         let s = self.inner.stats();
         let c = &s.cache;
         let d = PyDict::new(py);
-        let items: [(&str, u64); 50] = [
+        let items: [(&str, u64); 41] = [
             ("num_running", s.num_running as u64),
             ("num_waiting", s.num_waiting as u64),
             ("num_preempted", s.num_preempted as u64),
@@ -390,15 +394,6 @@ impl PyScheduler {
             ("prefix_queried_tokens", s.prefix_queried_tokens),
             ("prefix_hit_tokens", s.prefix_hit_tokens),
             ("prefix_lost_tokens", s.prefix_lost_tokens),
-            ("prefix_hits_grid", s.prefix_hits_by_kind[0]),
-            ("prefix_hits_branch", s.prefix_hits_by_kind[1]),
-            ("prefix_hits_last_token", s.prefix_hits_by_kind[2]),
-            ("prefix_hit_tokens_grid", s.prefix_hit_tokens_by_kind[0]),
-            ("prefix_hit_tokens_branch", s.prefix_hit_tokens_by_kind[1]),
-            (
-                "prefix_hit_tokens_last_token",
-                s.prefix_hit_tokens_by_kind[2],
-            ),
             ("checkpoints_kept", s.checkpoints_kept),
             ("spec_drafted_tokens", s.spec_drafted_tokens),
             ("spec_accepted_tokens", s.spec_accepted_tokens),
@@ -411,9 +406,6 @@ impl PyScheduler {
             ("mamba_slots_used", c.mamba_slots_used as u64),
             ("checkpoints_committed", c.checkpoints_committed as u64),
             ("checkpoints_pending", c.checkpoints_pending as u64),
-            ("checkpoints_grid", c.checkpoints_by_kind[0] as u64),
-            ("checkpoints_branch", c.checkpoints_by_kind[1] as u64),
-            ("checkpoints_last_token", c.checkpoints_by_kind[2] as u64),
             ("checkpoint_bytes", c.checkpoint_bytes),
             ("cache_queried_tokens", c.queried_tokens),
             ("cache_hit_tokens", c.hit_tokens),
@@ -447,11 +439,23 @@ impl PyScheduler {
         for (k, v) in items {
             d.set_item(k, v)?;
         }
-        for (kind, r) in ["grid", "branch", "last_token"]
-            .iter()
-            .zip(c.checkpoint_reuse_rate)
-        {
-            d.set_item(format!("checkpoint_reuse_rate_{kind}"), r)?;
+        // Per checkpoint kind (grid, branch, last_token, declared): hits, hit tokens, committed
+        // checkpoints and the running reuse rate.
+        for kind in CheckpointKind::ALL {
+            let (name, i) = (kind.as_str(), kind.index());
+            d.set_item(format!("prefix_hits_{name}"), s.prefix_hits_by_kind[i])?;
+            d.set_item(
+                format!("prefix_hit_tokens_{name}"),
+                s.prefix_hit_tokens_by_kind[i],
+            )?;
+            d.set_item(
+                format!("checkpoints_{name}"),
+                c.checkpoints_by_kind[i] as u64,
+            )?;
+            d.set_item(
+                format!("checkpoint_reuse_rate_{name}"),
+                c.checkpoint_reuse_rate[i],
+            )?;
         }
         d.set_item("prefill_flops_queried", s.prefill_flops_queried)?;
         d.set_item("prefill_flops_saved", s.prefill_flops_saved)?;

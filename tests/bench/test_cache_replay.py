@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.benchmarks import cache_replay as cr
-from hybridserve.benchmarks.traces import Trace, TraceRequest, generate
+from hybridserve.benchmarks.traces import Trace, TraceRequest, chat_template_ids, generate
 
 SHARED = tuple(range(3, 103))  # 100 tokens: 6 whole blocks of 16 (96) and 4 more
 
@@ -50,6 +50,31 @@ def test_hits_land_where_the_placement_puts_checkpoints() -> None:
     # every block boundary kept: the 2nd and 3rd sharers hit 96, the next turn its whole prefix
     oracle = cr.replay(t, cr.Cell(cr.POLICIES["oracle"], 0.0, max_num_seqs=4))
     assert oracle.hit_tokens == 96 + 96 + turn
+
+
+def test_a_system_prompt_is_hit_by_its_second_user_when_its_first_declares_it() -> None:
+    """Chat prompts: a 100-token system prompt, then [END_OF_TURN, USER] and a user message. The
+    engine's defaults declare the prompt up to its first END_OF_TURN shared: the first user keeps
+    the state at 96 and the second already hits it. With branch points alone the second user only
+    finds the branch point (and keeps it for the third)."""
+    eot, user, assistant = chat_template_ids()
+    system = tuple(6 + i % 200 for i in range(100))
+
+    def message(i: int) -> tuple[int, ...]:
+        return (eot, user, *(6 + (i * 31 + j) % 200 for j in range(30 + i)), eot, assistant)
+
+    reqs = [
+        TraceRequest(id=f"u{i}", arrival=float(i), prompt=system + message(i), output=(7, 8))
+        for i in range(3)
+    ]
+    t = Trace("system", tuple(reqs))
+    new = cr.replay(t, cr.Cell(cr.POLICIES["hybridserve"], 10.0, max_num_seqs=4))
+    assert (new.hit_tokens, new.hits_by_kind["declared"], new.hits_by_kind["branch"]) == (96 + 96, 2, 0)
+    sglang = cr.replay(t, cr.Cell(cr.POLICIES["sglang-like"], 10.0, max_num_seqs=4))
+    assert (sglang.hit_tokens, sglang.hits_by_kind["declared"], sglang.hits_by_kind["branch"]) == (96, 0, 1)
+    # without markers the engine's defaults find the branch point like sglang-like
+    cell = cr.Cell(cr.POLICIES["hybridserve"], 10.0, max_num_seqs=4, shared_prefix_markers=())
+    assert cr.replay(t, cell).hit_tokens == 96
 
 
 def test_replay_is_deterministic_and_bounded_by_the_oracle() -> None:

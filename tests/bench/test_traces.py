@@ -404,10 +404,13 @@ def test_t1_shared_system_prompts() -> None:
     assert len(groups) >= 12 and sizes[-1] >= 2  # (true for this seed) so every group has an LCP
     system_lens = []
     for g in groups.values():
-        n = _common_prefix_len(r.prompt for r in g)
+        n = _common_prefix_len(r.prompt for r in g) - 2  # the system prompt, then [EOT, USER]
         system_lens.append(n)
         assert 500 <= n <= 2500
-        assert all(30 <= len(r.prompt) - n <= 300 for r in g)  # the unique suffix
+        for r in g:  # the unique user message in the chat template
+            assert r.prompt[n : n + 2] == (EOT, USER) and r.prompt[-2:] == (EOT, ASSISTANT)
+            assert 30 <= len(r.prompt) - n - 4 <= 300
+            assert EOT not in r.prompt[:n]  # so the first END_OF_TURN ends the system prompt
     assert any(n % 16 for n in system_lens)  # off the block grid
     # Zipf(1.1) over 16: the top system prompt takes about a third of the requests
     assert sizes[0] >= 0.25 * 400 and sizes[0] >= 8 * sizes[-1]

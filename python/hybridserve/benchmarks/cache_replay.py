@@ -24,10 +24,11 @@ Policies (`POLICIES`), each the engine's own code under a configuration:
   on the grid), a prefill chunk cut at the deepest grid point of a shared prefix, LRU refreshing
   whole paths;
 - `sglang-like`: branch points and last tokens, LRU refreshing whole paths (a radix cache's LRU);
-- `branch-lru`: branch points and last tokens, LRU (the eviction the FLOP-aware one is held
-  against);
-- `hybridserve`: the engine's defaults: branch points and last tokens, in mode `all` also grid
-  points in spare room, FLOP-aware eviction;
+- `branch-lru`: branch points, declared shared prefixes and last tokens, LRU (the eviction the
+  FLOP-aware one is held against);
+- `hybridserve`: the engine's defaults: branch points, declared shared prefixes (each prompt up to
+  its first END_OF_TURN, the generated traces' end of a message: where a system message ends) and
+  last tokens, in mode `all` also grid points in spare room, FLOP-aware eviction;
 - `oracle`: infinite memory, the state kept at every block boundary (what any placement could
   hit at best, at block granularity).
 
@@ -49,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridserve import _core
-from hybridserve.benchmarks.traces import Trace
+from hybridserve.benchmarks.traces import Trace, chat_template_ids
+from hybridserve.engine.shared_prefix import shared_prefix_len
 from hybridserve.model.flops import PrefillCost, prefill_cost
 from hybridserve.spec_decode.ngram import ngram_lookup
 
@@ -102,6 +104,9 @@ class Policy:
     oracle: bool = False
     flop_weight: float | None = None
     block_size: int = 16
+    #: declares each prompt's first message shared (the engine's `--shared-prefix-markers`; the
+    #: markers are the cell's)
+    declares_shared_prefix: bool = False
 
 
 POLICIES: dict[str, Policy] = {
@@ -111,7 +116,7 @@ POLICIES: dict[str, Policy] = {
         # grid: the cost shape's `vllm_block_size`, set at replay time
         Policy("vllm-like", "grid", "lru-path", 0, mode="align"),
         Policy("sglang-like", "branch", "lru-path"),
-        Policy("hybridserve", None, "flops"),
+        Policy("hybridserve", None, "flops", declares_shared_prefix=True),
         Policy("oracle", "branch+grid", "lru", 16, mode="all", oracle=True),
     )
 }
@@ -177,6 +182,8 @@ class Cell:
     #: exact pool sizes (null block / slot included) instead of the budget's (to mirror a server)
     num_kv_blocks: int | None = None
     num_mamba_slots: int | None = None
+    #: the tokens that end a message in the traces (generated ones: their END_OF_TURN)
+    shared_prefix_markers: tuple[int, ...] = (chat_template_ids()[0],)
 
 
 @dataclass
@@ -294,6 +301,7 @@ def replay(trace: Trace, cell: Cell, shape: CostShape | None = None) -> CellResu
         kv_blocks=num_kv,
     )
     wall0 = time.perf_counter()
+    markers = cell.shared_prefix_markers if cell.policy.declares_shared_prefix else ()
     by_id = {r.id: r for r in trace.requests}
     followers: dict[str, list[str]] = {}
     for r in trace.requests:
@@ -328,7 +336,13 @@ def replay(trace: Trace, cell: Cell, shape: CostShape | None = None) -> CellResu
             if k:
                 history[rid] = array("q", prompt)
             arrived[rid] = now
-            sched.add_request(rid, prompt, max_tokens=len(req.output), ignore_eos=True)
+            sched.add_request(
+                rid,
+                prompt,
+                max_tokens=len(req.output),
+                ignore_eos=True,
+                shared_prefix_len=shared_prefix_len(prompt, markers),
+            )
         out = sched.schedule()
         if out.num_rows == 0:
             deltas = sched.update_from_output(out, np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -391,10 +405,8 @@ def replay(trace: Trace, cell: Cell, shape: CostShape | None = None) -> CellResu
                 for nxt in followers.get(rid, ()):
                     heapq.heappush(arrivals, (now + by_id[nxt].think_time, order[nxt], nxt))
     st = sched.stats()
-    res.hits_by_kind = {kind: int(st[f"prefix_hits_{kind}"]) for kind in ("grid", "branch", "last_token")}
-    res.hit_tokens_by_kind = {
-        kind: int(st[f"prefix_hit_tokens_{kind}"]) for kind in ("grid", "branch", "last_token")
-    }
+    res.hits_by_kind = {kind: int(st[f"prefix_hits_{kind}"]) for kind in _core.CHECKPOINT_KINDS}
+    res.hit_tokens_by_kind = {kind: int(st[f"prefix_hit_tokens_{kind}"]) for kind in _core.CHECKPOINT_KINDS}
     res.lost_tokens = int(st["prefix_lost_tokens"])
     res.evictions = {
         "checkpoint": int(st["checkpoint_evictions"]),
@@ -494,7 +506,7 @@ def with_weight(policy: Policy, w: float) -> Policy:
 
 
 #: The policy the FLOP-aware eviction is held against for FLOPs saved: the same placement, LRU.
-POLICIES["branch-lru"] = Policy("branch-lru", "branch", "lru")
+POLICIES["branch-lru"] = Policy("branch-lru", "branch", "lru", declares_shared_prefix=True)
 #: Marconi's "vLLM+" baseline, for context: a state every 32 tokens, LRU.
 POLICIES["per-block-lru"] = Policy("per-block-lru", "grid", "lru", 32)
 

@@ -63,8 +63,9 @@ tokens 0-2.
 - **T1 "shared system prompts"** (`T1Shape`): 16 system prompts with lengths uniform in
   [500, 2500] (so almost never a multiple of 16 or 256: prefixes that end off the block grid);
   400 requests, each picks a system prompt by Zipf popularity (exponent 1.1; system prompt `i` has
-  rank `i + 1`) and adds a unique user suffix of [30, 300] tokens; output [16, 128] tokens; Poisson
-  arrivals at 4 requests/s. Ids `t1-{i}`.
+  rank `i + 1`) and adds a unique user message of [30, 300] tokens in the chat template, as T2
+  writes a turn: `[END_OF_TURN, USER] + message + [END_OF_TURN, ASSISTANT]`; output [16, 128]
+  tokens; Poisson arrivals at 4 requests/s. Ids `t1-{i}`.
 - **T2 "multi-turn chat"** (`T2Shape`): 60 sessions starting as a Poisson process at 1 session/s,
   [3, 8] turns each. 70% of sessions (each independently with probability 0.7) start with one of 4
   shared system prompts (chosen uniformly; lengths uniform in [200, 800]). Each turn's user part is
@@ -535,7 +536,7 @@ class T1Shape:
     system_prompt_len: tuple[int, int] = (500, 2500)
     zipf_exponent: float = 1.1  # popularity of system prompt i is proportional to 1 / (i + 1) ** s
     num_requests: int = 400  # times `scale`
-    suffix_len: tuple[int, int] = (30, 300)  # unique user part after the system prompt
+    suffix_len: tuple[int, int] = (30, 300)  # unique user message, inside [EOT, USER] ... [EOT, ASSISTANT]
     output_len: tuple[int, int] = (16, 128)
     rate: float = 4.0  # Poisson arrivals, requests/s
 
@@ -684,7 +685,7 @@ def _t1(g: _Gen, s: T1Shape, scale: float) -> list[TraceRequest]:
         TraceRequest(
             id=f"t1-{i}",
             arrival=arrivals[i],
-            prompt=tuple(systems[picks[i]] + g.tokens_in(s.suffix_len)),
+            prompt=(*systems[picks[i]], g.eot, g.user, *g.tokens_in(s.suffix_len), g.eot, g.assistant),
             output=tuple(g.tokens_in(s.output_len)),
         )
         for i in range(n)

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,11 @@ class EngineArgs:
     #: Which checkpoint goes when the state pool is full: "flops" (recency and FLOPs saved per
     #: byte), "lru", "lru-path" (LRU refreshing a hit's whole path). None = auto (flops).
     prefix_cache_eviction: EvictionPolicyName | None = None
+    #: Token ids that end a chat message: a prompt up to the first of them (its system message) is
+    #: declared shared, and the first request to compute it keeps the Mamba state there, so that
+    #: the second user already hits it (engine/shared_prefix.py). "auto" = the chat template's
+    #: end-of-message token, "none", or token ids ("2,7", or a list).
+    shared_prefix_markers: str | Sequence[int] = "auto"
     #: Chunked prefill. None = auto (on; `align` requires it).
     enable_chunked_prefill: bool | None = None
     #: {"method": "ngram" | "draft_model", "num_speculative_tokens": K, "model": draft folder,
@@ -204,6 +209,7 @@ class EngineArgs:
             )
         self.speculative()
         self.kv_events()
+        parse_shared_prefix_markers(self.shared_prefix_markers)
 
     def kv_events(self) -> KVEventsConfig | None:
         """The validated KV-events config (None when events are off)."""
@@ -338,6 +344,25 @@ class EngineArgs:
         args = cls(**kwargs)
         args.validate()
         return args
+
+
+def parse_shared_prefix_markers(value: str | Sequence[int]) -> str | tuple[int, ...]:
+    """The `--shared-prefix-markers` setting: "auto", "none" or token ids (a list, or a string of
+    ids separated by commas). ConfigError names the flag."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("auto", "none"):
+            return v
+        parts = [p.strip() for p in v.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ConfigError(
+                f"--shared-prefix-markers must be auto, none or token ids separated by commas; got {value!r}"
+            )
+        return tuple(int(p) for p in parts)
+    ids = tuple(value)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ConfigError(f"--shared-prefix-markers: token ids must be integers >= 0; got {value!r}")
+    return ids
 
 
 def _flag(name: str) -> str:

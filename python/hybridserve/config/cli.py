@@ -47,6 +47,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "per byte), lru, lru-path (LRU refreshing a hit's whole path) (default: flops)",
     )
     g.add_argument(
+        "--shared-prefix-markers",
+        default="auto",
+        metavar="auto|none|IDS",
+        help="token ids that end a chat message: a prompt up to the first of them (its system message) is "
+        "taken as shared, and the first request to compute it keeps the Mamba state there, so that the second "
+        "user already hits it (default: auto, the chat template's end-of-message token; ids separated by commas)",
+    )
+    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,

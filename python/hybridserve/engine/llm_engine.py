@@ -35,6 +35,7 @@ from hybridserve.engine.model_setup import EngineModel, build_engine_model
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request_state import RequestState
+from hybridserve.engine.shared_prefix import resolve_markers, shared_prefix_len
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.kernels import native
@@ -162,6 +163,11 @@ class LLMEngine:
             engine_seed=int(args.seed),
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
+        # where a prompt's first message ends, declared shared to the scheduler (shared_prefix.py)
+        self.shared_prefix_markers, why = resolve_markers(
+            args.shared_prefix_markers, em.model_dir, em.tokenizer
+        )
+        logger.info("shared-prefix markers: %s (%s)", list(self.shared_prefix_markers) or "none", why)
         # KV cache events for routers (docs/kv-events.md): recorded by the scheduler, sent by a
         # publisher thread after every step.
         self.kv_events: KVEventPublisher | None = None
@@ -307,6 +313,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             # prompt logprobs need the logits of every prompt position: no prefix hit skips any
             skip_prefix_hit=params.prompt_logprobs is not None,
+            shared_prefix_len=shared_prefix_len(req.prompt_token_ids, self.shared_prefix_markers),
         )
         if not arrived:
             self.inputs.admitted()  # only requests that were admitted take an arrival index

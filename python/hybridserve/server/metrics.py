@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridserve import _core
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # engine.stats() key -> (metric name, help). Gauges are levels, counters are running totals.
@@ -96,23 +98,23 @@ ENGINE_COUNTERS = {
     ),
 }
 
+# Where a Mamba checkpoint was placed: a grid point, a branch point a second request found, the
+# last token of a finished sequence, the end of a declared shared prefix (a system message).
+CHECKPOINT_KINDS = _core.CHECKPOINT_KINDS
+
 # Labelled families: (metric name, help, label, {label value: engine.stats() key}).
 ENGINE_LABELLED_COUNTERS = (
     (
         "hybridserve_prefix_cache_hits_by_source",
         "Admissions that resumed from a Mamba checkpoint, by where the checkpoint was placed.",
         "source",
-        {"grid": "prefix_hits_grid", "branch": "prefix_hits_branch", "last_token": "prefix_hits_last_token"},
+        {kind: f"prefix_hits_{kind}" for kind in CHECKPOINT_KINDS},
     ),
     (
         "hybridserve_prefix_cache_hit_tokens_by_source",
         "Prompt tokens served from the prefix cache, by where the checkpoint was placed.",
         "source",
-        {
-            "grid": "prefix_hit_tokens_grid",
-            "branch": "prefix_hit_tokens_branch",
-            "last_token": "prefix_hit_tokens_last_token",
-        },
+        {kind: f"prefix_hit_tokens_{kind}" for kind in CHECKPOINT_KINDS},
     ),
     (
         "hybridserve_mamba_checkpoint_evictions",
@@ -132,17 +134,13 @@ ENGINE_LABELLED_GAUGES = (
         "hybridserve_mamba_checkpoints",
         "Committed Mamba checkpoints, by where they were placed.",
         "source",
-        {"grid": "checkpoints_grid", "branch": "checkpoints_branch", "last_token": "checkpoints_last_token"},
+        {kind: f"checkpoints_{kind}" for kind in CHECKPOINT_KINDS},
     ),
     (
         "hybridserve_mamba_checkpoint_reuse_rate",
         "Running rate at which checkpoints of each kind get used by a hit before they are evicted.",
         "source",
-        {
-            "grid": "checkpoint_reuse_rate_grid",
-            "branch": "checkpoint_reuse_rate_branch",
-            "last_token": "checkpoint_reuse_rate_last_token",
-        },
+        {kind: f"checkpoint_reuse_rate_{kind}" for kind in CHECKPOINT_KINDS},
     ),
 )
 # vLLM's names for the same figures (docs/serving.md, "Metrics"), read by routers, endpoint pickers
