@@ -824,7 +824,9 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
                     format!(
                         "mamba checkpoint placement = {} (default): the state is kept where prompts \
                          share a prefix (when a prompt's cached KV prefix reaches past its state \
-                         hit, at the deepest cached block; {how}",
+                         hit, at the deepest cached block, and by the first user of a prompt's \
+                         declared shared prefix, its first chat message, see \
+                         --shared-prefix-markers; {how}",
                         placement.as_str()
                     ),
                 );

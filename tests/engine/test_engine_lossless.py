@@ -185,6 +185,48 @@ def test_shared_prefix_hit_within_one_batch_run(mode: str) -> None:
     assert hits("branch") == [0, 0, 144]
 
 
+def _declaring_marker() -> int:
+    """A token that first occurs in prompts 0 and 1 at position 143..149 of their 150 shared ones:
+    as a shared-prefix marker it declares 144 tokens shared (9 whole blocks)."""
+    shared = _prompts()[0][:150]
+    return next(shared[j] for j in range(143, 150) if shared[j] not in shared[:j])
+
+
+SPECS: dict[str, dict[str, object] | None] = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    "draft": {"method": "draft_model", "num_speculative_tokens": 3, "model": "demo"},
+}
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_declared_shared_prefixes_are_lossless(mode: str, spec: str) -> None:
+    """Prompts 0 and 1 declare their first 144 tokens shared: the first pass keeps the state
+    there (one step prefills both, so neither saw the other's KV and no branch point exists), and
+    the second pass hits it. Outputs are the reference's throughout."""
+    llm = _llm(
+        **mode_args(mode),
+        max_num_batched_tokens=1024,
+        shared_prefix_markers=[_declaring_marker()],
+        speculative_config=SPECS[spec],
+    )
+    again, _ = _three_passes(llm)
+    assert again[0] == again[1] == 144, again
+    assert llm.engine.stats()["prefix_hits_declared"] >= 2
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_declared_shared_prefixes_with_preemption_are_lossless(mode: str) -> None:
+    llm = _llm(**mode_args(mode), **PREEMPTING, shared_prefix_markers=[_declaring_marker()])
+    _assert_same(_run(llm, _prompts()))
+    _assert_same(_run(llm, _prompts()))
+    stats = llm.engine.stats()
+    assert stats["num_preemptions_total"] > 0
+    if mode == "all":  # (in align the 30-block KV pool evicts the declared prefix's blocks first)
+        assert stats["prefix_hits_declared"] > 0
+
+
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
 @pytest.mark.parametrize("placement", [None, "branch", "grid"])
 def test_preemption_is_lossless(mode: str, placement: str | None) -> None:

@@ -326,12 +326,13 @@ def test_stats_keys() -> None:
         "max_num_seqs", "num_speculative_tokens", "prefix_hits_grid", "prefix_hits_branch",
         "prefix_hits_last_token", "prefix_hit_tokens_grid", "prefix_hit_tokens_branch",
         "prefix_hit_tokens_last_token", "checkpoints_kept", "checkpoints_grid", "checkpoints_branch",
-        "checkpoints_last_token", "kv_evictions_useless", "checkpoint_evictions_stale",
+        "checkpoints_last_token", "prefix_hits_declared", "prefix_hit_tokens_declared",
+        "checkpoints_declared", "kv_evictions_useless", "checkpoint_evictions_stale",
         "checkpoint_evictions_for_checkpoint", "checkpoint_evictions_for_window",
         "checkpoint_evictions_for_kv", "kv_blocks_cached", "mamba_slots_window", "kv_events_emitted",
     }  # fmt: skip
     flops = {"prefill_flops_queried", "prefill_flops_saved"} | {
-        f"checkpoint_reuse_rate_{kind}" for kind in ("grid", "branch", "last_token")
+        f"checkpoint_reuse_rate_{kind}" for kind in ("grid", "branch", "last_token", "declared")
     }
     assert set(st) == expected | flops
     assert all(isinstance(st[k], int) for k in expected)

@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 
+from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.params import MAX_STOP_STR_LEN
 from server_fixtures import (
@@ -637,6 +638,29 @@ def test_cached_tokens_match_the_engine_counters(server, client):
     )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert salted.choices[0].text == first.choices[0].text
+
+
+def test_the_second_user_of_a_system_prompt_hits_it(server, client):
+    """A chat's system message ends with the template's end-of-message token: the first request
+    keeps the state at the last whole block of it (a declared shared prefix), so the second user,
+    with a message of its own, already hits the system message."""
+    system = "You are the support desk of a bicycle shop; answer in one short sentence. " * 2
+    key = 'hybridserve_prefix_cache_hits_by_source_total{source="declared"}'
+    before = wait_idle(server)
+    got = []
+    for question in ("Do you sell helmets?", "When do you open?"):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2,
+            temperature=0,
+        )
+        got.append(r.usage.prompt_tokens_details.cached_tokens)
+    # the system message's tokens: the template's header, the content, and <|im_end|>
+    tok = Tokenizer(ensure_demo_model())
+    declared = len(tok.encode(f"<|im_start|>system\n{system}<|im_end|>"))
+    assert got == [0, declared // 16 * 16] and declared >= 32
+    assert wait_idle(server)[key] - before[key] == 1
 
 
 def test_openai_client_errors(client):
