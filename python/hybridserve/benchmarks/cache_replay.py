@@ -614,7 +614,7 @@ def report(results: Sequence[CellResult]) -> str:
     lines += ["", "### hybridserve: memory, hits by kind, evictions by cause", ""]
     lines += [
         "| trace | budget | mode | spec | state slots | peak checkpoints | mean / peak checkpoint GiB | "
-        "hits grid / branch / last | evictions stale / for ckpt / for window / for KV | KV evictions "
+        "hits grid / branch / last / declared | evictions stale / for ckpt / for window / for KV | KV evictions "
         "(useless) | modelled TTFT p50 / p95 s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -628,7 +628,7 @@ def report(results: Sequence[CellResult]) -> str:
         lines.append(
             f"| {_short(key[0])} | {key[1]:g}x | {key[2]} | {'ngram' if key[3] else 'off'} | {r.mamba_slots - 1} | "
             f"{r.checkpoints_peak} | {r.checkpoint_bytes_mean / gib:.1f} / {r.checkpoint_bytes_peak / gib:.1f} | "
-            f"{h['grid']} / {h['branch']} / {h['last_token']} | {e['checkpoint_stale']} / "
+            f"{h['grid']} / {h['branch']} / {h['last_token']} / {h['declared']} | {e['checkpoint_stale']} / "
             f"{e['checkpoint_for_checkpoint']} / {e['checkpoint_for_window']} / {e['checkpoint_for_kv']} | "
             f"{e['kv']} ({e['kv_useless']}) | {r.ttft_p50_s:.3f} / {r.ttft_p95_s:.3f} |"
         )

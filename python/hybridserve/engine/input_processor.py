@@ -38,6 +38,10 @@ def token_ids(ids: object) -> list[int]:
     """Token ids as ints; a float, a bool or a string is an error, not a truncated id."""
     if isinstance(ids, str | bytes | bytearray):
         raise TypeError(f"{type(ids).__name__} is not a list of token ids")
+    if type(ids) is list and set(map(type, ids)) <= {int}:
+        # the common case (a server's parsed JSON, a tokenizer's output), checked in one pass in C:
+        # a long prompt is validated on the engine thread, ahead of every running request's step
+        return ids.copy()
     out = []
     for t in ids:  # type: ignore[attr-defined]
         if isinstance(t, bool):
@@ -109,7 +113,7 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("prompt: must not be empty")
         vocab = self.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
