@@ -798,9 +798,9 @@ impl HybridCacheManager {
         self.make_free_slots(1, EvictionCause::ForCheckpoint)
     }
 
-    /// Room for one more grid checkpoint next to branch points and last tokens: free capacity,
-    /// else the least recently used grid checkpoint goes (or, with the FLOP-aware policy, the
-    /// least recently used last-token state while admissions do not resume those).
+    /// Room for one more grid (or declared) checkpoint next to branch points and last tokens: free
+    /// capacity, else the least recently used grid checkpoint goes (or, with the FLOP-aware
+    /// policy, the least recently used last-token state while admissions do not resume those).
     fn make_grid_room(&mut self) -> bool {
         while self.mamba.at_checkpoint_cap() || self.mamba.num_free() == 0 {
             let grid = self
@@ -1138,7 +1138,8 @@ impl HybridCacheManager {
         // Beside branch points and last tokens, grid checkpoints are a bet on a sharer to come
         // that nothing tells of yet: they take spare room, or the place of another grid
         // checkpoint, never that of a checkpoint placed for a reason (but for last-token states
-        // that admissions do not resume).
+        // that admissions do not resume). A declared shared prefix is a bet too: a prompt without
+        // a system message declares its first user message, which nobody else may send.
         let bet = matches!(kind, CheckpointKind::Grid | CheckpointKind::Declared);
         let room = if bet && self.placement.branch() {
             self.make_grid_room()

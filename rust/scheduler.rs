@@ -9,6 +9,9 @@
 //!   earlier request computed, with no state kept at its end), the state at the deepest cached
 //!   block is kept for the next sharer: mode `all` emits it from inside the prefill row, mode
 //!   `align` ends a chunk there;
+//! - declared shared prefixes: a request that declares how much of its prompt others will share
+//!   (`NewRequest::shared_prefix_len`: a chat's system message) keeps the state at that prefix's
+//!   last whole block when its hit ends before it, so the second sharer already hits it;
 //! - last tokens: a finished (or preempted, or stop-string-finished) request keeps the state after
 //!   its last computed token, so a prompt extending the sequence (the next turn of a chat) hits
 //!   all of it;
@@ -80,7 +83,7 @@ pub struct SchedulerStats {
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lost_tokens: u64,
-    /// Hits and hit tokens by where the checkpoint came from (grid, branch point, last token).
+    /// Hits and hit tokens by where the checkpoint came from (`CheckpointKind::index`).
     pub prefix_hits_by_kind: [u64; CheckpointKind::COUNT],
     pub prefix_hit_tokens_by_kind: [u64; CheckpointKind::COUNT],
     /// Prefill FLOPs of the admitted prompts, and those their hits saved (the cost model's).
