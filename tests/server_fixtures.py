@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
-from hybridserve.server.chat import ChatTemplate
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 240.0

@@ -11,11 +11,11 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineArgs
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.shared_prefix import resolve_markers, shared_prefix_len
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError
 from hybridserve.model.demo import ensure_demo_model
-from hybridserve.server.chat import ChatTemplate
 
 
 def test_the_first_marker_of_any_kind_ends_the_declared_prefix() -> None:

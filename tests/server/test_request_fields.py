@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from tokenizers.processors import TemplateProcessing
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server import protocol as P
-from hybridserve.server.chat import ChatTemplate
 from server_fixtures import TokenizerModelInfo
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
-from hybridserve.server.chat import ChatTemplate
 from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, parse_sse, running_server
 
 MAX_MODEL_LEN = 512

@@ -8,13 +8,13 @@ import math
 
 import pytest
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.logprobs import Logprob
 from hybridserve.sampling.params import MAX_STOP_STR_LEN, MAX_STOP_STRS_TOTAL_LEN
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import protocol as P
 from hybridserve.server.app import create_app
-from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 from hybridserve.server.sse import encode_event
 from server_fixtures import TokenizerModelInfo, parse_metrics, parse_sse

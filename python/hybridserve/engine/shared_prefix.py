@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridserve.config.args import parse_shared_prefix_markers
+from hybridserve.engine.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     from hybridserve.engine.tokenizer import Tokenizer
@@ -33,8 +34,6 @@ def template_message_end_ids(model_dir: str | Path, tokenizer: Tokenizer) -> tup
     content (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering a system and a user
     message and tokenizing what lies between them. No template, or nothing special between the
     two messages: no ids, and why."""
-    from hybridserve.server.chat import ChatTemplate  # the server's renderer, for the same result
-
     try:
         template = ChatTemplate.from_model_dir(model_dir)
         text = template.render(

@@ -24,13 +24,13 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
 from hybridserve.server import openapi, sse
 from hybridserve.server import protocol as P
 from hybridserve.server.access import AccessPolicy
-from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.server.request_log import (
     RECORD_KEY,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import (
@@ -30,7 +31,6 @@ from hybridserve.sampling.params import (
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import structured_outputs as constraints
 from hybridserve.server import tools as T
-from hybridserve.server.chat import ChatTemplate
 
 # A request may ask for at most this many sequences in all (prompts x n).
 MAX_SEQUENCES_PER_REQUEST = 128
