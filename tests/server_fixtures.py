@@ -202,7 +202,7 @@ def running_server(*args: str, model: str = "demo") -> Iterator[ServerProcess]:
         yield srv
     finally:
         rc = srv.stop()
-    assert rc == 0, srv.output()[-3000:]
+    assert rc == 0, f"rc={rc} " + srv.output()[-3000:]
     srv.remove_log()
 
 

@@ -196,6 +196,25 @@ def test_abort_while_compiling() -> None:
     assert engine.step() == []
 
 
+def test_shutdown_waits_for_a_compilation_still_running() -> None:
+    """A process that exits while a worker compiles crashes (SIGSEGV: the worker is unwound as it
+    leaves llguidance after finalization began); the engine's shutdown waits for the worker to
+    end, and says within its bound whether it did."""
+    llm = LLM("demo", dtype="float32", grammar_compile_timeout=0.1)
+    engine = llm.engine
+    release = threading.Event()
+    engine.grammars.before_compile = lambda c: release.wait(20)  # type: ignore[attr-defined]
+    ticket = engine.grammars.submit(StructuredOutputsParams(regex="[ab]+"))  # type: ignore[attr-defined]
+    workers = list(engine.grammars._threads)  # type: ignore[attr-defined]  (this engine's)
+    assert workers
+    assert not engine.grammars.shutdown(timeout=0.2)  # type: ignore[attr-defined]
+    assert any(t.is_alive() for t in workers)
+    threading.Timer(0.3, release.set).start()
+    engine.shutdown()  # waits for the held compilation, then its worker's end
+    assert ticket.compiled.done()
+    assert not any(t.is_alive() for t in workers)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_ngram_speculation_gives_the_same_tokens(temperature: float) -> None:
     """float64, with and without n-gram drafts (K = 3): the same tokens, greedy and seeded; drafts

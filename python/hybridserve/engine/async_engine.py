@@ -121,7 +121,9 @@ class AsyncEngine:
         if self.load_error is not None:
             raise EngineDeadError(f"the engine failed to load: {self.load_error}") from self.load_error
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread and waits up to `timeout` seconds for it to end (its last act,
+        LLMEngine.shutdown, may wait for a grammar compilation)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():

@@ -149,6 +149,7 @@ class GrammarCompiler:
             queue.SimpleQueue()
         )
         self._threads: list[threading.Thread] = []
+        self._num_stopping = 0  # workers told to end (by shutdown) and not yet ended
         self.num_compiled = 0
         self.num_cache_hits = 0
         # for tests: runs in the worker before each compilation
@@ -168,10 +169,23 @@ class GrammarCompiler:
         finally:
             threading.stack_size(previous)
 
-    def shutdown(self) -> None:
-        for _ in self._threads:
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Ends the workers once the queued compilations are done, waiting up to `timeout` seconds
+        (None: as long as they take); True when none is left running. A process must not exit
+        while a worker compiles: the interpreter ends a thread that returns from native code
+        after its finalization has begun by unwinding the thread's stack, through llguidance's
+        frames, which crashes the process (SIGSEGV) at the end of a clean shutdown."""
+        for _ in range(len(self._threads) - self._num_stopping):
             self._jobs.put(None)
-        self._threads = []
+        self._num_stopping = len(self._threads)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._num_stopping = len(self._threads)
+        if self._threads:
+            logger.warning("%d grammar compilation(s) still running at shutdown", len(self._threads))
+        return not self._threads
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:

@@ -46,6 +46,10 @@ from hybridserve.sampling.sampler import RowSampling
 
 logger = logging.getLogger("hybridserve.engine")
 
+# How long `shutdown` waits for grammar compilations still running (GrammarCompiler.shutdown says
+# why a process must not exit under one); a compilation is refused after its own limit, but runs on.
+GRAMMAR_SHUTDOWN_WAIT_S = 20.0
+
 __all__ = ["LLMEngine", "Prompt", "StepError"]
 
 
@@ -607,10 +611,12 @@ class LLMEngine:
             self.kv_events.publish(self.scheduler.take_kv_events())
 
     def shutdown(self) -> None:
-        """Ends what the engine started: the tensor-parallel workers, and the KV-events publisher
-        after it has sent what it has. Idempotent."""
+        """Ends what the engine started: the tensor-parallel workers, the grammar workers once their
+        compilations end, and the KV-events publisher after it has sent what it has. Idempotent."""
         self._settle()
         self.stop_workers()
+        if "grammars" in self.__dict__:  # (its threads exist only once a grammar was compiled)
+            self.grammars.shutdown(timeout=GRAMMAR_SHUTDOWN_WAIT_S)
         if self.kv_events is not None:
             self.publish_kv_events()
             self.kv_events.shutdown()
