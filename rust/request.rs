@@ -136,6 +136,10 @@ pub struct Request {
     /// Set once the request has been admitted once (num_cached_tokens is final then).
     pub was_admitted: bool,
     pub num_preemptions: u32,
+    /// A running prefill that gave way to short waiting prompts in the last step it could run:
+    /// it goes before them in the next one, so that a stream of short prompts slows a long
+    /// prefill to at most every other step and never starves it.
+    pub gave_way: bool,
     /// The token that stopped the request, when FinishReason::Stop.
     pub stop_token_id: Option<u32>,
 }
@@ -163,6 +167,7 @@ impl Request {
             num_cached_tokens: 0,
             was_admitted: false,
             num_preemptions: 0,
+            gave_way: false,
             stop_token_id: None,
         }
     }

@@ -106,6 +106,10 @@ struct Planned {
     is_decode: bool,
 }
 
+/// How many requests at the head of the waiting queue a step looks at for prompts short enough to
+/// finish their prefill in it (each costs a prefix-cache lookup).
+const SHORT_PROMPT_LOOKAHEAD: usize = 8;
+
 /// The scheduler. Synchronous and deterministic: the same calls give the same schedule.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -529,6 +533,86 @@ impl Scheduler {
         }
     }
 
+    /// Plans the row of running request `key` under `budget` (at most `cap` of its tokens),
+    /// preempting lower-priority requests while its blocks cannot be allocated.
+    fn plan_running_row(
+        &mut self,
+        key: ReqKey,
+        budget: &mut usize,
+        cap: usize,
+        plan: &mut Vec<Planned>,
+    ) {
+        let Some(req) = self.requests.get(&key) else {
+            return;
+        };
+        if req.status != RequestStatus::Running {
+            return; // preempted earlier in this step
+        }
+        let (num_new, num_drafts, is_decode) = self.plan_running(req, (*budget).min(cap));
+        if num_new == 0 {
+            return; // deferred (align split rounds to zero, or a whole prompt does not fit)
+        }
+        let nc = req.num_computed_tokens;
+        loop {
+            if self.cache.allocate_more(key, nc, num_new, 0).is_some() {
+                plan.push(Planned {
+                    key,
+                    num_new,
+                    num_drafts,
+                    is_decode,
+                });
+                *budget -= num_new;
+                return;
+            }
+            match self.pick_victim() {
+                Some(v) if v != key => {
+                    if let Some(pos) = plan.iter().position(|p| p.key == v) {
+                        *budget += plan[pos].num_new;
+                        plan.remove(pos);
+                    }
+                    self.preempt(v);
+                }
+                _ => {
+                    if self.running.len() <= 1 {
+                        self.finish_capacity(key);
+                    } else {
+                        self.preempt(key);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The tokens that the requests at the head of the waiting queue need to finish their prefill
+    /// in this step: consecutive requests, in queue order, each of whose whole prefill after its
+    /// prefix hit (as it stands now) fits in what `budget` has left, up to the free running places.
+    fn short_waiting_tokens(&self, budget: usize) -> usize {
+        let places = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+        let mut need = 0;
+        for &(_, _, key) in self.waiting.iter().take(places.min(SHORT_PROMPT_LOOKAHEAD)) {
+            let Some(req) = self.requests.get(&key) else {
+                continue;
+            };
+            let known = req.num_tokens();
+            let prompt_done = req.all_token_ids.len() > req.num_prompt_tokens;
+            let hit = if self.prefix_caching && (!req.skip_prefix_hit || prompt_done) {
+                self.cache
+                    .peek_longest_cache_hit(req.prefix(), known)
+                    .num_tokens
+                    .min(known)
+            } else {
+                0
+            };
+            let rest = known - hit;
+            if need + rest > budget {
+                break;
+            }
+            need += rest;
+        }
+        need
+    }
+
     /// The running request to preempt: the lowest priority (largest value), then the newest.
     fn pick_victim(&self) -> Option<ReqKey> {
         self.running
@@ -600,64 +684,51 @@ impl Scheduler {
         let preemptions_before = self.stats.num_preemptions_total;
         let mut plan: Vec<Planned> = Vec::with_capacity(self.running.len() + 8);
 
-        // 1. Running requests: decodes first, then unfinished prefills.
-        let mut order: Vec<ReqKey> = Vec::with_capacity(self.running.len());
+        // 1. Running requests: decodes first, then unfinished prefills. The prompts waiting at the
+        // head of the queue that can finish their prefill in this step keep their tokens out of
+        // the running prefills' share (they are admitted below): a prompt whose prefix hit leaves
+        // it a few tokens to compute does not wait for a long prefill's every chunk. A prefill
+        // that gave way goes first in its next step, so none is ever starved.
+        let mut decodes: Vec<ReqKey> = Vec::with_capacity(self.running.len());
         let mut prefills: Vec<ReqKey> = Vec::new();
         for &k in &self.running {
             let Some(r) = self.requests.get(&k) else {
                 continue;
             };
             if r.num_computed_tokens > 0 && r.num_computed_tokens + 1 >= r.num_tokens() {
-                order.push(k);
+                decodes.push(k);
             } else {
                 prefills.push(k);
             }
         }
-        order.extend(prefills);
-        for key in order {
+        for key in decodes {
             if budget == 0 {
                 break;
             }
-            let Some(req) = self.requests.get(&key) else {
+            self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
+        }
+        let reserve = if prefills.is_empty() || budget == 0 {
+            0
+        } else {
+            self.short_waiting_tokens(budget)
+        };
+        // the prefills that gave way last step first
+        prefills.sort_by_key(|k| self.requests.get(k).is_none_or(|r| !r.gave_way));
+        for key in prefills {
+            let Some(req) = self.requests.get_mut(&key) else {
                 continue;
             };
-            if req.status != RequestStatus::Running {
-                continue; // preempted earlier in this loop
+            let gives_way = reserve > 0 && !req.gave_way;
+            req.gave_way = gives_way;
+            let cap = if gives_way {
+                budget.saturating_sub(reserve)
+            } else {
+                usize::MAX
+            };
+            if budget == 0 || cap == 0 {
+                continue;
             }
-            let (num_new, num_drafts, is_decode) = self.plan_running(req, budget);
-            if num_new == 0 {
-                continue; // deferred (align split rounds to zero, or a whole prompt does not fit)
-            }
-            let nc = req.num_computed_tokens;
-            loop {
-                if self.cache.allocate_more(key, nc, num_new, 0).is_some() {
-                    plan.push(Planned {
-                        key,
-                        num_new,
-                        num_drafts,
-                        is_decode,
-                    });
-                    budget -= num_new;
-                    break;
-                }
-                match self.pick_victim() {
-                    Some(v) if v != key => {
-                        if let Some(pos) = plan.iter().position(|p| p.key == v) {
-                            budget += plan[pos].num_new;
-                            plan.remove(pos);
-                        }
-                        self.preempt(v);
-                    }
-                    _ => {
-                        if self.running.len() <= 1 {
-                            self.finish_capacity(key);
-                        } else {
-                            self.preempt(key);
-                        }
-                        break;
-                    }
-                }
-            }
+            self.plan_running_row(key, &mut budget, cap, &mut plan);
         }
 
         // 2. Waiting requests (new and preempted), with their prefix hits; none in a step that

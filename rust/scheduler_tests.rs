@@ -658,6 +658,48 @@ fn chunked_prefill_off_schedules_whole_prompts_or_waits() {
     s.update_from_output(&o, &[5, 6], &[1, 1], None).unwrap();
 }
 
+#[test]
+fn a_prompt_that_finishes_its_prefill_in_a_step_goes_before_a_long_prefill_which_goes_first_next() {
+    let mut c = cfg(MambaCacheMode::None, 0);
+    c.max_num_batched_tokens = 32;
+    let mut s = Scheduler::new(&c, 128, 64, 0).unwrap();
+    s.add_request(NewRequest::new("long", (1..=200).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        o.num_scheduled_tokens, 32,
+        "alone, the long prefill takes the whole budget"
+    );
+    s.update_from_output(&o, &[], &[0], None).unwrap();
+    s.add_request(NewRequest::new("s1", vec![7; 10], 3))
+        .unwrap();
+    s.add_request(NewRequest::new("s2", vec![8; 10], 3))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(ids(&o), vec!["long", "s1", "s2"]);
+    let rows: Vec<usize> = o.rows.iter().map(|r| r.num_new_tokens).collect();
+    assert_eq!(
+        rows,
+        vec![12, 10, 10],
+        "the short prompts finish; the long one takes the rest"
+    );
+    s.update_from_output(&o, &[5, 6], &[0, 1, 1], None).unwrap();
+    s.add_request(NewRequest::new("s3", vec![9; 25], 3))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(
+        ids(&o),
+        vec!["s1", "s2", "long"],
+        "the prefill that gave way goes first: s3 waits a step"
+    );
+    assert_eq!(o.rows[2].num_new_tokens, 30);
+    s.update_from_output(&o, &[5, 6], &[1, 1, 0], None).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(ids(&o), vec!["s1", "s2", "long", "s3"]);
+    let rows: Vec<usize> = o.rows.iter().map(|r| r.num_new_tokens).collect();
+    assert_eq!(rows, vec![1, 1, 5, 25]);
+}
+
 /// Runs single-token steps until every request decodes.
 fn warm_decodes(s: &mut Scheduler, n: usize) {
     for i in 0..n {
