@@ -686,9 +686,9 @@ impl Scheduler {
 
         // 1. Running requests: decodes first, then unfinished prefills. The prompts waiting at the
         // head of the queue that can finish their prefill in this step keep their tokens out of
-        // the running prefills' share (they are admitted below): a prompt whose prefix hit leaves
-        // it a few tokens to compute does not wait for a long prefill's every chunk. A prefill
-        // that gave way goes first in its next step, so none is ever starved.
+        // the share of the running prefills that cannot (they are admitted below): a prompt whose
+        // prefix hit leaves it a few tokens to compute does not wait for a long prefill's every
+        // chunk. A prefill that gave way goes first in its next step, so none is ever starved.
         let mut decodes: Vec<ReqKey> = Vec::with_capacity(self.running.len());
         let mut prefills: Vec<ReqKey> = Vec::new();
         for &k in &self.running {
@@ -707,28 +707,37 @@ impl Scheduler {
             }
             self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
         }
-        let reserve = if prefills.is_empty() || budget == 0 {
-            0
-        } else {
-            self.short_waiting_tokens(budget)
-        };
-        // the prefills that gave way last step first
-        prefills.sort_by_key(|k| self.requests.get(k).is_none_or(|r| !r.gave_way));
+        // Running prefills that can finish in this step, and those that gave way in the last one,
+        // first (in running order); then the prompts waiting at the head of the queue that can
+        // finish theirs keep those tokens out of the share of the longer prefills.
+        let mut longer: Vec<ReqKey> = Vec::new();
         for key in prefills {
             let Some(req) = self.requests.get_mut(&key) else {
                 continue;
             };
-            let gives_way = reserve > 0 && !req.gave_way;
-            req.gave_way = gives_way;
-            let cap = if gives_way {
-                budget.saturating_sub(reserve)
+            let rest = req.num_tokens().saturating_sub(req.num_computed_tokens);
+            if req.gave_way || rest <= budget {
+                req.gave_way = false;
+                if budget > 0 {
+                    self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
+                }
             } else {
-                usize::MAX
-            };
-            if budget == 0 || cap == 0 {
-                continue;
+                longer.push(key);
             }
-            self.plan_running_row(key, &mut budget, cap, &mut plan);
+        }
+        let reserve = if longer.is_empty() || budget == 0 {
+            0
+        } else {
+            self.short_waiting_tokens(budget)
+        };
+        for key in longer {
+            if let Some(req) = self.requests.get_mut(&key) {
+                req.gave_way = reserve > 0;
+            }
+            let cap = budget.saturating_sub(reserve);
+            if cap > 0 {
+                self.plan_running_row(key, &mut budget, cap, &mut plan);
+            }
         }
 
         // 2. Waiting requests (new and preempted), with their prefix hits; none in a step that

@@ -698,6 +698,22 @@ fn a_prompt_that_finishes_its_prefill_in_a_step_goes_before_a_long_prefill_which
     assert_eq!(ids(&o), vec!["s1", "s2", "long", "s3"]);
     let rows: Vec<usize> = o.rows.iter().map(|r| r.num_new_tokens).collect();
     assert_eq!(rows, vec![1, 1, 5, 25]);
+
+    // a running prefill that can finish in the step does not give way
+    let mut s = Scheduler::new(&c, 128, 64, 0).unwrap();
+    s.add_request(NewRequest::new("mid", (1..=57).collect(), 1))
+        .unwrap();
+    let o = s.schedule().unwrap();
+    s.update_from_output(&o, &[], &[0], None).unwrap();
+    s.add_request(NewRequest::new("s", vec![7; 20], 3)).unwrap();
+    let o = s.schedule().unwrap();
+    assert_eq!(ids(&o), vec!["mid", "s"]);
+    let rows: Vec<usize> = o.rows.iter().map(|r| r.num_new_tokens).collect();
+    assert_eq!(
+        rows,
+        vec![25, 7],
+        "mid finishes; s starts in the tokens left"
+    );
 }
 
 /// Runs single-token steps until every request decodes.
