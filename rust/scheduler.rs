@@ -725,7 +725,9 @@ impl Scheduler {
                 longer.push(key);
             }
         }
-        let reserve = if longer.is_empty() || budget == 0 {
+        // (a step that had to preempt admits no one: nothing to keep tokens for)
+        let admits = self.stats.num_preemptions_total == preemptions_before;
+        let reserve = if longer.is_empty() || budget == 0 || !admits {
             0
         } else {
             self.short_waiting_tokens(budget)
