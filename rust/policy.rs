@@ -466,6 +466,12 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
             ))
         }
         (Some(l), _) => l,
+        (None, Some(p)) if p < 2 => {
+            return config_err(format!(
+                "the model's config.json declares max_position_embeddings = {p}: a sequence needs \
+                 at least 2 positions (a prompt token and an output token)"
+            ))
+        }
         (None, Some(p)) => {
             let l = p.min(MAX_TOKENS);
             decide(
