@@ -584,6 +584,13 @@ impl Scheduler {
         }
     }
 
+    /// Whether admitting `req` may resume it from a prefix hit: with prefix caching on, unless it
+    /// asked to skip hits (prompt logprobs), which a resumed request past its prompt no longer does.
+    fn may_hit(&self, req: &Request) -> bool {
+        let prompt_done = req.all_token_ids.len() > req.num_prompt_tokens;
+        self.prefix_caching && (!req.skip_prefix_hit || prompt_done)
+    }
+
     /// The tokens that the requests at the head of the waiting queue need to finish their prefill
     /// in this step: consecutive requests, in queue order, each of whose whole prefill after its
     /// prefix hit (as it stands now) fits in what `budget` has left, up to the free running places.
@@ -595,16 +602,14 @@ impl Scheduler {
                 continue;
             };
             let known = req.num_tokens();
-            let prompt_done = req.all_token_ids.len() > req.num_prompt_tokens;
-            let hit = if self.prefix_caching && (!req.skip_prefix_hit || prompt_done) {
+            let hit = if self.may_hit(req) {
                 self.cache
                     .peek_longest_cache_hit(req.prefix(), known)
                     .num_tokens
-                    .min(known)
             } else {
                 0
             };
-            let rest = known - hit;
+            let rest = known.saturating_sub(hit);
             if need + rest > budget {
                 break;
             }
@@ -684,11 +689,9 @@ impl Scheduler {
         let preemptions_before = self.stats.num_preemptions_total;
         let mut plan: Vec<Planned> = Vec::with_capacity(self.running.len() + 8);
 
-        // 1. Running requests: decodes first, then unfinished prefills. The prompts waiting at the
-        // head of the queue that can finish their prefill in this step keep their tokens out of
-        // the share of the running prefills that cannot (they are admitted below): a prompt whose
-        // prefix hit leaves it a few tokens to compute does not wait for a long prefill's every
-        // chunk. A prefill that gave way goes first in its next step, so none is ever starved.
+        // 1. Running requests: decodes first, then unfinished prefills. A prompt whose prefix hit
+        // leaves it a few tokens to compute does not wait for a long prefill's every chunk (below);
+        // a prefill that gave way goes first in its next step, so none is ever starved.
         let mut decodes: Vec<ReqKey> = Vec::with_capacity(self.running.len());
         let mut prefills: Vec<ReqKey> = Vec::new();
         for &k in &self.running {
@@ -764,8 +767,7 @@ impl Scheduler {
                     break;
                 };
                 let known = req.num_tokens();
-                let prompt_done = req.all_token_ids.len() > req.num_prompt_tokens;
-                let mut hit = if self.prefix_caching && (!req.skip_prefix_hit || prompt_done) {
+                let mut hit = if self.may_hit(req) {
                     self.cache.find_longest_cache_hit(req.prefix(), known)
                 } else {
                     CacheHit::default()
