@@ -167,7 +167,14 @@ class BetweenForwards:
 
 
 def run(
-    model: str, batch: int, prompt_len: int, output_len: int, repeats: int, overlapped: bool
+    model: str,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    repeats: int,
+    overlapped: bool,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict[str, Any]:
     from hybridserve import LLM, SamplingParams
     from hybridserve.model.decode_step import PendingDecode
@@ -177,7 +184,7 @@ def run(
     llm = LLM(
         model=model, dtype="float32", cpu_threads=1, max_num_seqs=max(batch, 1), async_scheduling=overlapped
     )
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
     engine = llm.engine
     real_wait = PendingDecode.wait  # (wrapped below for this run only)
     try:
@@ -258,9 +265,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--overlapped", action="store_true", help="async_scheduling=True; phases in wall time")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     a = ap.parse_args()
     results = [
-        run(a.model, int(b), a.prompt_len, a.output_len, a.repeats, a.overlapped) for b in a.batch.split(",")
+        run(a.model, int(b), a.prompt_len, a.output_len, a.repeats, a.overlapped, a.temperature, a.top_p)
+        for b in a.batch.split(",")
     ]
     print(
         "| batch | tok/s | " + " | ".join(PHASES) + " | outside forward | step | between forwards | planned |"

@@ -74,6 +74,96 @@ def test_top_p_always_keeps_the_most_likely_token():
     assert probs[0].tolist() == [1.0, 0.0, 0.0]
 
 
+def _top_p_kept_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p rule from its definition, one row at a time over the whole sorted row: walking
+    the tokens from the most likely, a token stays while the mass before it is below top_p; every
+    token tied with the last one kept stays too."""
+    kept = torch.zeros_like(probs, dtype=torch.bool)
+    for i, row in enumerate(probs):
+        values = row.sort(descending=True).values
+        before = 0.0
+        last = values[0]
+        for v in values.tolist():
+            if before >= top_p:
+                break
+            last, before = v, before + v
+        kept[i] = row >= last
+    return kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_top_p_keeps_the_set_its_definition_gives_however_few_tokens_reach_it(dtype):
+    # Rows whose top-p mass sits in a few tokens, in hundreds, and spread over the whole
+    # vocabulary (the partial sorts find the first kinds, a full sort the last), plus ties at
+    # the boundary: each row keeps what the definition gives, alone or in any batch.
+    from hybridserve.sampling.sampler import _descending_torch, _top_p_stages, _top_p_threshold
+
+    def torch_threshold(probs: torch.Tensor, tp: torch.Tensor) -> torch.Tensor:
+        # the accelerators' way (torch's top-k and sort), here on the CPU
+        out = torch.empty_like(tp)
+        _top_p_stages(probs, tp, out, _descending_torch)
+        return out
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 3000
+    scales = [8.0, 4.0, 2.0, 0.5, 0.0]
+    logits = torch.stack([torch.randn(vocab, generator=g, dtype=dtype) * s for s in scales])
+    tied = torch.full((vocab,), -30.0, dtype=dtype)
+    tied[:5] = 0.0  # five equal tokens of mass 0.2 each: top_p 0.5 keeps all five
+    logits = torch.cat([logits, tied[None]])
+    probs = torch.softmax(logits, dim=-1)
+    for top_p in (0.3, 0.5, 0.9, 0.99):
+        tp = torch.full((len(probs), 1), top_p, dtype=dtype)
+        batch = probs >= _top_p_threshold(probs, tp)
+        assert torch.equal(batch, _top_p_kept_by_full_sort(probs, top_p)), top_p
+        assert torch.equal(probs >= torch_threshold(probs, tp), batch), top_p
+        for i in range(len(probs)):  # the same set alone
+            assert torch.equal(
+                probs[i : i + 1] >= _top_p_threshold(probs[i : i + 1], tp[:1]), batch[i : i + 1]
+            )
+    sizes = (probs >= _top_p_threshold(probs, torch.full((len(probs), 1), 0.9, dtype=dtype))).sum(-1)
+    assert sizes[0] < 64 < sizes[2] and sizes[3] > 1024 and sizes[4] > 1024, sizes  # every path taken
+    assert int(sizes[5]) == 5
+
+
+def test_top_k_keeps_the_k_largest_without_sorting_the_row():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 2000, generator=g)
+    rows = [RowSampling(SamplingParams(top_k=k)) for k in (1, 2, 50, 1999, 2000, 0)]
+    probs = processed_probs(logits, rows)
+    for i, k in enumerate((1, 2, 50, 1999, 2000, 2000)):
+        top = logits[i].topk(k).indices
+        assert set(probs[i].nonzero().squeeze(1).tolist()) == set(top.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_keyed_exponentials_are_exp1_and_the_same_from_numpy_and_torch_arithmetic(dtype):
+    # The CPU draws them with numpy, an accelerator with torch's int64 arithmetic: the same
+    # random bits, so the same draws up to the last bit of the logarithm.
+    from hybridserve.sampling.sampler import _exponentials_torch, keyed_exponentials
+
+    cpu = torch.device("cpu")
+    keys = [0, 1, 2**62 + 12345, 2**63 - 1, 987654321987]
+    a = keyed_exponentials(keys, 700, dtype, cpu)
+    b = _exponentials_torch(keys, 700, dtype, cpu)
+    assert a.dtype == b.dtype == dtype
+    torch.testing.assert_close(a, b, rtol=4 * torch.finfo(dtype).eps, atol=0.0)
+    # a column depends on (key, token) alone: a wider vocabulary extends the rows
+    assert torch.equal(keyed_exponentials(keys[1:3], 1500, dtype, cpu)[:, :700], a[1:3])
+    # a large vocabulary is drawn a few rows at a time: the same draws
+    wide = keyed_exponentials(keys, 70000, dtype, cpu)
+    assert torch.equal(wide[:, :700], a)
+    assert bool((wide > 0).all()) and bool(torch.isfinite(wide).all())
+    # Exp(1): mean 1, variance 1, P(E > 1) = 1/e (over 350k draws, 5 sigma bounds)
+    flat = wide.double().flatten()
+    assert abs(float(flat.mean()) - 1.0) < 0.01
+    assert abs(float(flat.var()) - 1.0) < 0.02
+    assert abs(float((flat > 1.0).double().mean()) - math.exp(-1.0)) < 0.005
+    # neighbouring keys and tokens are not correlated
+    assert abs(float(torch.corrcoef(torch.stack([wide[1].double(), wide[2].double()]))[0, 1])) < 0.03
+    assert abs(float(torch.corrcoef(torch.stack([wide[1, :-1].double(), wide[1, 1:].double()]))[0, 1])) < 0.03
+
+
 def test_repetition_penalty_over_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
     row = RowSampling(
