@@ -1,11 +1,12 @@
 """Where one engine step's time goes: the phases of `LLMEngine.step` timed on every step.
 
     .venv/bin/python benches/step_profile.py [--batch 1,64] [--prompt-len 256] [--output-len 128]
-        [--model demo] [--repeats 3] [--result-file F] [--overlapped]
+        [--model demo] [--repeats 3] [--result-file F] [--overlapped] [--temperature 0] [--top-p 1]
 
 For each batch size: `LLM(model, dtype="float32", cpu_threads=1, async_scheduling=False)`
 generates `batch` prompts of
-random token ids (seeded), greedy, exactly `output-len` tokens each; the run is warmed up, then
+random token ids (seeded), greedy (or with `--temperature` and `--top-p`, every request seeded as
+the engine seeds them), exactly `output-len` tokens each; the run is warmed up, then
 repeated. Every step is split into phases, each timed in thread CPU time (the machine may be
 shared: CPU time of the engine's thread is what the code costs) and in wall time:
 
