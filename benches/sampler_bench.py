@@ -57,7 +57,9 @@ def main() -> int:
                 cells = []
                 for name, kw in SETTINGS.items():
                     params = SamplingParams(max_tokens=16, **kw)
-                    rows = [RowSampling(params, seed=1000 + i, output_token_ids=[0] * 7) for i in range(batch)]
+                    rows = [
+                        RowSampling(params, seed=1000 + i, output_token_ids=[0] * 7) for i in range(batch)
+                    ]
                     for _ in range(2):
                         sampler.sample(logits, rows)
                     times = []
@@ -67,7 +69,9 @@ def main() -> int:
                         times.append(time.perf_counter() - t)
                     us = statistics.median(times) * 1e6
                     cells.append(us)
-                    results.append({"vocab": vocab, "batch": batch, "spread": spread, "setting": name, "us": us})
+                    results.append(
+                        {"vocab": vocab, "batch": batch, "spread": spread, "setting": name, "us": us}
+                    )
                 print(f"| {vocab} | {batch} | {spread:g} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     print("(median microseconds per Sampler.sample call)")
     if a.result_file:

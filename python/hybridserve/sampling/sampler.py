@@ -436,7 +436,7 @@ def _top_p_stages(p: Any, tp: Any, out: Any, descending: Callable[[Any, int], An
     for k in (*(k for k in _TOP_P_PROBES if k < vocab), vocab):
         top = descending(p[todo], k)
         mass = top.cumsum(-1)
-        before = top * 0  # the mass ahead of each token: nothing ahead of the first
+        before = np.zeros_like(top) if on_np else torch.zeros_like(top)  # the mass ahead of each
         before[:, 1:] = mass[:, :-1]
         limit = tp[todo]
         last = (before < limit).sum(-1)[:, None] - 1  # >= 0: nothing is ahead of the first
