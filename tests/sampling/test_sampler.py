@@ -164,6 +164,40 @@ def test_keyed_exponentials_are_exp1_and_the_same_from_numpy_and_torch_arithmeti
     assert abs(float(torch.corrcoef(torch.stack([wide[1, :-1].double(), wide[1, 1:].double()]))[0, 1])) < 0.03
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_keyed_exponential_is_positive_and_finite_at_the_extreme_hashes(dtype):
+    # u = 1 would give E = 0, a token that wins its race whatever its probability: the largest
+    # hash must still give u < 1 (and the smallest u > 0), with numpy and with torch alike.
+    import numpy as np
+
+    from hybridserve.sampling.sampler import _exponentials_from_bits_np, _exponentials_from_bits_torch
+
+    extremes = [0, 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+    a = _exponentials_from_bits_np(np.asarray(extremes, dtype=np.uint64), dtype == torch.float64)
+    b = _exponentials_from_bits_torch(
+        torch.as_tensor([e - 2**64 if e >= 2**63 else e for e in extremes], dtype=torch.int64), dtype
+    )
+    for e in (torch.from_numpy(a), b):
+        assert bool((e > 0).all()) and bool(torch.isfinite(e).all()), e
+    torch.testing.assert_close(torch.from_numpy(a).to(dtype), b, rtol=4 * torch.finfo(dtype).eps, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_top_p_below_the_dtypes_smallest_value_keeps_the_most_likely_token(dtype):
+    from hybridserve.sampling.sampler import _descending_torch, _top_p_stages
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(9), dtype=dtype)
+    rows = [RowSampling(SamplingParams(top_p=1e-300))] * 3
+    probs = processed_probs(logits, rows)
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal((probs > 0).sum(-1), torch.ones(3, dtype=torch.int64))
+    # the accelerators' way too (a top_p of 0 in the dtype)
+    p = torch.softmax(logits, -1)
+    out = torch.empty((3, 1), dtype=dtype)
+    _top_p_stages(p, torch.zeros((3, 1), dtype=dtype), out, _descending_torch)
+    assert torch.equal(out[:, 0], p.max(-1).values)
+
+
 def test_repetition_penalty_over_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
     row = RowSampling(

@@ -112,9 +112,28 @@ def _weyl(vocab: int) -> np.ndarray:
 _weyl_cache: dict[int, np.ndarray] = {}
 
 
+# Random bits a draw keeps: the top 23 (float32) or 52 (float64) of the hash, so that
+# u = (bits + 1/2) / 2^bits is exact and strictly inside (0, 1) (with 24 bits the largest value,
+# 2^24 - 1/2, rounds up to 2^24 in float32: u = 1 and E = 0, which wins its race outright).
+_BITS = {True: 52, False: 23}
+# Elements per pass on an accelerator (128 MB for each of its int64 temporaries).
+_NOISE_CHUNK_DEVICE = 1 << 24
+
+
+def _exponentials_from_bits_np(z: np.ndarray, wide: bool) -> np.ndarray:
+    """E = -log(u) for the uint64 hashes `z` (consumed), float64 if `wide` else float32."""
+    bits = _BITS[wide]
+    u: np.ndarray = (z >> np.uint64(64 - bits)).astype(np.float64 if wide else np.float32)
+    u += 0.5  # (exact in either type)
+    u *= 2.0**-bits
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    return u
+
+
 def _exponentials_np(keys: np.ndarray, vocab: int, dtype: torch.dtype) -> np.ndarray:
-    """[len(keys), vocab] keyed Exp(1) draws (float64 for a float64 `dtype`, else float32: 53 or
-    24 random bits each) on the CPU."""
+    """[len(keys), vocab] keyed Exp(1) draws (float64 for a float64 `dtype`, else float32) on the
+    CPU."""
     n = len(keys)
     wide = dtype == torch.float64
     out = np.empty((n, vocab), dtype=np.float64 if wide else np.float32)
@@ -128,42 +147,44 @@ def _exponentials_np(keys: np.ndarray, vocab: int, dtype: torch.dtype) -> np.nda
             z ^= z >> np.uint64(27)
             z *= np.uint64(_MIX2)
             z ^= z >> np.uint64(31)
-        if wide:
-            u = (z >> np.uint64(11)).astype(np.float64)
-            u += 0.5
-            u *= 2.0**-53
-        else:
-            u = (z >> np.uint64(40)).astype(np.float32)
-            u += np.float32(0.5)
-            u *= np.float32(2.0**-24)
-        np.log(u, out=u)
-        np.negative(u, out=out[start : start + step])
+        out[start : start + step] = _exponentials_from_bits_np(z, wide)
     return out
+
+
+def _signed(c: int) -> int:
+    """A 64-bit unsigned constant as the int64 with its bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """A logical right shift of int64 `z` (torch's is arithmetic: the sign bits are masked off)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _exponentials_from_bits_torch(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_exponentials_from_bits_np` of int64 `z` (the same bits as uint64)."""
+    wide = dtype == torch.float64
+    bits = _BITS[wide]
+    ftype = torch.float64 if wide else torch.float32
+    u = (_srl(z, 64 - bits).to(ftype) + 0.5) * 2.0**-bits
+    return (-torch.log(u)).to(dtype)
 
 
 def _exponentials_torch(
     keys: list[int], vocab: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """`_exponentials_np` in torch's int64 arithmetic (wrapping; logical shifts masked), for an
-    accelerator."""
-
-    def signed(c: int) -> int:
-        return c - (1 << 64) if c >= 1 << 63 else c
-
-    def srl(z: torch.Tensor, s: int) -> torch.Tensor:
-        return (z >> s) & ((1 << (64 - s)) - 1)
-
-    k = torch.as_tensor([signed(key) for key in keys], dtype=torch.int64, device=device)
-    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * signed(_GOLDEN)
-    z = k[:, None] + v[None, :]
-    z = (z ^ srl(z, 30)) * signed(_MIX1)
-    z = (z ^ srl(z, 27)) * signed(_MIX2)
-    z = z ^ srl(z, 31)
-    if dtype == torch.float64:
-        u = (srl(z, 11).to(torch.float64) + 0.5) * 2.0**-53
-    else:
-        u = (srl(z, 40).to(torch.float32) + 0.5) * 2.0**-24
-    return (-torch.log(u)).to(dtype)
+    """`_exponentials_np` in torch's int64 arithmetic (wrapping), for an accelerator."""
+    k = torch.as_tensor([_signed(key) for key in keys], dtype=torch.int64, device=device)
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+    out = torch.empty((len(keys), vocab), dtype=dtype, device=device)
+    step = max(1, _NOISE_CHUNK_DEVICE // max(1, vocab))
+    for start in range(0, len(keys), step):
+        z = k[start : start + step, None] + v[None, :]
+        z = (z ^ _srl(z, 30)) * _signed(_MIX1)
+        z = (z ^ _srl(z, 27)) * _signed(_MIX2)
+        z = z ^ _srl(z, 31)
+        out[start : start + step] = _exponentials_from_bits_torch(z, dtype)
+    return out
 
 
 def keyed_exponentials(
@@ -404,9 +425,11 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     likely always stays. The threshold is the last kept token's probability, and every token
     tied with it stays too, whatever order a sort gave the ties, so a row's set depends only on
     the row. Found from the largest few tokens of each row when their mass reaches top_p
-    (`_TOP_P_PROBES`), the rows that does not cover from more: a row's answer is the same whichever
-    partial sort finds it (the same values, summed in the same order). On the CPU with numpy
-    (its sort of 64 rows of 795 took 0.08 ms, torch's 2.2 ms)."""
+    (`_TOP_P_PROBES`), the rows that does not cover from more. On the CPU a row's answer is the
+    same whichever partial sort finds it (the same values, summed in the same order by numpy's
+    sequential cumsum; its sort of 64 rows of 795 took 0.08 ms, torch's 2.2 ms). An accelerator's
+    parallel scan may round a row's sums differently by their length, so there a row's set may
+    differ in a last-bit case from a whole sort's, but it still depends on that row alone."""
     if probs.device.type == "cpu":
         p, tp = probs.detach().numpy(), top_p.detach().numpy()
         out = np.empty((len(p), 1), dtype=p.dtype)
@@ -439,7 +462,8 @@ def _top_p_stages(p: Any, tp: Any, out: Any, descending: Callable[[Any, int], An
         before = np.zeros_like(top) if on_np else torch.zeros_like(top)  # the mass ahead of each
         before[:, 1:] = mass[:, :-1]
         limit = tp[todo]
-        last = (before < limit).sum(-1)[:, None] - 1  # >= 0: nothing is ahead of the first
+        # (a top_p below the dtype's smallest value is 0 here: the most likely token still stays)
+        last = ((before < limit).sum(-1)[:, None] - 1).clip(min=0)
         out[todo] = np.take_along_axis(top, last, axis=-1) if on_np else top.gather(1, last)
         # a partial sort finds the boundary when its tokens' mass reaches top_p, or it is whole
         found = (mass[:, -1] >= limit[:, 0]) | (k == vocab)
