@@ -2,10 +2,11 @@
 
     .venv/bin/python benches/step_profile.py [--batch 1,64] [--prompt-len 256] [--output-len 128]
         [--model demo] [--repeats 3] [--result-file F] [--overlapped] [--temperature 0] [--top-p 1]
+        [--repetition-penalty 1]
 
 For each batch size: `LLM(model, dtype="float32", cpu_threads=1, async_scheduling=False)`
 generates `batch` prompts of
-random token ids (seeded), greedy (or with `--temperature` and `--top-p`, every request seeded as
+random token ids (seeded), greedy (or with `--temperature`, `--top-p`, `--repetition-penalty`, every request seeded as
 the engine seeds them), exactly `output-len` tokens each; the run is warmed up, then
 repeated. Every step is split into phases, each timed in thread CPU time (the machine may be
 shared: CPU time of the engine's thread is what the code costs) and in wall time:
@@ -176,6 +177,7 @@ def run(
     overlapped: bool,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
 ) -> dict[str, Any]:
     from hybridserve import LLM, SamplingParams
     from hybridserve.model.decode_step import PendingDecode
@@ -185,7 +187,13 @@ def run(
     llm = LLM(
         model=model, dtype="float32", cpu_threads=1, max_num_seqs=max(batch, 1), async_scheduling=overlapped
     )
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=output_len,
+        temperature=temperature,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        ignore_eos=True,
+    )
     engine = llm.engine
     real_wait = PendingDecode.wait  # (wrapped below for this run only)
     try:
@@ -268,9 +276,20 @@ def main() -> int:
     ap.add_argument("--overlapped", action="store_true", help="async_scheduling=True; phases in wall time")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     a = ap.parse_args()
     results = [
-        run(a.model, int(b), a.prompt_len, a.output_len, a.repeats, a.overlapped, a.temperature, a.top_p)
+        run(
+            a.model,
+            int(b),
+            a.prompt_len,
+            a.output_len,
+            a.repeats,
+            a.overlapped,
+            a.temperature,
+            a.top_p,
+            a.repetition_penalty,
+        )
         for b in a.batch.split(",")
     ]
     print(

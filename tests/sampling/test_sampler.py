@@ -198,6 +198,35 @@ def test_a_top_p_below_the_dtypes_smallest_value_keeps_the_most_likely_token(dty
     assert torch.equal(out[:, 0], p.max(-1).values)
 
 
+def test_penalty_counts_kept_across_steps_equal_a_recount():
+    # The engine keeps one row per request and extends its output list in place; the row keeps
+    # its counts and adds the new tokens each step. Every step must equal a fresh row's recount,
+    # with drafts (extra tokens) on top, repeats, and ids outside the vocabulary ignored.
+    g = torch.Generator().manual_seed(5)
+    vocab = 60
+    params = SamplingParams(
+        temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2
+    )
+    output: list[int] = []
+    kept = RowSampling(params, seed=3, prompt_token_ids=[1, 2, 2, 59, 200], output_token_ids=output)
+    for step in range(12):
+        output.extend(int(t) for t in torch.randint(0, vocab, (step % 3,), generator=g))
+        logits = torch.randn(3, vocab, generator=g, dtype=torch.float64)
+        extra = [[], [7], [7, 7, 41]]
+        fresh = RowSampling(
+            params, seed=3, prompt_token_ids=[1, 2, 2, 59, 200], output_token_ids=list(output)
+        )
+        got = processed_probs(logits, [kept], row_index=[0, 0, 0], extra_tokens=extra)
+        want = processed_probs(logits, [fresh], row_index=[0, 0, 0], extra_tokens=extra)
+        assert torch.equal(got, want), step
+    assert kept.penalty_history is not None and kept.penalty_history.counted == len(output)
+    # a row given another output list counts that one
+    kept.output_token_ids = [9, 9]
+    fresh = RowSampling(params, seed=3, prompt_token_ids=[1, 2, 2, 59, 200], output_token_ids=[9, 9])
+    logits = torch.randn(1, vocab, generator=g, dtype=torch.float64)
+    assert torch.equal(processed_probs(logits, [kept]), processed_probs(logits, [fresh]))
+
+
 def test_repetition_penalty_over_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
     row = RowSampling(
