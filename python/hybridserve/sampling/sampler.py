@@ -224,16 +224,18 @@ class _PenaltyHistory:
         self.vocab = vocab
         self.source = output_token_ids  # the list it counts (a row given another list recounts)
         self.in_prompt = _bincount(prompt_token_ids, vocab) > 0
-        self._counts_np = np.zeros(vocab, dtype=np.int64)
-        self.counts = torch.from_numpy(self._counts_np)  # (the same memory)
-        self.counted = 0  # output tokens in `counts`
+        self.counts = _bincount(output_token_ids, vocab)
+        self._counts_np = self.counts.numpy()  # (the same memory)
+        self.counted = len(output_token_ids)  # output tokens in `counts`
 
     def current(self, output_token_ids: Sequence[int]) -> torch.Tensor:
         """The output counts of `output_token_ids`, whose first `counted` tokens are those counted."""
         n = len(output_token_ids)
         if n > self.counted:
-            new = np.asarray(output_token_ids[self.counted :], dtype=np.int64)
-            np.add.at(self._counts_np, new[(new >= 0) & (new < self.vocab)], 1)  # (repeats add up)
+            counts, vocab = self._counts_np, self.vocab
+            for t in output_token_ids[self.counted :]:  # (a step's few tokens: scalar writes are fastest)
+                if 0 <= t < vocab:
+                    counts[t] += 1
             self.counted = n
         return self.counts
 
@@ -401,7 +403,7 @@ def _apply_history(
         return
     pen_rows: list[int] = []
     out_counts: list[torch.Tensor] = []
-    seen: list[torch.Tensor] = []
+    in_prompts: list[torch.Tensor] = []
     base_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i in need:
         row = rows[row_index[i]]
@@ -423,12 +425,12 @@ def _apply_history(
             counts = counts + _bincount(extra, vocab)
         pen_rows.append(i)
         out_counts.append(counts)
-        seen.append(in_prompt | (counts > 0))
+        in_prompts.append(in_prompt)
     if not pen_rows:
         return
     idx = torch.as_tensor(pen_rows, dtype=torch.int64, device=device)
-    counts_t = torch.stack(out_counts).to(device=device, dtype=x.dtype)
-    seen_t = torch.stack(seen).to(device)
+    counts_t = torch.stack(out_counts).to(device=device, dtype=x.dtype)  # (stacked: copies)
+    seen_t = torch.stack(in_prompts).to(device) | (counts_t > 0)
     params = [rows[row_index[i]].params for i in pen_rows]
     rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device)[:, None]
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device)[:, None]
