@@ -94,3 +94,32 @@ def test_large_token_ids_and_array_histories():
     for _ in range(50):
         row = [rng.randrange(4) * 257 for _ in range(rng.randrange(1, 40))]  # bytes that repeat inside ids
         assert ngram_lookup(np.asarray(row), 3, 1, 4) == ngram_lookup(row, 3, 1, 4) == reference(row, 3, 1, 4)
+
+
+def test_a_kept_history_proposes_what_the_whole_history_does():
+    # The engine passes each request's own lists (the output only grows) and this step's tokens;
+    # the proposer keeps the history and adds what is new. Every step must give the drafts of the
+    # whole history, for requests that come, grow, get another list, and go.
+    from hybridserve.spec_decode.base import History
+
+    rng = random.Random(11)
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
+    prompts = {f"r{i}": [rng.randrange(6) for _ in range(rng.randrange(1, 40))] for i in range(5)}
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for step in range(60):
+        ids = sorted(prompts)
+        new = {rid: [rng.randrange(6) for _ in range(rng.randrange(1, 4))] for rid in ids}
+        histories = [History(prompts[rid], outputs[rid], new[rid]) for rid in ids]
+        got = p.propose_histories(ids, histories, 3)
+        assert got == p.propose([h.tokens() for h in histories], 3), step
+        for rid in ids:
+            outputs[rid].extend(new[rid])
+        if step == 20:  # a request gone, and another in its place under the same id
+            p.free("r0")
+            prompts["r0"], outputs["r0"] = [1, 2, 3], []
+        if step == 40:  # a request whose output list was replaced is read anew
+            outputs["r1"] = list(outputs["r1"][:5])
+    assert set(p._kept) == set(prompts)
+    for rid in list(prompts):
+        p.free(rid)
+    assert not p._kept

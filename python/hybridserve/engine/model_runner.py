@@ -25,6 +25,7 @@ from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, fo
 from hybridserve.model.decode_step import DecodeOutput, DecodeStep, NativeCall, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, plain_greedy
+from hybridserve.spec_decode.base import History
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -450,21 +451,25 @@ class ModelRunner:
         counts = np.zeros(num_rows, dtype=np.int32)
         if self.proposer is None or self.num_speculative_tokens == 0:
             return np.zeros(0, dtype=np.int32), counts
-        histories: list[list[int]] = []
+        histories: list[History] = []
         proposing: list[int] = []
         for r in range(num_rows):
             row = rows[r]
             if row is None or not sampled[r]:
                 continue
             proposing.append(r)
-            histories.append([*row.prompt_token_ids, *row.output_token_ids, *sampled[r]])
+            # (the request's own lists: a proposer that keeps its history adds what is new)
+            histories.append(History(row.prompt_token_ids, row.output_token_ids, sampled[r]))
         flat: list[int] = []
         if proposing:
             k = self.num_speculative_tokens
-            if hasattr(self.proposer, "propose_for"):
-                proposals = self.proposer.propose_for([req_ids[r] for r in proposing], histories, k)
+            ids = [req_ids[r] for r in proposing]
+            if hasattr(self.proposer, "propose_histories"):
+                proposals = self.proposer.propose_histories(ids, histories, k)
+            elif hasattr(self.proposer, "propose_for"):
+                proposals = self.proposer.propose_for(ids, [h.tokens() for h in histories], k)
             else:
-                proposals = self.proposer.propose(histories, k)
+                proposals = self.proposer.propose([h.tokens() for h in histories], k)
             per_row = {r: list(p)[:k] for r, p in zip(proposing, proposals)}
             for r in range(num_rows):
                 p = per_row.get(r, [])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,20 @@ class Proposals:
     draft_probs: list[torch.Tensor | None] | None = None
 
 
+class History(NamedTuple):
+    """One row's token history as the engine holds it: the prompt, the output so far (the
+    request's own list, which only grows while the request lives) and the tokens this step
+    emitted (not in the output yet). A proposer that keeps a request's history between steps adds
+    only what is new; the others take `tokens()`."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    new: Sequence[int]
+
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.output, *self.new]
+
+
 class Proposer(ABC):
     """Proposes up to k draft tokens per row from each row's full token history.
 
@@ -40,6 +54,12 @@ class Proposer(ABC):
     ) -> list[list[int]]:
         """Like `propose`, for proposers that keep per-request state (draft models)."""
         return self.propose(token_ids_per_row, k)
+
+    def propose_histories(
+        self, request_ids: Sequence[str], histories: Sequence[History], k: int
+    ) -> list[list[int]]:
+        """`propose_for` of the rows' histories as the engine holds them (`History`)."""
+        return self.propose_for(request_ids, [h.tokens() for h in histories], k)
 
     def propose_with_probs(
         self, request_ids: Sequence[str], token_ids_per_row: Sequence[Sequence[int]], k: int
