@@ -250,6 +250,7 @@ def test_ngram_speculation_is_lossless(mode: str, k: int) -> None:
     assert stats["spec_decode_draft_tokens"] > 0  # drafts were verified (and, here, rejected)
     if mode != "none":
         assert sum(again) > 0 and stats["prefix_hits_last_token"] > 0
+    assert not llm.engine.runner.proposer._kept  # every finished request's history was dropped
 
 
 @pytest.mark.parametrize("mode", ["none", "align", "all"])
