@@ -123,3 +123,13 @@ def test_a_kept_history_proposes_what_the_whole_history_does():
     for rid in list(prompts):
         p.free(rid)
     assert not p._kept
+
+
+def test_a_history_reads_from_any_position_across_its_parts():
+    from hybridserve.spec_decode.base import History
+
+    h = History([1, 2, 3], [4, 5], [6])
+    assert len(h) == 6 and h.tokens() == [1, 2, 3, 4, 5, 6]
+    for start in range(8):
+        assert h.tokens_from(start) == h.tokens()[start:], start
+    assert History([], [], [7]).tokens_from(0) == [7] and len(History([], [], [])) == 0

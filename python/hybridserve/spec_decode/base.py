@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -24,11 +24,12 @@ class Proposals:
     draft_probs: list[torch.Tensor | None] | None = None
 
 
-class History(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class History:
     """One row's token history as the engine holds it: the prompt, the output so far (the
     request's own list, which only grows while the request lives) and the tokens this step
     emitted (not in the output yet). A proposer that keeps a request's history between steps adds
-    only what is new; the others take `tokens()`."""
+    only what is new; the others take `tokens()` or `tokens_from(start)`."""
 
     prompt: Sequence[int]
     output: Sequence[int]
@@ -36,6 +37,18 @@ class History(NamedTuple):
 
     def tokens(self) -> list[int]:
         return [*self.prompt, *self.output, *self.new]
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output) + len(self.new)
+
+    def tokens_from(self, start: int) -> list[int]:
+        """The history's tokens from position `start` on (without building the ones before)."""
+        out: list[int] = []
+        for part in (self.prompt, self.output, self.new):
+            if start < len(part):
+                out.extend(int(t) for t in part[max(0, start) :])
+            start -= len(part)
+        return out
 
 
 class Proposer(ABC):

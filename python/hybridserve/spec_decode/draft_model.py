@@ -25,7 +25,7 @@ from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype, kv_bytes_per_block
 from hybridserve.model.decode_step import DecodeStep
 from hybridserve.model.loader import load_model
-from hybridserve.spec_decode.base import Proposer
+from hybridserve.spec_decode.base import History, Proposer
 
 # The draft's KV cache is capped so that a draft model never takes most of the memory.
 DRAFT_KV_CACHE_MEMORY = 256 << 20
@@ -114,34 +114,42 @@ class DraftModelProposer(Proposer):
     def propose(self, token_ids_per_row: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         raise TypeError("DraftModelProposer needs request ids: call propose_for(request_ids, histories, k)")
 
-    @torch.inference_mode()
     def propose_for(
         self, request_ids: Sequence[str], histories: Sequence[Sequence[int]], k: int
     ) -> list[list[int]]:
+        return self.propose_histories(request_ids, [History(h, (), ()) for h in histories], k)
+
+    @torch.inference_mode()
+    def propose_histories(
+        self, request_ids: Sequence[str], histories: Sequence[History], k: int
+    ) -> list[list[int]]:
+        """Drafts for each row; only the tokens this model has not run yet are read of each
+        history (the rest is in its own caches)."""
         k = min(k, self.k)
         out: list[list[int]] = [[] for _ in request_ids]
-        rows: list[tuple[int, _DraftRequest, list[int]]] = []
+        rows: list[tuple[int, _DraftRequest, int]] = []  # (row, its state, its history's length)
         for i, (rid, hist) in enumerate(zip(request_ids, histories)):
-            if k <= 0 or not hist:
+            length = len(hist)
+            if k <= 0 or not length:
                 continue
-            st = self._admit(rid, len(hist) + k)
-            if st is None or st.num_computed_tokens >= len(hist):
+            st = self._admit(rid, length + k)
+            if st is None or st.num_computed_tokens >= length:
                 continue
-            rows.append((i, st, [int(t) for t in hist]))
+            rows.append((i, st, length))
         if not rows:
             return out
 
         # Step 1: the unseen tokens of every row, as prefill rows.
-        tokens: list[list[int]] = [h[st.num_computed_tokens :] for _, st, h in rows]
+        tokens: list[list[int]] = [histories[i].tokens_from(st.num_computed_tokens) for i, st, _ in rows]
         starts = [st.num_computed_tokens for _, st, _ in rows]
         logits = self._forward(rows, tokens, starts, decode=False, step=0)
-        for (_, st, h), _t in zip(rows, tokens):
-            st.num_computed_tokens = len(h)
+        for _, st, length in rows:
+            st.num_computed_tokens = length
         drafts = [[int(t)] for t in logits.argmax(dim=-1).tolist()]
         # Steps 2..k: one draft token per row, as decode rows writing scratch window slots.
         for j in range(1, k):
             tokens = [[d[-1]] for d in drafts]
-            starts = [len(h) + j - 1 for _, _, h in rows]
+            starts = [length + j - 1 for _, _, length in rows]
             logits = self._forward(rows, tokens, starts, decode=True, step=j)
             for d, t in zip(drafts, logits.argmax(dim=-1).tolist()):
                 d.append(int(t))
@@ -151,7 +159,7 @@ class DraftModelProposer(Proposer):
 
     def _forward(
         self,
-        rows: list[tuple[int, _DraftRequest, list[int]]],
+        rows: list[tuple[int, _DraftRequest, int]],
         tokens: list[list[int]],
         starts: list[int],
         *,
