@@ -598,16 +598,17 @@ def process_logits(
     greedy_of_row = [r.greedy for r in rows]
     greedy_list = [greedy_of_row[r] for r in ridx]
     greedy = torch.tensor(greedy_list, dtype=torch.bool, device=device)
-    probs = torch.empty_like(x)
-    if any(greedy_list):
-        g_idx = greedy.nonzero().squeeze(1)
-        top = x[g_idx].argmax(dim=-1)
-        one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
-        one_hot.scatter_(1, top[:, None], 1.0)
-        probs[g_idx] = one_hot
     if not any(greedy_list):  # (every row random: no gather and scatter of [M, V])
         probs = torch.softmax(_truncate(x, [rows[r].params for r in ridx]), dim=-1)
-    elif not all(greedy_list):
+        row_index_t = torch.tensor(ridx, dtype=torch.int64, device=device)
+        return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
+    probs = torch.empty_like(x)
+    g_idx = greedy.nonzero().squeeze(1)
+    top = x[g_idx].argmax(dim=-1)
+    one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
+    one_hot.scatter_(1, top[:, None], 1.0)
+    probs[g_idx] = one_hot
+    if not all(greedy_list):
         r_idx = (~greedy).nonzero().squeeze(1)
         params = [rows[ridx[i]].params for i in r_idx.tolist()]
         probs[r_idx] = torch.softmax(_truncate(x[r_idx], params), dim=-1)
@@ -763,7 +764,12 @@ class Sampler:
         if any(greedy_list):
             g_idx = proc.greedy.nonzero().squeeze(1)
             tokens[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
-        if not all(greedy_list):
+        if not any(greedy_list):  # (every row random: no gather and scatter of [N, V])
+            noise = exponential_noise(
+                vocab, [r.noise_key for r in rows], generator, proc.probs.dtype, logits.device
+            )
+            tokens = race_sample(proc.probs, noise)
+        elif not all(greedy_list):
             r_list = [i for i, g in enumerate(greedy_list) if not g]
             r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=logits.device)
             noise = exponential_noise(
