@@ -220,10 +220,13 @@ def test_penalty_counts_kept_across_steps_equal_a_recount():
         want = processed_probs(logits, [fresh], row_index=[0, 0, 0], extra_tokens=extra)
         assert torch.equal(got, want), step
     assert kept.penalty_history is not None and kept.penalty_history.counted == len(output)
-    # a row given another output list counts that one
+    # a row given another output list, or another prompt, counts that one
     kept.output_token_ids = [9, 9]
     fresh = RowSampling(params, seed=3, prompt_token_ids=[1, 2, 2, 59, 200], output_token_ids=[9, 9])
     logits = torch.randn(1, vocab, generator=g, dtype=torch.float64)
+    assert torch.equal(processed_probs(logits, [kept]), processed_probs(logits, [fresh]))
+    kept.prompt_token_ids = [30, 31]
+    fresh = RowSampling(params, seed=3, prompt_token_ids=[30, 31], output_token_ids=[9, 9])
     assert torch.equal(processed_probs(logits, [kept]), processed_probs(logits, [fresh]))
 
 
