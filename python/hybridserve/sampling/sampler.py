@@ -456,8 +456,10 @@ def _apply_history(
 
 # The sizes of the partial sorts that look for a row's top-p boundary, in turn, before the whole
 # row is sorted: a model's distribution at a usual temperature puts its top-p mass in a few dozen
-# tokens, and the 1024 largest of 131k cost a tenth of a full sort.
+# tokens, and the 1024 largest of 131k cost a tenth of a full sort. A probe is used only where it
+# is at most a sixteenth of the vocabulary: on a small one the whole sort costs little more.
 _TOP_P_PROBES = (64, 1024)
+_PROBE_SHARE = 16
 
 
 def _kth_largest(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -512,7 +514,7 @@ def _top_p_stages(p: Any, tp: Any, out: Any, descending: Callable[[Any, int], An
     m, vocab = p.shape
     on_np = isinstance(p, np.ndarray)
     todo = np.arange(m) if on_np else torch.arange(m, device=p.device)
-    for k in (*(k for k in _TOP_P_PROBES if k < vocab), vocab):
+    for k in (*(k for k in _TOP_P_PROBES if k * _PROBE_SHARE <= vocab), vocab):
         top = descending(p[todo], k)
         mass = top.cumsum(-1)
         before = np.zeros_like(top) if on_np else torch.zeros_like(top)  # the mass ahead of each
