@@ -63,8 +63,8 @@ def _lookup(buf: bytes | bytearray, k: int, n_min: int, n_max: int) -> list[int]
 
 class _KeptHistory:
     """A request's prompt and output as 8-byte integers, kept between steps and extended by the
-    tokens output since (`bytes_of`): a step's lookup then converts a few tokens, not the whole
-    history (64 rows of 1500 tokens cost 3.6 ms a step that way)."""
+    tokens output since (`extend`): a step's lookup then converts a few tokens, not the whole
+    history (converting 64 histories of 1500 tokens whole cost 3.6 ms a step)."""
 
     __slots__ = ("prompt", "output", "counted", "buf")
 
