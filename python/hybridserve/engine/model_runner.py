@@ -336,7 +336,7 @@ class ModelRunner:
         # A row's failure is its own: logits that are not finite (NaN or inf: an overflow in
         # this sequence) or an error while sampling it end that request alone, and the other
         # rows sample exactly as they would have (sampling draws are keyed per request).
-        finite = torch.isfinite(logits).all(dim=-1).cpu().numpy()
+        finite = _finite_rows(logits)
         if not finite.all():
             bad_plain = ~finite[logit_ends[plain_rows] - 1] if plain_rows else np.zeros(0, dtype=bool)
             bad_spec = [not finite[logit_starts[r] : logit_ends[r]].all() for r in spec_rows]
@@ -476,6 +476,15 @@ class ModelRunner:
                 counts[r] = len(p)
                 flat.extend(int(t) for t in p)
         return np.asarray(flat, dtype=np.int32), counts
+
+
+def _finite_rows(logits: torch.Tensor) -> np.ndarray:
+    """Whether every logit of each row is finite (bool [rows]). On the CPU with numpy: torch's
+    isfinite took 39 ms for 64 rows of a 131k vocabulary on one core, numpy's 1.7 ms."""
+    if logits.device.type == "cpu":
+        finite: np.ndarray = np.isfinite(logits.detach().numpy()).all(axis=-1)
+        return finite
+    return torch.isfinite(logits).all(dim=-1).cpu().numpy()
 
 
 def _plain_greedy_rows(rows: Sequence[RowSampling | None]) -> bool:
