@@ -537,20 +537,22 @@ def _truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     dtype, device = x.dtype, x.device
     vocab = x.shape[1]
     temp = torch.tensor([float(p.temperature) for p in params], dtype=dtype, device=device)
+    # (a new tensor, written in place from here on: each fresh [rows, vocabulary] array costs
+    # its page faults, about as much as the arithmetic at a large vocabulary on the CPU)
     x = x / temp[:, None]
-    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=device)
+    neg_inf = float("-inf")
 
     min_p = [float(p.min_p) for p in params]
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(x, dim=-1)
         thresh = torch.tensor(min_p, dtype=dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        x = torch.where(probs < thresh, neg_inf, x)
+        x.masked_fill_(probs < thresh, neg_inf)
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     k_rows = [i for i, k in enumerate(top_k) if k < vocab]
     if k_rows:
         k_t = torch.as_tensor([top_k[i] for i in k_rows], dtype=torch.int64, device=device)
-        x = _on_rows(x, k_rows, lambda sub: torch.where(sub < _kth_largest(sub, k_t), neg_inf, sub))
+        _on_rows(x, k_rows, lambda sub: sub.masked_fill_(sub < _kth_largest(sub, k_t), neg_inf))
 
     top_p = [float(p.top_p) for p in params]
     p_rows = [i for i, tp in enumerate(top_p) if tp < 1.0]
@@ -559,20 +561,21 @@ def _truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
 
         def nucleus(sub: torch.Tensor) -> torch.Tensor:
             probs = torch.softmax(sub, dim=-1)
-            return torch.where(probs < _top_p_threshold(probs, tp_t), neg_inf, sub)
+            return sub.masked_fill_(probs < _top_p_threshold(probs, tp_t), neg_inf)
 
-        x = _on_rows(x, p_rows, nucleus)
+        _on_rows(x, p_rows, nucleus)
     return x
 
 
-def _on_rows(x: torch.Tensor, rows: list[int], f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`x` with `f` applied to the rows `rows` (increasing): all of `x` at once when they are all
-    its rows, else gathered, transformed and written back in place."""
+def _on_rows(x: torch.Tensor, rows: list[int], f: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Applies `f`, which writes its argument in place and returns it, to the rows `rows`
+    (increasing) of `x`: to all of `x` at once when they are all its rows, else to a copy of them
+    that is written back."""
     if len(rows) == x.shape[0]:
-        return f(x)
+        f(x)
+        return
     rows_t = torch.as_tensor(rows, dtype=torch.int64, device=x.device)
     x[rows_t] = f(x[rows_t])
-    return x
 
 
 def process_logits(
@@ -782,7 +785,7 @@ class Sampler:
             noise = exponential_noise(
                 vocab, [r.noise_key for r in rows], generator, proc.probs.dtype, logits.device
             )
-            tokens = race_sample(proc.probs, noise)
+            tokens = torch.div(proc.probs, noise, out=noise).argmax(dim=-1)  # (race_sample, in place)
         elif not all(greedy_list):
             r_list = [i for i, g in enumerate(greedy_list) if not g]
             r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=logits.device)
