@@ -463,13 +463,7 @@ class ModelRunner:
         flat: list[int] = []
         if proposing:
             k = self.num_speculative_tokens
-            ids = [req_ids[r] for r in proposing]
-            if hasattr(self.proposer, "propose_histories"):
-                proposals = self.proposer.propose_histories(ids, histories, k)
-            elif hasattr(self.proposer, "propose_for"):
-                proposals = self.proposer.propose_for(ids, [h.tokens() for h in histories], k)
-            else:
-                proposals = self.proposer.propose([h.tokens() for h in histories], k)
+            proposals = self.proposer.propose_histories([req_ids[r] for r in proposing], histories, k)
             per_row = {r: list(p)[:k] for r, p in zip(proposing, proposals)}
             for r in range(num_rows):
                 p = per_row.get(r, [])

@@ -43,6 +43,7 @@ before any processing (penalties, temperature, truncation), i.e. what the model 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -98,18 +99,12 @@ _MIX2 = 0x94D049BB133111EB
 _NOISE_CHUNK = 1 << 16
 
 
+@functools.lru_cache(maxsize=1)
 def _weyl(vocab: int) -> np.ndarray:
-    """(v + 1) * golden mod 2^64 for every token v, uint64 (kept for the last vocabulary size)."""
-    cached = _weyl_cache.get(vocab)
-    if cached is None:
-        _weyl_cache.clear()
-        with np.errstate(over="ignore"):
-            cached = np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
-        _weyl_cache[vocab] = cached
-    return cached
-
-
-_weyl_cache: dict[int, np.ndarray] = {}
+    """(v + 1) * golden mod 2^64 for every token v, uint64 (kept for the last vocabulary size;
+    read only)."""
+    with np.errstate(over="ignore"):
+        return np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
 
 
 # Random bits a draw keeps: the top 23 (float32) or 52 (float64) of the hash, so that
@@ -617,18 +612,17 @@ def process_logits(
     greedy = torch.tensor(greedy_list, dtype=torch.bool, device=device)
     if not any(greedy_list):  # (every row random: no gather and scatter of [M, V])
         probs = torch.softmax(_truncate(x, [rows[r].params for r in ridx]), dim=-1)
-        row_index_t = torch.tensor(ridx, dtype=torch.int64, device=device)
-        return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
-    probs = torch.empty_like(x)
-    g_idx = greedy.nonzero().squeeze(1)
-    top = x[g_idx].argmax(dim=-1)
-    one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
-    one_hot.scatter_(1, top[:, None], 1.0)
-    probs[g_idx] = one_hot
-    if not all(greedy_list):
-        r_idx = (~greedy).nonzero().squeeze(1)
-        params = [rows[ridx[i]].params for i in r_idx.tolist()]
-        probs[r_idx] = torch.softmax(_truncate(x[r_idx], params), dim=-1)
+    else:
+        probs = torch.empty_like(x)
+        g_idx = greedy.nonzero().squeeze(1)
+        top = x[g_idx].argmax(dim=-1)
+        one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
+        one_hot.scatter_(1, top[:, None], 1.0)
+        probs[g_idx] = one_hot
+        if not all(greedy_list):
+            r_idx = (~greedy).nonzero().squeeze(1)
+            params = [rows[ridx[i]].params for i in r_idx.tolist()]
+            probs[r_idx] = torch.softmax(_truncate(x[r_idx], params), dim=-1)
     row_index_t = torch.tensor(ridx, dtype=torch.int64, device=device)
     return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
 
