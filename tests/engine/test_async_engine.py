@@ -139,10 +139,10 @@ def test_a_request_whose_row_fails_ends_with_an_error_and_the_others_finish() ->
         runner = engine.engine.runner
         original = runner.sampler.sample
 
-        def sample(logits, rows):  # noqa: ANN001, ANN202 - the sampler's own signature
+        def sample(logits, rows, **kw):  # noqa: ANN001, ANN003, ANN202 - the sampler's own signature
             if any(r.params.seed == 4242 for r in rows):
                 raise ValueError("injected sampling fault")
-            return original(logits, rows)
+            return original(logits, rows, **kw)
 
         runner.sampler.sample = sample  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -45,7 +45,7 @@ def inject_nan_logits(llm: LLM, victim_prompt: str, at_step: int) -> Callable[[]
     original = runner._sample
     seen = {"rows": 0, "injected": 0}
 
-    def sample(out: Any, rows: Any, logits: torch.Tensor, result: Any) -> None:
+    def sample(out: Any, req_ids: Any, rows: Any, logits: torch.Tensor, result: Any) -> None:
         logits = logits.clone()  # the forward's output is an inference tensor: not writable here
         starts = np.concatenate([[0], np.cumsum(np.asarray(out.num_logits))])
         for r, row in enumerate(rows):
@@ -54,7 +54,7 @@ def inject_nan_logits(llm: LLM, victim_prompt: str, at_step: int) -> Callable[[]
                 if seen["rows"] >= at_step:
                     logits[int(starts[r]) : int(starts[r + 1])] = float("nan")
                     seen["injected"] += 1
-        original(out, rows, logits, result)
+        original(out, req_ids, rows, logits, result)
 
     victim_prompt_ids = llm.engine.tokenizer.encode(victim_prompt)
     runner._sample = sample  # type: ignore[method-assign]
@@ -109,11 +109,11 @@ def test_a_sampling_error_in_one_row_fails_that_request_alone(reference: list[li
     original = sampler.sample
     calls = {"batches_with_victim": 0}
 
-    def sample(logits: torch.Tensor, rows: Any) -> Any:
+    def sample(logits: torch.Tensor, rows: Any, **kw: Any) -> Any:
         if any(r.params.seed == VICTIM_SEED for r in rows):
             calls["batches_with_victim"] += 1
             raise ValueError("a bad sampling input")
-        return original(logits, rows)
+        return original(logits, rows, **kw)
 
     sampler.sample = sample  # type: ignore[method-assign]
     outs = llm.generate(PROMPTS, params())

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.rejection import RejectionSampler
+from hybridserve.sampling.row_params import RowParams
 from hybridserve.sampling.sampler import RowSampling, Sampler
 from sampling_stats import chisquare_pvalue
 
@@ -50,13 +54,9 @@ def rows_random(n: int, **kw) -> list[RowSampling]:
 
 
 @pytest.mark.parametrize("path", ["fast", "general"])
-def test_greedy_rows_accept_while_draft_is_argmax(path: str, monkeypatch: pytest.MonkeyPatch):
+def test_greedy_rows_accept_while_draft_is_argmax(path: str):
     # "fast": plain greedy rows take the argmax-only path; "general": the same rows through
     # process_logits and the point-mass verification (as rows with a history to apply would)
-    from hybridserve.sampling import rejection
-
-    if path == "general":
-        monkeypatch.setattr(rejection, "_needs_history", lambda row: True)
     gen = torch.Generator().manual_seed(0)
     vocab, ks = 11, [0, 1, 3, 3, 5, 2]
     logits = torch.randn(sum(ks) + len(ks), vocab, generator=gen)
@@ -80,7 +80,11 @@ def test_greedy_rows_accept_while_draft_is_argmax(path: str, monkeypatch: pytest
         expected.append(row_drafts[:n_ok] + [int(argmax[off + n_ok])])
         off += k + 1
     rows = [RowSampling(SamplingParams(temperature=0.0)) for _ in ks]
-    out = RejectionSampler().sample(logits, drafts, rows, ks)
+    params = None
+    if path == "general":  # (the rows' settings as a row with a history to apply has them)
+        ones = np.ones(len(rows), dtype=bool)
+        params = dataclasses.replace(RowParams.of(rows), plain_greedy=~ones, needs_history=ones)
+    out = RejectionSampler().sample(logits, drafts, rows, ks, params=params)
     assert out.token_ids == expected
     assert out.num_accepted == [r % (k + 1) for r, k in enumerate(ks)]
     assert out.num_sampled == [len(t) for t in expected]

@@ -8,7 +8,9 @@ the scheduler's output alone. The engine keeps the scheduler and the requests.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +21,13 @@ import torch
 from hybridserve import _core
 from hybridserve.distributed.worker import StepInputs
 from hybridserve.engine.model_setup import EngineModel
+from hybridserve.engine.persistent_batch import PersistentBatch
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
 from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
 from hybridserve.model.decode_step import DecodeOutput, DecodeStep, NativeCall, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs, plain_greedy
+from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
 from hybridserve.spec_decode.base import History
 
 logger = logging.getLogger("hybridserve.engine")
@@ -87,6 +90,8 @@ def _prompt_scoring(out: _core.SchedulerOutput, rows: Sequence[RowSampling | Non
         spans=[(r, first, [where[i] for i in flat]) for r, first, flat in extra_spans],
     )
 
+
+_grammar_of = operator.attrgetter("grammar")
 
 _NOT_FINITE = "the model's logits for this request are not finite (NaN or inf)"
 
@@ -188,6 +193,8 @@ class ModelRunner:
         logger.info("kernels: %s: %s", self.kernels, backend.describe(self.kernels))
         self.num_speculative_tokens = num_speculative_tokens
         self.sampler = Sampler()
+        # each request's sampling settings, kept across steps (gathered per step as arrays)
+        self.batch = PersistentBatch()
         # tensor parallelism: the workers that run every step's forward with this process
         self.executor: Any = em.executor
         self.proposer: Any = em.proposer
@@ -208,7 +215,9 @@ class ModelRunner:
             self.executor.shutdown()
 
     def free_request(self, request_id: str) -> None:
-        """The request is gone: a proposer that keeps state per request drops it."""
+        """The request is gone: its persistent batch slot is freed, and a proposer that keeps
+        state per request drops it."""
+        self.batch.free(request_id)
         free = getattr(self.proposer, "free", None)
         if free is not None:
             free(request_id)
@@ -288,16 +297,18 @@ class ModelRunner:
             # call when the model allows (model/decode_step.py); None: the model's forward runs it
             if started.running is not None:
                 running, started.running = started.running, None
-                greedy = _plain_greedy_rows(rows)  # (while the step computes)
+                slots = self.batch.slots(req_ids, rows)  # (while the step computes)
+                greedy = _plain_greedy(self.batch, slots, rows)
                 fused: DecodeOutput | None = running.wait()
             elif self.decode_step is not None and scoring is None:
                 fused = self.decode_step.run(out)
-                greedy = fused is not None and _plain_greedy_rows(rows)
+                slots = self.batch.slots(req_ids, rows)
+                greedy = fused is not None and _plain_greedy(self.batch, slots, rows)
             else:
                 fused, greedy = None, False
             if fused is not None:
                 if not (greedy and _take_greedy(fused, result)):
-                    self._sample(out, rows, fused.logits, result)
+                    self._sample(out, slots, rows, fused.logits, result)
                 assert self.decode_step is not None
                 self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
             else:
@@ -309,13 +320,14 @@ class ModelRunner:
                 if scoring is not None:
                     result.prompt_logprobs = scoring.logprobs(logits, rows)
                     logits = logits[scoring.sampling_rows]
-                self._sample(out, rows, logits, result)
+                self._sample(out, self.batch.slots(req_ids, rows), rows, logits, result)
         result.draft_token_ids, result.num_draft_tokens = self._propose(req_ids, rows, result.sampled)
         return result
 
     def _sample(
         self,
         out: _core.SchedulerOutput,
+        slots: np.ndarray,
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
         result: ModelRunnerOutput,
@@ -346,13 +358,15 @@ class ModelRunner:
                     rows_of_kind.remove(r)
         if plain_rows:
             self._isolating(
-                plain_rows, lambda rs: self._sample_plain(rs, rows, logits, logit_starts, num_logits), result
+                plain_rows,
+                lambda rs: self._sample_plain(rs, slots, rows, logits, logit_starts, num_logits),
+                result,
             )
         if spec_rows:
             self._isolating(
                 spec_rows,
                 lambda rs: self._verify(
-                    rs, out, rows, logits, logit_starts, draft_starts, num_logits, num_drafts
+                    rs, out, slots, rows, logits, logit_starts, draft_starts, num_logits, num_drafts
                 ),
                 result,
             )
@@ -390,14 +404,18 @@ class ModelRunner:
     def _sample_plain(
         self,
         plain_rows: list[int],
+        slots: np.ndarray,
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
         logit_starts: np.ndarray,
         num_logits: np.ndarray,
     ) -> dict[int, _RowResult]:
         plain = [_known(rows[r]) for r in plain_rows]
-        idx = (logit_starts[plain_rows] + num_logits[plain_rows] - 1).tolist()
-        res = self.sampler.sample(logits[idx], plain)
+        params = self.batch.params(slots[plain_rows], plain)
+        idx = logit_starts[plain_rows] + num_logits[plain_rows] - 1
+        # (a decode step's rows sample every logits row, in order: no gathered copy of them)
+        every = len(idx) == logits.shape[0] and bool((idx == np.arange(len(idx))).all())
+        res = self.sampler.sample(logits if every else logits[idx.tolist()], plain, params=params)
         token_ids = res.token_ids.tolist()  # one conversion, not one per row
         done: dict[int, _RowResult] = {}
         for i, r in enumerate(plain_rows):
@@ -409,6 +427,7 @@ class ModelRunner:
         self,
         spec_rows: list[int],
         out: _core.SchedulerOutput,
+        slots: np.ndarray,
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
         logit_starts: np.ndarray,
@@ -430,7 +449,8 @@ class ModelRunner:
         flat_drafts = [
             t for r, k in zip(spec_rows, ks) for t in all_drafts[draft_starts[r] : draft_starts[r] + k]
         ]
-        emitted = self.rejection_sampler.sample(target, flat_drafts, spec, ks)
+        params = self.batch.params(slots[spec_rows], spec)
+        emitted = self.rejection_sampler.sample(target, flat_drafts, spec, ks, params=params)
         done: dict[int, _RowResult] = {}
         for i, r in enumerate(spec_rows):
             tokens = [int(t) for t in emitted[i]]
@@ -481,17 +501,16 @@ def _finite_rows(logits: torch.Tensor) -> np.ndarray:
     return torch.isfinite(logits).all(dim=-1).cpu().numpy()
 
 
-def _plain_greedy_rows(rows: Sequence[RowSampling | None]) -> bool:
+def _plain_greedy(batch: PersistentBatch, slots: np.ndarray, rows: Sequence[RowSampling | None]) -> bool:
     """Whether every row is plain greedy (no logprobs, penalties, logit bias or grammar), so that
     its token is the argmax the decode step computed, as the sampler's would be."""
-    for row in {id(r): r for r in rows}.values():
-        if row is None or row.grammar is not None or not plain_greedy(row):
-            return False
-    return True
+    if not batch.all_plain_greedy(slots):  # (false too where a row is None)
+        return False
+    return all(map(operator.is_, map(_grammar_of, rows), itertools.repeat(None)))
 
 
 def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput) -> bool:
-    """Sampling of a decode step of plain greedy rows (`_plain_greedy_rows`): each row's token is
+    """Sampling of a decode step of plain greedy rows (`_plain_greedy`): each row's token is
     the argmax the decode step computed; a row with a non-finite logit fails alone, as in
     `_sample`. False (nothing recorded) for a step of verify rows (the rejection sampler's)."""
     greedy = fused.greedy

@@ -51,16 +51,14 @@ import torch
 
 from hybridserve.sampling.grammar import row_masks
 from hybridserve.sampling.logprobs import TokenLogprobs
+from hybridserve.sampling.row_params import RowParams
 from hybridserve.sampling.sampler import (
     LogprobsMode,
     ProcessedLogits,
     RowSampling,
     Sampler,
-    _needs_history,
-    _unique,
     apply_allowed,
     exponential_noise,
-    plain_greedy,
     process_logits,
     race_sample,
     uniform_draws,
@@ -320,6 +318,7 @@ class RejectionSampler:
         *,
         draft_probs: torch.Tensor | Sequence[torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
+        params: RowParams | None = None,
     ) -> RejectionOutput:
         """Verify the drafts of every row.
 
@@ -327,7 +326,8 @@ class RejectionSampler:
         flat [sum k_r], `num_draft_tokens` = [k_r], `draft_probs` [sum k_r, V] or None.
         Per-row form (`num_draft_tokens` None): `target_logits` a sequence of [1 + k_r, V] tensors,
         `draft_token_ids` a sequence of per-row draft lists, `draft_probs` a sequence of [k_r, V]
-        tensors or None. `generator` is used by rows without a seed.
+        tensors or None. `generator` is used by rows without a seed. `params`:
+        `RowParams.of(rows)` where the caller has it (the model runner's persistent batch).
         """
         num_rows = len(rows)
         if num_draft_tokens is None:
@@ -385,7 +385,9 @@ class RejectionSampler:
                 row_drafts.append(flat_l[off : off + k])
                 off += k
             allowed = row_masks([r.grammar for r in rows], vocab, device, row_drafts)
-        if draft_probs is None and all(plain_greedy(r) for r in _unique(rows)):
+        if params is None:
+            params = RowParams.of(rows)
+        if draft_probs is None and params.plain_greedy.all():
             return _greedy_point_mass(apply_allowed(target_logits, allowed), drafts, ks)
 
         # Positions: row r owns logit rows start[r] .. start[r] + k_r; its drafts are
@@ -400,7 +402,7 @@ class RejectionSampler:
         draft_pos = is_draft_pos.nonzero().squeeze(1)  # [total_k], in flat draft order
 
         extra: list[list[int]] | None = None
-        if any(_needs_history(r) for r in _unique(rows)):
+        if params.needs_history.any():
             dl = drafts.tolist()
             extra = []
             off = 0
@@ -408,10 +410,15 @@ class RejectionSampler:
                 extra.extend(dl[off : off + j] for j in range(k + 1))
                 off += k
         proc = process_logits(
-            target_logits, rows, row_index=row_index.tolist(), extra_tokens=extra, allowed=allowed
+            target_logits,
+            rows,
+            row_index=row_index.tolist(),
+            extra_tokens=extra,
+            allowed=allowed,
+            params=params,
         )
         probs = proc.probs
-        greedy_of_row = [r.greedy for r in rows]
+        greedy_of_row = params.greedy.tolist()
         greedy_rows = torch.tensor(greedy_of_row, dtype=torch.bool, device=device)
 
         rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]

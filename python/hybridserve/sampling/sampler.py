@@ -54,6 +54,7 @@ import torch
 from hybridserve.sampling.grammar import GrammarMatcher, row_masks
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.row_params import RowParams
 from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
@@ -183,14 +184,14 @@ def _exponentials_torch(
 
 
 def keyed_exponentials(
-    keys: Sequence[int], vocab: int, dtype: torch.dtype, device: torch.device
+    keys: Sequence[int] | np.ndarray, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[len(keys), vocab] Exp(1) draws; row i depends only on the 63-bit keys[i] (`keyed_seed`),
     its column v only on (keys[i], v)."""
     if device.type == "cpu":
-        arr = _exponentials_np(np.asarray(list(keys), dtype=np.uint64), vocab, dtype)
+        arr = _exponentials_np(np.asarray(keys, dtype=np.uint64), vocab, dtype)
         return torch.from_numpy(arr).to(dtype)
-    return _exponentials_torch(list(keys), vocab, dtype, device)
+    return _exponentials_torch([int(k) for k in keys], vocab, dtype, device)
 
 
 def keyed_noise(
@@ -337,22 +338,6 @@ class ProcessedLogits:
     probs: torch.Tensor  # [M, V] final target distribution (one-hot argmax on greedy rows)
     greedy: torch.Tensor  # bool [M]
     row_index: torch.Tensor  # int64 [M]: which entry of `rows` each logit row belongs to
-
-
-def _unique(rows: Sequence[RowSampling]) -> list[RowSampling]:
-    """The distinct row objects (a batch often repeats one object; checks then run once)."""
-    return list({id(r): r for r in rows}.values())
-
-
-def _needs_history(row: RowSampling) -> bool:
-    return row.has_penalties or row.params.min_tokens > 0
-
-
-def plain_greedy(row: RowSampling) -> bool:
-    """Greedy with nothing to apply before the argmax but the grammar mask."""
-    return (
-        row.greedy and not _needs_history(row) and row.params.logprobs is None and not row.params.logit_bias
-    )
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: Sequence[RowSampling], row_index: list[int]) -> None:
@@ -525,34 +510,36 @@ def _top_p_stages(p: Any, tp: Any, out: Any, descending: Callable[[Any, int], An
             break
 
 
-def _truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p on the logits of random rows; returns masked logits.
-    Neither top_k nor top_p sorts a whole row unless top_p needs it (`_top_p_threshold`): on a
-    vocabulary of 131k a full sort of 64 rows took 0.6 s on one core."""
+def _truncate(x: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on the logits of random rows (`params`: theirs, one per
+    logit row); returns masked logits. Neither top_k nor top_p sorts a whole row unless top_p
+    needs it (`_top_p_threshold`): on a vocabulary of 131k a full sort of 64 rows took 0.6 s on one
+    core."""
     dtype, device = x.dtype, x.device
     vocab = x.shape[1]
-    temp = torch.tensor([float(p.temperature) for p in params], dtype=dtype, device=device)
+    temp = torch.from_numpy(params.temperature).to(dtype=dtype, device=device)
     # (a new tensor, written in place from here on: each fresh [rows, vocabulary] array costs
     # its page faults, about as much as the arithmetic at a large vocabulary on the CPU)
     x = x / temp[:, None]
     neg_inf = float("-inf")
 
-    min_p = [float(p.min_p) for p in params]
-    if any(m > 0.0 for m in min_p):
+    min_p = params.min_p
+    if (min_p > 0.0).any():
         probs = torch.softmax(x, dim=-1)
-        thresh = torch.tensor(min_p, dtype=dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        min_p_t = torch.from_numpy(min_p).to(dtype=dtype, device=device)
+        thresh = min_p_t[:, None] * probs.amax(dim=-1, keepdim=True)
         x.masked_fill_(probs < thresh, neg_inf)
 
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    k_rows = [i for i, k in enumerate(top_k) if k < vocab]
-    if k_rows:
-        k_t = torch.as_tensor([top_k[i] for i in k_rows], dtype=torch.int64, device=device)
+    top_k = params.top_k
+    k_rows = np.flatnonzero((top_k > 0) & (top_k < vocab))
+    if len(k_rows):
+        k_t = torch.from_numpy(top_k[k_rows]).to(device)
         _on_rows(x, k_rows, lambda sub: sub.masked_fill_(sub < _kth_largest(sub, k_t), neg_inf))
 
-    top_p = [float(p.top_p) for p in params]
-    p_rows = [i for i, tp in enumerate(top_p) if tp < 1.0]
-    if p_rows:
-        tp_t = torch.tensor([top_p[i] for i in p_rows], dtype=dtype, device=device)[:, None]
+    top_p = params.top_p
+    p_rows = np.flatnonzero(top_p < 1.0)
+    if len(p_rows):
+        tp_t = torch.from_numpy(top_p[p_rows]).to(dtype=dtype, device=device)[:, None]
 
         def nucleus(sub: torch.Tensor) -> torch.Tensor:
             probs = torch.softmax(sub, dim=-1)
@@ -562,14 +549,14 @@ def _truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     return x
 
 
-def _on_rows(x: torch.Tensor, rows: list[int], f: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _on_rows(x: torch.Tensor, rows: np.ndarray, f: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Applies `f`, which writes its argument in place and returns it, to the rows `rows`
     (increasing) of `x`: to all of `x` at once when they are all its rows, else to a copy of them
     that is written back."""
     if len(rows) == x.shape[0]:
         f(x)
         return
-    rows_t = torch.as_tensor(rows, dtype=torch.int64, device=x.device)
+    rows_t = torch.from_numpy(rows.astype(np.int64)).to(x.device)
     x[rows_t] = f(x[rows_t])
 
 
@@ -580,6 +567,7 @@ def process_logits(
     row_index: Sequence[int] | None = None,
     extra_tokens: Sequence[Sequence[int]] | None = None,
     allowed: torch.Tensor | None = None,
+    params: RowParams | None = None,
 ) -> ProcessedLogits:
     """Apply every sampling parameter to `logits` [M, V].
 
@@ -587,31 +575,37 @@ def process_logits(
     are tokens appended to that row's output history for logit row i (the draft tokens before a
     verify position), so penalties and min_tokens see exactly the context of that position.
     `allowed` (bool [M, V]): the grammar masks of the logit rows (all True for rows without one).
+    `params`: `RowParams.of(rows)` where the caller has it (the model runner's persistent batch).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}")
     m = logits.shape[0]
-    ridx = list(range(m)) if row_index is None else list(row_index)
+    ridx = np.arange(m) if row_index is None else np.asarray(row_index, dtype=np.int64).reshape(-1)
     if len(ridx) != m:
         raise ValueError(f"row_index has {len(ridx)} entries for {m} logit rows")
     if extra_tokens is not None and len(extra_tokens) != m:
         raise ValueError(f"extra_tokens has {len(extra_tokens)} entries for {m} logit rows")
+    if params is None:
+        params = RowParams.of(rows)
+    elif len(params.greedy) != len(rows):
+        raise ValueError(f"params has {len(params.greedy)} rows for {len(rows)}")
     device = logits.device
     x = logits.to(_work_dtype(logits))
-    biased = any(r.params.logit_bias for r in _unique(rows))
-    if biased or allowed is not None or any(_needs_history(r) for r in _unique(rows)):
+    biased = bool(params.biased.any())
+    history = bool(params.needs_history.any())
+    if biased or allowed is not None or history:
         x = x.clone()  # (written in place below; the caller's logits stay as they are)
     if biased:
-        _apply_logit_bias(x, rows, ridx)  # on the raw logits, before everything else
+        _apply_logit_bias(x, rows, ridx.tolist())  # on the raw logits, before everything else
     if allowed is not None:
         x.masked_fill_(~allowed, float("-inf"))
-    _apply_history(x, rows, ridx, extra_tokens)
+    if history:
+        _apply_history(x, rows, ridx.tolist(), extra_tokens)
 
-    greedy_of_row = [r.greedy for r in rows]
-    greedy_list = [greedy_of_row[r] for r in ridx]
-    greedy = torch.tensor(greedy_list, dtype=torch.bool, device=device)
-    if not any(greedy_list):  # (every row random: no gather and scatter of [M, V])
-        probs = torch.softmax(_truncate(x, [rows[r].params for r in ridx]), dim=-1)
+    greedy_np = params.greedy[ridx]
+    greedy = torch.from_numpy(greedy_np).to(device)
+    if not greedy_np.any():  # (every row random: no gather and scatter of [M, V])
+        probs = torch.softmax(_truncate(x, params.take(ridx)), dim=-1)
     else:
         probs = torch.empty_like(x)
         g_idx = greedy.nonzero().squeeze(1)
@@ -619,11 +613,11 @@ def process_logits(
         one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
         one_hot.scatter_(1, top[:, None], 1.0)
         probs[g_idx] = one_hot
-        if not all(greedy_list):
-            r_idx = (~greedy).nonzero().squeeze(1)
-            params = [rows[ridx[i]].params for i in r_idx.tolist()]
-            probs[r_idx] = torch.softmax(_truncate(x[r_idx], params), dim=-1)
-    row_index_t = torch.tensor(ridx, dtype=torch.int64, device=device)
+        if not greedy_np.all():
+            r_np = np.flatnonzero(~greedy_np)
+            r_idx = torch.from_numpy(r_np).to(device)
+            probs[r_idx] = torch.softmax(_truncate(x[r_idx], params.take(ridx[r_np])), dim=-1)
+    row_index_t = torch.from_numpy(ridx.astype(np.int64)).to(device)
     return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
 
 
@@ -658,13 +652,50 @@ def exponential_noise(
             own_keys, vocab, dtype, device, stream
         )
     if shared:
-        gen_device = batch_generator.device if batch_generator is not None else device
-        e = torch.empty((len(shared), vocab), dtype=dtype, device=gen_device)
-        e.exponential_(generator=batch_generator)
-        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = e.clamp_min_(
-            torch.finfo(dtype).tiny
-        ).to(device)
+        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = _shared_noise(
+            len(shared), vocab, batch_generator, dtype, device
+        )
     return noise
+
+
+def row_noise(
+    params: RowParams,
+    vocab: int,
+    batch_generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """`exponential_noise` of the token draws of `params`' rows (a seeded row's keyed by its
+    seed and output position), with the keys computed for every row at once."""
+    seeded = params.seeded
+    if seeded.all():
+        return _keyed_noise_rows(params.noise_keys(), vocab, dtype, device)
+    noise = torch.empty((len(seeded), vocab), dtype=dtype, device=device)
+    own = np.flatnonzero(seeded)
+    if len(own):
+        noise[torch.from_numpy(own).to(device)] = _keyed_noise_rows(
+            params.noise_keys()[own], vocab, dtype, device
+        )
+    shared = np.flatnonzero(~seeded)
+    noise[torch.from_numpy(shared).to(device)] = _shared_noise(
+        len(shared), vocab, batch_generator, dtype, device
+    )
+    return noise
+
+
+def _keyed_noise_rows(keys: np.ndarray, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`keyed_noise` of rows whose draw keys (`keyed_seed`'s) are computed: uint64 `keys`."""
+    return keyed_exponentials(keys, vocab, dtype, device).clamp_min_(torch.finfo(dtype).tiny)
+
+
+def _shared_noise(
+    count: int, vocab: int, batch_generator: torch.Generator | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[count, vocab] Exp(1) noise from the batch generator (one vectorised draw)."""
+    gen_device = batch_generator.device if batch_generator is not None else device
+    e = torch.empty((count, vocab), dtype=dtype, device=gen_device)
+    e.exponential_(generator=batch_generator)
+    return e.clamp_min_(torch.finfo(dtype).tiny).to(device)
 
 
 def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -755,8 +786,10 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[RowSampling],
         generator: torch.Generator | None = None,
+        params: RowParams | None = None,
     ) -> SamplerOutput:
-        """`logits` [N, V] (one row per entry of `rows`) -> one token per row."""
+        """`logits` [N, V] (one row per entry of `rows`) -> one token per row. `params`:
+        `RowParams.of(rows)` where the caller has it (the model runner's persistent batch)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         n, vocab = logits.shape
@@ -764,29 +797,27 @@ class Sampler:
             return SamplerOutput(
                 token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=[]
             )
+        if params is None:
+            params = RowParams.of(rows)
         allowed = row_masks([r.grammar for r in rows], vocab, logits.device)
-        if all(plain_greedy(r) for r in _unique(rows)):
+        if params.plain_greedy.all():
             # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
             # process_logits.
             return SamplerOutput(token_ids=apply_allowed(logits, allowed).argmax(dim=-1), logprobs=[None] * n)
-        proc = process_logits(logits, rows, allowed=allowed)
-        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-        greedy_list = proc.greedy.tolist()
-        if any(greedy_list):
+        proc = process_logits(logits, rows, allowed=allowed, params=params)
+        greedy = params.greedy
+        if not greedy.any():  # (every row random: no gather and scatter of [N, V])
+            noise = row_noise(params, vocab, generator, proc.probs.dtype, logits.device)
+            tokens = torch.div(proc.probs, noise, out=noise).argmax(dim=-1)  # (race_sample, in place)
+        else:
+            tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
             g_idx = proc.greedy.nonzero().squeeze(1)
             tokens[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
-        if not any(greedy_list):  # (every row random: no gather and scatter of [N, V])
-            noise = exponential_noise(
-                vocab, [r.noise_key for r in rows], generator, proc.probs.dtype, logits.device
-            )
-            tokens = torch.div(proc.probs, noise, out=noise).argmax(dim=-1)  # (race_sample, in place)
-        elif not all(greedy_list):
-            r_list = [i for i, g in enumerate(greedy_list) if not g]
-            r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=logits.device)
-            noise = exponential_noise(
-                vocab, [rows[i].noise_key for i in r_list], generator, proc.probs.dtype, logits.device
-            )
-            tokens[r_idx] = race_sample(proc.probs[r_idx], noise)
+            if not greedy.all():
+                r_np = np.flatnonzero(~greedy)
+                r_idx = torch.from_numpy(r_np).to(logits.device)
+                noise = row_noise(params.take(r_np), vocab, generator, proc.probs.dtype, logits.device)
+                tokens[r_idx] = race_sample(proc.probs[r_idx], noise)
         return SamplerOutput(token_ids=tokens, logprobs=self.logprobs(logits, proc, tokens, rows))
 
     def logprobs(

@@ -28,7 +28,7 @@ RECOVERY_STREAM = 0x7265636F76657279
 CHOICE_STREAM = 0x63686F696365
 
 
-def _mix64(z: int) -> int:
+def mix64(z: int) -> int:
     """splitmix64's finaliser: a bijection of 64-bit integers that mixes every bit."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -37,7 +37,7 @@ def _mix64(z: int) -> int:
 
 def derive_seed(base_seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for the index-th child of `base_seed` (splitmix64)."""
-    return _mix64((base_seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64) & _MASK63
+    return mix64((base_seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64) & _MASK63
 
 
 def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
@@ -54,5 +54,5 @@ def choice_seed(seed: int | None, choice_index: int) -> int | None:
 
 def keyed_seed(seed: int, position: int, stream: int) -> int:
     """The generator seed of draw `position` of `stream` for a request seeded with `seed`."""
-    z = _mix64((seed * 0x9E3779B97F4A7C15 + stream) & _MASK64)
-    return _mix64((z + (position + 1) * 0xD1B54A32D192ED03) & _MASK64) & _MASK63
+    z = mix64((seed * 0x9E3779B97F4A7C15 + stream) & _MASK64)
+    return mix64((z + (position + 1) * 0xD1B54A32D192ED03) & _MASK64) & _MASK63

@@ -1,0 +1,123 @@
+"""The sampling parameters of a step's rows as arrays, one entry per row.
+
+The sampler reads every per-row setting (temperature, truncation, which rows are greedy, the keys
+of their draws) from these arrays, so a step costs array operations, not a pass over the rows'
+objects for each setting. `RowParams.of(rows)` builds them from the rows; the model runner's
+`PersistentBatch` keeps each request's entries across steps and gathers them instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hybridserve.sampling.seeds import NOISE_STREAM, mix64
+
+if TYPE_CHECKING:
+    from hybridserve.sampling.sampler import RowSampling
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_POSITION_STEP = 0xD1B54A32D192ED03  # (seeds.keyed_seed's)
+_MASK64 = (1 << 64) - 1
+
+
+def noise_base(seed: int | None) -> int:
+    """The part of a request's draw keys that depends on its seed alone (`seeds.keyed_seed`'s
+    first mix, for the token draws' stream); 0 for an unseeded request."""
+    return 0 if seed is None else mix64((seed * _GOLDEN + NOISE_STREAM) & _MASK64)
+
+
+def keyed_seeds(base: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`seeds.keyed_seed(seed, position, NOISE_STREAM)` of every row at once (uint64), from the
+    rows' `noise_base` (uint64) and output positions (int64)."""
+    with np.errstate(over="ignore"):
+        z = base + (positions.astype(np.uint64) + np.uint64(1)) * np.uint64(_POSITION_STEP)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    keys: np.ndarray = z & np.uint64((1 << 63) - 1)
+    return keys
+
+
+# The fields of one row, in the order `row_entries` gives them and the arrays' dtypes.
+FIELDS: tuple[tuple[str, type], ...] = (
+    ("temperature", np.float64),
+    ("top_p", np.float64),
+    ("top_k", np.int64),
+    ("min_p", np.float64),
+    ("greedy", np.bool_),
+    ("plain_greedy", np.bool_),
+    ("needs_history", np.bool_),
+    ("biased", np.bool_),
+    ("seeded", np.bool_),
+    ("noise_base", np.uint64),
+)
+
+
+def row_entries(row: RowSampling) -> tuple[float, float, int, float, bool, bool, bool, bool, bool, int]:
+    """One row's values of `FIELDS`."""
+    p = row.params
+    greedy = row.greedy
+    needs_history = row.has_penalties or p.min_tokens > 0
+    biased = bool(p.logit_bias)
+    plain = greedy and not needs_history and p.logprobs is None and not biased
+    return (
+        float(p.temperature),
+        float(p.top_p),
+        int(p.top_k),
+        float(p.min_p),
+        greedy,
+        plain,
+        needs_history,
+        biased,
+        row.seed is not None,
+        noise_base(row.seed),
+    )
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling settings of a batch (numpy, one entry per row, in the rows' order).
+
+    `positions` is each row's output position (`RowSampling.output_position`), which keys its
+    draw together with `noise_base` where `seeded`."""
+
+    temperature: np.ndarray  # float64
+    top_p: np.ndarray  # float64
+    top_k: np.ndarray  # int64 (0 or -1: off)
+    min_p: np.ndarray  # float64
+    greedy: np.ndarray  # bool
+    plain_greedy: np.ndarray  # bool: greedy, nothing to apply before the argmax but a grammar mask
+    needs_history: np.ndarray  # bool: a penalty or min_tokens
+    biased: np.ndarray  # bool: a logit_bias
+    seeded: np.ndarray  # bool
+    noise_base: np.ndarray  # uint64
+    positions: np.ndarray  # int64
+
+    @staticmethod
+    def of(rows: Sequence[RowSampling]) -> RowParams:
+        """The arrays of `rows`, read from each row."""
+        entries = [row_entries(r) for r in rows]
+        columns = list(zip(*entries)) if entries else [()] * len(FIELDS)
+        arrays: dict[str, np.ndarray] = {
+            name: np.array(col, dtype=dtype) for (name, dtype), col in zip(FIELDS, columns)
+        }
+        positions = np.fromiter((r.output_position for r in rows), dtype=np.int64, count=len(rows))
+        return RowParams(**arrays, positions=positions)
+
+    def take(self, index: Sequence[int] | np.ndarray) -> RowParams:
+        """The rows `index` (in that order)."""
+        idx = np.asarray(index, dtype=np.intp)
+        return RowParams(**{name: getattr(self, name)[idx] for name in _ALL})
+
+    def noise_keys(self) -> np.ndarray:
+        """The 63-bit key of each row's token draw (uint64; meaningless where not `seeded`)."""
+        return keyed_seeds(self.noise_base, self.positions)
+
+
+_ALL = (*(name for name, _ in FIELDS), "positions")
