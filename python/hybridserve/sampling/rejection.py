@@ -44,9 +44,11 @@ the target's own draws with the drafts and needs no kernel of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridserve.sampling.grammar import row_masks
@@ -61,6 +63,7 @@ from hybridserve.sampling.sampler import (
     exponential_noise,
     process_logits,
     race_sample,
+    row_noise,
     uniform_draws,
 )
 from hybridserve.sampling.seeds import RECOVERY_STREAM
@@ -132,7 +135,7 @@ class RejectionSampler:
         dstart: torch.Tensor,
         row_index: torch.Tensor,
         draft_pos: torch.Tensor,
-        rows: Sequence[RowSampling],
+        params: RowParams,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted counts and final tokens for drafts without probabilities: each position's
@@ -153,18 +156,17 @@ class RejectionSampler:
             ks = ks_t.tolist()
             start_l, dstart_l = start.tolist(), dstart.tolist()
             drafts_l = drafts.tolist()
-            alive = [r for r in range(len(rows)) if not rows[r].greedy]
+            alive = np.flatnonzero(~params.greedy).tolist()
 
             def draw(pairs: list[tuple[int, int]]) -> torch.Tensor:
-                """The target's own draw at position j of row r, for each (r, j)."""
-                keys: list[tuple[int, int] | None] = []
-                for r, j in pairs:
-                    key = rows[r].noise_key
-                    keys.append(None if key is None else (key[0], key[1] + j))
+                """The target's own draw at position j of row r, for each (r, j): the draw of
+                output position (the row's + j)."""
+                r_of = np.fromiter((r for r, _ in pairs), dtype=np.intp, count=len(pairs))
+                j_of = np.fromiter((j for _, j in pairs), dtype=np.int64, count=len(pairs))
+                at = params.take(r_of)
+                at = dataclasses.replace(at, positions=at.positions + j_of)
                 pos_t = torch.as_tensor([start_l[r] + j for r, j in pairs], dtype=torch.int64, device=device)
-                drawn = race_sample(
-                    probs[pos_t], exponential_noise(vocab, keys, generator, probs.dtype, device)
-                )
+                drawn = race_sample(probs[pos_t], row_noise(at, vocab, generator, probs.dtype, device))
                 own[pos_t] = drawn
                 return drawn
 
@@ -424,7 +426,7 @@ class RejectionSampler:
         rand_rows = [i for i in range(num_rows) if not greedy_of_row[i]]
         if draft_probs is None:
             num_acc, final = self._sample_point_mass(
-                proc, drafts, ks_t, start, dstart, row_index, draft_pos, rows, generator
+                proc, drafts, ks_t, start, dstart, row_index, draft_pos, params, generator
             )
         elif self._kernel_path(probs):
             num_acc, final = self._sample_with_kernel(
