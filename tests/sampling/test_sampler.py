@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -415,3 +416,23 @@ def test_plain_greedy_batch_equals_the_processed_path():
     rows[0] = RowSampling(SamplingParams(temperature=0.0, presence_penalty=2.0), output_token_ids=[5])
     mixed = Sampler().sample(logits, rows)
     assert int(mixed.token_ids[0]) == 9 and torch.equal(mixed.token_ids[1:], plain.token_ids[1:])
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities() -> None:
+    # The sampler takes numpy's argmax on the CPU (faster than torch's there): the same index for
+    # every row, the first of equal values, the first NaN, in float32 and float64, strided too.
+    from hybridserve.sampling.sampler import argmax_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n, v = int(rng.integers(1, 9)), int(rng.integers(1, 60))
+        x = rng.integers(-3, 4, size=(n, v)).astype(rng.choice([np.float32, np.float64]))
+        for special in (np.nan, np.inf, -np.inf):
+            x[rng.random((n, v)) < 0.1] = special
+        t = torch.from_numpy(x)
+        if rng.random() < 0.3:
+            t = t[:, ::2]
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    half = torch.randn(3, 7).to(torch.bfloat16)  # (torch's own argmax)
+    assert torch.equal(argmax_rows(half), half.argmax(dim=-1))

@@ -60,6 +60,7 @@ from hybridserve.sampling.sampler import (
     RowSampling,
     Sampler,
     apply_allowed,
+    argmax_rows,
     exponential_noise,
     process_logits,
     race_sample,
@@ -148,7 +149,7 @@ class RejectionSampler:
         greedy_list = proc.greedy.tolist()
         if any(greedy_list):
             g_idx = proc.greedy.nonzero().squeeze(1)
-            own[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
+            own[g_idx] = argmax_rows(proc.penalized[g_idx])
         if not all(greedy_list):
             # Random rows draw position by position and stop at their first mismatch: on the CPU a
             # draw costs V exponentials, and the positions after a rejection are never looked at.
@@ -214,7 +215,7 @@ class RejectionSampler:
         if total_k:
             draft_row = row_index[draft_pos]
             g_mask = greedy_rows[draft_row]
-            target_argmax = proc.penalized[draft_pos].argmax(dim=-1)
+            target_argmax = argmax_rows(proc.penalized[draft_pos])
             accept = torch.where(g_mask, drafts == target_argmax, accept)
             if rand_rows:
                 u = uniform_draws(
@@ -236,7 +237,7 @@ class RejectionSampler:
         final = torch.empty(num_rows, dtype=torch.int64, device=device)
         g_idx = greedy_rows.nonzero().squeeze(1)
         if g_idx.numel():
-            final[g_idx] = proc.penalized[stop_pos[g_idx]].argmax(dim=-1)
+            final[g_idx] = argmax_rows(proc.penalized[stop_pos[g_idx]])
         r_list = rand_rows
         if r_list:
             r_idx = torch.as_tensor(r_list, dtype=torch.int64, device=device)
@@ -491,7 +492,7 @@ def _greedy_point_mass(target_logits: torch.Tensor, drafts: torch.Tensor, ks: li
     """Greedy rows with nothing to apply before the argmax (the sampler's fast path): a draft is
     accepted while it is the argmax of its position, and the argmax where it stops is emitted,
     exactly what the general path computes, without its [positions, V] copies."""
-    own = target_logits.argmax(dim=-1).tolist()
+    own = argmax_rows(target_logits).tolist()
     flat = drafts.tolist()
     token_ids: list[list[int]] = []
     num_accepted: list[int] = []

