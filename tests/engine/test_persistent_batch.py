@@ -36,7 +36,9 @@ def test_gathered_settings_equal_the_rows_through_adds_frees_and_changes() -> No
     rng = random.Random(0)
     batch = PersistentBatch(capacity=2)  # (grows several times)
     live: dict[str, RowSampling] = {}
-    for step in range(400):
+    ids: list[str] = []
+    last, kept = None, 0
+    for step in range(600):
         op = rng.random()
         if op < 0.3 or not live:
             live[f"r{step}"] = row(rng)  # a new request
@@ -51,11 +53,20 @@ def test_gathered_settings_equal_the_rows_through_adds_frees_and_changes() -> No
             live[rng.choice(sorted(live))].output_token_ids.append(7)  # (its position moves on)
         if not live:
             continue
-        # a step samples some of the live requests (the others preempted or not scheduled)
-        ids = rng.sample(sorted(live), rng.randint(1, len(live)))
+        # a step samples some of the live requests (the others preempted or not scheduled), often
+        # the same ones as the step before (what the batch keeps its gathered settings for)
+        if ids and rng.random() < 0.5 and all(r in live for r in ids):
+            ids = list(ids)
+        else:
+            ids = rng.sample(sorted(live), rng.randint(1, len(live)))
         rows = [live[r] for r in ids]
-        assert_same(batch.params(batch.slots(ids, rows), rows), RowParams.of(rows))
+        slots = batch.slots(ids, rows)
+        assert_same(batch.params(slots, rows), RowParams.of(rows))
+        assert batch.all_plain_greedy(slots) == bool(RowParams.of(rows).plain_greedy.all())
+        kept += slots is last
+        last = slots
         assert len(batch) <= len(live) and batch.capacity >= len(batch)
+    assert kept > 50  # (steps that reused the previous step's slots were among those checked)
     for rid in list(live):
         batch.free(rid)
     assert len(batch) == 0

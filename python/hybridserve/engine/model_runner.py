@@ -411,7 +411,8 @@ class ModelRunner:
         num_logits: np.ndarray,
     ) -> dict[int, _RowResult]:
         plain = [_known(rows[r]) for r in plain_rows]
-        params = self.batch.params(slots[plain_rows], plain)
+        # (every row, in order: the step's own slots, whose gathered settings the batch keeps)
+        params = self.batch.params(slots if len(plain_rows) == len(slots) else slots[plain_rows], plain)
         idx = logit_starts[plain_rows] + num_logits[plain_rows] - 1
         # (a decode step's rows sample every logits row, in order: no gathered copy of them)
         every = len(idx) == logits.shape[0] and bool((idx == np.arange(len(idx))).all())

@@ -41,6 +41,14 @@ class PersistentBatch:
         self._free: list[int] = []
         self._arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=dtype) for name, dtype in FIELDS}
         self._grow(max(1, capacity))
+        # The last step's rows and what was computed for them: a step whose rows are the same
+        # requests, in the same order, with the same row objects (a batch of decode rows, step
+        # after step) reuses its slots and gathered settings. Any slot written or freed since
+        # drops them.
+        self._last_ids: list[str] = []
+        self._last_rows: list[RowSampling | None] = []
+        self._last_slots: np.ndarray | None = None
+        self._gathered: dict[str, np.ndarray] | None = None  # the fields at `_last_slots`
 
     def __len__(self) -> int:
         """Requests holding a slot."""
@@ -51,22 +59,43 @@ class PersistentBatch:
         return len(self._row_of_slot)
 
     def slots(self, req_ids: Sequence[str], rows: Sequence[RowSampling | None]) -> np.ndarray:
-        """The slot of each row (intp; -1 where `rows[i]` is None: a request that is gone). A
-        request without a slot, or whose slot holds another row object, is written first."""
+        """The slot of each row (intp, read only; -1 where `rows[i]` is None: a request that is
+        gone). A request without a slot, or whose slot holds another row object, is written
+        first. The same array object as the last call's when the rows are the same."""
+        last = self._last_slots
+        if (
+            last is not None
+            and len(rows) == len(last)
+            and all(map(operator.is_, rows, self._last_rows))
+            and req_ids == self._last_ids
+        ):
+            return last
         found = list(map(self._slot_of.get, req_ids))
         slots = cast(list[int], found)
         if None in found or not all(map(operator.is_, map(self._row_of_slot.__getitem__, slots), rows)):
             slots = [-1 if row is None else self._place(rid, row) for rid, row in zip(req_ids, rows)]
-        return np.fromiter(slots, dtype=np.intp, count=len(slots))
+        array = np.fromiter(slots, dtype=np.intp, count=len(slots))
+        self._last_ids, self._last_rows, self._last_slots = list(req_ids), list(rows), array
+        self._gathered = None
+        return array
 
     def all_plain_greedy(self, slots: np.ndarray) -> bool:
         """Whether every row of `slots` is a request's, plain greedy (`RowParams.plain_greedy`)."""
-        return bool((slots >= 0).all() and self._arrays["plain_greedy"][slots].all())
+        return bool((slots >= 0).all() and self._fields(slots)["plain_greedy"].all())
 
     def params(self, slots: np.ndarray, rows: Sequence[RowSampling]) -> RowParams:
-        """The settings of `rows`, gathered from their `slots` (none -1)."""
+        """The settings of `rows`, gathered from their `slots` (none -1). Its arrays are read
+        only: those of the last `slots` array are kept and given again for it."""
         positions = np.fromiter(map(_output_position, rows), dtype=np.int64, count=len(rows))
-        return RowParams(**{name: a[slots] for name, a in self._arrays.items()}, positions=positions)
+        return RowParams(**self._fields(slots), positions=positions)
+
+    def _fields(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """Every field at `slots` (kept for the last `slots()` array)."""
+        if slots is not self._last_slots:
+            return {name: a[slots] for name, a in self._arrays.items()}
+        if self._gathered is None:
+            self._gathered = {name: a[slots] for name, a in self._arrays.items()}
+        return self._gathered
 
     def free(self, req_id: str) -> None:
         """The request is gone: its slot is free (nothing if it has none)."""
@@ -74,6 +103,7 @@ class PersistentBatch:
         if slot is not None:
             self._row_of_slot[slot] = None
             self._free.append(slot)
+            self._last_slots = self._gathered = None
 
     def _place(self, req_id: str, row: RowSampling) -> int:
         """The slot of `req_id`, written from `row` unless it already holds that row."""
@@ -88,6 +118,7 @@ class PersistentBatch:
         self._row_of_slot[slot] = row
         for (name, _), value in zip(FIELDS, row_entries(row)):
             self._arrays[name][slot] = value
+        self._last_slots = self._gathered = None
         return slot
 
     def _grow(self, capacity: int) -> None:
