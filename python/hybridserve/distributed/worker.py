@@ -65,6 +65,7 @@ class ShardRunner:
 
         from hybridserve.distributed.sharding import local_config, shard_model
         from hybridserve.kernels import backend
+        from hybridserve.model.batch import HostStaging
         from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype
         from hybridserve.model.loader import load_model
 
@@ -84,6 +85,8 @@ class ShardRunner:
             device=dev,
         )
         backend.pin(backend.resolve(dev))
+        # on an accelerator a step's input arrays move in one copy from a buffer kept here
+        self.staging = HostStaging(dev) if dev.type != "cpu" else None
 
     def run(self, step: StepInputs) -> None:
         import torch
@@ -95,7 +98,7 @@ class ShardRunner:
         if len(step.state_copies):
             self.caches.apply_state_copies(torch.from_numpy(np.ascontiguousarray(step.state_copies)))
         if step.batch is not None:
-            batch = forward_batch_from_arrays(step.batch, step.num_decodes, self.device)
+            batch = forward_batch_from_arrays(step.batch, step.num_decodes, self.device, self.staging)
             with torch.inference_mode():
                 self.model.forward(batch, self.caches)
 

@@ -24,7 +24,13 @@ from hybridserve.engine.model_setup import EngineModel
 from hybridserve.engine.persistent_batch import PersistentBatch
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import backend
-from hybridserve.model.batch import DEVICE_ARRAYS, HOST_ARRAYS, ForwardBatch, forward_batch_from_arrays
+from hybridserve.model.batch import (
+    DEVICE_ARRAYS,
+    HOST_ARRAYS,
+    ForwardBatch,
+    HostStaging,
+    forward_batch_from_arrays,
+)
 from hybridserve.model.decode_step import DecodeOutput, DecodeStep, NativeCall, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
@@ -159,10 +165,13 @@ class PreparedStep:
     call: NativeCall
 
 
-def to_forward_batch(out: _core.SchedulerOutput, device: torch.device) -> ForwardBatch:
-    """The scheduler's numpy arrays as the tensors the model reads."""
+def to_forward_batch(
+    out: _core.SchedulerOutput, device: torch.device, staging: HostStaging | None = None
+) -> ForwardBatch:
+    """The scheduler's numpy arrays as the tensors the model reads (moved in one copy with
+    `staging`)."""
     arrays = {name: getattr(out, name) for name in (*DEVICE_ARRAYS, *HOST_ARRAYS)}
-    return forward_batch_from_arrays(arrays, int(out.num_decodes), device)
+    return forward_batch_from_arrays(arrays, int(out.num_decodes), device, staging)
 
 
 def _step_inputs(out: _core.SchedulerOutput, scoring: _PromptScoring | None) -> StepInputs:
@@ -195,6 +204,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # each request's sampling settings, kept across steps (gathered per step as arrays)
         self.batch = PersistentBatch()
+        # on an accelerator a step's input arrays move in one copy from a buffer kept here
+        self.staging = HostStaging(em.device) if em.device.type != "cpu" else None
         # tensor parallelism: the workers that run every step's forward with this process
         self.executor: Any = em.executor
         self.proposer: Any = em.proposer
@@ -312,7 +323,7 @@ class ModelRunner:
                 assert self.decode_step is not None
                 self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
             else:
-                batch = to_forward_batch(out, self.em.device)
+                batch = to_forward_batch(out, self.em.device, self.staging)
                 if scoring is not None:
                     batch.logits_indices = scoring.logits_indices
                 with torch.inference_mode():
