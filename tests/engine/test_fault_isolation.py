@@ -68,6 +68,7 @@ def assert_nothing_held(llm: LLM) -> None:
     assert s["mamba_slots_window"] == 0, s["mamba_slots_window"]
     assert s["checkpoints_pending"] == 0
     assert not llm.engine.requests
+    assert len(llm.engine.runner.batch) == 0  # every request's sampling slot was freed
 
 
 @pytest.mark.parametrize("at_step", [1, 4])  # in the prefill's sample, and mid-decode

@@ -55,6 +55,7 @@ def _both(engine: dict[str, Any], params: Any, prompts: list[list[int]]) -> list
         stats = llm.engine.stats()
         assert (stats["num_overlapped_steps"] > 0) is overlapped
         assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not llm.engine.requests
+        assert len(llm.engine.runner.batch) == 0  # (every sampling slot freed)
     return runs
 
 
@@ -295,7 +296,7 @@ def test_a_failed_background_step_fails_its_requests_and_the_engine_recovers(
     monkeypatch.undo()
     stats = llm.engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not llm.engine.requests
-    assert llm.engine._in_flight is None
+    assert llm.engine._in_flight is None and len(llm.engine.runner.batch) == 0
     assert _what_requests_get(llm.generate(prompts, params)) == want
 
 

@@ -84,3 +84,15 @@ def test_row_noise_is_exponential_noise_bit_for_bit(dtype: torch.dtype) -> None:
     seeded = [r for r in rows if r.seed is not None]
     want = exponential_noise(795, [r.noise_key for r in seeded], None, dtype, torch.device("cpu"))
     assert torch.equal(want, row_noise(RowParams.of(seeded), 795, None, dtype, torch.device("cpu")))
+
+
+def test_params_for_other_rows_are_refused() -> None:
+    from hybridserve.sampling.rejection import RejectionSampler
+    from hybridserve.sampling.sampler import Sampler
+
+    rows = random_rows(random.Random(3), 3)
+    wrong = RowParams.of(rows[:2])
+    with pytest.raises(ValueError, match="params has 2 rows for 3"):
+        Sampler().sample(torch.zeros(3, 50), rows, params=wrong)
+    with pytest.raises(ValueError, match="params has 2 rows for 3"):
+        RejectionSampler().sample(torch.zeros(3, 50), [], rows, [0, 0, 0], params=wrong)

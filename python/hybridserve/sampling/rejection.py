@@ -390,6 +390,8 @@ class RejectionSampler:
             allowed = row_masks([r.grammar for r in rows], vocab, device, row_drafts)
         if params is None:
             params = RowParams.of(rows)
+        elif len(params.greedy) != num_rows:
+            raise ValueError(f"params has {len(params.greedy)} rows for {num_rows}")
         if draft_probs is None and params.plain_greedy.all():
             return _greedy_point_mass(apply_allowed(target_logits, allowed), drafts, ks)
 

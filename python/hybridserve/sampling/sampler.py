@@ -809,6 +809,8 @@ class Sampler:
             )
         if params is None:
             params = RowParams.of(rows)
+        elif len(params.greedy) != n:
+            raise ValueError(f"params has {len(params.greedy)} rows for {n}")
         allowed = row_masks([r.grammar for r in rows], vocab, logits.device)
         if params.plain_greedy.all():
             # Nothing to apply before the argmax but the grammar masks: skip the [N, V] copies of
