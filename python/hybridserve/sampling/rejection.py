@@ -544,5 +544,4 @@ def _take(proc: ProcessedLogits, sel: torch.Tensor) -> ProcessedLogits:
         penalized=proc.penalized[sel],
         probs=proc.probs[sel],
         greedy=proc.greedy[sel],
-        row_index=proc.row_index[sel],
     )

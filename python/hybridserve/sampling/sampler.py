@@ -337,7 +337,6 @@ class ProcessedLogits:
     penalized: torch.Tensor  # [M, V] logits after min_tokens masks and penalties
     probs: torch.Tensor  # [M, V] final target distribution (one-hot argmax on greedy rows)
     greedy: torch.Tensor  # bool [M]
-    row_index: torch.Tensor  # int64 [M]: which entry of `rows` each logit row belongs to
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: Sequence[RowSampling], row_index: list[int]) -> None:
@@ -491,21 +490,30 @@ def _descending_torch(p: torch.Tensor, k: int) -> torch.Tensor:
 
 def _top_p_stages(p: Any, tp: Any, out: Any, descending: Callable[[Any, int], Any]) -> None:
     """`_top_p_threshold` over numpy arrays or tensors alike (`descending` sorts)."""
-    m, vocab = p.shape
+    vocab = p.shape[1]
     on_np = isinstance(p, np.ndarray)
-    todo = np.arange(m) if on_np else torch.arange(m, device=p.device)
+    todo: Any = None  # the rows whose boundary is still to find (None: every row)
     for k in (*(k for k in _TOP_P_PROBES if k * _PROBE_SHARE <= vocab), vocab):
-        top = descending(p[todo], k)
+        top = descending(p if todo is None else p[todo], k)
         mass = top.cumsum(-1)
         before = np.zeros_like(top) if on_np else torch.zeros_like(top)  # the mass ahead of each
         before[:, 1:] = mass[:, :-1]
-        limit = tp[todo]
+        limit = tp if todo is None else tp[todo]
         # (a top_p below the dtype's smallest value is 0 here: the most likely token still stays)
         last = ((before < limit).sum(-1)[:, None] - 1).clip(min=0)
-        out[todo] = np.take_along_axis(top, last, axis=-1) if on_np else top.gather(1, last)
-        # a partial sort finds the boundary when its tokens' mass reaches top_p, or it is whole
-        found = (mass[:, -1] >= limit[:, 0]) | (k == vocab)
-        todo = todo[~found]
+        kept = np.take_along_axis(top, last, axis=-1) if on_np else top.gather(1, last)
+        if todo is None:
+            out[...] = kept
+        else:
+            out[todo] = kept
+        if k == vocab:  # (a whole sort finds every boundary)
+            break
+        # a partial sort finds the boundary when its tokens' mass reaches top_p
+        rest = ~(mass[:, -1] >= limit[:, 0])
+        if todo is None:
+            todo = np.flatnonzero(rest) if on_np else rest.nonzero().squeeze(1)
+        else:
+            todo = todo[rest]
         if len(todo) == 0:
             break
 
@@ -602,10 +610,12 @@ def process_logits(
     if history:
         _apply_history(x, rows, ridx.tolist(), extra_tokens)
 
-    greedy_np = params.greedy[ridx]
-    greedy = torch.from_numpy(greedy_np).to(device)
+    # the settings of each logit row (those of `rows` themselves when there is one row each)
+    per_logit = params if row_index is None else params.take(ridx)
+    greedy_np = per_logit.greedy
+    greedy = torch.from_numpy(greedy_np.copy()).to(device)  # (not a view of the caller's array)
     if not greedy_np.any():  # (every row random: no gather and scatter of [M, V])
-        probs = torch.softmax(_truncate(x, params.take(ridx)), dim=-1)
+        probs = torch.softmax(_truncate(x, per_logit), dim=-1)
     else:
         probs = torch.empty_like(x)
         g_idx = greedy.nonzero().squeeze(1)
@@ -616,9 +626,8 @@ def process_logits(
         if not greedy_np.all():
             r_np = np.flatnonzero(~greedy_np)
             r_idx = torch.from_numpy(r_np).to(device)
-            probs[r_idx] = torch.softmax(_truncate(x[r_idx], params.take(ridx[r_np])), dim=-1)
-    row_index_t = torch.from_numpy(ridx.astype(np.int64)).to(device)
-    return ProcessedLogits(penalized=x, probs=probs, greedy=greedy, row_index=row_index_t)
+            probs[r_idx] = torch.softmax(_truncate(x[r_idx], per_logit.take(r_np)), dim=-1)
+    return ProcessedLogits(penalized=x, probs=probs, greedy=greedy)
 
 
 def processed_probs(
