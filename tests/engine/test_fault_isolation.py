@@ -45,7 +45,10 @@ def inject_nan_logits(llm: LLM, victim_prompt: str, at_step: int) -> Callable[[]
     original = runner._sample
     seen = {"rows": 0, "injected": 0}
 
-    def sample(out: Any, req_ids: Any, rows: Any, logits: torch.Tensor, result: Any) -> None:
+    def sample(
+        out: Any, slots: Any, rows: Any, logits: torch.Tensor, result: Any, finite: Any = None
+    ) -> None:
+        # (the native step's finiteness is of the logits before the injection: checked anew)
         logits = logits.clone()  # the forward's output is an inference tensor: not writable here
         starts = np.concatenate([[0], np.cumsum(np.asarray(out.num_logits))])
         for r, row in enumerate(rows):
@@ -54,7 +57,7 @@ def inject_nan_logits(llm: LLM, victim_prompt: str, at_step: int) -> Callable[[]
                 if seen["rows"] >= at_step:
                     logits[int(starts[r]) : int(starts[r + 1])] = float("nan")
                     seen["injected"] += 1
-        original(out, req_ids, rows, logits, result)
+        original(out, slots, rows, logits, result)
 
     victim_prompt_ids = llm.engine.tokenizer.encode(victim_prompt)
     runner._sample = sample  # type: ignore[method-assign]

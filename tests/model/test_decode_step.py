@@ -282,13 +282,17 @@ def test_engine_outputs_are_the_same_with_and_without_it(
     assert _generate(monkeypatch, True, **engine) == _generate(monkeypatch, False, **engine)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "random"])
 @pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "overlapped"])
-def test_a_row_with_non_finite_logits_fails_alone(monkeypatch: pytest.MonkeyPatch, overlapped: bool) -> None:
+def test_a_row_with_non_finite_logits_fails_alone(
+    monkeypatch: pytest.MonkeyPatch, overlapped: bool, temperature: float
+) -> None:
+    # random rows go through the sampler, which takes the step's finiteness flags as they are
     llm = LLM("demo", dtype="float32", cpu_threads=1, max_model_len=512, async_scheduling=overlapped)
     step = llm.engine.runner.decode_step
     assert step is not None
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 700, [20, 30, 25], seed=9)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=5, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     calls = {"n": 0}
 

@@ -319,7 +319,7 @@ class ModelRunner:
                 fused, greedy = None, False
             if fused is not None:
                 if not (greedy and _take_greedy(fused, result)):
-                    self._sample(out, slots, rows, fused.logits, result)
+                    self._sample(out, slots, rows, fused.logits, result, fused.finite)
                 assert self.decode_step is not None
                 self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
             else:
@@ -342,7 +342,10 @@ class ModelRunner:
         rows: Sequence[RowSampling | None],
         logits: torch.Tensor,
         result: ModelRunnerOutput,
+        finite: np.ndarray | None = None,
     ) -> None:
+        """Samples (or verifies) every row of a step from its `logits`. `finite`: whether each
+        logits row is finite, where the native decode step has found it already."""
         logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
         num_logits = np.asarray(out.num_logits, dtype=np.int64)
         num_drafts = np.asarray(out.num_draft_tokens, dtype=np.int64)
@@ -359,7 +362,8 @@ class ModelRunner:
         # A row's failure is its own: logits that are not finite (NaN or inf: an overflow in
         # this sequence) or an error while sampling it end that request alone, and the other
         # rows sample exactly as they would have (sampling draws are keyed per request).
-        finite = _finite_rows(logits)
+        if finite is None:
+            finite = _finite_rows(logits)
         if not finite.all():
             bad_plain = ~finite[logit_ends[plain_rows] - 1] if plain_rows else np.zeros(0, dtype=bool)
             bad_spec = [not finite[logit_starts[r] : logit_ends[r]].all() for r in spec_rows]
