@@ -19,7 +19,6 @@ step reads in place and the per-op forward wraps as tensors without a copy on th
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Sequence
 from typing import cast
@@ -30,8 +29,6 @@ from hybridserve.sampling.row_params import FIELDS, RowParams, row_entries
 from hybridserve.sampling.sampler import RowSampling
 
 _output_position = operator.attrgetter("output_position")
-_output_of = operator.attrgetter("output_token_ids")
-_position_of = operator.attrgetter("position")
 
 
 class PersistentBatch:
@@ -95,11 +92,7 @@ class PersistentBatch:
     def params(self, slots: np.ndarray, rows: Sequence[RowSampling]) -> RowParams:
         """The settings of `rows`, gathered from their `slots` (none -1). Its arrays are read
         only: those of the last `slots` array are kept and given again for it."""
-        # (each row's output length, read without a Python call per row where no row names its
-        # position itself, as the engine's rows never do)
-        own = all(map(operator.is_, map(_position_of, rows), itertools.repeat(None)))
-        lengths = map(len, map(_output_of, rows)) if own else map(_output_position, rows)
-        positions = np.fromiter(lengths, dtype=np.int64, count=len(rows))
+        positions = np.fromiter(map(_output_position, rows), dtype=np.int64, count=len(rows))
         return RowParams(**self._fields(slots), positions=positions)
 
     def _fields(self, slots: np.ndarray) -> dict[str, np.ndarray]:
