@@ -24,7 +24,8 @@ def row(rng: random.Random) -> RowSampling:
         presence_penalty=rng.choice([0.0, 0.0, 0.4]),
     )
     seed = None if rng.random() < 0.2 else rng.randrange(2**63)
-    return RowSampling(params, seed=seed, output_token_ids=[1] * rng.randint(0, 4))
+    position = rng.randint(0, 9) if rng.random() < 0.1 else None  # (a row naming its position)
+    return RowSampling(params, seed=seed, output_token_ids=[1] * rng.randint(0, 4), position=position)
 
 
 def assert_same(a: RowParams, b: RowParams) -> None:
@@ -50,7 +51,10 @@ def test_gathered_settings_equal_the_rows_through_adds_frees_and_changes() -> No
             rid = rng.choice(sorted(live))
             live[rid] = row(rng)  # the same id with another row (aborted and added again)
         elif op < 0.6:
-            live[rng.choice(sorted(live))].output_token_ids.append(7)  # (its position moves on)
+            moved = live[rng.choice(sorted(live))]
+            moved.output_token_ids.append(7)  # (its position moves on)
+            if moved.position is not None:
+                moved.position += 1
         if not live:
             continue
         # a step samples some of the live requests (the others preempted or not scheduled), often
