@@ -7,14 +7,15 @@ there once. Each step then gathers the slots of its rows as arrays (`RowParams`)
 per field, instead of reading every row's object for every setting. The updates are the
 scheduler's deltas as the runner sees them:
 
-- a new request (or a row object the slot does not hold: a request added again under the same
-  id) is written into a free slot;
+- a new request is written into a free slot; a row object its slot does not hold (a request
+  added again under the same id) is written over it;
 - a finished or aborted request gives its slot back (`free`, from `ModelRunner.free_request`);
 - a preempted request keeps its slot, and finds it again when it is scheduled back.
 
 The rows' input arrays are not kept here: the Rust scheduler keeps each request's tokens, blocks
 and state slots and writes the step's flat arrays (15-30 us at batch 64), which the native decode
-step reads in place and the per-op forward wraps as tensors without a copy on the CPU.
+step reads in place and the per-op forward wraps as tensors without a copy on the CPU (on an
+accelerator they move in one copy: `model/batch.py` `HostStaging`).
 """
 
 from __future__ import annotations
