@@ -19,15 +19,28 @@ from hybridserve.sampling.seeds import NOISE_STREAM, mix64
 if TYPE_CHECKING:
     from hybridserve.sampling.sampler import RowSampling
 
-_GOLDEN = 0x9E3779B97F4A7C15
+# splitmix64's constants: the Weyl step and the finaliser's two multipliers (`seeds.mix64`)
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
 _POSITION_STEP = 0xD1B54A32D192ED03  # (seeds.keyed_seed's)
 _MASK64 = (1 << 64) - 1
+
+
+def mix64_array(z: np.ndarray) -> None:
+    """`seeds.mix64` of every entry of the uint64 array `z`, in place (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(MIX1)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(MIX2)
+        z ^= z >> np.uint64(31)
 
 
 def noise_base(seed: int | None) -> int:
     """The part of a request's draw keys that depends on its seed alone (`seeds.keyed_seed`'s
     first mix, for the token draws' stream); 0 for an unseeded request."""
-    return 0 if seed is None else mix64((seed * _GOLDEN + NOISE_STREAM) & _MASK64)
+    return 0 if seed is None else mix64((seed * GOLDEN + NOISE_STREAM) & _MASK64)
 
 
 def keyed_seeds(base: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -35,11 +48,7 @@ def keyed_seeds(base: np.ndarray, positions: np.ndarray) -> np.ndarray:
     rows' `noise_base` (uint64) and output positions (int64)."""
     with np.errstate(over="ignore"):
         z = base + (positions.astype(np.uint64) + np.uint64(1)) * np.uint64(_POSITION_STEP)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+    mix64_array(z)
     keys: np.ndarray = z & np.uint64((1 << 63) - 1)
     return keys
 

@@ -54,7 +54,7 @@ import torch
 from hybridserve.sampling.grammar import GrammarMatcher, row_masks
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
-from hybridserve.sampling.row_params import RowParams
+from hybridserve.sampling.row_params import GOLDEN, MIX1, MIX2, RowParams, mix64_array
 from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
@@ -91,10 +91,8 @@ def _keyed_draws(
 # function over the Weyl sequence key + (v + 1) * golden (what splitmix64 started at `key` emits
 # for its (v + 1)-th number). Any token's draw is computed alone, from (key, v), so all rows and
 # tokens of a step are one array operation, where a generator per row cost a Python loop over the
-# rows (about 15 us a row at a vocabulary of 795).
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
+# rows (about 15 us a row at a vocabulary of 795). The constants are splitmix64's (`row_params`).
+#
 # Elements per array pass on the CPU: a large vocabulary is drawn a few rows at a time, so that
 # each pass works in cache (a [64, 131072] array pass by pass was 5x slower).
 _NOISE_CHUNK = 1 << 16
@@ -105,7 +103,7 @@ def _weyl(vocab: int) -> np.ndarray:
     """(v + 1) * golden mod 2^64 for every token v, uint64 (kept for the last vocabulary size;
     read only)."""
     with np.errstate(over="ignore"):
-        return np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+        return np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(GOLDEN)
 
 
 # Random bits a draw keeps: the top 23 (float32) or 52 (float64) of the hash, so that
@@ -138,11 +136,7 @@ def _exponentials_np(keys: np.ndarray, vocab: int, dtype: torch.dtype) -> np.nda
     for start in range(0, n, step):
         with np.errstate(over="ignore"):
             z = keys[start : start + step, None] + weyl[None, :]
-            z ^= z >> np.uint64(30)
-            z *= np.uint64(_MIX1)
-            z ^= z >> np.uint64(27)
-            z *= np.uint64(_MIX2)
-            z ^= z >> np.uint64(31)
+        mix64_array(z)
         out[start : start + step] = _exponentials_from_bits_np(z, wide)
     return out
 
@@ -171,13 +165,13 @@ def _exponentials_torch(
 ) -> torch.Tensor:
     """`_exponentials_np` in torch's int64 arithmetic (wrapping), for an accelerator."""
     k = torch.as_tensor([_signed(key) for key in keys], dtype=torch.int64, device=device)
-    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(GOLDEN)
     out = torch.empty((len(keys), vocab), dtype=dtype, device=device)
     step = max(1, _NOISE_CHUNK_DEVICE // max(1, vocab))
     for start in range(0, len(keys), step):
         z = k[start : start + step, None] + v[None, :]
-        z = (z ^ _srl(z, 30)) * _signed(_MIX1)
-        z = (z ^ _srl(z, 27)) * _signed(_MIX2)
+        z = (z ^ _srl(z, 30)) * _signed(MIX1)
+        z = (z ^ _srl(z, 27)) * _signed(MIX2)
         z = z ^ _srl(z, 31)
         out[start : start + step] = _exponentials_from_bits_torch(z, dtype)
     return out
