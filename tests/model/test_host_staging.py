@@ -7,6 +7,7 @@ the copy is synchronous; the packing, the views and the buffer's reuse are the s
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from hybridserve.engine.llm import LLM
@@ -64,3 +65,10 @@ def test_an_engine_that_stages_its_batches_generates_the_same_tokens() -> None:
     want, got = results
     assert got == want
     assert staging is not None and staging._host.numel() > 0  # (the batches were staged)
+
+
+def test_an_array_of_another_type_is_refused() -> None:
+    arrays = random_arrays(np.random.default_rng(1))
+    arrays["input_ids"] = arrays["input_ids"].astype(np.int32)
+    with pytest.raises(TypeError, match="input_ids: a staged array must be int64 or bool"):
+        forward_batch_from_arrays(arrays, 1, torch.device("cpu"), HostStaging(torch.device("cpu")))

@@ -101,6 +101,9 @@ def _packed_to_device(arrays: Mapping[str, np.ndarray], staging: HostStaging) ->
     """`DEVICE_ARRAYS` of `arrays` on the staging's device, moved in one copy: each field is a
     view of the one moved buffer, in its shape (`has_initial_state` compared to 0 there)."""
     flat = [np.asarray(arrays[name]) for name in DEVICE_ARRAYS]
+    for name, a in zip(DEVICE_ARRAYS, flat):
+        if a.dtype not in (np.int64, np.bool_):  # (the buffer is int64: anything else would change)
+            raise TypeError(f"{name}: a staged array must be int64 or bool, got {a.dtype}")
     total = sum(a.size for a in flat)
     host = staging.buffer(total).numpy()
     offsets = []
