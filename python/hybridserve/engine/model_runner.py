@@ -304,16 +304,15 @@ class ModelRunner:
             num_draft_tokens=np.zeros(num_rows, dtype=np.int32),
         )
         if out.num_scheduled_tokens > 0:
+            slots = self.batch.slots(req_ids, rows)  # (while a background step computes)
             # a step of decode rows (one token, or a token with its drafts) runs in one native
             # call when the model allows (model/decode_step.py); None: the model's forward runs it
             if started.running is not None:
                 running, started.running = started.running, None
-                slots = self.batch.slots(req_ids, rows)  # (while the step computes)
                 greedy = _plain_greedy(self.batch, slots, rows)
                 fused: DecodeOutput | None = running.wait()
             elif self.decode_step is not None and scoring is None:
                 fused = self.decode_step.run(out)
-                slots = self.batch.slots(req_ids, rows)
                 greedy = fused is not None and _plain_greedy(self.batch, slots, rows)
             else:
                 fused, greedy = None, False
@@ -331,7 +330,7 @@ class ModelRunner:
                 if scoring is not None:
                     result.prompt_logprobs = scoring.logprobs(logits, rows)
                     logits = logits[scoring.sampling_rows]
-                self._sample(out, self.batch.slots(req_ids, rows), rows, logits, result)
+                self._sample(out, slots, rows, logits, result)
         result.draft_token_ids, result.num_draft_tokens = self._propose(req_ids, rows, result.sampled)
         return result
 

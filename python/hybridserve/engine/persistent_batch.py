@@ -50,7 +50,6 @@ class PersistentBatch:
         self._last_rows: list[RowSampling | None] = []
         self._last_slots: np.ndarray | None = None
         self._gathered: dict[str, np.ndarray] | None = None  # the fields at `_last_slots`
-        self._all_plain_greedy: bool | None = None  # `all_plain_greedy(_last_slots)`
 
     def __len__(self) -> int:
         """Requests holding a slot."""
@@ -78,17 +77,12 @@ class PersistentBatch:
             slots = [-1 if row is None else self._place(rid, row) for rid, row in zip(req_ids, rows)]
         array = np.fromiter(slots, dtype=np.intp, count=len(slots))
         self._last_ids, self._last_rows, self._last_slots = list(req_ids), list(rows), array
-        self._gathered = self._all_plain_greedy = None
+        self._gathered = None
         return array
 
     def all_plain_greedy(self, slots: np.ndarray) -> bool:
         """Whether every row of `slots` is a request's, plain greedy (`RowParams.plain_greedy`)."""
-        if slots is self._last_slots and self._all_plain_greedy is not None:
-            return self._all_plain_greedy
-        every = bool((slots >= 0).all() and self._fields(slots)["plain_greedy"].all())
-        if slots is self._last_slots:
-            self._all_plain_greedy = every
-        return every
+        return bool((slots >= 0).all() and self._fields(slots)["plain_greedy"].all())
 
     def params(self, slots: np.ndarray, rows: Sequence[RowSampling]) -> RowParams:
         """The settings of `rows`, gathered from their `slots` (none -1). Its arrays are read
@@ -110,7 +104,7 @@ class PersistentBatch:
         if slot is not None:
             self._row_of_slot[slot] = None
             self._free.append(slot)
-            self._last_slots = self._gathered = self._all_plain_greedy = None
+            self._last_slots = self._gathered = None
 
     def _place(self, req_id: str, row: RowSampling) -> int:
         """The slot of `req_id`, written from `row` unless it already holds that row."""
@@ -125,7 +119,7 @@ class PersistentBatch:
         self._row_of_slot[slot] = row
         for (name, _), value in zip(FIELDS, row_entries(row)):
             self._arrays[name][slot] = value
-        self._last_slots = self._gathered = self._all_plain_greedy = None
+        self._last_slots = self._gathered = None
         return slot
 
     def _grow(self, capacity: int) -> None:

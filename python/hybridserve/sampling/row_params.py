@@ -14,17 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybridserve.sampling.seeds import NOISE_STREAM, mix64
+from hybridserve.sampling.seeds import MIX1, MIX2, NOISE_STREAM, POSITION_STEP, keyed_from_base, stream_base
 
 if TYPE_CHECKING:
     from hybridserve.sampling.sampler import RowSampling
-
-# splitmix64's constants: the Weyl step and the finaliser's two multipliers (`seeds.mix64`)
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
-_POSITION_STEP = 0xD1B54A32D192ED03  # (seeds.keyed_seed's)
-_MASK64 = (1 << 64) - 1
 
 
 def mix64_array(z: np.ndarray) -> None:
@@ -38,9 +31,9 @@ def mix64_array(z: np.ndarray) -> None:
 
 
 def noise_base(seed: int | None) -> int:
-    """The part of a request's draw keys that depends on its seed alone (`seeds.keyed_seed`'s
-    first mix, for the token draws' stream); 0 for an unseeded request."""
-    return 0 if seed is None else mix64((seed * GOLDEN + NOISE_STREAM) & _MASK64)
+    """The part of a request's draw keys that depends on its seed alone (`seeds.stream_base` of
+    the token draws' stream); 0 for an unseeded request."""
+    return 0 if seed is None else stream_base(seed, NOISE_STREAM)
 
 
 # Up to this many rows the keys are mixed as Python integers: eight numpy operations on a few
@@ -52,13 +45,10 @@ def keyed_seeds(base: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`seeds.keyed_seed(seed, position, NOISE_STREAM)` of every row at once (uint64), from the
     rows' `noise_base` (uint64) and output positions (int64)."""
     if len(base) <= _FEW_ROWS:
-        few = [
-            mix64((b + (p + 1) * _POSITION_STEP) & _MASK64) & (_MASK64 >> 1)
-            for b, p in zip(base.tolist(), positions.tolist())
-        ]
+        few = [keyed_from_base(b, p) for b, p in zip(base.tolist(), positions.tolist())]
         return np.array(few, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = base + (positions.astype(np.uint64) + np.uint64(1)) * np.uint64(_POSITION_STEP)
+        z = base + (positions.astype(np.uint64) + np.uint64(1)) * np.uint64(POSITION_STEP)
     mix64_array(z)
     keys: np.ndarray = z & np.uint64((1 << 63) - 1)
     return keys

@@ -54,8 +54,8 @@ import torch
 from hybridserve.sampling.grammar import GrammarMatcher, row_masks
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
-from hybridserve.sampling.row_params import GOLDEN, MIX1, MIX2, RowParams, mix64_array
-from hybridserve.sampling.seeds import NOISE_STREAM, UNIFORM_STREAM, keyed_seed
+from hybridserve.sampling.row_params import RowParams, mix64_array
+from hybridserve.sampling.seeds import GOLDEN, MIX1, MIX2, NOISE_STREAM, UNIFORM_STREAM, keyed_seed
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
 SAMPLING_EPS = 1e-5
@@ -91,7 +91,7 @@ def _keyed_draws(
 # function over the Weyl sequence key + (v + 1) * golden (what splitmix64 started at `key` emits
 # for its (v + 1)-th number). Any token's draw is computed alone, from (key, v), so all rows and
 # tokens of a step are one array operation, where a generator per row cost a Python loop over the
-# rows (about 15 us a row at a vocabulary of 795). The constants are splitmix64's (`row_params`).
+# rows (about 15 us a row at a vocabulary of 795). The constants are splitmix64's (`seeds`).
 #
 # Elements per array pass on the CPU: a large vocabulary is drawn a few rows at a time, so that
 # each pass works in cache (a [64, 131072] array pass by pass was 5x slower).
@@ -197,8 +197,8 @@ def keyed_noise(
 ) -> torch.Tensor:
     """[len(keys), vocab] Exp(1) noise; row i depends only on keys[i] = (seed, output position)
     and the stream (the plain token draw by default)."""
-    seeds = [keyed_seed(seed, position, stream) for seed, position in keys]
-    return keyed_exponentials(seeds, vocab, dtype, device).clamp_min_(torch.finfo(dtype).tiny)
+    seeds = np.array([keyed_seed(seed, position, stream) for seed, position in keys], dtype=np.uint64)
+    return _keyed_noise_rows(seeds, vocab, dtype, device)
 
 
 class _PenaltyHistory:
@@ -646,19 +646,9 @@ def exponential_noise(
 ) -> torch.Tensor:
     """[len(keys), vocab] Exp(1) noise: row i keyed by keys[i] = (seed, position) in `stream`
     (`keyed_noise`), rows whose key is None from the batch generator (one vectorised draw)."""
-    noise = torch.empty((len(keys), vocab), dtype=dtype, device=device)
-    own = [i for i, k in enumerate(keys) if k is not None]
-    shared = [i for i, k in enumerate(keys) if k is None]
-    if own:
-        own_keys = [k for k in keys if k is not None]
-        noise[torch.as_tensor(own, dtype=torch.int64, device=device)] = keyed_noise(
-            own_keys, vocab, dtype, device, stream
-        )
-    if shared:
-        noise[torch.as_tensor(shared, dtype=torch.int64, device=device)] = _shared_noise(
-            len(shared), vocab, batch_generator, dtype, device
-        )
-    return noise
+    seeded = np.fromiter((k is not None for k in keys), dtype=bool, count=len(keys))
+    draw_keys = np.array([keyed_seed(k[0], k[1], stream) for k in keys if k is not None], dtype=np.uint64)
+    return _noise(seeded, draw_keys, vocab, batch_generator, dtype, device)
 
 
 def row_noise(
@@ -671,14 +661,26 @@ def row_noise(
     """`exponential_noise` of the token draws of `params`' rows (a seeded row's keyed by its
     seed and output position), with the keys computed for every row at once."""
     seeded = params.seeded
+    keys = params.noise_keys()
+    return _noise(seeded, keys if seeded.all() else keys[seeded], vocab, batch_generator, dtype, device)
+
+
+def _noise(
+    seeded: np.ndarray,
+    keys: np.ndarray,
+    vocab: int,
+    batch_generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """[len(seeded), vocab] Exp(1) noise: the seeded rows' from their draw keys (`keys`, uint64,
+    in order), the others' from the batch generator (one vectorised draw)."""
     if seeded.all():
-        return _keyed_noise_rows(params.noise_keys(), vocab, dtype, device)
+        return _keyed_noise_rows(keys, vocab, dtype, device)
     noise = torch.empty((len(seeded), vocab), dtype=dtype, device=device)
     own = np.flatnonzero(seeded)
     if len(own):
-        noise[torch.from_numpy(own).to(device)] = _keyed_noise_rows(
-            params.noise_keys()[own], vocab, dtype, device
-        )
+        noise[torch.from_numpy(own).to(device)] = _keyed_noise_rows(keys, vocab, dtype, device)
     shared = np.flatnonzero(~seeded)
     noise[torch.from_numpy(shared).to(device)] = _shared_noise(
         len(shared), vocab, batch_generator, dtype, device

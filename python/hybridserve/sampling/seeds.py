@@ -15,6 +15,12 @@ from __future__ import annotations
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 
+# splitmix64's Weyl step and its finaliser's two multipliers; the step between a stream's draws
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+POSITION_STEP = 0xD1B54A32D192ED03
+
 # Streams of keyed randomness: the exponentials of a token draw, and the acceptance uniforms of a
 # verify step with draft probabilities. Distinct constants keep the streams independent.
 NOISE_STREAM = 0x6E6F697365
@@ -30,14 +36,14 @@ CHOICE_STREAM = 0x63686F696365
 
 def mix64(z: int) -> int:
     """splitmix64's finaliser: a bijection of 64-bit integers that mixes every bit."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & _MASK64
     return z ^ (z >> 31)
 
 
 def derive_seed(base_seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for the index-th child of `base_seed` (splitmix64)."""
-    return mix64((base_seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64) & _MASK63
+    return mix64((base_seed * GOLDEN + (index + 1) * MIX1) & _MASK64) & _MASK63
 
 
 def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
@@ -54,5 +60,14 @@ def choice_seed(seed: int | None, choice_index: int) -> int | None:
 
 def keyed_seed(seed: int, position: int, stream: int) -> int:
     """The generator seed of draw `position` of `stream` for a request seeded with `seed`."""
-    z = mix64((seed * 0x9E3779B97F4A7C15 + stream) & _MASK64)
-    return mix64((z + (position + 1) * 0xD1B54A32D192ED03) & _MASK64) & _MASK63
+    return keyed_from_base(stream_base(seed, stream), position)
+
+
+def stream_base(seed: int, stream: int) -> int:
+    """The part of `keyed_seed` that depends on the seed and the stream alone."""
+    return mix64((seed * GOLDEN + stream) & _MASK64)
+
+
+def keyed_from_base(base: int, position: int) -> int:
+    """`keyed_seed` of draw `position`, from its `stream_base`."""
+    return mix64((base + (position + 1) * POSITION_STEP) & _MASK64) & _MASK63
