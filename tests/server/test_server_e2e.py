@@ -1014,10 +1014,14 @@ def test_a_body_not_in_its_content_encoding_is_a_400_and_an_unknown_coding_a_415
 def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
     import socket
 
-    def errors_500() -> float:
-        return metrics(server).get('hybridserve_http_errors_total{status="500"}', 0.0)
+    def errors() -> dict[str, float]:
+        m = metrics(server)
+        return {
+            s: m.get(f'hybridserve_http_errors_total{{status="{s}"}}', 0.0) for s in ("400", "499", "500")
+        }
 
-    before = errors_500()
+    before = errors()
+    log_before = len(server.output())
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
@@ -1027,7 +1031,11 @@ def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
         time.sleep(0.3)
     time.sleep(0.5)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
-    assert errors_500() == before
+    # nobody was answered: no error of any status is counted, and the access line says 499
+    # (nginx's "client closed request"), not a client error of 400
+    assert errors() == before
+    log = server.output()[log_before:]
+    assert '"POST /v1/completions" 499' in log and "code=client_gone" not in log, log
     assert "internal error" not in server.output() and "Traceback" not in server.output()
 
 
@@ -1078,3 +1086,38 @@ def test_stop_string_length_limit_is_a_400_and_long_stop_strings_are_served(serv
         assert text == base.text[: base.text.index(stop)]
         assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
     assert_idle(server)
+
+
+def test_a_huge_prompt_being_tokenized_does_not_stall_the_server(server):
+    """A prompt of megabytes takes seconds to tokenize before its 400 (too long). The server's
+    event loop must keep answering meanwhile: other requests are not held up by it."""
+    prompt = "a b " * 900_000  # 3.6 MB: under the 4 MiB body limit
+
+    async def go() -> tuple[int, dict[str, Any], float, list[float]]:
+        async with aiohttp.ClientSession() as s:
+
+            async def refused() -> tuple[int, dict[str, Any]]:
+                payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+                headers = {"Content-Type": "application/json"}
+                async with s.post(
+                    server.base + "/v1/completions", data=io.BytesIO(payload), headers=headers
+                ) as r:
+                    return r.status, await r.json()
+
+            t0 = time.monotonic()
+            big = asyncio.create_task(refused())
+            waits: list[float] = []
+            while not big.done():
+                h0 = time.monotonic()
+                async with s.get(server.base + "/health") as r:
+                    assert r.status == 200
+                waits.append(time.monotonic() - h0)
+                await asyncio.sleep(0.05)
+            status, body = await big
+            return status, body, time.monotonic() - t0, waits
+
+    status, body, took, waits = asyncio.run(go())
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    # with the tokenizer holding Python's lock, one /health would wait for the whole tokenization
+    assert took > 0.5, f"the prompt was refused too fast ({took:.2f} s) to tell"
+    assert len(waits) >= 3 and max(waits) < took / 2, (took, waits)

@@ -12,6 +12,12 @@ from hybridserve.errors import ConfigError
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte-fallback pieces
 
+# Texts of at least this many characters are encoded through `encode_batch`, which lets go of
+# Python's global lock while it works (`encode` holds it): a prompt of megabytes takes seconds to
+# tokenize, and the server's event loop and engine thread must run meanwhile. Shorter texts keep
+# `encode`, which costs less to call. Both give the same ids.
+_RELEASE_GIL_CHARS = 16384
+
 
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in for each byte (GPT-2's table), inverted: char -> byte."""
@@ -73,6 +79,9 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) >= _RELEASE_GIL_CHARS:
+            (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(enc.ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -33,6 +33,7 @@ from hybridserve.server import protocol as P
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.server.request_log import (
+    CLIENT_CLOSED,
     RECORD_KEY,
     RequestRecord,
     access_log_middleware,
@@ -390,6 +391,8 @@ async def _error_middleware(
         resp = web.json_response(
             P.error_body("internal server error", type="internal_error", code="internal_error"), status=500
         )
+    if resp.status == CLIENT_CLOSED:  # nobody is there to answer
+        return resp
     if resp.status >= 400 and request.path != "/health":
         metrics.http_errors.labels(status=str(resp.status)).inc()
     if error is not None and 400 <= resp.status < 500:
@@ -651,8 +654,12 @@ async def _parse(
         reason = " ".join(str(e).split())
         raise P.APIError(f"the request body could not be read: {reason}", code="bad_request_body") from None
     except ConnectionError:
-        # the client went away before its body arrived: nobody reads the answer, nothing to log
-        raise P.APIError("the client closed the connection", code="client_gone") from None
+        # the client went away before its body arrived: nobody reads the answer. Its access line
+        # says 499, as for a client that leaves mid-answer; it is no error of the server's
+        # answering (`_error_middleware` neither counts nor logs it as one).
+        raise P.APIError(
+            "the client closed the connection", status=CLIENT_CLOSED, code="client_gone"
+        ) from None
 
     strict = request.app[STATE].strict_request_fields
 

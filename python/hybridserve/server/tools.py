@@ -23,6 +23,7 @@ Parsers are registered by name in `TOOL_PARSERS`; `hermes` (the `<tool_call>{"na
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,13 +66,18 @@ def _refuse(name: str) -> None:
     raise ToolError(name, "unknown field")
 
 
+# OpenAI's rule for a function's name. It is also what keeps a name from writing markup of its
+# own into the prompt (`</tools>`, `<tool_call>`), where the templates put it as it is.
+_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAME_LEN}}}")
+
+
 def _name_ok(name: Any) -> bool:
-    return isinstance(name, str) and 1 <= len(name) <= MAX_NAME_LEN
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dict[str, Any]]:
     """The `tools` list, checked: [{"type": "function", "function": {"name" (1 to 64
-    characters), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
+    letters, digits, `_` or `-`), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
     templates expect). `on_unknown` gets the path of a field it does not know (raises to refuse)."""
     if not isinstance(v, list):
         raise ToolError("tools", f"must be a list of tool objects, got {type(v).__name__}")
@@ -96,7 +102,10 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
                 on_unknown(f"{p}.function.{key}")
         name = fn.get("name")
         if not isinstance(name, str) or not _name_ok(name):
-            raise ToolError(f"{p}.function.name", f"must be a string of 1 to {MAX_NAME_LEN} characters")
+            raise ToolError(
+                f"{p}.function.name",
+                f"must be 1 to {MAX_NAME_LEN} letters, digits, '_' or '-' (a-z, A-Z, 0-9)",
+            )
         if name in names:
             raise ToolError(f"{p}.function.name", f"{name!r} is given twice")
         names.add(name)
