@@ -119,6 +119,14 @@ def test_request_fields() -> None:
             "tools[1].function.name",
         ),
         ([{"type": "code"}], "tools[0].type"),
+        (
+            [{"type": "function", "function": {"name": "x", "description": "a\ud800b"}}],
+            "tools[0].function.description",
+        ),
+        (
+            [{"type": "function", "function": {"name": "x", "parameters": {"properties": {"\udfff": {}}}}}],
+            "tools[0].function.parameters",
+        ),
         ([{"type": "function", "function": {"name": "x", "extra": 1}}], "tools[0].function.extra"),
         ("nope", "tools"),
     ):

@@ -75,6 +75,15 @@ def _name_ok(name: Any) -> bool:
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string, or any key or string within parsed JSON, holds an unpaired surrogate."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dict[str, Any]]:
     """The `tools` list, checked: [{"type": "function", "function": {"name" (1 to 64
     letters, digits, `_` or `-`), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
@@ -118,6 +127,10 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolError(f"{p}.function.strict", "must be a boolean")
+        for key, value in (("description", desc), ("parameters", params)):
+            if value is not None and _has_lone_surrogate(value):
+                # JSON's "\ud800" escapes: no tokenizer encodes them once the tool is in the prompt
+                raise ToolError(f"{p}.function.{key}", "contains an unpaired UTF-16 surrogate")
         clean: dict[str, Any] = {"name": name}
         if desc is not None:
             clean["description"] = desc
