@@ -109,11 +109,24 @@ def test_invalid_grammars_are_refused_by_name(llm: LLM) -> None:
         ({"regex": "a("}, "invalid regex"),
         ({"grammar": "start: undefined_rule"}, "invalid grammar"),
     ):
-        with pytest.raises(InvalidRequestError, match=words):
-            for _ in range(2):  # the second time from the cache of errors
+        for _ in range(2):  # compiled the first time, from the cache of errors the second
+            with pytest.raises(InvalidRequestError, match=words):
                 llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=spec))
     # the engine goes on
     assert llm.generate("Hi", SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
+
+
+def test_a_batch_with_a_grammar_that_does_not_compile_is_refused_whole_every_time(llm: LLM) -> None:
+    """The same contract whether the bad grammar is new or already in the compiler's cache: the
+    batch is refused and leaves nothing behind; the good prompt alone then runs as before."""
+    good = SamplingParams(max_tokens=6, temperature=0.0)
+    bad = SamplingParams(max_tokens=6, structured_outputs={"regex": "[[[a"})
+    alone = llm.generate("Hi", good)[0].outputs[0].token_ids
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="invalid regex"):
+            llm.generate(["Hi", "Hi"], [good, bad])
+        assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hi", good)[0].outputs[0].token_ids == alone
 
 
 def test_same_grammar_compiles_once(llm: LLM) -> None:

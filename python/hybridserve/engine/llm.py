@@ -62,7 +62,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order. A sequence that failed
         on its own (non-finite logits in its row, an error while sampling it) comes back with
-        finish_reason "error" and its result's `error` says why; the others are unaffected."""
+        finish_reason "error" and its result's `error` says why; the others are unaffected. A
+        batch with an invalid request (a prompt, a parameter, a grammar that does not compile) is
+        refused whole with InvalidRequestError, and changes nothing."""
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
@@ -88,7 +90,9 @@ class LLM:
                     f"sampling_params: every item must be a SamplingParams, not {wrong[0]}"
                 )
             if len(params_list) != len(prompt_list):
-                raise ValueError("sampling_params: one per prompt, or a single one for all")
+                raise InvalidRequestError("sampling_params: one per prompt, or a single one for all")
+        # a grammar that does not compile refuses the batch, whether or not it was compiled before
+        self.engine.compile_grammars(params_list)
 
         # Each of the n sequences of a prompt is one engine request; they are merged afterwards.
         groups: list[list[str]] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -274,6 +275,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> None:
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id: must be a str, not {type(request_id).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params: must be a SamplingParams, not {type(params).__name__}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running")
         req = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
@@ -356,7 +361,27 @@ class LLMEngine:
             refused.append(out)
         return refused
 
+    def compile_grammars(self, params_list: Sequence[SamplingParams]) -> None:
+        """Compiles (or finds cached) every structured output of a batch, waiting for each;
+        InvalidRequestError for the first that does not compile. The offline API calls it before
+        it adds any request of a batch, so that such a grammar refuses the batch whether it is new
+        or already in the compiler's cache of errors (`add_request` refuses a cached failure at
+        once, but a new one ends its own request with an error output). Adds nothing."""
+        seen: set[tuple[str, str]] = set()
+        for params in params_list:
+            so = params.structured_outputs
+            if so is None or so.cache_key in seen:
+                continue
+            seen.add(so.cache_key)
+            ticket = self.grammars.submit(so)
+            while (ready := ticket.poll()) is None:
+                ticket.wait(0.05)
+            if isinstance(ready, InvalidRequestError):
+                raise ready
+
     def abort_request(self, request_id: str) -> bool:
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id: must be a str, not {type(request_id).__name__}")
         state = self.requests.get(request_id)
         self._forget(request_id)
         # (an output kept for the next step, after a failure, is not delivered either)

@@ -10,7 +10,7 @@ server imports this module before any model is loaded.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from hybridserve.engine.input_processor import Prompt
@@ -82,6 +82,8 @@ class OfflineEngine(ServedModel, Protocol):
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> None: ...
+
+    def compile_grammars(self, params_list: Sequence[SamplingParams]) -> None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
 
