@@ -223,5 +223,15 @@ def test_cli_writes_model_and_module_has_no_torch(tmp_path: Path, quick_dir: Pat
     assert main(["demo-model", str(tmp_path / "cli"), "--steps", str(QUICK_STEPS)]) == 0
     for name in FILES:
         assert (tmp_path / "cli" / name).read_bytes() == (quick_dir / name).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == sorted(demo.CHECKPOINT_FILES)
+    # a folder that holds a checkpoint already (maybe another model) is not written over unasked
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "someone-elses"}')
+    assert main(["demo-model", str(other), "--steps", str(QUICK_STEPS)]) == 2
+    assert (other / "config.json").read_text() == '{"model_type": "someone-elses"}'
+    assert not (other / "model.safetensors").exists()
+    assert main(["demo-model", str(other), "--steps", str(QUICK_STEPS), "--force"]) == 0
+    assert (other / "config.json").read_bytes() == (quick_dir / "config.json").read_bytes()
     code = "import sys, hybridserve.model.demo; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -558,8 +558,13 @@ def _train_steps(text: str) -> int:
 def add_demo_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "dir",
-        help="folder to write the checkpoint into (created if missing; the checkpoint's own files "
-        "in it are replaced, other files are left alone)",
+        help="folder to write the checkpoint into (created if missing; refused when it already holds "
+        "one of the checkpoint's files, unless --force; other files are left alone)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the checkpoint's files (config.json, model.safetensors, the tokenizer's) in DIR",
     )
     p.add_argument(
         "--seed", type=_weight_seed, default=DEFAULT_SEED, help="weight seed (default: %(default)s)"
@@ -573,11 +578,28 @@ def add_demo_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def demo_model_main(args: argparse.Namespace) -> int:
-    if not str(args.dir).strip():
-        from hybridserve.errors import ConfigError
+# What `write_demo_model` writes into its folder.
+CHECKPOINT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+)
 
+
+def demo_model_main(args: argparse.Namespace) -> int:
+    from hybridserve.errors import ConfigError
+
+    if not str(args.dir).strip():
         raise ConfigError("DIR: an empty path (it would write into the current folder)")
+    present = [name for name in CHECKPOINT_FILES if (Path(args.dir) / name).exists()]
+    if present and not args.force:
+        # a folder may hold another model: its weights are not replaced without being asked
+        raise ConfigError(
+            f"DIR: {args.dir} already holds {', '.join(present)}; --force replaces the checkpoint's files"
+        )
     out = write_demo_model(args.dir, seed=args.seed, steps=args.steps)
     print(f"wrote the demo model (nemotron_h, pattern {LAYER_PATTERN}, {args.steps} training steps) to {out}")
     return 0
