@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from hybridserve import _core
 from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, EngineArgs
@@ -189,9 +190,11 @@ def config_main(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli(args)
         resolved = engine_args.resolve()
         no_plan = None
-        if args.explain:
+        if args.explain or _is_checkpoint(engine_args.model):
             # with the cache plan: pool sizes and the sequences the state pool can run; it needs a
-            # config.json that describes the whole model (the policy needs only its capabilities)
+            # config.json that describes the whole model (the policy needs only its capabilities).
+            # A checkpoint the engine can load is always planned, so that `config` refuses the
+            # sizes the engine would refuse (a folder of a config.json alone is the policy's)
             model_dir = resolve_model_dir(engine_args.model)
             no_plan = _why_no_plan(model_dir)
             if no_plan is None:
@@ -206,6 +209,14 @@ def config_main(args: argparse.Namespace) -> int:
         if no_plan is not None:
             print(f"cache plan: not computed: {no_plan}")
     return 0
+
+
+def _is_checkpoint(model: str) -> bool:
+    """The demo model, or a folder with weights in it."""
+    if model == "demo":  # (resolve_model_dir's name for it)
+        return True
+    folder = Path(model)
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
 
 
 def _why_no_plan(model_dir: str) -> str | None:
