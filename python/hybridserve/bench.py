@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hybridserve.arg_types import int_in, seconds
-from hybridserve.benchmarks.traces import TRACE_KINDS, Trace, TraceError, generate, read_trace
+from hybridserve.benchmarks.traces import MAX_SCALE, TRACE_KINDS, Trace, TraceError, generate, read_trace
 from hybridserve.benchmarks.workloads import WORKLOADS, WorkloadSpec
 from hybridserve.errors import ConfigError
 
@@ -211,7 +211,10 @@ def _trace_specs(text: str) -> tuple[tuple[str, float], ...]:
         kind, _, scale = item.partition(":")
         if kind.upper() not in TRACE_KINDS:
             raise argparse.ArgumentTypeError(f"unknown trace {kind!r}: one of {', '.join(TRACE_KINDS)}")
-        out.append((kind.upper(), _factor(False)(scale) if scale else 1.0))
+        factor = _factor(False)(scale) if scale else 1.0
+        if factor > MAX_SCALE:
+            raise argparse.ArgumentTypeError(f"trace scale {scale!r}: at most {MAX_SCALE:g}")
+        out.append((kind.upper(), factor))
     return tuple(out)
 
 

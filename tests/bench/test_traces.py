@@ -178,6 +178,7 @@ def _line(**kw) -> str:
 MALFORMED = [
     # (lines of the file, the line named, words of the message)
     ([FIRST, '{"id": "b", "arrival": 1,'], 2, "not JSON (Expecting"),
+    ([FIRST, "[" * 20000 + "]" * 20000], 2, "not JSON (nested too deeply)"),
     ([FIRST, "[1, 2]"], 2, "must be a JSON object"),
     (["", FIRST, '"abc"'], 3, "must be a JSON object"),
     ([FIRST, '{"id": "b", "id": "c", "arrival": 1, "prompt": [1], "output": [1]}'], 2, 'duplicate key "id"'),

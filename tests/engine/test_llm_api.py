@@ -226,6 +226,20 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
             llm.generate([PROMPT], bad_params)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         llm.generate(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[10**6]))
+    with pytest.raises(InvalidRequestError, match="one per prompt"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4)])
+    # the step API: an id that is no str, parameters that are no SamplingParams
+    engine = llm.engine
+    for rid, params in (
+        (5, SamplingParams(max_tokens=2)),
+        (None, SamplingParams()),
+        ("x", {"max_tokens": 2}),
+    ):
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(rid, PROMPT, params)  # type: ignore[arg-type]
+    for rid in (5, None, b"x"):
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            engine.abort_request(rid)  # type: ignore[arg-type]
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
     assert (
@@ -270,9 +284,23 @@ def test_only_allocation_failures_become_cache_size_advice() -> None:
     assert not _is_out_of_memory(RuntimeError("expected scalar type Float but found Half"))
 
 
-def test_config_errors_are_typed() -> None:
+def test_config_errors_are_typed(tmp_path: Path) -> None:
+    from hybridserve import EngineArgs
+
     with pytest.raises(ConfigError):
         LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)
+    for markers in (5, None):
+        with pytest.raises(ConfigError, match="--shared-prefix-markers"):
+            EngineArgs(model="demo", shared_prefix_markers=markers).resolve()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        EngineArgs(model="demo", speculative_config="[" * 20000 + "]" * 20000).resolve()
+    # a model folder whose config.json is not UTF-8 text, or nested past the parser's depth
+    for name, content in (("binary", b"\xff\xfe{\x00}"), ("deep", b'{"a":' * 20000 + b"1" + b"}" * 20000)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_bytes(content)
+        with pytest.raises(ConfigError, match="config.json"):
+            LLM(str(folder))
     with pytest.raises(ConfigError):
         LLM("/nonexistent/model/folder")
     # values no machine can honour are refused up front, naming the flag
@@ -293,6 +321,27 @@ def test_config_errors_are_typed() -> None:
     else:
         with pytest.raises(ConfigError, match="CUDA device"):
             LLM("demo", dtype="float32", device=f"cuda:{torch.cuda.device_count()}")
+
+
+def test_model_folder_oddities_that_load_are_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A generation_config.json that is not JSON is ignored (as transformers does), an EOS id the
+    logits cannot reach is kept: the model loads, and the log says both."""
+    import shutil
+
+    from hybridserve.model.demo import ensure_demo_model
+
+    folder = tmp_path / "odd"
+    shutil.copytree(ensure_demo_model(), folder)
+    (folder / "generation_config.json").write_bytes(b"\xff not json")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["eos_token_id"] = 99999
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="hybridserve.model.loader"):
+        llm = LLM(str(folder), dtype="float32")
+    said = caplog.text
+    assert "generation_config.json: ignored" in said and "[99999] are outside the model's vocabulary" in said
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3
 
 
 @pytest.mark.parametrize(
@@ -318,6 +367,16 @@ def test_config_errors_are_typed() -> None:
         (["bench", "serve", "--base-url", "notaurl"], 2, "--base-url"),
         (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--ready-timeout", "0.5"], 1, "not ready"),
         (["serve", "demo", "--port", "70000"], 2, "--port"),
+        (["bench", "cache-trace", "--traces", "T1:1e308"], 2, "at most 1000"),
+        (
+            ["bench", "serve", "--workload", "trace", "--trace", "T2", "--trace-scale", "1e9"],
+            2,
+            "at most 1000",
+        ),
+        (["config", "demo", "--speculative-config", "[" * 20000 + "]" * 20000], 2, "nested too deeply"),
+        # the cache plan's refusals, with or without --explain
+        (["config", "demo", "--num-mamba-slots", "2", "--json"], 2, "--num-mamba-slots"),
+        (["config", "demo", "--kv-cache-memory", "1"], 2, "--kv-cache-memory"),
         (["serve", "demo", "--max-body-bytes", "0"], 2, "--max-body-bytes"),
         (["serve", "demo", "--shutdown-timeout", "nan"], 2, "--shutdown-timeout"),
         (["serve", "demo", "--max-model-len", "999999"], 2, "max_position_embeddings"),

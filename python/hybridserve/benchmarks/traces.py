@@ -454,6 +454,8 @@ def read_trace(path: str | Path) -> Trace:
             value = TraceError(f"{where}:{lineno}: not JSON ({e.msg} at column {e.colno})")
         except ValueError as e:  # e.g. an integer with too many digits
             value = TraceError(f"{where}:{lineno}: not JSON ({e})")
+        except RecursionError:
+            value = TraceError(f"{where}:{lineno}: not JSON (nested too deeply)")
         parsed.append((lineno, value))
     id_lines: dict[str, int] = {}
     for lineno, value in parsed:
@@ -630,6 +632,11 @@ class _Gen:
         return self.rng.choices(range(k), weights=weights, k=count)
 
 
+# A trace of this many times its default size holds millions of requests: beyond it a scale is a
+# mistake, not a workload.
+MAX_SCALE = 1000.0
+
+
 def _scaled(n: int, scale: float) -> int:
     return max(1, round(n * scale))
 
@@ -653,8 +660,8 @@ def generate(
     - `shape`: overrides the kind's default numbers (`T1Shape()` ... `T4Shape()`).
     """
     kind = _kind(kind)
-    if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if not (isinstance(scale, int | float) and math.isfinite(scale) and 0 < scale <= MAX_SCALE):
+        raise ValueError(f"scale must be a number > 0 and at most {MAX_SCALE:g}, got {scale!r}")
     if not (0 <= token_id_min and token_id_min + 3 < token_id_max <= MAX_TOKEN_ID + 1):
         raise ValueError(
             "token ids: need 0 <= token_id_min and token_id_min + 3 < token_id_max <= 2**31 (three "

@@ -359,10 +359,14 @@ def parse_shared_prefix_markers(value: str | Sequence[int]) -> str | tuple[int, 
                 f"--shared-prefix-markers must be auto, none or token ids separated by commas; got {value!r}"
             )
         return tuple(int(p) for p in parts)
-    ids = tuple(value)
+    if not isinstance(value, Sequence):
+        raise ConfigError(
+            f"--shared-prefix-markers must be auto, none or a list of token ids; got {type(value).__name__}"
+        )
+    ids: tuple[object, ...] = tuple(value)
     if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ConfigError(f"--shared-prefix-markers: token ids must be integers >= 0; got {value!r}")
-    return ids
+    return tuple(t for t in ids if isinstance(t, int))  # (every one is, after the check)
 
 
 def _flag(name: str) -> str:

@@ -14,6 +14,8 @@ def parse_json_object(text: str, flag: str) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError as e:
         raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{flag} must be a JSON object: it is nested too deeply") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {text!r}")
     return value

@@ -173,7 +173,13 @@ def load_model(
             if name not in files:
                 alias = ties.get(name)
                 if alias is not None and alias in files:
-                    # untied config but the checkpoint only stores the shared matrix
+                    # untied config but the checkpoint only stores the shared matrix (transformers
+                    # would start this tensor from random numbers instead): said, as it changes
+                    # what the model says
+                    log.warning(
+                        "%s: config.json unties %r but the checkpoint has no such tensor: it is "
+                        "tied to %r", model_dir, name, alias,
+                    )  # fmt: skip
                     tied[name] = alias
                     continue
                 where = ", ".join(sorted({f.name for f in files.values()})) or "no files"
@@ -246,6 +252,7 @@ def load_model(
                 model_dir, n_tok, cfg.vocab_size, cfg.vocab_size,
             )  # fmt: skip
     _fill_token_ids(cfg, model_dir)
+    _warn_unreachable_token_ids(cfg, model_dir)
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, model_dir=str(model_dir), dtype=dt, device=dev
     )
@@ -257,6 +264,19 @@ def _set_param(model: torch.nn.Module, name: str, value: torch.nn.Parameter) -> 
     setattr(mod, leaf, value)
 
 
+def _warn_unreachable_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
+    """An EOS id the model's logits do not cover can never be sampled: generation would not stop
+    on it. Loaded all the same (max_tokens and stop strings still end a request), but said."""
+    eos = [*cfg.eos_token_ids, *([cfg.eos_token_id] if cfg.eos_token_id is not None else [])]
+    outside = sorted({i for i in eos if i >= cfg.vocab_size})
+    if outside:
+        log.warning(
+            "%s: EOS token id(s) %s are outside the model's vocabulary (vocab_size %d): they can never "
+            "be generated, so generation stops only at max_tokens or a stop string",
+            model_dir, outside, cfg.vocab_size,
+        )  # fmt: skip
+
+
 def _fill_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
     """eos/bos from generation_config.json when config.json lacks them (eos lists kept whole)."""
     gpath = model_dir / "generation_config.json"
@@ -264,7 +284,9 @@ def _fill_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
         return
     try:
         g = json.loads(gpath.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        # as transformers, which loads the model without it: said, not silent
+        log.warning("%s: ignored, it cannot be read as JSON: %s", gpath, e)
         return
     if not isinstance(g, dict):
         return

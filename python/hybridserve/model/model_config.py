@@ -65,10 +65,14 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: no config.json in the model folder") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object")
     return decode_tagged_floats(raw)
