@@ -6,6 +6,7 @@ what the document accepts and refuses what it refuses, naming the field. The fuz
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,8 @@ def companions(field: str, value: Any) -> dict[str, Any]:
     if field == "tool_choice":  # every choice but none needs tools; a named one, a tool of its name
         fn = value.get("function") if isinstance(value, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        named = name if isinstance(name, str) and 1 <= len(name) <= 64 else "f"
+        # (a name the tools' own rule refuses would make the refusal the tools' field's)
+        named = name if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name) else "f"
         return {"tools": [{"type": "function", "function": {"name": named}}]}
     if field == "min_tokens" and isinstance(value, int) and not isinstance(value, bool):
         return {"max_tokens": min(max(value, 1), MAX_MODEL_LEN - 1)}

@@ -24,6 +24,7 @@ from hybridserve.sampling.params import (
 )
 from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
+from hybridserve.server.tools import MAX_NAME_LEN
 
 OPENAPI_VERSION = "3.1.0"
 INT32_MAX = 2**31 - 1
@@ -235,7 +236,12 @@ def _grammar_fields() -> dict[str, Schema]:
 
 def _tool_fields() -> dict[str, Schema]:
     """tools, tool_choice, parallel_tool_calls (server/tools.py)."""
-    name: Schema = {"type": "string", "minLength": 1, "maxLength": 64}
+    name: Schema = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_NAME_LEN,
+        "pattern": "^[A-Za-z0-9_-]+$",
+    }
     tool: Schema = {
         "type": "object",
         "required": ["type", "function"],
