@@ -301,6 +301,21 @@ def test_config_errors_are_typed(tmp_path: Path) -> None:
         (folder / "config.json").write_bytes(content)
         with pytest.raises(ConfigError, match="config.json"):
             LLM(str(folder))
+    # the same for a sharded checkpoint's index and a tokenizer_config.json
+    import shutil
+
+    from hybridserve.model.demo import ensure_demo_model
+
+    for name, content, says in (
+        ("model.safetensors.index.json", b"\xff\xfe", "sharded index"),
+        ("model.safetensors.index.json", b'{"a":' * 20000 + b"1" + b"}" * 20000, "sharded index"),
+        ("tokenizer_config.json", b"[" * 20000 + b"]" * 20000, "tokenizer config"),
+    ):
+        folder = tmp_path / f"copy-{name}-{len(content)}"
+        shutil.copytree(ensure_demo_model(), folder)
+        (folder / name).write_bytes(content)
+        with pytest.raises(ConfigError, match=says):
+            LLM(str(folder), dtype="float32")
     with pytest.raises(ConfigError):
         LLM("/nonexistent/model/folder")
     # values no machine can honour are refused up front, naming the flag

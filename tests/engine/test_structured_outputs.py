@@ -296,3 +296,25 @@ def test_a_grammar_queued_behind_busy_workers_is_refused_after_a_bounded_wait() 
     assert ticket.poll(now) is None  # queued, within its wait
     refused = ticket.poll(now + QUEUE_WAIT_FACTOR * 1.0 + 1)
     assert isinstance(refused, InvalidRequestError) and "no grammar compiler was free" in str(refused)
+
+
+def test_a_batchs_grammars_compile_side_by_side() -> None:
+    """LLM.generate submits every grammar of a batch before it waits for any: here each
+    compilation waits (on a barrier) until the other one has started too, which one at a time
+    never happens."""
+    llm = LLM("demo", dtype="float32", grammar_compile_timeout=30)
+    both_started = threading.Barrier(2)
+
+    def meet(c: object) -> None:
+        if getattr(c, "kind", None) == "regex":
+            both_started.wait(timeout=15)
+
+    llm.engine.grammars.before_compile = meet  # type: ignore[attr-defined]
+    outs = llm.generate(
+        ["Hi", "Hi"],
+        [
+            SamplingParams(max_tokens=8, structured_outputs={"regex": "x[0-9]"}),
+            SamplingParams(max_tokens=8, structured_outputs={"regex": "y[0-9]"}),
+        ],
+    )
+    assert [o.outputs[0].text[0] for o in outs] == ["x", "y"]

@@ -231,6 +231,11 @@ def test_cli_writes_model_and_module_has_no_torch(tmp_path: Path, quick_dir: Pat
     assert main(["demo-model", str(other), "--steps", str(QUICK_STEPS)]) == 2
     assert (other / "config.json").read_text() == '{"model_type": "someone-elses"}'
     assert not (other / "model.safetensors").exists()
+    shards = tmp_path / "shards"  # another model's weights under other names count too
+    shards.mkdir()
+    (shards / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert main(["demo-model", str(shards), "--steps", str(QUICK_STEPS)]) == 2
+    assert not (shards / "config.json").exists()
     assert main(["demo-model", str(other), "--steps", str(QUICK_STEPS), "--force"]) == 0
     assert (other / "config.json").read_bytes() == (quick_dir / "config.json").read_bytes()
     code = "import sys, hybridserve.model.demo; assert 'torch' not in sys.modules"

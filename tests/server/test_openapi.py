@@ -86,7 +86,7 @@ def companions(field: str, value: Any) -> dict[str, Any]:
         fn = value.get("function") if isinstance(value, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         # (a name the tools' own rule refuses would make the refusal the tools' field's)
-        named = name if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name) else "f"
+        named = name if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) else "f"
         return {"tools": [{"type": "function", "function": {"name": named}}]}
     if field == "min_tokens" and isinstance(value, int) and not isinstance(value, bool):
         return {"max_tokens": min(max(value, 1), MAX_MODEL_LEN - 1)}

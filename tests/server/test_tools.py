@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import pytest
@@ -99,6 +100,14 @@ def test_deltas_are_shaped_like_openai() -> None:
     assert d[1] == [{"index": 2, "function": {"arguments": calls[0].arguments}}]
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    """{"a": {"a": ... {}}}: parses, but nests deeper than json.dumps writes back."""
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 def test_request_fields() -> None:
     assert TOOLS[1]["function"]["parameters"] == {"type": "object", "properties": {}}
     assert parse_tool_choice(None, TOOLS) == "auto"
@@ -120,6 +129,10 @@ def test_request_fields() -> None:
         ),
         ([{"type": "code"}], "tools[0].type"),
         (
+            [{"type": "function", "function": {"name": "x", "parameters": _nested(5000)}}],
+            "tools[0].function.parameters",
+        ),
+        (
             [{"type": "function", "function": {"name": "x", "description": "a\ud800b"}}],
             "tools[0].function.description",
         ),
@@ -136,9 +149,12 @@ def test_request_fields() -> None:
     assert [
         t["function"]["name"]
         for t in parse_tools(
-            [{"type": "function", "function": {"name": n}} for n in ("a", "Get-Weather_2", "x" * 64)]
+            [
+                {"type": "function", "function": {"name": n}}
+                for n in ("a", "Get-Weather_2", "github.create_issue", "x" * 64)
+            ]
         )
-    ] == ["a", "Get-Weather_2", "x" * 64]
+    ] == ["a", "Get-Weather_2", "github.create_issue", "x" * 64]
     for bad_choice in (
         "always",
         {"type": "function", "function": {"name": "missing"}},

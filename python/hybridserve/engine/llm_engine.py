@@ -362,18 +362,18 @@ class LLMEngine:
         return refused
 
     def compile_grammars(self, params_list: Sequence[SamplingParams]) -> None:
-        """Compiles (or finds cached) every structured output of a batch, waiting for each;
-        InvalidRequestError for the first that does not compile. The offline API calls it before
+        """Compiles (or finds cached) every structured output of a batch, all submitted at once
+        so that the compiler's workers share them, then waits for them; InvalidRequestError for
+        the first that does not compile (or not within its time). The offline API calls it before
         it adds any request of a batch, so that such a grammar refuses the batch whether it is new
         or already in the compiler's cache of errors (`add_request` refuses a cached failure at
         once, but a new one ends its own request with an error output). Adds nothing."""
-        seen: set[tuple[str, str]] = set()
+        tickets = {}
         for params in params_list:
             so = params.structured_outputs
-            if so is None or so.cache_key in seen:
-                continue
-            seen.add(so.cache_key)
-            ticket = self.grammars.submit(so)
+            if so is not None and so.cache_key not in tickets:
+                tickets[so.cache_key] = self.grammars.submit(so)
+        for ticket in tickets.values():
             while (ready := ticket.poll()) is None:
                 ticket.wait(0.05)
             if isinstance(ready, InvalidRequestError):

@@ -58,6 +58,10 @@ class Tokenizer:
                 self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ConfigError(f"{cfg_path}: cannot read the tokenizer config: {e}") from None
+            except RecursionError:
+                raise ConfigError(
+                    f"{cfg_path}: cannot read the tokenizer config: nested too deeply"
+                ) from None
             if not isinstance(self.config, dict):
                 raise ConfigError(f"{cfg_path}: the tokenizer config must be a JSON object")
         self.eos_token = self._special("eos_token")

@@ -594,11 +594,16 @@ def demo_model_main(args: argparse.Namespace) -> int:
 
     if not str(args.dir).strip():
         raise ConfigError("DIR: an empty path (it would write into the current folder)")
-    present = [name for name in CHECKPOINT_FILES if (Path(args.dir) / name).exists()]
+    folder = Path(args.dir)
+    present = sorted(
+        {name for name in CHECKPOINT_FILES if (folder / name).exists()}
+        | {p.name for p in folder.glob("*.safetensors*")}  # another model's shards and their index
+    )
     if present and not args.force:
         # a folder may hold another model: its weights are not replaced without being asked
         raise ConfigError(
-            f"DIR: {args.dir} already holds {', '.join(present)}; --force replaces the checkpoint's files"
+            f"DIR: {args.dir} already holds {', '.join(present)}; --force writes the checkpoint's files "
+            "over it (it removes nothing else: take other weights out first)"
         )
     out = write_demo_model(args.dir, seed=args.seed, steps=args.steps)
     print(f"wrote the demo model (nemotron_h, pattern {LAYER_PATTERN}, {args.steps} training steps) to {out}")

@@ -80,8 +80,10 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"{index}: bad sharded index: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{index}: bad sharded index: nested too deeply") from None
         if not isinstance(wm, dict):
             raise ConfigError(
                 f"{index}: bad sharded index: weight_map must be an object, not {type(wm).__name__}"
@@ -272,7 +274,8 @@ def _warn_unreachable_token_ids(cfg: ModelConfig, model_dir: Path) -> None:
     if outside:
         log.warning(
             "%s: EOS token id(s) %s are outside the model's vocabulary (vocab_size %d): they can never "
-            "be generated, so generation stops only at max_tokens or a stop string",
+            "be generated, so generation stops only at max_tokens or a stop string, and structured "
+            "outputs (which end with EOS) are refused",
             model_dir, outside, cfg.vocab_size,
         )  # fmt: skip
 

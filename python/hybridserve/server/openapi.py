@@ -240,7 +240,7 @@ def _tool_fields() -> dict[str, Schema]:
         "type": "string",
         "minLength": 1,
         "maxLength": MAX_NAME_LEN,
-        "pattern": "^[A-Za-z0-9_-]+$",
+        "pattern": "^[A-Za-z0-9_.-]+$",
     }
     tool: Schema = {
         "type": "object",

@@ -66,9 +66,11 @@ def _refuse(name: str) -> None:
     raise ToolError(name, "unknown field")
 
 
-# OpenAI's rule for a function's name. It is also what keeps a name from writing markup of its
-# own into the prompt (`</tools>`, `<tool_call>`), where the templates put it as it is.
-_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAME_LEN}}}")
+# OpenAI's rule for a function's name, with the dot that MCP tools' names carry
+# (`github.create_issue`). It is also what keeps a name from writing markup of its own into the
+# prompt (`</tools>`, `<tool_call>`), where the templates put it as it is.
+NAME_PATTERN = rf"[A-Za-z0-9_.-]{{1,{MAX_NAME_LEN}}}"
+_NAME = re.compile(NAME_PATTERN)
 
 
 def _name_ok(name: Any) -> bool:
@@ -84,9 +86,19 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _too_deep(value: Any) -> bool:
+    """Whether parsed JSON nests deeper than the encoder can write it back (a tool's parameters
+    are written into the prompt and the grammar)."""
+    try:
+        json.dumps(value)
+    except RecursionError:
+        return True
+    return False
+
+
 def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dict[str, Any]]:
     """The `tools` list, checked: [{"type": "function", "function": {"name" (1 to 64
-    letters, digits, `_` or `-`), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
+    letters, digits, `_`, `-` or `.`), "description"?, "parameters"?, "strict"?}}]. Returned in the same shape (what
     templates expect). `on_unknown` gets the path of a field it does not know (raises to refuse)."""
     if not isinstance(v, list):
         raise ToolError("tools", f"must be a list of tool objects, got {type(v).__name__}")
@@ -113,7 +125,7 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         if not isinstance(name, str) or not _name_ok(name):
             raise ToolError(
                 f"{p}.function.name",
-                f"must be 1 to {MAX_NAME_LEN} letters, digits, '_' or '-' (a-z, A-Z, 0-9)",
+                f"must be 1 to {MAX_NAME_LEN} letters, digits, '_', '-' or '.' (a-z, A-Z, 0-9)",
             )
         if name in names:
             raise ToolError(f"{p}.function.name", f"{name!r} is given twice")
@@ -127,6 +139,8 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolError(f"{p}.function.strict", "must be a boolean")
+        if params is not None and _too_deep(params):
+            raise ToolError(f"{p}.function.parameters", "is nested too deeply")
         for key, value in (("description", desc), ("parameters", params)):
             if value is not None and _has_lone_surrogate(value):
                 # JSON's "\ud800" escapes: no tokenizer encodes them once the tool is in the prompt
