@@ -92,7 +92,7 @@ def _keyed_draws(
 # for its (v + 1)-th number). Any token's draw is computed alone, from (key, v), so all rows and
 # tokens of a step are one array operation, where a generator per row cost a Python loop over the
 # rows (about 15 us a row at a vocabulary of 795). The constants are splitmix64's (`seeds`).
-#
+
 # Elements per array pass on the CPU: a large vocabulary is drawn a few rows at a time, so that
 # each pass works in cache (a [64, 131072] array pass by pass was 5x slower).
 _NOISE_CHUNK = 1 << 16

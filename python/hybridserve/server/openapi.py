@@ -24,7 +24,7 @@ from hybridserve.sampling.params import (
 )
 from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
-from hybridserve.server.tools import MAX_NAME_LEN
+from hybridserve.server.tools import MAX_NAME_LEN, NAME_CHARS
 
 OPENAPI_VERSION = "3.1.0"
 INT32_MAX = 2**31 - 1
@@ -240,7 +240,7 @@ def _tool_fields() -> dict[str, Schema]:
         "type": "string",
         "minLength": 1,
         "maxLength": MAX_NAME_LEN,
-        "pattern": "^[A-Za-z0-9_.-]+$",
+        "pattern": f"^[{NAME_CHARS}]+$",
     }
     tool: Schema = {
         "type": "object",

@@ -67,33 +67,28 @@ def _refuse(name: str) -> None:
 
 
 # OpenAI's rule for a function's name, with the dot that MCP tools' names carry
-# (`github.create_issue`). It is also what keeps a name from writing markup of its own into the
-# prompt (`</tools>`, `<tool_call>`), where the templates put it as it is.
-NAME_PATTERN = rf"[A-Za-z0-9_.-]{{1,{MAX_NAME_LEN}}}"
-_NAME = re.compile(NAME_PATTERN)
+# (`github.create_issue`): its characters (a regex class), also the API document's. It is what keeps
+# a name from writing markup of its own into the prompt (`</tools>`, `<tool_call>`), where the
+# templates put it as it is.
+NAME_CHARS = "A-Za-z0-9_.-"
+_NAME = re.compile(f"[{NAME_CHARS}]{{1,{MAX_NAME_LEN}}}")
 
 
 def _name_ok(name: Any) -> bool:
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether a string, or any key or string within parsed JSON, holds an unpaired surrogate."""
+def _unwritable(value: Any) -> str | None:
+    """Why a tool's string or parsed JSON cannot go into the prompt as UTF-8 text, or None: an
+    unpaired surrogate (JSON's "\ud800" escapes, which no tokenizer encodes), or nesting deeper
+    than the encoder writes back."""
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _too_deep(value: Any) -> bool:
-    """Whether parsed JSON nests deeper than the encoder can write it back (a tool's parameters
-    are written into the prompt and the grammar)."""
-    try:
-        json.dumps(value)
+        return "contains an unpaired UTF-16 surrogate"
     except RecursionError:
-        return True
-    return False
+        return "is nested too deeply"
+    return None
 
 
 def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dict[str, Any]]:
@@ -139,12 +134,9 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolError(f"{p}.function.strict", "must be a boolean")
-        if params is not None and _too_deep(params):
-            raise ToolError(f"{p}.function.parameters", "is nested too deeply")
         for key, value in (("description", desc), ("parameters", params)):
-            if value is not None and _has_lone_surrogate(value):
-                # JSON's "\ud800" escapes: no tokenizer encodes them once the tool is in the prompt
-                raise ToolError(f"{p}.function.{key}", "contains an unpaired UTF-16 surrogate")
+            if value is not None and (why := _unwritable(value)) is not None:
+                raise ToolError(f"{p}.function.{key}", why)
         clean: dict[str, Any] = {"name": name}
         if desc is not None:
             clean["description"] = desc
