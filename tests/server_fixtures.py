@@ -51,6 +51,9 @@ class TokenizerModelInfo:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -33,26 +34,58 @@ def test_long_and_short_texts_get_the_librarys_ids(
     assert tok.encode(text, add_special_tokens=add_special_tokens) == want
 
 
-def test_a_long_text_is_encoded_while_other_threads_run(tok: Tokenizer) -> None:
-    """`encode` of the library holds the global lock for the whole text (seconds for megabytes):
-    a server's event loop would stall that long. The other thread here must keep running."""
-    text = "a b " * 400_000
+def turns_while(work: Callable[[], object]) -> tuple[int, float]:
+    """Runs `work` in a thread; meanwhile this thread sleeps 1 ms at a time. Returns how many
+    turns this thread got and how long `work` took (s): a thread that holds the global lock
+    leaves the sleeper about one turn per call it makes into native code."""
     done = threading.Event()
     took: list[float] = []
 
-    def encode() -> None:
+    def run() -> None:
         t0 = time.perf_counter()
-        tok.encode(text)
+        work()
         took.append(time.perf_counter() - t0)
         done.set()
 
-    worker = threading.Thread(target=encode)
+    worker = threading.Thread(target=run)
     worker.start()
     turns = 0
     while not done.is_set():
         time.sleep(0.001)
         turns += 1
     worker.join()
+    return turns, took[0]
+
+
+def test_a_long_text_is_encoded_while_other_threads_run(tok: Tokenizer) -> None:
+    """`encode` of the library holds the global lock for the whole text (seconds for megabytes):
+    a server's event loop would stall that long. The other thread here must keep running."""
+    text = "a b " * 400_000
+    turns, took = turns_while(lambda: tok.encode(text))
     # held lock: the loop gets a turn or two in the whole encode (measured: 2 turns in 2.8 s)
-    assert took[0] > 0.1, "the text encoded too fast to tell"
-    assert turns >= 20, (turns, took[0])
+    assert took > 0.1, "the text encoded too fast to tell"
+    assert turns >= 20, (turns, took)
+
+
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+@pytest.mark.parametrize(
+    "lengths", [[3, 1, 40], [THRESHOLD - 5, 2, 3], [THRESHOLD // 2] * 3, [2 * THRESHOLD, 7]]
+)
+def test_many_texts_get_the_librarys_ids(
+    tok: Tokenizer, lengths: list[int], add_special_tokens: bool
+) -> None:
+    unit = "Once upon a time — naïve 日本 🦊 <|im_end|>\n"
+    texts = [(unit * (n // len(unit) + 1))[i : i + n] for i, n in enumerate(lengths)]
+    want = [list(tok._tok.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
+    assert tok.encode_many(texts, add_special_tokens=add_special_tokens) == want
+
+
+def test_many_texts_long_in_all_are_encoded_while_other_threads_run(tok: Tokenizer) -> None:
+    """Texts each below the threshold but long in all: one `encode` per text would hold the lock
+    for each text in turn, and the other thread would get about one turn per text (measured: 26-56
+    turns for these 30 texts, against 470-530 with the lock let go)."""
+    texts = ["a b " * ((THRESHOLD - 1) // 4)] * 30
+    assert all(len(t) < THRESHOLD for t in texts)
+    turns, took = turns_while(lambda: tok.encode_many(texts))
+    assert took > 0.1, "the texts encoded too fast to tell"
+    assert turns >= 5 * len(texts), (turns, took)

@@ -34,6 +34,9 @@ class FakeInfo:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [1]
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [[1] for _ in texts]
+
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
     ) -> list[int]:

@@ -108,6 +108,26 @@ def test_completion_prompt_batch_and_stop_string(info):
     assert [p.token_ids for p in req.prompts] == [[1, 2], [3]]
 
 
+def test_a_list_of_text_prompts_is_encoded_in_one_call():
+    """The engine's tokenizer encodes a list long in all without holding Python's global lock,
+    which it can only do when it gets the whole list at once (engine/tokenizer.py)."""
+    calls: list[list[str]] = []
+
+    class Counting(TokenizerModelInfo):
+        def encode(self, text, add_special_tokens=False):
+            raise AssertionError("a text prompt went through encode")
+
+        def encode_many(self, texts, add_special_tokens=False):
+            calls.append(list(texts))
+            return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
+
+    counting = Counting(ensure_demo_model(), max_model_len=64)
+    req = completion(counting, prompt=["a b", "c d e", "f"], max_tokens=4)
+    assert calls == [["a b", "c d e", "f"]]
+    want = [list(counting.tokenizer.encode(t, add_special_tokens=True).ids) for t in ("a b", "c d e", "f")]
+    assert [p.token_ids for p in req.prompts] == want
+
+
 def test_completion_max_tokens_default_and_context(info):
     ids = list(range(3, 13))  # 10 tokens, max_model_len 64
     assert completion(info, prompt=ids, max_tokens=54).params.max_tokens == 54

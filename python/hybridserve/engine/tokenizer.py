@@ -12,10 +12,12 @@ from hybridserve.errors import ConfigError
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte-fallback pieces
 
-# Texts of at least this many characters are encoded through `encode_batch`, which lets go of
-# Python's global lock while it works (`encode` holds it): a prompt of megabytes takes seconds to
-# tokenize, and the server's event loop and engine thread must run meanwhile. Shorter texts keep
-# `encode`, which costs less to call. Both give the same ids.
+# Texts of at least this many characters (in all, for `encode_many`) are encoded through
+# `encode_batch`, which lets go of Python's global lock while it works (`encode` holds it): a
+# prompt of megabytes takes seconds to tokenize, and the server's event loop and engine thread must
+# run meanwhile. Shorter texts keep `encode`: a thread that lets go of the lock while the engine
+# thread runs may wait for it to come back, which a short text's few microseconds of work do not
+# justify. Both give the same ids.
 _RELEASE_GIL_CHARS = 16384
 
 
@@ -87,6 +89,15 @@ class Tokenizer:
             (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(enc.ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of each text. Texts that are long in all go through one `encode_batch` call,
+        which holds the global lock for none of them: one `encode` per text would hold it for each
+        in turn, and every time the engine thread let go of it (each torch operation does) the
+        next text would take it for its whole length."""
+        if sum(len(t) for t in texts) >= _RELEASE_GIL_CHARS:
+            return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [list(self._tok.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

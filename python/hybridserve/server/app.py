@@ -83,6 +83,9 @@ class EngineModelInfo:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return self.tokenizer.encode_many(texts, add_special_tokens=add_special_tokens)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

@@ -195,6 +195,11 @@ class ModelInfo(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of each text (a request's list of prompts), in one call: the engine's
+        tokenizer encodes a long list without holding Python's global lock."""
+        ...
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -680,17 +685,18 @@ def parse_completion_request(
 
 
 def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) -> list[PromptInput]:
-    def text_prompt(s: str) -> PromptInput:
-        if not s:
-            raise _bad("prompt", "must not be empty")
-        _check_surrogates("prompt", s)
-        ids = info.encode(s, add_special_tokens=add_special_tokens)
-        if not ids:
+    def text_prompts(texts: list[str]) -> list[PromptInput]:
+        for s in texts:
+            if not s:
+                raise _bad("prompt", "must not be empty")
+            _check_surrogates("prompt", s)
+        encoded = info.encode_many(texts, add_special_tokens=add_special_tokens)
+        if not all(encoded):
             raise _bad("prompt", "encodes to no tokens")
-        return PromptInput(token_ids=ids, text=s)
+        return [PromptInput(token_ids=ids, text=s) for s, ids in zip(texts, encoded)]
 
     if isinstance(v, str):
-        return [text_prompt(v)]
+        return text_prompts([v])
     if not isinstance(v, list):
         raise _bad(
             "prompt",
@@ -708,7 +714,7 @@ def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) ->
     if len(v) > MAX_PROMPTS_PER_REQUEST:
         raise _bad("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
     if all(isinstance(s, str) for s in v):
-        return [text_prompt(s) for s in v]
+        return text_prompts(v)
     if all(isinstance(t, list) for t in v):
         return [
             PromptInput(
