@@ -156,6 +156,42 @@ def test_min_tokens_yields_to_a_complete_grammar(llm: LLM) -> None:
         assert out.text == "" and out.token_ids == [llm.engine.eos_token_id] and out.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_a_grammar_completed_by_the_last_token_allowed_ends_with_stop(speculative: dict | None) -> None:
+    """max_tokens exactly the length of the complete output: the output is complete, so it ended
+    because the grammar did ("stop"), not at the length limit; one token fewer is "length"."""
+    llm = LLM("demo", dtype="float32", speculative_config=speculative)
+    specs: list[dict] = [
+        {
+            "json": {
+                "type": "object",
+                "properties": {"c": {"enum": ["red", "green"]}},
+                "required": ["c"],
+                "additionalProperties": False,
+            }
+        },
+        {"choice": ["the cat sat", "a mat"]},
+        {"regex": "(ab|cd){3}"},
+    ]
+    for spec in specs:
+        free = llm.generate(
+            "the cat", SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec)
+        )
+        full = free[0].outputs[0]
+        assert full.finish_reason == "stop", spec
+        n = len(full.token_ids)
+        exact = llm.generate(
+            "the cat", SamplingParams(max_tokens=n, temperature=0.0, structured_outputs=spec)
+        )
+        assert (exact[0].outputs[0].text, exact[0].outputs[0].finish_reason) == (full.text, "stop"), spec
+        if n > 1:
+            short = llm.generate(
+                "the cat", SamplingParams(max_tokens=n - 1, temperature=0.0, structured_outputs=spec)
+            )
+            assert short[0].outputs[0].finish_reason == "length", spec
+            assert full.text.startswith(short[0].outputs[0].text), spec
+
+
 def test_slow_grammar_times_out_while_others_run() -> None:
     """A compilation held up past the limit refuses its request (the worker is made slow by a
     hook, so the test does not depend on the machine's speed), while requests without a grammar

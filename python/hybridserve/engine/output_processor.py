@@ -114,13 +114,14 @@ class OutputProcessor:
                 # there (as if the EOS that alone could follow had been sampled). A verify row can
                 # carry tokens past that point (the correction token after a draft that completed
                 # the grammar is the EOS its mask left): they are dropped, so the output is the one
-                # plain steps give. The scheduler's own last token of a finished row (an EOS where
-                # the grammar may end, or the length limit) is not fed to it.
+                # plain steps give. The scheduler's own stop token ending a finished row (an EOS where
+                # the grammar may end) is not fed to it; the last token before the length limit
+                # is, as it may complete the grammar (then the output ended because it was complete).
                 for i, tok in enumerate(new_ids):
                     if st.grammar.is_terminated():
                         new_ids = new_ids[:i]
                         break
-                    if d_finished and i == len(new_ids) - 1:
+                    if d_finished and i == len(new_ids) - 1 and tok == d.stop_token_id:
                         break
                     try:
                         st.grammar.accept([tok])
