@@ -126,3 +126,26 @@ async def test_a_served_name_that_is_a_path_has_its_model_card(aiohttp_client):
     demo = await aiohttp_client(create_app(None, served_model_name="demo", log_stats_interval_s=0))
     assert (await demo.get("/v1/models/demo")).status == 200
     assert (await demo.get("/v1/models/%2Fdemo")).status == 404
+
+
+def test_tokenize_counts_the_tools_the_chat_route_renders():
+    info = TokenizerModelInfo(ensure_demo_model(), max_model_len=4096)  # room for the tools block
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            },
+        }
+    ]
+    chat = P.parse_chat_request({"messages": MSGS, "tools": tools}, info, "demo")
+    plain = P.parse_tokenize_request({"messages": MSGS}, info, "demo")
+    tok = P.parse_tokenize_request({"messages": MSGS, "tools": tools}, info, "demo")
+    assert tok.token_ids == chat.prompts[0].token_ids and len(tok.token_ids) > len(plain.token_ids)
+    none = {"messages": MSGS, "tools": tools, "tool_choice": "none"}
+    assert P.parse_tokenize_request(none, info, "demo").token_ids == plain.token_ids
+    assert P.parse_chat_request(none, info, "demo").prompts[0].token_ids == plain.token_ids
+    with pytest.raises(P.APIError) as e:
+        P.parse_tokenize_request({"messages": MSGS, "tools": [{"type": "function"}]}, info, "demo")
+    assert e.value.param is not None and e.value.param.startswith("tools")

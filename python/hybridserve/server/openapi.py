@@ -402,6 +402,8 @@ def _tokenize_schemas(served_model_name: str, vocab_size: int | None) -> dict[st
         "add_generation_prompt": _bool("end with the assistant's turn header (default true)"),
         "return_token_strs": token_strs,
         **_template_fields(),
+        # the tools the chat route would render for the same body
+        **{k: v for k, v in _tool_fields().items() if k in P.TOKENIZE_CHAT_FIELDS},
     }
     detokenize: dict[str, Schema] = {
         "model": model,

@@ -927,6 +927,16 @@ def _render_tool_history(info: ModelInfo, messages: list[dict[str, Any]]) -> lis
     )
 
 
+def _render_chat_with_tools(
+    body: dict[str, Any], info: ModelInfo, unknown: UnknownFields
+) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """(tools, tool_choice, token ids) of a chat body: its messages rendered with its tools unless
+    tool_choice is "none" (the chat route's prompt, and what /tokenize counts for the same body)."""
+    tools, tool_choice = _parse_tool_fields(body, unknown)
+    ids = _render_chat(body, info, unknown, tools if tool_choice != "none" else None)
+    return tools, tool_choice, ids
+
+
 def _render_chat(
     body: dict[str, Any], info: ModelInfo, unknown: UnknownFields, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
@@ -981,9 +991,8 @@ def parse_chat_request(
         max_tokens, max_param = max_completion, "max_completion_tokens"
     return_token_ids = get_bool(body, "return_token_ids", False)
     _check_sequences(1, n)
-    tools, tool_choice = _parse_tool_fields(body, unknown)
+    tools, tool_choice, ids = _render_chat_with_tools(body, info, unknown)
     rendered_tools = tools if tool_choice != "none" else None
-    ids = _render_chat(body, info, unknown, rendered_tools)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = [PromptInput(token_ids=ids, text=None)]
@@ -1021,6 +1030,8 @@ TOKENIZE_CHAT_FIELDS = {
     "add_special_tokens",
     "return_token_strs",
     "chat_template_kwargs",
+    "tools",
+    "tool_choice",
 } | _CHAT_VLLM_UNSUPPORTED
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
@@ -1044,14 +1055,15 @@ def parse_tokenize_request(
     """A /tokenize body: `prompt` (a string, tokenized as the completions route tokenizes it:
     `add_special_tokens` default true) or `messages` (rendered as the chat route renders them:
     `add_generation_prompt` default true, `add_special_tokens` default false,
-    `chat_template_kwargs`). No context-length check: it counts, it does not generate."""
+    `chat_template_kwargs`, `tools` and `tool_choice`). No context-length check: it counts, it does
+    not generate."""
     unknown = UnknownFields(strict)
     if "messages" in body:  # (vLLM's TokenizeChatRequest)
         if body.get("prompt") is not None:
             raise _bad("prompt", "give either prompt or messages, not both")
         _check_fields(body, TOKENIZE_CHAT_FIELDS, _CHAT_VLLM_UNSUPPORTED, unknown)
         _parse_model(body, served_model_name)
-        ids = _render_chat(body, info, unknown)
+        ids = _render_chat_with_tools(body, info, unknown)[2]
     else:
         _check_fields(body, TOKENIZE_PROMPT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
