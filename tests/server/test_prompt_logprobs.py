@@ -224,6 +224,27 @@ def test_echo_logprobs_shape_prompt_logprobs_and_score_only(server: ServerProces
     assert streamed == gen["logprobs"]["token_logprobs"]
 
 
+@pytest.mark.parametrize("prompt", ["<|im_start|>hi there", "naïve 日本 <|im_end|>\nThe harbour"])
+def test_echo_offsets_index_the_echoed_text_streamed_or_not(server: ServerProcess, prompt: str) -> None:
+    """A text prompt is echoed as written, special tokens included: each echoed token's offset is
+    where it starts in that text, and the generated tokens' offsets continue after it, the same
+    streamed and not."""
+    body = {"model": "demo", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0}
+    c = _post(server, body)["choices"][0]
+    lp = c["logprobs"]
+    n = len(LLM_TOKENS(prompt))
+    assert c["text"].startswith(prompt)
+    offsets, tokens = lp["text_offset"], lp["tokens"]
+    for tok, off in zip(tokens[:n], offsets[:n]):
+        if not tok.startswith("bytes:"):  # a piece of a character shares the character's start
+            assert prompt[off:].startswith(tok), (tok, off, offsets)
+    assert offsets[n] == len(prompt)
+    for tok, off in zip(tokens[n:], offsets[n:]):
+        assert c["text"][off:].startswith(tok), (tok, off, offsets)
+    chunks = _stream(server, {**body, "stream": True})
+    assert [o for ch in chunks for o in ch["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
 def test_prompt_logprobs_cover_every_token_after_a_cache_hit_and_change_no_other_output(
     server: ServerProcess,
 ) -> None:

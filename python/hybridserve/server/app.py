@@ -131,6 +131,15 @@ class EngineModelInfo:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
+        """Where each of `token_ids`, the tokens of `text` (with the tokenizer's special tokens or
+        without), starts in `text`; None when neither encoding gives these ids."""
+        for add_special_tokens in (True, False):
+            ids, starts = self.tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
+            if ids == token_ids:
+                return starts
+        return None
+
     def token_piece(self, token_id: int) -> str:
         """A token's vocabulary entry (e.g. "\u0120world" in byte-level BPE): vLLM's `token_strs`
         (transformers' convert_ids_to_tokens)."""
@@ -697,9 +706,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completions_render(request: web.Request) -> web.Response:
-    """vLLM's /v1/completions/render: a completion request checked as /v1/completions checks it,
-    answered with each prompt's token ids instead of a generation. Cache-aware routers tokenize
-    through it, so they see the tokens the engine will run."""
+    """vLLM's /v1/completions/render: a completion request's fields checked as /v1/completions
+    checks them, answered with each prompt's token ids instead of a generation. Cache-aware routers
+    tokenize through it, so they see the tokens the engine will run. A grammar is not compiled here
+    (the engine compiles it when the request runs, and refuses it there)."""
     state = request.app[STATE]
     _, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_completion_request)
@@ -971,22 +981,28 @@ def _logprobs_json(
 
 
 def _echo_logprobs_json(
-    req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice, offsets: P.TextOffsets
+    req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice
 ) -> dict[str, Any] | None:
     """The echoed prompt's part of a completion's logprobs (echo + logprobs), in the shape the
-    evaluation harnesses read: the first token has no logprob (`null`), then one per token.
-    `offsets` is advanced past the prompt."""
+    evaluation harnesses read: the first token has no logprob (`null`), then one per token. The
+    offsets index the echoed text (`_echo_text`): a text prompt is echoed as the client wrote it,
+    special tokens included, so its tokens' offsets come from the tokenizer's own."""
     if not (req.echo and req.logprobs is not None) or choice.prompt_logprobs is None:
         return None
     skip = req.params.skip_special_tokens
     entries = [e if e is not None else {} for e in choice.prompt_logprobs]
+    prompt = choice.prompt
     out = P.completion_logprobs(
         entries,
-        choice.prompt.token_ids,
+        prompt.token_ids,
         info.token_text,
-        offsets,
+        P.TextOffsets(0),
         text_bytes=lambda t: info.text_bytes(t, skip),
     )
+    if prompt.text is not None:
+        starts = info.text_offsets(prompt.text, prompt.token_ids)
+        if starts is not None:
+            out["text_offset"] = starts
     out["token_logprobs"][0] = None
     out["top_logprobs"][0] = None
     return out
@@ -1048,7 +1064,7 @@ async def _collect(
             prefix = _echo_text(info, req, c.prompt)
         lps = _logprobs_json(req, info, c.logprobs, c.token_ids, P.TextOffsets(len(prefix)))
         if req.kind == "completion":
-            lps = _join_logprobs(_echo_logprobs_json(req, info, c, P.TextOffsets(0)), lps)
+            lps = _join_logprobs(_echo_logprobs_json(req, info, c), lps)
             out.append(
                 P.completion_choice(
                     c.index,
@@ -1158,18 +1174,19 @@ async def _send_delta(
         return
     lps = None
     first = not choice.started_stream
-    echo_lps = (
-        _echo_logprobs_json(req, info, choice, choice.offsets) if first and req.kind == "completion" else None
-    )
+    echoing = first and req.echo and req.kind == "completion"
+    echo = _echo_text(info, req, choice.prompt) if echoing else ""
+    echo_lps = None
+    if echoing:
+        echo_lps = _echo_logprobs_json(req, info, choice)
+        choice.offsets = P.TextOffsets(len(echo))  # the output's text follows the echoed prompt
     if req.logprobs is not None and delta.logprobs is not None:
         lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
     lps = _join_logprobs(echo_lps, lps)
     ids = delta.token_ids if req.return_token_ids else None
     prompt_ids = choice.prompt.token_ids if req.return_token_ids and not choice.started_stream else None
     if req.kind == "completion":
-        text = delta.text
-        if req.echo and not choice.started_stream:
-            text = _echo_text(info, req, choice.prompt) + text
+        text = echo + delta.text
         cj = P.completion_choice(choice.index, text, choice.finish_reason if delta.finished else None, lps,
                                  choice.stop_reason if delta.finished else None,
                                  prompt_token_ids=prompt_ids, token_ids=ids,
