@@ -7,6 +7,8 @@ preemption. Flags that do not fit the model are refused naming --tensor-parallel
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,16 @@ def test_sizes_the_model_does_not_allow_are_refused_naming_the_flag(tmp_path: Pa
     decisions = plan_engine(EngineArgs(model=demo, tensor_parallel_size=4), demo).resolved.decisions
     tp = [d.message for d in decisions if d.code == "tensor_parallel"]
     assert tp and "2 of 8 Mamba heads" in tp[0] and "1 of 2 KV heads (replicated)" in tp[0]
+
+
+def test_a_process_that_exits_without_shutting_the_engine_down_ends_its_workers_quietly() -> None:
+    """`hybridserve generate` (like any script done with its `LLM`) exits without calling
+    `LLMEngine.shutdown`: the workers are ended at exit, and not reported as dead on the way."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "generate", "demo", "-tp", str(TP), "--cpu-threads", "1",
+         "--prompt", "The morning was", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The morning was") and len(proc.stdout) > len("The morning was\n")
+    assert "exited with status" not in proc.stderr and "the engine stops" not in proc.stderr, proc.stderr

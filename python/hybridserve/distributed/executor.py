@@ -5,13 +5,14 @@ each step's inputs to every worker before rank 0 runs the same step, and watches
 - A worker that dies (a crash, SIGKILL, out of memory) is seen at once by a watchdog thread on
   the processes' sentinels; the collective rank 0 may be waiting in fails as soon as the dead
   rank's sockets close. `dead_reason` then says why, and the engine fails its requests and stops.
-- Workers are daemonic children: they end with the engine (multiprocessing terminates them at
-  exit; a worker also ends when its pipe from the engine closes, so an engine killed outright
-  leaves no worker behind either).
+- Workers are daemonic children: they end with the engine (an exit handler shuts them down when
+  the process exits without `LLMEngine.shutdown`; a worker also ends when its pipe from the engine
+  closes, so an engine killed outright leaves no worker behind either).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import pickle
@@ -69,6 +70,10 @@ class TPExecutor(GroupFailure):
             raise
         self._watchdog = threading.Thread(target=self._watch, name="hybridserve-tp-watchdog", daemon=True)
         self._watchdog.start()
+        # A process that exits without shutting the engine down (a script done with its `LLM`)
+        # ends the workers here, first: multiprocessing's own exit handler, which runs after this
+        # one, terminates them, and the watchdog would take that for a dead worker.
+        atexit.register(self.shutdown)
 
     @classmethod
     def spec_for(
@@ -178,6 +183,7 @@ class TPExecutor(GroupFailure):
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         try:
             self._stop_w.send_bytes(b"")
         except OSError:
