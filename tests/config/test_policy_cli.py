@@ -189,10 +189,24 @@ def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:
         "1GiB",
         "--cpu-threads",
         "1",
+        "--shared-prefix-markers",
+        "5,9",
+        "--grammar-compile-timeout",
+        "2.5",
+        "--prefix-cache-hash-seed",
+        "987654321",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6001"}',
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
+    assert d["shared_prefix_markers"] == [5, 9]
+    assert d["grammar_compile_timeout"] == 2.5
+    assert d["tensor_parallel_size"] == 1
+    assert d["kv_events"]["enable_kv_cache_events"] is True and d["kv_events"]["endpoint"] == "tcp://*:6001"
+    # the hash seed is a secret: the output says it was given, never what it is
+    assert d["prefix_cache_hash_seed_given"] is True and "987654321" not in proc.stdout
     assert d["dtype"] == "float64"
     assert d["cache_memory"] == 2**30
     assert d["cpu_threads"] == 1

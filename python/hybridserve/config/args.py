@@ -85,7 +85,7 @@ class EngineArgs:
     mamba_cache_mode: MambaCacheModeName = "auto"
     #: Where Mamba checkpoints are kept: "branch" (where prompts share a prefix, and at the last
     #: token of every finished sequence), "grid" (every mamba_block_size tokens), "branch+grid".
-    #: None = auto (branch).
+    #: None = auto ("branch+grid" in mode all, "branch" in align).
     mamba_checkpoint_placement: CheckpointPlacementName | None = None
     #: Which checkpoint goes when the state pool is full: "flops" (recency and FLOPs saved per
     #: byte), "lru", "lru-path" (LRU refreshing a hit's whole path). None = auto (flops).

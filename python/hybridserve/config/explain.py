@@ -4,6 +4,7 @@ every decision of the policy and the Python-side settings), the text of `hybrids
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,8 @@ class ResolvedEngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """One JSON object (what `hybridserve config --json` prints)."""
+        from hybridserve.config.args import parse_shared_prefix_markers  # (args imports this module)
+
         out = dict(self.core.to_dict())
         a = self.args
         out.update(
@@ -77,11 +80,21 @@ class ResolvedEngineConfig:
                 "max_queue_len": a.max_queue_len,
                 "cpu_threads": a.cpu_threads,
                 "async_scheduling": a.async_scheduling,
+                "tensor_parallel_size": a.tensor_parallel_size,
+                "grammar_compile_timeout": a.grammar_compile_timeout,
+                "shared_prefix_markers": _markers_json(parse_shared_prefix_markers(a.shared_prefix_markers)),
+                # the seed itself is a secret (docs/prefix-caching.md, "Block hashes"): only whether one was given
+                "prefix_cache_hash_seed_given": a.prefix_cache_hash_seed is not None,
+                "kv_events": None if (kv := a.kv_events()) is None else dataclasses.asdict(kv),
                 "capabilities": self.capabilities.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],
             }
         )
         return out
+
+
+def _markers_json(markers: str | tuple[int, ...]) -> str | list[int]:
+    return markers if isinstance(markers, str) else list(markers)
 
 
 _SUMMARY_KEYS = (
