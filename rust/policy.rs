@@ -299,7 +299,7 @@ pub enum DecisionCode {
     MambaBlockSizeAuto,
     /// An explicit M has no effect (mode `none`).
     MambaBlockSizeIgnored,
-    /// M exceeds max_model_len: no Mamba prefix hit is possible.
+    /// M exceeds max_model_len: no grid checkpoint can ever be hit.
     MambaBlockSizeExceedsMaxModelLen,
     /// max_model_len was not given: taken from the model (or the default).
     MaxModelLenDefault,
@@ -715,8 +715,9 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
             DecisionCode::MambaBlockSizeExceedsMaxModelLen,
             DecisionLevel::Warning,
             format!(
-                "mamba_block_size {m} exceeds max_model_len {max_model_len}: no Mamba prefix hit \
-                 is possible; lower --mamba-block-size"
+                "mamba_block_size {m} exceeds max_model_len {max_model_len}: no grid checkpoint \
+                 can ever be hit (branch points, declared prefixes and last tokens still can); \
+                 lower --mamba-block-size"
             ),
         );
     }

@@ -1,4 +1,4 @@
-"""`hybridserve` command line: serve | generate | config | bench | demo-model.
+"""`hybridserve` command line: serve | generate | config | bench | demo-model | replicas.
 
 Each subcommand's handler lives beside the code it drives and is imported only when it runs, so
 `hybridserve --version` and `hybridserve config` start without loading torch.
@@ -27,7 +27,7 @@ _HELP = {
     "serve": "start the OpenAI-compatible HTTP server",
     "generate": "generate text offline for one or more prompts",
     "config": "resolve and print the engine configuration (--explain, --json)",
-    "bench": "benchmarks: serving load generator and offline throughput",
+    "bench": "benchmarks: serving load generator, prefix-cache trace replay, offline throughput",
     "demo-model": "write the built-in demo checkpoint to a folder",
     "replicas": "start N serve replicas behind a router (vllm-router), or a router for --worker-urls",
 }

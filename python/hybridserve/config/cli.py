@@ -38,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         choices=list(_core.CHECKPOINT_PLACEMENTS),
         default=None,
         help="where Mamba states are kept for prefix hits: branch (where prompts share a prefix, and at the "
-        "last token of finished sequences), grid (every --mamba-block-size tokens), branch+grid (default: branch)",
+        "last token of finished sequences), grid (every --mamba-block-size tokens), branch+grid (default: branch+grid in mode all, branch in align)",
     )
     g.add_argument(
         "--prefix-cache-eviction",
