@@ -760,14 +760,17 @@ impl Scheduler {
                 continue;
             }
             // A hit can go stale when an earlier allocation of this step evicted its blocks:
-            // allocate_new then takes nothing and the hit is queried once more.
+            // allocate_new then takes nothing and the hit is queried once more. A hit can also
+            // need more blocks at once than the pool holds (its blocks, the tail it copies from
+            // and the new blocks the copy goes to): with nothing running, no block will ever be
+            // freed, so the third attempt gives the hit up and computes the prompt again.
             let mut admitted = None;
-            for attempt in 0..2 {
+            for attempt in 0..3 {
                 let Some(req) = self.requests.get(&key) else {
                     break;
                 };
                 let known = req.num_tokens();
-                let mut hit = if self.may_hit(req) {
+                let mut hit = if attempt < 2 && self.may_hit(req) {
                     self.cache.find_longest_cache_hit(req.prefix(), known)
                 } else {
                     CacheHit::default()
@@ -786,6 +789,9 @@ impl Scheduler {
                         break;
                     }
                     None if attempt == 0 && hit.num_tokens > 0 => continue,
+                    None if attempt == 1 && hit.num_tokens > 0 && self.running.is_empty() => {
+                        continue
+                    }
                     None => break,
                 }
             }

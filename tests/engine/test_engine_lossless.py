@@ -345,3 +345,40 @@ def test_ngram_drafts_are_accepted_and_lossless(tmp_path: Path, mode: str) -> No
     assert stats["spec_decode_accepted_tokens"] > 0
     # Fewer forward steps than tokens: accepted drafts skip steps.
     assert stats["num_steps"] < MAX_TOKENS
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_a_preempted_prompt_whose_hit_needs_more_blocks_than_the_pool_runs_again(mode: str) -> None:
+    """A pool of 6 blocks, a 94-token prompt preempted part way through its prefill: its hit (its
+    cached blocks, plus the tail block it copies from) needs 7 blocks at once. With nothing else
+    running it gives the hit up and computes the prompt again, instead of waiting forever."""
+    rng = random.Random(0)
+    short = [rng.randrange(3, 795) for _ in range(2)]
+    long = [rng.randrange(3, 795) for _ in range(94)]
+    llm = LLM(
+        "demo", dtype="float64", max_model_len=96, mamba_cache_mode=mode, num_kv_blocks=7,
+        max_num_batched_tokens=32, mamba_block_size=16,
+    )  # fmt: skip
+    engine = llm.engine
+    engine.add_request("short", short, SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True))
+    engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=1))
+    done: dict[str, list[int]] = {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    stats = engine.stats()
+    assert set(done) == {"short", "long"}, stats
+    assert stats["num_preemptions_total"] > 0  # the case under test happened
+    plain = LLM("demo", dtype="float64", enable_prefix_caching=False)
+    ref = plain.generate(
+        [{"prompt_token_ids": short}, {"prompt_token_ids": long}],
+        [
+            SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=1),
+        ],
+    )
+    assert [done["short"], done["long"]] == [list(o.outputs[0].token_ids) for o in ref]
+    assert stats["kv_blocks_used"] == 0
