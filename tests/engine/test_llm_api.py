@@ -240,6 +240,15 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     for rid in (5, None, b"x"):
         with pytest.raises(InvalidRequestError, match="request_id"):
             engine.abort_request(rid)  # type: ignore[arg-type]
+    # a cache_salt that is no str, a priority that is no int64
+    for kw in ({"cache_salt": 5}, {"cache_salt": b"x"}, {"priority": "1"}, {"priority": 1.5},
+               {"priority": True}, {"priority": 2**63}, {"priority": -(2**63) - 1}):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=next(iter(kw))):
+            engine.add_request("y", PROMPT, SamplingParams(max_tokens=2), **kw)  # type: ignore[arg-type]
+    for priority in (2**63 - 1, -(2**63)):  # the int64 extremes are priorities
+        engine.add_request(f"p{priority}", PROMPT, SamplingParams(max_tokens=1), priority=priority)
+    while engine.has_unfinished_requests():
+        engine.step()
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
     assert (

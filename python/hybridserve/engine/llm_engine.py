@@ -279,6 +279,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id: must be a str, not {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params: must be a SamplingParams, not {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt: must be a str or None, not {type(cache_salt).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(f"priority: must be an integer in [-2**63, 2**63), got {priority!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running")
         req = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
