@@ -164,10 +164,12 @@ def _reference(
 ) -> tuple[list[str], str | None]:
     """What the detokenizer must release per call, by brute force over the whole text each call:
     once more than min_tokens tokens have arrived, the stop occurrence ending first (starting first
-    on a tie) among those ending after the released text ends the output; otherwise the longest
-    end of the text that is a proper prefix of a stop string is held back (nothing at the end)."""
+    on a tie) among those ending in the call's new text ends the output (one that ended in the
+    text of an earlier call never counts); otherwise the longest end of the text that is a proper
+    prefix of a stop string is held back (nothing at the end)."""
     full, released, deltas, ntok = "", "", [], 0
     for k, call in enumerate(calls):
+        seen = len(full)
         full += "".join(call)
         ntok += len(call)
         final = last_final and k == len(calls) - 1
@@ -176,7 +178,7 @@ def _reference(
                 (i + len(s), i, s)
                 for s in stop
                 for i in range(len(full) - len(s) + 1)
-                if full.startswith(s, i) and i + len(s) > len(released)
+                if full.startswith(s, i) and i + len(s) > seen
             ]
             if found:
                 end, i, s = min(found)
@@ -264,3 +266,14 @@ def test_empty_stop_string_is_refused() -> None:
     # (SamplingParams refuses it first; an empty string would match everywhere)
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(_Chars(), stop=["a", ""])  # type: ignore[arg-type]
+
+
+def test_a_stop_string_that_ended_among_the_first_min_tokens_never_counts() -> None:
+    """ "aa" ends with token 2 of min_tokens 2; its second "a" is held back (it may start another
+    "aa"), and the next token must not make the old match count. A later "aa" still does."""
+    released, text, stopped_by = _run("aabab", stop=["aa"], min_tokens=2)
+    assert released == text == "aabab" and stopped_by is None
+    released, text, stopped_by = _run("aabaab", stop=["aa"], min_tokens=2)
+    assert released == text == "aab" and stopped_by == "aa"
+    released, text, stopped_by = _run("aaab", stop=["aa"], min_tokens=2)  # "aa" at tokens 2-3 counts
+    assert released == text == "a" and stopped_by == "aa"

@@ -24,7 +24,6 @@ text reaches, at most in proportion to the total length of its stop strings (whi
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -162,9 +161,6 @@ class IncrementalDetokenizer:
     _held: str = field(default="", init=False, repr=False)
     _automaton: _StopAutomaton | None = field(default=None, init=False, repr=False)
     _state: int = field(default=0, init=False, repr=False)  # the automaton's, after text + _held
-    # (end, stop string) of the stop strings that ended in `_held` while they did not count yet
-    # (the first min_tokens tokens), by end; they count once a later token arrives.
-    _early_matches: deque[tuple[int, str]] = field(default_factory=deque, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop:
@@ -205,26 +201,23 @@ class IncrementalDetokenizer:
             return new
         # The first stop string to be completed wins: the match that ends first, as if the text
         # arrived one character at a time (the one that starts first on a tie). Only matches that
-        # end in text not yet released count: released text was either searched already or
-        # produced by the first min_tokens tokens.
+        # end in the new text count, and none while the tokens are among the first min_tokens
+        # (a match that ends in their text never counts, even while its end is still held back).
         counts = len(self.token_ids) > self.min_tokens
         base = len(self.text)  # `pending` starts at this position of the whole text
         pending = self._held + new
-        early = self._early_matches
-        first = early[0] if counts and early else None
+        first: tuple[int, str] | None = None
         state = self._state
-        if first is None and not (state == 0 and ac.first_chars.isdisjoint(new)):
+        if not (state == 0 and ac.first_chars.isdisjoint(new)):
             step, info = ac.step, ac.info
             end = base + len(self._held)
             for c in new:
                 state = step(state, c)
                 end += 1
                 s = info[state][2]
-                if s is not None:
-                    if counts:
-                        first = (end, s)
-                        break
-                    early.append((end, s))
+                if s is not None and counts:
+                    first = (end, s)
+                    break
         self._state = state
         if first is not None:
             end, s = first
@@ -240,6 +233,4 @@ class IncrementalDetokenizer:
         delta = pending[: max(len(pending) - hold, 0)]
         self._held = pending[len(delta) :]
         self.text += delta
-        while early and early[0][0] <= len(self.text):
-            early.popleft()  # released: it can no longer count
         return delta
