@@ -113,6 +113,16 @@ def test_random_workload_numbers_match_the_server(server: ServerProcess, tmp_pat
         assert (tmp_path / "charts" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_run_ends_with_its_last_request_at_a_finite_rate(server: ServerProcess, tmp_path: Path) -> None:
+    """Poisson arrivals at 0.05 requests/s (gaps of 20 s on average): the run is its requests,
+    not the gap a next arrival would have waited (the rates are counted over the run)."""
+    r = _bench(server, tmp_path, "rate", "--workload", "random", "--num-requests", "1", "--prompt-len", "8",
+               "--request-rate", "0.05")  # fmt: skip
+    (q,) = r["requests"]
+    assert r["summary"]["completed"] == 1
+    assert r["summary"]["duration_s"] <= q["start_s"] + q["e2e_ms"] / 1e3 + 1.0, (r["summary"]["duration_s"], q)
+
+
 def test_shared_prefix_hit_rate_from_metrics(server: ServerProcess, tmp_path: Path) -> None:
     # 8 prompts of 96 tokens sharing 80; 2 at a time, so later requests find the prefix cached.
     r = _bench(server, tmp_path, "shared", "--workload", "shared-prefix", "--num-requests", "8",

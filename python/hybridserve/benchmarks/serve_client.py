@@ -384,10 +384,12 @@ async def run_serve(cfg: ServeConfig) -> dict[str, Any]:
 
             rng = random.Random(cfg.workload.seed + 1)
             tasks = []
-            for conv, rows in zip(convs, plan):
-                tasks.append(asyncio.create_task(conversation(conv, rows)))
-                if math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
+            for i, (conv, rows) in enumerate(zip(convs, plan)):
+                # Poisson arrivals: a gap before each conversation but the first (none after the
+                # last, which would count as run time and lower every rate)
+                if i > 0 and math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
                     await asyncio.sleep(rng.expovariate(cfg.request_rate))
+                tasks.append(asyncio.create_task(conversation(conv, rows)))
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         after = await scrape_metrics(session, cfg.base_url)
