@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -59,6 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         rc = handler(args)
+        sys.stdout.flush()  # (a reader that went away shows here, not in a flush at exit)
+    except BrokenPipeError:
+        # stdout's reader went away (`hybridserve config demo --json | head -1`): stop quietly with
+        # the status of a process that SIGPIPE ended, as other command-line tools do; what is
+        # still buffered goes nowhere instead of into an error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
         print(f"hybridserve {args.command}: interrupted", file=sys.stderr)

@@ -5,6 +5,7 @@ status of configuration errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,20 @@ def test_bad_capability_values_in_config_json_are_one_line_errors(
     assert "Traceback" not in proc.stderr and names in proc.stderr and "config.json" in proc.stderr
     with pytest.raises(hybridserve.ConfigError, match=names):
         read_model_capabilities(d)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--explain"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(model_dirs: dict[str, Path], flag: str) -> None:
+    """`hybridserve config ... | head -1`: the reader closes the pipe before the output is written.
+    The command ends as SIGPIPE would end it (141), with no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybridserve", "config", str(model_dirs["hybrid"]), flag],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
