@@ -4,6 +4,7 @@ without starting anything (the processes are in test_router.py)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -16,19 +17,28 @@ def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["replicas", *argv])
 
 
-def test_the_router_gets_the_workers_the_policy_and_the_health_interval() -> None:
-    a = _args("--port", "9000", "--policy", "round_robin", "--router-bin", "/opt/vllm-router")
+def _executable(folder: Path, name: str) -> str:
+    path = folder / name
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_router_gets_the_workers_the_policy_and_the_health_interval(tmp_path: Path) -> None:
+    router = _executable(tmp_path, "vllm-router")
+    a = _args("--port", "9000", "--policy", "round_robin", "--router-bin", router)
     a.router_metrics_port, a.router_args = 29001, "--cache-threshold 0.5"
     urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert router_command(a, urls) == [
-        "/opt/vllm-router", "--host", "127.0.0.1", "--port", "9000", "--policy", "round_robin",
+        router, "--host", "127.0.0.1", "--port", "9000", "--policy", "round_robin",
         "--worker-urls", *urls, "--health-check-interval-secs", "5", "--prometheus-port", "29001",
         "--cache-threshold", "0.5",
     ]  # fmt: skip
 
 
-def test_sglangs_gateway_gets_its_launch_subcommand() -> None:
-    assert router_command(_args("--router-bin", "/x/smg"), ["http://h:1"])[:2] == ["/x/smg", "launch"]
+def test_sglangs_gateway_gets_its_launch_subcommand(tmp_path: Path) -> None:
+    smg = _executable(tmp_path, "smg")
+    assert router_command(_args("--router-bin", smg), ["http://h:1"])[:2] == [smg, "launch"]
 
 
 def test_serve_args_come_after_the_double_dash() -> None:
@@ -60,3 +70,16 @@ def test_a_missing_router_is_a_usage_error(
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main(["replicas", "--", "demo"]) == 2
     assert "vllm-router is not on PATH" in capsys.readouterr().err
+
+
+def test_a_router_that_cannot_run_and_bad_router_args_are_usage_errors_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    not_executable = tmp_path / "router"
+    not_executable.write_text("")
+    for router in ("/nonexistent/vllm-router", str(not_executable), str(tmp_path)):
+        assert main(["replicas", "--router-bin", router, "--", "demo"]) == 2
+        assert f"--router-bin {router}: no such executable" in capsys.readouterr().err
+    router = _executable(tmp_path, "vllm-router")
+    assert main(["replicas", "--router-bin", router, "--router-args", "'unclosed", "--", "demo"]) == 2
+    assert "--router-args: No closing quotation" in capsys.readouterr().err

@@ -97,16 +97,26 @@ def add_replicas_args(p: argparse.ArgumentParser) -> None:
 
 def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
     """The router's command line: its executable, the workers, the policy, the health checks."""
-    binary = args.router_bin or shutil.which(DEFAULT_ROUTER)
-    if binary is None:
-        raise ConfigError(f"{DEFAULT_ROUTER} is not on PATH: `pip install vllm-router` or give --router-bin")
+    if args.router_bin is not None:
+        # checked before any replica starts, as the default router is
+        binary = shutil.which(args.router_bin)
+        if binary is None:
+            raise ConfigError(f"--router-bin {args.router_bin}: no such executable")
+    else:
+        binary = shutil.which(DEFAULT_ROUTER)
+        if binary is None:
+            raise ConfigError(f"{DEFAULT_ROUTER} is not on PATH: `pip install vllm-router` or give --router-bin")
+    try:
+        extra = shlex.split(args.router_args)
+    except ValueError as e:
+        raise ConfigError(f"--router-args: {e}") from None
     cmd = [binary, *(["launch"] if Path(binary).name in _LAUNCH_SUBCOMMAND else [])]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
     cmd += ["--worker-urls", *worker_urls]
     cmd += ["--health-check-interval-secs", str(args.health_check_interval)]
     if args.router_metrics_port is not None:
         cmd += ["--prometheus-port", str(args.router_metrics_port)]
-    return cmd + shlex.split(args.router_args)
+    return cmd + extra
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
