@@ -156,7 +156,9 @@ def test_trace_flags() -> None:
 async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> Any:
     """An OpenAI-compatible stand-in: streams `max_tokens` chunks of token 7. `mode`: "ids" returns
     the ids for return_token_ids, "ignore" never returns them, "refuse" answers a request that asks
-    for them with a 400 naming the field (as a strict server does with an unknown field)."""
+    for them with a 400 naming the field (as a strict server does with an unknown field). A broken
+    server: "empty" streams nothing, "text-count" and "over-cached" send usage that is no usage,
+    "models-html" / "models-no-id" answer /v1/models with no model list."""
     from aiohttp import web
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -167,6 +169,8 @@ async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> An
             return web.json_response({"error": err}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "empty":
+            return resp
         n = body["max_tokens"]
         for i in range(n):
             choice: dict[str, Any] = {
@@ -179,11 +183,19 @@ async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> An
             await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                  "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        if mode == "text-count":
+            usage["completion_tokens"] = "a"
+        if mode == "over-cached":
+            usage["prompt_tokens_details"] = {"cached_tokens": len(body["prompt"]) + 5}
         await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def models(request: web.Request) -> web.Response:
+        if mode == "models-html":
+            return web.Response(text="<html>nope</html>", content_type="text/html")
+        if mode == "models-no-id":
+            return web.json_response({"data": [{"name": "fake"}]})
         return web.json_response({"data": [{"id": "fake"}]})
 
     app = web.Application()
@@ -218,3 +230,35 @@ async def test_follow_ups_use_the_returned_ids_or_fall_back_to_stand_ins(
     # ids are asked for until the server refuses them: then once more without, and never again
     asked = ["return_token_ids" in b for b in bodies]
     assert asked == ([True, False, False, False, False] if mode == "refuse" else [True] * 4)
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("empty", "the stream ended without a chunk of the answer"),
+        ("text-count", "the server's usage.completion_tokens is not a count: 'a'"),
+        ("over-cached", "the server's usage says 8 cached of 3 prompt tokens"),
+    ],
+)
+async def test_a_broken_answer_fails_its_request_saying_why(
+    aiohttp_server: Any, mode: str, error: str
+) -> None:
+    from hybridserve.benchmarks.serve_client import ServeConfig, run_serve
+
+    srv = await _fake_server(aiohttp_server, mode, [])
+    spec = WorkloadSpec(name="random", num_requests=2, prompt_len=3, max_tokens=2)
+    cfg = ServeConfig(base_url=str(srv.make_url("")).rstrip("/"), workload=spec, progress=False)
+    r = await run_serve(cfg)
+    assert (r["summary"]["completed"], r["summary"]["failed"]) == (0, 2)
+    assert [q["error"] for q in r["requests"]] == [error, error]
+
+
+@pytest.mark.parametrize("mode", ["models-html", "models-no-id"])
+async def test_a_model_list_without_an_id_is_a_one_line_error(aiohttp_server: Any, mode: str) -> None:
+    from hybridserve.benchmarks.serve_client import ServeConfig, run_serve
+
+    srv = await _fake_server(aiohttp_server, mode, [])
+    spec = WorkloadSpec(name="random", num_requests=1, prompt_len=3, max_tokens=2)
+    cfg = ServeConfig(base_url=str(srv.make_url("")).rstrip("/"), workload=spec, progress=False)
+    with pytest.raises(RuntimeError, match="gives no model list with an id"):
+        await run_serve(cfg)

@@ -165,7 +165,7 @@ async def _get_json(session: Any, url: str) -> Any:
     async with session.get(url) as resp:
         if resp.status != 200:
             return None
-        return await resp.json()
+        return await resp.json(content_type=None)  # (JSON whatever it says it is; ValueError if not)
 
 
 async def wait_ready(session: Any, base_url: str, timeout: float) -> None:
@@ -286,11 +286,10 @@ async def _stream_one(
                                     ids = None
                         usage = chunk.get("usage")
                         if usage:
-                            r.usage_prompt_tokens = usage.get("prompt_tokens")
-                            r.usage_completion_tokens = usage.get("completion_tokens")
-                            details = usage.get("prompt_tokens_details") or {}
-                            r.cached_tokens = details.get("cached_tokens")
+                            _read_usage(r, usage)
             r.e2e = time.perf_counter() - start
+            if r.error is None and r.ttft is None:
+                r.error = "the stream ended without a chunk of the answer"
             break
     except Exception as e:  # the run goes on; the request counts as failed
         r.error = f"{type(e).__name__}: {e}"[:200]
@@ -302,17 +301,57 @@ async def _stream_one(
         r.output_ids = ids
 
 
+def _read_usage(r: RequestResult, usage: Any) -> None:
+    """A chunk's `usage` into `r`; counts that are not counts fail the request, saying which."""
+
+    def count(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    if not isinstance(usage, dict):
+        r.error = f"the server's usage is not an object: {usage!r}"[:200]
+        return
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    got = {
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "prompt_tokens_details.cached_tokens": cached,
+    }
+    for name, v in got.items():
+        if v is not None and count(v) is None:
+            r.error = f"the server's usage.{name} is not a count: {v!r}"[:200]
+            return
+    r.usage_prompt_tokens = count(got["prompt_tokens"])
+    r.usage_completion_tokens = count(got["completion_tokens"])
+    r.cached_tokens = count(got["prompt_tokens_details.cached_tokens"])
+    if (
+        r.cached_tokens is not None
+        and r.usage_prompt_tokens is not None
+        and r.cached_tokens > r.usage_prompt_tokens
+    ):
+        r.error = f"the server's usage says {r.cached_tokens} cached of {r.usage_prompt_tokens} prompt tokens"
+
+
 async def _find_model(session: Any, cfg: ServeConfig) -> str:
     if cfg.model is not None:
         return cfg.model
     url = f"{cfg.base_url}/v1/models"
     async with session.get(url) as resp:
         if resp.status in (401, 403):
-            raise RuntimeError(f"{url} answers HTTP {resp.status}: the server wants an API key (--api-key)")
-    models = await _get_json(session, url)
-    if not models or not models.get("data"):
-        raise RuntimeError(f"{url} lists no model; pass --model")
-    return str(models["data"][0]["id"])
+            raise RuntimeError(
+                f"{url} answers HTTP {resp.status}: the server wants an API key (--api-key), or another one"
+            )
+    try:
+        models = await _get_json(session, url)
+    except ValueError:  # not JSON
+        models = None
+    data = models.get("data") if isinstance(models, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise RuntimeError(
+            f"{url} gives no model list with an id (OpenAI's {{data: [{{id}}]}}); pass --model"
+        )
+    return first["id"]
 
 
 def _answers_kind(answers: Sequence[Sequence[int] | None]) -> str:
@@ -470,7 +509,8 @@ def _server_prefix(before: dict[str, float] | None, after: dict[str, float] | No
     return {
         "queried_tokens": queried,
         "hit_tokens": hit,
-        "hit_rate": hit / queried if queried > 0 else None,
+        # (None when the counters do not make a rate: another client's traffic, a restarted server)
+        "hit_rate": hit / queried if queried > 0 and 0 <= hit <= queried else None,
         "generation_tokens": after.get(METRIC_GENERATED, 0.0) - before.get(METRIC_GENERATED, 0.0),
         "prompt_tokens": after.get(METRIC_PROMPT, 0.0) - before.get(METRIC_PROMPT, 0.0),
     }
