@@ -191,7 +191,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    """A comma-separated list, each item once (a repeat would run again and show once)."""
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     if not names:
         raise argparse.ArgumentTypeError("needs at least one name")
     return names
@@ -199,7 +200,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _numbers(parse: Callable[[str], float]) -> Callable[[str], tuple[float, ...]]:
     def parse_all(text: str) -> tuple[float, ...]:
-        return tuple(parse(x) for x in _names(text))
+        return tuple(dict.fromkeys(parse(x) for x in _names(text)))
 
     return parse_all
 
@@ -215,7 +216,7 @@ def _trace_specs(text: str) -> tuple[tuple[str, float], ...]:
         if factor > MAX_SCALE:
             raise argparse.ArgumentTypeError(f"trace scale {scale!r}: at most {MAX_SCALE:g}")
         out.append((kind.upper(), factor))
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def _check_output_path(flag: str, path: str | None, is_dir: bool = False) -> None:
@@ -324,6 +325,8 @@ def _cache_trace_main(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in cr.POLICIES]
     if unknown:
         raise ConfigError(f"--policies: unknown {unknown[0]!r}; one of {', '.join(cr.POLICIES)}")
+    if all(cr.POLICIES[p].oracle for p in policies):
+        raise ConfigError("--policies: the oracle is what the others are measured against; add another policy")
     bad_mode = [m for m in args.modes if m not in ("auto", "all", "align")]
     if bad_mode:
         raise ConfigError(f"--modes: {bad_mode[0]!r} is not one of auto, all, align")
@@ -331,7 +334,7 @@ def _cache_trace_main(args: argparse.Namespace) -> int:
     if bad_spec:
         raise ConfigError(f"--speculation: {bad_spec[0]!r} is not one of off, ngram")
     traces: list[Trace] = []
-    for path in args.trace_file:
+    for path in dict.fromkeys(args.trace_file):
         try:
             traces.append(read_trace(path))
         except TraceError as e:

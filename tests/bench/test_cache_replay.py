@@ -139,3 +139,13 @@ def test_cli_names_the_line_of_a_malformed_trace(tmp_path: Path) -> None:
 def test_cli_refuses_unknown_names(flag: str, value: str) -> None:
     p = _cli("--traces", "T1:0.01", flag, value)
     assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_refuses_the_oracle_alone_and_runs_a_repeated_name_once(tmp_path: Path) -> None:
+    p = _cli("--traces", "T1:0.01", "--policies", "oracle,oracle")
+    assert p.returncode == 2 and "--policies: the oracle is what the others are measured against" in p.stderr
+    p = _cli("--traces", "T1:0.03,T1:0.03", "--budgets", "2,2", "--policies", "hybridserve,oracle,hybridserve",
+             "--result-file", str(tmp_path / "r.json"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cells = json.loads((tmp_path / "r.json").read_text())["cells"]
+    assert sorted(c["policy"] for c in cells) == ["hybridserve", "oracle"]
