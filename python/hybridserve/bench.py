@@ -112,9 +112,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--token-id-max", type=int_in(4), default=256, help="prompt token ids are drawn from [3, this)"
     )
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int_in(0), default=0)
     s.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--temperature", type=_factor(True), default=0.0)
     s.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests early"
     )

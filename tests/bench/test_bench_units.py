@@ -148,7 +148,8 @@ def test_trace_flags() -> None:
     ):
         with pytest.raises(ConfigError, match=msg):
             _load_trace(_serve_args(*bad))
-    for flag, value in (("--trace-scale", "0"), ("--trace-time-scale", "-1"), ("--trace-seed", "-1")):
+    for flag, value in (("--trace-scale", "0"), ("--trace-time-scale", "-1"), ("--trace-seed", "-1"),
+                        ("--seed", "-1"), ("--temperature", "nan"), ("--temperature", "-0.5")):  # fmt: skip
         with pytest.raises(SystemExit):
             _serve_args("--workload", "trace", "--trace", "T1", flag, value)
 
