@@ -326,7 +326,9 @@ def _cache_trace_main(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--policies: unknown {unknown[0]!r}; one of {', '.join(cr.POLICIES)}")
     if all(cr.POLICIES[p].oracle for p in policies):
-        raise ConfigError("--policies: the oracle is what the others are measured against; add another policy")
+        raise ConfigError(
+            "--policies: the oracle is what the others are measured against; add another policy"
+        )
     bad_mode = [m for m in args.modes if m not in ("auto", "all", "align")]
     if bad_mode:
         raise ConfigError(f"--modes: {bad_mode[0]!r} is not one of auto, all, align")

@@ -120,7 +120,10 @@ def test_the_run_ends_with_its_last_request_at_a_finite_rate(server: ServerProce
                "--request-rate", "0.05")  # fmt: skip
     (q,) = r["requests"]
     assert r["summary"]["completed"] == 1
-    assert r["summary"]["duration_s"] <= q["start_s"] + q["e2e_ms"] / 1e3 + 1.0, (r["summary"]["duration_s"], q)
+    assert r["summary"]["duration_s"] <= q["start_s"] + q["e2e_ms"] / 1e3 + 1.0, (
+        r["summary"]["duration_s"],
+        q,
+    )
 
 
 def test_shared_prefix_hit_rate_from_metrics(server: ServerProcess, tmp_path: Path) -> None:

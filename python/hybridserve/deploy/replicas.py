@@ -105,7 +105,9 @@ def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str
     else:
         binary = shutil.which(DEFAULT_ROUTER)
         if binary is None:
-            raise ConfigError(f"{DEFAULT_ROUTER} is not on PATH: `pip install vllm-router` or give --router-bin")
+            raise ConfigError(
+                f"{DEFAULT_ROUTER} is not on PATH: `pip install vllm-router` or give --router-bin"
+            )
     try:
         extra = shlex.split(args.router_args)
     except ValueError as e:
