@@ -929,6 +929,16 @@ impl HybridCacheManager {
     /// None if it does not fit, if the request already has an allocation, or if the hit is no
     /// longer valid (re-query then); in every None case nothing was taken. On a model without
     /// Mamba layers the window is `1 + K` null slots.
+    /// Whether the KV blocks that admitting with `hit` takes at once (the hit's blocks, the tail
+    /// it copies from, and the new blocks for `num_new_tokens`) fit in the whole pool: a hit that
+    /// does not can never be admitted, whatever is freed.
+    pub fn hit_fits_pool(&self, hit: &CacheHit, num_new_tokens: usize) -> bool {
+        let total = hit.num_tokens.saturating_add(num_new_tokens);
+        let n_hit = hit.kv_blocks.len();
+        let need = total.div_ceil(self.block_size).max(n_hit) + usize::from(hit.tail.is_some());
+        need <= self.kv.num_usable()
+    }
+
     pub fn allocate_new(
         &mut self,
         req: ReqKey,

@@ -716,8 +716,8 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
             DecisionLevel::Warning,
             format!(
                 "mamba_block_size {m} exceeds max_model_len {max_model_len}: no grid checkpoint \
-                 can ever be hit (branch points, declared prefixes and last tokens still can); \
-                 lower --mamba-block-size"
+                 can ever be hit (branch points, declared prefixes and last tokens still can); for \
+                 grid checkpoints, lower --mamba-block-size"
             ),
         );
     }

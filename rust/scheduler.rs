@@ -762,8 +762,9 @@ impl Scheduler {
             // A hit can go stale when an earlier allocation of this step evicted its blocks:
             // allocate_new then takes nothing and the hit is queried once more. A hit can also
             // need more blocks at once than the pool holds (its blocks, the tail it copies from
-            // and the new blocks the copy goes to): with nothing running, no block will ever be
-            // freed, so the third attempt gives the hit up and computes the prompt again.
+            // and the new blocks the copy goes to): it is given up and the prompt computed
+            // again; and should a hit still fail with nothing running (no block will ever be
+            // freed for it), the third attempt gives it up too.
             let mut admitted = None;
             for attempt in 0..3 {
                 let Some(req) = self.requests.get(&key) else {
@@ -778,8 +779,13 @@ impl Scheduler {
                 if hit.num_tokens >= known {
                     hit = CacheHit::default(); // never expected (L <= num_tokens - 1)
                 }
-                let target = self.branch_target(&hit, req);
-                let num_new = self.prefill_chunk(hit.num_tokens, known, budget, target);
+                let mut target = self.branch_target(&hit, req);
+                let mut num_new = self.prefill_chunk(hit.num_tokens, known, budget, target);
+                if hit.num_tokens > 0 && !self.cache.hit_fits_pool(&hit, num_new) {
+                    hit = CacheHit::default();
+                    target = self.branch_target(&hit, req);
+                    num_new = self.prefill_chunk(0, known, budget, target);
+                }
                 if num_new == 0 {
                     break;
                 }
