@@ -54,6 +54,9 @@ class TokenizerModelInfo:
     def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]
 
+    def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
+        return None  # (the server's, app.EngineModelInfo, is tested against the real server)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

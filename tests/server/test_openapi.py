@@ -37,6 +37,9 @@ class FakeInfo:
     def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [[1] for _ in texts]
 
+    def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
+        return None
+
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
     ) -> list[int]:

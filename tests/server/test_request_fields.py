@@ -149,3 +149,37 @@ def test_tokenize_counts_the_tools_the_chat_route_renders():
     with pytest.raises(P.APIError) as e:
         P.parse_tokenize_request({"messages": MSGS, "tools": [{"type": "function"}]}, info, "demo")
     assert e.value.param is not None and e.value.param.startswith("tools")
+
+
+def test_echo_offsets_index_the_clients_text_with_a_bos_the_tokenizer_adds() -> None:
+    """The server's ModelInfo (app.EngineModelInfo) over a tokenizer that adds BOS: the BOS starts
+    at 0, every token of the text where the texts before it end, a special token written in the
+    text counted as written."""
+    from types import SimpleNamespace
+
+    from hybridserve.engine.tokenizer import Tokenizer
+    from hybridserve.server.app import EngineModelInfo
+
+    tok = Tokenizer(ensure_demo_model())
+    tok._tok.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    info = EngineModelInfo(
+        SimpleNamespace(tokenizer=tok, max_model_len=256, vocab_size=tok.vocab_size, model_dir=""),  # type: ignore[arg-type]
+        ChatTemplate("{{ messages[0]['content'] }}"),
+    )
+    text = "<|im_start|>hi naïve"
+    req = P.parse_completion_request({"prompt": text, "echo": True, "logprobs": 1}, info, "demo")
+    (prompt,) = req.prompts
+    assert prompt.token_ids[0] == 0 and prompt.token_ids[1:] == tok.encode(text)
+    starts = prompt.text_offsets
+    assert starts is not None and len(starts) == len(prompt.token_ids) and starts[:3] == [0, 0, 12]
+    for t, start in zip(prompt.token_ids[1:], starts[1:]):
+        piece = tok.decode([t], skip_special_tokens=False)
+        if "\ufffd" not in piece:  # (a piece of a character starts with the character)
+            assert text[start:].startswith(piece), (piece, start)
+    # without echo + logprobs nothing is computed
+    assert (
+        P.parse_completion_request({"prompt": text, "echo": True}, info, "demo").prompts[0].text_offsets
+        is None
+    )

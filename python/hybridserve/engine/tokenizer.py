@@ -99,15 +99,6 @@ class Tokenizer:
             return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
         return [list(self._tok.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[int]]:
-        """`encode`'s ids, and where each token starts in `text` (in characters; the pieces of a
-        character share its start, a token the tokenizer adds itself, such as BOS, starts at 0)."""
-        if len(text) >= _RELEASE_GIL_CHARS:
-            (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
-        else:
-            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
-        return list(enc.ids), [start for start, _ in enc.offsets]
-
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -132,12 +132,18 @@ class EngineModelInfo:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
-        """Where each of `token_ids`, the tokens of `text` (with the tokenizer's special tokens or
-        without), starts in `text`; None when neither encoding gives these ids."""
-        for add_special_tokens in (True, False):
-            ids, starts = self.tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
-            if ids == token_ids:
-                return starts
+        """protocol.ModelInfo.text_offsets: the text's own tokens (`encode` without the
+        tokenizer's additions) start where the texts of those before them end, special tokens
+        included (the client wrote them); a token the tokenizer added starts at 0 before them and
+        at the end after them. None when the tokens' texts do not add up to `text`."""
+        own = self.encode(text)
+        for k in range(len(token_ids) - len(own) + 1):
+            if token_ids[k : k + len(own)] == own:
+                offsets = P.TextOffsets(0)
+                starts = [offsets.advance(self.token_bytes(t)) for t in own]
+                if offsets.offset != len(text):
+                    return None
+                return [0] * k + starts + [len(text)] * (len(token_ids) - k - len(own))
         return None
 
     def token_piece(self, token_id: int) -> str:
@@ -986,7 +992,7 @@ def _echo_logprobs_json(
     """The echoed prompt's part of a completion's logprobs (echo + logprobs), in the shape the
     evaluation harnesses read: the first token has no logprob (`null`), then one per token. The
     offsets index the echoed text (`_echo_text`): a text prompt is echoed as the client wrote it,
-    special tokens included, so its tokens' offsets come from the tokenizer's own."""
+    special tokens included, so its offsets are the parser's (`PromptInput.text_offsets`)."""
     if not (req.echo and req.logprobs is not None) or choice.prompt_logprobs is None:
         return None
     skip = req.params.skip_special_tokens
@@ -999,10 +1005,8 @@ def _echo_logprobs_json(
         P.TextOffsets(0),
         text_bytes=lambda t: info.text_bytes(t, skip),
     )
-    if prompt.text is not None:
-        starts = info.text_offsets(prompt.text, prompt.token_ids)
-        if starts is not None:
-            out["text_offset"] = starts
+    if prompt.text_offsets is not None:
+        out["text_offset"] = list(prompt.text_offsets)
     out["token_logprobs"][0] = None
     out["top_logprobs"][0] = None
     return out

@@ -209,11 +209,18 @@ class ModelInfo(Protocol):
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]: ...
 
+    def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
+        """Where each of `token_ids` (`text` encoded, maybe with the tokens the tokenizer adds,
+        such as BOS) starts in `text`, for the echoed prompt's logprobs; None when unknown."""
+        ...
+
 
 @dataclass
 class PromptInput:
     token_ids: list[int]
     text: str | None  # the prompt as text, when the client sent text (for echo)
+    # where each token starts in `text` (echo + logprobs of a text prompt; ModelInfo.text_offsets)
+    text_offsets: list[int] | None = None
 
 
 @dataclass
@@ -666,6 +673,12 @@ def parse_completion_request(
         prompt_logprobs=engine_prompt_logprobs,
     )
     params = _constrained(params, body, unknown)
+    if echo and logprobs is not None:
+        # the echoed prompt's text_offset index the client's own text (here, off the event loop
+        # for a large body)
+        for p in prompts:
+            if p.text is not None:
+                p.text_offsets = info.text_offsets(p.text, p.token_ids)
     return GenerateRequest(
         kind="completion",
         model=model,
