@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -47,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor (a replaced sys.stdout), or no poll
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -63,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = handler(args)
         sys.stdout.flush()  # (a reader that went away shows here, not in a flush at exit)
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe or socket broke: not the user's doing
         # stdout's reader went away (`hybridserve config demo --json | head -1`): stop quietly with
         # the status of a process that SIGPIPE ended, as other command-line tools do; what is
         # still buffered goes nowhere instead of into an error at exit
