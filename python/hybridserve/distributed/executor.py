@@ -33,6 +33,8 @@ logger = logging.getLogger("hybridserve.distributed")
 
 # Seconds a worker may take to load its shard and allocate its caches.
 START_TIMEOUT_S = 600.0
+# How long an exit that did not shut the engine down waits for the workers to stop by themselves
+EXIT_SHUTDOWN_TIMEOUT_S = 2.0
 
 
 def _free_port() -> int:
@@ -73,7 +75,7 @@ class TPExecutor(GroupFailure):
         # A process that exits without shutting the engine down (a script done with its `LLM`)
         # ends the workers here, first: multiprocessing's own exit handler, which runs after this
         # one, terminates them, and the watchdog would take that for a dead worker.
-        atexit.register(self.shutdown)
+        atexit.register(self._shutdown_at_exit)
 
     @classmethod
     def spec_for(
@@ -183,7 +185,7 @@ class TPExecutor(GroupFailure):
         if self._closing:
             return
         self._closing = True
-        atexit.unregister(self.shutdown)
+        atexit.unregister(self._shutdown_at_exit)
         try:
             self._stop_w.send_bytes(b"")
         except OSError:
@@ -203,6 +205,11 @@ class TPExecutor(GroupFailure):
             destroy_tp_group()
         except Exception:  # noqa: BLE001 - a broken group (a rank died) is left as it is
             logger.debug("leaving the process group failed", exc_info=True)
+
+    def _shutdown_at_exit(self) -> None:
+        # Idle workers read the stop message at once; one blocked in a collective (the process is
+        # exiting on an error mid-step) would not, and the exit should not wait long for it.
+        self.shutdown(timeout=0.0 if self.dead_reason is not None else EXIT_SHUTDOWN_TIMEOUT_S)
 
     def _kill_all(self) -> None:
         for p in self._procs:
