@@ -245,7 +245,11 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
                {"priority": True}, {"priority": 2**63}, {"priority": -(2**63) - 1}):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=next(iter(kw))):
             engine.add_request("y", PROMPT, SamplingParams(max_tokens=2), **kw)  # type: ignore[arg-type]
-    for priority in (2**63 - 1, -(2**63)):  # the int64 extremes are priorities
+    for priority in (
+        2**63 - 1,
+        -(2**63),
+        np.int32(3),
+    ):  # the int64 extremes and numpy integers are priorities
         engine.add_request(f"p{priority}", PROMPT, SamplingParams(max_tokens=1), priority=priority)
     while engine.has_unfinished_requests():
         engine.step()

@@ -179,6 +179,7 @@ def test_a_grammar_completed_by_the_last_token_allowed_ends_with_stop(speculativ
         )
         full = free[0].outputs[0]
         assert full.finish_reason == "stop", spec
+        assert full.token_ids[-1] != llm.engine.eos_token_id, spec  # ended by the grammar, not an EOS
         n = len(full.token_ids)
         exact = llm.generate(
             "the cat", SamplingParams(max_tokens=n, temperature=0.0, structured_outputs=spec)

@@ -87,5 +87,8 @@ def test_many_texts_long_in_all_are_encoded_while_other_threads_run(tok: Tokeniz
     texts = ["a b " * ((THRESHOLD - 1) // 4)] * 30
     assert all(len(t) < THRESHOLD for t in texts)
     turns, took = turns_while(lambda: tok.encode_many(texts))
-    assert took > 0.1, "the texts encoded too fast to tell"
-    assert turns >= 5 * len(texts), (turns, took)
+    if took < 0.15:  # (the tokenizer spreads a batch over the cores: a machine with many is quick)
+        pytest.skip(f"the texts encoded in {took:.2f} s, too fast to tell")
+    # with the lock let go the other thread gets a turn about every millisecond of sleep; held, one
+    # per text
+    assert turns >= max(3 * len(texts), 0.3 * took / 0.001), (turns, took)

@@ -147,8 +147,10 @@ class IncrementalDetokenizer:
     stop: Sequence[str] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # A stop string counts only when it ends in the text of a token after the first min_tokens
-    # (as vLLM; stop tokens are masked for those tokens too).
+    # A stop string counts only when it ends in the text of a call to `add_tokens` that brings the
+    # tokens past the first min_tokens, as vLLM checks per update (the engine adds one token per
+    # call, so: in the text of a token after the first min_tokens; stop tokens are masked for
+    # those tokens too).
     min_tokens: int = 0
     # Decode once at the end instead of per token (only when there are no stop strings).
     deferred: bool = False

@@ -16,6 +16,7 @@ builds the previous step's outputs and the caller delivers them (`step`).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import secrets
 from collections.abc import Sequence
@@ -139,6 +140,18 @@ def prefix_cache_hash_seed(args: EngineArgs) -> int:
     if args.prefix_cache_hash_seed is not None:
         return int(args.prefix_cache_hash_seed)
     return secrets.randbits(64)
+
+
+def _checked_priority(value: Any) -> int:
+    """A request's priority: an integer (a numpy one too) that the scheduler's int64 holds."""
+    v: int | None
+    try:
+        v = operator.index(value)
+    except TypeError:
+        v = None
+    if isinstance(value, bool) or v is None or not -(2**63) <= v < 2**63:
+        raise InvalidRequestError(f"priority: must be an integer in [-2**63, 2**63), got {value!r}")
+    return int(v)
 
 
 class LLMEngine:
@@ -281,8 +294,7 @@ class LLMEngine:
             raise InvalidRequestError(f"params: must be a SamplingParams, not {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt: must be a str or None, not {type(cache_salt).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
-            raise InvalidRequestError(f"priority: must be an integer in [-2**63, 2**63), got {priority!r}")
+        priority = _checked_priority(priority)
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running")
         req = self.inputs.process(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
