@@ -1121,3 +1121,30 @@ fn events_never_announce_salted_chains() {
     let hit = m.peek_longest_cache_hit(prefix_of(&t, &h, Some("tenant")), 9);
     assert_eq!(hit.num_tokens, 8);
 }
+
+#[test]
+fn a_hit_whose_blocks_the_whole_pool_cannot_hold_at_once_does_not_fit() {
+    // 7 blocks with the null block: 6 usable of B = 4 tokens. A 17-token prompt cached, its
+    // blocks free again: a hit of 16 tokens (4 blocks) plus 7 new tokens needs 6 blocks.
+    let mut m = HybridCacheManager::new(&cfg(MambaCacheMode::All, 0, 2), 7, 16);
+    let t = toks(17);
+    let h = hashes(&t, None);
+    run_and_publish(&mut m, 1, &t, None, &[8, 16]);
+    m.free(1);
+    let hit = m.find_longest_cache_hit(Prefix::of_hashes(&h), 17);
+    assert_eq!(
+        (hit.num_tokens, hit.kv_blocks.len(), hit.tail),
+        (16, 4, None)
+    );
+    assert!(m.hit_fits_pool(&hit, 8)); // 24 tokens: 6 blocks, the pool
+    assert!(!m.hit_fits_pool(&hit, 9)); // 25 tokens: 7 blocks
+                                        // a tail block is held (and copied from) beside the new block it is copied into
+    let with_tail = CacheHit {
+        tail: Some(hit.kv_blocks[3]),
+        ..hit.clone()
+    };
+    assert!(!m.hit_fits_pool(&with_tail, 8));
+    assert!(m.hit_fits_pool(&with_tail, 4));
+    // what fits is what allocate_new can take with everything else evictable
+    assert!(m.allocate_new(2, &hit, 8, 0).is_some());
+}
