@@ -106,8 +106,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--trace-time-scale",
         type=_factor(allow_zero=True),
-        default=1.0,
-        help="trace: multiplies arrival and think times (0.5: twice as fast; 0: no waiting)",
+        default=None,
+        help="trace: multiplies arrival and think times (0.5: twice as fast; 0: no waiting; default 1)",
     )
     s.add_argument(
         "--token-id-max", type=int_in(4), default=256, help="prompt token ids are drawn from [3, this)"
@@ -237,7 +237,8 @@ def _load_trace(args: argparse.Namespace) -> tuple[Trace | None, str | None]:
     malformed file's message names the line."""
     if args.workload != TRACE_WORKLOAD:
         used = [f for f, v in (("--trace", args.trace), ("--trace-seed", args.trace_seed),
-                               ("--trace-scale", args.trace_scale)) if v is not None]  # fmt: skip
+                               ("--trace-scale", args.trace_scale),
+                               ("--trace-time-scale", args.trace_time_scale)) if v is not None]  # fmt: skip
         if used:
             raise ConfigError(f"{used[0]} needs --workload trace")
         return None, None
@@ -273,6 +274,8 @@ def bench_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
         base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
         trace, trace_source = _load_trace(args)
+        if args.prefix_len is not None and args.prefix_len > args.prompt_len:
+            raise ConfigError(f"--prefix-len {args.prefix_len} is longer than --prompt-len {args.prompt_len}")
         spec = WorkloadSpec(
             name=args.workload,
             num_requests=args.num_requests,
@@ -298,7 +301,7 @@ def bench_main(args: argparse.Namespace) -> int:
             ready_timeout=args.ready_timeout,
             trace=trace,
             trace_source=trace_source,
-            trace_time_scale=args.trace_time_scale,
+            trace_time_scale=1.0 if args.trace_time_scale is None else args.trace_time_scale,
         )
         try:
             result = serve_main(cfg, args.result_file, args.plot)

@@ -138,11 +138,12 @@ def test_trace_flags() -> None:
     assert source == "T2 seed=4 scale=0.05"
     assert _load_trace(_serve_args("--workload", "random")) == (None, None)
     a = _serve_args("--workload", "trace", "--trace", "T1")
-    assert (a.trace_seed, a.trace_scale, a.trace_time_scale) == (None, None, 1.0)
+    assert (a.trace_seed, a.trace_scale, a.trace_time_scale) == (None, None, None)  # (1 when not given)
     for bad, msg in (
         (["--workload", "trace"], "needs --trace"),
         (["--trace", "T1"], "--trace needs --workload trace"),
         (["--trace-scale", "2"], "--trace-scale needs --workload trace"),
+        (["--trace-time-scale", "0.5"], "--trace-time-scale needs --workload trace"),
         (["--workload", "trace", "--trace", "some.jsonl", "--trace-seed", "1"], "apply to a generated trace"),
         (["--workload", "trace", "--trace", "/nonexistent/t.jsonl"], "cannot read"),
     ):
@@ -263,3 +264,11 @@ async def test_a_model_list_without_an_id_is_a_one_line_error(aiohttp_server: An
     cfg = ServeConfig(base_url=str(srv.make_url("")).rstrip("/"), workload=spec, progress=False)
     with pytest.raises(RuntimeError, match="gives no model list with an id"):
         await run_serve(cfg)
+
+
+def test_a_shared_prefix_longer_than_the_prompt_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridserve.cli import main
+
+    argv = ["bench", "serve", "--workload", "shared-prefix", "--prompt-len", "64", "--prefix-len", "100"]
+    assert main(argv) == 2
+    assert "--prefix-len 100 is longer than --prompt-len 64" in capsys.readouterr().err
