@@ -933,10 +933,23 @@ impl HybridCacheManager {
     /// it copies from, and the new blocks for `num_new_tokens`) fit in the whole pool: a hit that
     /// does not can never be admitted, whatever is freed.
     pub fn hit_fits_pool(&self, hit: &CacheHit, num_new_tokens: usize) -> bool {
-        let total = hit.num_tokens.saturating_add(num_new_tokens);
-        let n_hit = hit.kv_blocks.len();
-        let need = total.div_ceil(self.block_size).max(n_hit) + usize::from(hit.tail.is_some());
-        need <= self.kv.num_usable()
+        self.blocks_needed(hit, num_new_tokens, 0)
+            .is_some_and(|need| need + usize::from(hit.tail.is_some()) <= self.kv.num_usable())
+    }
+
+    /// The blocks a request admitted with `hit` holds for its hit and new tokens (None on
+    /// overflow); the hit's tail, copied into the first new block, comes on top.
+    fn blocks_needed(
+        &self,
+        hit: &CacheHit,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Option<usize> {
+        let total = hit
+            .num_tokens
+            .checked_add(num_new_tokens)?
+            .checked_add(num_lookahead_tokens)?;
+        Some(total.div_ceil(self.block_size).max(hit.kv_blocks.len()))
     }
 
     pub fn allocate_new(
@@ -949,13 +962,8 @@ impl HybridCacheManager {
         if self.reqs.contains_key(&req) || !self.hit_is_valid(hit) {
             return None;
         }
-        let b = self.block_size;
-        let total = hit
-            .num_tokens
-            .checked_add(num_new_tokens)?
-            .checked_add(num_lookahead_tokens)?;
         let n_hit = hit.kv_blocks.len();
-        let need = total.div_ceil(b).max(n_hit);
+        let need = self.blocks_needed(hit, num_new_tokens, num_lookahead_tokens)?;
         let to_alloc = need - n_hit;
         let hit_free = hit
             .kv_blocks

@@ -85,13 +85,10 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if len(text) >= _RELEASE_GIL_CHARS:
-            (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
-            return list(enc.ids)
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self.encode_many([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
-        """`encode` of each text. Texts that are long in all go through one `encode_batch` call,
+        """The ids of each text. Texts that are long in all go through one `encode_batch` call,
         which holds the global lock for none of them: one `encode` per text would hold it for each
         in turn, and every time the engine thread let go of it (each torch operation does) the
         next text would take it for its whole length."""

@@ -908,13 +908,17 @@ def _constrained(
     return params if so is None else dataclasses.replace(params, structured_outputs=so)
 
 
-def _parse_tool_fields(body: dict[str, Any], unknown: UnknownFields) -> tuple[list[dict[str, Any]], str]:
-    """(tools, tool_choice) of a chat body (tools.py)."""
+def _parse_tool_fields(
+    body: dict[str, Any], unknown: UnknownFields
+) -> tuple[list[dict[str, Any]], str, list[dict[str, Any]] | None]:
+    """(tools, tool_choice, the tools the prompt renders: None with tool_choice "none") of a chat
+    body (tools.py); the chat route's and /tokenize's."""
     try:
         tools = T.parse_tools(body["tools"], unknown.found) if body.get("tools") is not None else []
-        return tools, T.parse_tool_choice(body.get("tool_choice"), tools, unknown.found)
+        tool_choice = T.parse_tool_choice(body.get("tool_choice"), tools, unknown.found)
     except T.ToolError as e:
         raise _field_error(e) from None
+    return tools, tool_choice, tools if tool_choice != "none" else None
 
 
 def _template_source(info: ModelInfo) -> str | None:
@@ -938,16 +942,6 @@ def _render_tool_history(info: ModelInfo, messages: list[dict[str, Any]]) -> lis
     return T.with_tool_history_as_text(
         messages, T.TOOL_PARSERS["hermes"], calls=calls_as_text, results=results_as_text
     )
-
-
-def _render_chat_with_tools(
-    body: dict[str, Any], info: ModelInfo, unknown: UnknownFields
-) -> tuple[list[dict[str, Any]], str, list[int]]:
-    """(tools, tool_choice, token ids) of a chat body: its messages rendered with its tools unless
-    tool_choice is "none" (the chat route's prompt, and what /tokenize counts for the same body)."""
-    tools, tool_choice = _parse_tool_fields(body, unknown)
-    ids = _render_chat(body, info, unknown, tools if tool_choice != "none" else None)
-    return tools, tool_choice, ids
 
 
 def _render_chat(
@@ -1004,8 +998,8 @@ def parse_chat_request(
         max_tokens, max_param = max_completion, "max_completion_tokens"
     return_token_ids = get_bool(body, "return_token_ids", False)
     _check_sequences(1, n)
-    tools, tool_choice, ids = _render_chat_with_tools(body, info, unknown)
-    rendered_tools = tools if tool_choice != "none" else None
+    tools, tool_choice, rendered_tools = _parse_tool_fields(body, unknown)
+    ids = _render_chat(body, info, unknown, rendered_tools)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = [PromptInput(token_ids=ids, text=None)]
@@ -1076,7 +1070,7 @@ def parse_tokenize_request(
             raise _bad("prompt", "give either prompt or messages, not both")
         _check_fields(body, TOKENIZE_CHAT_FIELDS, _CHAT_VLLM_UNSUPPORTED, unknown)
         _parse_model(body, served_model_name)
-        ids = _render_chat_with_tools(body, info, unknown)[2]
+        ids = _render_chat(body, info, unknown, _parse_tool_fields(body, unknown)[2])
     else:
         _check_fields(body, TOKENIZE_PROMPT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
