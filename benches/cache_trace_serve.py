@@ -5,7 +5,7 @@
 
 For each configuration (`grid`: a checkpoint every mamba_block_size tokens with LRU eviction, the
 grid baseline; `default`: the engine's defaults, branch points, declared shared prefixes, last tokens and grid points
-in spare room with FLOP-aware eviction), a `hybridserve serve demo` subprocess is started and every trace is replayed through it
+in spare room with FLOP-aware eviction), a `hybridserve serve demo` (or `--model DIR`) subprocess is started and every trace is replayed through it
 with `bench serve --workload trace` (follow-up turns built from the server's real answers). Per
 trace and configuration: the token hit rate the requests saw (`cached_tokens`), TTFT p50 / p95 /
 p99, and the hit rate of the model-free replay (`hybridserve bench cache-trace`'s engine) of the
@@ -49,6 +49,15 @@ POLICIES = {
 
 
 GROUPS = ("1st", "2nd", "3rd+", "follow-up")
+
+
+def model_shape(model_dir: str) -> cr.CostShape:
+    """The cost numbers the server weighs a checkpoint folder's states by, for the replay."""
+    from hybridserve.model.model_config import read_config_json
+
+    return cr.CostShape.from_config(
+        Path(model_dir).name, read_config_json(str(Path(model_dir) / "config.json"))
+    )
 
 
 def reuse_order(trace: Any) -> dict[str, str]:
@@ -115,8 +124,15 @@ def main() -> int:
         "that the machine's drift falls on both, and the summary gives each repeat's P95 change "
         "and their median",
     )
+    ap.add_argument(
+        "--model",
+        default="demo",
+        help="what the servers serve: the demo model or a checkpoint folder with the demo's tokenizer "
+        "(benches/wide_demo.py writes one whose layers cost more)",
+    )
     ap.add_argument("--result-file", default=str(ROOT / "benches/results/cache_trace_serve.json"))
     a = ap.parse_args()
+    shape = cr.demo_shape() if a.model == "demo" else model_shape(a.model)
     traces = []
     for item in a.traces.split(","):
         kind, _, scale = item.partition(":")
@@ -129,7 +145,9 @@ def main() -> int:
         args = shlex.split(a.server_args) + ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
         args += CONFIGS[name]
         # a fresh server per trace: the caches start empty, as in the replay
-        server = BenchServer(args, Path(tempfile.gettempdir()) / f"cache_trace_serve_{name}.log", threads=1)
+        server = BenchServer(
+            args, Path(tempfile.gettempdir()) / f"cache_trace_serve_{name}.log", threads=1, model=a.model
+        )
         try:
             server.wait_ready()
             before = server.metrics()
@@ -160,7 +178,7 @@ def main() -> int:
                 num_kv_blocks=kv,
                 num_mamba_slots=slots,
             ),
-            cr.demo_shape(),
+            shape,
         )
         failed = result["summary"]["failed"]
         rows.append(

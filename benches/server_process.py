@@ -1,5 +1,6 @@
-"""One `hybridserve serve demo` subprocess for the benchmarks that drive the real server: start on a
-free port, wait for /health, read /metrics and the process's resident memory, stop."""
+"""One `hybridserve serve` subprocess (the demo model or a checkpoint folder) for the benchmarks
+that drive the real server: start on a free port, wait for /health, read /metrics and the
+process's resident memory, stop."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class BenchServer:
-    """`hybridserve serve demo ARGS` on a free port, its output in `log`. `threads`: OMP threads
-    of the server's torch (0: the environment's)."""
+    """`hybridserve serve MODEL ARGS` on a free port, its output in `log`. `threads`: OMP threads
+    of the server's torch (0: the environment's). `model`: "demo" or a checkpoint folder."""
 
-    def __init__(self, args: list[str], log: Path, threads: int = 0) -> None:
+    def __init__(self, args: list[str], log: Path, threads: int = 0, model: str = "demo") -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
@@ -48,7 +49,7 @@ class BenchServer:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log
         self.log = log.open("w")
-        self.cmd = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", str(self.port), *args]
+        self.cmd = [sys.executable, "-m", "hybridserve", "serve", model, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 300.0) -> None:

@@ -3,8 +3,10 @@ another step at once: the server's requests arrive after such gaps (one request 
 conversation's next turn after its think time).
 
     .venv/bin/python benches/step_after_idle.py [--prompt-lens 4,180] [--gaps 0,0.01] [--steps 200]
+        [--model demo]
 
-`LLM("demo", dtype="float32", cpu_threads=1)`. For each prompt length and gap: `--steps` times,
+`LLM(MODEL, dtype="float32", cpu_threads=1)` (MODEL: the demo model, or a checkpoint folder with
+the demo's vocabulary, such as benches/wide_demo.py writes). For each prompt length and gap: `--steps` times,
 the thread sleeps the gap (seconds; with a gap written `spin:0.01` it runs a Python loop that
 long instead, keeping its core), then one prompt of random token ids (seeded) is added and one
 engine step (its whole prefill, one sampled token) is timed in wall time, and then a second
@@ -40,10 +42,11 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="4,180")
     ap.add_argument("--gaps", default="0.01,spin:0.01")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", default="demo")
     args = ap.parse_args()
     lens = [int(x) for x in args.prompt_lens.split(",")]
     gaps = args.gaps.split(",")
-    llm = LLM("demo", dtype="float32", cpu_threads=1)
+    llm = LLM(args.model, dtype="float32", cpu_threads=1)
     engine = llm.engine
     params = SamplingParams(max_tokens=1, temperature=0.0)
     rng = random.Random(0)
