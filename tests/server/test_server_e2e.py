@@ -1039,6 +1039,55 @@ def test_a_client_that_leaves_mid_body_is_no_internal_error(server, client):
     assert "internal error" not in server.output() and "Traceback" not in server.output()
 
 
+def test_a_client_that_leaves_as_its_stream_starts_is_no_internal_error(server, client):
+    # a client that closes its connection about when the first chunk is written: aiohttp cancels
+    # the handler on the next turn of its loop, but a write in between finds the transport
+    # closing and raises. That is the client leaving (499), not an internal error (500). The
+    # moment is a race, so many clients leave at spread-out moments around the first chunk.
+    import random
+    import socket
+    import threading
+
+    def errors() -> dict[str, float]:
+        m = metrics(server)
+        return {s: m.get(f'hybridserve_http_errors_total{{status="{s}"}}', 0.0) for s in ("499", "500")}
+
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 5,
+            "stream": True,
+        }
+    ).encode()
+    raw = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    host, port = server.base.removeprefix("http://").split(":")
+    rng = random.Random(0)
+
+    def leave(delay: float) -> None:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(raw)
+            time.sleep(delay)
+
+    before = errors()
+    log_before = len(server.output())
+    for _ in range(40):
+        threads = [threading.Thread(target=leave, args=(rng.uniform(0, 0.02),)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    time.sleep(0.5)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+    assert errors() == before
+    log = server.output()[log_before:]
+    assert "internal error" not in log and "Traceback" not in log, log
+    assert " 500 " not in log, log
+
+
 def test_a_client_that_never_finishes_its_headers_is_disconnected(server):
     # the server's --keep-alive-timeout is 8 s (the default is 15 s)
     t0 = time.monotonic()

@@ -672,12 +672,8 @@ async def _parse(
         reason = " ".join(str(e).split())
         raise P.APIError(f"the request body could not be read: {reason}", code="bad_request_body") from None
     except ConnectionError:
-        # the client went away before its body arrived: nobody reads the answer. Its access line
-        # says 499, as for a client that leaves mid-answer; it is no error of the server's
-        # answering (`_error_middleware` neither counts nor logs it as one).
-        raise P.APIError(
-            "the client closed the connection", status=CLIENT_CLOSED, code="client_gone"
-        ) from None
+        # the client went away before its body arrived: nobody reads the answer
+        raise _client_gone() from None
 
     strict = request.app[STATE].strict_request_fields
 
@@ -894,8 +890,9 @@ async def _generate(
         if req.stream:
             return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
         return await _collect(state, info, req, request_id, created, arrival, choices, sink)
-    except P.APIError:
-        ended_by = "error"  # the engine failed the request
+    except P.APIError as e:
+        if e.status != CLIENT_CLOSED:
+            ended_by = "error"  # the engine failed the request
         raise
     finally:
         for t in tasks:
@@ -1115,7 +1112,32 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def _client_gone() -> P.APIError:
+    """The error of a client that went away: its access line says 499, and `_error_middleware`
+    neither counts nor logs it as an error of the server's answering."""
+    return P.APIError("the client closed the connection", status=CLIENT_CLOSED, code="client_gone")
+
+
 async def _stream(
+    request: web.Request,
+    state: ServerState,
+    info: EngineModelInfo,
+    req: P.GenerateRequest,
+    request_id: str,
+    created: int,
+    arrival: float,
+    choices: list[_Choice],
+    sink: asyncio.Queue[tuple[_Choice, Any]],
+) -> web.StreamResponse:
+    try:
+        return await _stream_events(request, state, info, req, request_id, created, arrival, choices, sink)
+    except ConnectionError:
+        # the client closed the connection before aiohttp cancelled the handler (a write to the
+        # closing transport raises first): as a client that leaves at any other moment
+        raise _client_gone() from None
+
+
+async def _stream_events(
     request: web.Request,
     state: ServerState,
     info: EngineModelInfo,
