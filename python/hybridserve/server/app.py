@@ -888,7 +888,13 @@ async def _generate(
     ended_by = "abort"  # the client went away (the handler is cancelled)
     try:
         if req.stream:
-            return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
+            try:
+                return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
+            except ConnectionError:
+                # the client closed the connection before aiohttp cancelled the handler (a write
+                # to the closing transport raises first): as a client that leaves at any other
+                # moment
+                raise _client_gone() from None
         return await _collect(state, info, req, request_id, created, arrival, choices, sink)
     except P.APIError as e:
         if e.status != CLIENT_CLOSED:
@@ -1119,25 +1125,6 @@ def _client_gone() -> P.APIError:
 
 
 async def _stream(
-    request: web.Request,
-    state: ServerState,
-    info: EngineModelInfo,
-    req: P.GenerateRequest,
-    request_id: str,
-    created: int,
-    arrival: float,
-    choices: list[_Choice],
-    sink: asyncio.Queue[tuple[_Choice, Any]],
-) -> web.StreamResponse:
-    try:
-        return await _stream_events(request, state, info, req, request_id, created, arrival, choices, sink)
-    except ConnectionError:
-        # the client closed the connection before aiohttp cancelled the handler (a write to the
-        # closing transport raises first): as a client that leaves at any other moment
-        raise _client_gone() from None
-
-
-async def _stream_events(
     request: web.Request,
     state: ServerState,
     info: EngineModelInfo,
