@@ -922,13 +922,6 @@ impl HybridCacheManager {
 
     // ------------------------------------------------------------------ allocation
 
-    /// First allocation of a (new or resumed) request: takes references on the hit blocks,
-    /// allocates its state window (1 + K slots) and the KV blocks for
-    /// [L, L + num_new_tokens + num_lookahead_tokens). Emits `StateOp::Copy { src: checkpoint,
-    /// dst: window[0] }` on a hit, and `StateOp::CopyBlock { src: tail, dst }` for a tail hit.
-    /// None if it does not fit, if the request already has an allocation, or if the hit is no
-    /// longer valid (re-query then); in every None case nothing was taken. On a model without
-    /// Mamba layers the window is `1 + K` null slots.
     /// Whether the KV blocks that admitting with `hit` takes at once (the hit's blocks, the tail
     /// it copies from, and the new blocks for `num_new_tokens`) fit in the whole pool: a hit that
     /// does not can never be admitted, whatever is freed.
@@ -952,6 +945,13 @@ impl HybridCacheManager {
         Some(total.div_ceil(self.block_size).max(hit.kv_blocks.len()))
     }
 
+    /// First allocation of a (new or resumed) request: takes references on the hit blocks,
+    /// allocates its state window (1 + K slots) and the KV blocks for
+    /// [L, L + num_new_tokens + num_lookahead_tokens). Emits `StateOp::Copy { src: checkpoint,
+    /// dst: window[0] }` on a hit, and `StateOp::CopyBlock { src: tail, dst }` for a tail hit.
+    /// None if it does not fit, if the request already has an allocation, or if the hit is no
+    /// longer valid (re-query then); in every None case nothing was taken. On a model without
+    /// Mamba layers the window is `1 + K` null slots.
     pub fn allocate_new(
         &mut self,
         req: ReqKey,

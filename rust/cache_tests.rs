@@ -1138,7 +1138,8 @@ fn a_hit_whose_blocks_the_whole_pool_cannot_hold_at_once_does_not_fit() {
     );
     assert!(m.hit_fits_pool(&hit, 8)); // 24 tokens: 6 blocks, the pool
     assert!(!m.hit_fits_pool(&hit, 9)); // 25 tokens: 7 blocks
-                                        // a tail block is held (and copied from) beside the new block it is copied into
+
+    // a tail block is held (and copied from) beside the new block it is copied into
     let with_tail = CacheHit {
         tail: Some(hit.kv_blocks[3]),
         ..hit.clone()
