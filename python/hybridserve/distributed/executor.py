@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ logger = logging.getLogger("hybridserve.distributed")
 START_TIMEOUT_S = 600.0
 # How long an exit that did not shut the engine down waits for the workers to stop by themselves
 EXIT_SHUTDOWN_TIMEOUT_S = 2.0
+
+
+def _exit_status(proc: BaseProcess) -> int | None:
+    """The exit status of a worker whose sentinel is ready: reaped first (it may not be yet)."""
+    proc.join(1.0)
+    return proc.exitcode
 
 
 def _free_port() -> int:
@@ -125,7 +132,7 @@ class TPExecutor(GroupFailure):
             for ready in wait([*pending, *sentinels], timeout=left):
                 if ready in sentinels:
                     rank = sentinels[ready]
-                    code = self._procs[rank - 1].exitcode
+                    code = _exit_status(self._procs[rank - 1])
                     raise ConfigError(
                         f"--tensor-parallel-size: worker rank {rank} exited with status {code} while starting"
                     )
@@ -159,12 +166,13 @@ class TPExecutor(GroupFailure):
         """Raises EngineDeadError once the group is dead; a worker process that has exited makes
         it so. `grace`: seconds to wait for one to exit first (after a failed step, a worker
         killed a moment ago is still being torn down when its peers' collectives break)."""
-        if self.dead_reason is None:
-            if grace > 0 and not self._closing:
-                wait([p.sentinel for p in self._procs], timeout=grace)
+        if self.dead_reason is None and not self._closing:
+            # a worker's sentinel closes as it exits, a moment before it can be reaped (until then
+            # `is_alive()` still says True): the sentinel is what tells
+            ready = wait([p.sentinel for p in self._procs], timeout=grace)
             for rank, p in enumerate(self._procs, start=1):
-                if not p.is_alive() and not self._closing:
-                    self.fail(f"tensor-parallel worker rank {rank} exited with status {p.exitcode}")
+                if p.sentinel in ready:
+                    self.fail(f"tensor-parallel worker rank {rank} exited with status {_exit_status(p)}")
         self.raise_if_dead()
 
     def _watch(self) -> None:
@@ -177,7 +185,7 @@ class TPExecutor(GroupFailure):
             for s in ready:
                 rank = live.pop(s)
                 if not self._closing:
-                    code = self._procs[rank - 1].exitcode
+                    code = _exit_status(self._procs[rank - 1])
                     self.fail(f"tensor-parallel worker rank {rank} exited with status {code}")
 
     def shutdown(self, timeout: float = 5.0) -> None:
