@@ -243,7 +243,12 @@ def test_parse_bytes() -> None:
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("4GiB") == 4 * 2**30
     assert parse_bytes("1.5GB") == 1_500_000_000
-    for bad in ("", "-1", "12XB", "0"):
+    # exact past float's 53 bits, and no float overflow for a number of any length (the flag's
+    # own bound refuses it later, naming the flag)
+    assert parse_bytes("9007199254740993") == 2**53 + 1
+    assert parse_bytes("0.1KiB") == 102
+    assert parse_bytes("9" * 400) == 10**400 - 1
+    for bad in ("", "-1", "12XB", "0", "٣", "1e3"):  # "٣" is a digit to str and to float()
         with pytest.raises(hybridserve.ConfigError):
             parse_bytes(bad, "--kv-cache-memory")
 

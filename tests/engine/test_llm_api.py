@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, ConfigError, InvalidRequestError, SamplingParams
+from hybridserve.sampling.params import MAX_TOP_K
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -193,6 +194,7 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
         "a\ud800b",
         None,
         5,
+        np.array(5),  # 0-d: one number, no sequence
     ):
         with pytest.raises(InvalidRequestError):
             llm.generate(bad, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
@@ -213,9 +215,14 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
         {"skip_special_tokens": 0},
         {"min_tokens": 10**30, "max_tokens": None},
         {"max_tokens": 10**30},
+        {"top_k": MAX_TOP_K + 1},  # past it the batch's int64 row arrays overflowed mid-step
+        {"top_k": 2**63},
     ):
         with pytest.raises(InvalidRequestError, match=next(iter(kw))):
             SamplingParams(**kw)  # type: ignore[arg-type]
+    # the largest top_k samples (it keeps the whole vocabulary)
+    widest = SamplingParams(max_tokens=3, temperature=1.0, seed=1, top_k=MAX_TOP_K, ignore_eos=True)
+    assert len(llm.generate(PROMPT, widest)[0].outputs[0].token_ids) == 3
     # a value set after construction is checked when the request is added
     late = SamplingParams(max_tokens=4)
     late.skip_special_tokens = None  # type: ignore[assignment]
@@ -242,9 +249,15 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
             engine.abort_request(rid)  # type: ignore[arg-type]
     # a cache_salt that is no str, a priority that is no int64
     for kw in ({"cache_salt": 5}, {"cache_salt": b"x"}, {"priority": "1"}, {"priority": 1.5},
-               {"priority": True}, {"priority": 2**63}, {"priority": -(2**63) - 1}):  # fmt: skip
+               {"priority": True}, {"priority": 2**63}, {"priority": -(2**63) - 1},
+               {"cache_salt": "a\ud800"}):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=next(iter(kw))):
             engine.add_request("y", PROMPT, SamplingParams(max_tokens=2), **kw)  # type: ignore[arg-type]
+    # ids and salts go to the Rust core as UTF-8: a lone surrogate is refused by name, not by the binding
+    with pytest.raises(InvalidRequestError, match="request_id: not valid Unicode"):
+        engine.add_request("\ud800", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="request_id: not valid Unicode"):
+        engine.abort_request("\udfff")
     for priority in (
         2**63 - 1,
         -(2**63),
@@ -302,7 +315,7 @@ def test_config_errors_are_typed(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError):
         LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)
-    for markers in (5, None):
+    for markers in (5, None, "²", "٣"):  # digits to str.isdigit(), not token ids
         with pytest.raises(ConfigError, match="--shared-prefix-markers"):
             EngineArgs(model="demo", shared_prefix_markers=markers).resolve()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="nested too deeply"):
@@ -372,6 +385,36 @@ def test_model_folder_oddities_that_load_are_said(tmp_path: Path, caplog: pytest
     assert len(out.token_ids) == 3
 
 
+def test_model_type_and_architectures_must_name_one_family(tmp_path: Path) -> None:
+    """The cache policy reads the family from config.json's model_type, the loader builds the class
+    architectures names: a model_type of another family is refused (it had the policy keep no
+    Mamba states for the demo's Mamba layers, and the output changed), a missing one is the
+    architecture's."""
+    import shutil
+
+    from hybridserve.model.demo import ensure_demo_model
+
+    cfg = json.loads((Path(ensure_demo_model()) / "config.json").read_text())
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(ensure_demo_model(), mismatched)
+    (mismatched / "config.json").write_text(json.dumps({**cfg, "model_type": "bamba"}))
+    with pytest.raises(ConfigError, match="model_type 'bamba' is not the model type of architectures"):
+        LLM(str(mismatched), dtype="float32")
+    from hybridserve.cli import main
+
+    assert main(["config", str(mismatched)]) == 2  # the policy's own reading of the folder
+    untyped = tmp_path / "untyped"
+    shutil.copytree(ensure_demo_model(), untyped)
+    (untyped / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "model_type"}))
+    llm = LLM(str(untyped), dtype="float32", max_model_len=512, max_num_seqs=8)
+    assert llm.engine.config.has_mamba_layers
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert (
+        llm.generate(PROMPT, greedy)[0].outputs[0].token_ids
+        == llm32().generate(PROMPT, greedy)[0].outputs[0].token_ids
+    )
+
+
 @pytest.mark.parametrize(
     "argv,rc,says",
     [
@@ -405,6 +448,8 @@ def test_model_folder_oddities_that_load_are_said(tmp_path: Path, caplog: pytest
         # the cache plan's refusals, with or without --explain
         (["config", "demo", "--num-mamba-slots", "2", "--json"], 2, "--num-mamba-slots"),
         (["config", "demo", "--kv-cache-memory", "1"], 2, "--kv-cache-memory"),
+        (["config", "demo", "--kv-cache-memory", "9" * 400], 2, "--kv-cache-memory"),
+        (["config", "demo", "--shared-prefix-markers", "²"], 2, "--shared-prefix-markers"),
         (["serve", "demo", "--max-body-bytes", "0"], 2, "--max-body-bytes"),
         (["serve", "demo", "--shutdown-timeout", "nan"], 2, "--shutdown-timeout"),
         (["serve", "demo", "--max-model-len", "999999"], 2, "max_position_embeddings"),

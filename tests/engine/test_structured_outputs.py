@@ -94,6 +94,14 @@ def test_params_validation() -> None:
         StructuredOutputsParams(choice=[])
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         StructuredOutputsParams(json="{nope")
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        StructuredOutputsParams(json='{"a":' * 100_000 + "1" + "}" * 100_000)  # past the parser's depth
+    # a schema given as a Python object must be a JSON value (it was a raw TypeError / ValueError)
+    cyclic: dict[str, object] = {"type": "object"}
+    cyclic["self"] = cyclic
+    for schema in ({"enum": {1, 2}}, {"type": b"object"}, cyclic):
+        with pytest.raises(InvalidRequestError, match="json: the schema must be a JSON value"):
+            SamplingParams(structured_outputs={"json": schema})
     with pytest.raises(InvalidRequestError, match="at most"):
         StructuredOutputsParams(regex="a" * 300_000)
     with pytest.raises(InvalidRequestError, match="unknown field"):

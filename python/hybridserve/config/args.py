@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from hybridserve import _core
@@ -354,7 +355,7 @@ def parse_shared_prefix_markers(value: str | Sequence[int]) -> str | tuple[int, 
         if v in ("auto", "none"):
             return v
         parts = [p.strip() for p in v.split(",")]
-        if not all(p.isdigit() for p in parts):
+        if not all(p.isascii() and p.isdigit() for p in parts):  # "²" and "٣" are digits to str
             raise ConfigError(
                 f"--shared-prefix-markers must be auto, none or token ids separated by commas; got {value!r}"
             )
@@ -378,12 +379,13 @@ _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, 
 
 
 def parse_bytes(text: str, flag: str = "memory") -> int:
-    """'1073741824', '512MiB', '4GiB', '1.5GB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    """'1073741824', '512MiB', '4GiB', '1.5GB' -> bytes (exactly: the number is read as a
+    decimal, not a float, so a large byte count is not rounded)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text), flags=re.ASCII)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise ConfigError(f"{flag} must be a byte count such as 1073741824, 512MiB or 4GiB; got {text!r}")
-    value = math.floor(float(m.group(1)) * _UNITS[unit])
+    value = math.floor(Fraction(m.group(1)) * _UNITS[unit])
     if value < 1:
         raise ConfigError(f"{flag} must be at least 1 byte; got {text!r}")
     return value

@@ -67,7 +67,11 @@ class LLM:
         refused whole with InvalidRequestError, and changes nothing."""
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
-        elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
+        elif (
+            isinstance(prompts, Iterable)
+            and not isinstance(prompts, bytes | bytearray)
+            and getattr(prompts, "ndim", 1) != 0  # a 0-d array is Iterable to the type but not to iter()
+        ):
             prompt_list = list(cast("Iterable[Prompt]", prompts))
         else:
             raise InvalidRequestError(

@@ -142,6 +142,17 @@ def prefix_cache_hash_seed(args: EngineArgs) -> int:
     return secrets.randbits(64)
 
 
+def _check_text(name: str, value: object, what: str = "a str") -> None:
+    """InvalidRequestError naming `name` unless `value` is a str that UTF-8 can encode (the Rust
+    core takes it as UTF-8: a lone surrogate was a raw UnicodeEncodeError from the binding)."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name}: must be {what}, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{name}: not valid Unicode (it holds an unpaired surrogate)") from None
+
+
 def _checked_priority(value: Any) -> int:
     """A request's priority: an integer (a numpy one too) that the scheduler's int64 holds."""
     v: int | None
@@ -288,12 +299,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> None:
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id: must be a str, not {type(request_id).__name__}")
+        _check_text("request_id", request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params: must be a SamplingParams, not {type(params).__name__}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt: must be a str or None, not {type(cache_salt).__name__}")
+        if cache_salt is not None:
+            _check_text("cache_salt", cache_salt, "a str or None")
         priority = _checked_priority(priority)
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running")
@@ -396,8 +406,7 @@ class LLMEngine:
                 raise ready
 
     def abort_request(self, request_id: str) -> bool:
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id: must be a str, not {type(request_id).__name__}")
+        _check_text("request_id", request_id)
         state = self.requests.get(request_id)
         self._forget(request_id)
         # (an output kept for the next step, after a failure, is not delivered either)

@@ -19,7 +19,13 @@ import torch
 from hybridserve.errors import ConfigError
 from hybridserve.model.architectures import CausalLM, get_architecture
 from hybridserve.model.cache_tensors import parse_dtype
-from hybridserve.model.model_config import ModelConfig, read_config_json
+from hybridserve.model.model_config import (
+    ARCHITECTURE_MODEL_TYPES,
+    ModelConfig,
+    first_architecture,
+    model_type_of,
+    read_config_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +49,12 @@ def load_config(model_dir: str | Path) -> tuple[type[CausalLM], ModelConfig]:
     """Parse `<model_dir>/config.json` into (architecture class, ModelConfig)."""
     path = Path(model_dir) / "config.json"
     raw = read_config_json(path)
-    archs = raw.get("architectures")
-    if isinstance(archs, list) and archs:
-        name = str(archs[0])
-    else:
-        mt = raw.get("model_type")
-        name = {
-            "nemotron_h": "NemotronHForCausalLM",
-            "bamba": "BambaForCausalLM",
-            "mamba2": "Mamba2ForCausalLM",
-            "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-            "falcon_h1": "FalconH1ForCausalLM",
-            "zamba2": "Zamba2ForCausalLM",
-            "jamba": "JambaForCausalLM",
-        }.get(str(mt), "")
-        if not name:
-            raise ConfigError(f"{path}: no 'architectures' entry and unknown model_type {mt!r}")
+    model_type = model_type_of(raw, str(path))  # also: the two names agree
+    name = first_architecture(raw) or {mt: a for a, mt in ARCHITECTURE_MODEL_TYPES.items()}.get(model_type)
+    if name is None:
+        raise ConfigError(
+            f"{path}: no 'architectures' entry and unknown model_type {raw.get('model_type')!r}"
+        )
     cls = get_architecture(name, str(path))
     try:
         cfg = cls.parse_config(raw, str(path))

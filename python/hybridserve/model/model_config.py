@@ -91,6 +91,19 @@ SCAN_CHUNK_DEFAULTS = {
     # a "chunk"
     "jamba": 1,
 }
+# The model_type of every architecture the engine runs, as transformers pairs them. A config.json
+# names both: the cache policy reads the family from model_type, the loader builds the class that
+# architectures names, so the two must agree (with model_type "llama" over NemotronH weights the
+# policy saw no Mamba layers and kept no states for the ones that ran).
+ARCHITECTURE_MODEL_TYPES = {
+    "NemotronHForCausalLM": "nemotron_h",
+    "BambaForCausalLM": "bamba",
+    "Mamba2ForCausalLM": "mamba2",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
+    "Zamba2ForCausalLM": "zamba2",
+    "JambaForCausalLM": "jamba",
+}
 # NemotronH's hybrid_override_pattern: one character per layer.
 NEMOTRON_H_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 # Far above any real model's context or chunk size, and far below what the core's 64-bit
@@ -353,8 +366,28 @@ def config_count(raw: dict[str, Any], source: str, *names: str) -> int | None:
     return v
 
 
-def model_type_of(raw: dict[str, Any]) -> str:
-    return str(raw.get("model_type") or "unknown").lower()
+def first_architecture(raw: dict[str, Any]) -> str | None:
+    """config.json's `architectures[0]`, or None when it names none."""
+    archs = raw.get("architectures")
+    return str(archs[0]) if isinstance(archs, list) and archs else None
+
+
+def model_type_of(raw: dict[str, Any], source: str = "config.json") -> str:
+    """The model family: `model_type`, or the one `architectures[0]` implies when it has none
+    ("unknown" without either). ConfigError when the two name different families the engine
+    knows."""
+    arch = first_architecture(raw)
+    implied = ARCHITECTURE_MODEL_TYPES.get(arch or "")
+    declared = raw.get("model_type")
+    if not declared:
+        return implied or "unknown"
+    model_type = str(declared).lower()
+    if implied is not None and model_type != implied:
+        raise ConfigError(
+            f"{source}: model_type {declared!r} is not the model type of architectures[0] {arch!r} "
+            f"({implied!r})"
+        )
+    return model_type
 
 
 # transformers' Zamba2Config default `layers_block_type` ("hybrid": a shared attention block's use
@@ -387,7 +420,7 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     layer from `attn_layer_offset`; a model type without Mamba layers is taken as
     attention layers.
     `model_type`: the architecture's own, for a config.json that does not name it."""
-    model_type = model_type or model_type_of(raw)
+    model_type = model_type or model_type_of(raw, source)
     names = get_field(raw, "layers_block_type", "layer_types")
     if names is not None:
         if not isinstance(names, list):
@@ -438,7 +471,7 @@ def on_period(raw: dict[str, Any], source: str, prefix: str, i: int, default: tu
 def scan_chunk_size(raw: dict[str, Any], source: str, model_type: str | None = None) -> int | None:
     """Q, the Mamba scan's chunk size: `chunk_size` or `mamba_chunk_size`, else the model type's
     default; None for a model type without Mamba layers."""
-    default = SCAN_CHUNK_DEFAULTS.get(model_type or model_type_of(raw))
+    default = SCAN_CHUNK_DEFAULTS.get(model_type or model_type_of(raw, source))
     if default is None:
         return None
     q = config_count(raw, source, "chunk_size", "mamba_chunk_size")
@@ -449,8 +482,8 @@ def model_capabilities(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """What the cache-mode policy needs to know about a model (the fields of
     `hybridserve.config.ModelCapabilities`), from its config.json alone: no weights, no full parse,
     so `hybridserve config` explains a model type the engine cannot run yet too."""
-    model_type = model_type_of(raw)
-    kinds = layer_kinds(raw, source)
+    model_type = model_type_of(raw, source)
+    kinds = layer_kinds(raw, source, model_type)
     n_hybrid = kinds.count(HYBRID)  # a Falcon-H1 layer: attention and Mamba side by side
     n_mamba, n_attn = kinds.count(MAMBA) + n_hybrid, kinds.count(ATTENTION) + n_hybrid
     has_mamba = model_type in SCAN_CHUNK_DEFAULTS and n_mamba > 0

@@ -13,6 +13,9 @@ from hybridserve.sampling.structured_outputs import StructuredOutputsParams
 
 # Beyond this, a top-n logprobs request costs more than it is worth to anyone.
 MAX_LOGPROBS = 20
+# top_k past the vocabulary keeps every token; the bound keeps the value inside the per-row int64
+# arrays of the batch (and is the HTTP API's).
+MAX_TOP_K = 2**31 - 1
 # Stop strings are watched for on the engine thread, which every request shares. What the watch
 # costs (engine/detokenizer.py: the automaton's memory, and the time to walk back when a long partial
 # match breaks) grows with their length, so each one's length and the total are bounded, in
@@ -145,8 +148,11 @@ class SamplingParams:
             raise bad("max_tokens", f"must be {what}, got {self.max_tokens!r}")
         number("temperature", 0.0, 100.0)
         number("top_p", 0.0, 1.0, lo_open=True)
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or not (-1 <= self.top_k <= MAX_TOP_K):
+            raise bad(
+                "top_k",
+                f"must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}",
+            )
         number("min_p", 0.0, 1.0)
         if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**63)):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")

@@ -80,7 +80,7 @@ class StructuredOutputsParams:
             if isinstance(self.json, str):
                 try:
                     schema = json.loads(self.json)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
                     raise _bad(f"json: not valid JSON ({e})") from None
             else:
                 schema = self.json
@@ -98,7 +98,10 @@ class StructuredOutputsParams:
                 raise _bad(f"choice: at most {MAX_CHOICES} choices")
         elif self.json_object is not True:
             raise _bad("json_object: must be true")
-        size = len(self.source)
+        try:
+            size = len(self.source)
+        except (TypeError, ValueError, RecursionError) as e:  # a set, bytes, a cycle, a deep nest
+            raise _bad(f"{kind}: the schema must be a JSON value ({e})") from None
         if size > MAX_GRAMMAR_CHARS:
             raise _bad(f"{kind}: at most {MAX_GRAMMAR_CHARS} characters, got {size}")
 

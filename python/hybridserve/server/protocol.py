@@ -25,6 +25,7 @@ from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_TOP_K,
     SamplingParams,
     stop_length_error,
 )
@@ -547,7 +548,7 @@ def _sampling_params(
         if stop_token_ids_raw is None
         else _parse_token_list("stop_token_ids", stop_token_ids_raw, vocab_size, allow_empty=True)
     )
-    top_k = get_int(body, "top_k", 0, -1, 2**31 - 1)
+    top_k = get_int(body, "top_k", 0, -1, MAX_TOP_K)
     min_tokens = get_int(body, "min_tokens", 0, 0, 2**31 - 1)
     logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
     try:
