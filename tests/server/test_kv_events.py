@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import urllib.request
 from typing import Any
@@ -270,6 +271,46 @@ def test_bad_kv_events_config_is_a_clear_start_error() -> None:
     finally:
         srv.stop()
         srv.remove_log()
+
+
+def test_kv_events_addresses_that_cannot_be_opened_are_config_errors_naming_the_field() -> None:
+    """Checked with the flag: a tcp:// port out of range (ZMQ bound 99999 modulo 65536), a
+    tcp:// address without host or port, ipc:// without a path. When the socket opens: a port
+    that is taken, for the PUB endpoint and for the replay endpoint, each named."""
+    from hybridserve.config.kv_events import KVEventsConfig
+    from hybridserve.engine.kv_events import KVEventPublisher
+    from hybridserve.errors import ConfigError
+
+    for field in ("endpoint", "replay_endpoint"):
+        for address, says in (
+            ("tcp://*:99999", "the port must be an integer in [0, 65535]"),
+            ("tcp://", "a tcp:// address is HOST:PORT"),
+            ("tcp://*:", "the port must be"),
+            ("tcp://localhost", "a tcp:// address is HOST:PORT"),
+            ("ipc://", "no path"),
+            ("inproc://", "no name"),
+        ):
+            with pytest.raises(
+                ConfigError, match=re.escape(f"--kv-events-config: {field} '{address}': {says}")
+            ):
+                KVEventsConfig.from_value({"enable_kv_cache_events": True, field: address})
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for fields, field in (
+            ({"endpoint": f"tcp://*:{port}"}, "endpoint"),
+            (
+                {"endpoint": "inproc://kv-events-test", "replay_endpoint": f"tcp://*:{port}"},
+                "replay_endpoint",
+            ),
+        ):
+            cfg = KVEventsConfig.from_value({"enable_kv_cache_events": True, **fields})
+            with pytest.raises(
+                ConfigError, match=f"cannot open {field} tcp://\\*:{port}: Address already in use"
+            ):
+                KVEventPublisher(cfg, 16)
+    finally:
+        taken.close(linger=0)
 
 
 def test_events_off_by_default_and_vllm_metric_names() -> None:

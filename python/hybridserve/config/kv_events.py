@@ -88,9 +88,25 @@ class KVEventsConfig:
                 continue
             if not isinstance(v, str) or not v.startswith(_ENDPOINT_SCHEMES):
                 raise ConfigError(f"{FLAG}: {name} must be a tcp://, ipc:// or inproc:// address, got {v!r}")
+            if (why := _endpoint_error(v)) is not None:
+                raise ConfigError(f"{FLAG}: {name} {v!r}: {why}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10**9:
                 raise ConfigError(f"{FLAG}: {name} must be an integer in [1, 1e9], got {v!r}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"{FLAG}: topic must be a string, got {self.topic!r}")
+
+
+def _endpoint_error(endpoint: str) -> str | None:
+    """Why a ZMQ address cannot name a socket, or None: tcp:// needs HOST:PORT with a port in
+    [0, 65535] or "*" (ZMQ took 99999 modulo 65536), ipc:// a path, inproc:// a name."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None if rest else f"no {'path' if scheme == 'ipc' else 'name'} after {scheme}://"
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        return "a tcp:// address is HOST:PORT (a host or * for every interface)"
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        return f"the port must be an integer in [0, 65535] or *, got {port!r}"
+    return None

@@ -19,7 +19,7 @@ from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.tokenizer import Tokenizer
-from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
+from hybridserve.errors import ConfigError, EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.sampling.params import SamplingParams
 
 logger = logging.getLogger("hybridserve.engine")
@@ -184,7 +184,10 @@ class AsyncEngine:
         try:
             engine = self.engine = LLMEngine(self.args)
         except BaseException as exc:  # reported to every waiter; the thread ends
-            logger.exception("engine failed to load")
+            if isinstance(exc, ConfigError):  # the user's setting, said in its message
+                logger.error("engine failed to load: %s", exc)
+            else:
+                logger.exception("engine failed to load")
             self.load_error = exc
             self._loaded.set()
             return

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from hybridserve.config.kv_events import KVEventsConfig
+from hybridserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +73,21 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay: zmq.Socket[bytes] | None = None
+        field, address = "endpoint", config.endpoint
         try:
-            if KVEventsConfig.binds(config.endpoint):
-                self._pub.bind(config.endpoint)
+            if KVEventsConfig.binds(address):
+                self._pub.bind(address)
             else:
-                self._pub.connect(config.endpoint)
+                self._pub.connect(address)
             if config.replay_endpoint is not None:
+                field, address = "replay_endpoint", config.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(address)
         except zmq.ZMQError as e:
+            # the address the user gave cannot be opened here (taken, no such directory, no such
+            # interface): their configuration, named by its field
             self._close_sockets()
-            raise OSError(f"--kv-events-config: cannot open {config.endpoint}: {e}") from None
+            raise ConfigError(f"--kv-events-config: cannot open {field} {address}: {e}") from None
         self.batches_sent = 0
         self.batches_dropped = 0
         self._encoder = msgspec.msgpack.Encoder()
