@@ -289,7 +289,8 @@ class Scheduler:
         flops_per_token: float,
         attn_flops_per_context_token: float,
         flop_weight: float | None = None,
-    ) -> None: ...  # the flops eviction score and the FLOP stats; InvalidRequestError if negative
+    ) -> None: ...  # the flops eviction score and the FLOP stats; InvalidRequestError if a FLOP
+    # count or flop_weight is negative or not finite, OverflowError if a byte count is outside u64
     @property
     def num_running(self) -> int: ...
     @property

@@ -263,6 +263,22 @@ def _load_trace(args: argparse.Namespace) -> tuple[Trace | None, str | None]:
         raise ConfigError(f"--trace: cannot read {args.trace!r}: {e.strerror or e}") from None
 
 
+def _url_error(url: str) -> str | None:
+    """Why an http(s) URL names no server, or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number or out of range
+    except ValueError as e:
+        return str(e)
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0 is no server's"
+    return None
+
+
 def bench_main(args: argparse.Namespace) -> int:
     _check_output_path("--result-file", args.result_file)
     if args.bench_mode == "serve":
@@ -272,6 +288,8 @@ def bench_main(args: argparse.Namespace) -> int:
         base_url = args.base_url.rstrip("/")
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+        if (why := _url_error(base_url)) is not None:  # said now, not after --ready-timeout
+            raise ConfigError(f"--base-url {args.base_url!r}: {why}")
         base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
         trace, trace_source = _load_trace(args)
         if args.prefix_len is not None and args.prefix_len > args.prompt_len:

@@ -436,6 +436,10 @@ def test_model_type_and_architectures_must_name_one_family(tmp_path: Path) -> No
         (["bench", "serve", "--token-id-max", "2"], 2, "--token-id-max"),
         (["bench", "serve", "--ready-timeout", "nan"], 2, "--ready-timeout"),
         (["bench", "serve", "--base-url", "notaurl"], 2, "--base-url"),
+        # said at once, not after --ready-timeout
+        (["bench", "serve", "--base-url", "http://127.0.0.1:99999"], 2, "Port out of range"),
+        (["bench", "serve", "--base-url", "http://[::1"], 2, "Invalid IPv6 URL"),
+        (["bench", "serve", "--base-url", "http://:8000"], 2, "no host"),
         (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--ready-timeout", "0.5"], 1, "not ready"),
         (["serve", "demo", "--port", "70000"], 2, "--port"),
         (["bench", "cache-trace", "--traces", "T1:1e308"], 2, "at most 1000"),

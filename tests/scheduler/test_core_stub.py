@@ -4,9 +4,13 @@ and every class's public methods and properties match."""
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
+import pytest
+
 import hybridserve._core as core
+from hybridserve.errors import InvalidRequestError
 
 STUB = Path(core.__file__).with_name("_core.pyi")
 
@@ -106,3 +110,24 @@ def test_flag_limits_are_what_the_policy_enforces() -> None:
         for bad in (lo - 1, hi + 1):
             with pytest.raises(core.ConfigError, match="--" + name.replace("_", "-")):
                 core.resolve_policy(**caps, **{name: bad})
+
+
+def test_set_cost_model_raises_what_the_stub_says() -> None:
+    sched = core.Scheduler(core.ResolvedConfig.for_tests("all", 0), 16, 4)
+    ok = {
+        "state_bytes": 1,
+        "kv_bytes_per_block": 1,
+        "flops_per_token": 1.0,
+        "attn_flops_per_context_token": 1.0,
+    }
+    sched.set_cost_model(**ok, flop_weight=0.5)  # type: ignore[arg-type]
+    for bad in (
+        {"flops_per_token": -1.0},
+        {"attn_flops_per_context_token": math.inf},
+        {"flop_weight": math.nan},
+    ):
+        with pytest.raises(InvalidRequestError):
+            sched.set_cost_model(**{**ok, **bad})  # type: ignore[arg-type]
+    for bad_bytes in ({"state_bytes": -1}, {"kv_bytes_per_block": 2**64}):
+        with pytest.raises(OverflowError):
+            sched.set_cost_model(**{**ok, **bad_bytes})  # type: ignore[arg-type]
