@@ -73,7 +73,9 @@ NEMOTRON_H_CONFIGS = {
         n_group=2,
         topk_group=1,
     ),  # fmt: skip
-    # ngroups 1, two Mamba layers, MHA, chunk 16
+    # ngroups 1, two Mamba layers, MHA, chunk 16; projection biases (use_bias: transformers writes
+    # mamba_proj_bias false beside it and reads only use_bias), tie_word_embeddings true (which
+    # transformers' NemotronH does not honour: it saves lm_head.weight and uses it)
     "nh_g1": dict(
         layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention"],
         hidden_size=48,
@@ -87,6 +89,8 @@ NEMOTRON_H_CONFIGS = {
         head_dim=12,
         intermediate_size=64,
         conv_kernel=3,
+        use_bias=True,
+        tie_word_embeddings=True,
     ),  # fmt: skip
 }
 

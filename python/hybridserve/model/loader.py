@@ -165,19 +165,21 @@ def load_model(
     handles: dict[Path, Any] = {}
     try:
         ties = model.tied_weight_map()
-        tied = {k: v for k, v in ties.items() if cfg.tie_word_embeddings}
+        tie = cfg.tie_word_embeddings and model.honours_tie_word_embeddings
+        tied = {k: v for k, v in ties.items() if tie}
         to_load = [n for n in params if n not in tied]
         for name in to_load:
             if name not in files:
                 alias = ties.get(name)
                 if alias is not None and alias in files:
-                    # untied config but the checkpoint only stores the shared matrix (transformers
-                    # would start this tensor from random numbers instead): said, as it changes
-                    # what the model says
-                    log.warning(
-                        "%s: config.json unties %r but the checkpoint has no such tensor: it is "
-                        "tied to %r", model_dir, name, alias,
-                    )  # fmt: skip
+                    if not cfg.tie_word_embeddings:
+                        # untied config but the checkpoint only stores the shared matrix
+                        # (transformers would start this tensor from random numbers instead):
+                        # said, as it changes what the model says
+                        log.warning(
+                            "%s: config.json unties %r but the checkpoint has no such tensor: it is "
+                            "tied to %r", model_dir, name, alias,
+                        )  # fmt: skip
                     tied[name] = alias
                     continue
                 where = ", ".join(sorted({f.name for f in files.values()})) or "no files"

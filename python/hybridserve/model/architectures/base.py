@@ -41,6 +41,10 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
 
     # checkpoint key -> key it may be tied to when missing (e.g. lm_head -> embeddings)
     tied_weights: ClassVar[dict[str, str]] = {}
+    # Whether config.json's tie_word_embeddings ties them as the family's transformers class does.
+    # False: the class never ties (it saves and loads its own LM head whatever the flag says), so a
+    # stored head is loaded and only a missing one falls back to its tie.
+    honours_tie_word_embeddings: ClassVar[bool] = True
     # parameter name -> older checkpoint names of the same tensor (tried when the name is missing)
     key_aliases: ClassVar[dict[str, tuple[str, ...]]] = {}
     # parameter-name suffixes kept in fp32 when the model runs in bf16/fp16

@@ -83,6 +83,9 @@ class NemotronHBlock(nn.Module):
 @register("NemotronHForCausalLM")
 class NemotronHForCausalLM(StackedCausalLM):
     stack_name = "backbone"
+    # transformers' NemotronHForCausalLM ties nothing (its _tied_weights_keys is empty): with
+    # tie_word_embeddings true it still saves lm_head.weight and computes the logits with it
+    honours_tie_word_embeddings = False
 
     def build_stack(self) -> DecoderStack:
         layers = [NemotronHBlock(self.config, k) for k in self.config.layer_types]
@@ -124,7 +127,9 @@ class NemotronHForCausalLM(StackedCausalLM):
             chunk_size=shared_fields.chunk_size(raw, source, "nemotron_h"),
             d_inner=nheads * headdim,
             mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
-            mamba_proj_bias=get_flag(raw, "mamba_proj_bias", "use_bias", default=False),
+            # the in/out projections' bias is use_bias (transformers' NemotronH and NVIDIA's own
+            # code read it; transformers writes mamba_proj_bias too, always false, and never reads it)
+            mamba_proj_bias=get_flag(raw, "use_bias", default=False),
             mamba_act=str(raw.get("mamba_hidden_act", "silu")),
             mamba_norm_eps=get_float(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5),
             dt_min=dt_min,
