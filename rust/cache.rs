@@ -1141,30 +1141,7 @@ impl HybridCacheManager {
         position: usize,
         kind: CheckpointKind,
     ) -> Option<SlotId> {
-        let step = match kind {
-            CheckpointKind::Grid => self.mamba_block_size,
-            CheckpointKind::Branch | CheckpointKind::LastToken | CheckpointKind::Declared => {
-                self.block_size
-            }
-        };
-        if !self.checkpoints() || position == 0 || position % step != 0 {
-            return None;
-        }
-        if self.mamba.has_checkpoint(hash) {
-            return None;
-        }
-        // Beside branch points and last tokens, grid checkpoints are a bet on a sharer to come
-        // that nothing tells of yet: they take spare room, or the place of another grid
-        // checkpoint, never that of a checkpoint placed for a reason (but for last-token states
-        // that admissions do not resume). A declared shared prefix is a bet too: a prompt without
-        // a system message declares its first user message, which nobody else may send.
-        let bet = matches!(kind, CheckpointKind::Grid | CheckpointKind::Declared);
-        let room = if bet && self.placement.branch() {
-            self.make_grid_room()
-        } else {
-            self.make_checkpoint_room()
-        };
-        if !room {
+        if !self.checkpoint_room(hash, position, kind) {
             return None;
         }
         self.mamba.reserve(CheckpointTag {
@@ -1172,6 +1149,66 @@ impl HybridCacheManager {
             position,
             kind,
         })
+    }
+
+    /// Turns window slot `index` of request `req`, which its finished forward wrote with the
+    /// state after `position` tokens, into a committed checkpoint keyed by `hash`: a hit at once,
+    /// with no copy. For a request that ends in this update (call before `free`): a pending copy
+    /// would wait for a next step, which an idle engine does not run, and the follow-up admitted
+    /// before it would miss the state. False (nothing kept) on the grounds `reserve_checkpoint`
+    /// gives None, or if the request has no such window slot.
+    pub fn adopt_window_checkpoint(
+        &mut self,
+        req: ReqKey,
+        index: usize,
+        hash: BlockHash,
+        position: usize,
+        kind: CheckpointKind,
+    ) -> bool {
+        let Some(&slot) = self.reqs.get(&req).and_then(|st| st.window.get(index)) else {
+            return false;
+        };
+        if !self.checkpoint_room(hash, position, kind) {
+            return false;
+        }
+        let tag = CheckpointTag {
+            hash,
+            position,
+            kind,
+        };
+        if !self.mamba.adopt(slot, tag) {
+            return false;
+        }
+        self.attach(slot);
+        true
+    }
+
+    /// Whether a checkpoint of `kind` for the state after `position` tokens may be kept under
+    /// `hash`, having evicted by the policy to make room for it (see `reserve_checkpoint`).
+    fn checkpoint_room(&mut self, hash: BlockHash, position: usize, kind: CheckpointKind) -> bool {
+        let step = match kind {
+            CheckpointKind::Grid => self.mamba_block_size,
+            CheckpointKind::Branch | CheckpointKind::LastToken | CheckpointKind::Declared => {
+                self.block_size
+            }
+        };
+        if !self.checkpoints() || position == 0 || position % step != 0 {
+            return false;
+        }
+        if self.mamba.has_checkpoint(hash) {
+            return false;
+        }
+        // Beside branch points and last tokens, grid checkpoints are a bet on a sharer to come
+        // that nothing tells of yet: they take spare room, or the place of another grid
+        // checkpoint, never that of a checkpoint placed for a reason (but for last-token states
+        // that admissions do not resume). A declared shared prefix is a bet too: a prompt without
+        // a system message declares its first user message, which nobody else may send.
+        let bet = matches!(kind, CheckpointKind::Grid | CheckpointKind::Declared);
+        if bet && self.placement.branch() {
+            self.make_grid_room()
+        } else {
+            self.make_checkpoint_room()
+        }
     }
 
     /// The forward that wrote the pending checkpoint `slot` has finished: it becomes a hit.

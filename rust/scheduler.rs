@@ -409,24 +409,24 @@ impl Scheduler {
         kept
     }
 
-    /// Publishes the grid checkpoint at a finished request's last computed token (its live window
-    /// slot, copied out first thing next step), for a request whose last state was not kept.
-    fn publish_last_boundary(&mut self, key: ReqKey, req: &Request) {
+    /// Keeps a finished request's live window slot as the grid checkpoint at its last computed
+    /// token (a boundary), for a request whose last state was not kept. Call before freeing its
+    /// cache.
+    fn keep_last_boundary(&mut self, key: ReqKey, req: &Request) {
         let (b, pos) = (self.cfg.block_size, req.num_computed_tokens);
-        let Some(&src) = self.cache.state_window(key).get(req.live_window_index) else {
-            return;
-        };
         let Some(&hash) = (pos / b)
             .checked_sub(1)
             .and_then(|i| req.block_hashes.get(i))
         else {
             return;
         };
-        if let Some(dst) = self
-            .cache
-            .reserve_checkpoint(hash, pos, CheckpointKind::Grid)
-        {
-            self.pending_publishes.push((src, dst));
+        if self.cache.adopt_window_checkpoint(
+            key,
+            req.live_window_index,
+            hash,
+            pos,
+            CheckpointKind::Grid,
+        ) {
             self.stats.checkpoints_published += 1;
         }
     }
@@ -1242,10 +1242,9 @@ impl Scheduler {
             if row.is_decode && self.checkpoints && self.placement.grid() {
                 // Accepted tokens crossed or reached boundaries: the state after p·M tokens is in
                 // window[p·M - before - 1]; copy it out first thing next step.
-                // A request that ends on a boundary keeps its last state there itself (branch
-                // placement), committed at once; a publish would stay pending until a next step
-                // and hide that state from a follow-up admitted before it. (If the state is not
-                // kept after all, the publish follows then.)
+                // A request that ends on a boundary keeps its last state there as a last-token
+                // state (branch placement), or, if that is not kept, as a grid checkpoint
+                // (`keep_last_boundary`), once it is known which.
                 let last = if finish.is_some() && self.placement.branch() {
                     if after % m == 0 {
                         final_boundary.push(row.key);
@@ -1254,11 +1253,26 @@ impl Scheduler {
                 } else {
                     after
                 };
+                // A request that ends here keeps the window slot itself as the checkpoint: a
+                // copy would wait for a next step, which an idle engine does not run, and the
+                // next turn, admitted before it, would miss the state.
                 let mut bnd = (before / m + 1) * m;
                 while bnd <= last {
                     let idx = bnd - before - 1;
-                    let src = self.cache.state_window(row.key).get(idx).copied();
-                    if let (Some(src), Some(&hash)) = (src, req.block_hashes.get(bnd / b - 1)) {
+                    let Some(&hash) = req.block_hashes.get(bnd / b - 1) else {
+                        break;
+                    };
+                    if finish.is_some() {
+                        if self.cache.adopt_window_checkpoint(
+                            row.key,
+                            idx,
+                            hash,
+                            bnd,
+                            CheckpointKind::Grid,
+                        ) {
+                            self.stats.checkpoints_published += 1;
+                        }
+                    } else if let Some(&src) = self.cache.state_window(row.key).get(idx) {
                         if let Some(dst) =
                             self.cache
                                 .reserve_checkpoint(hash, bnd, CheckpointKind::Grid)
@@ -1310,7 +1324,7 @@ impl Scheduler {
             for &key in &finished {
                 if let Some(req) = self.requests.remove(&key) {
                     if !self.keep_last_state(key, &req) && final_boundary.contains(&key) {
-                        self.publish_last_boundary(key, &req);
+                        self.keep_last_boundary(key, &req);
                     }
                     self.requests.insert(key, req);
                 }

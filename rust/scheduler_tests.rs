@@ -1674,7 +1674,7 @@ proptest! {
 }
 
 /// A scheduler with room for exactly two windows in which t1 (6 prompt tokens, 3 to generate)
-/// has finished in the step that reaches the checkpoint boundary at 8: its publish is queued.
+/// has finished in the step that reaches the checkpoint boundary at 8.
 fn finished_on_a_boundary(k: usize) -> Sim {
     let mut c = cfg(MambaCacheMode::Align, k);
     c.max_num_seqs = 2;
@@ -1697,15 +1697,22 @@ fn run_t2_on_t1s_prefix(sim: &mut Sim) -> u64 {
 }
 
 #[test]
-fn publish_of_a_finishing_request_survives_slot_reuse() {
-    // t1 finishes in the very step whose accepted token reaches the boundary at 8: its window is
-    // freed at once, the publish copy runs first thing next step, before "x" (admitted then, and
-    // possibly handed the freed slots) writes anything. t2 then hits that checkpoint.
+fn a_finishing_request_keeps_its_boundary_slot_through_slot_reuse() {
+    // t1 finishes in the very step whose accepted token reaches the boundary at 8: the window slot
+    // holding that state becomes the checkpoint at once (no copy waits for a next step), and its
+    // other slots are freed. "x", admitted then and handed the freed slots, cannot write it: t2
+    // hits it.
     for k in [0, 2] {
         // Exactly two windows: x must reuse t1's slots.
         let mut sim = finished_on_a_boundary(k);
         assert_eq!(sim.s.stats().checkpoints_published, 1);
-        assert_eq!(sim.s.pending_publishes.len(), 1, "kept until a step runs");
+        assert!(sim.s.pending_publishes.is_empty(), "k={k}");
+        let st = sim.s.stats().cache;
+        assert_eq!(
+            (st.checkpoints_pending, st.checkpoints_committed),
+            (0, 1),
+            "k={k}"
+        );
         sim.add("x", (20..=29).collect(), 4, None);
         sim.step();
         assert_eq!(run_t2_on_t1s_prefix(&mut sim), 8, "k={k}");
@@ -1713,14 +1720,54 @@ fn publish_of_a_finishing_request_survives_slot_reuse() {
 }
 
 #[test]
-fn a_reset_of_an_idle_engine_drops_the_last_steps_publish() {
-    // t1 finishes in the step that reaches the boundary at 8: its publish waits for a next step
-    // that an idle engine never runs. The reset must still empty the cache.
+fn a_boundary_crossed_in_a_requests_last_verify_step_is_a_hit_at_once() {
+    // t1 (6 prompt tokens, 5 to generate, K = 3) computes 6 -> 10 in its last step, every draft
+    // accepted, crossing the grid boundary at 8 (window[1]). The engine then idles: no next step
+    // would run a publish copy, so the state is kept in place, and t2, admitted in the very next
+    // schedule(), hits it.
+    for mode in CHECKPOINT_MODES {
+        let mut s = Scheduler::new(&cfg(mode, 3), 256, 64, 0).unwrap();
+        s.add_request(NewRequest::new("t1", (1..=6).collect(), 5))
+            .unwrap();
+        let o = s.schedule().unwrap();
+        s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
+            .unwrap();
+        let o = s.schedule().unwrap();
+        assert_eq!(o.input_ids, vec![7, 8, 9, 10]);
+        let window: Vec<i64> = o.write_slots_row(0).to_vec();
+        let d = s
+            .update_from_output(&o, &[8, 9, 10, 11], &[4], Some((&[], &[0])))
+            .unwrap();
+        assert!(d.iter().any(|d| d.finished), "{mode:?}: max_tokens ends t1");
+        assert!(s.pending_publishes.is_empty(), "{mode:?}");
+        let st = s.stats();
+        assert_eq!(st.checkpoints_published, 1, "{mode:?}");
+        assert_eq!(
+            (st.cache.checkpoints_pending, st.cache.checkpoints_committed),
+            (0, 1),
+            "{mode:?}"
+        );
+        let mut p2: Vec<u32> = (1..=11).collect();
+        p2.extend([7, 7]);
+        s.add_request(NewRequest::new("t2", p2, 2)).unwrap();
+        let o = s.schedule().unwrap();
+        assert_eq!(o.num_computed_tokens, vec![8], "{mode:?}: t2 resumes at 8");
+        assert_eq!(
+            o.state_copies[..2],
+            [window[1], o.state_read_slot[0]],
+            "{mode:?}: from the slot that held the state after 8"
+        );
+    }
+}
+
+#[test]
+fn a_reset_of_an_idle_engine_drops_the_last_steps_boundary() {
+    // t1 finishes in the step that reaches the boundary at 8, which it keeps as a checkpoint. The
+    // reset of the idle engine empties the cache.
     for k in [0, 2] {
         let mut sim = finished_on_a_boundary(k);
-        assert_eq!(sim.s.pending_publishes.len(), 1, "k={k}");
+        assert!(sim.s.pending_publishes.is_empty(), "k={k}");
         assert!(sim.s.reset_prefix_cache(), "k={k}");
-        assert!(sim.s.pending_publishes.is_empty());
         let st = sim.s.stats();
         assert_eq!(
             st.cache.checkpoints_pending + st.cache.checkpoints_committed,

@@ -302,6 +302,32 @@ def test_prefix_hit_rate_is_the_same_with_speculation(mode: str, placement: str)
     assert with_spec == without
 
 
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_a_boundary_crossed_in_the_last_verify_step_is_hit_by_the_next_turn(mode: str) -> None:
+    """The draft is the target itself, so every draft is accepted: a 45-token prompt computes
+    45 -> 49 -> ... -> 65 in verify steps of four, the last one, which ends the request (21
+    tokens), crossing the grid point at 64. The engine is idle afterwards; the next turn, admitted
+    at once, must hit 64 as it does without speculation, and both turns match the reference."""
+    rng = random.Random(45)
+    prompt = [rng.randrange(3, 780) for _ in range(45)]
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True)
+    ref = _llm(enable_prefix_caching=False, max_num_seqs=1)
+    first = ref.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    turn = prompt + list(first) + [5, 6, 7]
+    ref_turn = ref.generate([{"prompt_token_ids": turn}], params)[0].outputs[0].token_ids
+
+    for spec in (None, SPECS["draft"]):
+        llm = _llm(**mode_args(mode, "grid"), speculative_config=spec)
+        got = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        assert got.outputs[0].token_ids == first
+        stats = llm.engine.stats()
+        assert stats["checkpoints_pending"] == 0, spec
+        got = llm.generate([{"prompt_token_ids": turn}], params)[0]
+        assert got.outputs[0].token_ids == ref_turn
+        assert got.num_cached_tokens == 64, spec
+    assert stats["spec_decode_accepted_tokens"] == stats["spec_decode_draft_tokens"] > 0
+
+
 def _write_repeating_model(path: Path) -> str:
     """The demo checkpoint's random init (no training) with every mixer's output projection zeroed
     and the LM head tied to the embeddings: each position predicts its own input token, so greedy
