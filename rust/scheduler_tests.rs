@@ -875,18 +875,24 @@ fn all_mode_emits_every_boundary_inside_a_chunk() {
     assert_eq!(o.state_copies[1], o.state_read_slot[0]);
 }
 
-#[test]
-fn decode_crossing_a_boundary_publishes_the_exact_window_slot() {
-    // Prompt 6 tokens, K = 3: decode rows at 6.. cross 8.
-    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 3), 256, 64, 0).unwrap();
-    s.add_request(NewRequest::new("a", (1..=6).collect(), 50))
+/// A scheduler (K = 3) whose request "a" (prompt 1..=6, `max_tokens`) has been prefilled with
+/// drafts 8, 9, 10 proposed, and its verify step scheduled: tokens 7 (position 6), 8, 9, 10.
+fn at_first_verify_step(mode: MambaCacheMode, max_tokens: usize) -> (Scheduler, SchedulerOutput) {
+    let mut s = Scheduler::new(&cfg(mode, 3), 256, 64, 0).unwrap();
+    s.add_request(NewRequest::new("a", (1..=6).collect(), max_tokens))
         .unwrap();
     let o = s.schedule().unwrap();
     s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
         .unwrap();
-    // Verify row: computed 6, tokens 7(pos 6), 8(pos 7), 9(pos 8), 10(pos 9).
     let o = s.schedule().unwrap();
     assert_eq!(o.input_ids, vec![7, 8, 9, 10]);
+    (s, o)
+}
+
+#[test]
+fn decode_crossing_a_boundary_publishes_the_exact_window_slot() {
+    // Prompt 6 tokens, K = 3: decode rows at 6.. cross 8.
+    let (mut s, o) = at_first_verify_step(MambaCacheMode::Align, 50);
     let window: Vec<i64> = o.write_slots_row(0).to_vec();
     // Accept 2 drafts + correction: computed 6 -> 9 crosses 8: state after 8 = window[8 - 6 - 1].
     s.update_from_output(&o, &[8, 9, 11], &[3], Some((&[], &[0])))
@@ -913,13 +919,7 @@ fn decode_crossing_a_boundary_publishes_the_exact_window_slot() {
 
 #[test]
 fn rejected_drafts_never_publish() {
-    let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 3), 256, 64, 0).unwrap();
-    s.add_request(NewRequest::new("a", (1..=6).collect(), 50))
-        .unwrap();
-    let o = s.schedule().unwrap();
-    s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
-        .unwrap();
-    let o = s.schedule().unwrap();
+    let (mut s, o) = at_first_verify_step(MambaCacheMode::Align, 50);
     // Only the correction token: computed 6 -> 7, boundary 8 (a draft position) not reached.
     s.update_from_output(&o, &[20], &[1], None).unwrap();
     assert!(s.pending_publishes.is_empty());
@@ -1721,24 +1721,17 @@ fn a_finishing_request_keeps_its_boundary_slot_through_slot_reuse() {
 
 #[test]
 fn a_boundary_crossed_in_a_requests_last_verify_step_is_a_hit_at_once() {
-    // t1 (6 prompt tokens, 5 to generate, K = 3) computes 6 -> 10 in its last step, every draft
+    // a (6 prompt tokens, 5 to generate, K = 3) computes 6 -> 10 in its last step, every draft
     // accepted, crossing the grid boundary at 8 (window[1]). The engine then idles: no next step
-    // would run a publish copy, so the state is kept in place, and t2, admitted in the very next
+    // would run a publish copy, so the state is kept in place, and b, admitted in the very next
     // schedule(), hits it.
     for mode in CHECKPOINT_MODES {
-        let mut s = Scheduler::new(&cfg(mode, 3), 256, 64, 0).unwrap();
-        s.add_request(NewRequest::new("t1", (1..=6).collect(), 5))
-            .unwrap();
-        let o = s.schedule().unwrap();
-        s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
-            .unwrap();
-        let o = s.schedule().unwrap();
-        assert_eq!(o.input_ids, vec![7, 8, 9, 10]);
+        let (mut s, o) = at_first_verify_step(mode, 5);
         let window: Vec<i64> = o.write_slots_row(0).to_vec();
         let d = s
             .update_from_output(&o, &[8, 9, 10, 11], &[4], Some((&[], &[0])))
             .unwrap();
-        assert!(d.iter().any(|d| d.finished), "{mode:?}: max_tokens ends t1");
+        assert!(d.iter().any(|d| d.finished), "{mode:?}: max_tokens ends a");
         assert!(s.pending_publishes.is_empty(), "{mode:?}");
         let st = s.stats();
         assert_eq!(st.checkpoints_published, 1, "{mode:?}");
@@ -1749,9 +1742,9 @@ fn a_boundary_crossed_in_a_requests_last_verify_step_is_a_hit_at_once() {
         );
         let mut p2: Vec<u32> = (1..=11).collect();
         p2.extend([7, 7]);
-        s.add_request(NewRequest::new("t2", p2, 2)).unwrap();
+        s.add_request(NewRequest::new("b", p2, 2)).unwrap();
         let o = s.schedule().unwrap();
-        assert_eq!(o.num_computed_tokens, vec![8], "{mode:?}: t2 resumes at 8");
+        assert_eq!(o.num_computed_tokens, vec![8], "{mode:?}: b resumes at 8");
         assert_eq!(
             o.state_copies[..2],
             [window[1], o.state_read_slot[0]],
