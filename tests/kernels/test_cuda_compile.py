@@ -132,3 +132,22 @@ def test_extension_builds_and_schemas_mirror_the_twins():
                     assert a.default_value >= 3.4e38, name
                 else:
                     assert a.default_value == default, (name, a.name)
+
+
+def test_the_extension_links_the_cxx_runtime_the_process_runs(monkeypatch, tmp_path):
+    """The extension is linked against the libstdc++ already loaded, by path: a compiler that
+    links libstdc++ statically by default would leave it a second C++ runtime, and on a GPU
+    machine whose $CXX did so, the first error message formatted with a number crashed the process
+    instead of raising."""
+    from torch.utils import cpp_extension
+
+    from hybridserve.kernels import cuda
+
+    runtime = cuda.loaded_cxx_runtime()
+    assert runtime is not None and "libstdc++.so" in Path(runtime).name and Path(runtime).exists()
+    assert runtime in Path("/proc/self/maps").read_text()  # torch's own runtime, mapped already
+    calls: list[dict] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    cuda._build_and_load(verbose=False)
+    assert runtime in calls[0]["extra_ldflags"], calls[0]["extra_ldflags"]

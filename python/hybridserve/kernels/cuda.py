@@ -101,6 +101,24 @@ def _cudart_link_dir(cuda_home: str, build_dir: Path) -> Path | None:
     return None
 
 
+def loaded_cxx_runtime() -> str | None:
+    """The path of the C++ runtime (libstdc++) this process has loaded, from /proc/self/maps.
+
+    The extension is linked against it by path: a compiler whose default is to link libstdc++
+    statically (a toolchain set as $CXX can be one) otherwise leaves the extension with a second
+    C++ runtime of its own, and the first error message it formats with a number crashes the
+    process instead of raising."""
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+        if "/libstdc++.so" in path and Path(path).exists():
+            return path
+    return None
+
+
 def _ensure_ninja_on_path() -> None:
     """cpp_extension runs ``ninja`` from PATH; the ninja wheel's binary may not be on it (a venv
     used without activation)."""
@@ -154,8 +172,10 @@ def _build_and_load(verbose: bool) -> str:
     if not cpp_extension.CUDA_HOME:
         cpp_extension.CUDA_HOME = cuda_home  # imported before CUDA_HOME was set
     src = cuda_source_dir()
+    cxx_runtime = loaded_cxx_runtime()
     key = hashlib.sha256(
-        f"{source_hash(src)}|{torch.__version__}|{torch.version.cuda}|{os.environ.get('TORCH_CUDA_ARCH_LIST', '')}".encode()
+        f"{source_hash(src)}|{torch.__version__}|{torch.version.cuda}|{os.environ.get('TORCH_CUDA_ARCH_LIST', '')}"
+        f"|{cxx_runtime}".encode()
     ).hexdigest()[:16]
     name = f"hybridserve_cuda_{key}"
     build_dir = _cache_root() / name
@@ -164,6 +184,8 @@ def _build_and_load(verbose: bool) -> str:
     link_dir = _cudart_link_dir(cpp_extension.CUDA_HOME or cuda_home, build_dir)
     if link_dir is not None:
         ldflags.append(f"-L{link_dir}")
+    if cxx_runtime is not None:
+        ldflags.append(cxx_runtime)
     cpp_extension.load(
         name=name,
         sources=[str(src / s) for s in CUDA_SOURCES],
