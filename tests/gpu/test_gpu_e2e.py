@@ -44,7 +44,7 @@ def _generate(monkeypatch, kernels: str, **kw) -> tuple[list[list[int]], set[str
     base.update(kw)
     llm = LLM("demo", **base)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
     names = {e.name for e in prof.events()}
     hs = {n for n in names if "hs::" in n}
