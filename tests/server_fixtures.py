@@ -57,6 +57,9 @@ class TokenizerModelInfo:
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
         return None  # (the server's, app.EngineModelInfo, is tested against the real server)
 
+    def min_tokens(self, text: str) -> int:
+        return 0  # no bound: every text is tokenized (the server's bound is tested against it)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -64,6 +67,7 @@ class TokenizerModelInfo:
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        context_limit: int | None = None,
     ) -> list[int]:
         text = self.template.render(messages, add_generation_prompt, template_kwargs)
         return self.encode(text, add_special_tokens)

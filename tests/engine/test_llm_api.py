@@ -273,6 +273,27 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     )
 
 
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_it_is_tokenized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = llm32()  # max_model_len 512
+    tokenizer = llm.engine.inputs.tokenizer
+    # a byte-level BPE token stands for at most as many characters as its longest entry
+    assert 0 < tokenizer.min_tokens("a b " * 2000) <= len(tokenizer.encode("a b " * 2000))
+
+    def no_encoding(text: str, add_special_tokens: bool = False) -> list[int]:
+        raise AssertionError(f"a prompt of {len(text)} characters was tokenized")
+
+    monkeypatch.setattr(tokenizer, "encode", no_encoding)
+    with pytest.raises(InvalidRequestError, match="prompt: at least [0-9]+ tokens leave no room"):
+        llm.generate("a b " * 500_000, SamplingParams(max_tokens=4))
+    monkeypatch.undo()
+    # a prompt over the context whose length alone does not tell is counted, then refused
+    with pytest.raises(InvalidRequestError, match="prompt: [0-9]+ tokens leave no room"):
+        llm.generate("a b " * 300, SamplingParams(max_tokens=4))
+    assert llm.generate("a b", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
 def test_numpy_scalars_are_numbers() -> None:
     import numpy as np
 

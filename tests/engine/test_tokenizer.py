@@ -3,9 +3,14 @@ ids as the library's own `encode`."""
 
 from __future__ import annotations
 
+import json
+import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +97,49 @@ def test_many_texts_long_in_all_are_encoded_while_other_threads_run(tok: Tokeniz
     # with the lock let go the other thread gets a turn about every millisecond of sleep; held, one
     # per text
     assert turns >= max(3 * len(texts), 0.3 * took / 0.001), (turns, took)
+
+
+def test_min_tokens_never_exceeds_the_count(tok: Tokenizer) -> None:
+    """The bound a prompt too long for the context is refused by before it is tokenized: never
+    above the real count (or a prompt that fits would be refused), and reached by some texts."""
+    rng = random.Random(5)
+    pieces = ["a", "b ", " ", "\n", "é", "日本", "🦊", "<|im_start|>", "<|endoftext|>", "the ", "ing", "    "]
+    tight = 0
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 300)))
+        count, bound = len(tok.encode(text)), tok.min_tokens(text)
+        assert 0 < bound <= count, (text, bound, count)
+        tight += bound == count
+    assert tight > 0  # texts of the longest token alone reach it
+    # a text of megabytes: bounded from its length, well above a context
+    assert tok.min_tokens("a b " * 900_000) > 200_000
+
+
+def _variant(tmp_path: Path, name: str, change: Callable[[dict[str, Any]], None]) -> Tokenizer:
+    src = Path(ensure_demo_model())
+    spec = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    change(spec)
+    out = tmp_path / name
+    out.mkdir()
+    (out / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    shutil.copy(src / "tokenizer_config.json", out / "tokenizer_config.json")
+    return Tokenizer(out)
+
+
+def test_no_bound_where_one_token_can_stand_for_any_length_of_text(tmp_path: Path) -> None:
+    def normalizer(spec: dict[str, Any]) -> None:  # NFKC can make a text shorter
+        spec["normalizer"] = {"type": "NFKC"}
+
+    def lstrip(spec: dict[str, Any]) -> None:  # an added token swallows the spaces before it
+        spec["added_tokens"][0]["lstrip"] = True
+
+    def not_byte_level(spec: dict[str, Any]) -> None:  # words split on spaces, unknown pieces dropped
+        spec["pre_tokenizer"] = {"type": "Whitespace"}
+
+    for name, change in (("nfkc", normalizer), ("lstrip", lstrip), ("words", not_byte_level)):
+        variant = _variant(tmp_path, name, change)
+        assert variant.min_tokens("a b " * 1000) == 0, name
+    # lstrip at work: one token for the spaces and the marker, where the bound would say 2
+    swallowing = _variant(tmp_path, "lstrip2", lstrip)
+    marker = swallowing.id_to_token(0) or ""
+    assert len(swallowing.encode(" " * 40 + marker)) < (40 + len(marker)) // 13

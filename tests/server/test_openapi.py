@@ -40,6 +40,9 @@ class FakeInfo:
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
         return None
 
+    def min_tokens(self, text: str) -> int:
+        return 0
+
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
     ) -> list[int]:

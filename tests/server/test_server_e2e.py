@@ -1137,20 +1137,20 @@ def test_stop_string_length_limit_is_a_400_and_long_stop_strings_are_served(serv
     assert_idle(server)
 
 
+HUGE_PROMPT = "a b " * 900_000  # 3.6 MB: under the 4 MiB body limit; 1.8M tokens
+
+
 def test_a_huge_prompt_being_tokenized_does_not_stall_the_server(server):
-    """A prompt of megabytes takes seconds to tokenize before its 400 (too long). The server's
-    event loop must keep answering meanwhile: other requests are not held up by it."""
-    prompt = "a b " * 900_000  # 3.6 MB: under the 4 MiB body limit
+    """A text of megabytes takes seconds to tokenize (/tokenize counts it whatever its length).
+    The server's event loop must keep answering meanwhile: other requests are not held up by it."""
 
     async def go() -> tuple[int, dict[str, Any], float, list[float]]:
         async with aiohttp.ClientSession() as s:
 
             async def refused() -> tuple[int, dict[str, Any]]:
-                payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+                payload = json.dumps({"model": MODEL, "prompt": HUGE_PROMPT}).encode()
                 headers = {"Content-Type": "application/json"}
-                async with s.post(
-                    server.base + "/v1/completions", data=io.BytesIO(payload), headers=headers
-                ) as r:
+                async with s.post(server.base + "/tokenize", data=io.BytesIO(payload), headers=headers) as r:
                     return r.status, await r.json()
 
             t0 = time.monotonic()
@@ -1166,7 +1166,32 @@ def test_a_huge_prompt_being_tokenized_does_not_stall_the_server(server):
             return status, body, time.monotonic() - t0, waits
 
     status, body, took, waits = asyncio.run(go())
-    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert status == 200 and body["count"] > 1_000_000, {k: body[k] for k in body if k != "tokens"}
     # with the tokenizer holding Python's lock, one /health would wait for the whole tokenization
-    assert took > 0.5, f"the prompt was refused too fast ({took:.2f} s) to tell"
+    assert took > 0.5, f"the prompt was tokenized too fast ({took:.2f} s) to tell"
     assert len(waits) >= 3 and max(waits) < took / 2, (took, waits)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(server):
+    """A prompt of megabytes is refused as longer than the context from its length alone (a
+    byte-level BPE token stands for at most as many characters as its longest vocabulary entry),
+    not after seconds of tokenizing: the message gives the bound, "at least" so many tokens."""
+    limit = 256
+    chat_prompt = [{"role": "user", "content": HUGE_PROMPT}]
+    for path, body, param in (
+        ("/v1/completions", {"prompt": HUGE_PROMPT, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", HUGE_PROMPT], "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"messages": chat_prompt, "max_tokens": 1}, "messages"),
+    ):
+        status, parsed, _ = post(server, path, {"model": MODEL, **body})
+        assert status == 400, (path, parsed)
+        err = parsed["error"]
+        assert (err["param"], err["code"]) == (param, "context_length_exceeded"), err
+        assert "the prompt has at least " in err["message"] and f"length is {limit} tokens" in err["message"]
+    # a prompt just past the context by its real count, within the bound, is counted exactly
+    status, parsed, _ = post(
+        server, "/v1/completions", {"model": MODEL, "prompt": "a b " * 200, "max_tokens": 1}
+    )
+    message = parsed["error"]["message"]
+    assert status == 400 and "the prompt has " in message and "has at least" not in message, parsed
+    assert_idle(server)

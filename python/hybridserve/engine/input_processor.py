@@ -82,6 +82,12 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "prompt: not valid Unicode (it holds an unpaired surrogate)"
                 ) from None
+            at_least = self.tokenizer.min_tokens(prompt) if len(prompt) >= self.max_model_len else 0
+            if at_least >= self.max_model_len:  # refused before seconds of tokenizing megabytes
+                raise InvalidRequestError(
+                    f"prompt: at least {at_least} tokens leave no room to generate within max_model_len "
+                    f"{self.max_model_len}"
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,41 @@ class Tokenizer:
         if sum(len(t) for t in texts) >= _RELEASE_GIL_CHARS:
             return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
         return [list(self._tok.encode(t, add_special_tokens=add_special_tokens).ids) for t in texts]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` found without encoding (0 where none is known), so
+        that a prompt of megabytes is refused as longer than the context at once instead of after
+        seconds of tokenizing."""
+        per_token = self._max_chars_per_token
+        return -(-len(text) // per_token) if per_token else 0
+
+    @cached_property
+    def _max_chars_per_token(self) -> int | None:
+        """The most characters of a text one token can stand for, where that is bounded: in a
+        byte-level BPE without a normalizer every byte of the text is covered by exactly one token,
+        a vocabulary entry of k characters covers k bytes and an added token its text's bytes, and a
+        character is at least one byte. Anything else (a normalizer that may shorten the text, an
+        unknown-token that stands for any run, an added token that swallows the spaces beside it, a
+        byte missing from the vocabulary) gives no bound."""
+        try:
+            spec = json.loads(self.to_json())
+        except (ValueError, RecursionError):
+            return None
+        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+        pres = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        if spec.get("normalizer") is not None or model.get("type") != "BPE":
+            return None
+        if not any(isinstance(q, dict) and q.get("type") == "ByteLevel" for q in pres):
+            return None
+        vocab = model.get("vocab")
+        if not isinstance(vocab, dict) or not all(c in vocab for c in _BYTE_LEVEL):
+            return None
+        longest = max(len(piece) for piece in vocab)
+        for added in spec.get("added_tokens") or []:
+            if added.get("lstrip") or added.get("rstrip"):
+                return None
+            longest = max(longest, len(str(added.get("content", "")).encode("utf-8")))
+        return longest
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

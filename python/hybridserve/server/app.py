@@ -86,6 +86,9 @@ class EngineModelInfo:
     def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return self.tokenizer.encode_many(texts, add_special_tokens=add_special_tokens)
 
+    def min_tokens(self, text: str) -> int:
+        return self.tokenizer.min_tokens(text)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -93,10 +96,13 @@ class EngineModelInfo:
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        context_limit: int | None = None,
     ) -> list[int]:
         text = self.chat_template.render(
             messages, add_generation_prompt=add_generation_prompt, extra=template_kwargs
         )
+        if context_limit is not None:
+            P.refuse_longer_than_context(self, text, context_limit, "messages")
         ids = self.encode(text, add_special_tokens=add_special_tokens)
         # The template usually writes the BOS text itself; do not let the tokenizer add a second one.
         bos = self._bos_id

@@ -201,6 +201,10 @@ class ModelInfo(Protocol):
         tokenizer encodes a long list without holding Python's global lock."""
         ...
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, found without encoding it (0: unknown)."""
+        ...
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -208,7 +212,12 @@ class ModelInfo(Protocol):
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]: ...
+        context_limit: int | None = None,
+    ) -> list[int]:
+        """The rendered conversation's ids. With `context_limit`, a rendered text that has at least
+        that many tokens by `min_tokens` is refused (`refuse_longer_than_context`) before it is
+        tokenized."""
+        ...
 
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
         """Where each of `token_ids` (`text` encoded, maybe with the tokens the tokenizer adds,
@@ -579,6 +588,22 @@ def _sampling_params(
         raise APIError(msg, param=param, code="invalid_value") from None
 
 
+def refuse_longer_than_context(info: ModelInfo, text: str, limit: int, param: str) -> None:
+    """A text that has `limit` tokens or more by `info.min_tokens` is refused as the full count
+    would be, before seconds of tokenizing a text of megabytes. Only a text of at least `limit`
+    characters can be (a token stands for one character or more)."""
+    if len(text) < limit:
+        return
+    at_least = info.min_tokens(text)
+    if at_least >= limit:
+        raise APIError(
+            f"{param}: the prompt has at least {at_least} tokens, but this model's maximum context length is "
+            f"{limit} tokens (prompt plus at least one generated token)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def _resolve_max_tokens(
     requested: int | None,
     prompts: Sequence[PromptInput],
@@ -704,6 +729,7 @@ def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) ->
             if not s:
                 raise _bad("prompt", "must not be empty")
             _check_surrogates("prompt", s)
+            refuse_longer_than_context(info, s, info.max_model_len, "prompt")
         encoded = info.encode_many(texts, add_special_tokens=add_special_tokens)
         if not all(encoded):
             raise _bad("prompt", "encodes to no tokens")
@@ -946,11 +972,16 @@ def _render_tool_history(info: ModelInfo, messages: list[dict[str, Any]]) -> lis
 
 
 def _render_chat(
-    body: dict[str, Any], info: ModelInfo, unknown: UnknownFields, tools: list[dict[str, Any]] | None = None
+    body: dict[str, Any],
+    info: ModelInfo,
+    unknown: UnknownFields,
+    tools: list[dict[str, Any]] | None = None,
+    context_limit: int | None = None,
 ) -> list[int]:
     """The token ids of a chat body's `messages` through the chat template (the chat route's and
     /tokenize's): `add_generation_prompt` (default true), `add_special_tokens` (default false, as
-    vLLM: the template writes BOS itself), `chat_template_kwargs`."""
+    vLLM: the template writes BOS itself), `chat_template_kwargs`. `context_limit` (the chat
+    route's): a conversation that cannot fit is refused before it is tokenized."""
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     add_special_tokens = get_bool(body, "add_special_tokens", False)
     template_kwargs = _chat_template_kwargs(body)
@@ -966,6 +997,7 @@ def _render_chat(
             add_generation_prompt,
             add_special_tokens=add_special_tokens,
             template_kwargs=template_kwargs,
+            context_limit=context_limit,
         )
     except APIError:
         raise
@@ -1000,7 +1032,7 @@ def parse_chat_request(
     return_token_ids = get_bool(body, "return_token_ids", False)
     _check_sequences(1, n)
     tools, tool_choice, rendered_tools = _parse_tool_fields(body, unknown)
-    ids = _render_chat(body, info, unknown, rendered_tools)
+    ids = _render_chat(body, info, unknown, rendered_tools, info.max_model_len)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = [PromptInput(token_ids=ids, text=None)]
