@@ -143,3 +143,21 @@ def test_no_bound_where_one_token_can_stand_for_any_length_of_text(tmp_path: Pat
     swallowing = _variant(tmp_path, "lstrip2", lstrip)
     marker = swallowing.id_to_token(0) or ""
     assert len(swallowing.encode(" " * 40 + marker)) < (40 + len(marker)) // 13
+
+
+def test_truncation_and_padding_saved_in_the_tokenizer_file_are_off(tmp_path: Path, tok: Tokenizer) -> None:
+    def cut_and_pad(spec: dict[str, Any]) -> None:
+        spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+        spec["padding"] = {
+            "strategy": {"Fixed": 64},
+            "direction": "Right",
+            "pad_to_multiple_of": None,
+            "pad_id": 0,
+            "pad_type_id": 0,
+            "pad_token": "<|endoftext|>",
+        }
+
+    saved = _variant(tmp_path, "cut", cut_and_pad)
+    text = "a b " * 20
+    assert saved.encode(text) == tok.encode(text) and len(tok.encode(text)) > 8
+    assert saved.encode_many([text, "a"]) == tok.encode_many([text, "a"])

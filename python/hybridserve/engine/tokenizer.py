@@ -54,6 +54,10 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises plain Exceptions for bad files
             raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
+        # A tokenizer.json saved with truncation or padding would cut or pad every prompt silently;
+        # transformers' tokenizer turns both off for a plain call, and so does the engine.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         cfg_path = model_dir / "tokenizer_config.json"
         self.config: dict[str, Any] = {}
         if cfg_path.is_file():
