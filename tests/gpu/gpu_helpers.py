@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -113,3 +114,20 @@ def f32(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 def untouched_slots(num_slots: int, touched: set[int]) -> list[int]:
     return [s for s in range(1, num_slots) if s not in touched]
+
+
+def cuda_demo_llm(**kw: Any) -> Any:
+    """The demo model on the GPU with the engine settings the end-to-end tests share; `kw`
+    overrides or adds to them."""
+    from hybridserve import LLM
+
+    base: dict[str, Any] = dict(
+        dtype="float32",
+        device="cuda",
+        block_size=16,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        max_num_batched_tokens=128,
+    )
+    return LLM("demo", **{**base, **kw})

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from gpu_helpers import ON_GPU
+from gpu_helpers import ON_GPU, cuda_demo_llm
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="end-to-end GPU test: needs a CUDA device")
 
@@ -29,20 +29,10 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(monkeypatch, kernels: str, **kw) -> tuple[list[list[int]], set[str]]:
-    from hybridserve import LLM, SamplingParams
+    from hybridserve import SamplingParams
 
     monkeypatch.setenv("HYBRIDSERVE_KERNELS", kernels)
-    base: dict[str, object] = dict(
-        dtype="float32",
-        device="cuda",
-        block_size=16,
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-        max_num_batched_tokens=128,
-    )
-    base.update(kw)
-    llm = LLM("demo", **base)
+    llm = cuda_demo_llm(**kw)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)

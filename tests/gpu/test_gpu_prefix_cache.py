@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from gpu_helpers import ON_GPU
+from gpu_helpers import ON_GPU, cuda_demo_llm
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="prefix cache on the GPU: needs a CUDA device")
 
@@ -46,19 +46,9 @@ def _passes(
     """The prompts, the same prompts again, then their next turns, one generate call each on one
     engine. Returns each pass's tokens, the hit lengths of passes 2 and 3, the engine's counters
     and the hybridserve CUDA kernels that ran."""
-    from hybridserve import LLM, SamplingParams
+    from hybridserve import SamplingParams
 
-    llm = LLM(
-        "demo",
-        dtype=dtype,
-        device="cuda",
-        block_size=16,
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-        max_num_batched_tokens=64,
-        **kw,
-    )
+    llm = cuda_demo_llm(dtype=dtype, max_num_batched_tokens=64, **kw)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = _prompts()
     tokens: list[list[list[int]]] = []
