@@ -82,6 +82,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "prompt: not valid Unicode (it holds an unpaired surrogate)"
                 ) from None
+            # (the bound is at most the text's length: a shorter text is always counted in full)
             at_least = self.tokenizer.min_tokens(prompt) if len(prompt) >= self.max_model_len else 0
             if at_least >= self.max_model_len:  # refused before seconds of tokenizing megabytes
                 raise InvalidRequestError(

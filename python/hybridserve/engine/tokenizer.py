@@ -121,7 +121,7 @@ class Tokenizer:
         except (ValueError, RecursionError):
             return None
         model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-        pres = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        pres = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
         if spec.get("normalizer") is not None or model.get("type") != "BPE":
             return None
         if not any(isinstance(q, dict) and q.get("type") == "ByteLevel" for q in pres):

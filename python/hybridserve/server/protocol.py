@@ -590,9 +590,8 @@ def _sampling_params(
 
 def refuse_longer_than_context(info: ModelInfo, text: str, limit: int, param: str) -> None:
     """A text that has `limit` tokens or more by `info.min_tokens` is refused as the full count
-    would be, before seconds of tokenizing a text of megabytes. Only a text of at least `limit`
-    characters can be (a token stands for one character or more)."""
-    if len(text) < limit:
+    would be, before seconds of tokenizing a text of megabytes."""
+    if len(text) < limit:  # the bound is at most the text's length, and the full count decides
         return
     at_least = info.min_tokens(text)
     if at_least >= limit:
