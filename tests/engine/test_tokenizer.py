@@ -139,7 +139,16 @@ def test_no_bound_where_one_token_can_stand_for_any_length_of_text(tmp_path: Pat
     for name, change in (("nfkc", normalizer), ("lstrip", lstrip), ("words", not_byte_level)):
         variant = _variant(tmp_path, name, change)
         assert variant.min_tokens("a b " * 1000) == 0, name
-    # lstrip at work: one token for the spaces and the marker, where the bound would say 2
+
+    # byte-level inside a sequence of pre-tokenizers (as Llama 3's): bounded, and never above the count
+    def in_sequence(spec: dict[str, Any]) -> None:
+        split = {"type": "Split", "pattern": {"Regex": "[0-9]+"}, "behavior": "Isolated", "invert": False}
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, spec["pre_tokenizer"]]}
+
+    seq = _variant(tmp_path, "sequence", in_sequence)
+    for text in ("a b " * 1000, "2024 was 31536000 s; " * 50, "日本 🦊 <|im_end|>" * 80):
+        assert 0 < seq.min_tokens(text) <= len(seq.encode(text)), text
+    # lstrip at work: one token for the spaces and the marker, where the bound would say 4
     swallowing = _variant(tmp_path, "lstrip2", lstrip)
     marker = swallowing.id_to_token(0) or ""
     assert len(swallowing.encode(" " * 40 + marker)) < (40 + len(marker)) // 13
