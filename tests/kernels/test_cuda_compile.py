@@ -136,9 +136,8 @@ def test_extension_builds_and_schemas_mirror_the_twins():
 
 def test_the_extension_links_the_cxx_runtime_the_process_runs(monkeypatch, tmp_path):
     """The extension is linked against the libstdc++ already loaded, by path: a compiler that
-    links libstdc++ statically by default would leave it a second C++ runtime, and on a GPU
-    machine whose $CXX did so, the first error message formatted with a number crashed the process
-    instead of raising."""
+    links libstdc++ statically by default would leave it a second C++ runtime, which can crash
+    the process when it formats an error message instead of raising it."""
     from torch.utils import cpp_extension
 
     from hybridserve.kernels import cuda

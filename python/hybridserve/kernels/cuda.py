@@ -106,8 +106,8 @@ def loaded_cxx_runtime() -> str | None:
 
     The extension is linked against it by path: a compiler whose default is to link libstdc++
     statically (a toolchain set as $CXX can be one) otherwise leaves the extension with a second
-    C++ runtime of its own, and the first error message it formats with a number crashes the
-    process instead of raising."""
+    C++ runtime of its own beside the process's, which can crash when it formats an error message
+    instead of raising it."""
     try:
         maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
     except OSError:
