@@ -91,11 +91,15 @@ def test_many_texts_long_in_all_are_encoded_while_other_threads_run(tok: Tokeniz
     turns for these 30 texts, against 470-530 with the lock let go)."""
     texts = ["a b " * ((THRESHOLD - 1) // 4)] * 30
     assert all(len(t) < THRESHOLD for t in texts)
-    turns, took = turns_while(lambda: tok.encode_many(texts))
-    if took < 0.15:  # (the tokenizer spreads a batch over the cores: a machine with many is quick)
-        pytest.skip(f"the texts encoded in {took:.2f} s, too fast to tell")
     # with the lock let go the other thread gets a turn about every millisecond of sleep; held, one
-    # per text
+    # per text. The best of three tries: other processes busy on the cores (a parallel test run)
+    # can only take turns away, never give a held lock more.
+    for _ in range(3):
+        turns, took = turns_while(lambda: tok.encode_many(texts))
+        if took < 0.15:  # (the tokenizer spreads a batch over the cores: a machine with many is quick)
+            pytest.skip(f"the texts encoded in {took:.2f} s, too fast to tell")
+        if turns >= max(3 * len(texts), 0.3 * took / 0.001):
+            break
     assert turns >= max(3 * len(texts), 0.3 * took / 0.001), (turns, took)
 
 
