@@ -68,8 +68,11 @@ class TokenizerModelInfo:
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        text = self.template.render(messages, add_generation_prompt, template_kwargs)
+        text = self.template.render(
+            messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
+        )
         return self.encode(text, add_special_tokens)
 
 

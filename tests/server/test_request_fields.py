@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from hybridserve.engine.chat_template import ChatTemplate
+from hybridserve.engine.chat_template import ChatTemplate, ContinuationError
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server import protocol as P
 from server_fixtures import TokenizerModelInfo
@@ -183,3 +183,59 @@ def test_echo_offsets_index_the_clients_text_with_a_bos_the_tokenizer_adds() -> 
         P.parse_completion_request({"prompt": text, "echo": True}, info, "demo").prompts[0].text_offsets
         is None
     )
+
+
+ANSWER = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+
+
+def test_a_continued_final_message_ends_the_prompt_inside_it():
+    tpl = ChatTemplate()  # ChatML: every message ends with <|im_end|>
+    full = tpl.render(ANSWER, add_generation_prompt=False)
+    cut = tpl.render(ANSWER, add_generation_prompt=False, continue_final_message=True)
+    assert cut == full[: full.rindex("<|im_end|>")] and cut.endswith("<|im_start|>assistant\nThe colour is")
+    # the client's own trailing space stays, even under a template that trims what follows it
+    spaced = [ANSWER[0], {"role": "assistant", "content": "The colour is "}]
+    assert tpl.render(spaced, False, continue_final_message=True).endswith("The colour is ")
+    trims = ChatTemplate("{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}")
+    assert trims.render(spaced, False, continue_final_message=True) == (
+        "[user] Name a colour.\n[assistant] The colour is "
+    )
+    # a message that also appears inside the template's own text ("i" of "<|im_end|>") is cut at its
+    # own end, not at the last copy of it
+    short = [ANSWER[0], {"role": "assistant", "content": "i"}]
+    assert tpl.render(short, False, continue_final_message=True).endswith("<|im_start|>assistant\ni")
+
+
+@pytest.mark.parametrize(
+    "template, messages, add_generation_prompt, wanted",
+    [
+        (None, [ANSWER[0], {"role": "assistant", "content": ""}], False, "no content"),
+        ("{% for m in messages %}{{ m.content | upper }}{% endfor %}", ANSWER, False, "as given"),
+        ("{% for m in messages %}{{ m.content }}{{ m.content }}{% endfor %}", ANSWER, False, "as given"),
+        (None, ANSWER, True, "generation prompt"),
+    ],
+)
+def test_a_final_message_that_cannot_be_continued_is_refused(
+    template, messages, add_generation_prompt, wanted
+):
+    with pytest.raises(ContinuationError, match=wanted):
+        ChatTemplate(template).render(messages, add_generation_prompt, continue_final_message=True)
+
+
+def test_continue_final_message_through_the_chat_route_and_tokenize(bos_info):
+    body = {"messages": ANSWER, "continue_final_message": True}
+    chat = P.parse_chat_request(body, bos_info, "demo")
+    text = bos_info.template.render(ANSWER, False, continue_final_message=True)
+    assert chat.prompts[0].token_ids == bos_info.encode(text)  # add_generation_prompt false by default
+    assert P.parse_tokenize_request(body, bos_info, "demo").token_ids == chat.prompts[0].token_ids
+    plain = P.parse_chat_request({"messages": ANSWER}, bos_info, "demo")
+    assert plain.prompts[0].token_ids != chat.prompts[0].token_ids
+    for bad in (
+        {**body, "add_generation_prompt": True},
+        {**body, "messages": [*ANSWER[:1], {"role": "assistant", "content": None}]},
+        {**body, "continue_final_message": "yes"},
+    ):
+        for parse in (P.parse_chat_request, P.parse_tokenize_request):
+            with pytest.raises(P.APIError) as e:
+                parse(bad, bos_info, "demo")
+            assert e.value.param == "continue_final_message" and e.value.status == 400, (bad, e.value)

@@ -127,6 +127,26 @@ def test_render_gives_the_tokens_the_generation_routes_run(server, info):
     assert_idle(server)  # nothing reached the engine
 
 
+def test_a_continued_final_message_is_continued(server, info):
+    """vLLM's continue_final_message: the prompt ends inside the final (assistant) message, and
+    the answer is the continuation of that text, as a completion of the same prompt gives."""
+    messages = [*CHAT, {"role": "assistant", "content": "Foxes are"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    status, tok = call(server, "/tokenize", body)
+    assert status == 200 and tok["tokens"] == info.encode_chat(messages, False, continue_final_message=True)
+    assert info.tokenizer.decode(tok["tokens"], skip_special_tokens=False).endswith("assistant\nFoxes are")
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, chat = call(server, "/v1/chat/completions", {**body, **greedy, "return_token_ids": True})
+    assert status == 200 and chat["prompt_token_ids"] == tok["tokens"]
+    _, done = call(server, "/v1/completions", {"prompt": tok["tokens"], **greedy})
+    assert chat["choices"][0]["message"]["content"] == done["choices"][0]["text"]
+    _, closed = call(
+        server, "/v1/chat/completions", {"messages": messages, **greedy, "return_token_ids": True}
+    )
+    assert len(closed["prompt_token_ids"]) > len(tok["tokens"])  # the closed turn and a new header
+    assert_idle(server)
+
+
 def test_detokenize_reverses_tokenize_special_tokens_included(server, info):
     text = "<|im_start|>user\nhi there<|im_end|>\n"
     _, tok = call(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
@@ -223,7 +243,7 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(server):
         ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "continue_final_message": True},
+            {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
             "continue_final_message",
         ),
         (

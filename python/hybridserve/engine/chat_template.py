@@ -20,6 +20,17 @@ class TemplateError(Exception):
     """The template called raise_exception (it rejects these messages)."""
 
 
+class ContinuationError(ValueError):
+    """The final message cannot be continued: it has no content, or the template does not write
+    its content as given."""
+
+
+# Appended to the final message's content to find where the template writes that content's end:
+# searching the rendered text for the content itself would match a copy of it elsewhere (a short
+# message such as "i" inside the template's own end-of-turn text).
+_CONTINUE_MARK = "HYBRIDSERVE-CONTINUE-5c0e7a91"
+
+
 def _token_text(v: Any) -> str | None:
     if isinstance(v, str):
         return v
@@ -84,9 +95,31 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
     ) -> str:
         """`extra`: more template variables (a request's `chat_template_kwargs`, e.g. a model's
-        `enable_thinking`); the ones set here win over them."""
+        `enable_thinking`); the ones set here win over them. `continue_final_message`: the text
+        ends right after the final message's content, with no end of turn, so that the model
+        continues that message (with `add_generation_prompt` false; raises ContinuationError)."""
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, extra)
+        if add_generation_prompt:
+            raise ContinuationError("a continued final message takes no generation prompt after it")
+        content = messages[-1].get("content") if messages else None
+        if not isinstance(content, str) or not content:
+            raise ContinuationError("the final message has no content to continue")
+        marked = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
+        text = self._render(marked, False, extra)
+        if text.count(_CONTINUE_MARK) != 1:
+            raise ContinuationError(
+                "the chat template does not write the final message's content as given, so it cannot be continued"
+            )
+        return text[: text.index(_CONTINUE_MARK)]
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any] | None
+    ) -> str:
         return self._template.render(
             {
                 **(extra or {}),

@@ -97,9 +97,13 @@ class EngineModelInfo:
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         text = self.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, extra=template_kwargs
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            extra=template_kwargs,
+            continue_final_message=continue_final_message,
         )
         if context_limit is not None:
             P.refuse_longer_than_context(self, text, context_limit, "messages")

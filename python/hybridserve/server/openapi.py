@@ -351,7 +351,9 @@ def _chat_fields(
         ),
         "logprobs": _bool("return log-probabilities (default false)"),
         "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
-        "add_generation_prompt": _bool("end the prompt with the assistant's turn header (default true)"),
+        "add_generation_prompt": _bool(
+            "end the prompt with the assistant's turn header (default true; false with continue_final_message)"
+        ),
         **_template_fields(),
         **_tool_fields(),
         **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
@@ -363,6 +365,10 @@ def _template_fields() -> dict[str, Schema]:
     return {
         "add_special_tokens": _bool(
             "add the tokenizer's special tokens (BOS) besides the template's (default false, as vLLM)"
+        ),
+        "continue_final_message": _bool(
+            "end the prompt inside the final message, which the model continues (no end of turn, "
+            "no generation prompt; default false)"
         ),
         "chat_template_kwargs": {
             "type": "object",
@@ -399,7 +405,9 @@ def _tokenize_schemas(served_model_name: str, vocab_size: int | None) -> dict[st
             "items": {"$ref": "#/components/schemas/ChatMessage"},
             "description": "rendered by the chat template, as the chat route renders them",
         },
-        "add_generation_prompt": _bool("end with the assistant's turn header (default true)"),
+        "add_generation_prompt": _bool(
+            "end with the assistant's turn header (default true; false with continue_final_message)"
+        ),
         "return_token_strs": token_strs,
         **_template_fields(),
         # the tools the chat route would render for the same body

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from hybridserve.engine.chat_template import ChatTemplate
+from hybridserve.engine.chat_template import ChatTemplate, ContinuationError
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import (
@@ -213,10 +213,11 @@ class ModelInfo(Protocol):
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The rendered conversation's ids. With `context_limit`, a rendered text that has at least
         that many tokens by `min_tokens` is refused (`refuse_longer_than_context`) before it is
-        tokenized."""
+        tokenized. `continue_final_message`: as `ChatTemplate.render`."""
         ...
 
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
@@ -350,10 +351,10 @@ _CHAT_UNSUPPORTED = {
 }
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
-# vLLM's chat fields: keyword arguments for the chat template; and two that this server does not
-# implement (a request's own template, continuing the last message), refused when set
-_CHAT_VLLM_UNSUPPORTED = {"chat_template", "continue_final_message"}
-_CHAT_FIELDS = _CHAT_FIELDS | {"chat_template_kwargs"} | _CHAT_VLLM_UNSUPPORTED
+# vLLM's chat fields: keyword arguments for the chat template, continuing the final message; and
+# one that this server does not implement (a request's own template), refused when set
+_CHAT_VLLM_UNSUPPORTED = {"chat_template"}
+_CHAT_FIELDS = _CHAT_FIELDS | {"chat_template_kwargs", "continue_final_message"} | _CHAT_VLLM_UNSUPPORTED
 # Names a chat template is rendered with (chat.py): chat_template_kwargs may not replace them.
 _TEMPLATE_RESERVED = {
     "messages",
@@ -978,10 +979,18 @@ def _render_chat(
     context_limit: int | None = None,
 ) -> list[int]:
     """The token ids of a chat body's `messages` through the chat template (the chat route's and
-    /tokenize's): `add_generation_prompt` (default true), `add_special_tokens` (default false, as
-    vLLM: the template writes BOS itself), `chat_template_kwargs`. `context_limit` (the chat
-    route's): a conversation that cannot fit is refused before it is tokenized."""
-    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    /tokenize's): `add_generation_prompt` (default true, false with `continue_final_message`),
+    `continue_final_message` (the prompt ends inside the final message, which the model continues),
+    `add_special_tokens` (default false, as vLLM: the template writes BOS itself),
+    `chat_template_kwargs`. `context_limit` (the chat route's): a conversation that cannot fit is
+    refused before it is tokenized."""
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise _bad(
+            "continue_final_message",
+            "cannot be combined with add_generation_prompt true: the final message is continued, not followed by a new turn",
+        )
     add_special_tokens = get_bool(body, "add_special_tokens", False)
     template_kwargs = _chat_template_kwargs(body)
     messages = _render_tool_history(info, _parse_messages(body.get("messages"), unknown))
@@ -997,9 +1006,12 @@ def _render_chat(
             add_special_tokens=add_special_tokens,
             template_kwargs=template_kwargs,
             context_limit=context_limit,
+            continue_final_message=continue_final,
         )
     except APIError:
         raise
+    except ContinuationError as e:
+        raise _bad("continue_final_message", str(e)) from None
     except Exception as e:  # a template that raises on these messages (raise_exception, ...)
         raise APIError(
             f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
@@ -1069,6 +1081,7 @@ TOKENIZE_CHAT_FIELDS = {
     "add_special_tokens",
     "return_token_strs",
     "chat_template_kwargs",
+    "continue_final_message",
     "tools",
     "tool_choice",
 } | _CHAT_VLLM_UNSUPPORTED
@@ -1093,7 +1106,7 @@ def parse_tokenize_request(
 ) -> TokenizeRequest:
     """A /tokenize body: `prompt` (a string, tokenized as the completions route tokenizes it:
     `add_special_tokens` default true) or `messages` (rendered as the chat route renders them:
-    `add_generation_prompt` default true, `add_special_tokens` default false,
+    `add_generation_prompt` default true, `continue_final_message`, `add_special_tokens` default false,
     `chat_template_kwargs`, `tools` and `tool_choice`). No context-length check: it counts, it does
     not generate."""
     unknown = UnknownFields(strict)
