@@ -34,9 +34,14 @@ def random_rows(rng: random.Random, n: int, vocab: int = 50) -> list[RowSampling
             kw["logit_bias"] = {1: 2.0}
         if rng.random() < 0.2:
             kw["logprobs"] = 2
+        if rng.random() < 0.15:
+            kw["allowed_token_ids"] = [1, 2, 3]
+        bad_word_ids = ((4,), (5, 6)) if rng.random() < 0.15 else ()
         seed = None if rng.random() < 0.3 else rng.choice([0, 2**63 - 1, rng.randrange(2**63)])
         output = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
-        rows.append(RowSampling(SamplingParams(**kw), seed=seed, output_token_ids=output))
+        rows.append(
+            RowSampling(SamplingParams(**kw), seed=seed, output_token_ids=output, bad_word_ids=bad_word_ids)
+        )
     return rows
 
 
@@ -59,16 +64,19 @@ def test_row_params_hold_what_each_row_says() -> None:
         assert p.temperature[i] == q.temperature and p.top_p[i] == q.top_p and p.top_k[i] == q.top_k
         assert p.min_p[i] == q.min_p
         assert p.greedy[i] == row.greedy
-        needs_history = row.has_penalties or q.min_tokens > 0
+        needs_history = row.has_penalties or q.min_tokens > 0 or bool(row.bad_word_ids)
         assert p.needs_history[i] == needs_history
         assert p.biased[i] == bool(q.logit_bias)
+        banned = q.allowed_token_ids is not None or bool(row.bad_word_ids)
+        assert p.banned[i] == banned
         assert p.plain_greedy[i] == (
-            row.greedy and not needs_history and q.logprobs is None and not q.logit_bias
+            row.greedy and not needs_history and q.logprobs is None and not q.logit_bias and not banned
         )
         assert p.seeded[i] == (row.seed is not None)
         assert p.positions[i] == row.output_position
     # at least one row of each kind was checked
     assert p.plain_greedy.any() and not p.plain_greedy.all() and p.seeded.any() and not p.seeded.all()
+    assert p.banned.any() and not p.banned.all()
     sub = p.take([5, 0, 5])
     assert sub.temperature.tolist() == [p.temperature[5], p.temperature[0], p.temperature[5]]
     empty = RowParams.of([])

@@ -239,3 +239,25 @@ def test_continue_final_message_through_the_chat_route_and_tokenize(bos_info):
             with pytest.raises(P.APIError) as e:
                 parse(bad, bos_info, "demo")
             assert e.value.param == "continue_final_message" and e.value.status == 400, (bad, e.value)
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_sampling_params(bos_info):
+    body = {"prompt": "hello", "allowed_token_ids": [5, 9], "bad_words": ["no", " never"]}
+    p = P.parse_completion_request(body, bos_info, "demo").params
+    assert p.allowed_token_ids == [5, 9] and p.bad_words == ["no", " never"]
+    chat = P.parse_chat_request({"messages": MSGS, "bad_words": ["x"]}, bos_info, "demo").params
+    assert chat.bad_words == ["x"] and chat.allowed_token_ids is None
+    vocab = bos_info.vocab_size
+    for bad, code in (
+        ({"allowed_token_ids": []}, "invalid_value"),
+        ({"allowed_token_ids": [vocab]}, "invalid_value"),
+        ({"allowed_token_ids": "5"}, "invalid_type"),
+        ({"bad_words": "no"}, "invalid_type"),
+        ({"bad_words": [1]}, "invalid_type"),
+        ({"bad_words": ["\t"]}, "invalid_value"),
+        ({"bad_words": ["a\ud800"]}, "invalid_value"),
+    ):
+        field = next(iter(bad))
+        with pytest.raises(P.APIError) as e:
+            P.parse_completion_request({"prompt": "hello", **bad}, bos_info, "demo")
+        assert (e.value.param, e.value.code, e.value.status) == (field, code, 400), (bad, e.value)

@@ -147,6 +147,33 @@ def test_a_continued_final_message_is_continued(server, info):
     assert_idle(server)
 
 
+def test_allowed_token_ids_and_bad_words_shape_the_answer(server, info):
+    """vLLM's allowed_token_ids and bad_words: the answer holds only allowed tokens and none of a
+    bad word's, on both routes, streamed or not."""
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    _, free = call(server, "/v1/completions", {"prompt": PROMPT, **greedy})
+    free_ids = free["choices"][0]["token_ids"]
+    allowed = sorted(set(range(3, info.vocab_size)) - set(free_ids))
+    _, only = call(server, "/v1/completions", {"prompt": PROMPT, **greedy, "allowed_token_ids": allowed})
+    assert set(only["choices"][0]["token_ids"]) <= set(allowed)
+    word = free["choices"][0]["text"].split()[0]
+    word_ids = info.encode(" " + word.lstrip())
+    assert any(free_ids[i : i + len(word_ids)] == word_ids for i in range(len(free_ids)))
+    _, banned = call(server, "/v1/completions", {"prompt": PROMPT, **greedy, "bad_words": [word]})
+    banned_ids = banned["choices"][0]["token_ids"]
+    body = {"messages": CHAT, **greedy, "bad_words": [word], "stream": True}
+    events = stream(server, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    streamed = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert banned_ids != free_ids and len(streamed) == greedy["max_tokens"]
+    for seq in (word_ids, info.encode(word.lstrip())):
+        for out in (banned_ids, streamed):
+            assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (seq, out)
+    status, err = call(server, "/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [info.vocab_size]})
+    assert status == 400 and err["error"]["param"] == "allowed_token_ids"
+    assert_idle(server)
+
+
 def test_detokenize_reverses_tokenize_special_tokens_included(server, info):
     text = "<|im_start|>user\nhi there<|im_end|>\n"
     _, tok = call(server, "/tokenize", {"prompt": text, "add_special_tokens": False})

@@ -32,6 +32,22 @@ class EngineRequest:
     seed: int  # keys every sampling draw of this request
     cache_salt: str | None = None
     priority: int = 0
+    # params.bad_words as token sequences (`bad_word_sequences`)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+
+
+def bad_word_sequences(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `words` that the output must not end with: each word as written
+    (without its leading spaces) and after a space, since a byte-level BPE gives a word inside a
+    sentence other tokens than at the start; without repeats."""
+    seen: dict[tuple[int, ...], None] = {}
+    for word in words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seen.setdefault(ids)
+    return tuple(seen)
 
 
 def token_ids(ids: object) -> list[int]:
@@ -131,6 +147,9 @@ class InputProcessor:
             max_tokens = min(max_tokens, params.max_tokens)
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise InvalidRequestError(f"allowed_token_ids: token ids must be in [0, {vocab})")
+        banned = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else ()
         return EngineRequest(
             request_id=request_id,
             prompt=text,
@@ -143,6 +162,7 @@ class InputProcessor:
             seed=request_seed(params.seed, self.engine_seed, self.arrival_index),
             cache_salt=cache_salt,
             priority=priority,
+            bad_word_ids=banned,
         )
 
     def admitted(self) -> None:

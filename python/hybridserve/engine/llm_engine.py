@@ -685,6 +685,7 @@ class LLMEngine:
                 output_token_ids=st.output_token_ids,
                 eos_token_id=self.eos_token_id,
                 grammar=st.grammar,
+                bad_word_ids=st.bad_word_ids,
             )
         return row
 

@@ -48,6 +48,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(req.prompt_token_ids),
             score_only=req.max_tokens == 0,
+            bad_word_ids=req.bad_word_ids,
         )
         self.requests[req.request_id] = state
         return state

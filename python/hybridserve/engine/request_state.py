@@ -37,6 +37,8 @@ class RequestState:
     # Structured outputs: the request's state in its grammar, advanced over every accepted token
     # (None without a grammar, and while the grammar is still being compiled)
     grammar: GrammarMatcher | None = None
+    # params.bad_words as token sequences (input_processor.bad_word_sequences)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # What the sampler reads of the request, made at its first step and kept: it holds the
     # request's lists (the output grows in place), so it is current at every step, and a step
     # does not build one object per row

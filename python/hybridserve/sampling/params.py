@@ -25,6 +25,10 @@ MAX_STOP_STR_LEN = 2048
 MAX_LOGIT_BIAS_ENTRIES = 300
 LOGIT_BIAS_MAX = 100.0
 MAX_STOP_STRS_TOTAL_LEN = 32768
+# vLLM's bad_words: each word is tokenized once per request, and every step compares the end of
+# the output with each of its token sequences, so their number and length are bounded.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_LEN = 256
 
 
 def stop_length_error(stop: Sequence[str]) -> str | None:
@@ -77,6 +81,12 @@ class SamplingParams:
     # processing (greedy rows too). None or empty: no bias. Ids are checked against the vocabulary
     # by the sampler's caller (the HTTP protocol knows the vocabulary; here only id >= 0).
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: the only tokens the output may hold (None: any). Checked against
+    # the vocabulary when the request is added.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: words the output must not contain. Each is tokenized as written and after a
+    # space; a word's last token is forbidden wherever the output ends with the tokens before it.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -110,6 +120,10 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words) or None
 
     @property
     def greedy(self) -> bool:
@@ -196,6 +210,27 @@ class SamplingParams:
                     or not (-LOGIT_BIAS_MAX <= float(b) <= LOGIT_BIAS_MAX)
                 ):
                     raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for {t}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list | tuple)
+            or not allowed
+            or not all(is_int(t) and 0 <= t < 2**63 for t in allowed)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise bad("bad_words", "must be a list of strings that are not empty or blank")
+            if len(words) > MAX_BAD_WORDS:
+                raise bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+            longest = max((len(w) for w in words), default=0)
+            if longest > MAX_BAD_WORD_LEN:
+                raise bad(
+                    "bad_words",
+                    f"each word may be at most {MAX_BAD_WORD_LEN} characters long, got one of {longest}",
+                )
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):

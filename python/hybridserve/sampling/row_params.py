@@ -64,18 +64,22 @@ FIELDS: tuple[tuple[str, type], ...] = (
     ("plain_greedy", np.bool_),
     ("needs_history", np.bool_),
     ("biased", np.bool_),
+    ("banned", np.bool_),
     ("seeded", np.bool_),
     ("noise_base", np.uint64),
 )
 
 
-def row_entries(row: RowSampling) -> tuple[float, float, int, float, bool, bool, bool, bool, bool, int]:
+def row_entries(
+    row: RowSampling,
+) -> tuple[float, float, int, float, bool, bool, bool, bool, bool, bool, int]:
     """One row's values of `FIELDS`."""
     p = row.params
     greedy = row.greedy
-    needs_history = row.has_penalties or p.min_tokens > 0
+    needs_history = row.has_penalties or p.min_tokens > 0 or bool(row.bad_word_ids)
     biased = bool(p.logit_bias)
-    plain = greedy and not needs_history and p.logprobs is None and not biased
+    banned = p.allowed_token_ids is not None or bool(row.bad_word_ids)
+    plain = greedy and not needs_history and p.logprobs is None and not biased and not banned
     return (
         float(p.temperature),
         float(p.top_p),
@@ -85,6 +89,7 @@ def row_entries(row: RowSampling) -> tuple[float, float, int, float, bool, bool,
         plain,
         needs_history,
         biased,
+        banned,
         row.seed is not None,
         noise_base(row.seed),
     )
@@ -103,8 +108,9 @@ class RowParams:
     min_p: np.ndarray  # float64
     greedy: np.ndarray  # bool
     plain_greedy: np.ndarray  # bool: greedy, nothing to apply before the argmax but a grammar mask
-    needs_history: np.ndarray  # bool: a penalty or min_tokens
+    needs_history: np.ndarray  # bool: a penalty, min_tokens or bad words (they read the output)
     biased: np.ndarray  # bool: a logit_bias
+    banned: np.ndarray  # bool: allowed_token_ids or bad words
     seeded: np.ndarray  # bool
     noise_base: np.ndarray  # uint64
     positions: np.ndarray  # int64

@@ -5,7 +5,11 @@ processing order follows vLLM v1:
 
 0. `logit_bias` (OpenAI's): each biased token's value is added to the model's logit of that row,
    before everything else (greedy rows too). Rows without one are untouched, and a batch without
-   any takes no extra step.
+   any takes no extra step. Then (after a grammar's mask, below) vLLM's `allowed_token_ids`:
+   every other token gets -inf; and `bad_words`: a banned token sequence's last token gets -inf
+   where the output so far ends with the rest of it (a one-token sequence always). Either is left
+   out at a position where it would forbid every token the masks before it allow, as `min_tokens`
+   is, so that a row always has a token to draw.
 1. `min_tokens`: while fewer than `min_tokens` tokens were generated, the stop tokens
    (`stop_token_ids`, and EOS unless `ignore_eos`) get -inf.
 2. Penalties on the model's logits: repetition penalty over prompt + output tokens (HF/vLLM:
@@ -28,7 +32,8 @@ processing order follows vLLM v1:
 A row with a grammar (`RowSampling.grammar`, structured outputs: sampling/grammar.py) first has
 every token its grammar does not allow set to -inf, before step 1; so greedy rows take the argmax
 of the allowed tokens and random rows draw among them. Where `min_tokens` would forbid the only
-tokens the grammar allows (the grammar is complete and allows nothing but EOS), the grammar wins.
+tokens the grammar allows (the grammar is complete and allows nothing but EOS), the grammar wins
+(and so do `allowed_token_ids` and `bad_words`: min_tokens never leaves a row without a token).
 Rows without a grammar are untouched by this.
 
 `processed_probs(logits, rows)` returns the final distribution of each row (steps 1-4, one-hot at
@@ -282,6 +287,10 @@ class RowSampling:
     eos_token_id: int | None = None
     position: int | None = None
     grammar: GrammarMatcher | None = None
+    # params.bad_words as token sequences (engine/input_processor.py `bad_word_sequences`)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # params.allowed_token_ids as a mask over a vocabulary (`_allowed_mask`), made at first use
+    allowed_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     # The penalties' counts of this row's history, kept across steps when the row object is
     # (the engine keeps one per request; its output list grows in place): `_PenaltyHistory`
     penalty_history: _PenaltyHistory | None = field(default=None, init=False, repr=False, compare=False)
@@ -362,6 +371,67 @@ def _apply_logit_bias(x: torch.Tensor, rows: Sequence[RowSampling], row_index: l
     )
 
 
+def _apply_bans(
+    x: torch.Tensor,
+    rows: Sequence[RowSampling],
+    row_index: list[int],
+    extra_tokens: Sequence[Sequence[int]] | None,
+) -> None:
+    """allowed_token_ids, then bad words, in place on the logit rows whose request has them (the
+    module docstring: each is left out where it would leave no token)."""
+    vocab = x.shape[1]
+    for i, r in enumerate(row_index):
+        row = rows[r]
+        if row.params.allowed_token_ids is not None:
+            _forbid_unless_all(x[i], ~_allowed_mask(row, vocab, x.device))
+        if row.bad_word_ids:
+            extra = extra_tokens[i] if extra_tokens is not None else ()
+            ids = [t for t in banned_next_tokens(row.bad_word_ids, row.output_token_ids, extra) if t < vocab]
+            if ids:
+                forbidden = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+                forbidden[ids] = True
+                _forbid_unless_all(x[i], forbidden)
+
+
+def _allowed_mask(row: RowSampling, vocab: int, device: torch.device) -> torch.Tensor:
+    """The row's allowed_token_ids as a bool mask over `vocab` (kept on the row)."""
+    mask = row.allowed_mask
+    if mask is None or mask.shape[0] != vocab or mask.device != device:
+        ids = [t for t in row.params.allowed_token_ids or () if t < vocab]
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[ids] = True
+        row.allowed_mask = mask
+    return mask
+
+
+def _forbid_unless_all(x_row: torch.Tensor, forbidden: torch.Tensor) -> None:
+    """-inf on the `forbidden` tokens of one logit row, unless no finite logit would be left."""
+    masked = x_row.masked_fill(forbidden, float("-inf"))
+    if bool(torch.isfinite(masked).any()):
+        x_row.copy_(masked)
+
+
+def banned_next_tokens(
+    sequences: Sequence[Sequence[int]], output: Sequence[int], extra: Sequence[int] = ()
+) -> list[int]:
+    """The tokens that would complete one of `sequences` after the history `output` + `extra`
+    (a draft's tokens after the output): every one-token sequence's token, and a longer one's
+    last token where the history ends with the others."""
+    banned = []
+    for seq in sequences:
+        before = len(seq) - 1
+        if before == 0:
+            banned.append(seq[0])
+            continue
+        n_out = before - len(extra)  # how many of the tokens before come from the output
+        if n_out > len(output):
+            continue
+        tail = list(extra[len(extra) - before :]) if n_out <= 0 else [*output[len(output) - n_out :], *extra]
+        if tail == list(seq[:before]):
+            banned.append(seq[before])
+    return banned
+
+
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """`logits` with the tokens `allowed` (bool, same shape) forbids at -inf; `logits` itself when
     there is no mask."""
@@ -396,10 +466,13 @@ def _apply_history(
         n_out = len(row.output_token_ids) + len(extra)
         masked = [t for t in row.stop_ids_to_mask(n_out) if 0 <= t < vocab]
         if masked:
-            kept = x[i, masked].clone() if row.grammar is not None else None
+            constrained = (
+                row.grammar is not None or row.params.allowed_token_ids is not None or row.bad_word_ids
+            )
+            kept = x[i, masked].clone() if constrained else None
             x[i, masked] = float("-inf")
             if kept is not None and not bool(torch.isfinite(x[i]).any()):
-                x[i, masked] = kept  # the grammar allows nothing but stop tokens: it wins
+                x[i, masked] = kept  # the grammar or the bans allow nothing but stop tokens: they win
         if not row.has_penalties:
             continue
         r = row_index[i]
@@ -595,12 +668,15 @@ def process_logits(
     x = logits.to(_work_dtype(logits))
     biased = bool(params.biased.any())
     history = bool(params.needs_history.any())
-    if biased or allowed is not None or history:
+    banned = bool(params.banned.any())
+    if biased or allowed is not None or history or banned:
         x = x.clone()  # (written in place below; the caller's logits stay as they are)
     if biased:
         _apply_logit_bias(x, rows, ridx.tolist())  # on the raw logits, before everything else
     if allowed is not None:
         x.masked_fill_(~allowed, float("-inf"))
+    if banned:
+        _apply_bans(x, rows, ridx.tolist(), extra_tokens)
     if history:
         _apply_history(x, rows, ridx.tolist(), extra_tokens)
 

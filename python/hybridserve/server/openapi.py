@@ -17,6 +17,8 @@ from typing import Any
 from hybridserve._core import __version__
 from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
+    MAX_BAD_WORD_LEN,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_STR_LEN,
@@ -143,6 +145,19 @@ def _sampling_fields(
         },
         "stop_token_ids": {"type": "array", "items": _token_id(vocab_size), "description": "stop tokens"},
         "logit_bias": _logit_bias(vocab_size),
+        "allowed_token_ids": {
+            "type": "array",
+            "minItems": 1,
+            "items": _token_id(vocab_size),
+            "description": "the only tokens the output may hold (vLLM's)",
+        },
+        "bad_words": {
+            "type": "array",
+            "maxItems": MAX_BAD_WORDS,
+            "items": {"type": "string", "maxLength": MAX_BAD_WORD_LEN, "pattern": r"\S"},
+            "description": "words the output must not hold (vLLM's): each as written and after a space, "
+            "a word's last token is forbidden where the output ends with the tokens before it",
+        },
         "ignore_eos": _bool("keep generating after EOS (default false)"),
         # (at most max_tokens, so below max_model_len too; the validator's own bound is INT32_MAX)
         "min_tokens": _int(

@@ -295,6 +295,9 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     # OpenAI's: token id (a decimal string) -> bias in [-100, 100] added to its logit
     "logit_bias",
+    # vLLM's: the only tokens the output may hold; words it must not hold
+    "allowed_token_ids",
+    "bad_words",
     "skip_special_tokens",
     "include_stop_str_in_output",
     # vLLM's extra response field: the prompt and output token ids of each choice
@@ -438,6 +441,18 @@ def _parse_stop(body: dict[str, Any]) -> list[str]:
     return list(v)
 
 
+def _parse_bad_words(body: dict[str, Any]) -> list[str] | None:
+    """vLLM's `bad_words`: a list of strings (their count and length are SamplingParams')."""
+    v = body.get("bad_words")
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+        raise _bad("bad_words", "must be a list of strings", "invalid_type")
+    for w in v:
+        _check_surrogates("bad_words", w)
+    return list(v)
+
+
 def _all_ints(v: list[Any]) -> bool:
     """Whether every item is an int and none a bool (JSON gives exactly int for an integer). One
     pass in C: a prompt of thousands of ids is checked on the event loop for every request."""
@@ -561,6 +576,12 @@ def _sampling_params(
     top_k = get_int(body, "top_k", 0, -1, MAX_TOP_K)
     min_tokens = get_int(body, "min_tokens", 0, 0, 2**31 - 1)
     logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
+    allowed_raw = body.get("allowed_token_ids")
+    allowed = (
+        None
+        if allowed_raw is None
+        else _parse_token_list("allowed_token_ids", allowed_raw, vocab_size, allow_empty=False)
+    )
     try:
         return SamplingParams(
             n=n,
@@ -582,6 +603,8 @@ def _sampling_params(
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             logit_bias=logit_bias,
+            allowed_token_ids=allowed,
+            bad_words=_parse_bad_words(body),
         )
     except InvalidRequestError as e:
         msg = str(e)
