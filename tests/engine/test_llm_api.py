@@ -855,3 +855,27 @@ def test_ngram_drafts_are_accepted_on_the_corpus() -> None:
     assert out.token_ids == plain.token_ids
     stats = spec.engine.stats()
     assert stats["spec_decode_accepted_tokens"] >= 0.75 * stats["spec_decode_draft_tokens"] > 0
+
+
+def test_generate_schedules_a_batch_by_priority_and_outputs_do_not_change() -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=1)
+    prompts = ["one two", "three four", "five six", "seven"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    order: list[str] = []
+    step = llm.engine.step
+
+    def recording_step():  # type: ignore[no-untyped-def]
+        outs = step()
+        order.extend(o.prompt for o in outs if o.finished)
+        return outs
+
+    llm.engine.step = recording_step  # type: ignore[method-assign]
+    ranked = llm.generate(prompts, params, priority=[2, -1, 2, np.int64(0)])
+    assert [o.outputs[0].token_ids for o in ranked] == plain  # in prompt order, unchanged
+    assert order == ["three four", "seven", "one two", "five six"]  # one at a time, by priority
+    for bad, word in (([0, 0], "one per prompt"), (3, "a list of integers"), ([0, 0, 0, 1.5], "priority")):
+        with pytest.raises(InvalidRequestError, match=word):
+            llm.generate(prompts, params, priority=bad)  # type: ignore[arg-type]
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0

@@ -140,6 +140,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if not self.ready or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
@@ -150,7 +151,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise HybridServeError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._cmds.put(("add", request_id, prompt, params, cache_salt, stream))
+        self._cmds.put(("add", request_id, prompt, params, cache_salt, priority, stream))
         self._wake.set()
         finished = False
         try:
@@ -278,13 +279,13 @@ class AsyncEngine:
                 break
             handled += 1
             if cmd[0] == "add":
-                _, rid, prompt, params, salt, stream = cmd
+                _, rid, prompt, params, salt, priority, stream = cmd
                 with self._lock:
                     live = self._streams.get(rid) is stream
                 if not live:
                     continue  # its consumer left before the add ran (its abort follows)
                 try:
-                    engine.add_request(rid, prompt, params, cache_salt=salt)
+                    engine.add_request(rid, prompt, params, cache_salt=salt, priority=priority)
                 except Exception as exc:
                     stream.put(exc)
                     continue

@@ -59,8 +59,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order. A sequence that failed
+        """Generate for every prompt; results come back in prompt order. `priority`: one per
+        prompt (vLLM's); where the batch does not run at once, lower values are scheduled first,
+        then the prompts' order. A sequence that failed
         on its own (non-finite logits in its row, an error while sampling it) comes back with
         finish_reason "error" and its result's `error` says why; the others are unaffected. A
         batch with an invalid request (a prompt, a parameter, a grammar that does not compile) is
@@ -95,6 +98,16 @@ class LLM:
                 )
             if len(params_list) != len(prompt_list):
                 raise InvalidRequestError("sampling_params: one per prompt, or a single one for all")
+        if priority is None:
+            priorities: list[int] = [0] * len(prompt_list)
+        elif isinstance(priority, Sequence) and not isinstance(priority, str | bytes):
+            priorities = list(priority)
+            if len(priorities) != len(prompt_list):
+                raise InvalidRequestError("priority: one per prompt")
+        else:
+            raise InvalidRequestError(
+                f"priority: a list of integers, one per prompt, not {type(priority).__name__}"
+            )
         # a grammar that does not compile refuses the batch, whether or not it was compiled before
         self.engine.compile_grammars(params_list)
 
@@ -102,14 +115,14 @@ class LLM:
         groups: list[list[str]] = []
         arrival_index = self.engine.arrival_index
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
                 ids: list[str] = []
                 groups.append(ids)
                 for j in range(params.n):
                     sub = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, j))
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
-                    self.engine.add_request(rid, prompt, sub)
+                    self.engine.add_request(rid, prompt, sub, priority=prio)
                     ids.append(rid)
         except BaseException:  # a refusal, or Ctrl-C while adding
             # a refused batch changes nothing: its requests are gone and the arrival indices they

@@ -55,9 +55,11 @@ class EngineClient(ServedModel, Protocol):
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """The outputs of one request (one sequence), each carrying what is new since the last
-        (`delta_text`, `delta_token_ids`); the last one has `finished` set. Raises
+        (`delta_text`, `delta_token_ids`); the last one has `finished` set. `priority`: as
+        `OfflineEngine.add_request` (lower values are scheduled first). Raises
         InvalidRequestError for a request the engine refuses, EngineDeadError when it is not
         running, and a HybridServeError when the engine failed while running the request."""
         ...

@@ -49,6 +49,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's
+# How the server treats a request's `priority` (`create_app`): vLLM's --scheduling-policy values
+SCHEDULING_POLICIES = ("fcfs", "priority")
 RETRY_AFTER_S = 1
 _ABORTED = object()  # sink marker: the server aborted this choice
 
@@ -206,6 +208,8 @@ class ServerState:
     access: AccessPolicy = field(default_factory=AccessPolicy)
     # unknown request fields: a 400 (True) or ignored with a logged warning (False, as vLLM)
     strict_request_fields: bool = False
+    # "fcfs": a request's non-zero `priority` is refused; "priority": the engine schedules by it
+    scheduling_policy: str = "fcfs"
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
@@ -256,12 +260,18 @@ def create_app(
     strict_request_fields: bool = False,
     access_log: bool = True,
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S,
+    scheduling_policy: str = "fcfs",
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
     and Origin rules (default: no Host check, no origin allowed). `strict_request_fields`: an
     unknown request field is a 400 instead of a logged warning. `access_log`: a line per request
-    (request_log.py). `log_stats_interval_s`: seconds between the engine lines (0: none)."""
+    (request_log.py). `log_stats_interval_s`: seconds between the engine lines (0: none).
+    `scheduling_policy`: "priority" passes each request's `priority` to the engine; "fcfs" (as
+    vLLM's default) refuses a non-zero one, so that no client moves ahead of the others unless
+    the operator allows it."""
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy: one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
     state_holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(lambda: state_holder["s"].engine_stats(), served_model_name)
     state = ServerState(
@@ -273,6 +283,7 @@ def create_app(
         body_read_timeout_s=body_read_timeout_s,
         access=access or AccessPolicy(),
         strict_request_fields=strict_request_fields,
+        scheduling_policy=scheduling_policy,
         log_stats_interval_s=log_stats_interval_s,
     )
     state_holder["s"] = state
@@ -844,6 +855,13 @@ async def _generate(
 ) -> web.StreamResponse:
     arrival = time.monotonic()
     created = int(time.time())
+    if req.priority != 0 and state.scheduling_policy != "priority":
+        raise P.APIError(
+            f"priority: this server schedules first come, first served; a priority ({req.priority}) "
+            "needs --scheduling-policy priority",
+            param="priority",
+            code="invalid_value",
+        )
     n = req.params.n
     choices = [
         _Choice(index=i, engine_id=f"{request_id}-{i}", prompt=req.prompts[i // n])
@@ -878,6 +896,7 @@ async def _generate(
                 req.choice_params(choice.index),
                 choice.engine_id,
                 cache_salt=req.cache_salt,
+                priority=req.priority,
             ):
                 sink.put_nowait((choice, out))
                 if out.finished:

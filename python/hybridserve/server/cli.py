@@ -103,6 +103,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "warning naming it, as vLLM)",
     )
     g.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: first come, first served, and a request's `priority` field other than 0 is a 400; "
+        "priority: requests are scheduled by their `priority` (lower first, then by arrival), and "
+        "when KV blocks run out the running request of the largest value is preempted first "
+        "(vLLM's flag)",
+    )
+    g.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -172,6 +181,7 @@ async def _serve(args: argparse.Namespace) -> int:
         body_read_timeout_s=args.body_read_timeout,
         access=access,
         strict_request_fields=args.strict_request_fields,
+        scheduling_policy=args.scheduling_policy,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
     )

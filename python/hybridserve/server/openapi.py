@@ -172,6 +172,12 @@ def _sampling_fields(
         "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
         "user": {"type": "string", "maxLength": USER_MAX_LEN, "description": "an end-user id (not used)"},
+        "priority": _int(
+            P.PRIORITY_MIN,
+            P.PRIORITY_MAX,
+            "lower values are scheduled first (vLLM's; default 0); a value other than 0 is a 400 "
+            "unless the server runs with --scheduling-policy priority",
+        ),
         "cache_salt": {
             "type": "string",
             "minLength": 1,

@@ -39,6 +39,8 @@ MAX_STOP_SEQUENCES = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_CACHE_SALT_LEN = 1024
+# A request's priority: what the scheduler's int64 holds
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -259,6 +261,9 @@ class GenerateRequest:
     continuous_usage: bool = False
     # unknown fields the request carried, ignored (not --strict-request-fields); the app logs them
     ignored_fields: list[str] = dataclasses.field(default_factory=list)
+    # vLLM's `priority`: lower values are scheduled first (the server refuses a non-zero one
+    # unless it runs with --scheduling-policy priority)
+    priority: int = 0
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -304,6 +309,8 @@ _SAMPLING_FIELDS = {
     "return_token_ids",
     # hybridserve extension: isolates a tenant's prefix cache
     "cache_salt",
+    # vLLM's: lower values are scheduled first (--scheduling-policy priority)
+    "priority",
     # the grammar the output must match (server/structured_outputs.py): OpenAI's and vLLM's field
     "response_format",
     "structured_outputs",
@@ -654,6 +661,11 @@ def _resolve_max_tokens(
     return requested
 
 
+def _parse_priority(body: dict[str, Any]) -> int:
+    priority = get_int(body, "priority", 0, PRIORITY_MIN, PRIORITY_MAX)
+    return 0 if priority is None else priority
+
+
 def _check_sequences(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
         raise _bad(
@@ -743,6 +755,7 @@ def parse_completion_request(
         prompt_logprobs=prompt_logprobs,
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
+        priority=_parse_priority(body),
     )
 
 
@@ -1086,6 +1099,7 @@ def parse_chat_request(
         return_token_ids=return_token_ids,
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
+        priority=_parse_priority(body),
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
