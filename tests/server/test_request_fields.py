@@ -261,3 +261,32 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampling_params(bos_info):
         with pytest.raises(P.APIError) as e:
             P.parse_completion_request({"prompt": "hello", **bad}, bos_info, "demo")
         assert (e.value.param, e.value.code, e.value.status) == (field, code, 400), (bad, e.value)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(bos_info):
+    long_text = "one two three four five six seven eight nine ten " * 60
+    ids = bos_info.encode(long_text, add_special_tokens=True)
+    assert len(ids) > bos_info.max_model_len
+    with pytest.raises(P.APIError) as e:  # whole, it cannot fit
+        P.parse_completion_request({"prompt": long_text}, bos_info, "demo")
+    assert e.value.code == "context_length_exceeded"
+    cut = P.parse_completion_request({"prompt": long_text, "truncate_prompt_tokens": 100}, bos_info, "demo")
+    assert cut.prompts[0].token_ids == ids[-100:] and cut.prompts[0].text is None
+    assert cut.params.max_tokens is not None and cut.params.max_tokens > 0
+    short = P.parse_completion_request({"prompt": "hello", "truncate_prompt_tokens": 100}, bos_info, "demo")
+    assert short.prompts[0].token_ids == bos_info.encode("hello", True) and short.prompts[0].text == "hello"
+    lists = P.parse_completion_request(
+        {"prompt": [[5, 6, 7], [8]], "truncate_prompt_tokens": 2}, bos_info, "demo"
+    )
+    assert [p.token_ids for p in lists.prompts] == [[6, 7], [8]]
+    # -1: the context length, which leaves no room to generate
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion_request({"prompt": long_text, "truncate_prompt_tokens": -1}, bos_info, "demo")
+    assert e.value.param == "prompt"
+    messages = [{"role": "user", "content": long_text}]
+    chat = P.parse_chat_request({"messages": messages, "truncate_prompt_tokens": 50}, bos_info, "demo")
+    assert chat.prompts[0].token_ids == bos_info.encode_chat(messages, True)[-50:]
+    for bad in (0, -2, bos_info.max_model_len + 1, "5"):
+        with pytest.raises(P.APIError) as e:
+            P.parse_completion_request({"prompt": "x", "truncate_prompt_tokens": bad}, bos_info, "demo")
+        assert e.value.param == "truncate_prompt_tokens", bad

@@ -174,6 +174,24 @@ def test_allowed_token_ids_and_bad_words_shape_the_answer(server, info):
     assert_idle(server)
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(server, info):
+    ids = info.encode(PROMPT * 40)
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, cut = call(
+        server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 30, "echo": True, **greedy}
+    )
+    assert status == 200 and cut["usage"]["prompt_tokens"] == 30
+    _, direct = call(server, "/v1/completions", {"prompt": ids[-30:], "echo": True, **greedy})
+    assert (
+        cut["choices"][0]["text"] == direct["choices"][0]["text"]
+    )  # the kept tokens echoed, then the answer
+    status, err = call(
+        server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}
+    )
+    assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens"
+    assert_idle(server)
+
+
 def test_detokenize_reverses_tokenize_special_tokens_included(server, info):
     text = "<|im_start|>user\nhi there<|im_end|>\n"
     _, tok = call(server, "/tokenize", {"prompt": text, "add_special_tokens": False})

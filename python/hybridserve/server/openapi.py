@@ -172,6 +172,14 @@ def _sampling_fields(
         "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
         "user": {"type": "string", "maxLength": USER_MAX_LEN, "description": "an end-user id (not used)"},
+        "truncate_prompt_tokens": {
+            "anyOf": [
+                {"type": "integer", "const": -1},
+                _int(1, max_model_len, "keep this many of the prompt's last tokens"),
+            ],
+            "description": "keep only the prompt's last N tokens (vLLM's; -1: the context length); a "
+            "prompt that is cut is echoed as its kept tokens",
+        },
         "priority": _int(
             P.PRIORITY_MIN,
             P.PRIORITY_MAX,

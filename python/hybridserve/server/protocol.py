@@ -311,6 +311,8 @@ _SAMPLING_FIELDS = {
     "cache_salt",
     # vLLM's: lower values are scheduled first (--scheduling-policy priority)
     "priority",
+    # vLLM's: keep only the prompt's last N tokens (-1: the context length)
+    "truncate_prompt_tokens",
     # the grammar the output must match (server/structured_outputs.py): OpenAI's and vLLM's field
     "response_format",
     "structured_outputs",
@@ -715,7 +717,8 @@ def parse_completion_request(
     if "prompt" not in body or body["prompt"] is None:
         raise APIError("prompt: a prompt is required", param="prompt", code="missing_field")
     add_special_tokens = get_bool(body, "add_special_tokens", True)
-    prompts = _parse_prompts(body["prompt"], info, add_special_tokens)
+    keep = _parse_truncation(body, info.max_model_len)
+    prompts = _parse_prompts(body["prompt"], info, add_special_tokens, keep)
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
     if requested_max is None:
@@ -759,17 +762,50 @@ def parse_completion_request(
     )
 
 
-def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) -> list[PromptInput]:
+def _parse_truncation(body: dict[str, Any], max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of a prompt's last tokens are kept (-1: the
+    context length), or None (the prompt is whole)."""
+    keep = get_int(body, "truncate_prompt_tokens", None, -1, None)
+    if keep is None:
+        return None
+    if keep == 0:
+        raise _bad("truncate_prompt_tokens", "must be -1 (the context length) or a positive number of tokens")
+    if keep > max_model_len:
+        raise _bad(
+            "truncate_prompt_tokens",
+            f"must be at most this model's maximum context length {max_model_len}, got {keep}",
+        )
+    return max_model_len if keep == -1 else keep
+
+
+def _truncated(prompts: list[PromptInput], keep: int | None) -> list[PromptInput]:
+    """Each prompt's last `keep` tokens; a prompt that was cut loses its text (an echo then shows
+    the tokens it kept)."""
+    if keep is None:
+        return prompts
+    return [
+        p if len(p.token_ids) <= keep else PromptInput(token_ids=p.token_ids[-keep:], text=None)
+        for p in prompts
+    ]
+
+
+def _parse_prompts(
+    v: Any, info: ModelInfo, add_special_tokens: bool = False, keep: int | None = None
+) -> list[PromptInput]:
+    """`keep`: `truncate_prompt_tokens` (`_parse_truncation`); a text that would be refused as
+    too long is then tokenized and cut instead."""
+
     def text_prompts(texts: list[str]) -> list[PromptInput]:
         for s in texts:
             if not s:
                 raise _bad("prompt", "must not be empty")
             _check_surrogates("prompt", s)
-            refuse_longer_than_context(info, s, info.max_model_len, "prompt")
+            if keep is None:
+                refuse_longer_than_context(info, s, info.max_model_len, "prompt")
         encoded = info.encode_many(texts, add_special_tokens=add_special_tokens)
         if not all(encoded):
             raise _bad("prompt", "encodes to no tokens")
-        return [PromptInput(token_ids=ids, text=s) for s, ids in zip(texts, encoded)]
+        return _truncated([PromptInput(token_ids=ids, text=s) for s, ids in zip(texts, encoded)], keep)
 
     if isinstance(v, str):
         return text_prompts([v])
@@ -782,22 +818,15 @@ def _parse_prompts(v: Any, info: ModelInfo, add_special_tokens: bool = False) ->
     if not v:
         raise _bad("prompt", "must not be empty")
     if _all_ints(v):
-        return [
-            PromptInput(
-                token_ids=_parse_token_list("prompt", v, info.vocab_size, allow_empty=False), text=None
-            )
-        ]
+        ids = _parse_token_list("prompt", v, info.vocab_size, allow_empty=False)
+        return _truncated([PromptInput(token_ids=ids, text=None)], keep)
     if len(v) > MAX_PROMPTS_PER_REQUEST:
         raise _bad("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
     if all(isinstance(s, str) for s in v):
         return text_prompts(v)
     if all(isinstance(t, list) for t in v):
-        return [
-            PromptInput(
-                token_ids=_parse_token_list("prompt", t, info.vocab_size, allow_empty=False), text=None
-            )
-            for t in v
-        ]
+        lists = [_parse_token_list("prompt", t, info.vocab_size, allow_empty=False) for t in v]
+        return _truncated([PromptInput(token_ids=ids, text=None) for ids in lists], keep)
     raise _bad(
         "prompt",
         "must be a string, a list of strings, a list of token ids or a list of lists of token ids",
@@ -1079,10 +1108,12 @@ def parse_chat_request(
     return_token_ids = get_bool(body, "return_token_ids", False)
     _check_sequences(1, n)
     tools, tool_choice, rendered_tools = _parse_tool_fields(body, unknown)
-    ids = _render_chat(body, info, unknown, rendered_tools, info.max_model_len)
+    keep = _parse_truncation(body, info.max_model_len)
+    # (a conversation that will be cut is not refused for its length before it is tokenized)
+    ids = _render_chat(body, info, unknown, rendered_tools, info.max_model_len if keep is None else None)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
-    prompts = [PromptInput(token_ids=ids, text=None)]
+    prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
     resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
     params = _sampling_params(body, n=n, max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size)
     params = _constrained(params, body, unknown, tools, tool_choice)
