@@ -397,9 +397,12 @@ def _allowed_mask(row: RowSampling, vocab: int, device: torch.device) -> torch.T
     """The row's allowed_token_ids as a bool mask over `vocab` (kept on the row)."""
     mask = row.allowed_mask
     if mask is None or mask.shape[0] != vocab or mask.device != device:
-        ids = [t for t in row.params.allowed_token_ids or () if t < vocab]
-        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        mask[ids] = True
+        # (through numpy: indexing with a list of a vocabulary's worth of ids costs 3x as much,
+        # on the engine thread that every request shares)
+        ids = np.asarray(row.params.allowed_token_ids or (), dtype=np.int64)
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[torch.from_numpy(ids[ids < vocab])] = True
+        mask = mask.to(device)
         row.allowed_mask = mask
     return mask
 
