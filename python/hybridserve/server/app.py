@@ -32,6 +32,7 @@ from hybridserve.server import openapi, sse
 from hybridserve.server import protocol as P
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from hybridserve.server.request_log import (
     CLIENT_CLOSED,
     RECORD_KEY,
@@ -210,6 +211,8 @@ class ServerState:
     strict_request_fields: bool = False
     # "fcfs": a request's non-zero `priority` is refused; "priority": the engine schedules by it
     scheduling_policy: str = "fcfs"
+    # --reasoning-parser: chat answers split into reasoning and content (reasoning.py)
+    reasoning: ReasoningFormat | None = None
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
@@ -261,6 +264,7 @@ def create_app(
     access_log: bool = True,
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S,
     scheduling_policy: str = "fcfs",
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -269,7 +273,8 @@ def create_app(
     (request_log.py). `log_stats_interval_s`: seconds between the engine lines (0: none).
     `scheduling_policy`: "priority" passes each request's `priority` to the engine; "fcfs" (as
     vLLM's default) refuses a non-zero one, so that no client moves ahead of the others unless
-    the operator allows it."""
+    the operator allows it. `reasoning_parser`: a `reasoning.REASONING_PARSERS` name, whose split
+    chat answers get (None: answers are whole)."""
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy: one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
     state_holder: dict[str, ServerState] = {}
@@ -284,6 +289,7 @@ def create_app(
         access=access or AccessPolicy(),
         strict_request_fields=strict_request_fields,
         scheduling_policy=scheduling_policy,
+        reasoning=None if reasoning_parser is None else reasoning_format(reasoning_parser),
         log_stats_interval_s=log_stats_interval_s,
     )
     state_holder["s"] = state
@@ -725,6 +731,16 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
+    if state.reasoning is not None and not req.thinking_disabled:
+        if req.grammar_param is not None:
+            raise P.APIError(
+                f"{req.grammar_param}: a grammar is not applied after the reasoning of a thinking model "
+                "(--reasoning-parser), it would constrain the reasoning too; turn thinking off with "
+                'chat_template_kwargs {"enable_thinking": false} to use one',
+                param=req.grammar_param,
+                code="unsupported_parameter",
+            )
+        req.reasoning = state.reasoning
     return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
 
 
@@ -796,6 +812,8 @@ class _Choice:
     started_stream: bool = False
     # chat with tools: the content and calls of the stream settled so far (tools.py)
     tools: ToolCallStream | None = None
+    # chat with a reasoning parser: the stream's split so far (reasoning.py)
+    reasoning: ReasoningSplitter | None = None
     # completions logprobs: where the next token starts in the text, across stream deltas
     offsets: P.TextOffsets = field(default_factory=P.TextOffsets)
     first_token_time: float | None = None
@@ -1114,18 +1132,22 @@ async def _collect(
                 )  # fmt: skip
             )
         else:
+            reasoning, content = (
+                (None, c.text) if req.reasoning is None else split_reasoning(req.reasoning, c.text)
+            )
             out.append(
                 P.chat_choice(
                     c.index,
-                    c.text,
+                    content,
                     c.finish_reason,
                     lps,
                     c.stop_reason,
                     token_ids=c.token_ids if ids else None,
+                    reasoning=reasoning,
                 )
             )
             if req.tool_parser is not None:
-                _with_tool_calls(out[-1], req, c)
+                _with_tool_calls(out[-1], req, c, content)
     usage = _usage(req, choices)
     if req.kind == "completion":
         body = P.completion_response(request_id, created, req.model, out, usage)
@@ -1235,14 +1257,17 @@ async def _send_delta(
                                  prompt_logprobs=_vllm_prompt_logprobs(req, info, choice) if first else None)  # fmt: skip
         prompt_ids = None  # (in the choice, not on the chunk)
     else:
+        reasoning, content = _reasoning_of(req, choice, delta)
         cj = P.chat_chunk_choice(
             choice.index,
             role=None if choice.started_stream else "assistant",
-            content=delta.text,
+            # (with a reasoning parser a delta carries only the kinds of text it has)
+            content=content if req.reasoning is None or content else None,
             finish_reason=choice.finish_reason if delta.finished else None,
             logprobs=lps,
             stop_reason=choice.stop_reason if delta.finished else None,
             token_ids=ids,
+            reasoning=reasoning or None,
         )
     choice.started_stream = True
     await send(cj, prompt_ids)
@@ -1257,12 +1282,23 @@ def _tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | Non
     return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
-def _with_tool_calls(choice_json: dict[str, Any], req: P.GenerateRequest, c: _Choice) -> None:
-    """A chat choice's message split into content and `tool_calls`."""
+def _reasoning_of(req: P.GenerateRequest, choice: _Choice, delta: _Delta) -> tuple[str, str]:
+    """(reasoning, content) of a chat stream's delta: all content without a reasoning parser."""
+    if req.reasoning is None:
+        return "", delta.text
+    if choice.reasoning is None:
+        choice.reasoning = ReasoningSplitter(req.reasoning)
+    return choice.reasoning.feed(delta.text, final=delta.finished)
+
+
+def _with_tool_calls(choice_json: dict[str, Any], req: P.GenerateRequest, c: _Choice, text: str) -> None:
+    """A chat choice's message with its `text` (the answer, or its content after the reasoning)
+    split into content and `tool_calls`."""
     assert req.tool_parser is not None
-    content, calls = split_message(req.tool_parser, c.text)
+    content, calls = split_message(req.tool_parser, text)
     message = choice_json["message"]
-    message["content"] = content
+    # (after a reasoning part, no content is null, as chat_choice writes it)
+    message["content"] = None if "reasoning" in message and not content else content
     if calls:
         message["tool_calls"] = [call.to_json() for call in calls]
     choice_json["finish_reason"] = _tool_finish_reason(c.finish_reason, bool(calls))
@@ -1282,19 +1318,21 @@ async def _send_tool_delta(
     if choice.tools is None:
         choice.tools = ToolCallStream(req.tool_parser)
     first_call = len(choice.tools.calls)
-    content, calls = choice.tools.feed(delta.text, final=delta.finished)
+    reasoning, text = _reasoning_of(req, choice, delta)
+    content, calls = choice.tools.feed(text, final=delta.finished)
     lps = None
     if req.logprobs is not None and delta.logprobs is not None:
         lps = _logprobs_json(req, info, delta.logprobs, delta.token_ids, choice.offsets)
     ids = delta.token_ids if req.return_token_ids else None
     prompt_ids = choice.prompt.token_ids if req.return_token_ids and not choice.started_stream else None
-    if content or lps is not None or ids or not choice.started_stream:
+    if content or reasoning or lps is not None or ids or not choice.started_stream:
         cj = P.chat_chunk_choice(
             choice.index,
             role=None if choice.started_stream else "assistant",
             content=content,
             logprobs=lps,
             token_ids=ids,
+            reasoning=reasoning or None,
         )
         choice.started_stream = True
         await send(cj, prompt_ids)

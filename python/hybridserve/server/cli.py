@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridserve.arg_types import int_in, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
+from hybridserve.server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -103,6 +104,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "warning naming it, as vLLM)",
     )
     g.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default=None,
+        help="split chat answers of a thinking model into `reasoning` (also `reasoning_content`) and "
+        "`content`: deepseek_r1, the <think> ... </think> form (docs/serving.md, Reasoning outputs; "
+        "default: answers are whole)",
+    )
+    g.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
@@ -182,6 +191,7 @@ async def _serve(args: argparse.Namespace) -> int:
         access=access,
         strict_request_fields=args.strict_request_fields,
         scheduling_policy=args.scheduling_policy,
+        reasoning_parser=args.reasoning_parser,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
     )

@@ -32,6 +32,7 @@ from hybridserve.sampling.params import (
 from hybridserve.sampling.seeds import choice_seed
 from hybridserve.server import structured_outputs as constraints
 from hybridserve.server import tools as T
+from hybridserve.server.reasoning import ReasoningFormat
 
 # A request may ask for at most this many sequences in all (prompts x n).
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -264,6 +265,15 @@ class GenerateRequest:
     # vLLM's `priority`: lower values are scheduled first (the server refuses a non-zero one
     # unless it runs with --scheduling-policy priority)
     priority: int = 0
+    # chat: `chat_template_kwargs` turn the model's thinking off (enable_thinking or thinking
+    # false), so a reasoning parser leaves the answer whole
+    thinking_disabled: bool = False
+    # chat: how the answer is split into reasoning and content (server/reasoning.py); the app sets
+    # it from --reasoning-parser
+    reasoning: ReasoningFormat | None = None
+    # chat: the field that gave the request a grammar (response_format, structured_outputs,
+    # tool_choice), None without one
+    grammar_param: str | None = None
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -972,6 +982,22 @@ def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return dict(v)
 
 
+def _thinking_disabled(body: dict[str, Any]) -> bool:
+    kwargs = body.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and (
+        kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    )
+
+
+def grammar_field(body: dict[str, Any]) -> str:
+    """The field that gave a chat request its grammar (for the error that names it)."""
+    if body.get("structured_outputs") is not None:
+        return "structured_outputs"
+    if body.get("response_format") is not None:
+        return "response_format"
+    return "tool_choice"
+
+
 def _field_error(e: ValueError) -> APIError:
     """A tools / response_format / structured_outputs error as the 400 that names its field."""
     param = getattr(e, "param", None)
@@ -1131,6 +1157,8 @@ def parse_chat_request(
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
+        thinking_disabled=_thinking_disabled(body),
+        grammar_param=None if params.structured_outputs is None else grammar_field(body),
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
@@ -1395,12 +1423,18 @@ def chat_choice(
     stop_reason: int | str | None = None,
     *,
     token_ids: Sequence[int] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """A chat choice; `token_ids` (vLLM's `return_token_ids`) is added only when given (the
-    prompt's ids go on the response: `chat_response(prompt_token_ids=...)`)."""
+    prompt's ids go on the response: `chat_response(prompt_token_ids=...)`). `reasoning`: the
+    answer's reasoning (server/reasoning.py), in `reasoning` and its older name
+    `reasoning_content`; `text` is then its content, null when it has none."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message.update(content=text or None, reasoning=reasoning, reasoning_content=reasoning)
     choice: dict[str, Any] = {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
@@ -1495,10 +1529,13 @@ def chat_chunk_choice(
     logprobs: dict[str, Any] | None = None,
     stop_reason: int | str | None = None,
     token_ids: Sequence[int] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
+    if reasoning is not None:  # (both names, as `chat_choice`)
+        delta["reasoning"] = delta["reasoning_content"] = reasoning
     if content is not None:
         delta["content"] = content
     choice: dict[str, Any] = {

@@ -1,0 +1,180 @@
+"""Reasoning outputs (server/reasoning.py): the split of a whole answer, and a stream cut at every
+place adds up to it; and against a real server with --reasoning-parser deepseek_r1, serving the
+demo model with `</think>` as one token of its vocabulary: chat answers, streamed or not, are the
+split of the text the same request completes to."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server.reasoning import ReasoningSplitter, reasoning_format, split_reasoning
+from server_fixtures import ServerProcess, assert_idle, parse_sse, running_server
+
+R1 = reasoning_format("deepseek_r1")
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("<think>plan</think>answer", "plan", "answer"),
+        (" \n<think>\nplan</think>\n\nanswer", "\nplan", "\n\nanswer"),
+        ("plan</think>answer", "plan", "answer"),  # the prompt ended with <think>
+        ("still thinking", "still thinking", ""),  # cut off while thinking
+        ("<thi", "<thi", ""),
+        ("<think>", "", ""),
+        ("", "", ""),
+        ("a</think>b</think>c", "a", "b</think>c"),  # the first end tag ends the reasoning
+        ("</think>", "", ""),
+        ("x <think>y</think>z", "x <think>y", "z"),  # a tag that does not open the answer is text
+    ],
+)
+def test_a_whole_answer_is_split_at_its_first_end_tag(text, reasoning, content):
+    assert split_reasoning(R1, text) == (reasoning, content)
+
+
+def test_a_stream_cut_anywhere_adds_up_to_the_whole_split():
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "<th", "</thi", "nk>", "<", ">", "\n", " ", "plan", "answer", "</", "k"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        splitter = ReasoningSplitter(R1)
+        got_r, got_c, last = "", "", 0
+        for i, cut in enumerate([*cuts, len(text)]):
+            r, c = splitter.feed(text[last:cut], final=i == len(cuts))
+            got_r, got_c, last = got_r + r, got_c + c, cut
+        assert (got_r, got_c) == split_reasoning(R1, text), (text, cuts)
+
+
+# ------------------------------------------------------------------------- the server
+
+END_ID = 794  # the demo vocabulary's " Please", made `</think>` in the test's copy
+
+
+def thinking_demo(folder: Path) -> Path:
+    """The demo model with `</think>` in place of one of its tokens (id END_ID)."""
+    src = Path(ensure_demo_model())
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    [old] = [t for t, i in vocab.items() if i == END_ID]
+    del vocab[old]
+    vocab["</think>"] = END_ID
+    tj["model"]["merges"] = [m for m in tj["model"]["merges"] if "".join(m) != old]
+    tj["added_tokens"].append(
+        {"id": END_ID, "content": "</think>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": False}
+    )  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model = thinking_demo(tmp_path_factory.mktemp("thinking"))
+    with running_server(
+        "--max-model-len", "512", "--reasoning-parser", "deepseek_r1", model=str(model)
+    ) as srv:
+        yield srv
+
+
+def call(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        server.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            return int(r.status), parse_sse(raw) if body.get("stream") else json.loads(raw)
+    except urllib.error.HTTPError as e:
+        with e:
+            return int(e.code), json.loads(e.read())
+
+
+CHAT = [{"role": "user", "content": "Think, then answer."}]
+# sampled, with the end tag made likely enough to come up inside the answer
+PARAMS = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "logit_bias": {str(END_ID): 5}}
+
+
+def raw_answer(server: ServerProcess, body: dict[str, Any]) -> str:
+    """What the chat request completes to, as text: the same prompt through /v1/completions."""
+    _, tok = call(server, "/tokenize", {k: v for k, v in body.items() if k in ("messages", "tools")})
+    completion = {k: v for k, v in body.items() if k not in ("messages", "tools", "stream")}
+    status, done = call(server, "/v1/completions", {**completion, "prompt": tok["tokens"]})
+    assert status == 200, done
+    return str(done["choices"][0]["text"])
+
+
+def streamed(events: list[Any]) -> tuple[str, str, str]:
+    """(reasoning, reasoning_content, content) a chat stream adds up to."""
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    return tuple(
+        "".join(d.get(k) or "" for d in deltas) for k in ("reasoning", "reasoning_content", "content")
+    )  # type: ignore[return-value]
+
+
+def test_chat_answers_are_split_where_their_text_ends_its_reasoning(server):
+    seeds = [
+        s
+        for s in range(40)
+        if 0 < raw_answer(server, {"messages": CHAT, "seed": s, **PARAMS}).find("</think>") < 40
+    ]
+    assert seeds, "no seed gave an answer with reasoning before its end tag"
+    for seed in seeds[:2]:
+        body = {"messages": CHAT, "seed": seed, **PARAMS}
+        raw = raw_answer(server, body)
+        at = raw.index("</think>")
+        status, chat = call(server, "/v1/chat/completions", body)
+        assert status == 200
+        message = chat["choices"][0]["message"]
+        assert message["reasoning"] == message["reasoning_content"] == raw[:at]
+        assert message["content"] == (raw[at + len("</think>") :] or None)
+        status, events = call(server, "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200 and events[-1] == "[DONE]"
+        assert streamed(events) == (message["reasoning"], message["reasoning"], message["content"] or "")
+        # with tools offered (no call made), the content after the reasoning is what they parse
+        tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+        tooled = {**body, "tools": tools}
+        raw_tooled = raw_answer(server, tooled)
+        _, events = call(server, "/v1/chat/completions", {**tooled, "stream": True})
+        r, _, c = streamed(events)
+        _, whole = call(server, "/v1/chat/completions", tooled)
+        assert (r, c) == split_reasoning(R1, raw_tooled)
+        assert whole["choices"][0]["message"]["reasoning"] == r
+    assert_idle(server)
+
+
+def test_an_answer_cut_off_while_thinking_is_all_reasoning_and_thinking_off_leaves_it_whole(server):
+    body = {"messages": CHAT, "seed": 1, **PARAMS, "logit_bias": {str(END_ID): -100}}
+    raw = raw_answer(server, body)
+    _, chat = call(server, "/v1/chat/completions", body)
+    message = chat["choices"][0]["message"]
+    assert message["reasoning"] == raw and message["content"] is None
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    _, whole = call(server, "/v1/chat/completions", off)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": raw}
+
+
+def test_a_grammar_is_refused_while_the_answer_is_split(server):
+    body = {"messages": CHAT, "max_tokens": 8, "response_format": {"type": "json_object"}}
+    status, err = call(server, "/v1/chat/completions", body)
+    assert status == 400 and err["error"]["param"] == "response_format"
+    assert "enable_thinking" in err["error"]["message"]
+    status, _ = call(
+        server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert status == 200
+    assert_idle(server)
