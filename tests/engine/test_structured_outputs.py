@@ -363,3 +363,65 @@ def test_a_batchs_grammars_compile_side_by_side() -> None:
         ],
     )
     assert [o.outputs[0].text[0] for o in outs] == ["x", "y"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_grammar_that_starts_after_given_tokens(temperature: float) -> None:
+    """`start_after` (a thinking model's end of reasoning): the output is free until it holds the
+    tokens of that text, and matches the grammar after them; with n-gram drafts (which complete
+    the start inside verify rows on the repetitive prompt) the tokens are the same."""
+    regex = r" [0-9]{2}-[0-9]{2}"
+    prompts = [
+        "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat sat on",
+        "Once upon a time, in",
+        "She walked to",
+        "The",
+        "It was a",
+    ]
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM("demo", dtype="float64", speculative_config=spec)
+        params = [
+            SamplingParams(
+                max_tokens=40,
+                temperature=temperature,
+                seed=i,
+                ignore_eos=True,
+                structured_outputs={"regex": regex, "start_after": " the"},
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
+        outs = llm.generate(prompts, params)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+    assert results[0] == results[1]
+    tok = llm.get_tokenizer()
+    start = tok.encode(" the")
+    opened = 0
+    for ids, reason in results[0]:
+        at = next((i for i in range(len(ids)) if ids[i : i + len(start)] == start), None)
+        if at is None:  # never started: free to the end
+            assert reason == "length"
+            continue
+        opened += 1
+        assert re.fullmatch(regex, tok.decode(ids[at + len(start) :])) and reason == "stop", tok.decode(ids)
+        assert not re.fullmatch(regex, tok.decode(ids[:at]))  # the text before was free
+    assert opened >= 2
+
+
+def test_a_grammar_start_is_checked_and_needs_no_consumed_tokens() -> None:
+    from hybridserve.sampling.grammar import GrammarError, GrammarMatcher
+
+    with pytest.raises(InvalidRequestError, match="start_after"):
+        StructuredOutputsParams(regex="a", start_after="")
+    m = GrammarMatcher(None, vocab_size=10)  # type: ignore[arg-type]  # (closed: the matcher is not read)
+    m.start_after([3, 4])
+    assert not m.opened and not m.is_terminated() and not m.is_accepting()
+    assert m.gate_end([1, 3]) is None
+    m.accept([1, 3])
+    assert m.gate_end([4, 5]) == 0 and m.gate_end([5, 3, 4]) == 2 and m.gate_end([5]) is None
+    m.accept([4])
+    assert m.opened and m.num_accepted == 3
+    late = GrammarMatcher(None, vocab_size=10)  # type: ignore[arg-type]
+    late.num_accepted = 1
+    with pytest.raises(GrammarError):
+        late.start_after([3])

@@ -168,13 +168,32 @@ def test_an_answer_cut_off_while_thinking_is_all_reasoning_and_thinking_off_leav
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": raw}
 
 
-def test_a_grammar_is_refused_while_the_answer_is_split(server):
-    body = {"messages": CHAT, "max_tokens": 8, "response_format": {"type": "json_object"}}
-    status, err = call(server, "/v1/chat/completions", body)
-    assert status == 400 and err["error"]["param"] == "response_format"
-    assert "enable_thinking" in err["error"]["message"]
-    status, _ = call(
-        server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"enable_thinking": False}}
-    )
-    assert status == 200
+def test_a_grammar_constrains_the_answer_after_its_reasoning(server):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    seeds = [
+        s
+        for s in range(40)
+        if 0 < raw_answer(server, {"messages": CHAT, "seed": s, **PARAMS}).find("</think>") < 40
+    ]
+    assert seeds
+    body = {"messages": CHAT, "seed": seeds[0], **PARAMS, "max_tokens": 60, "response_format": fmt}
+    status, chat = call(server, "/v1/chat/completions", body)
+    assert status == 200, chat
+    message = chat["choices"][0]["message"]
+    # the reasoning is free text (the grammar would have begun it with "{"), the content the JSON
+    assert message["reasoning"] and not message["reasoning"].lstrip().startswith("{")
+    assert 0 <= json.loads(message["content"])["n"] <= 99 and chat["choices"][0]["finish_reason"] == "stop"
+    _, events = call(server, "/v1/chat/completions", {**body, "stream": True})
+    assert streamed(events) == (message["reasoning"], message["reasoning"], message["content"])
+    # with thinking off the whole answer is the JSON
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    status, whole = call(server, "/v1/chat/completions", off)
+    assert status == 200 and "reasoning" not in whole["choices"][0]["message"]
+    assert 0 <= json.loads(whole["choices"][0]["message"]["content"])["n"] <= 99
     assert_idle(server)

@@ -335,6 +335,10 @@ class LLMEngine:
         """Hands a processed request to the scheduler (`arrived`: it waited for its grammar, and
         already took its arrival index and its place in the output processor)."""
         request_id, params = req.request_id, req.params
+        so = params.structured_outputs
+        if grammar is not None and so is not None and so.start_after is not None:
+            # (an added token such as a thinking model's `</think>` encodes to itself)
+            grammar.start_after(self.tokenizer.encode(so.start_after))
         self.scheduler.add_request(
             request_id,
             req.prompt_token_ids,

@@ -12,6 +12,10 @@ advanced over the request's output). The engine advances it over the tokens the 
   differs from the draft, and so rejects it there (sampling/rejection.py). A draft that leaves the
   grammar is thus rejected exactly where the plain sampler would have drawn something else.
 
+A grammar may start later (`start_after`, a thinking model's `</think>`): until the output holds
+those tokens every token is allowed and none is consumed; the tokens after them are the grammar's
+from its first state, in `accept` as in the masks of a verify row whose drafts complete them.
+
 `grammar_bitmask` fills the masks of a whole batch at once in llguidance's executor (Rust threads,
 the GIL released). A mask is a bitmask of int32 words, bit t of word t // 32 for token t;
 `allowed_tokens` unpacks it into a bool tensor that `process_logits` applies as -inf.
@@ -61,6 +65,30 @@ class GrammarMatcher:
         self._m = matcher
         self.vocab_size = vocab_size
         self.num_accepted = 0  # tokens consumed so far (the request's output length)
+        # `start_after`: the tokens the output holds before the grammar applies (none: it applies
+        # from the first token), the last of them seen so far, and whether they were all seen
+        self._gate: tuple[int, ...] = ()
+        self._seen: list[int] = []
+        self.opened = True
+
+    def start_after(self, tokens: Sequence[int]) -> None:
+        """The grammar applies only to the output after its first run of `tokens` (before any
+        token is accepted); until then every token is allowed and none is consumed."""
+        if self.num_accepted:
+            raise GrammarError("the grammar's start was set after it consumed tokens")
+        self._gate = tuple(int(t) for t in tokens)
+        self.opened = not self._gate
+
+    def gate_end(self, tokens: Sequence[int]) -> int | None:
+        """While the grammar waits for its start: the index in `tokens` (what follows the output
+        accepted so far) of the token that completes the start tokens, or None."""
+        gate = self._gate
+        history = [*self._seen, *tokens]
+        offset = len(self._seen)
+        for end in range(max(len(gate), offset + 1), len(history) + 1):
+            if tuple(history[end - len(gate) : end]) == gate:
+                return end - 1 - offset
+        return None
 
     @property
     def words(self) -> int:
@@ -69,10 +97,10 @@ class GrammarMatcher:
 
     def is_terminated(self) -> bool:
         """The grammar cannot be extended: only EOS may follow (the output is complete)."""
-        return bool(self._m.is_stopped())
+        return self.opened and bool(self._m.is_stopped())
 
     def is_accepting(self) -> bool:
-        return bool(self._m.is_accepting())
+        return self.opened and bool(self._m.is_accepting())
 
     def check(self) -> None:
         """Raise GrammarError if the matcher is in its error state."""
@@ -83,12 +111,26 @@ class GrammarMatcher:
         """Advance over tokens the engine accepted. GrammarError if the grammar refuses one."""
         if not tokens:
             return
+        if not self.opened:
+            end = self.gate_end(tokens)
+            if end is None:
+                self.num_accepted += len(tokens)
+                keep = len(self._gate) - 1  # (the start's tokens a later call may complete)
+                self._seen = [*self._seen, *map(int, tokens)][-keep:] if keep else []
+                return
+            self.num_accepted += end + 1
+            self.opened, self._seen = True, []
+            tokens = tokens[end + 1 :]
+            if not tokens:
+                return
         if not self._m.consume_tokens([int(t) for t in tokens]):
             self.check()
             raise GrammarError("the grammar refused an accepted token")
         self.num_accepted += len(tokens)
 
     def rollback(self, num_tokens: int) -> None:
+        if self._gate and num_tokens:
+            raise GrammarError("a grammar with a start cannot roll back")
         if num_tokens and not self._m.rollback(num_tokens):
             raise GrammarError(f"the grammar could not roll back {num_tokens} tokens")
         self.num_accepted -= num_tokens
@@ -110,7 +152,19 @@ def grammar_bitmask(
     spec: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
     row = 0
     for i, m in enumerate(matchers):
-        if m is not None:
+        if m is not None and not m.opened:
+            # before its start every token is allowed; a draft that completes the start opens the
+            # grammar for the positions after it, from its first state
+            d = [int(t) for t in drafts[i]] if drafts is not None and ks[i] else []
+            end = m.gate_end(d)
+            if end is not None:
+                m.check()
+                rest = d[end + 1 :]
+                if rest:
+                    spec.append((m._m, row + end + 1, rest))
+                else:
+                    plain.append((m._m, row + end + 1))
+        elif m is not None:
             m.check()
             if ks[i]:
                 assert drafts is not None

@@ -24,6 +24,7 @@ from hybridserve.errors import InvalidRequestError
 # llguidance recurses along chains of rules; this bounds how deep such a chain can be.
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+MAX_START_AFTER_CHARS = 256
 
 # How JSON is laid out under a schema: Python's `json.dumps` separators and no other whitespace.
 # Free whitespace would let a model write spaces and newlines forever without breaking the
@@ -54,6 +55,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # The request field that carried it ("response_format", "tool_choice", ...): how errors name it
     param: str = field(default="structured_outputs", compare=False)
+    # The grammar applies only after the output has held this text's tokens (a thinking model's
+    # `</think>`: its reasoning is free, its answer matches the grammar); None: from the start
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +102,10 @@ class StructuredOutputsParams:
                 raise _bad(f"choice: at most {MAX_CHOICES} choices")
         elif self.json_object is not True:
             raise _bad("json_object: must be true")
+        if self.start_after is not None and (
+            not isinstance(self.start_after, str) or not 0 < len(self.start_after) <= MAX_START_AFTER_CHARS
+        ):
+            raise _bad(f"start_after: a non-empty string of at most {MAX_START_AFTER_CHARS} characters")
         try:
             size = len(self.source)
         except (TypeError, ValueError, RecursionError) as e:  # a set, bytes, a cycle, a deep nest
@@ -153,7 +161,7 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
-        unknown = sorted(set(d) - set(_KINDS) - {"param"})
+        unknown = sorted(set(d) - set(_KINDS) - {"param", "start_after"})
         if unknown:
             raise _bad(f"unknown field {unknown[0]!r} (supported: {', '.join(_KINDS)})")
         return cls(**{k: v for k, v in d.items() if v is not None})

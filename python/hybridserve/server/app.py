@@ -12,6 +12,7 @@ starts listening (`set_engine`), so /health answers 503 while the model loads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -732,14 +733,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
     if state.reasoning is not None and not req.thinking_disabled:
-        if req.grammar_param is not None:
-            raise P.APIError(
-                f"{req.grammar_param}: a grammar is not applied after the reasoning of a thinking model "
-                "(--reasoning-parser), it would constrain the reasoning too; turn thinking off with "
-                'chat_template_kwargs {"enable_thinking": false} to use one',
-                param=req.grammar_param,
-                code="unsupported_parameter",
-            )
+        so = req.params.structured_outputs
+        if so is not None:  # the grammar is the answer's, after the reasoning
+            so = dataclasses.replace(so, start_after=state.reasoning.end)
+            req.params = dataclasses.replace(req.params, structured_outputs=so)
         req.reasoning = state.reasoning
     return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
 

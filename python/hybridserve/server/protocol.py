@@ -271,9 +271,6 @@ class GenerateRequest:
     # chat: how the answer is split into reasoning and content (server/reasoning.py); the app sets
     # it from --reasoning-parser
     reasoning: ReasoningFormat | None = None
-    # chat: the field that gave the request a grammar (response_format, structured_outputs,
-    # tool_choice), None without one
-    grammar_param: str | None = None
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -989,15 +986,6 @@ def _thinking_disabled(body: dict[str, Any]) -> bool:
     )
 
 
-def grammar_field(body: dict[str, Any]) -> str:
-    """The field that gave a chat request its grammar (for the error that names it)."""
-    if body.get("structured_outputs") is not None:
-        return "structured_outputs"
-    if body.get("response_format") is not None:
-        return "response_format"
-    return "tool_choice"
-
-
 def _field_error(e: ValueError) -> APIError:
     """A tools / response_format / structured_outputs error as the 400 that names its field."""
     param = getattr(e, "param", None)
@@ -1158,7 +1146,6 @@ def parse_chat_request(
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
         thinking_disabled=_thinking_disabled(body),
-        grammar_param=None if params.structured_outputs is None else grammar_field(body),
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
