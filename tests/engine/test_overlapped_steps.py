@@ -85,7 +85,7 @@ def test_stop_strings_end_requests_the_same_way() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["sampling", "prefix-cache+ngram", "draft-model", "preempting"],
+    ["sampling", "bans", "prefix-cache+ngram", "draft-model", "preempting"],
 )
 def test_outputs_are_the_same_with_steps_overlapped_or_not(case: str) -> None:
     prompts = _prompts()
@@ -105,6 +105,19 @@ def test_outputs_are_the_same_with_steps_overlapped_or_not(case: str) -> None:
                 frequency_penalty=0.3,
                 repetition_penalty=1.2,
                 logprobs=2,
+                ignore_eos=True,
+            )
+            for i in range(len(prompts))
+        ]
+    elif case == "bans":
+        # allowed tokens, and bad words whose masks read the output so far, as the penalties do
+        params = [
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.9,
+                seed=200 + i,
+                allowed_token_ids=list(range(3, 400)),
+                bad_words=["the", " and", "of the"],
                 ignore_eos=True,
             )
             for i in range(len(prompts))
