@@ -286,3 +286,37 @@ def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802 - the demo tokenizer, as t
     from hybridserve.engine.tokenizer import Tokenizer
 
     return list(Tokenizer(ensure_demo_model()).encode(text))
+
+
+def test_chat_prompt_logprobs_are_the_rendered_prompts(server: ServerProcess) -> None:
+    """vLLM's prompt_logprobs on chat: on the response (its choices share one prompt), the same
+    numbers as a completion of the rendered prompt's ids; not with stream: true."""
+    import urllib.error
+    import urllib.request
+
+    def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            f"{server.base}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return int(r.status), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            with e:
+                return int(e.code), json.loads(e.read())
+
+    messages = [{"role": "user", "content": "The harbour was quiet when the trains"}]
+    _, tok = post("/tokenize", {"messages": messages})
+    status, chat = post(
+        "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "n": 2, "prompt_logprobs": 2}
+    )
+    assert status == 200 and len(chat["choices"]) == 2
+    _, done = post("/v1/completions", {"prompt": tok["tokens"], "max_tokens": 1, "prompt_logprobs": 2})
+    assert chat["prompt_logprobs"] == done["choices"][0]["prompt_logprobs"]
+    assert len(chat["prompt_logprobs"]) == tok["count"] and chat["prompt_logprobs"][0] is None
+    _, plain = post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert "prompt_logprobs" not in plain
+    status, err = post("/v1/chat/completions", {"messages": messages, "prompt_logprobs": 1, "stream": True})
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs"

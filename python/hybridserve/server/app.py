@@ -1150,7 +1150,15 @@ async def _collect(
         body = P.completion_response(request_id, created, req.model, out, usage)
     else:
         prompt_ids = req.prompts[0].token_ids if ids else None
-        body = P.chat_response(request_id, created, req.model, out, usage, prompt_token_ids=prompt_ids)
+        body = P.chat_response(
+            request_id,
+            created,
+            req.model,
+            out,
+            usage,
+            prompt_token_ids=prompt_ids,
+            prompt_logprobs=_vllm_prompt_logprobs(req, info, choices[0]),
+        )
     return web.json_response(body, dumps=_dumps)
 
 

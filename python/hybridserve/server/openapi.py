@@ -380,6 +380,12 @@ def _chat_fields(
         ),
         "logprobs": _bool("return log-probabilities (default false)"),
         "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
+        "prompt_logprobs": _int(
+            0,
+            MAX_LOGPROBS,
+            "the rendered prompt's own log-probabilities with their top-n, in the response's "
+            "prompt_logprobs (vLLM's; not with stream: true)",
+        ),
         "add_generation_prompt": _bool(
             "end the prompt with the assistant's turn header (default true; false with continue_final_message)"
         ),

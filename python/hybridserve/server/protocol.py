@@ -256,7 +256,8 @@ class GenerateRequest:
     # The output ids are all the engine generated, as vLLM's: an EOS / stop token included, and up
     # to and including the token that completed a stop string, where the text is cut before it.
     return_token_ids: bool = False
-    # vLLM's `prompt_logprobs` (completions): top-n of the prompt's logprobs in each choice
+    # vLLM's `prompt_logprobs`: top-n of the prompt's logprobs (completions: in each choice; chat,
+    # not streamed: on the response, whose choices share their prompt)
     prompt_logprobs: int | None = None
     # vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage in every chunk
     continuous_usage: bool = False
@@ -345,6 +346,7 @@ _CHAT_FIELDS = (
         "messages",
         "logprobs",
         "top_logprobs",
+        "prompt_logprobs",
         "max_completion_tokens",
         "add_generation_prompt",
         "tools",
@@ -1129,7 +1131,17 @@ def parse_chat_request(
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
     resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
-    params = _sampling_params(body, n=n, max_tokens=resolved, logprobs=logprobs, vocab_size=info.vocab_size)
+    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise _bad("prompt_logprobs", "not available with stream: true on chat (as vLLM)")
+    params = _sampling_params(
+        body,
+        n=n,
+        max_tokens=resolved,
+        logprobs=logprobs,
+        vocab_size=info.vocab_size,
+        prompt_logprobs=prompt_logprobs,
+    )
     params = _constrained(params, body, unknown, tools, tool_choice)
     req = GenerateRequest(
         kind="chat",
@@ -1146,6 +1158,7 @@ def parse_chat_request(
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
         thinking_disabled=_thinking_disabled(body),
+        prompt_logprobs=prompt_logprobs,
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
@@ -1466,10 +1479,14 @@ def chat_response(
     choices: list[dict[str, Any]],
     usage: dict[str, Any],
     prompt_token_ids: Sequence[int] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A chat response; with `prompt_token_ids` (vLLM's `return_token_ids`: a chat request has one
-    prompt, so its ids go on the response, not on each choice)."""
-    return _response("chat.completion", request_id, created, model, choices, usage, prompt_token_ids)
+    prompt, so its ids go on the response, not on each choice), and so `prompt_logprobs` (vLLM's)."""
+    resp = _response("chat.completion", request_id, created, model, choices, usage, prompt_token_ids)
+    if prompt_logprobs is not None:
+        resp["prompt_logprobs"] = prompt_logprobs
+    return resp
 
 
 def _stream_chunk(
