@@ -111,8 +111,9 @@ PARAMS = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "logit_bias"
 
 def raw_answer(server: ServerProcess, body: dict[str, Any]) -> str:
     """What the chat request completes to, as text: the same prompt through /v1/completions."""
-    _, tok = call(server, "/tokenize", {k: v for k, v in body.items() if k in ("messages", "tools")})
-    completion = {k: v for k, v in body.items() if k not in ("messages", "tools", "stream")}
+    keys = ("messages", "tools", "continue_final_message", "add_generation_prompt")
+    _, tok = call(server, "/tokenize", {k: v for k, v in body.items() if k in keys})
+    completion = {k: v for k, v in body.items() if k not in (*keys, "stream")}
     status, done = call(server, "/v1/completions", {**completion, "prompt": tok["tokens"]})
     assert status == 200, done
     return str(done["choices"][0]["text"])
@@ -197,3 +198,27 @@ def test_a_grammar_constrains_the_answer_after_its_reasoning(server):
     assert status == 200 and "reasoning" not in whole["choices"][0]["message"]
     assert 0 <= json.loads(whole["choices"][0]["message"]["content"])["n"] <= 99
     assert_idle(server)
+
+
+def test_a_prompt_that_closed_the_reasoning_gets_all_content_and_one_inside_it_reasoning_first(server):
+    # a template's no-thinking mode ends the prompt with an empty reasoning part; here an assistant
+    # message continued after its reasoning does the same
+    closed = [*CHAT, {"role": "assistant", "content": "<think>short</think>"}]
+    body = {"messages": closed, "continue_final_message": True, "seed": 3, **PARAMS}
+    raw = raw_answer(server, {**body, "add_generation_prompt": False})
+    _, chat = call(server, "/v1/chat/completions", body)
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": raw}
+    # continued inside its reasoning: the answer goes on with the reasoning until its end tag
+    inside = [*CHAT, {"role": "assistant", "content": "<think>first,"}]
+    seeds = [
+        s
+        for s in range(40)
+        if 0 < raw_answer(server, {**body, "messages": inside, "seed": s}).find("</think>")
+    ]
+    assert seeds
+    body = {**body, "messages": inside, "seed": seeds[0]}
+    raw = raw_answer(server, body)
+    _, chat = call(server, "/v1/chat/completions", body)
+    message = chat["choices"][0]["message"]
+    assert (message["reasoning"], message["content"] or "") == split_reasoning(R1, raw)
+    assert message["reasoning"] == raw[: raw.index("</think>")]

@@ -732,7 +732,11 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
-    if state.reasoning is not None and not req.thinking_disabled:
+    if (
+        state.reasoning is not None
+        and not req.thinking_disabled
+        and not _reasoning_closed(info, req, state.reasoning)
+    ):
         so = req.params.structured_outputs
         if so is not None:  # the grammar is the answer's, after the reasoning
             so = dataclasses.replace(so, start_after=state.reasoning.end)
@@ -1285,6 +1289,18 @@ async def _send_delta(
 def _tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
     """OpenAI's "tool_calls" when the model ended (not cut by a limit) after calling a tool."""
     return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+# The prompt tokens read to see whether the prompt itself closed the reasoning: a template's
+# empty reasoning part ("<think>\n\n</think>\n\n") is a few tokens long.
+_PROMPT_TAIL_TOKENS = 16
+
+
+def _reasoning_closed(info: EngineModelInfo, req: P.GenerateRequest, fmt: ReasoningFormat) -> bool:
+    """Whether the chat prompt ends with the end of a reasoning part (a template's no-thinking
+    mode, or an assistant message continued after its reasoning): the answer is then all content."""
+    tail = info.decode(req.prompts[0].token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return tail.rstrip().endswith(fmt.end)
 
 
 def _reasoning_of(req: P.GenerateRequest, choice: _Choice, delta: _Delta) -> tuple[str, str]:
