@@ -222,3 +222,29 @@ def test_a_prompt_that_closed_the_reasoning_gets_all_content_and_one_inside_it_r
     message = chat["choices"][0]["message"]
     assert (message["reasoning"], message["content"] or "") == split_reasoning(R1, raw)
     assert message["reasoning"] == raw[: raw.index("</think>")]
+
+
+def test_the_openai_client_reads_the_reasoning(server):
+    import openai
+
+    seeds = [
+        s
+        for s in range(40)
+        if 0 < raw_answer(server, {"messages": CHAT, "seed": s, **PARAMS}).find("</think>")
+    ]
+    assert seeds
+    raw = raw_answer(server, {"messages": CHAT, "seed": seeds[0], **PARAMS})
+    reasoning, content = split_reasoning(R1, raw)
+    kw: dict[str, Any] = {k: v for k, v in PARAMS.items() if k in ("max_tokens", "temperature", "logit_bias")}
+    kw.update(messages=CHAT, seed=seeds[0], extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0].id
+        message = client.chat.completions.create(model=model, **kw).choices[0].message
+        assert message.content == content and (message.model_extra or {})["reasoning_content"] == reasoning
+        deltas = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(model=model, stream=True, **kw)
+            if c.choices
+        ]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
