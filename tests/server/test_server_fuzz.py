@@ -112,6 +112,8 @@ _FREE_FIELDS = (
     "stop_token_ids",
     "stream",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
     "metadata",
 )
 _SURROGATES = ("\ud800", "\udfff", "a\udc00b", "\ud83d")  # unpaired: no tokenizer can encode them
