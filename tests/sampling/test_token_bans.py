@@ -4,6 +4,8 @@ every position of the speculative verify path; neither leaves a row without a to
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -56,6 +58,22 @@ def test_bad_words_forbid_a_last_token_only_after_the_rest_of_the_word():
         second,
         top,
     ]
+
+
+def test_the_indexed_bans_are_the_sequences_the_history_ends_before():
+    rng = random.Random(0)
+    for _ in range(3000):
+        seqs = [tuple(rng.randrange(4) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        output = [rng.randrange(4) for _ in range(rng.randint(0, 5))]
+        extra = [rng.randrange(4) for _ in range(rng.randint(0, 3))]
+        history = output + extra
+        naive = sorted(
+            s[-1]
+            for s in seqs
+            if len(s) == 1
+            or (len(history) >= len(s) - 1 and tuple(history[len(history) - len(s) + 1 :]) == s[:-1])
+        )
+        assert sorted(banned_next_tokens(seqs, output, extra)) == naive, (seqs, output, extra)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

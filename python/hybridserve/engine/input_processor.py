@@ -40,13 +40,11 @@ def bad_word_sequences(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tupl
     """The token sequences of `words` that the output must not end with: each word as written
     (without its leading spaces) and after a space, since a byte-level BPE gives a word inside a
     sentence other tokens than at the start; without repeats."""
+    texts = [t for word in words for t in (word.lstrip(), " " + word.lstrip())]
     seen: dict[tuple[int, ...], None] = {}
-    for word in words:
-        bare = word.lstrip()
-        for text in (bare, " " + bare):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids:
-                seen.setdefault(ids)
+    for ids in tokenizer.encode_many(texts, add_special_tokens=False):  # (one call for them all)
+        if ids:
+            seen.setdefault(tuple(ids))
     return tuple(seen)
 
 

@@ -31,6 +31,11 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_LEN = 256
 
 
+def _plain_ints(v: Sequence[object]) -> bool:
+    """Whether every item is a plain int (not a bool, not a numpy integer): one pass in C."""
+    return set(map(type, v)) <= {int}
+
+
 def stop_length_error(stop: Sequence[str]) -> str | None:
     """Why `stop` (strings) exceeds the length limits, or None. Shared by the offline validation
     and the HTTP protocol, so that both refuse the same lists with the same words."""
@@ -120,8 +125,9 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (type(allowed) is list and _plain_ints(allowed)):
+            self.allowed_token_ids = [int(t) for t in allowed]  # (numpy integers to plain ones)
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words) or None
 
@@ -214,7 +220,12 @@ class SamplingParams:
         if allowed is not None and (
             not isinstance(allowed, list | tuple)
             or not allowed
-            or not all(is_int(t) and 0 <= t < 2**63 for t in allowed)
+            # (checked in C where the ids are plain ints: the list may hold a vocabulary's worth,
+            # and a request's params are checked again for each of its choices)
+            or not (
+                (_plain_ints(allowed) and 0 <= min(allowed) and max(allowed) < 2**63)
+                or all(is_int(t) and 0 <= t < 2**63 for t in allowed)
+            )
         ):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
         words = self.bad_words

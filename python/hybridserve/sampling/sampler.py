@@ -289,8 +289,10 @@ class RowSampling:
     grammar: GrammarMatcher | None = None
     # params.bad_words as token sequences (engine/input_processor.py `bad_word_sequences`)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
-    # params.allowed_token_ids as a mask over a vocabulary (`_allowed_mask`), made at first use
+    # params.allowed_token_ids as a mask over a vocabulary (`_allowed_mask`), and bad_word_ids
+    # indexed (`BadWordIndex`), made at first use
     allowed_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    bad_word_index: BadWordIndex | None = field(default=None, init=False, repr=False, compare=False)
     # The penalties' counts of this row's history, kept across steps when the row object is
     # (the engine keeps one per request; its output list grows in place): `_PenaltyHistory`
     penalty_history: _PenaltyHistory | None = field(default=None, init=False, repr=False, compare=False)
@@ -393,7 +395,9 @@ def _apply_bans(
             allowed_masks.append(_allowed_mask(row, vocab, device))
         if row.bad_word_ids:
             extra = extra_tokens[i] if extra_tokens is not None else ()
-            for t in banned_next_tokens(row.bad_word_ids, row.output_token_ids, extra):
+            if row.bad_word_index is None:
+                row.bad_word_index = BadWordIndex(row.bad_word_ids)
+            for t in row.bad_word_index.banned_after(row.output_token_ids, extra):
                 if t < vocab:
                     word_rows.append(i)
                     word_ids.append(t)
@@ -434,25 +438,42 @@ def _forbid_unless_all(x: torch.Tensor, rows: list[int], forbidden: torch.Tensor
     x[idx] = torch.where(kept, masked, before)
 
 
+class BadWordIndex:
+    """A request's banned token sequences, indexed by the token before the last one: a step
+    compares only the sequences whose next-to-last token the history ends with."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        self.singles = [int(s[0]) for s in sequences if len(s) == 1]
+        # token before the last -> (the tokens before the last, the last)
+        self.by_end: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for s in sequences:
+            if len(s) > 1:
+                self.by_end.setdefault(int(s[-2]), []).append((tuple(int(t) for t in s[:-1]), int(s[-1])))
+
+    def banned_after(self, output: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
+        """The tokens that would complete a sequence after the history `output` + `extra` (a
+        draft's tokens after the output): every one-token sequence's token, and a longer one's
+        last token where the history ends with the others."""
+        banned = list(self.singles)
+        last = extra[-1] if extra else (output[-1] if output else None)
+        for before, token in self.by_end.get(last, ()) if last is not None else ():
+            n_out = len(before) - len(extra)  # how many of the tokens before come from the output
+            if n_out > len(output):
+                continue
+            if n_out <= 0:
+                tail = tuple(extra[len(extra) - len(before) :])
+            else:
+                tail = (*output[len(output) - n_out :], *extra)
+            if tail == before:
+                banned.append(token)
+        return banned
+
+
 def banned_next_tokens(
     sequences: Sequence[Sequence[int]], output: Sequence[int], extra: Sequence[int] = ()
 ) -> list[int]:
-    """The tokens that would complete one of `sequences` after the history `output` + `extra`
-    (a draft's tokens after the output): every one-token sequence's token, and a longer one's
-    last token where the history ends with the others."""
-    banned = []
-    for seq in sequences:
-        before = len(seq) - 1
-        if before == 0:
-            banned.append(seq[0])
-            continue
-        n_out = before - len(extra)  # how many of the tokens before come from the output
-        if n_out > len(output):
-            continue
-        tail = list(extra[len(extra) - before :]) if n_out <= 0 else [*output[len(output) - n_out :], *extra]
-        if tail == list(seq[:before]):
-            banned.append(seq[before])
-    return banned
+    """`BadWordIndex.banned_after` of `sequences` (indexed anew)."""
+    return BadWordIndex(sequences).banned_after(output, extra)
 
 
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ that do not fit in `max_model_len`, token ids outside the vocabulary. A bad requ
 from __future__ import annotations
 
 import codecs
+import copy
 import dataclasses
 import json
 import math
@@ -283,7 +284,12 @@ class GenerateRequest:
     def choice_params(self, choice_index: int) -> SamplingParams:
         """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds, as in `LLM`)."""
         seed = choice_seed(self.params.seed, choice_index % self.params.n)
-        return dataclasses.replace(self.params, n=1, seed=seed)
+        # a copy with the two fields set, not `dataclasses.replace`: that would check every field
+        # again for every choice, on the event loop (a vocabulary's worth of allowed_token_ids
+        # costs milliseconds each time); n = 1 and a derived seed are valid by construction
+        params = copy.copy(self.params)
+        params.n, params.seed = 1, seed
+        return params
 
 
 _SAMPLING_FIELDS = {
@@ -598,7 +604,8 @@ def _sampling_params(
     allowed = (
         None
         if allowed_raw is None
-        else _parse_token_list("allowed_token_ids", allowed_raw, vocab_size, allow_empty=False)
+        # (without repeats, in order: at most the vocabulary, however long the list sent)
+        else sorted(set(_parse_token_list("allowed_token_ids", allowed_raw, vocab_size, allow_empty=False)))
     )
     try:
         return SamplingParams(
