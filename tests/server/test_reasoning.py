@@ -146,6 +146,8 @@ def test_chat_answers_are_split_where_their_text_ends_its_reasoning(server):
         status, events = call(server, "/v1/chat/completions", {**body, "stream": True})
         assert status == 200 and events[-1] == "[DONE]"
         assert streamed(events) == (message["reasoning"], message["reasoning"], message["content"] or "")
+        # no chunk for a delta whose text was all held back
+        assert all(c["delta"] or c["finish_reason"] for e in events[:-1] for c in e["choices"])
         # with tools offered (no call made), the content after the reasoning is what they parse
         tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
         tooled = {**body, "tools": tools}
@@ -203,11 +205,12 @@ def test_a_grammar_constrains_the_answer_after_its_reasoning(server):
 def test_a_prompt_that_closed_the_reasoning_gets_all_content_and_one_inside_it_reasoning_first(server):
     # a template's no-thinking mode ends the prompt with an empty reasoning part; here an assistant
     # message continued after its reasoning does the same
-    closed = [*CHAT, {"role": "assistant", "content": "<think>short</think>"}]
-    body = {"messages": closed, "continue_final_message": True, "seed": 3, **PARAMS}
-    raw = raw_answer(server, {**body, "add_generation_prompt": False})
-    _, chat = call(server, "/v1/chat/completions", body)
-    assert chat["choices"][0]["message"] == {"role": "assistant", "content": raw}
+    for written in ("<think>short</think>", "<think>short</think>The answer is"):
+        closed = [*CHAT, {"role": "assistant", "content": written}]
+        body = {"messages": closed, "continue_final_message": True, "seed": 3, **PARAMS}
+        raw = raw_answer(server, {**body, "add_generation_prompt": False})
+        _, chat = call(server, "/v1/chat/completions", body)
+        assert chat["choices"][0]["message"] == {"role": "assistant", "content": raw}, written
     # continued inside its reasoning: the answer goes on with the reasoning until its end tag
     inside = [*CHAT, {"role": "assistant", "content": "<think>first,"}]
     seeds = [

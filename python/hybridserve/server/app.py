@@ -1267,6 +1267,8 @@ async def _send_delta(
         prompt_ids = None  # (in the choice, not on the chunk)
     else:
         reasoning, content = _reasoning_of(req, choice, delta)
+        if req.reasoning is not None and not (reasoning or content or delta.finished or lps or ids or first):
+            return  # its text is held back (it may begin a tag), and nothing else is new
         cj = P.chat_chunk_choice(
             choice.index,
             role=None if choice.started_stream else "assistant",
@@ -1297,8 +1299,12 @@ _PROMPT_TAIL_TOKENS = 16
 
 
 def _reasoning_closed(info: EngineModelInfo, req: P.GenerateRequest, fmt: ReasoningFormat) -> bool:
-    """Whether the chat prompt ends with the end of a reasoning part (a template's no-thinking
-    mode, or an assistant message continued after its reasoning): the answer is then all content."""
+    """Whether the answer starts after the reasoning, so that it is all content: the message it
+    continues (continue_final_message) closed its last reasoning part, or the prompt ends with the
+    end of one (a template's no-thinking mode)."""
+    text = req.continued
+    if text is not None and (fmt.start in text or fmt.end in text):
+        return text.rfind(fmt.end) > text.rfind(fmt.start)
     tail = info.decode(req.prompts[0].token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return tail.rstrip().endswith(fmt.end)
 
@@ -1350,7 +1356,7 @@ async def _send_tool_delta(
         cj = P.chat_chunk_choice(
             choice.index,
             role=None if choice.started_stream else "assistant",
-            content=content,
+            content=content if req.reasoning is None or content else None,  # (as `_send_delta`)
             logprobs=lps,
             token_ids=ids,
             reasoning=reasoning or None,

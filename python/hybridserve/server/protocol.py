@@ -273,6 +273,8 @@ class GenerateRequest:
     # chat: how the answer is split into reasoning and content (server/reasoning.py); the app sets
     # it from --reasoning-parser
     reasoning: ReasoningFormat | None = None
+    # chat with continue_final_message: the content of the message the answer continues
+    continued: str | None = None
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -1166,6 +1168,9 @@ def parse_chat_request(
         priority=_parse_priority(body),
         thinking_disabled=_thinking_disabled(body),
         prompt_logprobs=prompt_logprobs,
+        continued=_parse_messages(body["messages"])[-1]["content"]
+        if get_bool(body, "continue_final_message", False)
+        else None,
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
