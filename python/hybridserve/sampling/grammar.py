@@ -205,7 +205,11 @@ def row_masks(
     drafts: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor | None:
     """bool [positions, vocab] of the allowed tokens of every logit row (one per row, or 1 + k per
-    verify row), None when no row has a grammar."""
-    if all(g is None for g in grammars):
+    verify row), None when no row has a grammar that applies (none, or none started yet: a
+    thinking model's grammar waits through its whole reasoning, which then costs no mask)."""
+    if all(
+        g is None or (not g.opened and g.gate_end(drafts[i] if drafts is not None else ()) is None)
+        for i, g in enumerate(grammars)
+    ):
         return None
     return allowed_tokens(grammar_bitmask(grammars, drafts), vocab, device)
