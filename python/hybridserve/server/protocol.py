@@ -818,7 +818,7 @@ def _parse_prompts(
             if not s:
                 raise _bad("prompt", "must not be empty")
             _check_surrogates("prompt", s)
-            if keep is None:
+            if keep is None or keep >= info.max_model_len:  # (cut to the context, still too long)
                 refuse_longer_than_context(info, s, info.max_model_len, "prompt")
         encoded = info.encode_many(texts, add_special_tokens=add_special_tokens)
         if not all(encoded):
@@ -1134,8 +1134,10 @@ def parse_chat_request(
     _check_sequences(1, n)
     tools, tool_choice, rendered_tools = _parse_tool_fields(body, unknown)
     keep = _parse_truncation(body, info.max_model_len)
-    # (a conversation that will be cut is not refused for its length before it is tokenized)
-    ids = _render_chat(body, info, unknown, rendered_tools, info.max_model_len if keep is None else None)
+    # (a conversation that will be cut below the context is not refused for its length before
+    # it is tokenized)
+    cut = keep is not None and keep < info.max_model_len
+    ids = _render_chat(body, info, unknown, rendered_tools, None if cut else info.max_model_len)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
