@@ -219,6 +219,21 @@ def running_server(*args: str, model: str = "demo") -> Iterator[ServerProcess]:
     srv.remove_log()
 
 
+def call(server: ServerProcess, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
+    """(status, parsed body) of a GET (no body) or a JSON POST: a streamed answer (`"stream": true`
+    in the body) as its parsed SSE events, any other as JSON, an error status too."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            streamed = isinstance(body, dict) and body.get("stream") and int(r.status) == 200
+            return int(r.status), parse_sse(raw) if streamed else json.loads(raw)
+    except urllib.error.HTTPError as e:
+        with e:
+            return int(e.code), json.loads(e.read())
+
+
 def get_metrics(server: ServerProcess) -> dict[str, float]:
     """The server's /metrics, parsed."""
     with urllib.request.urlopen(server.base + "/metrics", timeout=30) as r:

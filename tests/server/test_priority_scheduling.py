@@ -4,29 +4,17 @@ waiting request of a lower value is scheduled before one that arrived earlier; w
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from server_fixtures import ServerProcess, assert_idle, get_metrics, running_server
+from server_fixtures import ServerProcess, assert_idle, call, get_metrics, running_server
 
 ARGS = ("--max-model-len", "2048", "--max-num-seqs", "1")
 
 
 def post(server: ServerProcess, body: dict[str, Any]) -> tuple[int, Any]:
-    data = json.dumps({"prompt": "The fox", "temperature": 0, **body}).encode()
-    req = urllib.request.Request(
-        server.base + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return int(r.status), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return int(e.code), json.loads(e.read())
+    return call(server, "/v1/completions", {"prompt": "The fox", "temperature": 0, **body})
 
 
 def wait_for(server: ServerProcess, gauge: str, count: int) -> None:

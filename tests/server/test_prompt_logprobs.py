@@ -21,7 +21,7 @@ import torch
 from hybridserve.engine.llm import LLM
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.params import SamplingParams
-from server_fixtures import ServerProcess
+from server_fixtures import ServerProcess, call
 
 pytest.importorskip("lm_eval")
 
@@ -291,21 +291,9 @@ def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802 - the demo tokenizer, as t
 def test_chat_prompt_logprobs_are_the_rendered_prompts(server: ServerProcess) -> None:
     """vLLM's prompt_logprobs on chat: on the response (its choices share one prompt), the same
     numbers as a completion of the rendered prompt's ids; not with stream: true."""
-    import urllib.error
-    import urllib.request
 
     def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        req = urllib.request.Request(
-            f"{server.base}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return int(r.status), json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            with e:
-                return int(e.code), json.loads(e.read())
+        return call(server, path, body)
 
     messages = [{"role": "user", "content": "The harbour was quiet when the trains"}]
     _, tok = post("/tokenize", {"messages": messages})

@@ -16,7 +16,7 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.reasoning import ReasoningSplitter, reasoning_format, split_reasoning
-from server_fixtures import ServerProcess, assert_idle, parse_sse, running_server
+from server_fixtures import ServerProcess, assert_idle, call, running_server
 
 R1 = reasoning_format("deepseek_r1")
 
@@ -86,22 +86,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "--max-model-len", "512", "--reasoning-parser", "deepseek_r1", model=str(model)
     ) as srv:
         yield srv
-
-
-def call(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(
-        server.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            raw = r.read()
-            return int(r.status), parse_sse(raw) if body.get("stream") else json.loads(raw)
-    except urllib.error.HTTPError as e:
-        with e:
-            return int(e.code), json.loads(e.read())
 
 
 CHAT = [{"role": "user", "content": "Think, then answer."}]

@@ -20,7 +20,7 @@ import pytest
 
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, parse_sse, running_server
+from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, call, parse_sse, running_server
 
 MAX_MODEL_LEN = 512
 PROMPT = "The quick brown fox"
@@ -45,18 +45,6 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def info() -> TokenizerModelInfo:
     return TokenizerModelInfo(ensure_demo_model(), max_model_len=MAX_MODEL_LEN)
-
-
-def call(server: ServerProcess, path: str, body: Any = None) -> tuple[int, Any]:
-    """(status, parsed JSON) of a GET (no body) or a JSON POST."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.base + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return int(r.status), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return int(e.code), json.loads(e.read())
 
 
 def stream(server: ServerProcess, path: str, body: dict[str, Any]) -> list[Any]:
