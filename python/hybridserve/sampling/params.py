@@ -89,8 +89,9 @@ class SamplingParams:
     # vLLM's allowed_token_ids: the only tokens the output may hold (None: any). Checked against
     # the vocabulary when the request is added.
     allowed_token_ids: list[int] | None = None
-    # vLLM's bad_words: words the output must not contain. Each is tokenized as written and after a
-    # space; a word's last token is forbidden wherever the output ends with the tokens before it.
+    # vLLM's bad_words: words the output must not contain. Each is tokenized without its leading
+    # spaces and after one space; a word's last token is forbidden wherever the output ends with
+    # the tokens before it.
     bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
