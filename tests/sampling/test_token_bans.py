@@ -12,7 +12,12 @@ import torch
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams
 from hybridserve.sampling.rejection import RejectionSampler
-from hybridserve.sampling.sampler import RowSampling, Sampler, banned_next_tokens, processed_probs
+from hybridserve.sampling.sampler import BadWordIndex, RowSampling, Sampler, processed_probs
+
+
+def banned_next_tokens(sequences, output, extra=()):  # type: ignore[no-untyped-def]
+    return BadWordIndex(sequences).banned_after(output, extra)
+
 
 VOCAB = 16
 

@@ -469,13 +469,6 @@ class BadWordIndex:
         return banned
 
 
-def banned_next_tokens(
-    sequences: Sequence[Sequence[int]], output: Sequence[int], extra: Sequence[int] = ()
-) -> list[int]:
-    """`BadWordIndex.banned_after` of `sequences` (indexed anew)."""
-    return BadWordIndex(sequences).banned_after(output, extra)
-
-
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """`logits` with the tokens `allowed` (bool, same shape) forbids at -inf; `logits` itself when
     there is no mask."""

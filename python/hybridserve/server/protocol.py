@@ -1067,9 +1067,9 @@ def _render_chat(
     unknown: UnknownFields,
     tools: list[dict[str, Any]] | None = None,
     context_limit: int | None = None,
-) -> list[int]:
+) -> tuple[list[int], str | None]:
     """The token ids of a chat body's `messages` through the chat template (the chat route's and
-    /tokenize's): `add_generation_prompt` (default true, false with `continue_final_message`),
+    /tokenize's), and with `continue_final_message` the content of the message they continue: `add_generation_prompt` (default true, false with `continue_final_message`),
     `continue_final_message` (the prompt ends inside the final message, which the model continues),
     `add_special_tokens` (default false, as vLLM: the template writes BOS itself),
     `chat_template_kwargs`. `context_limit` (the chat route's): a conversation that cannot fit is
@@ -1090,7 +1090,7 @@ def _render_chat(
         else:
             messages = T.with_tools_in_system_prompt(messages, T.TOOL_PARSERS["hermes"], tools)
     try:
-        return info.encode_chat(
+        ids = info.encode_chat(
             messages,
             add_generation_prompt,
             add_special_tokens=add_special_tokens,
@@ -1106,6 +1106,7 @@ def _render_chat(
         raise APIError(
             f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
         ) from None
+    return ids, str(messages[-1]["content"]) if continue_final else None
 
 
 def parse_chat_request(
@@ -1137,7 +1138,7 @@ def parse_chat_request(
     # (a conversation that will be cut below the context is not refused for its length before
     # it is tokenized)
     cut = keep is not None and keep < info.max_model_len
-    ids = _render_chat(body, info, unknown, rendered_tools, None if cut else info.max_model_len)
+    ids, continued = _render_chat(body, info, unknown, rendered_tools, None if cut else info.max_model_len)
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
@@ -1170,9 +1171,7 @@ def parse_chat_request(
         priority=_parse_priority(body),
         thinking_disabled=_thinking_disabled(body),
         prompt_logprobs=prompt_logprobs,
-        continued=_parse_messages(body["messages"])[-1]["content"]
-        if get_bool(body, "continue_final_message", False)
-        else None,
+        continued=continued,
     )
     req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
     return req
@@ -1225,7 +1224,7 @@ def parse_tokenize_request(
             raise _bad("prompt", "give either prompt or messages, not both")
         _check_fields(body, TOKENIZE_CHAT_FIELDS, _CHAT_VLLM_UNSUPPORTED, unknown)
         _parse_model(body, served_model_name)
-        ids = _render_chat(body, info, unknown, _parse_tool_fields(body, unknown)[2])
+        ids, _ = _render_chat(body, info, unknown, _parse_tool_fields(body, unknown)[2])
     else:
         _check_fields(body, TOKENIZE_PROMPT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
