@@ -502,7 +502,7 @@ def test_tool_call_history_renders_as_hermes_text_for_chatml(info):
         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     }
     assert rendered[2] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
-    ids = P._render_chat({"messages": HISTORY}, info, P.UnknownFields(strict=True))
+    ids, _ = P._render_chat({"messages": HISTORY}, info, P.UnknownFields(strict=True))
     text = info.tokenizer.decode(ids, skip_special_tokens=False)
     assert "<|im_start|>tool" not in text and "<tool_response>" in text and "<tool_call>" in text
 
