@@ -181,27 +181,76 @@ __global__ void __launch_bounds__(kThreads) cb_kernel(const SsdParams p) {
   }
 }
 
-// ---- K3: state passing, one thread per (row, head, state element) ----------------------------
-__global__ void state_passing_kernel(const SsdParams p) {
+// ---- K3: state passing, one thread per (row, head, VEC consecutive state elements) ------------
+// The chunks of a row are sequential, so a thread keeps kAhead chunk states in flight: it loads
+// them all before it stores any. Loading one at a time left each thread waiting on memory for
+// every chunk and made this small pass most of the scan's time. The decay of every chunk is
+// computed once per block into shared memory. The arithmetic (and its order) is unchanged.
+constexpr int kPassThreads = 256;
+constexpr int kAhead = 8;
+
+template <int VEC>
+struct Vec;
+template <>
+struct Vec<1> {
+  using type = float;
+  __device__ static float mul_add(float d, float h, float s) { return d * h + s; }
+};
+template <>
+struct Vec<4> {
+  using type = float4;
+  __device__ static float4 mul_add(float d, float4 h, float4 s) {
+    return make_float4(d * h.x + s.x, d * h.y + s.y, d * h.z + s.z, d * h.w + s.w);
+  }
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(kPassThreads) state_passing_kernel(const SsdParams p) {
+  using V = typename Vec<VEC>::type;
+  __shared__ float decay[kPassThreads];
   const int64_t pn = static_cast<int64_t>(p.P) * p.N;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= pn) return;
+  const int64_t e = (static_cast<int64_t>(blockIdx.x) * kPassThreads + threadIdx.x) * VEC;
   const int h = blockIdx.y;
   const int r = blockIdx.z;
   const int64_t c0 = p.row_chunk_off[r], c1 = p.row_chunk_off[r + 1];
-  if (c1 <= c0) return;
-  const int64_t head_off = static_cast<int64_t>(h) * pn + e;
+  if (c1 <= c0) return;  // the same for the whole block
+  const bool active = e < pn;
   const int64_t slot_elems = static_cast<int64_t>(p.H) * pn;
-  float hs = 0.f;
-  if (p.has_init[r]) hs = p.state[p.read_slot[r] * slot_elems + head_off];
-  for (int64_t c = c0; c < c1; ++c) {
-    float* sc = p.states + c * slot_elems + head_off;
-    const float s = *sc;
-    *sc = hs;
-    const int64_t last = p.chunk_start[c] + p.chunk_len[c] - 1;
-    hs = expf(p.lam[last * p.H + h]) * hs + s;
+  const int64_t head_off = static_cast<int64_t>(h) * pn + e;
+  V hs;
+  float* hsf = reinterpret_cast<float*>(&hs);
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) hsf[v] = 0.f;
+  if (active && p.has_init[r]) {
+    const float* init = p.state + p.read_slot[r] * slot_elems + head_off;  // any alignment
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) hsf[v] = init[v];
   }
-  p.states[(static_cast<int64_t>(p.NC) + r) * slot_elems + head_off] = hs;
+  for (int64_t base = c0; base < c1; base += kPassThreads) {
+    const int64_t n = c1 - base < kPassThreads ? c1 - base : kPassThreads;
+    __syncthreads();  // the previous window's decays are no longer read
+    if (threadIdx.x < n) {
+      const int64_t c = base + threadIdx.x;
+      decay[threadIdx.x] = expf(p.lam[(p.chunk_start[c] + p.chunk_len[c] - 1) * p.H + h]);
+    }
+    __syncthreads();
+    if (!active) continue;
+    for (int64_t i0 = 0; i0 < n; i0 += kAhead) {
+      V s[kAhead];
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) {
+        if (i0 + i < n) s[i] = *reinterpret_cast<const V*>(p.states + (base + i0 + i) * slot_elems + head_off);
+      }
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) {
+        if (i0 + i < n) {
+          *reinterpret_cast<V*>(p.states + (base + i0 + i) * slot_elems + head_off) = hs;
+          hs = Vec<VEC>::mul_add(decay[i0 + i], hs, s[i]);
+        }
+      }
+    }
+  }
+  if (active) *reinterpret_cast<V*>(p.states + (static_cast<int64_t>(p.NC) + r) * slot_elems + head_off) = hs;
 }
 
 // ---- K4: outputs, M = chunk tokens, N = P -----------------------------------------------------
@@ -295,8 +344,17 @@ void launch_ssd(const SsdParams& p, cudaStream_t stream) {
       cb_kernel<scalar_t><<<dim3(tq * tq, p.G, p.NC), kThreads, 0, stream>>>(p);
     }
     {
+      // float4 when every thread's four elements share one aligned vector (states is a fresh
+      // allocation, so only P * N decides)
       const int64_t pn = static_cast<int64_t>(p.P) * p.N;
-      state_passing_kernel<<<dim3(static_cast<unsigned>((pn + 255) / 256), p.H, p.R), 256, 0, stream>>>(p);
+      const bool vec = pn % 4 == 0 && reinterpret_cast<uintptr_t>(p.states) % 16 == 0;
+      const int64_t per_block = static_cast<int64_t>(kPassThreads) * (vec ? 4 : 1);
+      const dim3 grid(static_cast<unsigned>((pn + per_block - 1) / per_block), p.H, p.R);
+      if (vec) {
+        state_passing_kernel<4><<<grid, kPassThreads, 0, stream>>>(p);
+      } else {
+        state_passing_kernel<1><<<grid, kPassThreads, 0, stream>>>(p);
+      }
     }
     {
       const int64_t blocks = static_cast<int64_t>(p.NC) * p.H * ((p.Q + BM - 1) / BM) * ((p.P + BN - 1) / BN);
