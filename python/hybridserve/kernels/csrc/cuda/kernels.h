@@ -145,9 +145,9 @@ void launch_conv_prefill(const ConvParams& p, cudaStream_t stream);
 void launch_conv_update(const ConvParams& p, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------------
-// Rejection sampling (one launch for the batch; one CTA per request row). Row r owns the k_r + 1
-// consecutive target rows start[r] .. start[r] + k_r (start = exclusive cumsum of k + 1) and the
-// drafts dstart[r] .. dstart[r] + k_r - 1 (dstart = exclusive cumsum of k).
+// Rejection sampling (two launches for the batch: one CTA per request and vocabulary tile, then
+// one warp per request). Row r owns the k_r + 1 consecutive target rows starting at
+// sum_{q<r} (k_q + 1) and the drafts starting at sum_{q<r} k_q; the kernels compute both sums.
 struct RejectionParams {
   const float* probs;  // [M, V] target probabilities p (after every logits processor)
   int64_t probs_stride;
@@ -155,20 +155,20 @@ struct RejectionParams {
   int64_t logits_stride;
   const float* draft_probs;  // [sum k, V] q, or nullptr (q = one-hot at the draft)
   int64_t dp_stride;
-  const int64_t* draft_ids;  // [sum k]
+  const int64_t* draft_ids;   // [sum k]
   const int64_t* num_drafts;  // [R]
-  const int64_t* start;       // [R] first target row of each request
-  const int64_t* dstart;      // [R] first draft of each request
   const bool* is_greedy;      // [R]
   const float* uniforms;  // [sum k] U[0,1) per draft, or nullptr (Philox)
   const float* noise;     // [R, V] Exp(1), or nullptr (Philox)
   int64_t noise_stride;
   const int64_t* seeds;    // [R]
   const int64_t* offsets;  // [R]
-  int64_t* out_tokens;     // [M]: row r's emitted tokens at start[r] + j, -1 elsewhere
+  void* partials;          // rejection_workspace_bytes(M, V) of scratch: each tile's partial result
+  int64_t* out_tokens;     // [M]: row r's emitted tokens from its first row on, -1 elsewhere
   int64_t* out_accepted;   // [R]
   int R, V;
 };
+int64_t rejection_workspace_bytes(int64_t M, int V);
 void launch_rejection(const RejectionParams& p, cudaStream_t stream);
 
 }  // namespace hs
