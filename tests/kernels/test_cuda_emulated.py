@@ -103,6 +103,8 @@ SSD_CASES = {
     "small": ((4, 16, 16, 2, 16), [1, 15, 16, 17, 0, 45, 3], [0, 5, 16, 9, 3, 20, 30], [0, 1, 1, 0, 0, 1, 1]),
     # partial 64x64 GEMM tiles (P = 80, N = 96), two query tiles per chunk (Q = 128), causal tile skip
     "tiles": ((2, 80, 96, 1, 128), [130, 60, 1], [0, 100, 7], [0, 1, 1]),
+    # P * N not a multiple of four: the state passing's one-element path
+    "odd": ((2, 9, 15, 1, 16), [40, 7, 21], [3, 0, 16], [1, 0, 1]),
 }
 
 
@@ -166,6 +168,36 @@ def test_ssd_prefill(emu, dtype, case, emit_kind):
         with pytest.raises(ValueError, match="out of range"):
             emu.ssd_prefill(*[c[k] for k in keys], pool.clone(), *rest[:5], torch.tensor([row]),
                             torch.tensor([tok]), torch.tensor([1]), Q, 0.0, math.inf)  # fmt: skip
+
+
+def test_ssd_prefill_passes_states_through_more_chunks_than_one_block_holds(emu):
+    """A row of 258 chunks: the state passing reads the chunks' decays in windows of 256 and keeps
+    eight chunk states in flight, so a window boundary and a partial group are both crossed."""
+    H, P, N, G, Q = 1, 4, 4, 1, 4
+    L = 258 * Q - 1  # the last chunk partial
+    g = _g(4)
+    c = _ssm_inputs(L, H, P, N, G, torch.float32, g)
+    pool = torch.zeros((3, H, P, N))
+    pool[1] = torch.randn((H, P, N), generator=g)
+    z = torch.zeros(0, dtype=torch.int64)
+    keys = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+    rest = (
+        _qsl([L]),
+        torch.tensor([0]),
+        torch.tensor([1]),
+        torch.tensor([True]),
+        torch.tensor([2]),
+        z,
+        z,
+        z,
+        Q,
+    )
+    p_emu = pool.clone()
+    y = emu.ssd_prefill(*[c[k] for k in keys], p_emu, *rest, 0.0, math.inf)
+    p_ref = pool.double()
+    y_ref = reference.ssd_prefill(*[c[k].double() for k in keys], p_ref, *rest)
+    assert _close(y, y_ref, torch.float32)
+    assert _rel(p_emu[2], p_ref[2]) < 1e-5
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -255,8 +287,10 @@ def test_copy_slots(emu):
     assert torch.equal(c1, c2)
 
 
-@pytest.mark.parametrize("V", [300, 2500])
+@pytest.mark.parametrize("V", [300, 2500, 9001])
 def test_rejection_sample_matches_twin(emu, V):
+    """V = 9001 spans three vocabulary tiles of the CUDA op, the last one partial and not a
+    multiple of four."""
     g = _g(5)
     ks = [3, 0, 2, 1, 3]
     greedy = torch.tensor([False, False, True, False, True])
@@ -286,6 +320,66 @@ def test_rejection_sample_matches_twin(emu, V):
     assert torch.equal(c[0][:4], a[0][:4])
     toks = a[0].tolist()
     assert all(-1 <= t < V for t in toks)
+
+
+def test_rejection_sample_ties_across_tiles_pick_the_first_index(emu):
+    """Equal maxima in different vocabulary tiles: greedy rows take the first index, as the twin
+    does, wherever the tiles' partial results are combined."""
+    V, ks = 12289, [1, 0]
+    M = sum(k + 1 for k in ks)
+    logits = torch.zeros((M, V))
+    logits[0, [9000, 5000, 100]] = 2.0  # first index 100 (tile 0) beats tiles 1 and 2
+    logits[1, [8191, 8192, 12288]] = 3.0  # the last id of tile 1 beats tile 2's first
+    logits[2, [4097, 12000]] = 1.0
+    p = torch.softmax(logits, -1)
+    drafts = torch.tensor([100])
+    kt = torch.tensor(ks)
+    greedy = torch.tensor([True, True])
+    zeros = torch.zeros(2, dtype=torch.int64)
+    got = emu.rejection_sample(p, logits, drafts, kt, greedy, None, None, None, zeros, zeros)
+    want = dispatch.rejection_sample_reference(p, logits, drafts, kt, greedy, None, None, None)
+    assert got[0].tolist() == want[0].tolist() == [100, 8191, 4097]
+    assert got[1].tolist() == want[1].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("reject_at", [0, 255, 256, 280, None])
+def test_rejection_sample_long_draft_chains(emu, reject_at):
+    """More drafts than a CTA has threads: the acceptance tests run in windows of 256, and the
+    first rejection is found in the right window (or none, and the bonus token follows)."""
+    V, k = 64, 300
+    g = _g(6)
+    p = torch.softmax(torch.randn((k + 1, V), generator=g), -1)
+    drafts = torch.randint(0, V, (k,), generator=g)
+    u = torch.zeros(k)
+    if reject_at is not None:
+        u[reject_at] = 1.0  # u * q(d) < p(d) fails for q = 1
+    noise = -torch.log(torch.rand((1, V), generator=g))
+    args = (p, None, drafts, torch.tensor([k]), torch.tensor([False]), None, u, noise)
+    got = emu.rejection_sample(*args, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    want = dispatch.rejection_sample_reference(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(got[1]) == (k if reject_at is None else reject_at)
+
+
+def test_rejection_sample_philox_noise_covers_every_tile(emu):
+    """Bonus tokens over a flat distribution with the op's own Philox noise: every tile's ids are
+    drawn about as often as its share of the vocabulary, and different seeds give different
+    tokens (noise indexed by the wrong id or seed would favour one tile or repeat tokens)."""
+    V, R = 9001, 60
+    p = torch.full((R, V), 1.0 / V)
+    kt = torch.zeros(R, dtype=torch.int64)
+    greedy = torch.zeros(R, dtype=torch.bool)
+    toks, acc = emu.rejection_sample(
+        p, None, torch.zeros(0, dtype=torch.int64), kt, greedy, None, None, None,
+        torch.arange(R) + 7, torch.zeros(R, dtype=torch.int64),
+    )  # fmt: skip
+    assert acc.tolist() == [0] * R
+    ids = toks.tolist()
+    assert len(set(ids)) >= R - 3 and all(0 <= i < V for i in ids)
+    per_tile = torch.bincount(toks // 4096, minlength=3).tolist()
+    expected = [R * 4096 / V, R * 4096 / V, R * 809 / V]
+    for got, want in zip(per_tile, expected, strict=True):
+        assert abs(got - want) <= 4 * want**0.5 + 2, (per_tile, expected)
 
 
 @pytest.mark.parametrize("N", [16, 40])
