@@ -3,6 +3,8 @@ and FLOP/s, and the fraction of the H200 floor, for each CUDA op beside its pure
 
     python benches/gpu_kernels.py [--iters 20] [--markdown out.md] [--skip-reference]
     python benches/gpu_kernels.py --smoke      # tiny shapes on the CPU: checks the script only
+    python benches/gpu_kernels.py --profile    # also each launch's device time for the SSD scan
+                                               # and the rejection sampler (torch profiler)
 
 Floors use the measured H200 constants (HBM 4.3 TB/s, dense bf16 790 TFLOP/s;
 docs/kernel-design.md, "H200 floors"): "floor" = max(bytes / BW, FLOP / F) for the byte count the
@@ -46,11 +48,38 @@ class Row:
 
 
 DEV = torch.device("cuda")
+PROFILE = False
 
 
-def _time(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+def _profile(label: str, fn: Callable[[], object], calls: int = 5) -> None:
+    """Print each kernel's time per call of `fn` (device time on CUDA, CPU time in a smoke run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEV.type == "cuda"
+    with profile(
+        activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True
+    ) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"{label}: per call")
+    events = [
+        e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0
+    ]
+    events.sort(key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))
+    for e in events[:8]:
+        us = (e.self_device_time_total if cuda else e.self_cpu_time_total) / calls
+        print(f"  {us:9.1f} us  {e.key[:90]}")
+
+
+def _time(fn: Callable[[], object], iters: int, warmup: int = 3, label: str | None = None) -> float:
+    """Median milliseconds per call (CUDA events around each call: host work included); with
+    --profile and a label, also each launch's share."""
     for _ in range(warmup):
         fn()
+    if PROFILE and label:
+        _profile(label, fn)
     if DEV.type != "cuda":
         times = []
         for _ in range(iters):
@@ -139,7 +168,7 @@ def bench_ssd(L: int, iters: int, with_ref: bool) -> list[Row]:
         Row(
             name,
             "cuda",
-            _time(lambda: dispatch.ssd_prefill(*args), iters),
+            _time(lambda: dispatch.ssd_prefill(*args), iters, label=name),
             nbytes,
             flops,
             "within 2x of floor",
@@ -242,7 +271,40 @@ def bench_rejection(R: int, K: int, iters: int, with_ref: bool) -> list[Row]:
     def run() -> object:
         return dispatch.rejection_sample(*args, seeds=seeds, offsets=offs)
 
-    rows = [Row(name, "cuda", _time(run, iters), nbytes, 0.0, "< 100 us")]
+    rows = [Row(name, "cuda", _time(run, iters, label=name), nbytes, 0.0, "< 100 us")]
+    # the engine's path: explicit uniforms and noise from its keyed draws (the noise row is read too)
+    u = torch.rand(R * K, device=dev, generator=g)
+    noise = -torch.log(torch.rand((R, VOCAB), device=dev, generator=g))
+    rows.append(
+        Row(
+            f"{name}, noise given",
+            "cuda",
+            _time(
+                lambda: dispatch.rejection_sample(*args, u, noise, seeds=seeds, offsets=offs),
+                iters,
+                label=f"{name}, noise given",
+            ),
+            3.0 * R * VOCAB * 4,
+            0.0,
+            "",
+        )
+    )
+    # greedy rows read every target row of the request
+    gargs = (p, torch.log(p), drafts, ks, torch.ones(R, dtype=torch.bool, device=dev), q)
+    rows.append(
+        Row(
+            f"{name}, greedy",
+            "cuda",
+            _time(
+                lambda: dispatch.rejection_sample(*gargs, seeds=seeds, offsets=offs),
+                iters,
+                label=f"{name}, greedy",
+            ),
+            1.0 * R * (K + 1) * VOCAB * 4,
+            0.0,
+            "",
+        )
+    )
     if with_ref:
         rows.append(Row(name, "torch", _time(lambda: dispatch.rejection_sample_reference(*args, seeds=seeds,
                                                                                          offsets=offs), 2, 1),
@@ -269,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--skip-reference", action="store_true", help="do not time the pure-torch twins")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
+    ap.add_argument(
+        "--profile", action="store_true", help="print each launch's time for the SSD and rejection rows"
+    )
     a = ap.parse_args(argv)
-    global DEV, H, P, N, G, Q, CONV_DIM, VOCAB
+    global DEV, H, P, N, G, Q, CONV_DIM, VOCAB, PROFILE
+    PROFILE = a.profile
     if a.smoke:
         DEV = torch.device("cpu")
         H, P, N, G, Q = 4, 16, 16, 2, 16
