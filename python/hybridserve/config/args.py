@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridserve import _core
@@ -96,6 +97,10 @@ class EngineArgs:
     #: the second user already hits it (engine/shared_prefix.py). "auto" = the chat template's
     #: end-of-message token, "none", or token ids ("2,7", or a list).
     shared_prefix_markers: str | Sequence[int] = "auto"
+    #: The chat template to serve instead of the model's: a file holding a Jinja template, or the
+    #: template itself (vLLM's --chat-template). The chat routes, `LLM.chat` and the "auto"
+    #: shared-prefix markers use it. None = the model's (tokenizer_config.json, else ChatML).
+    chat_template: str | None = None
     #: Chunked prefill. None = auto (on; `align` requires it).
     enable_chunked_prefill: bool | None = None
     #: {"method": "ngram" | "draft_model", "num_speculative_tokens": K, "model": draft folder,
@@ -211,6 +216,8 @@ class EngineArgs:
         self.speculative()
         self.kv_events()
         parse_shared_prefix_markers(self.shared_prefix_markers)
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
 
     def kv_events(self) -> KVEventsConfig | None:
         """The validated KV-events config (None when events are off)."""
@@ -345,6 +352,33 @@ class EngineArgs:
         args = cls(**kwargs)
         args.validate()
         return args
+
+
+def chat_template_source(value: str) -> str:
+    """A `--chat-template` value as vLLM reads it: the text of the file it names, else the value
+    itself when it is a Jinja template. ValueError when it is neither."""
+    try:
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):  # a template's text is no usable path (too long, NUL)
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+
+
+def check_chat_template(value: object) -> None:
+    """`--chat-template`: a file or a template that parses; ConfigError names the flag."""
+    from jinja2 import Environment, TemplateError
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"--chat-template must be a file or a Jinja template, got {value!r}")
+    try:
+        # (the extension the engine's sandbox loads, so that a template using break parses)
+        Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template_source(value))
+    except (ValueError, TemplateError) as e:
+        raise ConfigError(f"--chat-template: {e}") from None
 
 
 def parse_shared_prefix_markers(value: str | Sequence[int]) -> str | tuple[int, ...]:

@@ -56,6 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "user already hits it (default: auto, the chat template's end-of-message token; ids separated by commas)",
     )
     g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the chat template to serve instead of the model's: a file holding a Jinja template, or the "
+        "template itself (the chat routes, LLM.chat and the auto shared-prefix markers use it)",
+    )
+    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,

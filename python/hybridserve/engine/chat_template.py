@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hybridserve.config.args import chat_template_source
+
+if TYPE_CHECKING:
+    from hybridserve.engine.tokenizer import Tokenizer
 
 # Used when the model ships no chat template: ChatML, as most hybrid instruct models use.
 DEFAULT_CHAT_TEMPLATE = (
@@ -63,6 +68,15 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         self._template = env.from_string(self.source)
+
+    @classmethod
+    def served(cls, model_dir: str | Path | None, override: str | None = None) -> ChatTemplate:
+        """The template an engine serves: `override` (a `--chat-template` value: a file holding a
+        template, or the template itself) with the model's BOS and EOS texts, else the model's."""
+        model = cls.from_model_dir(model_dir)
+        if override is None:
+            return model
+        return cls(chat_template_source(override), bos_token=model.bos_token, eos_token=model.eos_token)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
@@ -129,3 +143,13 @@ class ChatTemplate:
                 "eos_token": self.eos_token or "",
             }
         )
+
+
+def encode_rendered(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """The ids of a rendered conversation. The template usually writes the BOS text itself, so a
+    second BOS that the tokenizer adds in front of it is dropped."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids

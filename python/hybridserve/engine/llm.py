@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
+import jinja2
+
 from hybridserve.config import EngineArgs
+from hybridserve.engine.chat_template import ChatTemplate, ContinuationError, TemplateError, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
@@ -36,6 +39,52 @@ def _is_token_list(prompts: object) -> bool:
     return isinstance(first, numbers.Integral) and not isinstance(first, bool)
 
 
+def _conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """`LLM.chat`'s messages as conversations of plain messages: text parts joined into the
+    content; other keys (name, tool_calls, ...) passed to the template as given."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
+        raise InvalidRequestError("messages: a non-empty list of messages, or a list of such lists")
+    if isinstance(messages[0], Mapping):  # one conversation (as vLLM tells the two apart)
+        return [_conversation(messages, "messages")]
+    out = []
+    for i, c in enumerate(messages):
+        if not isinstance(c, Sequence) or isinstance(c, str | bytes) or not c:
+            raise InvalidRequestError(f"messages[{i}]: a non-empty list of messages")
+        out.append(_conversation(c, f"messages[{i}]"))
+    return out
+
+
+def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        p = f"{where}[{i}]"
+        if not isinstance(m, Mapping):
+            raise InvalidRequestError(f"{p}: a message is a mapping, not {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"{p}.role: a non-empty string, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, list | tuple):
+            texts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, Mapping)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise InvalidRequestError(
+                        f"{p}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}})"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise InvalidRequestError(
+                f"{p}.content: a string, None or a list of text parts, not {type(content).__name__}"
+            )
+        out.append({**m, "content": content})
+    return out
+
+
 class LLM:
     def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
         self._attach(LLMEngine(EngineArgs(model=model, **engine_kwargs)))
@@ -53,6 +102,53 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's `LLM.chat`: `messages` is one conversation
+        (a list of `{"role", "content"}` messages; content a string, None or a list of text parts)
+        or a list of them, each rendered with the chat template (`chat_template`, a template's
+        text, else the engine's: --chat-template or the model's) and generated as `generate`
+        does. `chat_template_kwargs` are more template variables (e.g. `enable_thinking`);
+        `continue_final_message` continues the last message instead of starting a reply (with
+        `add_generation_prompt` false). A conversation the template refuses, or one malformed,
+        raises InvalidRequestError and nothing runs."""
+        conversations = _conversations(messages)
+        template = self.engine.chat_template
+        if chat_template is not None:
+            try:
+                template = ChatTemplate(
+                    chat_template, bos_token=template.bos_token, eos_token=template.eos_token
+                )
+            except jinja2.TemplateError as e:
+                raise InvalidRequestError(f"chat_template: {e}") from None
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError(
+                f"chat_template_kwargs: a mapping of template variables, not {type(chat_template_kwargs).__name__}"
+            )
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text = template.render(
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    extra=dict(chat_template_kwargs or {}),
+                    continue_final_message=continue_final_message,
+                )
+            except (TemplateError, ContinuationError, jinja2.TemplateError) as e:
+                where = f"messages[{i}]" if len(conversations) > 1 else "messages"
+                raise InvalidRequestError(f"{where}: the chat template refused it: {e}") from None
+            prompts.append({"prompt": text, "prompt_token_ids": encode_rendered(tokenizer, text)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,

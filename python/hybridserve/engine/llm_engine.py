@@ -28,6 +28,7 @@ import numpy as np
 
 from hybridserve import _core
 from hybridserve.config import EngineArgs
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.cpu_threads import usable_cores
 from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
 from hybridserve.engine.input_processor import EngineRequest, InputProcessor, Prompt
@@ -193,8 +194,10 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
         # where a prompt's first message ends, declared shared to the scheduler (shared_prefix.py)
+        #: the chat template served (--chat-template, else the model's): LLM.chat renders with it
+        self.chat_template = ChatTemplate.served(em.model_dir, args.chat_template)
         self.shared_prefix_markers, why = resolve_markers(
-            args.shared_prefix_markers, em.model_dir, em.tokenizer
+            args.shared_prefix_markers, em.model_dir, em.tokenizer, self.chat_template
         )
         logger.info("shared-prefix markers: %s (%s)", list(self.shared_prefix_markers) or "none", why)
         # KV cache events for routers (docs/kv-events.md): recorded by the scheduler, sent by a

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.tokenizer import Tokenizer
@@ -75,6 +76,8 @@ class OfflineEngine(ServedModel, Protocol):
 
     stream_outputs: bool
     arrival_index: int
+    #: the chat template served (--chat-template, else the model's)
+    chat_template: ChatTemplate
 
     def add_request(
         self,

@@ -29,13 +29,16 @@ _SYSTEM_PROBE = "hybridserve-system-probe"
 _USER_PROBE = "hybridserve-user-probe"
 
 
-def template_message_end_ids(model_dir: str | Path, tokenizer: Tokenizer) -> tuple[tuple[int, ...], str]:
-    """(ids, why): the special token the model's chat template writes right after a message's
-    content (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering a system and a user
-    message and tokenizing what lies between them. No template, or nothing special between the
-    two messages: no ids, and why."""
+def template_message_end_ids(
+    model_dir: str | Path, tokenizer: Tokenizer, template: ChatTemplate | None = None
+) -> tuple[tuple[int, ...], str]:
+    """(ids, why): the special token the chat template (`template`, else the model's) writes right
+    after a message's content (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering
+    a system and a user message and tokenizing what lies between them. No template, or nothing
+    special between the two messages: no ids, and why."""
     try:
-        template = ChatTemplate.from_model_dir(model_dir)
+        if template is None:
+            template = ChatTemplate.from_model_dir(model_dir)
         text = template.render(
             [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": _USER_PROBE}],
             add_generation_prompt=False,
@@ -55,14 +58,18 @@ def template_message_end_ids(model_dir: str | Path, tokenizer: Tokenizer) -> tup
 
 
 def resolve_markers(
-    setting: str | Sequence[int], model_dir: str | Path, tokenizer: Tokenizer
+    setting: str | Sequence[int],
+    model_dir: str | Path,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None = None,
 ) -> tuple[tuple[int, ...], str]:
-    """(marker ids, why) for an engine: `setting` as `parse_shared_prefix_markers` takes it."""
+    """(marker ids, why) for an engine: `setting` as `parse_shared_prefix_markers` takes it;
+    "auto" reads `template` (the served one), else the model's."""
     parsed = parse_shared_prefix_markers(setting)
     if parsed == "none":
         return (), "--shared-prefix-markers none"
     if parsed == "auto":
-        return template_message_end_ids(model_dir, tokenizer)
+        return template_message_end_ids(model_dir, tokenizer, template)
     assert isinstance(parsed, tuple)
     return parsed, f"--shared-prefix-markers {','.join(map(str, parsed))}"
 

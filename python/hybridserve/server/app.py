@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from hybridserve.engine.chat_template import ChatTemplate
+from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
@@ -73,7 +73,6 @@ class EngineModelInfo:
             else:  # none, or named templates: the template file decides
                 chat_template = ChatTemplate.from_model_dir(engine.model_dir)
         self.chat_template = chat_template
-        self._bos_id = self.tokenizer.bos_token_id
         self._token_text_cache: dict[int, str] = {}
 
     @property
@@ -111,12 +110,7 @@ class EngineModelInfo:
         )
         if context_limit is not None:
             P.refuse_longer_than_context(self, text, context_limit, "messages")
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
-        # The template usually writes the BOS text itself; do not let the tokenizer add a second one.
-        bos = self._bos_id
-        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
-            ids = ids[1:]
-        return ids
+        return encode_rendered(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         s = self._token_text_cache.get(token_id)

@@ -1,0 +1,150 @@
+"""`LLM.chat` (vLLM's offline chat API) and `--chat-template` / `EngineArgs.chat_template`, on the
+demo model: the prompt is the chat template's rendering as transformers makes it, a template given
+replaces the model's everywhere the engine renders (and the shared-prefix markers follow it), and
+bad conversations or templates are refused with typed errors that leave the engine serving."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from hybridserve import LLM, ConfigError, EngineArgs, InvalidRequestError, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful baker."},
+    {"role": "user", "content": "How long does the cake bake?"},
+    {"role": "assistant", "content": "About 35 minutes."},
+    {"role": "user", "content": "And the bread?"},
+]
+# A template that writes no special token between messages (so it declares no shared prefix) and
+# reads a template variable.
+PLAIN = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ greeting | default('assistant') }}:{% endif %}"
+)
+
+
+@cache
+def llm32() -> LLM:
+    return LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=8)
+
+
+def test_chat_prompt_is_the_model_template_as_transformers_renders_it() -> None:
+    from transformers import AutoTokenizer
+
+    llm = llm32()
+    auto = AutoTokenizer.from_pretrained(llm.engine.model_dir)
+    want_text = auto.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    want_ids = auto(want_text, add_special_tokens=False).input_ids
+    out = llm.chat(CONVERSATION, GREEDY)
+    assert out[0].prompt == want_text
+    assert out[0].prompt_token_ids == want_ids
+    # the reply is generate's for the same ids
+    same = llm.generate({"prompt_token_ids": want_ids}, GREEDY)
+    assert out[0].outputs[0].token_ids == same[0].outputs[0].token_ids
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_many_conversations_text_parts_and_per_conversation_params() -> None:
+    llm = llm32()
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "How long does "}, {"type": "text", "text": "it bake?"}],
+        }
+    ]
+    plain = [{"role": "user", "content": "How long does it bake?"}]
+    longer = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.chat([parts, plain, CONVERSATION], [GREEDY, GREEDY, longer])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 12]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids[:8] == llm.chat(CONVERSATION, GREEDY)[0].outputs[0].token_ids
+
+
+def test_continue_final_message_and_generation_prompt() -> None:
+    llm = llm32()
+    started = [*CONVERSATION, {"role": "assistant", "content": "The bread takes"}]
+    out = llm.chat(started, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt.endswith("<|im_start|>assistant\nThe bread takes")
+    no_prompt = llm.chat(CONVERSATION, GREEDY, add_generation_prompt=False)
+    assert no_prompt[0].prompt.endswith("And the bread?<|im_end|>\n")
+    with pytest.raises(InvalidRequestError, match="generation prompt"):
+        llm.chat(started, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to true
+
+
+def test_chat_template_argument_and_template_variables() -> None:
+    llm = llm32()
+    out = llm.chat(CONVERSATION[:2], GREEDY, chat_template=PLAIN, chat_template_kwargs={"greeting": "baker"})
+    want = "system: You are a helpful baker.\n\nuser: How long does the cake bake?\n\nbaker:"
+    assert out[0].prompt == want
+    assert out[0].prompt_token_ids == llm.get_tokenizer().encode(want)
+    # the engine's own template is unchanged by a call's template
+    assert llm.chat(CONVERSATION[:2], GREEDY)[0].prompt.startswith("<|im_start|>system\n")
+
+
+def test_engine_chat_template_file_is_served_and_sets_the_shared_prefix_markers(tmp_path: Path) -> None:
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN, encoding="utf-8")
+    llm = LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=8, chat_template=str(path))
+    try:
+        out = llm.chat(CONVERSATION[:2], GREEDY)
+        assert (
+            out[0].prompt
+            == "system: You are a helpful baker.\n\nuser: How long does the cake bake?\n\nassistant:"
+        )
+        # the model's ChatML ends a message with <|im_end|>, which the auto markers take; this
+        # template writes nothing special between messages, so it declares no shared prefix
+        assert llm.engine.shared_prefix_markers == ()
+        assert llm32().engine.shared_prefix_markers == (llm.get_tokenizer().encode("<|im_end|>")[0],)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ("hello", "messages: a non-empty list"),
+        ([], "messages: a non-empty list"),
+        ([{"role": "user", "content": "hi"}, "hi"], r"messages\[1\]: a message is a mapping"),
+        ([{"content": "hi"}], r"messages\[0\]\.role"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\.content: a string"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            r"content\[0\]: only text parts",
+        ),
+        ([[{"role": "user", "content": "hi"}], []], r"messages\[1\]: a non-empty list"),
+    ],
+)
+def test_malformed_conversations_are_refused(messages: object, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        llm32().chat(messages, GREEDY)  # type: ignore[arg-type]
+
+
+def test_template_refusals_are_typed_and_leave_the_engine_serving() -> None:
+    llm = llm32()
+    refusing = "{{ raise_exception('only user messages') }}"
+    with pytest.raises(InvalidRequestError, match="only user messages"):
+        llm.chat(CONVERSATION, GREEDY, chat_template=refusing)
+    with pytest.raises(InvalidRequestError, match="chat_template"):
+        llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}")
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs"):
+        llm.chat(CONVERSATION, GREEDY, chat_template_kwargs=["greeting"])  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.chat(CONVERSATION, GREEDY)[0].outputs[0].token_ids) == 8
+
+
+def test_bad_chat_template_setting_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--chat-template: .*neither a file nor a Jinja template"):
+        EngineArgs(model="demo", chat_template=str(tmp_path / "missing.jinja")).validate()
+    with pytest.raises(ConfigError, match="--chat-template: "):
+        EngineArgs(model="demo", chat_template="{% if %}").validate()
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages[0] ", encoding="utf-8")
+    with pytest.raises(ConfigError, match="--chat-template: "):
+        EngineArgs(model="demo", chat_template=str(bad)).validate()
+    with pytest.raises(ConfigError, match="--chat-template must be"):
+        EngineArgs(model="demo", chat_template="").validate()
