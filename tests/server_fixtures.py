@@ -48,6 +48,10 @@ class TokenizerModelInfo:
     def vocab_size(self) -> int | None:
         return int(self.tokenizer.get_vocab_size())
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return {}
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -30,6 +30,7 @@ class FakeInfo:
 
     max_model_len = MAX_MODEL_LEN
     vocab_size: int | None = VOCAB
+    sampling_defaults: dict[str, Any] = {}  # noqa: RUF012 - read only
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [1]

@@ -165,7 +165,9 @@ def test_echo_offsets_index_the_clients_text_with_a_bos_the_tokenizer_adds() -> 
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
     )
     info = EngineModelInfo(
-        SimpleNamespace(tokenizer=tok, max_model_len=256, vocab_size=tok.vocab_size, model_dir=""),  # type: ignore[arg-type]
+        SimpleNamespace(
+            tokenizer=tok, max_model_len=256, vocab_size=tok.vocab_size, model_dir="", default_sampling={}
+        ),  # type: ignore[arg-type]
         ChatTemplate("{{ messages[0]['content'] }}"),
     )
     text = "<|im_start|>hi naïve"

@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 from hybridserve import _core
 from hybridserve.config.capabilities import ModelCapabilities, read_model_capabilities, resolve_model_dir
 from hybridserve.config.explain import Decision, ResolvedEngineConfig
+from hybridserve.config.generation import check_setting as check_generation_setting
+from hybridserve.config.generation import parse_override as parse_generation_override
+from hybridserve.config.generation import sampling_defaults
 from hybridserve.config.kv_events import KVEventsConfig
 from hybridserve.config.sizing import min_mamba_slots
 from hybridserve.config.speculative import SpeculativeConfig, parse_speculative_json
@@ -101,6 +104,13 @@ class EngineArgs:
     #: template itself (vLLM's --chat-template). The chat routes, `LLM.chat` and the "auto"
     #: shared-prefix markers use it. None = the model's (tokenizer_config.json, else ChatML).
     chat_template: str | None = None
+    #: Where default sampling parameters come from (config/generation.py): "auto" (the model's
+    #: generation_config.json, as vLLM), "vllm" (none: SamplingParams' own defaults), or a folder
+    #: holding a generation_config.json.
+    generation_config: str = "auto"
+    #: Generation-config fields set over it (temperature, top_p, top_k, min_p,
+    #: repetition_penalty, max_new_tokens), a JSON object or a dict.
+    override_generation_config: dict[str, Any] | str | None = None
     #: Chunked prefill. None = auto (on; `align` requires it).
     enable_chunked_prefill: bool | None = None
     #: {"method": "ngram" | "draft_model", "num_speculative_tokens": K, "model": draft folder,
@@ -218,6 +228,8 @@ class EngineArgs:
         parse_shared_prefix_markers(self.shared_prefix_markers)
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
+        check_generation_setting(self.generation_config)
+        parse_generation_override(self.override_generation_config)
 
     def kv_events(self) -> KVEventsConfig | None:
         """The validated KV-events config (None when events are off)."""
@@ -235,11 +247,11 @@ class EngineArgs:
             sc = parse_speculative_json(sc)
         return SpeculativeConfig.from_dict(sc)
 
-    def resolve(self, caps: Any = None) -> ResolvedEngineConfig:
+    def resolve(self, caps: Any = None, model_dir: str | None = None) -> ResolvedEngineConfig:
         """Resolves the policy against the model's capabilities (a ModelCapabilities, a mapping or
-        an object with the same attributes; None reads them from the model folder)."""
+        an object with the same attributes; None reads them from the model folder). `model_dir`:
+        the folder, when the caller has it (its generation config is read too)."""
         self.validate()
-        model_dir: str | None = None
         if caps is None:
             model_dir = resolve_model_dir(self.model)
             caps = read_model_capabilities(model_dir)
@@ -310,6 +322,12 @@ class EngineArgs:
                         f"ngram prompt lookup tries n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens",
                     )
                 )
+        if model_dir is not None:  # (the model folder's file: read when the folder is known)
+            defaults, why = sampling_defaults(
+                self.generation_config, self.override_generation_config, model_dir
+            )
+            if defaults:
+                decisions.append(Decision("generation_config_defaults", "info", why))
         return ResolvedEngineConfig(
             core=core,
             args=self,

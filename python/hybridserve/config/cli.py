@@ -63,6 +63,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "template itself (the chat routes, LLM.chat and the auto shared-prefix markers use it)",
     )
     g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="default sampling parameters for requests that do not set them: auto (default) takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM "
+        "does; vllm takes none; a folder, the generation_config.json in it",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="generation-config fields set over it, e.g. '{\"temperature\": 0.5}'",
+    )
+    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,

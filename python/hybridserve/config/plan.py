@@ -52,7 +52,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     from hybridserve.model.loader import load_config
 
     caps = read_model_capabilities(model_dir)
-    resolved = args.resolve(caps)
+    resolved = args.resolve(caps, model_dir=model_dir)
     _, mcfg = load_config(model_dir)
     tp = int(args.tensor_parallel_size)
     # with tensor parallelism the pools are counted per rank: every rank holds the same blocks and

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from hybridserve.config import EngineArgs
@@ -112,6 +112,10 @@ class AsyncEngine:
     @property
     def model_dir(self) -> str:
         return self._loaded_engine().model_dir
+
+    @property
+    def default_sampling(self) -> Mapping[str, Any]:
+        return self._loaded_engine().default_sampling
 
     def start(self) -> None:
         self._thread.start()

@@ -103,6 +103,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters `generate` and `chat` use when given none: SamplingParams' defaults with
+        the model's generation config over them (--generation-config), as vLLM's."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -177,7 +182,7 @@ class LLM:
                 f"prompts: a prompt or a list of prompts (str, token ids or dict), not {type(prompts).__name__}"
             )
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -28,6 +28,7 @@ import numpy as np
 
 from hybridserve import _core
 from hybridserve.config import EngineArgs
+from hybridserve.config.generation import sampling_defaults
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.cpu_threads import usable_cores
 from hybridserve.engine.grammar_compiler import GrammarCompiler, GrammarTicket
@@ -194,6 +195,12 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
         # where a prompt's first message ends, declared shared to the scheduler (shared_prefix.py)
+        #: SamplingParams fields a request that does not set them takes (--generation-config)
+        self.default_sampling, why = sampling_defaults(
+            args.generation_config, args.override_generation_config, em.model_dir
+        )
+        if self.default_sampling:
+            logger.info("%s", why)
         #: the chat template served (--chat-template, else the model's): LLM.chat renders with it
         self.chat_template = ChatTemplate.served(em.model_dir, args.chat_template)
         self.shared_prefix_markers, why = resolve_markers(

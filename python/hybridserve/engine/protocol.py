@@ -10,7 +10,7 @@ server imports this module before any model is loaded.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from hybridserve.engine.chat_template import ChatTemplate
@@ -35,6 +35,12 @@ class ServedModel(Protocol):
 
     @property
     def model_dir(self) -> str: ...
+
+    @property
+    def default_sampling(self) -> Mapping[str, Any]:
+        """SamplingParams fields (and values) that a request which does not set them takes: the
+        model's generation config (--generation-config)."""
+        ...
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges of the engine (the names /metrics exports)."""

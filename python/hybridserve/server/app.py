@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -64,6 +64,7 @@ class EngineModelInfo:
         self.tokenizer = engine.tokenizer
         self._max_model_len = int(engine.max_model_len)
         self._vocab_size = int(engine.vocab_size)
+        self._sampling_defaults = dict(engine.default_sampling)
         if chat_template is None:
             source = self.tokenizer.chat_template
             if isinstance(source, str) and source:
@@ -82,6 +83,10 @@ class EngineModelInfo:
     @property
     def vocab_size(self) -> int | None:
         return self._vocab_size
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        return self._sampling_defaults
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

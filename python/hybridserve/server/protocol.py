@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -197,6 +197,12 @@ class ModelInfo(Protocol):
 
     @property
     def vocab_size(self) -> int | None: ...
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """SamplingParams fields a request that leaves them out takes (the model's generation
+        config, --generation-config); the fields' own defaults otherwise."""
+        ...
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -592,14 +598,17 @@ def _sampling_params(
     logprobs: int | None,
     vocab_size: int | None,
     prompt_logprobs: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
+    """`defaults`: `ModelInfo.sampling_defaults`, for the fields the body leaves out."""
+    d = defaults or {}
     stop_token_ids_raw = body.get("stop_token_ids")
     stop_token_ids = (
         []
         if stop_token_ids_raw is None
         else _parse_token_list("stop_token_ids", stop_token_ids_raw, vocab_size, allow_empty=True)
     )
-    top_k = get_int(body, "top_k", 0, -1, MAX_TOP_K)
+    top_k = get_int(body, "top_k", d.get("top_k", 0), -1, MAX_TOP_K)
     min_tokens = get_int(body, "min_tokens", 0, 0, 2**31 - 1)
     logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
     allowed_raw = body.get("allowed_token_ids")
@@ -613,10 +622,10 @@ def _sampling_params(
         return SamplingParams(
             n=n,
             max_tokens=max_tokens,
-            temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            temperature=get_float(body, "temperature", d.get("temperature", 1.0), 0.0, 2.0),
+            top_p=get_float(body, "top_p", d.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
             top_k=top_k if top_k is not None else 0,
-            min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+            min_p=get_float(body, "min_p", d.get("min_p", 0.0), 0.0, 1.0),
             seed=get_int(body, "seed", None, 0, 2**63 - 1),
             stop=_parse_stop(body),
             stop_token_ids=stop_token_ids,
@@ -624,7 +633,9 @@ def _sampling_params(
             min_tokens=min_tokens if min_tokens is not None else 0,
             presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+            repetition_penalty=get_float(
+                body, "repetition_penalty", d.get("repetition_penalty", 1.0), 0.0, 10.0, lo_open=True
+            ),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
@@ -740,8 +751,9 @@ def parse_completion_request(
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
     if requested_max is None:
-        # OpenAI's default of 16 completion tokens, within the room the prompt leaves
-        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_tokens)
+        # the model's generation config, else OpenAI's default of 16 completion tokens, within
+        # the room the prompt leaves
+        max_tokens = min(info.sampling_defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), max_tokens)
     # the engine computes the prompt's logprobs for echo + logprobs (the echoed tokens' logprobs),
     # for prompt_logprobs, and for max_tokens 0 (which needs them to have anything to do)
     wanted = [v for v in (prompt_logprobs, logprobs if echo else None) if v is not None]
@@ -752,6 +764,7 @@ def parse_completion_request(
         max_tokens=max_tokens,
         logprobs=logprobs,
         vocab_size=info.vocab_size,
+        defaults=info.sampling_defaults,
         prompt_logprobs=engine_prompt_logprobs,
     )
     params = _constrained(params, body, unknown)
@@ -1143,6 +1156,8 @@ def parse_chat_request(
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
     resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
+    if max_tokens is None and "max_tokens" in info.sampling_defaults:  # (else the room left)
+        resolved = min(int(info.sampling_defaults["max_tokens"]), resolved)
     prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise _bad("prompt_logprobs", "not available with stream: true on chat (as vLLM)")
@@ -1152,6 +1167,7 @@ def parse_chat_request(
         max_tokens=resolved,
         logprobs=logprobs,
         vocab_size=info.vocab_size,
+        defaults=info.sampling_defaults,
         prompt_logprobs=prompt_logprobs,
     )
     params = _constrained(params, body, unknown, tools, tool_choice)
