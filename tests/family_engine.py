@@ -97,10 +97,10 @@ def check_float64_logits(checkpoint: Checkpoint, new_tokens: int, *, padded_batc
         hf.to(torch.float32)
 
 
-def explain(model_dir: Path) -> str:
-    """What `hybridserve config MODEL_DIR --explain` prints (it must succeed)."""
+def explain(model_dir: Path, *flags: str) -> str:
+    """What `hybridserve config MODEL_DIR --explain [flags]` prints (it must succeed)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(model_dir), "--explain"],
+        [sys.executable, "-m", "hybridserve", "config", str(model_dir), "--explain", *flags],
         capture_output=True,
         text=True,
         timeout=60,

@@ -5,12 +5,11 @@ auto / vllm / a folder, and clear errors."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from family_engine import explain
 from hybridserve import ConfigError, EngineArgs
 from hybridserve.config.generation import sampling_defaults
 
@@ -94,19 +93,6 @@ def test_config_explain_shows_the_defaults(tmp_path: Path) -> None:
     d.mkdir()
     (d / "config.json").write_bytes((Path(ensure_demo_model()) / "config.json").read_bytes())
     (d / "generation_config.json").write_text('{"temperature": 0.7}', encoding="utf-8")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(d), "--explain"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "generation_config_defaults" in proc.stdout and "temperature=0.7" in proc.stdout
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(d), "--explain", "--generation-config", "vllm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "generation_config_defaults" not in proc.stdout
+    shown = explain(d)
+    assert "generation_config_defaults" in shown and "temperature=0.7" in shown
+    assert "generation_config_defaults" not in explain(d, "--generation-config", "vllm")
