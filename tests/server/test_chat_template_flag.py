@@ -1,10 +1,14 @@
 """`hybridserve serve --chat-template`: the chat routes render with the template given (a file),
-/tokenizer_info shows it, and a template that is neither a file nor Jinja stops the start."""
+/tokenizer_info shows it, and a template that is neither a file nor Jinja stops the start; and
+the other vLLM serve flags that name the chat side (tool parser, auto tool choice, remote code)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from hybridserve.cli import build_parser
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
 from server_fixtures import ServerProcess, call, running_server
@@ -50,3 +54,19 @@ def test_a_chat_template_that_is_neither_file_nor_template_stops_the_start(tmp_p
     finally:
         srv.stop()
         srv.remove_log()
+
+
+def test_vllm_tool_and_trust_flags_are_accepted_and_unknown_parsers_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vLLM command lines that name these flags start here too: the hermes parser is the one there
+    is, auto tool choice is always on, and no code from a model folder is ever run."""
+    ns = build_parser().parse_args(
+        ["serve", "demo", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code"]
+    )
+    assert (ns.tool_call_parser, ns.enable_auto_tool_choice, ns.trust_remote_code) == ("hermes", True, True)
+    assert build_parser().parse_args(["serve", "demo"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "demo", "--tool-call-parser", "llama3_json"])
+    assert e.value.code == 2
+    assert "invalid choice: 'llama3_json'" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from typing import Any
 from hybridserve.arg_types import int_in, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
+from hybridserve.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -110,6 +111,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="split chat answers of a thinking model into `reasoning` (also `reasoning_content`) and "
         "`content`: deepseek_r1, the <think> ... </think> form (docs/serving.md, Reasoning outputs; "
         "default: answers are whole)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default="hermes",
+        help="how tool calls are written and read (vLLM's flag): hermes, <tool_call>{...}</tool_call> "
+        "(the only one, and the default)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice auto is always on here",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines: hybridserve runs no code from a model folder",
     )
     g.add_argument(
         "--scheduling-policy",
