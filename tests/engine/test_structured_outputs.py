@@ -248,8 +248,16 @@ def test_abort_while_compiling() -> None:
     engine.grammars.before_compile = lambda c: release.wait(20)  # type: ignore[attr-defined]
     engine.add_request("w", "Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "[ab]+"}))
     assert engine.has_unfinished_requests()
+    # waiting for its grammar is waiting (the scheduler does not hold it yet)
+    stats = engine.stats()
+    assert (stats["num_requests_waiting"], stats["num_requests_awaiting_grammar"], stats["num_waiting"]) == (
+        1,
+        1,
+        0,
+    )
     assert engine.abort_request("w")
     assert not engine.has_unfinished_requests()
+    assert engine.stats()["num_requests_waiting"] == 0
     release.set()
     assert engine.step() == []
 

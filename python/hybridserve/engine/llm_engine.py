@@ -764,10 +764,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.scheduler.stats())
+        # requests whose grammar still compiles wait outside the scheduler: they are waiting too
+        awaiting = len(self._awaiting_grammar)
         # The names of the metrics contract, beside the scheduler's own.
         s.update(
             num_requests_running=s.get("num_running", 0),
-            num_requests_waiting=s.get("num_waiting", 0),
+            num_requests_waiting=s.get("num_waiting", 0) + awaiting,
+            num_requests_awaiting_grammar=awaiting,
             prefix_cache_queried_tokens=s.get("prefix_queried_tokens", 0),
             prefix_cache_hit_tokens=s.get("prefix_hit_tokens", 0),
             prefix_cache_lost_tokens=s.get("prefix_lost_tokens", 0),
