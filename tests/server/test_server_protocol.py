@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+import hybridserve
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.logprobs import Logprob
@@ -431,6 +432,12 @@ async def test_app_before_the_model_is_loaded(aiohttp_client):
     client = await aiohttp_client(create_app(None, served_model_name=MODEL, api_key="k3y"))
     r = await client.get("/health")
     assert r.status == 503 and (await r.json())["status"] == "loading"
+    # vLLM's other liveness routes answer as /health, without the key; /version at once
+    for method in (client.get, client.post):
+        r = await method("/ping")
+        assert r.status == 503 and (await r.json())["status"] == "loading"
+    r = await client.get("/version")
+    assert r.status == 200 and (await r.json()) == {"version": hybridserve.__version__}
     auth = {"Authorization": "Bearer k3y"}
     r = await client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
     assert r.status == 503 and r.headers["Retry-After"]

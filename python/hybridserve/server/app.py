@@ -304,6 +304,10 @@ def create_app(
     # (any characters: the served name defaults to MODEL as given, which may be a path)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
+    # vLLM's other liveness routes: /ping (SageMaker's, GET and POST) answers as /health does
+    app.router.add_get("/ping", _health)
+    app.router.add_post("/ping", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     # vLLM's tokenizer routes (not under /v1, so without the API key, as vLLM's)
@@ -523,6 +527,12 @@ async def _health(request: web.Request) -> web.Response:
     if not state.ready:
         return web.json_response({"status": "loading"}, status=503, headers={"Retry-After": "5"})
     return web.json_response({"status": "ok"})
+
+
+async def _version(request: web.Request) -> web.Response:
+    from hybridserve import __version__
+
+    return web.json_response({"version": __version__})
 
 
 async def _openapi(request: web.Request) -> web.Response:

@@ -688,6 +688,17 @@ def document(
                     },
                 }
             },
+            "/ping": {
+                method: {
+                    "summary": "vLLM's liveness route: as /health",
+                    "responses": {
+                        "200": _json('{"status": "ok"}'),
+                        "503": _json('{"status": "loading" | "error" | "shutting_down"}'),
+                    },
+                }
+                for method in ("get", "post")
+            },
+            "/version": {"get": _get("the server's version", _json("{version}"))},
             "/metrics": {"get": _get("Prometheus metrics (docs/serving.md, Metrics)", text_ok)},
             "/openapi.json": {"get": _get("this document", _json("OpenAPI 3.1"))},
             "/tokenize": {
