@@ -188,6 +188,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--prompt-len", type=int_in(1), default=256)
     o.add_argument("--output-len", type=int_in(1), default=128)
     o.add_argument("--result-file", default=None, help="write the JSON result here")
+    o.add_argument(
+        "--warmup",
+        choices=["short", "full", "none"],
+        default="short",
+        help="before the timed run: two short requests (default), the whole workload once (the timed run "
+        "then meets no step shape for the first time; on a GPU a first pass can cost more than the run), "
+        "or nothing; the prefix cache is emptied after it",
+    )
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -333,7 +341,9 @@ def bench_main(args: argparse.Namespace) -> int:
     from hybridserve.config import EngineArgs
 
     ea = EngineArgs.from_cli(args)
-    offline_main(ea, args.num_prompts, args.prompt_len, args.output_len, args.seed, args.result_file)
+    offline_main(
+        ea, args.num_prompts, args.prompt_len, args.output_len, args.seed, args.result_file, args.warmup
+    )
     return 0
 
 

@@ -28,9 +28,13 @@ def run_offline(
     prompt_len: int,
     output_len: int,
     seed: int = 0,
-    warmup: bool = True,
+    warmup: bool | str = True,
     prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
+    """`warmup`: "short" (True: two short requests), "full" (the whole workload once, so that the
+    timed run meets no shape for the first time: on a GPU the first pass of each attention shape
+    can cost more than the run) or False. The prefix cache is emptied after it, so that the timed
+    run hits nothing the warm-up left."""
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
@@ -42,12 +46,19 @@ def run_offline(
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     if prompts is None:
         prompts = make_prompts(num_prompts, prompt_len, seed)
-    if warmup:
+    mode = "short" if warmup is True else warmup or "none"
+    if mode not in ("short", "full", "none"):
+        raise ValueError(f"warmup: short, full or none, not {warmup!r}")
+    if mode == "short":
         llm.generate(
             [{"prompt_token_ids": p} for p in prompts[:2]],
             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
         )
-    steps_before = int(llm.engine.stats().get("num_steps", 0))
+    elif mode == "full":
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if mode != "none":
+        llm.engine.reset_prefix_cache()
+    before = llm.engine.stats()  # (the warm-up's steps and drafts are not the run's)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - t0
@@ -64,18 +75,21 @@ def run_offline(
             "prompt_len": prompt_len,
             "output_len": output_len,
             "seed": seed,
+            "warmup": mode,
         },
         "max_model_len": llm.engine.max_model_len,
         "load_s": load_s,
         "elapsed_s": elapsed,
-        "num_steps": int(stats.get("num_steps", 0)) - steps_before,
+        "num_steps": int(stats.get("num_steps", 0)) - int(before.get("num_steps", 0)),
         "total_prompt_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(prompts) / elapsed,
         "output_throughput": out_tokens / elapsed,
         "total_token_throughput": (in_tokens + out_tokens) / elapsed,
-        "spec_decode_draft_tokens": stats.get("spec_decode_draft_tokens", 0),
-        "spec_decode_accepted_tokens": stats.get("spec_decode_accepted_tokens", 0),
+        **{
+            k: stats.get(k, 0) - before.get(k, 0)
+            for k in ("spec_decode_draft_tokens", "spec_decode_accepted_tokens", "prefix_cache_hit_tokens")
+        },
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
     }
 
@@ -99,9 +113,15 @@ def format_offline(r: dict[str, Any]) -> str:
 
 
 def offline_main(
-    args: EngineArgs, num_prompts: int, prompt_len: int, output_len: int, seed: int, result_file: str | None
+    args: EngineArgs,
+    num_prompts: int,
+    prompt_len: int,
+    output_len: int,
+    seed: int,
+    result_file: str | None,
+    warmup: str = "short",
 ) -> dict[str, Any]:
-    r = run_offline(args, num_prompts, prompt_len, output_len, seed)
+    r = run_offline(args, num_prompts, prompt_len, output_len, seed, warmup=warmup)
     print(format_offline(r))
     if result_file:
         Path(result_file).parent.mkdir(parents=True, exist_ok=True)
