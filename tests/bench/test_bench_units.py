@@ -109,20 +109,29 @@ def test_bench_offline_counts_the_tokens_made_and_says_when_they_are_fewer() -> 
     assert "note: 30 output tokens made of the 90 asked" in format_offline(r)
 
 
-def test_bench_offline_full_warmup_runs_the_workload_first_and_counts_only_the_timed_run() -> None:
+def test_bench_offline_full_warmup_runs_the_workload_first_and_counts_only_the_timed_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With the whole workload run once before, the timed run has the same outputs, its own step
-    count and speculation counters, and no prefix hit from the warm-up (the cache is emptied)."""
+    count and speculation counters, and no prefix hit from the warm-up: the cache is emptied (the
+    prompts are long enough to reach a grid checkpoint, so a repeat would hit it)."""
     from hybridserve.benchmarks.offline import run_offline
     from hybridserve.config import EngineArgs
+    from hybridserve.engine.llm_engine import LLMEngine
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    args = EngineArgs(model="demo", max_num_seqs=4, speculative_config=spec)
-    cold = run_offline(args, 3, 20, 6, warmup="none")
-    warm = run_offline(args, 3, 20, 6, warmup="full")
+    args = EngineArgs(
+        model="demo", max_num_seqs=4, speculative_config=spec, mamba_checkpoint_placement="branch+grid"
+    )
+    cold = run_offline(args, 3, 300, 6, warmup="none")
+    warm = run_offline(args, 3, 300, 6, warmup="full")
     assert warm["outputs"] == cold["outputs"] and warm["config"]["warmup"] == "full"
     assert warm["num_steps"] == cold["num_steps"]
     assert warm["spec_decode_draft_tokens"] == cold["spec_decode_draft_tokens"]
     assert warm["prefix_cache_hit_tokens"] == cold["prefix_cache_hit_tokens"] == 0
+    # not vacuous: without the emptying, the timed run hits the warm-up's grid checkpoints
+    monkeypatch.setattr(LLMEngine, "reset_prefix_cache", lambda self: True)
+    assert run_offline(args, 3, 300, 6, warmup="full")["prefix_cache_hit_tokens"] > 0
 
 
 def test_multi_turn_prompts_take_the_real_answers_where_given() -> None:

@@ -44,8 +44,13 @@ def test_settings_vllm_folder_and_override(tmp_path: Path) -> None:
     }
     assert sampling_defaults("vllm", {"max_new_tokens": 9}, model)[0] == {"max_tokens": 9}
     # a model without the file has no defaults, nor one whose file is no JSON object (ignored, as
-    # transformers ignores it)
+    # transformers ignores it); without the file, config.json's fields count, as transformers
+    # builds a generation config from it
     assert sampling_defaults("auto", None, tmp_path)[0] == {}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text('{"model_type": "x", "top_k": 50, "top_p": 0.8}', encoding="utf-8")
+    assert sampling_defaults("auto", None, bare)[0] == {"top_p": 0.8}
     (model / "generation_config.json").write_bytes(b"\xff not json")
     assert sampling_defaults("auto", None, model)[0] == {}
     (model / "generation_config.json").write_text("[1, 2]", encoding="utf-8")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -568,6 +569,27 @@ def test_generate_cli_prints_json() -> None:
     )
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["prompt"] == PROMPT and len(rec["token_ids"]) == 5 and rec["finish_reason"] == "length"
+
+
+def test_generate_cli_takes_the_generation_config_where_no_flag_is_given() -> None:
+    """Flags win, then the model's generation config (here set by the override flag), then the
+    command's own defaults (greedy, 32 tokens)."""
+
+    def run(*flags: str) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "hybridserve", "generate", "demo", "--prompt", PROMPT, "--ignore-eos"]
+        out = subprocess.run(
+            [*cmd, "--json", "--max-model-len", "256", *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rec = run("--override-generation-config", '{"max_new_tokens": 3}')
+    assert len(rec["token_ids"]) == 3
+    greedy = llm32().generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert rec["token_ids"] == greedy[0].outputs[0].token_ids  # the command's greedy default stays
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_recovers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,14 @@ def test_many_conversations_text_parts_and_per_conversation_params() -> None:
     assert outs[2].outputs[0].token_ids[:8] == llm.chat(CONVERSATION, GREEDY)[0].outputs[0].token_ids
 
 
+def test_a_message_without_content_renders_as_empty() -> None:
+    """None content (an assistant turn with only tool calls) renders as an empty message, as the
+    server renders it, rather than failing inside a template that adds strings."""
+    llm = llm32()
+    out = llm.chat([*CONVERSATION[:2], {"role": "assistant", "content": None}, CONVERSATION[3]], GREEDY)
+    assert "<|im_start|>assistant\n<|im_end|>" in out[0].prompt
+
+
 def test_continue_final_message_and_generation_prompt() -> None:
     llm = llm32()
     started = [*CONVERSATION, {"role": "assistant", "content": "The bread takes"}]
@@ -131,6 +139,12 @@ def test_template_refusals_are_typed_and_leave_the_engine_serving() -> None:
         llm.chat(CONVERSATION, GREEDY, chat_template=refusing)
     with pytest.raises(InvalidRequestError, match="chat_template"):
         llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}")
+    with pytest.raises(InvalidRequestError, match="chat_template: a Jinja template's text"):
+        llm.chat(CONVERSATION, GREEDY, chat_template="")
+    # a template that fails on these messages (a number where it adds strings) is refused too
+    adding = "{% for m in messages %}{{ 'x' + m['extra'] }}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="refused"):
+        llm.chat([{"role": "user", "content": "hi", "extra": 5}], GREEDY, chat_template=adding)
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs"):
         llm.chat(CONVERSATION, GREEDY, chat_template_kwargs=["greeting"])  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished_requests()

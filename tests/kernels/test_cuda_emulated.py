@@ -363,8 +363,9 @@ def test_rejection_sample_long_draft_chains(emu, reject_at):
 
 def test_rejection_sample_philox_noise_covers_every_tile(emu):
     """Bonus tokens over a flat distribution with the op's own Philox noise: every tile's ids are
-    drawn about as often as its share of the vocabulary, and different seeds give different
-    tokens (noise indexed by the wrong id or seed would favour one tile or repeat tokens)."""
+    drawn about as often as its share of the vocabulary, different seeds give different tokens,
+    and every position of a four-id group is drawn (noise indexed by the wrong id, word or seed
+    would favour one tile or position, or repeat tokens)."""
     V, R = 9001, 60
     p = torch.full((R, V), 1.0 / V)
     kt = torch.zeros(R, dtype=torch.int64)
@@ -376,6 +377,9 @@ def test_rejection_sample_philox_noise_covers_every_tile(emu):
     assert acc.tolist() == [0] * R
     ids = toks.tolist()
     assert len(set(ids)) >= R - 3 and all(0 <= i < V for i in ids)
+    # every word of a draw is used: with one word for all four ids of a group, ties would always
+    # go to the group's first id, a multiple of four
+    assert {i % 4 for i in ids} == {0, 1, 2, 3}
     per_tile = torch.bincount(toks // 4096, minlength=3).tolist()
     expected = [R * 4096 / V, R * 4096 / V, R * 809 / V]
     for got, want in zip(per_tile, expected, strict=True):

@@ -31,18 +31,21 @@ def test_requests_take_the_generation_config_for_fields_they_leave_out(tmp_path:
         # greedy by default: any seed gives the explicit greedy answer
         texts = {out["choices"][0]["message"]["content"] for _, out in (first, second, greedy)}
         assert len(texts) == 1
-        status, comp = call(
-            server, "/v1/completions", {"model": "demo", "prompt": "Once upon", "ignore_eos": True}
-        )
-        assert status == 200 and comp["usage"]["completion_tokens"] == 3  # not OpenAI's 16
-        status, own = call(
-            server, "/v1/chat/completions", {**base, "max_tokens": 6, "temperature": 1.5, "seed": 7}
-        )
-        assert status == 200 and own["usage"]["completion_tokens"] == 6
+        # max_new_tokens caps a given max_tokens too, and OpenAI's completion default of 16, as vLLM
+        for path, body in (
+            ("/v1/completions", {"model": "demo", "prompt": "Once upon", "ignore_eos": True}),
+            (
+                "/v1/completions",
+                {"model": "demo", "prompt": "Once upon", "ignore_eos": True, "max_tokens": 9},
+            ),
+            ("/v1/chat/completions", {**base, "max_tokens": 9}),
+        ):
+            status, out = call(server, path, body)
+            assert status == 200 and out["usage"]["completion_tokens"] == 3, (path, body, out)
         sampled = {
-            call(server, "/v1/chat/completions", {**base, "max_tokens": 6, "temperature": 1.5, "seed": s})[1][
-                "choices"
-            ][0]["message"]["content"]
-            for s in range(4)
+            call(server, "/v1/chat/completions", {**base, "temperature": 1.5, "seed": s})[1]["choices"][0][
+                "message"
+            ]["content"]
+            for s in range(6)
         }
         assert len(sampled) > 1  # the request's temperature is used, not the default's 0

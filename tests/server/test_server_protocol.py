@@ -438,6 +438,8 @@ async def test_app_before_the_model_is_loaded(aiohttp_client):
         assert r.status == 503 and (await r.json())["status"] == "loading"
     r = await client.get("/version")
     assert r.status == 200 and (await r.json()) == {"version": hybridserve.__version__}
+    r = await client.get("/metrics")  # the liveness routes' 503s are answers, not errors
+    assert 'hybridserve_http_errors_total{status="503"}' not in await r.text()
     auth = {"Authorization": "Bearer k3y"}
     r = await client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
     assert r.status == 503 and r.headers["Retry-After"]

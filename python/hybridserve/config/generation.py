@@ -93,13 +93,15 @@ def sampling_defaults(
     setting: str, override: Mapping[str, Any] | str | None, model_dir: str | Path | None
 ) -> tuple[dict[str, Any], str]:
     """(SamplingParams fields and their defaults, where they came from) for an engine: `setting`
-    "auto" reads the model folder's generation_config.json, "vllm" none, anything else is a
-    folder holding one; `override` is applied over it. ConfigError when a named folder has no
+    "auto" reads the model folder's generation_config.json (its config.json without one), "vllm"
+    none, anything else is a folder holding one; `override` is applied over it. ConfigError when a named folder has no
     such file, or the file is not a JSON object."""
     check_setting(setting)
     path: Path | None = None
-    if setting == "auto":
-        path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if setting == "auto" and model_dir is not None:
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():  # as transformers builds a generation config from config.json
+            path = Path(model_dir) / "config.json"
     elif setting != "vllm":
         path = Path(setting) / "generation_config.json"
         if not path.is_file():

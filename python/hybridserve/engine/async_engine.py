@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from hybridserve.config import EngineArgs
+from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
@@ -116,6 +117,10 @@ class AsyncEngine:
     @property
     def default_sampling(self) -> Mapping[str, Any]:
         return self._loaded_engine().default_sampling
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self._loaded_engine().chat_template
 
     def start(self) -> None:
         self._thread.start()

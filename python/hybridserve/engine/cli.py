@@ -6,17 +6,24 @@ import argparse
 import json
 import sys
 
+# The command's own sampling defaults (greedy, 32 tokens). A flag given wins; then the model's
+# generation config (--generation-config), as for the server's requests; then these.
+CLI_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     from hybridserve.config import add_engine_args
 
     p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # (None: the model's generation config where it recommends a value, else these defaults)
+    p.add_argument("--max-tokens", type=int, default=None, help=f"default {CLI_DEFAULTS['max_tokens']}")
+    p.add_argument(
+        "--temperature", type=float, default=None, help=f"default {CLI_DEFAULTS['temperature']} (greedy)"
+    )
+    p.add_argument("--top-p", type=float, default=None, help=f"default {CLI_DEFAULTS['top_p']}")
+    p.add_argument("--top-k", type=int, default=None, help=f"default {CLI_DEFAULTS['top_k']}")
+    p.add_argument("--min-p", type=float, default=None, help=f"default {CLI_DEFAULTS['min_p']}")
     p.add_argument(
         "--sampling-seed",
         type=int,
@@ -41,17 +48,20 @@ def generate_main(args: argparse.Namespace) -> int:
         return 2
     try:
         engine_args = EngineArgs.from_cli(args)
+        llm = LLM.from_engine_args(engine_args)
+        model = llm.engine.default_sampling
+        chosen = {
+            name: given if given is not None else model.get(name, default)
+            for name, default in CLI_DEFAULTS.items()
+            for given in [getattr(args, name)]
+        }
         params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
+            **chosen,
+            repetition_penalty=model.get("repetition_penalty", 1.0),
             seed=args.sampling_seed,
             stop=list(args.stop),
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM.from_engine_args(engine_args)
         outputs = llm.generate(prompts, params)
     except HybridServeError as exc:
         print(f"hybridserve generate: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Any, cast
 import jinja2
 
 from hybridserve.config import EngineArgs
-from hybridserve.engine.chat_template import ChatTemplate, ContinuationError, TemplateError, encode_rendered
+from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
@@ -77,7 +77,9 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
                     )
                 texts.append(part["text"])
             content = "".join(texts)
-        elif content is not None and not isinstance(content, str):
+        elif content is None:
+            content = ""  # (an assistant message with only tool calls, say; templates add strings)
+        elif not isinstance(content, str):
             raise InvalidRequestError(
                 f"{p}.content: a string, None or a list of text parts, not {type(content).__name__}"
             )
@@ -129,6 +131,8 @@ class LLM:
         conversations = _conversations(messages)
         template = self.engine.chat_template
         if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template:
+                raise InvalidRequestError(f"chat_template: a Jinja template's text, got {chat_template!r}")
             try:
                 template = ChatTemplate(
                     chat_template, bos_token=template.bos_token, eos_token=template.eos_token
@@ -149,7 +153,7 @@ class LLM:
                     extra=dict(chat_template_kwargs or {}),
                     continue_final_message=continue_final_message,
                 )
-            except (TemplateError, ContinuationError, jinja2.TemplateError) as e:
+            except Exception as e:  # noqa: BLE001 - raise_exception, a continuation, or the template failing on these messages
                 where = f"messages[{i}]" if len(conversations) > 1 else "messages"
                 raise InvalidRequestError(f"{where}: the chat template refused it: {e}") from None
             prompts.append({"prompt": text, "prompt_token_ids": encode_rendered(tokenizer, text)})

@@ -56,6 +56,11 @@ class EngineClient(ServedModel, Protocol):
         """Loaded and running; False before loading ends and after the engine stopped."""
         ...
 
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The chat template served (--chat-template, else the model's)."""
+        ...
+
     def generate(
         self,
         prompt: Prompt,

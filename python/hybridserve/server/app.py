@@ -442,7 +442,7 @@ async def _error_middleware(
         )
     if resp.status == CLIENT_CLOSED:  # nobody is there to answer
         return resp
-    if resp.status >= 400 and request.path != "/health":
+    if resp.status >= 400 and request.path not in _LIVENESS_PATHS:  # (their 503 is an answer)
         metrics.http_errors.labels(status=str(resp.status)).inc()
     if error is not None and 400 <= resp.status < 500:
         log_client_error(request, resp.status, *error)
@@ -527,6 +527,9 @@ async def _health(request: web.Request) -> web.Response:
     if not state.ready:
         return web.json_response({"status": "loading"}, status=503, headers={"Retry-After": "5"})
     return web.json_response({"status": "ok"})
+
+
+_LIVENESS_PATHS = frozenset({"/health", "/ping"})
 
 
 async def _version(request: web.Request) -> web.Response:

@@ -173,7 +173,6 @@ async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from hybridserve.config import EngineArgs
-    from hybridserve.engine.chat_template import ChatTemplate
     from hybridserve.errors import ConfigError
     from hybridserve.server.access import AccessPolicy
     from hybridserve.server.app import create_app, drain, set_engine, set_load_error
@@ -285,9 +284,8 @@ async def _serve(args: argparse.Namespace) -> int:
             set_load_error(app, str(exc))
             rc = 1
         elif not stop.is_set():
-            template = None
-            if engine_args.chat_template is not None:
-                template = ChatTemplate.served(engine.model_dir, engine_args.chat_template)
+            # --chat-template: the engine's own (read once, as the engine loaded)
+            template = engine.chat_template if engine_args.chat_template is not None else None
             set_engine(app, engine, chat_template=template)
             logger.info("ready: serving %r on http://%s:%d", _served_name(args), args.host, port)
             rc = await _serve_until_stopped(engine, stop_wait)

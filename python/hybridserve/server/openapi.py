@@ -118,10 +118,22 @@ def _sampling_fields(
             "enum": [served_model_name],
             "description": "the served model (default); another name is a 404 model_not_found",
         },
-        "temperature": _num(0.0, 2.0, "sampling temperature (default 1; 0 is greedy)"),
-        "top_p": _num(0.0, 1.0, "nucleus sampling mass (default 1)", lo_open=True),
-        "top_k": _int(-1, INT32_MAX, "sample from the k most likely tokens (default 0; 0 and -1: all)"),
-        "min_p": _num(0.0, 1.0, "drop tokens below min_p times the top probability (default 0)"),
+        "temperature": _num(
+            0.0, 2.0, "sampling temperature (default 1, or the model's generation config; 0 is greedy)"
+        ),
+        "top_p": _num(
+            0.0, 1.0, "nucleus sampling mass (default 1, or the model's generation config)", lo_open=True
+        ),
+        "top_k": _int(
+            -1,
+            INT32_MAX,
+            "sample from the k most likely tokens (default 0, or the model's generation config; 0 and -1: all)",
+        ),
+        "min_p": _num(
+            0.0,
+            1.0,
+            "drop tokens below min_p times the top probability (default 0, or the model's generation config)",
+        ),
         "n": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "choices per prompt (default 1); prompts x n at most 128"),
         "seed": _int(0, SEED_MAX, "seed of choice 0; the others get distinct seeds derived from it"),
         "stream": _bool("answer with Server-Sent Events (default false)"),
@@ -167,7 +179,7 @@ def _sampling_fields(
         ),
         "presence_penalty": _num(-2.0, 2.0, "default 0"),
         "frequency_penalty": _num(-2.0, 2.0, "default 0"),
-        "repetition_penalty": _num(0.0, 10.0, "default 1", lo_open=True),
+        "repetition_penalty": _num(0.0, 10.0, "default 1, or the model's generation config", lo_open=True),
         "skip_special_tokens": _bool("leave special tokens out of the text (default true)"),
         "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
@@ -342,8 +354,8 @@ def _completion_fields(
         },
         "max_tokens": _max_tokens(
             max_model_len,
-            f"default {P.COMPLETION_DEFAULT_MAX_TOKENS}; 0 (score the prompt only) is also accepted "
-            "with echo or prompt_logprobs",
+            f"default {P.COMPLETION_DEFAULT_MAX_TOKENS}; the model's generation config max_new_tokens caps it; "
+            "0 (score the prompt only) is also accepted with echo or prompt_logprobs",
         ),
         "echo": _bool(
             "prefix each choice with its prompt (default false); with logprobs, the prompt's tokens "
@@ -374,7 +386,10 @@ def _chat_fields(
             "items": {"$ref": "#/components/schemas/ChatMessage"},
             "description": "the conversation, rendered by the model's chat template",
         },
-        "max_tokens": _max_tokens(max_model_len, "default: the room the prompt leaves"),
+        "max_tokens": _max_tokens(
+            max_model_len,
+            "default: the room the prompt leaves; the model's generation config max_new_tokens caps it",
+        ),
         "max_completion_tokens": _max_tokens(
             max_model_len, "max_tokens' newer name; equal to it if both are given"
         ),

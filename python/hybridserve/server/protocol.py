@@ -665,6 +665,13 @@ def refuse_longer_than_context(info: ModelInfo, text: str, limit: int, param: st
         )
 
 
+def _generation_config_cap(max_tokens: int, info: ModelInfo) -> int:
+    """The model's generation config `max_new_tokens` caps the tokens to generate, given or
+    defaulted, as vLLM takes it (the least of the request's, the room left and the model's)."""
+    cap = info.sampling_defaults.get("max_tokens")
+    return max_tokens if cap is None else min(max_tokens, int(cap))
+
+
 def _resolve_max_tokens(
     requested: int | None,
     prompts: Sequence[PromptInput],
@@ -751,9 +758,9 @@ def parse_completion_request(
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
     if requested_max is None:
-        # the model's generation config, else OpenAI's default of 16 completion tokens, within
-        # the room the prompt leaves
-        max_tokens = min(info.sampling_defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), max_tokens)
+        # OpenAI's default of 16 completion tokens, within the room the prompt leaves
+        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_tokens)
+    max_tokens = _generation_config_cap(max_tokens, info)
     # the engine computes the prompt's logprobs for echo + logprobs (the echoed tokens' logprobs),
     # for prompt_logprobs, and for max_tokens 0 (which needs them to have anything to do)
     wanted = [v for v in (prompt_logprobs, logprobs if echo else None) if v is not None]
@@ -1155,9 +1162,9 @@ def parse_chat_request(
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
-    resolved = _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param)
-    if max_tokens is None and "max_tokens" in info.sampling_defaults:  # (else the room left)
-        resolved = min(int(info.sampling_defaults["max_tokens"]), resolved)
+    resolved = _generation_config_cap(
+        _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param), info
+    )
     prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise _bad("prompt_logprobs", "not available with stream: true on chat (as vLLM)")

@@ -25,7 +25,7 @@ STATS_LOGGER = logging.getLogger("hybridserve.stats")
 
 # Probed every few seconds by load balancers, orchestrators and Prometheus: their lines are at
 # debug level, so that the access log shows the requests that do work.
-QUIET_PATHS = frozenset({"/health", "/metrics"})
+QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
 # A client that goes away before its answer is complete (nginx's code for it).
 CLIENT_CLOSED = 499
 RECORD_KEY = "hybridserve_record"  # the generation handlers' RequestRecord, on the aiohttp request
