@@ -361,6 +361,16 @@ def test_rejection_sample_long_draft_chains(emu, reject_at):
     assert int(got[1]) == (k if reject_at is None else reject_at)
 
 
+def test_rejection_sample_refuses_rows_that_do_not_match_the_drafts(emu):
+    """Counts given on the host are checked against the target rows (each request owns k + 1):
+    a mismatch would make the kernels read and write past the rows."""
+    p = torch.full((4, 8), 1.0 / 8)
+    z = torch.zeros(2, dtype=torch.int64)
+    args = (p, None, torch.tensor([1, 2, 3]), torch.tensor([2, 1]), torch.tensor([False, False]), None)
+    with pytest.raises(ValueError, match=r"target_probs has 4 rows, but the drafts need sum\(k \+ 1\) = 5"):
+        emu.rejection_sample(*args, None, None, z, z)
+
+
 def test_rejection_sample_philox_noise_covers_every_tile(emu):
     """Bonus tokens over a flat distribution with the op's own Philox noise: every tile's ids are
     drawn about as often as its share of the vocabulary, different seeds give different tokens,

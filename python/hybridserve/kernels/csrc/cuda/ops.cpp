@@ -624,6 +624,10 @@ std::tuple<Tensor, Tensor> rejection_sample(const Tensor& target_probs, const st
   const int64_t M = target_probs.size(0), V = target_probs.size(1);
   const int64_t R = num_draft_tokens.numel();
   TORCH_CHECK(V > 0 && V <= (int64_t{1} << 26), "the vocabulary must have between 1 and 2^26 entries");
+  if (num_draft_tokens.is_cpu()) {  // (counts on the device are trusted: checking them would sync)
+    const int64_t rows = num_draft_tokens.to(at::kLong).sum().item<int64_t>() + R;
+    TORCH_CHECK_VALUE(rows == M, "target_probs has ", M, " rows, but the drafts need sum(k + 1) = ", rows);
+  }
   Tensor probs = inner_contig(target_probs, at::kFloat);
   Tensor k = dev_long(num_draft_tokens, like);
   Tensor out_tokens = at::empty({M}, like.options().dtype(at::kLong));
