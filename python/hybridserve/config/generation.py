@@ -30,14 +30,7 @@ FIELDS = {
     "max_new_tokens": "max_tokens",
 }
 # transformers' GenerationConfig defaults: a file's value equal to one of these is no recommendation
-_HF_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 50,
-    "min_p": None,
-    "repetition_penalty": 1.0,
-    "max_new_tokens": None,
-}
+_HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def _check_value(name: str, value: Any, flag: str) -> None:
@@ -112,7 +105,7 @@ def sampling_defaults(
     if data is not None and path is not None:
         for name in FIELDS:
             value = data.get(name)
-            if value is None or value == _HF_DEFAULTS[name]:
+            if value is None or value == _HF_DEFAULTS.get(name):
                 continue
             _check_value(name, value, f"--generation-config ({path}; vllm leaves it out)")
             found[name] = value

@@ -50,11 +50,10 @@ def generate_main(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli(args)
         llm = LLM.from_engine_args(engine_args)
         model = llm.engine.default_sampling
-        chosen = {
-            name: given if given is not None else model.get(name, default)
-            for name, default in CLI_DEFAULTS.items()
-            for given in [getattr(args, name)]
-        }
+        chosen = {}
+        for name, default in CLI_DEFAULTS.items():
+            given = getattr(args, name)
+            chosen[name] = given if given is not None else model.get(name, default)
         params = SamplingParams(
             **chosen,
             repetition_penalty=model.get("repetition_penalty", 1.0),

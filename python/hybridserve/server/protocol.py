@@ -592,16 +592,17 @@ def _ignored_common(body: dict[str, Any]) -> None:
 
 def _sampling_params(
     body: dict[str, Any],
+    info: ModelInfo,
     *,
     n: int,
     max_tokens: int | None,
     logprobs: int | None,
-    vocab_size: int | None,
     prompt_logprobs: int | None = None,
-    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """`defaults`: `ModelInfo.sampling_defaults`, for the fields the body leaves out."""
-    d = defaults or {}
+    """The body's sampling fields, checked against the model's vocabulary; a field the body leaves
+    out takes `info.sampling_defaults` (the model's generation config), else its own default."""
+    vocab_size = info.vocab_size
+    d = info.sampling_defaults
     stop_token_ids_raw = body.get("stop_token_ids")
     stop_token_ids = (
         []
@@ -767,11 +768,10 @@ def parse_completion_request(
     engine_prompt_logprobs = max(wanted, default=0) if wanted or max_tokens == 0 else None
     params = _sampling_params(
         body,
+        info,
         n=n,
         max_tokens=max_tokens,
         logprobs=logprobs,
-        vocab_size=info.vocab_size,
-        defaults=info.sampling_defaults,
         prompt_logprobs=engine_prompt_logprobs,
     )
     params = _constrained(params, body, unknown)
@@ -1170,11 +1170,10 @@ def parse_chat_request(
         raise _bad("prompt_logprobs", "not available with stream: true on chat (as vLLM)")
     params = _sampling_params(
         body,
+        info,
         n=n,
         max_tokens=resolved,
         logprobs=logprobs,
-        vocab_size=info.vocab_size,
-        defaults=info.sampling_defaults,
         prompt_logprobs=prompt_logprobs,
     )
     params = _constrained(params, body, unknown, tools, tool_choice)
