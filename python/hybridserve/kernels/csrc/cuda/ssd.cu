@@ -15,57 +15,84 @@
 //                          + exp(lam_i) C_i . H_prev + D x_i
 // The caller then scatters final / boundary states from `states` to their slots (slot copy).
 // All matmuls are 64x64 register-tiled fp32 GEMMs (no TF32): exact enough for fp32-state tests.
+// They are bound by loading and scaling their operands, not by the multiplies: 3xTF32 tensor-core
+// tiles in their place measured slower on an H200 (docs/kernel-design.md).
 #include "common.cuh"
 
 namespace hs {
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 16, kThreads = 256;
+constexpr int BM = 64, BN = 64, BK = 16, kPad = 4, kThreads = 256;
+constexpr int kMaxQ = 1024;  // the largest chunk_size ops.cpp accepts
+// two blocks of 256 threads per SM (registers capped at 128 a thread): the configuration measured
+constexpr int kMinBlocks = 2;
 
-// acc[4][4] += A[m0.., k] * B[k, n0..] over k in [0, K), A/B supplied by loaders.
+// One GEMM block's operand tiles.
+struct GemmSmem {
+  float a[BK][BM + kPad];  // a[k][m]
+  float b[BK][BN + kPad];  // b[k][n]
+};
+
+template <bool KCONTIG, int MN>
+__device__ __forceinline__ void tile_pos(int e, int& mn, int& k) {
+  if constexpr (KCONTIG) {
+    mn = e / BK;
+    k = e % BK;
+  } else {
+    mn = e % MN;
+    k = e / MN;
+  }
+}
+
+// acc += A[m0.., k] * B[k, n0..] over k in [0, K), A/B supplied by loaders.
 //   a(m, k), b(k, n) return the operand values (0 outside the valid range).
 //   A_KCONTIG / B_KCONTIG: whether consecutive k is the contiguous direction of the global
 //   operand (picks the thread->element mapping of the tile loads for coalescing).
+//   The thread (tx, ty) = (tid % 16, tid / 16) accumulates acc[i][j] = C[ty + 16 i][tx + 16 j].
 template <bool A_KCONTIG, bool B_KCONTIG, typename LA, typename LB>
-__device__ __forceinline__ void gemm_tile(float (&acc)[4][4], int K, LA a, LB b, float (*As)[BM + 4],
-                                          float (*Bs)[BN + 4]) {
+__device__ __forceinline__ void gemm_tile(float (&acc)[4][4], int K, LA a, LB b, GemmSmem& sm) {
   const int tid = threadIdx.x;
-  const int tx = tid & 15, ty = tid >> 4;
+  constexpr int QA = (BM * BK) / kThreads, QB = (BN * BK) / kThreads;
+  // a k slice's operands in registers: the next slice is loaded while the current one multiplies
+  float ra[QA], rb[QB];
+  auto load = [&](int k0) {
+#pragma unroll
+    for (int q = 0; q < QA; ++q) {
+      int m, k;
+      tile_pos<A_KCONTIG, BM>(tid + q * kThreads, m, k);
+      ra[q] = (k0 + k < K) ? a(m, k0 + k) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < QB; ++q) {
+      int n, k;
+      tile_pos<B_KCONTIG, BN>(tid + q * kThreads, n, k);
+      rb[q] = (k0 + k < K) ? b(k0 + k, n) : 0.f;
+    }
+  };
+  load(0);
   for (int k0 = 0; k0 < K; k0 += BK) {
 #pragma unroll
-    for (int q = 0; q < (BM * BK) / kThreads; ++q) {
-      const int e = tid + q * kThreads;
+    for (int q = 0; q < QA; ++q) {
       int m, k;
-      if constexpr (A_KCONTIG) {
-        m = e / BK;
-        k = e % BK;
-      } else {
-        m = e % BM;
-        k = e / BM;
-      }
-      As[k][m] = (k0 + k < K) ? a(m, k0 + k) : 0.f;
+      tile_pos<A_KCONTIG, BM>(tid + q * kThreads, m, k);
+      sm.a[k][m] = ra[q];
     }
 #pragma unroll
-    for (int q = 0; q < (BN * BK) / kThreads; ++q) {
-      const int e = tid + q * kThreads;
+    for (int q = 0; q < QB; ++q) {
       int n, k;
-      if constexpr (B_KCONTIG) {
-        n = e / BK;
-        k = e % BK;
-      } else {
-        n = e % BN;
-        k = e / BN;
-      }
-      Bs[k][n] = (k0 + k < K) ? b(k0 + k, n) : 0.f;
+      tile_pos<B_KCONTIG, BN>(tid + q * kThreads, n, k);
+      sm.b[k][n] = rb[q];
     }
     __syncthreads();
+    if (k0 + BK < K) load(k0 + BK);  // in flight while this slice multiplies
+    const int tx = tid & 15, ty = tid >> 4;
 #pragma unroll
     for (int k = 0; k < BK; ++k) {
       float av[4], bv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[k][ty + 16 * i];
+      for (int i = 0; i < 4; ++i) av[i] = sm.a[k][ty + 16 * i];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = Bs[k][tx + 16 * j];
+      for (int j = 0; j < 4; ++j) bv[j] = sm.b[k][tx + 16 * j];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -97,9 +124,8 @@ __global__ void dt_cumsum_kernel(const SsdParams p) {
 
 // ---- K1: chunk states from zero, M = P, N = N, K = chunk tokens ------------------------------
 template <typename T>
-__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const SsdParams p) {
-  __shared__ float As[BK][BM + 4];
-  __shared__ float Bs[BK][BN + 4];
+__global__ void __launch_bounds__(kThreads, kMinBlocks) chunk_state_kernel(const SsdParams p) {
+  __shared__ GemmSmem sm;
   const int tiles_n = (p.N + BN - 1) / BN;
   const int tile = blockIdx.x;
   const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
@@ -108,23 +134,25 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const SsdParams p
   const int g = h / (p.H / p.G);
   const int64_t start = p.chunk_start[c];
   const int len = static_cast<int>(p.chunk_len[c]);
+  // each token's weight exp(lam_last - lam_j) dtp_j, once per block instead of once per element
+  __shared__ float w_s[kMaxQ];
   const float lam_last = p.lam[(start + len - 1) * p.H + h];
-  const T* x = static_cast<const T*>(p.x);
-  const T* B = static_cast<const T*>(p.B);
+  for (int k = threadIdx.x; k < len; k += kThreads) {
+    const int64_t t = start + k;
+    w_s[k] = expf(lam_last - p.lam[t * p.H + h]) * p.dtp[t * p.H + h];
+  }
+  __syncthreads();
+  const T* xh = static_cast<const T*>(p.x) + start * p.x_st + h * p.x_sh + m0;
+  const T* Bg = static_cast<const T*>(p.B) + start * p.b_st + g * p.b_sg + n0;
+  const int pm = p.P - m0, nm = p.N - n0;  // valid rows / columns of this tile
   auto la = [&](int m, int k) -> float {  // x_j[p]
-    const int pp = m0 + m;
-    if (pp >= p.P) return 0.f;
-    return to_float(x[(start + k) * p.x_st + h * p.x_sh + pp]);
+    return m < pm ? to_float(xh[k * p.x_st + m]) : 0.f;
   };
   auto lb = [&](int k, int n) -> float {  // w_j B_j[n]
-    const int nn = n0 + n;
-    if (nn >= p.N) return 0.f;
-    const int64_t t = start + k;
-    const float w = expf(lam_last - p.lam[t * p.H + h]) * p.dtp[t * p.H + h];
-    return w * to_float(B[t * p.b_st + g * p.b_sg + nn]);
+    return n < nm ? w_s[k] * to_float(Bg[k * p.b_st + n]) : 0.f;
   };
   float acc[4][4] = {};
-  gemm_tile<false, false>(acc, len, la, lb, As, Bs);
+  gemm_tile<false, false>(acc, len, la, lb, sm);
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   float* S = p.states + (static_cast<int64_t>(c) * p.H + h) * p.P * p.N;
 #pragma unroll
@@ -141,9 +169,8 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const SsdParams p
 
 // ---- K2: CB = C B^T per (chunk, group), lower-triangular tiles -------------------------------
 template <typename T>
-__global__ void __launch_bounds__(kThreads) cb_kernel(const SsdParams p) {
-  __shared__ float As[BK][BM + 4];
-  __shared__ float Bs[BK][BN + 4];
+__global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(const SsdParams p) {
+  __shared__ GemmSmem sm;
   const int tq = (p.Q + BM - 1) / BM;
   const int ti = blockIdx.x / tq, tj = blockIdx.x % tq;
   if (tj > ti) return;  // never read (masked by causality in K4)
@@ -166,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) cb_kernel(const SsdParams p) {
     return to_float(B[(start + j) * p.b_st + g * p.b_sg + k]);
   };
   float acc[4][4] = {};
-  gemm_tile<true, true>(acc, p.N, la, lb, As, Bs);
+  gemm_tile<true, true>(acc, p.N, la, lb, sm);
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   float* out = p.cb + (static_cast<int64_t>(c) * p.G + g) * p.Q * p.Q;
 #pragma unroll
@@ -255,9 +282,8 @@ __global__ void __launch_bounds__(kPassThreads) state_passing_kernel(const SsdPa
 
 // ---- K4: outputs, M = chunk tokens, N = P -----------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const SsdParams p) {
-  __shared__ float As[BK][BM + 4];
-  __shared__ float Bs[BK][BN + 4];
+__global__ void __launch_bounds__(kThreads, kMinBlocks) chunk_scan_kernel(const SsdParams p) {
+  __shared__ GemmSmem sm;
   const int tiles_p = (p.P + BN - 1) / BN;
   const int tiles_q = (p.Q + BM - 1) / BM;
   int64_t bid = blockIdx.x;
@@ -273,8 +299,18 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const SsdParams p)
   if (i0 >= len) return;
   const int g = h / (p.H / p.G);
   const T* x = static_cast<const T*>(p.x);
-  const T* C = static_cast<const T*>(p.C);
-  const float* lam = p.lam;
+  const int kmax = (i0 + BM < len) ? i0 + BM : len;  // tokens this tile reads: its rows and before
+  // the tokens' lam and dtp, once per block (strided by H in global memory)
+  __shared__ float lam_s[kMaxQ];
+  __shared__ float dtp_s[kMaxQ];
+  for (int k = threadIdx.x; k < kmax; k += kThreads) {
+    const int64_t t = start + k;
+    lam_s[k] = p.lam[t * p.H + h];
+    dtp_s[k] = p.dtp[t * p.H + h];
+  }
+  __syncthreads();
+  const T* xh = x + start * p.x_st + h * p.x_sh + p0;
+  const int pm = p.P - p0;  // valid columns of this tile
   const float* cb = p.cb + (c * p.G + g) * p.Q * p.Q;
   float acc[4][4] = {};
   // intra-chunk part: A[i][j] = CB_ij exp(lam_i - lam_j) (j <= i, masked before the exp)
@@ -282,34 +318,25 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const SsdParams p)
     auto la = [&](int m, int k) -> float {
       const int i = i0 + m;
       if (i >= len || k > i) return 0.f;
-      const float li = lam[(start + i) * p.H + h];
-      const float lj = lam[(start + k) * p.H + h];
-      return cb[static_cast<int64_t>(i) * p.Q + k] * expf(li - lj);
+      return cb[static_cast<int64_t>(i) * p.Q + k] * expf(lam_s[i] - lam_s[k]);
     };
     auto lb = [&](int k, int n) -> float {  // dtp_j x_j[p]
-      const int pp = p0 + n;
-      if (pp >= p.P) return 0.f;
-      const int64_t t = start + k;
-      return p.dtp[t * p.H + h] * to_float(x[t * p.x_st + h * p.x_sh + pp]);
+      return n < pm ? dtp_s[k] * to_float(xh[k * p.x_st + n]) : 0.f;
     };
-    const int kmax = (i0 + BM < len) ? i0 + BM : len;
-    gemm_tile<true, false>(acc, kmax, la, lb, As, Bs);
+    gemm_tile<true, false>(acc, kmax, la, lb, sm);
   }
   // carried state: A[i][n] = exp(lam_i) C_i[n], B[n][p] = H_prev[p][n]
   {
-    const float* hprev = p.states + (c * p.H + h) * static_cast<int64_t>(p.P) * p.N;
+    const float* hprev = p.states + (c * p.H + h) * static_cast<int64_t>(p.P) * p.N + static_cast<int64_t>(p0) * p.N;
+    const T* Cg = static_cast<const T*>(p.C) + start * p.c_st + g * p.c_sg;
     auto la = [&](int m, int k) -> float {
       const int i = i0 + m;
-      if (i >= len) return 0.f;
-      const int64_t t = start + i;
-      return expf(lam[t * p.H + h]) * to_float(C[t * p.c_st + g * p.c_sg + k]);
+      return i < len ? expf(lam_s[i]) * to_float(Cg[i * p.c_st + k]) : 0.f;
     };
     auto lb = [&](int k, int n) -> float {
-      const int pp = p0 + n;
-      if (pp >= p.P) return 0.f;
-      return hprev[static_cast<int64_t>(pp) * p.N + k];
+      return n < pm ? hprev[static_cast<int64_t>(n) * p.N + k] : 0.f;
     };
-    gemm_tile<true, true>(acc, p.N, la, lb, As, Bs);
+    gemm_tile<true, true>(acc, p.N, la, lb, sm);
   }
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   const float Dh = p.D[h];
