@@ -73,8 +73,9 @@ class TokenizerModelInfo:
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
         continue_final_message: bool = False,
+        template: ChatTemplate | None = None,
     ) -> list[int]:
-        text = self.template.render(
+        text = (template or self.template).render(
             messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
         )
         return self.encode(text, add_special_tokens)

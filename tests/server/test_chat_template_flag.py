@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.cli import build_parser
+from hybridserve.engine.chat_template import encode_rendered
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
 from server_fixtures import ServerProcess, call, running_server
@@ -70,3 +71,53 @@ def test_vllm_tool_and_trust_flags_are_accepted_and_unknown_parsers_refused(
         build_parser().parse_args(["serve", "demo", "--tool-call-parser", "llama3_json"])
     assert e.value.code == 2
     assert "invalid choice: 'llama3_json'" in capsys.readouterr().err
+
+
+REQUEST_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_request_template_is_rendered_only_when_the_server_trusts_it() -> None:
+    """`--trust-request-chat-template` (vLLM's flag): a chat request's own `chat_template` is
+    rendered in place of the served one, with the model's BOS text, on the chat route and
+    /tokenize; one that is not Jinja, or that rejects the messages, is a 400 naming it, and the
+    server goes on serving. Without the flag the field is refused, naming the flag."""
+    demo = ensure_demo_model()
+    tok = Tokenizer(demo)
+    with running_server("--dtype", "float32", "--trust-request-chat-template") as server:
+        want = encode_rendered(
+            tok, f"{tok.bos_token or ''}<system>Be brief.<user>How long does the cake bake?<assistant>"
+        )
+        status, out = call(server, "/tokenize", {"messages": MESSAGES, "chat_template": REQUEST_TEMPLATE})
+        assert status == 200, out
+        assert out["tokens"] == want
+        status, served = call(server, "/tokenize", {"messages": MESSAGES})
+        assert status == 200 and served["tokens"] != want  # (the served template otherwise)
+        body = {"model": "demo", "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        status, out = call(server, "/v1/chat/completions", {**body, "chat_template": REQUEST_TEMPLATE})
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] == len(want)
+        call_ids = out["choices"][0]["message"]["content"]
+        for bad, what in (
+            ("{% for m in messages %}", "is not a valid Jinja template"),
+            ("{{ raise_exception('no system messages') }}", "the chat template rejected the messages"),
+            (7, "must be a non-empty string"),
+            ("  ", "must be a non-empty string"),
+        ):
+            status, err = call(server, "/v1/chat/completions", {**body, "chat_template": bad})
+            assert status == 400 and err["error"]["param"] == "chat_template", (bad, err)
+            assert what in err["error"]["message"], (bad, err)
+        status, again = call(server, "/v1/chat/completions", {**body, "chat_template": REQUEST_TEMPLATE})
+        assert status == 200 and again["choices"][0]["message"]["content"] == call_ids
+        status, doc = call(server, "/openapi.json")
+        assert status == 200
+        schema = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["chat_template"]
+        assert "string" in schema["type"]  # (refused fields allow only absent or empty values)
+    with running_server("--dtype", "float32") as server:
+        status, err = call(server, "/tokenize", {"messages": MESSAGES, "chat_template": REQUEST_TEMPLATE})
+        assert status == 400 and err["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in err["error"]["message"]
+        status, out = call(server, "/tokenize", {"messages": MESSAGES})
+        assert status == 200 and out["tokens"] == served["tokens"]

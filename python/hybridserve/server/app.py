@@ -60,8 +60,16 @@ _ABORTED = object()  # sink marker: the server aborted this choice
 class EngineModelInfo:
     """protocol.ModelInfo over the engine: tokenizer, vocabulary size, context length, chat template."""
 
-    def __init__(self, engine: ServedModel, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(
+        self,
+        engine: ServedModel,
+        chat_template: ChatTemplate | None = None,
+        *,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.tokenizer = engine.tokenizer
+        # a request's own `chat_template` is rendered (protocol._request_template), else refused
+        self.trust_request_chat_template = trust_request_chat_template
         self._max_model_len = int(engine.max_model_len)
         self._vocab_size = int(engine.vocab_size)
         self._sampling_defaults = dict(engine.default_sampling)
@@ -106,8 +114,9 @@ class EngineModelInfo:
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
         continue_final_message: bool = False,
+        template: ChatTemplate | None = None,
     ) -> list[int]:
-        text = self.chat_template.render(
+        text = (template or self.chat_template).render(
             messages,
             add_generation_prompt=add_generation_prompt,
             extra=template_kwargs,
@@ -213,6 +222,8 @@ class ServerState:
     scheduling_policy: str = "fcfs"
     # --reasoning-parser: chat answers split into reasoning and content (reasoning.py)
     reasoning: ReasoningFormat | None = None
+    # --trust-request-chat-template: a request's own `chat_template` is rendered, not refused
+    trust_request_chat_template: bool = False
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
@@ -265,6 +276,7 @@ def create_app(
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S,
     scheduling_policy: str = "fcfs",
     reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -274,7 +286,9 @@ def create_app(
     `scheduling_policy`: "priority" passes each request's `priority` to the engine; "fcfs" (as
     vLLM's default) refuses a non-zero one, so that no client moves ahead of the others unless
     the operator allows it. `reasoning_parser`: a `reasoning.REASONING_PARSERS` name, whose split
-    chat answers get (None: answers are whole)."""
+    chat answers get (None: answers are whole). `trust_request_chat_template`: a request's own
+    `chat_template` is rendered (a template is code that runs here: for clients the operator
+    trusts), else refused, as vLLM's flag of that name."""
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy: one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
     state_holder: dict[str, ServerState] = {}
@@ -290,6 +304,7 @@ def create_app(
         strict_request_fields=strict_request_fields,
         scheduling_policy=scheduling_policy,
         reasoning=None if reasoning_parser is None else reasoning_format(reasoning_parser),
+        trust_request_chat_template=trust_request_chat_template,
         log_stats_interval_s=log_stats_interval_s,
     )
     state_holder["s"] = state
@@ -330,7 +345,9 @@ def set_engine(
 ) -> None:
     """Attach a loaded engine; from now on /health is 200 (while engine.ready)."""
     state = app[STATE]
-    state.info = EngineModelInfo(engine, chat_template)
+    state.info = EngineModelInfo(
+        engine, chat_template, trust_request_chat_template=state.trust_request_chat_template
+    )
     state.engine = engine
     state.metrics.ready.set(1)
 
@@ -547,6 +564,7 @@ async def _openapi(request: web.Request) -> web.Response:
         vocab_size=info.vocab_size if info is not None else None,
         api_key_required=state.api_key is not None,
         strict_request_fields=state.strict_request_fields,
+        trust_request_chat_template=state.trust_request_chat_template,
     )
     return web.json_response(doc)
 

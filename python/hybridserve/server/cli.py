@@ -125,6 +125,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="accepted for vLLM's command lines: tool_choice auto is always on here",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own `chat_template` in place of the served one (vLLM's flag; "
+        "default: refused with a 400). A template is code the server runs, in a sandbox but "
+        "without a time limit: for clients you trust",
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted for vLLM's command lines: hybridserve runs no code from a model folder",
@@ -210,6 +217,7 @@ async def _serve(args: argparse.Namespace) -> int:
         strict_request_fields=args.strict_request_fields,
         scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
     )

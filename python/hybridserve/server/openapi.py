@@ -376,7 +376,7 @@ def _completion_fields(
 
 
 def _chat_fields(
-    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+    served_model_name: str, vocab_size: int | None, max_model_len: int | None, request_templates: bool
 ) -> dict[str, Schema]:
     return {
         **_sampling_fields(served_model_name, vocab_size, max_model_len),
@@ -404,14 +404,15 @@ def _chat_fields(
         "add_generation_prompt": _bool(
             "end the prompt with the assistant's turn header (default true; false with continue_final_message)"
         ),
-        **_template_fields(),
+        **_template_fields(request_templates),
         **_tool_fields(),
         **{name: _unsupported() for name in sorted(P._CHAT_UNSUPPORTED)},
     }
 
 
-def _template_fields() -> dict[str, Schema]:
-    """vLLM's chat-template fields (the chat route's and /tokenize's)."""
+def _template_fields(request_templates: bool) -> dict[str, Schema]:
+    """vLLM's chat-template fields (the chat route's and /tokenize's); `request_templates`: a
+    request's own `chat_template` is rendered (--trust-request-chat-template), else refused."""
     return {
         "add_special_tokens": _bool(
             "add the tokenizer's special tokens (BOS) besides the template's (default false, as vLLM)"
@@ -425,14 +426,21 @@ def _template_fields() -> dict[str, Schema]:
             "description": "more variables for the chat template (e.g. enable_thinking); not "
             + ", ".join(sorted(P._TEMPLATE_RESERVED)),
         },
-        **{
-            name: _unsupported("vLLM's, not supported by this server")
-            for name in sorted(P._CHAT_VLLM_UNSUPPORTED)
-        },
+        "chat_template": (
+            {
+                "type": "string",
+                "minLength": 1,
+                "description": "a Jinja chat template (not blank) rendered in place of the served one",
+            }
+            if request_templates
+            else _unsupported("refused: the server allows it with --trust-request-chat-template")
+        ),
     }
 
 
-def _tokenize_schemas(served_model_name: str, vocab_size: int | None) -> dict[str, Schema]:
+def _tokenize_schemas(
+    served_model_name: str, vocab_size: int | None, request_templates: bool
+) -> dict[str, Schema]:
     """vLLM's /tokenize and /detokenize bodies (protocol.parse_tokenize_request,
     parse_detokenize_request)."""
     model: Schema = {
@@ -459,7 +467,7 @@ def _tokenize_schemas(served_model_name: str, vocab_size: int | None) -> dict[st
             "end with the assistant's turn header (default true; false with continue_final_message)"
         ),
         "return_token_strs": token_strs,
-        **_template_fields(),
+        **_template_fields(request_templates),
         # the tools the chat route would render for the same body
         **{k: v for k, v in _tool_fields().items() if k in P.TOKENIZE_CHAT_FIELDS},
     }
@@ -646,14 +654,20 @@ def document(
     vocab_size: int | None = None,
     api_key_required: bool = False,
     strict_request_fields: bool = True,
+    trust_request_chat_template: bool = False,
 ) -> dict[str, Any]:
     """The OpenAPI document of a server serving `served_model_name` (the model's limits when it
     is loaded: None while it loads leaves those bounds out). `strict_request_fields`: whether the
-    server refuses unknown fields (`--strict-request-fields`) or ignores them (the default)."""
+    server refuses unknown fields (`--strict-request-fields`) or ignores them (the default).
+    `trust_request_chat_template`: whether a chat request's own `chat_template` is rendered."""
     completion = _request(
         _completion_fields(served_model_name, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
     )
-    chat = _request(_chat_fields(served_model_name, vocab_size, max_model_len), P._CHAT_FIELDS, "messages")
+    chat = _request(
+        _chat_fields(served_model_name, vocab_size, max_model_len, trust_request_chat_template),
+        P._CHAT_FIELDS,
+        "messages",
+    )
     sec = api_key_required
     text_ok = {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}
     doc: dict[str, Any] = {
@@ -749,7 +763,7 @@ def document(
                 "ChatMessage": _CHAT_MESSAGE,
                 "ChatContentPart": _CONTENT_PART,
                 "ChatToolCall": _CHAT_TOOL_CALL,
-                **_tokenize_schemas(served_model_name, vocab_size),
+                **_tokenize_schemas(served_model_name, vocab_size, trust_request_chat_template),
                 "Error": _ERROR,
             },
         },

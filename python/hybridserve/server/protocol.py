@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -224,10 +225,13 @@ class ModelInfo(Protocol):
         template_kwargs: dict[str, Any] | None = None,
         context_limit: int | None = None,
         continue_final_message: bool = False,
+        template: ChatTemplate | None = None,
     ) -> list[int]:
         """The rendered conversation's ids. With `context_limit`, a rendered text that has at least
         that many tokens by `min_tokens` is refused (`refuse_longer_than_context`) before it is
-        tokenized. `continue_final_message`: as `ChatTemplate.render`."""
+        tokenized. `continue_final_message`: as `ChatTemplate.render`. `template`: a request's
+        own template, rendered in place of the served one (a ModelInfo whose
+        `trust_request_chat_template` attribute is true allows it)."""
         ...
 
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:
@@ -386,10 +390,9 @@ _CHAT_UNSUPPORTED = {
 }
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
-# vLLM's chat fields: keyword arguments for the chat template, continuing the final message; and
-# one that this server does not implement (a request's own template), refused when set
-_CHAT_VLLM_UNSUPPORTED = {"chat_template"}
-_CHAT_FIELDS = _CHAT_FIELDS | {"chat_template_kwargs", "continue_final_message"} | _CHAT_VLLM_UNSUPPORTED
+# vLLM's chat fields: keyword arguments for the chat template, continuing the final message, and a
+# request's own template (refused unless the server trusts its clients' templates)
+_CHAT_FIELDS = _CHAT_FIELDS | {"chat_template", "chat_template_kwargs", "continue_final_message"}
 # Names a chat template is rendered with (chat.py): chat_template_kwargs may not replace them.
 _TEMPLATE_RESERVED = {
     "messages",
@@ -1058,22 +1061,58 @@ def _parse_tool_fields(
     return tools, tool_choice, tools if tool_choice != "none" else None
 
 
-def _template_source(info: ModelInfo) -> str | None:
+def _served_template(info: ModelInfo) -> ChatTemplate | None:
     template = getattr(info, "chat_template", None) or getattr(info, "template", None)
-    return template.source if isinstance(template, ChatTemplate) else None
+    return template if isinstance(template, ChatTemplate) else None
 
 
-def _template_renders_tools(info: ModelInfo) -> bool:
-    """Whether the model's chat template renders `tools` itself (it mentions them)."""
-    source = _template_source(info)
-    return source is not None and "tools" in source
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str, bos_token: str | None, eos_token: str | None) -> ChatTemplate:
+    return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token)
 
 
-def _render_tool_history(info: ModelInfo, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _request_template(body: dict[str, Any], info: ModelInfo) -> ChatTemplate | None:
+    """vLLM's `chat_template`: a request's own template, rendered in place of the served one with
+    the model's BOS and EOS texts. Refused unless the server trusts its clients' templates
+    (`--trust-request-chat-template`, as vLLM): a template is code that runs on the server."""
+    source = body.get("chat_template")
+    if source is None:
+        return None
+    if not getattr(info, "trust_request_chat_template", False):
+        if source is False or source == {} or source == []:  # (as any refused field: empty is absent)
+            return None
+        raise APIError(
+            "chat_template: a request's own chat template is refused; the server allows it with "
+            "--trust-request-chat-template",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
+    if not isinstance(source, str) or not source.strip():
+        raise _bad("chat_template", "must be a non-empty string (a Jinja template)", "invalid_type")
+    _check_surrogates("chat_template", source)
+    import jinja2
+
+    served = _served_template(info)
+    try:
+        return _compiled_template(
+            source, served.bos_token if served else None, served.eos_token if served else None
+        )
+    except jinja2.TemplateError as e:
+        raise _bad("chat_template", f"is not a valid Jinja template: {e}") from None
+
+
+def _template_renders_tools(template: ChatTemplate | None) -> bool:
+    """Whether the chat template renders `tools` itself (it mentions them)."""
+    return template is not None and "tools" in template.source
+
+
+def _render_tool_history(
+    template: ChatTemplate | None, messages: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The messages with the assistants' `tool_calls` and the `tool` results as a template that
     does not render them needs them: a template that mentions `tool_calls` (or the "tool" role)
     gets them as message fields; otherwise they are written as Hermes text (tools.py)."""
-    source = _template_source(info) or ""
+    source = template.source if template is not None else ""
     calls_as_text = "tool_calls" not in source
     results_as_text = re.search(r"""['"]tool['"]""", source) is None
     return T.with_tool_history_as_text(
@@ -1103,9 +1142,11 @@ def _render_chat(
         )
     add_special_tokens = get_bool(body, "add_special_tokens", False)
     template_kwargs = _chat_template_kwargs(body)
-    messages = _render_tool_history(info, _parse_messages(body.get("messages"), unknown))
+    own = _request_template(body, info)
+    template = own or _served_template(info)
+    messages = _render_tool_history(template, _parse_messages(body.get("messages"), unknown))
     if tools:  # the template renders them, or they go into the system prompt (tools.py)
-        if _template_renders_tools(info):
+        if _template_renders_tools(template):
             template_kwargs = {**(template_kwargs or {}), "tools": tools}
         else:
             messages = T.with_tools_in_system_prompt(messages, T.TOOL_PARSERS["hermes"], tools)
@@ -1117,14 +1158,16 @@ def _render_chat(
             template_kwargs=template_kwargs,
             context_limit=context_limit,
             continue_final_message=continue_final,
+            template=own,
         )
     except APIError:
         raise
     except ContinuationError as e:
         raise _bad("continue_final_message", str(e)) from None
     except Exception as e:  # a template that raises on these messages (raise_exception, ...)
+        param = "messages" if own is None else "chat_template"
         raise APIError(
-            f"messages: the chat template rejected the messages: {e}", param="messages", code="invalid_value"
+            f"{param}: the chat template rejected the messages: {e}", param=param, code="invalid_value"
         ) from None
     return ids, str(messages[-1]["content"]) if continue_final else None
 
@@ -1135,9 +1178,7 @@ def parse_chat_request(
     """Validate a /v1/chat/completions body. Raises APIError. `strict`: an unknown field is a 400;
     otherwise it is ignored and named in the result's `ignored_fields`."""
     unknown = UnknownFields(strict)
-    _check_fields(
-        body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED | _CHAT_VLLM_UNSUPPORTED, unknown
-    )
+    _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED, unknown)
     model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name, unknown)
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -1211,11 +1252,12 @@ TOKENIZE_CHAT_FIELDS = {
     "add_generation_prompt",
     "add_special_tokens",
     "return_token_strs",
+    "chat_template",
     "chat_template_kwargs",
     "continue_final_message",
     "tools",
     "tool_choice",
-} | _CHAT_VLLM_UNSUPPORTED
+}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -1244,7 +1286,7 @@ def parse_tokenize_request(
     if "messages" in body:  # (vLLM's TokenizeChatRequest)
         if body.get("prompt") is not None:
             raise _bad("prompt", "give either prompt or messages, not both")
-        _check_fields(body, TOKENIZE_CHAT_FIELDS, _CHAT_VLLM_UNSUPPORTED, unknown)
+        _check_fields(body, TOKENIZE_CHAT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
         ids, _ = _render_chat(body, info, unknown, _parse_tool_fields(body, unknown)[2])
     else:
