@@ -102,6 +102,9 @@ def test_a_request_template_is_rendered_only_when_the_server_trusts_it() -> None
         call_ids = out["choices"][0]["message"]["content"]
         for bad, what in (
             ("{% for m in messages %}", "is not a valid Jinja template"),
+            # nested deeper than Python's own compiler takes (SyntaxError, RecursionError)
+            ("{% for a in messages %}" * 25 + "{% endfor %}" * 25, "is not a valid Jinja template"),
+            ("{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}", "is not a valid Jinja template"),
             ("{{ raise_exception('no system messages') }}", "the chat template rejected the messages"),
             (7, "must be a non-empty string"),
             ("  ", "must be a non-empty string"),

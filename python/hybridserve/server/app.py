@@ -738,7 +738,10 @@ async def _parse(
     def run() -> _R:
         return parse(P.decode_json_body(raw), info, served_model_name, strict=strict)
 
-    parsed = run() if len(raw) <= _INLINE_PARSE_BYTES else await asyncio.to_thread(run)
+    # a large body, or any with a client's own chat template allowed (its rendering has no time
+    # limit), is parsed off the event loop, so other connections are answered meanwhile
+    inline = len(raw) <= _INLINE_PARSE_BYTES and not info.trust_request_chat_template
+    parsed = run() if inline else await asyncio.to_thread(run)
     if parsed.ignored_fields:
         # as vLLM: fields of other servers' dialects are ignored, and said so
         logger.warning(

@@ -429,7 +429,7 @@ def _template_fields(request_templates: bool) -> dict[str, Schema]:
         "chat_template": (
             {
                 "type": "string",
-                "minLength": 1,
+                "pattern": r"\S",
                 "description": "a Jinja chat template (not blank) rendered in place of the served one",
             }
             if request_templates

@@ -1097,8 +1097,9 @@ def _request_template(body: dict[str, Any], info: ModelInfo) -> ChatTemplate | N
         return _compiled_template(
             source, served.bos_token if served else None, served.eos_token if served else None
         )
-    except jinja2.TemplateError as e:
-        raise _bad("chat_template", f"is not a valid Jinja template: {e}") from None
+    except (jinja2.TemplateError, SyntaxError, RecursionError, MemoryError) as e:
+        # (Python's own compiler refuses what nests too deep: SyntaxError, RecursionError)
+        raise _bad("chat_template", f"is not a valid Jinja template: {type(e).__name__}: {e}") from None
 
 
 def _template_renders_tools(template: ChatTemplate | None) -> bool:
