@@ -505,7 +505,9 @@ def test_tool_call_history_is_accepted_and_parsed():
 def test_tool_call_history_renders_as_hermes_text_for_chatml(info):
     """The demo template knows neither tool_calls nor the tool role: Hermes text, the result in a
     user turn."""
-    rendered = P._render_tool_history(P._served_template(info), P._parse_messages(HISTORY))
+    rendered = P._render_tool_history(
+        P._served_template(info), P._parse_messages(HISTORY), P._tool_parser(info)
+    )
     assert rendered[1] == {
         "role": "assistant",
         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',

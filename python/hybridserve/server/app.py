@@ -42,7 +42,7 @@ from hybridserve.server.request_log import (
     log_engine_stats,
     printable,
 )
-from hybridserve.server.tools import ToolCallStream, split_message, tool_call_deltas
+from hybridserve.server.tools import TOOL_PARSERS, ToolCallStream, split_message, tool_call_deltas
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -66,8 +66,11 @@ class EngineModelInfo:
         chat_template: ChatTemplate | None = None,
         *,
         trust_request_chat_template: bool = False,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self.tokenizer = engine.tokenizer
+        # --tool-call-parser: the format tools are described in and calls are read in (tools.py)
+        self.tool_call_parser = tool_call_parser
         # a request's own `chat_template` is rendered (protocol._request_template), else refused
         self.trust_request_chat_template = trust_request_chat_template
         self._max_model_len = int(engine.max_model_len)
@@ -224,6 +227,7 @@ class ServerState:
     reasoning: ReasoningFormat | None = None
     # --trust-request-chat-template: a request's own `chat_template` is rendered, not refused
     trust_request_chat_template: bool = False
+    tool_call_parser: str = "hermes"  # --tool-call-parser, a tools.TOOL_PARSERS name
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
@@ -277,6 +281,7 @@ def create_app(
     scheduling_policy: str = "fcfs",
     reasoning_parser: str | None = None,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str = "hermes",
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -288,7 +293,10 @@ def create_app(
     the operator allows it. `reasoning_parser`: a `reasoning.REASONING_PARSERS` name, whose split
     chat answers get (None: answers are whole). `trust_request_chat_template`: a request's own
     `chat_template` is rendered (a template is code that runs here: for clients the operator
-    trusts), else refused, as vLLM's flag of that name."""
+    trusts), else refused, as vLLM's flag of that name. `tool_call_parser`: a
+    `tools.TOOL_PARSERS` name, the format of tool calls."""
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy: one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
     state_holder: dict[str, ServerState] = {}
@@ -305,6 +313,7 @@ def create_app(
         scheduling_policy=scheduling_policy,
         reasoning=None if reasoning_parser is None else reasoning_format(reasoning_parser),
         trust_request_chat_template=trust_request_chat_template,
+        tool_call_parser=tool_call_parser,
         log_stats_interval_s=log_stats_interval_s,
     )
     state_holder["s"] = state
@@ -346,7 +355,10 @@ def set_engine(
     """Attach a loaded engine; from now on /health is 200 (while engine.ready)."""
     state = app[STATE]
     state.info = EngineModelInfo(
-        engine, chat_template, trust_request_chat_template=state.trust_request_chat_template
+        engine,
+        chat_template,
+        trust_request_chat_template=state.trust_request_chat_template,
+        tool_call_parser=state.tool_call_parser,
     )
     state.engine = engine
     state.metrics.ready.set(1)

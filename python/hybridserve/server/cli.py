@@ -117,7 +117,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_PARSERS),
         default="hermes",
         help="how tool calls are written and read (vLLM's flag): hermes, <tool_call>{...}</tool_call> "
-        "(the only one, and the default)",
+        "(the default); nemotron_json, <TOOLCALL>[{...}, ...]</TOOLCALL> (NVIDIA Nemotron-H instruct "
+        "models)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -218,6 +219,7 @@ async def _serve(args: argparse.Namespace) -> int:
         scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
     )

@@ -1026,12 +1026,19 @@ def _field_error(e: ValueError) -> APIError:
     return APIError(str(e), param=param, code=getattr(e, "code", "invalid_value"))
 
 
+def _tool_parser(info: ModelInfo) -> T.ToolParser:
+    """The server's tool-call format (`--tool-call-parser`; a ModelInfo without the attribute:
+    hermes)."""
+    return T.TOOL_PARSERS[getattr(info, "tool_call_parser", "hermes")]
+
+
 def _constrained(
     params: SamplingParams,
     body: dict[str, Any],
     unknown: UnknownFields,
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str = "none",
+    parser: T.ToolParser | None = None,
 ) -> SamplingParams:
     """`params` with the grammar the request's fields ask for (server/structured_outputs.py)."""
     try:
@@ -1040,7 +1047,7 @@ def _constrained(
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=get_bool(body, "parallel_tool_calls", True),
-            parser=T.TOOL_PARSERS["hermes"],
+            parser=parser or T.TOOL_PARSERS["hermes"],
             on_unknown=unknown.found,
         )
     except ValueError as e:
@@ -1108,7 +1115,7 @@ def _template_renders_tools(template: ChatTemplate | None) -> bool:
 
 
 def _render_tool_history(
-    template: ChatTemplate | None, messages: list[dict[str, Any]]
+    template: ChatTemplate | None, messages: list[dict[str, Any]], parser: T.ToolParser
 ) -> list[dict[str, Any]]:
     """The messages with the assistants' `tool_calls` and the `tool` results as a template that
     does not render them needs them: a template that mentions `tool_calls` (or the "tool" role)
@@ -1116,9 +1123,7 @@ def _render_tool_history(
     source = template.source if template is not None else ""
     calls_as_text = "tool_calls" not in source
     results_as_text = re.search(r"""['"]tool['"]""", source) is None
-    return T.with_tool_history_as_text(
-        messages, T.TOOL_PARSERS["hermes"], calls=calls_as_text, results=results_as_text
-    )
+    return T.with_tool_history_as_text(messages, parser, calls=calls_as_text, results=results_as_text)
 
 
 def _render_chat(
@@ -1145,12 +1150,13 @@ def _render_chat(
     template_kwargs = _chat_template_kwargs(body)
     own = _request_template(body, info)
     template = own or _served_template(info)
-    messages = _render_tool_history(template, _parse_messages(body.get("messages"), unknown))
+    parser = _tool_parser(info)
+    messages = _render_tool_history(template, _parse_messages(body.get("messages"), unknown), parser)
     if tools:  # the template renders them, or they go into the system prompt (tools.py)
         if _template_renders_tools(template):
             template_kwargs = {**(template_kwargs or {}), "tools": tools}
         else:
-            messages = T.with_tools_in_system_prompt(messages, T.TOOL_PARSERS["hermes"], tools)
+            messages = T.with_tools_in_system_prompt(messages, parser, tools)
     try:
         ids = info.encode_chat(
             messages,
@@ -1218,7 +1224,7 @@ def parse_chat_request(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-    params = _constrained(params, body, unknown, tools, tool_choice)
+    params = _constrained(params, body, unknown, tools, tool_choice, _tool_parser(info))
     req = GenerateRequest(
         kind="chat",
         model=model,
@@ -1237,7 +1243,7 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
         continued=continued,
     )
-    req.tool_parser = T.TOOL_PARSERS["hermes"] if rendered_tools else None
+    req.tool_parser = _tool_parser(info) if rendered_tools else None
     return req
 
 

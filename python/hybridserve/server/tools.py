@@ -16,8 +16,10 @@ grammar that forces a call, and the parsers that find calls in the model's text.
   arguments, as OpenAI's deltas are shaped), so the streamed content and calls add up to the
   non-streamed message exactly.
 
-Parsers are registered by name in `TOOL_PARSERS`; `hermes` (the `<tool_call>{"name": ...,
-"arguments": ...}</tool_call>` format of ChatML models: Hermes, Qwen) is the one built in.
+Parsers are registered by name in `TOOL_PARSERS` (the server's `--tool-call-parser`): `hermes`
+(the `<tool_call>{"name": ..., "arguments": ...}</tool_call>` format of ChatML models: Hermes,
+Qwen), the default; and `nemotron_json` (`<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>`,
+one block of a JSON list of calls, as NVIDIA's Nemotron-H instruct models write them).
 """
 
 from __future__ import annotations
@@ -198,8 +200,17 @@ class ToolParser(Protocol):
         unfinished or malformed call is content)."""
         ...
 
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        """An assistant's calls ({"name", "arguments"} objects) as the model writes them."""
+        ...
 
-def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    def result_block(self, content: str) -> str:
+        """A tool's result as the model reads it in a user turn."""
+        ...
+
+
+def _call_alternatives(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call of any of `tools` ({"name", "arguments"})."""
     alternatives = [
         {
             "type": "object",
@@ -212,8 +223,27 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         }
         for t in tools
     ]
-    schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return {**schema, "x-guidance": dict(JSON_DEFAULTS)}
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+
+
+def _chosen(tools: list[dict[str, Any]], choice: str) -> list[dict[str, Any]]:
+    return tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+
+
+def _tool_call(obj: Any) -> ToolCall | None:
+    """A {"name", "arguments"} object the model wrote as a call (arguments as an object, or as
+    the JSON text of one, as some models write them; "parameters" as its other name)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -224,7 +254,41 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class HermesToolParser:
+class _TaggedToolParser:
+    """Calls written between START and END tags; a block that does not read as calls is content."""
+
+    name = ""
+    START = ""
+    END = ""
+
+    def _calls(self, body: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+        items: list[str | ToolCall] = []
+        pos = 0
+        while True:
+            i = text.find(self.START, pos)
+            if i < 0:
+                end = len(text) if final else len(text) - _held_prefix(text[pos:], self.START)
+                items.append(text[pos:end])
+                return items, end
+            items.append(text[pos:i])
+            j = text.find(self.END, i + len(self.START))
+            if j < 0:
+                if final:  # an unfinished call is text
+                    items.append(text[i:])
+                    return items, len(text)
+                return items, i
+            calls = self._calls(text[i + len(self.START) : j])
+            if calls:
+                items.extend(calls)
+            else:
+                items.append(text[i : j + len(self.END)])
+            pos = j + len(self.END)
+
+
+class HermesToolParser(_TaggedToolParser):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Hermes, Qwen)."""
 
     name = "hermes"
@@ -243,51 +307,76 @@ class HermesToolParser:
         )
 
     def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
-        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
-        call = f'call: "{self.START}\\n" %json {json.dumps(_call_schema(chosen))} "\\n{self.END}"'
+        schema = {**_call_alternatives(_chosen(tools, choice)), "x-guidance": dict(JSON_DEFAULTS)}
+        call = f'call: "{self.START}\\n" %json {json.dumps(schema)} "\\n{self.END}"'
         if choice == "required" and parallel:
             return f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}\n{call}\n'
         return f"start: call\n{call}\n"
 
-    def _call(self, body: str) -> ToolCall | None:
+    def _calls(self, body: str) -> list[ToolCall] | None:
         try:
-            obj = json.loads(body)
+            call = _tool_call(json.loads(body))
         except ValueError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None if call is None else [call]
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{self.START}\n{json.dumps(c, ensure_ascii=False)}\n{self.END}" for c in calls)
+
+    def result_block(self, content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+
+class NemotronJsonToolParser(_TaggedToolParser):
+    """`<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`: all of a turn's calls as
+    one JSON list (NVIDIA's Nemotron-H instruct models; vLLM runs it as the `nemotron_json`
+    plugin those models ship)."""
+
+    name = "nemotron_json"
+    START = "<TOOLCALL>"
+    END = "</TOOLCALL>"
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = json.dumps(tools, ensure_ascii=False)
+        return (
+            "You can use the following tools to assist the user if required:\n"
+            f"<AVAILABLE_TOOLS>{listed}</AVAILABLE_TOOLS>\n\n"
+            "If you decide to call any tool(s), use the following format:\n"
+            '<TOOLCALL>[{"name": "tool_name1", "arguments": {"arg1": "value1"}}, '
+            '{"name": "tool_name2", "arguments": {"arg2": "value2"}}]</TOOLCALL>'
+        )
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+        most = MAX_PARALLEL_CALLS if choice == "required" and parallel else 1
+        schema = {
+            "type": "array",
+            "items": _call_alternatives(_chosen(tools, choice)),
+            "minItems": 1,
+            "maxItems": most,
+            "x-guidance": dict(JSON_DEFAULTS),
+        }
+        return f'start: "{self.START}" %json {json.dumps(schema)} "{self.END}"\n'
+
+    def _calls(self, body: str) -> list[ToolCall] | None:
+        try:
+            objs = json.loads(body)
+        except ValueError:
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
+        if isinstance(objs, dict):  # one call written without its list
+            objs = [objs]
+        if not isinstance(objs, list) or not objs:
             return None
-        return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+        calls = [_tool_call(o) for o in objs]
+        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
-        items: list[str | ToolCall] = []
-        pos = 0
-        while True:
-            i = text.find(self.START, pos)
-            if i < 0:
-                end = len(text) if final else len(text) - _held_prefix(text[pos:], self.START)
-                items.append(text[pos:end])
-                return items, end
-            items.append(text[pos:i])
-            j = text.find(self.END, i + len(self.START))
-            if j < 0:
-                if final:  # an unfinished call is text
-                    items.append(text[i:])
-                    return items, len(text)
-                return items, i
-            call = self._call(text[i + len(self.START) : j])
-            items.append(call if call is not None else text[i : j + len(self.END)])
-            pos = j + len(self.END)
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return f"{self.START}{json.dumps(calls, ensure_ascii=False)}{self.END}"
+
+    def result_block(self, content: str) -> str:
+        return f"<TOOL_RESPONSE>{content}</TOOL_RESPONSE>"
 
 
-TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesToolParser()}
+TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesToolParser(), NemotronJsonToolParser())}
 
 
 def split_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -355,9 +444,7 @@ def with_tools_in_system_prompt(
 def render_tool_calls(parser: ToolParser, calls: list[dict[str, Any]]) -> str:
     """An assistant message's `tool_calls` as the text the model would have written (for templates
     that do not render them)."""
-    if not isinstance(parser, HermesToolParser):
-        raise ValueError(f"the {parser.name} parser cannot render calls")
-    parts = []
+    objs = []
     for c in calls:
         fn = c.get("function", {})
         args = fn.get("arguments", "{}")
@@ -365,9 +452,8 @@ def render_tool_calls(parser: ToolParser, calls: list[dict[str, Any]]) -> str:
             parsed = json.loads(args) if isinstance(args, str) else args
         except ValueError:
             parsed = args
-        body = json.dumps({"name": fn.get("name"), "arguments": parsed}, ensure_ascii=False)
-        parts.append(f"{parser.START}\n{body}\n{parser.END}")
-    return "\n".join(parts)
+        objs.append({"name": fn.get("name"), "arguments": parsed})
+    return parser.render_calls(objs)
 
 
 def with_tool_history_as_text(
@@ -375,14 +461,12 @@ def with_tool_history_as_text(
 ) -> list[dict[str, Any]]:
     """The messages with an agent's tool history as text, for templates that do not render it.
     `calls`: an assistant's `tool_calls` are appended to its content as the blocks the model
-    writes (`render_tool_calls`). `results`: the `tool` messages become a user turn of
-    `<tool_response>...</tool_response>` blocks (consecutive results share one turn), as Hermes
-    and Qwen templates write them: a ChatML model knows no "tool" role, and the user turn is
-    where such models see results."""
+    writes (`render_tool_calls`). `results`: the `tool` messages become a user turn of the
+    parser's result blocks (consecutive results share one turn; Hermes and Qwen templates write
+    `<tool_response>...</tool_response>`): a ChatML model knows no "tool" role, and the user turn
+    is where such models see results."""
     if not (calls or results):
         return messages
-    if not isinstance(parser, HermesToolParser):
-        raise ValueError(f"the {parser.name} parser cannot render tool history")
     out: list[dict[str, Any]] = []
     merged: set[int] = set()  # indexes in `out` of user turns made of tool results
     for m in messages:
@@ -392,7 +476,7 @@ def with_tool_history_as_text(
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = f"{content}\n{blocks}" if content else blocks
         elif results and m.get("role") == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            block = parser.result_block(m.get("content") or "")
             if len(out) - 1 in merged:
                 out[-1]["content"] += f"\n{block}"
                 continue
