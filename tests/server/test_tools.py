@@ -5,7 +5,6 @@ the forced-call grammar accepting what the parser reads."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import pytest
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.tools import (
     HermesToolParser,
-    ToolCallStream,
     ToolError,
     parse_tool_choice,
     parse_tools,
@@ -23,6 +21,7 @@ from hybridserve.server.tools import (
     tool_call_deltas,
     with_tools_in_system_prompt,
 )
+from tool_formats import assert_stream_adds_up
 
 P = HermesToolParser()
 TOOLS = parse_tools(
@@ -71,19 +70,7 @@ def test_split_message() -> None:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_streaming_adds_up_to_the_message(text: str) -> None:
-    rng = random.Random(len(text))
-    expected_content, expected_calls = split_message(P, text)
-    for _ in range(30):
-        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 8))))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream = ToolCallStream(P)
-        content, calls = "", []
-        for i, piece in enumerate(pieces):
-            c, new = stream.feed(piece, final=i == len(pieces) - 1)
-            content += c
-            calls.extend(new)
-        assert (content or None) == expected_content
-        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected_calls]
+    assert_stream_adds_up(P, text)
 
 
 def test_deltas_are_shaped_like_openai() -> None:
@@ -109,7 +96,11 @@ def _nested(depth: int) -> dict[str, Any]:
 
 
 def test_request_fields() -> None:
-    assert TOOLS[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert TOOLS[1]["function"]["parameters"] == {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
     assert parse_tool_choice(None, TOOLS) == "auto"
     assert parse_tool_choice(None, []) == "none"
     assert parse_tool_choice({"type": "function", "function": {"name": "now"}}, TOOLS) == "now"

@@ -118,7 +118,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="hermes",
         help="how tool calls are written and read (vLLM's flag): hermes, <tool_call>{...}</tool_call> "
         "(the default); nemotron_json, <TOOLCALL>[{...}, ...]</TOOLCALL> (NVIDIA Nemotron-H instruct "
-        "models)",
+        "models); qwen3_coder, <tool_call><function=NAME><parameter=P>...</tool_call> (Qwen3-Coder, "
+        "NVIDIA Nemotron 3)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",

@@ -1243,7 +1243,7 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
         continued=continued,
     )
-    req.tool_parser = _tool_parser(info) if rendered_tools else None
+    req.tool_parser = _tool_parser(info).for_tools(rendered_tools) if rendered_tools else None
     return req
 
 

@@ -18,8 +18,11 @@ grammar that forces a call, and the parsers that find calls in the model's text.
 
 Parsers are registered by name in `TOOL_PARSERS` (the server's `--tool-call-parser`): `hermes`
 (the `<tool_call>{"name": ..., "arguments": ...}</tool_call>` format of ChatML models: Hermes,
-Qwen), the default; and `nemotron_json` (`<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>`,
-one block of a JSON list of calls, as NVIDIA's Nemotron-H instruct models write them).
+Qwen), the default; `nemotron_json` (`<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>`,
+one block of a JSON list of calls, as NVIDIA's Nemotron-H instruct models write them); and
+`qwen3_coder` (`<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>`,
+the XML-like form of Qwen3-Coder and NVIDIA's Nemotron 3 models, whose values are text that the
+tool's parameter schema types).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 from hybridserve.sampling.structured_outputs import JSON_DEFAULTS
 
@@ -142,8 +145,12 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         clean: dict[str, Any] = {"name": name}
         if desc is not None:
             clean["description"] = desc
-        # OpenAI: a function without parameters takes none
-        clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        # OpenAI: a function without parameters takes none (so a forced call of it ends at once)
+        clean["parameters"] = (
+            params
+            if params is not None
+            else {"type": "object", "properties": {}, "additionalProperties": False}
+        )
         out.append({"type": "function", "function": clean})
     return out
 
@@ -208,6 +215,11 @@ class ToolParser(Protocol):
         """A tool's result as the model reads it in a user turn."""
         ...
 
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolParser:
+        """The parser a request with these tools reads its output with (a format whose values
+        the tools' schemas type needs them; the others are the same parser)."""
+        ...
+
 
 def _call_alternatives(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON schema of one call of any of `tools` ({"name", "arguments"})."""
@@ -263,6 +275,9 @@ class _TaggedToolParser:
 
     def _calls(self, body: str) -> list[ToolCall] | None:
         raise NotImplementedError
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> Self:
+        return self
 
     def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
         items: list[str | ToolCall] = []
@@ -376,7 +391,167 @@ class NemotronJsonToolParser(_TaggedToolParser):
         return f"<TOOL_RESPONSE>{content}</TOOL_RESPONSE>"
 
 
-TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesToolParser(), NemotronJsonToolParser())}
+def _typed_value(raw: str, schema: Any) -> Any:
+    """A `qwen3_coder` parameter's text as the value its schema says: a string as written; an
+    integer, number or boolean when the text is one (else the text); null for "null" unless the
+    schema allows only strings; anything
+    else (objects, arrays, unknown types) as JSON when it parses, else the text. A parameter the
+    tool does not declare stays text."""
+    if not isinstance(schema, dict):
+        return raw
+    kind = schema.get("type")
+    nullable = kind == "null" or (isinstance(kind, list) and "null" in kind)
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), "null")
+    if raw.strip() == "null" and (nullable or kind != "string"):
+        return None
+    enum = schema.get("enum")
+    if kind == "string" or (
+        kind is None and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)
+    ):
+        return raw
+    text = raw.strip()
+    if kind == "integer":
+        return int(text) if re.fullmatch(r"-?\d+", text) else raw
+    if kind == "number":
+        try:
+            v = float(text)
+        except ValueError:
+            return raw
+        return int(v) if v.is_integer() and re.fullmatch(r"-?\d+", text) else v
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.lower(), raw)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return raw
+
+
+# a qwen3_coder text value with the newline that ends it (Qwen3CoderToolParser.grammar)
+_TEXT_VALUE = r"/([^\n]|\n+[^<\n])*\n/"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+class Qwen3CoderToolParser(_TaggedToolParser):
+    """`<tool_call>\\n<function=NAME>\\n<parameter=P>\\nvalue\\n</parameter>\\n...</function>\\n</tool_call>`
+    (Qwen3-Coder; NVIDIA's Nemotron 3 models, which vLLM serves with its parser of this name): a
+    block per call, each parameter's value as text between newlines, typed by the tool's schema
+    (`_typed_value`)."""
+
+    name = "qwen3_coder"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self._params: dict[str, dict[str, Any]] = {}
+        for t in tools or []:
+            props = (t["function"].get("parameters") or {}).get("properties")
+            self._params[t["function"]["name"]] = props if isinstance(props, dict) else {}
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> Self:
+        return type(self)(tools)
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou have access to the following functions:\n\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "If you choose to call a function, reply in the following format, one block per call:\n"
+            "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+            "</parameter>\n</function>\n</tool_call>"
+        )
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+        """Each call's parameters in the order its schema lists them, the required ones always
+        and the others at most once. A string value is text whose lines after the first do not
+        start with "<" (so that it ends where its closing tag begins: the lexer takes the longest
+        text and cannot step back); its length is not bounded (maxLength is not enforced), while
+        a JSON value (an object, an array) follows its whole schema."""
+        rules: list[str] = []
+        calls = []
+        for i, t in enumerate(_chosen(tools, choice)):
+            fn = t["function"]
+            params = fn.get("parameters") or {}
+            raw_props = params.get("properties")
+            props: dict[str, Any] = raw_props if isinstance(raw_props, dict) else {}
+            required = set(params.get("required") or [])
+            parts = []
+            for j, (pname, pschema) in enumerate(props.items()):
+                rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={pname}>\n")
+                value = _value_grammar(pschema)
+                if value is None:  # text: lines, none of the later ones starting with "<"
+                    rules.append(f'{rule}: {opening} {_TEXT_VALUE} "</parameter>\\n"')
+                else:
+                    rules.append(f'{rule}: {opening} {value} "\\n</parameter>\\n"')
+                parts.append(rule if pname in required else f"{rule}?")
+            head = json.dumps(f"{self.START}\n<function={fn['name']}>\n")
+            rules.append(f'c{i}: {head} {" ".join(parts)} "</function>\\n{self.END}"')
+            calls.append(f"c{i}")
+        start = (
+            f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}'
+            if choice == "required" and parallel
+            else "start: call"
+        )
+        return "\n".join([start, f"call: {' | '.join(calls)}", *rules]) + "\n"
+
+    def _calls(self, body: str) -> list[ToolCall] | None:
+        m = _FUNCTION.search(body)
+        if m is None or body[: m.start()].strip() or body[m.end() :].strip():
+            return None
+        name = m.group(1).strip()
+        schemas = self._params.get(name, {})
+        args: dict[str, Any] = {}
+        for pm in _PARAMETER.finditer(m.group(2)):
+            value = pm.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            pname = pm.group(1).strip()
+            args[pname] = _typed_value(value, schemas.get(pname))
+        return [ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))]
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        blocks = []
+        for c in calls:
+            raw_args = c.get("arguments")
+            args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
+            params = "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                for k, v in args.items()
+            )
+            blocks.append(f"{self.START}\n<function={c.get('name')}>\n{params}</function>\n{self.END}")
+        return "\n".join(blocks)
+
+    def result_block(self, content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _value_grammar(schema: Any) -> str | None:
+    """The grammar of a `qwen3_coder` parameter's value: None for text (a string), the literal
+    forms of integers, numbers and booleans, the choices of a string enum, and JSON by the schema
+    for anything else."""
+    if not isinstance(schema, dict):
+        schema = {}
+    kind = schema.get("type")
+    if isinstance(kind, list):  # a nullable string is text ("null" reads as null)
+        kind = "string" if "string" in kind else next((k for k in kind if k != "null"), None)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
+        return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+    if kind == "string":
+        return None
+    if kind == "integer":
+        return r"/-?(0|[1-9][0-9]*)/"
+    if kind == "number":
+        return r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+    if kind == "boolean":
+        return '("true" | "false")'
+    return f"%json {json.dumps({**schema, 'x-guidance': dict(JSON_DEFAULTS)})}"
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {
+    p.name: p for p in (HermesToolParser(), NemotronJsonToolParser(), Qwen3CoderToolParser())
+}
 
 
 def split_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:

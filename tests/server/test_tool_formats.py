@@ -1,0 +1,342 @@
+"""The tool-call formats besides Hermes (server/tools.py): `nemotron_json`
+(`<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>`) and `qwen3_coder`
+(`<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`, values typed by
+the tool's schema). For each: blocks read as calls, a stream cut anywhere adds up to the whole
+message, the forced-call grammar accepts what the parser reads and refuses what breaks the
+schema, an agent's history written back in the format reads back as the same calls, and a real
+server started with `--tool-call-parser` of it answers forced calls in it, streamed and not,
+through the official openai client."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import openai
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server.tools import (
+    TOOL_PARSERS,
+    NemotronJsonToolParser,
+    Qwen3CoderToolParser,
+    parse_tools,
+    split_message,
+    with_tool_history_as_text,
+    with_tools_in_system_prompt,
+)
+from server_fixtures import call, running_server
+from tool_formats import assert_stream_adds_up, stream_chat
+
+
+@functools.cache
+def _tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer((Path(ensure_demo_model()) / "tokenizer.json").read_text(), eos_token=2)
+
+
+def _accepts(grammar: str, text: str) -> tuple[bool, str]:
+    """Whether the grammar (llguidance's Lark) takes exactly `text`, and the matcher's error."""
+    tok = _tokenizer()
+    m = llguidance.LLMatcher(tok, llguidance.grammar_from("grammar", grammar), log_level=0)
+    return bool(m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()), m.get_error() or ""
+
+
+P = NemotronJsonToolParser()
+Q = Qwen3CoderToolParser()
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = parse_tools([WEATHER, NOW])
+ONE = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+TWO = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "now", "arguments": {}}]</TOOLCALL>'
+TEXTS = [
+    "just text",
+    ONE,
+    TWO,
+    f"Let me check.\n{ONE}",
+    f"{ONE} and {TWO}",
+    '<TOOLCALL>{"name": "now", "arguments": {}}</TOOLCALL>',  # one call without its list
+    '<TOOLCALL>[{"name": "now", "arguments": "{\\"x\\": 1}"}]</TOOLCALL>',  # arguments as JSON text
+    "<TOOLCALL>[]</TOOLCALL> empty",
+    '<TOOLCALL>[{"name": "now"}, {"nom": 1}]</TOOLCALL>',  # one bad item: the block is text
+    "<TOOLCALL>[not json]</TOOLCALL> tail",
+    'text <TOOLCALL>[{"name": "now"',  # unfinished: content
+    "a <TOOL b <TOOLCAL",
+    "  \n",
+]
+
+
+def _calls(text: str) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in split_message(P, text)[1]]
+
+
+def test_nemotron_blocks_read_as_calls() -> None:
+    assert TOOL_PARSERS["nemotron_json"].name == "nemotron_json"
+    assert split_message(P, f"Let me check.\n{ONE}")[0] == "Let me check.\n"
+    assert _calls(ONE) == [("get_weather", {"city": "Paris"})]
+    assert _calls(TWO) == [("get_weather", {"city": "Rome"}), ("now", {})]
+    assert split_message(P, TWO)[0] is None
+    assert _calls(TEXTS[5]) == [("now", {})]
+    assert _calls(TEXTS[6]) == [("now", {"x": 1})]
+    for text in TEXTS[7:11]:  # not calls: the text is content, whole
+        content, calls = split_message(P, text)
+        assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_nemotron_streaming_adds_up_to_the_message(text: str) -> None:
+    assert_stream_adds_up(P, text)
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("now", False)])
+def test_nemotron_forced_grammar_accepts_what_the_parser_reads(choice: str, parallel: bool) -> None:
+    grammar = P.grammar(TOOLS, choice, parallel)
+    now = '<TOOLCALL>[{"name": "now", "arguments": {}}]</TOOLCALL>'
+    both = '<TOOLCALL>[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]</TOOLCALL>'
+    accepted = {"required": [ONE, now, both if parallel else None], "now": [now]}[choice]
+    for text in filter(None, accepted):
+        assert _accepts(grammar, text) == (True, ""), text
+        assert len(_calls(text)) == text.count('"name"')
+    refused = [both] if choice == "now" or not parallel else []
+    refused.append('<TOOLCALL>[{"name": "get_weather", "arguments": {"town": "Oslo"}}]</TOOLCALL>')
+    refused.append("<TOOLCALL>[]</TOOLCALL>")
+    for text in refused:
+        assert not _accepts(grammar, text)[0], text
+
+
+# ---- qwen3_coder ------------------------------------------------------------------------------
+
+TYPED = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "nights": {"type": "integer"},
+                "budget": {"type": "number"},
+                "breakfast": {"type": "boolean"},
+                "room": {"enum": ["single", "double"]},
+                "guests": {"type": "array", "items": {"type": "string"}},
+                "note": {"type": ["string", "null"]},
+            },
+            "required": ["city", "nights"],
+            "additionalProperties": False,
+        },
+    },
+}
+QTOOLS = parse_tools([TYPED, NOW])
+QB = Q.for_tools(QTOOLS)
+
+
+def _qcall(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QONE = _qcall("book", city="Oslo", nights="3")
+QTEXTS = [
+    "just text",
+    QONE,
+    f"Let me book.\n{QONE}\n{_qcall('now')}",
+    _qcall("book", city="a <b> c\nsecond line", nights="2", budget="99.5", breakfast="true"),
+    _qcall("book", city="x", nights="two"),  # not an integer: kept as text
+    "<tool_call>\n<function=book>\n<parameter=city>\nOslo\n</parameter>\n</tool_call>",  # no </function>
+    "<tool_call>\nnot a call\n</tool_call> tail",
+    "text <tool_call>\n<function=book>\n<parameter=city>\nOs",  # unfinished: content
+    "a <tool_ b <tool_call",
+]
+
+
+def _qcalls(parser: Any, text: str) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in split_message(parser, text)[1]]
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schema() -> None:
+    assert TOOL_PARSERS["qwen3_coder"].name == "qwen3_coder"
+    text = _qcall(
+        "book",
+        city="Oslo",
+        nights="3",
+        budget="120",
+        breakfast="False",
+        room="double",
+        guests='["Ann", "Bo"]',
+        note="null",
+        extra="7",
+    )
+    ((name, args),) = _qcalls(QB, text)
+    assert name == "book"
+    assert args == {
+        "city": "Oslo",
+        "nights": 3,
+        "budget": 120,
+        "breakfast": False,
+        "room": "double",
+        "guests": ["Ann", "Bo"],
+        "note": None,
+        "extra": "7",  # not declared: text
+    }
+    # text stays text: a string that looks like a number, a value that does not parse as its type
+    assert _qcalls(QB, _qcall("book", city="42", nights="two")) == [("book", {"city": "42", "nights": "two"})]
+    # a multi-line value keeps its inner newlines; the ones around it are the format's
+    assert _qcalls(QB, QTEXTS[3])[0][1]["city"] == "a <b> c\nsecond line"
+    # without the request's tools (the server binds them), every value is text
+    assert _qcalls(Q, QONE) == [("book", {"city": "Oslo", "nights": "3"})]
+    for text in QTEXTS[5:7]:
+        content, calls = split_message(QB, text)
+        assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("text", QTEXTS)
+def test_qwen3_coder_streaming_adds_up_to_the_message(text: str) -> None:
+    assert_stream_adds_up(QB, text)
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("book", False)])
+def test_qwen3_coder_forced_grammar_accepts_what_the_parser_reads(choice: str, parallel: bool) -> None:
+    grammar = QB.grammar(QTOOLS, choice, parallel)
+    full = _qcall(
+        "book", city="Oslo <old> town", nights="3", budget="-2.5e3", breakfast="true", room="single",
+        guests='["Ann"]', note="quiet\nplease",
+    )  # fmt: skip
+    now = _qcall("now")
+    accepted = {"required": [QONE, full, now, f"{QONE}\n{now}" if parallel else None], "book": [QONE, full]}
+    for text in filter(None, accepted[choice]):
+        assert _accepts(grammar, text) == (True, ""), text
+        assert len(_qcalls(QB, text)) == text.count("<function=")
+    refused = [
+        _qcall("book", city="Oslo"),  # a required parameter left out
+        _qcall("book", city="Oslo", nights="3.5"),  # not an integer
+        _qcall("book", city="Oslo", nights="3", room="suite"),  # not one of the choices
+        _qcall("book", city="Oslo", nights="3", pets="1"),  # not declared
+        _qcall("book", nights="3", city="Oslo"),  # (the schema's order)
+    ]
+    if choice == "book" or not parallel:
+        refused.append(f"{QONE}\n{QONE}")
+    if choice == "book":
+        refused.append(now)
+    for text in refused:
+        assert not _accepts(grammar, text)[0], text
+
+
+@pytest.mark.parametrize(
+    "parser,result_block,described",
+    [
+        (P, "<TOOL_RESPONSE>sunny</TOOL_RESPONSE>", ("<AVAILABLE_TOOLS>", "<TOOLCALL>[")),
+        (QB, "<tool_response>\nsunny\n</tool_response>", ("<tools>", "<function=")),
+    ],
+    ids=["nemotron_json", "qwen3_coder"],
+)
+def test_history_is_written_in_the_format_it_is_read_in(
+    parser: Any, result_block: str, described: tuple[str, str]
+) -> None:
+    """An agent's history for a template that does not render it: the calls read back as the
+    same calls (values of every type), consecutive results share one user turn."""
+    args = {"city": "Oslo", "nights": 2, "guests": ["Ann"]}
+    history = [
+        {"role": "user", "content": "Weather and time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "book", "arguments": json.dumps(args)}},
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sunny"},
+    ]
+    out = with_tool_history_as_text(history, parser, calls=True, results=True)
+    assert _qcalls(parser, out[1]["content"]) == [("book", args), ("now", {})]
+    assert out[2] == {"role": "user", "content": f"{result_block}\n{result_block}"} and len(out) == 3
+    system = with_tools_in_system_prompt([{"role": "user", "content": "hi"}], parser, QTOOLS)[0]["content"]
+    assert all(marker in system for marker in described) and '"book"' in system
+
+
+# ---- through a server ------------------------------------------------------------------------
+
+# no free-text values: a forced call of it ends within a few tokens, whatever the model
+RESERVE = {
+    "type": "function",
+    "function": {
+        "name": "reserve",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "nights": {"type": "integer"},
+                "room": {"enum": ["single", "double"]},
+                "breakfast": {"type": "boolean"},
+            },
+            "required": ["nights", "room"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "parser,described", [("nemotron_json", "AVAILABLE_TOOLS"), ("qwen3_coder", "<function=")]
+)
+def test_a_server_with_the_format_forces_and_reads_typed_calls(parser: str, described: str) -> None:
+    """Forced calls (one of any tool, a named one, parallel ones) come back as calls of the
+    format's parser with arguments typed by the schema, streamed and not alike; the tools are
+    described in the format to the demo model, whose template does not render them."""
+    messages = [{"role": "user", "content": "Book two nights in Oslo."}]
+    with running_server("--dtype", "float32", "--tool-call-parser", parser) as server:
+        status, tok = call(
+            server, "/tokenize", {"messages": messages, "tools": [RESERVE], "return_token_strs": True}
+        )
+        assert status == 200 and described in "".join(tok["token_strs"])
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
+        for seed, kw in enumerate(
+            (
+                {"tool_choice": "required", "parallel_tool_calls": False},
+                {"tool_choice": {"type": "function", "function": {"name": "reserve"}}},
+                {"tool_choice": {"type": "function", "function": {"name": "now"}}},
+                {"tool_choice": "required"},
+            )
+        ):
+            body = {
+                "model": "demo",
+                "messages": messages,
+                "tools": [RESERVE, NOW],
+                "max_tokens": 200,
+                "seed": seed,
+                **kw,
+            }
+            full = client.chat.completions.create(**body).choices[0]
+            if full.finish_reason == "length" and kw == {"tool_choice": "required"}:
+                continue  # (up to 8 parallel calls may run out of tokens)
+            assert full.finish_reason == "tool_calls" and full.message.content is None, full
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in full.message.tool_calls]
+            for name, args in got:
+                if name == "reserve":  # typed by the schema: an integer, a choice, a boolean
+                    assert isinstance(args["nights"], int) and args["room"] in ("single", "double")
+                    assert set(args) <= {"nights", "room", "breakfast"}
+                    assert isinstance(args.get("breakfast", False), bool)
+                else:
+                    assert (name, args) == ("now", {})
+            if kw.get("parallel_tool_calls") is False or isinstance(kw["tool_choice"], dict):
+                assert len(got) == 1
+            if isinstance(kw["tool_choice"], dict):
+                assert got[0][0] == kw["tool_choice"]["function"]["name"]
+            content, calls, finish = stream_chat(client, **body)
+            assert (content, finish) == (None, "tool_calls")
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.function.name, c.function.arguments) for c in full.message.tool_calls
+            ]
