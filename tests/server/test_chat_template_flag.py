@@ -124,3 +124,35 @@ def test_a_request_template_is_rendered_only_when_the_server_trusts_it() -> None
         assert "--trust-request-chat-template" in err["error"]["message"]
         status, out = call(server, "/tokenize", {"messages": MESSAGES})
         assert status == 200 and out["tokens"] == served["tokens"]
+
+
+def test_nvidia_command_lines_start_with_the_built_in_parsers() -> None:
+    """The vLLM command lines NVIDIA gives for its Nemotron models name plugin files with the
+    parsers: the files are not run (a warning names them), and the built-in parsers of those
+    names are used."""
+    with running_server(
+        "--dtype",
+        "float32",
+        "--reasoning-parser-plugin",
+        "nano_v3_reasoning_parser.py",
+        "--reasoning-parser",
+        "nano_v3",
+        "--tool-parser-plugin",
+        "nemotron_toolcall_parser_no_streaming.py",
+        "--tool-call-parser",
+        "nemotron_json",
+    ) as server:
+        status, tok = call(
+            server,
+            "/tokenize",
+            {
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "now"}}],
+                "return_token_strs": True,
+            },
+        )
+        assert status == 200 and "AVAILABLE_TOOLS" in "".join(tok["token_strs"])  # (nemotron_json's)
+        out = server.output()
+        assert "--reasoning-parser-plugin nano_v3_reasoning_parser.py: not run" in out
+        assert "the built-in parser 'nano_v3' is used" in out
+        assert "--tool-parser-plugin nemotron_toolcall_parser_no_streaming.py: not run" in out

@@ -38,6 +38,9 @@ R1 = reasoning_format("deepseek_r1")
 )
 def test_a_whole_answer_is_split_at_its_first_end_tag(text, reasoning, content):
     assert split_reasoning(R1, text) == (reasoning, content)
+    # NVIDIA's names for its Nemotron Nano plugins split the same way
+    for name in ("nano_v2", "nano_v3"):
+        assert split_reasoning(reasoning_format(name), text) == (reasoning, content)
 
 
 def test_a_stream_cut_anywhere_adds_up_to_the_whole_split():

@@ -22,6 +22,7 @@ from typing import Any
 from hybridserve.arg_types import int_in, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
+from hybridserve.server.request_log import printable
 from hybridserve.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
@@ -109,8 +110,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=list(REASONING_PARSERS),
         default=None,
         help="split chat answers of a thinking model into `reasoning` (also `reasoning_content`) and "
-        "`content`: deepseek_r1, the <think> ... </think> form (docs/serving.md, Reasoning outputs; "
-        "default: answers are whole)",
+        "`content`: deepseek_r1, the <think> ... </think> form, or nano_v2 / nano_v3, NVIDIA's names "
+        "for the same split (docs/serving.md, Reasoning outputs; default: answers are whole)",
+    )
+    g.add_argument(
+        "--reasoning-parser-plugin",
+        metavar="FILE",
+        default=None,
+        help="accepted for vLLM's command lines: the file is not run (a warning says so); "
+        "--reasoning-parser names a parser built in here",
+    )
+    g.add_argument(
+        "--tool-parser-plugin",
+        metavar="FILE",
+        default=None,
+        help="accepted for vLLM's command lines: the file is not run (a warning says so); "
+        "--tool-call-parser names a parser built in here",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -199,6 +214,17 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    for flag, plugin, parser in (
+        ("--reasoning-parser-plugin", args.reasoning_parser_plugin, args.reasoning_parser),
+        ("--tool-parser-plugin", args.tool_parser_plugin, args.tool_call_parser),
+    ):
+        if plugin is not None:
+            logger.warning(
+                "%s %s: not run (hybridserve runs no code from files); the built-in parser %r is used",
+                flag,
+                printable(plugin),
+                parser,
+            )
     access = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.allowed_origins)
     if access.allowed_hosts is None:
         logger.info("the Host header is not checked (bound to all interfaces, or --allowed-hosts '*')")

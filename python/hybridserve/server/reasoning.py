@@ -18,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# vLLM's --reasoning-parser names this server knows
-REASONING_PARSERS = ("deepseek_r1",)
+# vLLM's --reasoning-parser names this server knows. nano_v2 and nano_v3 are the names of the
+# plugins NVIDIA ships with its Nemotron Nano models: deepseek_r1's split, plus an answer with
+# thinking switched off being content, which this server does for every parser (app.py).
+REASONING_PARSERS = ("deepseek_r1", "nano_v2", "nano_v3")
 
 
 @dataclass(frozen=True)
