@@ -23,6 +23,8 @@ from hybridserve.server.tools import (
     TOOL_PARSERS,
     NemotronJsonToolParser,
     Qwen3CoderToolParser,
+    ToolError,
+    _typed_value,
     parse_tools,
     split_message,
     with_tool_history_as_text,
@@ -200,6 +202,68 @@ def test_qwen3_coder_values_are_typed_by_the_tools_schema() -> None:
     for text in QTEXTS[5:7]:
         content, calls = split_message(QB, text)
         assert calls == [] and content == text
+
+
+def test_qwen3_coder_values_that_do_not_read_stay_text() -> None:
+    """What no JSON value holds, or what does not read as its type, stays the text written; the
+    typing never raises (a 500), and agrees with the forced grammar's forms."""
+    ints = {"type": "integer"}
+    nums = {"type": "number"}
+    cases = [
+        ("1" * 5000, ints, "1" * 5000),  # more digits than Python converts
+        ("1e400", nums, "1e400"),  # no finite float
+        ("nan", nums, "nan"),
+        ("1_000", nums, "1_000"),
+        ("2.5", ints, "2.5"),
+        ("-0.5e1", nums, -5.0),
+        ("12345678901234567890123", nums, 12345678901234567890123),  # exact, not through a float
+        ("True", {"type": "boolean"}, True),  # (in any case, as vLLM reads it)
+        ("yes", {"type": "boolean"}, "yes"),
+        ("[" * 100000, {"type": "array"}, "[" * 100000),  # nested too deep to read
+        ("null", {"enum": ["null", "a"]}, "null"),  # a choice of strings is text
+        ("null", {"type": ["string", "null"]}, None),
+        ("null", {"type": "string"}, "null"),
+        ('"hello"', True, "hello"),  # a schema of `true`: JSON
+        ("3", None, "3"),  # not declared
+    ]
+    for raw, schema, want in cases:
+        assert _typed_value(raw, schema) == want, (raw[:20], schema)
+
+
+def test_qwen3_coder_grammar_refuses_what_it_cannot_write() -> None:
+    text = QB.grammar(QTOOLS, "book", False)
+    for value, ok in (
+        ("a<b", True),
+        ("a<", True),
+        ("a<\nb", True),
+        ("<b> c", True),
+        ("a</b", False),
+        ("x\n</y", False),
+    ):
+        assert _accepts(text, _qcall("book", city=value, nights="1"))[0] is ok, value
+    odd = parse_tools(
+        [
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {"a>b": {}}}},
+            }
+        ]
+    )
+    with pytest.raises(ToolError, match="cannot be written"):
+        Q.grammar(odd, "required", False)
+    # `required` not a list of names: the names it holds, none here
+    loose = parse_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {}}, "required": 5},
+                },
+            }
+        ]
+    )
+    assert "p0_0?" in Q.grammar(loose, "required", False)
 
 
 @pytest.mark.parametrize("text", QTEXTS)

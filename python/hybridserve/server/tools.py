@@ -28,6 +28,7 @@ tool's parameter schema types).
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
@@ -391,44 +392,55 @@ class NemotronJsonToolParser(_TaggedToolParser):
         return f"<TOOL_RESPONSE>{content}</TOOL_RESPONSE>"
 
 
+_INTEGER = r"-?(0|[1-9][0-9]*)"
+_NUMBER = _INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+
+
 def _typed_value(raw: str, schema: Any) -> Any:
-    """A `qwen3_coder` parameter's text as the value its schema says: a string as written; an
-    integer, number or boolean when the text is one (else the text); null for "null" unless the
-    schema allows only strings; anything
-    else (objects, arrays, unknown types) as JSON when it parses, else the text. A parameter the
-    tool does not declare stays text."""
-    if not isinstance(schema, dict):
+    """A `qwen3_coder` parameter's text as the value its schema says (vLLM's typing): a string, or
+    a choice of strings, as written; an integer or number when the text is one in JSON's form, a
+    boolean for true or false in any case (else the text); null for "null" unless the schema allows only strings; anything else
+    (objects, arrays, no type) as JSON when it parses, else the text. A parameter the tool does
+    not declare (`schema` None) stays text. Never raises: a value that does not read stays text."""
+    if schema is None:
         return raw
+    if not isinstance(schema, dict):  # a boolean schema: any value
+        schema = {}
     kind = schema.get("type")
     nullable = kind == "null" or (isinstance(kind, list) and "null" in kind)
     if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
-        kind = next((k for k in kind if k != "null"), "null")
+        kind = "string" if "string" in kind else next((k for k in kind if k != "null"), "null")
+    enum = schema.get("enum")
+    if kind is None and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        kind = "string"  # (a choice of strings: "null" among them is the text)
     if raw.strip() == "null" and (nullable or kind != "string"):
         return None
-    enum = schema.get("enum")
-    if kind == "string" or (
-        kind is None and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)
-    ):
+    if kind == "string":
         return raw
     text = raw.strip()
-    if kind == "integer":
-        return int(text) if re.fullmatch(r"-?\d+", text) else raw
-    if kind == "number":
+    if kind in ("integer", "number") and re.fullmatch(_INTEGER, text):
         try:
-            v = float(text)
-        except ValueError:
+            return int(text)
+        except ValueError:  # (more digits than Python converts)
             return raw
-        return int(v) if v.is_integer() and re.fullmatch(r"-?\d+", text) else v
+    if kind == "number" and re.fullmatch(_NUMBER, text):
+        v = float(text)
+        return v if math.isfinite(v) else raw  # (1e400: no JSON number holds it)
+    if kind in ("integer", "number"):
+        return raw
     if kind == "boolean":
-        return {"true": True, "false": False}.get(text.lower(), raw)
+        return {"true": True, "false": False}.get(text.lower(), raw)  # (True / False too, as vLLM)
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw
 
 
-# a qwen3_coder text value with the newline that ends it (Qwen3CoderToolParser.grammar)
-_TEXT_VALUE = r"/([^\n]|\n+[^<\n])*\n/"
+# a qwen3_coder text value with the newline that ends it (Qwen3CoderToolParser.grammar): no "</"
+# anywhere (no closing tag inside it), and no line after the first starting with "<"
+_TEXT_VALUE = r"/([^<\n]|<+[^<\/\n]|<*\n+[^<\n])*<*\n/"
+# a parameter name the parser reads back as written (`_PARAMETER`, stripped)
+_PARAM_NAME = re.compile(r"[^>\s](?:[^>\n]*[^>\s])?")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
@@ -464,10 +476,11 @@ class Qwen3CoderToolParser(_TaggedToolParser):
 
     def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
         """Each call's parameters in the order its schema lists them, the required ones always
-        and the others at most once. A string value is text whose lines after the first do not
-        start with "<" (so that it ends where its closing tag begins: the lexer takes the longest
-        text and cannot step back); its length is not bounded (maxLength is not enforced), while
-        a JSON value (an object, an array) follows its whole schema."""
+        and the others at most once. A string value is text without "</" whose lines after the
+        first do not start with "<" (so that it ends where its closing tag begins: the lexer takes
+        the longest text and cannot step back); its length is not bounded (maxLength is not
+        enforced), while a JSON value (an object, an array) follows its whole schema. A parameter
+        name the format cannot carry is a ToolError."""
         rules: list[str] = []
         calls = []
         for i, t in enumerate(_chosen(tools, choice)):
@@ -475,9 +488,18 @@ class Qwen3CoderToolParser(_TaggedToolParser):
             params = fn.get("parameters") or {}
             raw_props = params.get("properties")
             props: dict[str, Any] = raw_props if isinstance(raw_props, dict) else {}
-            required = set(params.get("required") or [])
+            raw_required = params.get("required")
+            required = (
+                {r for r in raw_required if isinstance(r, str)} if isinstance(raw_required, list) else set()
+            )
             parts = []
             for j, (pname, pschema) in enumerate(props.items()):
+                if not _PARAM_NAME.fullmatch(pname):
+                    raise ToolError(
+                        "tool_choice",
+                        f"{fn['name']}: the parameter name {pname!r} cannot be written in the "
+                        "qwen3_coder format (no '>', no newline, no space at its ends)",
+                    )
                 rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={pname}>\n")
                 value = _value_grammar(pschema)
                 if value is None:  # text: lines, none of the later ones starting with "<"
@@ -540,10 +562,8 @@ def _value_grammar(schema: Any) -> str | None:
         return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
     if kind == "string":
         return None
-    if kind == "integer":
-        return r"/-?(0|[1-9][0-9]*)/"
-    if kind == "number":
-        return r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+    if kind in ("integer", "number"):  # (the forms `_typed_value` reads)
+        return f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
     if kind == "boolean":
         return '("true" | "false")'
     return f"%json {json.dumps({**schema, 'x-guidance': dict(JSON_DEFAULTS)})}"
