@@ -16,6 +16,7 @@ from typing import Any
 
 import llguidance
 import openai
+import pydantic
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
@@ -145,9 +146,9 @@ QTOOLS = parse_tools([TYPED, NOW])
 QB = Q.for_tools(QTOOLS)
 
 
-def _qcall(name: str, **params: str) -> str:
+def _qcall(function: str, /, **params: str) -> str:
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+    return f"<tool_call>\n<function={function}>\n{body}</function>\n</tool_call>"
 
 
 QONE = _qcall("book", city="Oslo", nights="3")
@@ -404,3 +405,59 @@ def test_a_server_with_the_format_forces_and_reads_typed_calls(parser: str, desc
             assert [(c["name"], c["arguments"]) for c in calls] == [
                 (c.function.name, c.function.arguments) for c in full.message.tool_calls
             ]
+
+
+# ---- tool schemas with definitions ---------------------------------------------------------------
+
+
+def test_forced_calls_of_tools_whose_schemas_have_definitions() -> None:
+    """The openai client's `pydantic_function_tool` writes nested models as `$defs` with
+    `#/$defs/Name` refs, and a recursive schema refers to its own root (`#`): inside a call's
+    grammar those refs must still reach them, in every format."""
+
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        home: Address
+
+    person = openai.pydantic_function_tool(Person)
+    assert "$defs" in person["function"]["parameters"]
+    tree = {
+        "type": "function",
+        "function": {
+            "name": "tree",
+            "parameters": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                "required": ["kids"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    tools = parse_tools([person, tree])
+    good = {"name": "Ann", "home": {"city": "Oslo"}}
+    bad = {"name": "Ann", "home": {"town": "Oslo"}}
+    texts = {
+        "hermes": lambda n, a: f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>",
+        "nemotron_json": lambda n, a: f"<TOOLCALL>{json.dumps([{'name': n, 'arguments': a}])}</TOOLCALL>",
+        "qwen3_coder": lambda n, a: _qcall(
+            n, **{k: v if isinstance(v, str) else json.dumps(v) for k, v in a.items()}
+        ),
+    }
+    for name, write in texts.items():
+        parser = TOOL_PARSERS[name].for_tools(tools)
+        grammar = parser.grammar(tools, "required", False)
+        for tool, args, ok in (
+            ("Person", good, True),
+            ("Person", bad, False),
+            ("tree", {"kids": [{"kids": []}, {"kids": [{"kids": []}]}]}, True),
+            ("tree", {"kids": [{"leaves": []}]}, False),
+        ):
+            text = write(tool, args)
+            assert _accepts(grammar, text)[0] is ok, (name, text)
+            if ok:
+                assert [(c.name, json.loads(c.arguments)) for c in split_message(parser, text)[1]] == [
+                    (tool, args)
+                ]

@@ -222,21 +222,67 @@ class ToolParser(Protocol):
         ...
 
 
-def _call_alternatives(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of one call of any of `tools` ({"name", "arguments"})."""
-    alternatives = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"]["parameters"],
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _rooted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters schema made to work inside a larger one, whose root its `$ref`s would
+    otherwise point at (pydantic writes nested models as `$defs` with `#/$defs/Name` refs): the
+    schema and its `$defs` / `definitions` go to the root's `$defs` as `prefix` and
+    `prefix.Name`, its local refs rewritten to them. Returns (what to embed, the root's `$defs`);
+    a schema without local refs or definitions is embedded as it is."""
+    if not isinstance(schema, dict) or not (
+        "$defs" in schema or "definitions" in schema or _has_local_ref(schema)
+    ):
+        return schema, {}
+    defs: dict[str, Any] = {}
+    for key in ("definitions", "$defs"):
+        if isinstance(schema.get(key), dict):
+            defs.update(schema[key])
+
+    def ref(r: str) -> str:
+        if r == "#":
+            return f"#/$defs/{prefix}"
+        for key in ("#/$defs/", "#/definitions/"):
+            if r.startswith(key):
+                return f"#/$defs/{prefix}.{r[len(key) :]}"
+        return f"#/$defs/{prefix}{r[1:]}" if r.startswith("#/") else r
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    root = {prefix: walk(body), **{f"{prefix}.{name}": walk(d) for name, d in defs.items()}}
+    return {"$ref": f"#/$defs/{prefix}"}, root
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _call_alternatives(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON schema of one call of any of `tools` ({"name", "arguments"}), and the `$defs` its
+    root needs (`_rooted`)."""
+    alternatives = []
+    defs: dict[str, Any] = {}
+    for i, t in enumerate(tools):
+        arguments, tool_defs = _rooted(t["function"]["parameters"], f"tool{i}")
+        defs.update(tool_defs)
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return (alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}), defs
 
 
 def _chosen(tools: list[dict[str, Any]], choice: str) -> list[dict[str, Any]]:
@@ -323,7 +369,8 @@ class HermesToolParser(_TaggedToolParser):
         )
 
     def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
-        schema = {**_call_alternatives(_chosen(tools, choice)), "x-guidance": dict(JSON_DEFAULTS)}
+        call_schema, defs = _call_alternatives(_chosen(tools, choice))
+        schema = _with_defs({**call_schema, "x-guidance": dict(JSON_DEFAULTS)}, defs)
         call = f'call: "{self.START}\\n" %json {json.dumps(schema)} "\\n{self.END}"'
         if choice == "required" and parallel:
             return f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}\n{call}\n'
@@ -364,13 +411,17 @@ class NemotronJsonToolParser(_TaggedToolParser):
 
     def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
         most = MAX_PARALLEL_CALLS if choice == "required" and parallel else 1
-        schema = {
-            "type": "array",
-            "items": _call_alternatives(_chosen(tools, choice)),
-            "minItems": 1,
-            "maxItems": most,
-            "x-guidance": dict(JSON_DEFAULTS),
-        }
+        call_schema, defs = _call_alternatives(_chosen(tools, choice))
+        schema = _with_defs(
+            {
+                "type": "array",
+                "items": call_schema,
+                "minItems": 1,
+                "maxItems": most,
+                "x-guidance": dict(JSON_DEFAULTS),
+            },
+            defs,
+        )
         return f'start: "{self.START}" %json {json.dumps(schema)} "{self.END}"\n'
 
     def _calls(self, body: str) -> list[ToolCall] | None:
@@ -486,6 +537,9 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         for i, t in enumerate(_chosen(tools, choice)):
             fn = t["function"]
             params = fn.get("parameters") or {}
+            _, defs = _rooted(params, "tool")
+            if defs:  # each JSON value's schema with the tool's definitions at its root
+                params = defs["tool"]
             raw_props = params.get("properties")
             props: dict[str, Any] = raw_props if isinstance(raw_props, dict) else {}
             raw_required = params.get("required")
@@ -501,7 +555,7 @@ class Qwen3CoderToolParser(_TaggedToolParser):
                         "qwen3_coder format (no '>', no newline, no space at its ends)",
                     )
                 rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={pname}>\n")
-                value = _value_grammar(pschema)
+                value = _value_grammar(pschema, defs)
                 if value is None:  # text: lines, none of the later ones starting with "<"
                     rules.append(f'{rule}: {opening} {_TEXT_VALUE} "</parameter>\\n"')
                 else:
@@ -548,10 +602,10 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def _value_grammar(schema: Any) -> str | None:
+def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | None:
     """The grammar of a `qwen3_coder` parameter's value: None for text (a string), the literal
     forms of integers, numbers and booleans, the choices of a string enum, and JSON by the schema
-    for anything else."""
+    for anything else (with `defs`, the tool's definitions its refs point at, `_rooted`)."""
     if not isinstance(schema, dict):
         schema = {}
     kind = schema.get("type")
@@ -566,7 +620,7 @@ def _value_grammar(schema: Any) -> str | None:
         return f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
     if kind == "boolean":
         return '("true" | "false")'
-    return f"%json {json.dumps({**schema, 'x-guidance': dict(JSON_DEFAULTS)})}"
+    return f"%json {json.dumps(_with_defs({**schema, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {
