@@ -450,9 +450,10 @@ _NUMBER = _INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 def _typed_value(raw: str, schema: Any) -> Any:
     """A `qwen3_coder` parameter's text as the value its schema says (vLLM's typing): a string, or
     a choice of strings, as written; an integer or number when the text is one in JSON's form, a
-    boolean for true or false in any case (else the text); null for "null" unless the schema allows only strings; anything else
-    (objects, arrays, no type) as JSON when it parses, else the text. A parameter the tool does
-    not declare (`schema` None) stays text. Never raises: a value that does not read stays text."""
+    boolean for true or false in any case (else the text); null for "null" unless the schema
+    allows only strings; anything else (objects, arrays, no type) as JSON when it parses, else
+    the text. A parameter the tool does not declare (`schema` None) stays text. Never raises: a
+    value that does not read stays text."""
     if schema is None:
         return raw
     if not isinstance(schema, dict):  # a boolean schema: any value
