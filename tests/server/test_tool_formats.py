@@ -461,3 +461,19 @@ def test_forced_calls_of_tools_whose_schemas_have_definitions() -> None:
                 assert [(c.name, json.loads(c.arguments)) for c in split_message(parser, text)[1]] == [
                     (tool, args)
                 ]
+
+
+def test_a_block_nested_too_deep_to_read_is_content() -> None:
+    """JSON nested deeper than Python reads is not a call (and not a server error) in any format."""
+    deep = "[" * 100000
+    for name, text in (
+        ("hermes", f"<tool_call>\n{deep}\n</tool_call>"),
+        ("hermes", f'<tool_call>\n{{"name": "now", "arguments": "{deep}"}}\n</tool_call>'),
+        ("nemotron_json", f"<TOOLCALL>{deep}</TOOLCALL>"),
+        ("qwen3_coder", _qcall("book", guests=deep)),
+    ):
+        content, calls = split_message(TOOL_PARSERS[name].for_tools(QTOOLS), text)
+        if name == "qwen3_coder":  # (a value that does not read stays text)
+            assert [json.loads(c.arguments) for c in calls] == [{"guests": deep}]
+        else:
+            assert (content, calls) == (text, [])

@@ -298,7 +298,7 @@ def _tool_call(obj: Any) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
     if not isinstance(args, dict):
         return None
@@ -379,7 +379,7 @@ class HermesToolParser(_TaggedToolParser):
     def _calls(self, body: str) -> list[ToolCall] | None:
         try:
             call = _tool_call(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
         return None if call is None else [call]
 
@@ -427,7 +427,7 @@ class NemotronJsonToolParser(_TaggedToolParser):
     def _calls(self, body: str) -> list[ToolCall] | None:
         try:
             objs = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
         if isinstance(objs, dict):  # one call written without its list
             objs = [objs]
