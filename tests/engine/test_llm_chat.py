@@ -94,6 +94,38 @@ def test_chat_template_argument_and_template_variables() -> None:
     assert llm.chat(CONVERSATION[:2], GREEDY)[0].prompt.startswith("<|im_start|>system\n")
 
 
+def test_tools_reach_the_template_as_transformers_passes_them() -> None:
+    """`tools` are the template's `tools` variable, as `apply_chat_template(tools=...)` renders
+    them; something other than a list of tools is refused."""
+    from transformers import AutoTokenizer
+
+    llm = llm32()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "description": "The time in a zone",
+                "parameters": {"type": "object", "properties": {"zone": {"type": "integer"}}},
+            },
+        }
+    ]
+    template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}: "
+        "{{ t['function']['description'] }} {{ t | tojson }}{% endfor %}</tools>\n{% endif %}" + PLAIN
+    )
+    out = llm.chat(CONVERSATION[:2], GREEDY, chat_template=template, tools=tools)
+    auto = AutoTokenizer.from_pretrained(llm.engine.model_dir)
+    want = auto.apply_chat_template(
+        CONVERSATION[:2], tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert out[0].prompt == want and "get_time: The time in a zone" in want
+    assert "<tools>" not in llm.chat(CONVERSATION[:2], GREEDY, chat_template=template)[0].prompt
+    for bad in ({"type": "function"}, "get_time", [1]):
+        with pytest.raises(InvalidRequestError, match="tools"):
+            llm.chat(CONVERSATION[:2], GREEDY, tools=bad)  # type: ignore[arg-type]
+
+
 def test_engine_chat_template_file_is_served_and_sets_the_shared_prefix_markers(tmp_path: Path) -> None:
     path = tmp_path / "plain.jinja"
     path.write_text(PLAIN, encoding="utf-8")

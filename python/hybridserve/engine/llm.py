@@ -119,6 +119,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's `LLM.chat`: `messages` is one conversation
         (a list of `{"role", "content"}` messages; content a string, None or a list of text parts)
@@ -126,7 +127,10 @@ class LLM:
         text, else the engine's: --chat-template or the model's) and generated as `generate`
         does. `chat_template_kwargs` are more template variables (e.g. `enable_thinking`);
         `continue_final_message` continues the last message instead of starting a reply (with
-        `add_generation_prompt` false). A conversation the template refuses, or one malformed,
+        `add_generation_prompt` false). `tools` (OpenAI's function tools, as vLLM's `LLM.chat`
+        takes them) are the template's `tools` variable: a template that mentions them renders
+        them, as transformers' `apply_chat_template(tools=...)` does; nothing parses calls out of
+        the replies here (the server does). A conversation the template refuses, or one malformed,
         raises InvalidRequestError and nothing runs."""
         conversations = _conversations(messages)
         template = self.engine.chat_template
@@ -143,6 +147,11 @@ class LLM:
             raise InvalidRequestError(
                 f"chat_template_kwargs: a mapping of template variables, not {type(chat_template_kwargs).__name__}"
             )
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            if isinstance(tools, (str, Mapping)) or not all(isinstance(t, Mapping) for t in tools):
+                raise InvalidRequestError("tools: a list of tools (objects), as OpenAI's `tools`")
+            extra["tools"] = [dict(t) for t in tools]
         tokenizer = self.engine.tokenizer
         prompts: list[Prompt] = []
         for i, conversation in enumerate(conversations):
@@ -150,7 +159,7 @@ class LLM:
                 text = template.render(
                     conversation,
                     add_generation_prompt=add_generation_prompt,
-                    extra=dict(chat_template_kwargs or {}),
+                    extra=extra,
                     continue_final_message=continue_final_message,
                 )
             except Exception as e:  # noqa: BLE001 - raise_exception, a continuation, or the template failing on these messages
