@@ -20,8 +20,10 @@ import pydantic
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server import protocol
 from hybridserve.server.tools import (
     TOOL_PARSERS,
+    FirstCallOnly,
     NemotronJsonToolParser,
     Qwen3CoderToolParser,
     ToolError,
@@ -31,7 +33,7 @@ from hybridserve.server.tools import (
     with_tool_history_as_text,
     with_tools_in_system_prompt,
 )
-from server_fixtures import call, running_server
+from server_fixtures import TokenizerModelInfo, call, running_server
 from tool_formats import assert_stream_adds_up, stream_chat
 
 
@@ -477,3 +479,26 @@ def test_a_block_nested_too_deep_to_read_is_content() -> None:
             assert [json.loads(c.arguments) for c in calls] == [{"guests": deep}]
         else:
             assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_parallel_tool_calls_false_reads_one_call(name: str) -> None:
+    """`parallel_tool_calls: false` means at most one call, also for "auto", where no grammar
+    holds the model to it: the first call is kept and the later ones dropped, streamed and not."""
+    info = TokenizerModelInfo(ensure_demo_model(), max_model_len=512)
+    info.tool_call_parser = name  # type: ignore[attr-defined]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [RESERVE, NOW]}
+    many = protocol.parse_chat_request(body, info, "demo").tool_parser
+    one = protocol.parse_chat_request({**body, "parallel_tool_calls": False}, info, "demo").tool_parser
+    assert isinstance(one, FirstCallOnly) and not isinstance(many, FirstCallOnly)
+    assert one.name == many.name == name
+    write = {
+        "hermes": lambda n: f'<tool_call>\n{{"name": "{n}", "arguments": {{}}}}\n</tool_call>',
+        "nemotron_json": lambda n: f'<TOOLCALL>[{{"name": "{n}", "arguments": {{}}}}]</TOOLCALL>',
+        "qwen3_coder": lambda n: _qcall(n),
+    }[name]
+    text = f"Sure. {write('now')} then {write('reserve')}"
+    assert [c.name for c in split_message(many, text)[1]] == ["now", "reserve"]
+    assert [c.name for c in split_message(one, text)[1]] == ["now"]
+    assert split_message(one, text)[0] == "Sure.  then "
+    assert_stream_adds_up(one, text)

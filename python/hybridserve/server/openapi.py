@@ -327,7 +327,9 @@ def _tool_fields() -> dict[str, Schema]:
             "description": "none (default without tools), auto (default with tools), required, or a "
             "named function (one of tools); all but none need tools",
         },
-        "parallel_tool_calls": _bool("with tool_choice required: up to 8 calls (default true) or one"),
+        "parallel_tool_calls": _bool(
+            "more than one call (default true; required: up to 8); false: one, the first the model writes"
+        ),
     }
 
 

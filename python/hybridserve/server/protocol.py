@@ -1243,7 +1243,10 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
         continued=continued,
     )
-    req.tool_parser = _tool_parser(info).for_tools(rendered_tools) if rendered_tools else None
+    if rendered_tools:
+        parser = _tool_parser(info).for_tools(rendered_tools)
+        one = not get_bool(body, "parallel_tool_calls", True)
+        req.tool_parser = T.FirstCallOnly(parser) if one else parser
     return req
 
 

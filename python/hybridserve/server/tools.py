@@ -624,6 +624,37 @@ def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | Non
     return f"%json {json.dumps(_with_defs({**schema, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
 
 
+class FirstCallOnly:
+    """A parser's format with at most one call read from an output (`parallel_tool_calls`: false,
+    as OpenAI means it, for "auto" too, where no grammar holds the model to one): the first call
+    is kept and later ones are dropped, neither calls nor content. Streamed and not alike, since
+    both read the output through `scan`."""
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        return self.inner.system_prompt(tools)
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+        return self.inner.grammar(tools, choice, False)
+
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+        items, end = self.inner.scan(text, final)
+        calls = [i for i, x in enumerate(items) if isinstance(x, ToolCall)]
+        return [x for i, x in enumerate(items) if i not in calls[1:]], end
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return self.inner.render_calls(calls)
+
+    def result_block(self, content: str) -> str:
+        return self.inner.result_block(content)
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolParser:
+        return FirstCallOnly(self.inner.for_tools(tools))
+
+
 TOOL_PARSERS: dict[str, ToolParser] = {
     p.name: p for p in (HermesToolParser(), NemotronJsonToolParser(), Qwen3CoderToolParser())
 }
