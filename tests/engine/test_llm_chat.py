@@ -121,7 +121,7 @@ def test_tools_reach_the_template_as_transformers_passes_them() -> None:
     )
     assert out[0].prompt == want and "get_time: The time in a zone" in want
     assert "<tools>" not in llm.chat(CONVERSATION[:2], GREEDY, chat_template=template)[0].prompt
-    for bad in ({"type": "function"}, "get_time", [1]):
+    for bad in ({"type": "function"}, "get_time", [1], 5, (t for t in tools)):
         with pytest.raises(InvalidRequestError, match="tools"):
             llm.chat(CONVERSATION[:2], GREEDY, tools=bad)  # type: ignore[arg-type]
 

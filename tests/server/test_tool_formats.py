@@ -502,3 +502,35 @@ def test_parallel_tool_calls_false_reads_one_call(name: str) -> None:
     assert [c.name for c in split_message(one, text)[1]] == ["now"]
     assert split_message(one, text)[0] == "Sure.  then "
     assert_stream_adds_up(one, text)
+
+
+def test_definitions_of_both_kinds_an_id_and_refs_as_data() -> None:
+    """`definitions` and `$defs` may share a name (each ref keeps its own), a schema with an `$id`
+    still finds its definitions, a `$ref` inside a `const` is data, and a qwen3_coder parameter
+    that refers to a string enum is written as text, as a plain string parameter is."""
+    schema = {
+        "$id": "https://example.com/args",
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "#/definitions/A"},
+            "b": {"$ref": "#/$defs/A"},
+            "c": {"const": {"$ref": "#"}},
+            "color": {"$ref": "#/$defs/Color"},
+        },
+        "required": ["a", "b", "c", "color"],
+        "additionalProperties": False,
+        "definitions": {"A": {"type": "string"}},
+        "$defs": {"A": {"type": "integer"}, "Color": {"enum": ["red", "blue"], "type": "string"}},
+    }
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    args = {"a": "x", "b": 1, "c": {"$ref": "#"}, "color": "red"}
+    hermes = TOOL_PARSERS["hermes"].grammar(tools, "f", False)
+    assert _accepts(hermes, f"<tool_call>\n{json.dumps({'name': 'f', 'arguments': args})}\n</tool_call>")[0]
+    wrong = {**args, "a": 1, "b": "x"}
+    assert not _accepts(
+        hermes, f"<tool_call>\n{json.dumps({'name': 'f', 'arguments': wrong})}\n</tool_call>"
+    )[0]
+    qwen = TOOL_PARSERS["qwen3_coder"].for_tools(tools)
+    text = _qcall("f", a='"x"', b="1", c='{"$ref": "#"}', color="red")
+    assert _accepts(qwen.grammar(tools, "f", False), text) == (True, "")
+    assert [json.loads(c.arguments) for c in split_message(qwen, text)[1]] == [args]

@@ -149,9 +149,12 @@ class LLM:
             )
         extra = dict(chat_template_kwargs or {})
         if tools is not None:
-            if isinstance(tools, (str, Mapping)) or not all(isinstance(t, Mapping) for t in tools):
+            listed = (
+                list(tools) if isinstance(tools, Sequence) and not isinstance(tools, (str, bytes)) else None
+            )
+            if listed is None or not all(isinstance(t, Mapping) for t in listed):
                 raise InvalidRequestError("tools: a list of tools (objects), as OpenAI's `tools`")
-            extra["tools"] = [dict(t) for t in tools]
+            extra["tools"] = [dict(t) for t in listed]
         tokenizer = self.engine.tokenizer
         prompts: list[Prompt] = []
         for i, conversation in enumerate(conversations):

@@ -328,7 +328,7 @@ def _tool_fields() -> dict[str, Schema]:
             "named function (one of tools); all but none need tools",
         },
         "parallel_tool_calls": _bool(
-            "more than one call (default true; required: up to 8); false: one, the first the model writes"
+            "more than one call (default true; required: up to 8); false: one, the first valid one the model writes"
         ),
     }
 

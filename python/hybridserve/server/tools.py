@@ -222,43 +222,60 @@ class ToolParser(Protocol):
         ...
 
 
+# keywords whose values are data, not schemas: a "$ref" inside them is a value
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
 def _has_local_ref(node: Any) -> bool:
     if isinstance(node, dict):
         ref = node.get("$ref")
-        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+        return (isinstance(ref, str) and ref.startswith("#")) or any(
+            _has_local_ref(v) for k, v in node.items() if k not in _DATA_KEYWORDS
+        )
     return isinstance(node, list) and any(_has_local_ref(v) for v in node)
 
 
 def _rooted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     """A tool's parameters schema made to work inside a larger one, whose root its `$ref`s would
     otherwise point at (pydantic writes nested models as `$defs` with `#/$defs/Name` refs): the
-    schema and its `$defs` / `definitions` go to the root's `$defs` as `prefix` and
-    `prefix.Name`, its local refs rewritten to them. Returns (what to embed, the root's `$defs`);
-    a schema without local refs or definitions is embedded as it is."""
+    schema goes to the root's `$defs` as `prefix`, its `$defs` and `definitions` as
+    `prefix$defs.Name` and `prefix.definitions.Name` (two namespaces: the two may share a name),
+    its local refs rewritten to them, and its `$id` / `$schema` dropped (refs would resolve
+    against the `$id`). Returns (what to embed, the root's `$defs`); a schema without local refs
+    or definitions is embedded as it is."""
     if not isinstance(schema, dict) or not (
         "$defs" in schema or "definitions" in schema or _has_local_ref(schema)
     ):
         return schema, {}
-    defs: dict[str, Any] = {}
-    for key in ("definitions", "$defs"):
-        if isinstance(schema.get(key), dict):
-            defs.update(schema[key])
+    spaces = {"$defs": f"{prefix}$defs.", "definitions": f"{prefix}.definitions."}
 
     def ref(r: str) -> str:
         if r == "#":
             return f"#/$defs/{prefix}"
-        for key in ("#/$defs/", "#/definitions/"):
-            if r.startswith(key):
-                return f"#/$defs/{prefix}.{r[len(key) :]}"
+        for key, space in spaces.items():
+            if r.startswith(f"#/{key}/"):
+                return f"#/$defs/{space}{r[len(key) + 3 :]}"
         return f"#/$defs/{prefix}{r[1:]}" if r.startswith("#/") else r
 
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
+            return {
+                k: v if k in _DATA_KEYWORDS else ref(v) if k == "$ref" and isinstance(v, str) else walk(v)
+                for k, v in node.items()
+            }
         return [walk(v) for v in node] if isinstance(node, list) else node
 
-    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
-    root = {prefix: walk(body), **{f"{prefix}.{name}": walk(d) for name, d in defs.items()}}
+    def resource(node: Any) -> Any:  # (as a part of the grammar's schema, not a document of its own)
+        return (
+            walk({k: v for k, v in node.items() if k not in ("$id", "$schema")})
+            if isinstance(node, dict)
+            else node
+        )
+
+    root = {prefix: resource({k: v for k, v in schema.items() if k not in spaces})}
+    for key, space in spaces.items():
+        if isinstance(schema.get(key), dict):
+            root.update({f"{space}{name}": resource(d) for name, d in schema[key].items()})
     return {"$ref": f"#/$defs/{prefix}"}, root
 
 
@@ -609,6 +626,11 @@ def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | Non
     for anything else (with `defs`, the tool's definitions its refs point at, `_rooted`)."""
     if not isinstance(schema, dict):
         schema = {}
+    ref = schema.get("$ref")
+    if defs and isinstance(ref, str) and ref.startswith("#/$defs/"):  # (a pydantic enum, a model)
+        target = defs.get(ref[len("#/$defs/") :].replace("~1", "/").replace("~0", "~"))
+        if isinstance(target, dict) and set(schema) <= {"$ref", "description", "title"}:
+            schema = target
     kind = schema.get("type")
     if isinstance(kind, list):  # a nullable string is text ("null" reads as null)
         kind = "string" if "string" in kind else next((k for k in kind if k != "null"), None)
