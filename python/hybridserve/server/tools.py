@@ -27,6 +27,7 @@ tool's parameter schema types).
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import re
@@ -330,15 +331,17 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class _TaggedToolParser:
-    """Calls written between START and END tags; a block that does not read as calls is content."""
+class _TaggedToolParser(abc.ABC):
+    """Calls written between START and END tags; a block that does not read as calls is content.
+    A format gives its tags and how a block's body reads as calls (`_calls`)."""
 
     name = ""
     START = ""
     END = ""
 
+    @abc.abstractmethod
     def _calls(self, body: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls a block's body holds, or None when it does not read as calls."""
 
     def for_tools(self, tools: list[dict[str, Any]]) -> Self:
         return self
