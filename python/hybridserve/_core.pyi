@@ -184,12 +184,12 @@ class SchedulerOutput:  # made by the extension only: no constructor
     def draft_token_ids(self) -> npt.NDArray[np.int32]: ...  # [sum k], also the last k inputs of each row
     @property
     def finished_req_ids(self) -> list[str]: ...  # finished or aborted since the previous output
-    def decode_layout(self) -> list[int] | None:
-        """None unless every row is a decode row (one token, or a token and its drafts, every
-        token's logits asked); else [tokens, rows, block_table's row stride, state_write_slots'
-        row stride] and the data addresses of input_ids, positions, slot_mapping, block_table,
-        state_read_slot, state_write_slots, query_start_loc, logits_indices (the getters'
-        arrays)."""
+    def step_layout(self) -> list[int] | None:
+        """None for a step without rows; else [tokens, rows, num_decodes, len(logits_indices),
+        len(emit_row), block_table's row stride, state_write_slots' row stride] and the data
+        addresses of input_ids, positions, slot_mapping, block_table, state_read_slot,
+        state_write_slots, query_start_loc, logits_indices, has_initial_state, emit_row,
+        emit_token, emit_slot (the getters' arrays)."""
     def __len__(self) -> int: ...
 
 @final

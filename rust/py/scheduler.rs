@@ -688,16 +688,16 @@ impl PySchedulerOutput {
         self.cached(py, 19, |py, o| Ok(vec1(py, &mut o.draft_token_ids)))
     }
 
-    /// For native code that runs a step of decode rows reading the arrays in place (the native
-    /// decode step): None unless every row is a decode row (one token, or a token and its
-    /// drafts, every token's logits asked); else `[tokens, rows, block_table's row stride,
-    /// state_write_slots' row stride]` and the data addresses of input_ids, positions,
-    /// slot_mapping, block_table, state_read_slot, state_write_slots, query_start_loc and
-    /// logits_indices, each the array its getter returns (they live as long as this output).
-    /// One call where the getters and the checks of the layout cost a dozen.
-    fn decode_layout(&mut self, py: Python<'_>) -> PyResult<Option<Vec<usize>>> {
-        let rows = self.out.num_decodes;
-        if rows == 0 || rows != self.out.rows.len() {
+    /// For native code that runs a step reading the arrays in place (the native model step):
+    /// None for a step without rows; else `[tokens, rows, num_decodes, len(logits_indices),
+    /// len(emit_row), block_table's row stride, state_write_slots' row stride]` and the data
+    /// addresses of input_ids, positions, slot_mapping, block_table, state_read_slot,
+    /// state_write_slots, query_start_loc, logits_indices, has_initial_state, emit_row,
+    /// emit_token and emit_slot, each the array its getter returns (they live as long as this
+    /// output). One call where the getters and the checks of the layout cost a dozen.
+    fn step_layout(&mut self, py: Python<'_>) -> PyResult<Option<Vec<usize>>> {
+        let rows = self.out.rows.len();
+        if rows == 0 {
             return Ok(None);
         }
         let arrays = [
@@ -709,8 +709,11 @@ impl PySchedulerOutput {
             self.state_write_slots(py)?,
             self.query_start_loc(py)?,
             self.logits_indices(py)?,
+            self.emit_row(py)?,
+            self.emit_token(py)?,
+            self.emit_slot(py)?,
         ];
-        let mut addresses = Vec::with_capacity(arrays.len());
+        let mut addresses = Vec::with_capacity(arrays.len() + 1);
         let mut shapes: Vec<Vec<usize>> = Vec::with_capacity(arrays.len());
         for array in &arrays {
             let array = array.bind(py).cast::<PyArrayDyn<i64>>()?;
@@ -720,14 +723,25 @@ impl PySchedulerOutput {
             addresses.push(array.data() as usize);
             shapes.push(array.shape().to_vec());
         }
+        let has_init = self.has_initial_state(py)?;
+        let has_init = has_init.bind(py).cast::<PyArrayDyn<bool>>()?;
+        if !has_init.is_c_contiguous() {
+            return Err(InternalError::new_err("a step array is not contiguous"));
+        }
+        let init_shape = has_init.shape().to_vec();
+        addresses.insert(8, has_init.data() as usize);
         let qsl = arrays[6].bind(py).cast::<PyArrayDyn<i64>>()?.readonly();
         let qsl = qsl.as_slice()?;
         let tokens = shapes[0][0];
         let (bt, ws) = (&shapes[3], &shapes[5]);
+        let (logits, emits) = (shapes[7][0], shapes[8][0]);
         let laid_out = qsl.len() == rows + 1
             && usize::try_from(qsl[rows]).ok() == Some(tokens)
-            && [1, 2, 7].iter().all(|&i| shapes[i] == [tokens])
+            && [1, 2].iter().all(|&i| shapes[i] == [tokens])
             && shapes[4] == [rows]
+            && init_shape == [rows]
+            && shapes[9] == [emits]
+            && shapes[10] == [emits]
             && bt.len() == 2
             && bt[0] == rows
             && ws.len() == 2
@@ -735,7 +749,15 @@ impl PySchedulerOutput {
         if !laid_out {
             return Ok(None);
         }
-        let mut layout = vec![tokens, rows, bt[1], ws[1]];
+        let mut layout = vec![
+            tokens,
+            rows,
+            self.out.num_decodes,
+            logits,
+            emits,
+            bt[1],
+            ws[1],
+        ];
         layout.extend(addresses);
         Ok(Some(layout))
     }

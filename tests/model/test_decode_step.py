@@ -1,13 +1,17 @@
-"""The native decode step (model/decode_step.py): a step of one-token decode rows in one call of
-the C++ library, held to the model's own forward on the same caches.
+"""The native step (model/decode_step.py): a step of decode and prefill rows in one call of the
+C++ library, held to the model's own forward on the same caches.
 
 - float64: logits, K / V and Mamba states within 1e-10 of the forward's, and the greedy tokens of
   several steps equal; float32 within 1e-4;
 - verify rows (a token with its drafts): the forward's logits and caches, and in float32 each
   token's logits bit-equal to decoding the tokens one at a time; a row's bits do not depend on its
   batch;
-- the steps it does not take (a prefill row, more tokens than its limit, rows that share
-  a state slot, weights changed in place) return None with nothing written;
+- prefill rows (from zeros or a kept state, partial chunks, emitted checkpoints), alone and
+  beside decode rows: the forward's logits and caches; in float32 a prompt's bits are the same
+  in one step or in chunks;
+- the steps it does not take (more tokens than its limit, rows that share a state slot, an emit
+  outside its row, logits asked out of order, weights changed in place) return None with
+  nothing written;
 - bad token or block ids raise ValueError with nothing written;
 - Nemotron-H (no MoE), Mamba2 and Bamba (rotary attention, gated MLP) are covered; models it
   does not know (MoE layers, the other families, bfloat16) get no decode step;
@@ -57,7 +61,8 @@ def _out(batch: ForwardBatch) -> SimpleNamespace:
         name: np.ascontiguousarray(getattr(batch, name).cpu().numpy())
         for name in (
             "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot",
-            "state_write_slots", "query_start_loc", "logits_indices",
+            "state_write_slots", "query_start_loc", "logits_indices", "has_initial_state", "emit_row",
+            "emit_token", "emit_slot",
         )
     }  # fmt: skip
     return SimpleNamespace(num_decodes=batch.num_decodes, **arrays)
@@ -134,6 +139,94 @@ def test_decode_steps_match_the_forward(tmp_path: Any, name: str, dtype: torch.d
             m.tokens.append(int(t))
 
 
+def _prefill_and_mixed_steps(drv: Driver, prompts: list[list[int]]) -> list[tuple[list, list]]:
+    """The rows and emits of three steps over fresh requests: (1) a whole prompt (no initial
+    state) and the first chunk of a second one, which emits a checkpoint; (2) the first one's
+    decode row, the second prompt's last chunk (from its state) with an emit, and a third
+    prompt's first token alone; (3) three decode rows."""
+    a, b, c = (drv._new_req(i, p, 0, None, 0) for i, p in enumerate(prompts))
+    return [
+        ([(a, a.tokens, False), (b, b.tokens[:6], False)], [(1, 2, b.window[2])]),
+        ([(a, None, True), (b, b.tokens[6:], False), (c, c.tokens[:1], False)], [(1, 4, b.window[3])]),
+        ([(a, None, True), (b, None, True)], []),
+    ]
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["f64", "f32"]
+)
+def test_prefill_and_mixed_steps_match_the_forward(
+    tmp_path: Any, name: str, dtype: torch.dtype, tol: float
+) -> None:
+    """Prefill rows (from zeros and from a kept state, a whole prompt, a partial chunk with no
+    logits, a one-token chunk) and emitted checkpoints, alone and beside decode rows: the logits
+    asked and every cache (K / V, windows, states, the emitted slots) as the forward's."""
+    lm = _model(tmp_path, name, dtype)
+    prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=2)
+    ref = Driver(lm, max_seq=64, max_reqs=3, window=4)
+    mine = Driver(lm, max_seq=64, max_reqs=3, window=4)
+    step = DecodeStep.for_model(lm.model, mine.caches)
+    assert step is not None
+    ref_plan, my_plan = _prefill_and_mixed_steps(ref, prompts), _prefill_and_mixed_steps(mine, prompts)
+    for (ref_rows, emits), (my_rows, _) in zip(ref_plan, my_plan):
+        # a decode row's token is the one its request sampled last
+        ref_rows = [(r, [r.tokens[-1]] if t is None else t, d) for r, t, d in ref_rows]
+        my_rows = [(r, [r.tokens[-1]] if t is None else t, d) for r, t, d in my_rows]
+        want = ref.step(ref_rows, emits)
+        out = _out(mine.batch(my_rows, emits))
+        got = step.run(out)
+        assert got is not None
+        mine.advance(my_rows)
+        assert got.logits.shape == want.shape == (len(out.logits_indices), VOCAB)
+        torch.testing.assert_close(got.logits, want, rtol=tol, atol=tol)
+        assert got.greedy.tolist() == want.argmax(dim=-1).tolist()
+        _assert_caches(mine.caches, ref.caches, tol)
+        # each row that computed logits samples its argmax (a prompt done, or a decode row)
+        k = 0
+        for (r, _t, d), (m, _, _) in zip(ref_rows, my_rows):
+            if d or r.num_computed == r.prompt_len:
+                r.tokens.append(int(got.greedy[k]))
+                m.tokens.append(int(got.greedy[k]))
+                k += 1
+
+
+def test_a_prompt_gets_the_same_bits_in_one_step_or_in_chunks(tmp_path: Any) -> None:
+    """float32: a prompt's states, K / V and last logits are bit-equal whether its prefill runs in
+    one native step or chunk by chunk beside another request's rows (each token's arithmetic is
+    its own)."""
+    lm = _model(tmp_path, "nh_g1", torch.float32)
+    prompt, other = random_prompts(2, VOCAB, [23, 6], seed=5)
+    whole = Driver(lm, max_seq=64, max_reqs=2, window=4)
+    split = Driver(lm, max_seq=64, max_reqs=2, window=4)
+    results = []
+    for drv, chunks in ((whole, [23]), (split, [5, 1, 9, 8])):
+        step = DecodeStep.for_model(lm.model, drv.caches)
+        assert step is not None
+        req = drv._new_req(0, prompt, 0, chunks, 0)
+        side = drv._new_req(1, other, 0, None, 0)
+        got = None
+        for i, n in enumerate(chunks):
+            at = req.num_computed
+            rows = [(req, req.tokens[at : at + n], False)]
+            if drv is split and i == 1:
+                rows.append((side, side.tokens, False))  # another request's prompt beside it
+            got = step.run(_out(drv.batch(rows)))
+            assert got is not None
+            drv.advance(rows)
+        assert got is not None
+        results.append(got.logits[0].clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0.0, atol=0.0)
+    for k in ("kv", "conv", "ssm"):
+        for i, t in getattr(whole.caches, k).items():
+            mine = getattr(split.caches, k)[i]
+            if k == "kv":  # the first request's blocks (the other request's are its own)
+                t, mine = t[1 : 1 + whole.nb], mine[1 : 1 + split.nb]
+            else:
+                t, mine = t[1 : 1 + whole.W], mine[1 : 1 + split.W]
+            torch.testing.assert_close(t, mine, rtol=0.0, atol=0.0, msg=f"{k}[{i}]")
+
+
 def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
     lm = _model(tmp_path, "nh_g1", torch.float64)
     prompts = random_prompts(3, VOCAB, [9, 14, 5], seed=2)
@@ -144,13 +237,39 @@ def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
     a, b, c = reqs
     fresh = drv._new_req(3, random_prompts(1, VOCAB, [6], seed=3)[0], 0, None, 0)
     cases = {
-        "a prefill row": [(a, [a.tokens[-1]], True), (fresh, fresh.tokens, False)],
+        "a prefill row over max_tokens": [(fresh, fresh.tokens, False)],
         "more tokens than max_tokens": [(r, [r.tokens[-1]], True) for r in reqs],
         "a verify row over max_tokens": [(a, [a.tokens[-1], 5, 6], True)],
     }
     for what, rows in cases.items():
         assert step.run(_out(drv.batch(rows))) is None, what
         _assert_caches(drv.caches, before, 0.0)
+    # on a driver of its own (the request's blocks and slots in range): a prefill row whose emit
+    # lies past its tokens, or that writes one slot after two of its tokens (the prefill kernel
+    # refuses both); logits asked out of order
+    own = Driver(lm, max_seq=64, max_reqs=2, window=4)
+    p, q = (own._new_req(i, fresh.tokens, 0, None, 0) for i in range(2))
+    wide = DecodeStep.for_model(lm.model, own.caches, max_tokens=64)
+    assert wide is not None
+    mine = _snapshot(own.caches)
+    past = _out(own.batch([(p, p.tokens, False)], emits=[(0, 2, p.window[2])]))
+    past.emit_token[0] = len(p.tokens)
+    twice = _out(own.batch([(p, p.tokens, False)], emits=[(0, 2, p.window[0])]))
+    unordered = _out(own.batch([(p, p.tokens, False), (q, q.tokens, False)]))
+    unordered.logits_indices = np.ascontiguousarray(unordered.logits_indices[::-1])
+    for what, out in {"emit past the row": past, "one slot twice": twice, "unordered": unordered}.items():
+        assert wide.run(out) is None, what
+        _assert_caches(own.caches, mine, 0.0)
+    # prefill rows over the work limit: refused, while a step of decode rows is still taken
+    work = len(p.tokens) * wide.macs_per_token + 21 * wide.macs_per_pair  # 6 tokens: 21 pairs
+    assert wide.macs_per_pair > 0 and wide.macs_per_token > 0
+    bounded = DecodeStep.for_model(lm.model, own.caches, max_tokens=64, max_prefill_macs=work - 1)
+    assert bounded is not None and bounded.run(_out(own.batch([(p, p.tokens, False)]))) is None
+    _assert_caches(own.caches, mine, 0.0)
+    exact = DecodeStep.for_model(lm.model, own.caches, max_tokens=64, max_prefill_macs=work)
+    assert exact is not None and exact.run(_out(own.batch([(p, p.tokens, False)]))) is not None
+    own.advance([(p, p.tokens, False)])
+    assert bounded.run(_out(own.batch([(p, [p.tokens[-1]], True)]))) is not None
     # a row reading the slot another row writes: the per-op path orders those
     out = _out(drv.batch([(a, [a.tokens[-1]], True), (b, [b.tokens[-1]], True)]))
     out.state_read_slot[1] = out.state_write_slots[0, 0]
@@ -161,10 +280,6 @@ def test_steps_it_does_not_take_write_nothing(tmp_path: Any) -> None:
     out.block_table = np.ascontiguousarray(out.block_table[:1])
     assert step.run(out) is None
     _assert_caches(drv.caches, before, 0.0)
-    # logits asked of other rows than every decode row
-    out = _out(drv.batch([(a, [a.tokens[-1]], True)]))
-    out.logits_indices = np.zeros(0, dtype=np.int64)
-    assert step.run(out) is None
     # weights changed in place since the records were built: the forward must read them
     with torch.no_grad():
         lm.model.lm_head.weight.mul_(2.0)

@@ -114,28 +114,41 @@ def test_prefill_then_decode_arrays_and_length_finish() -> None:
     assert st["kv_blocks_used"] == 0 and st["num_running"] == 0
 
 
-def test_decode_layout_is_that_of_the_getters_arrays_for_a_step_of_decode_rows() -> None:
+_LAYOUT_ARRAYS = [
+    "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
+    "query_start_loc", "logits_indices", "has_initial_state", "emit_row", "emit_token", "emit_slot",
+]  # fmt: skip
+
+
+def _check_step_layout(o: core.SchedulerOutput) -> None:
+    got = o.step_layout()
+    assert got is not None
+    sizes = [len(o.input_ids), o.num_rows, o.num_decodes, len(o.logits_indices), len(o.emit_row)]
+    assert got[:7] == [*sizes, o.block_table.shape[1], o.state_write_slots.shape[1]]
+    assert got[7:] == [getattr(o, n).ctypes.data for n in _LAYOUT_ARRAYS]
+
+
+def test_step_layout_is_that_of_the_getters_arrays_for_prefill_and_decode_steps() -> None:
     s = make("align")
     s.add_request("a", list(range(1, 31)), max_tokens=3)
     s.add_request("b", list(range(1, 12)), max_tokens=3)
     o = s.schedule()
     prefills = 0
     while o.num_decodes < o.num_rows:
-        assert o.decode_layout() is None  # prefill rows
+        _check_step_layout(o)  # prefill rows
         prefills += 1
         done = (np.asarray(o.num_logits) > 0).astype(np.int32)
         s.update_from_output(o, np.full(int(done.sum()), 7, dtype=np.int32), done)
         o = s.schedule()
     assert prefills > 0 and o.num_decodes == o.num_rows == 2
-    names = [
-        "input_ids", "positions", "slot_mapping", "block_table", "state_read_slot", "state_write_slots",
-        "query_start_loc", "logits_indices",
-    ]  # fmt: skip
-    got = o.decode_layout()
-    assert got is not None
-    assert got[:4] == [len(o.input_ids), 2, o.block_table.shape[1], o.state_write_slots.shape[1]]
-    assert got[4:] == [getattr(o, n).ctypes.data for n in names]
-    assert len(set(got[4:])) == len(names)
+    _check_step_layout(o)
+    s.update_from_output(o, np.full(2, 7, dtype=np.int32), np.ones(2, dtype=np.int32))
+    while s.has_unfinished_requests():
+        o = s.schedule()
+        if o.num_rows == 0:
+            assert o.step_layout() is None
+        s.update_from_output(o, np.full(o.num_rows, 7, dtype=np.int32), np.ones(o.num_rows, dtype=np.int32))
+    assert s.schedule().step_layout() is None  # a step without rows
 
 
 def test_chunked_prefill_under_budget_and_decodes_first() -> None:

@@ -317,7 +317,7 @@ class ModelRunner:
             else:
                 fused, greedy = None, False
             if fused is not None:
-                if not (greedy and _take_greedy(fused, result)):
+                if not (greedy and _take_greedy(fused, result, out.num_logits)):
                     self._sample(out, slots, rows, fused.logits, result, fused.finite)
                 assert self.decode_step is not None
                 self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
@@ -524,12 +524,13 @@ def _plain_greedy(batch: PersistentBatch, slots: np.ndarray, rows: Sequence[RowS
     return all(map(operator.is_, map(_grammar_of, rows), itertools.repeat(None)))
 
 
-def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput) -> bool:
-    """Sampling of a decode step of plain greedy rows (`_plain_greedy`): each row's token is
-    the argmax the decode step computed; a row with a non-finite logit fails alone, as in
-    `_sample`. False (nothing recorded) for a step of verify rows (the rejection sampler's)."""
+def _take_greedy(fused: DecodeOutput, result: ModelRunnerOutput, num_logits: Any) -> bool:
+    """Sampling of a native step of plain greedy rows (`_plain_greedy`): each row's token is
+    the argmax the step computed; a row with a non-finite logit fails alone, as in `_sample`.
+    False (nothing recorded) unless every row has one logits row (`num_logits`, the step's):
+    verify rows are the rejection sampler's, a prompt's partial chunk samples nothing."""
     greedy = fused.greedy
-    if len(greedy) != len(result.sampled):
+    if len(greedy) != len(result.sampled) or not (np.asarray(num_logits) == 1).all():
         return False
     if fused.finite.all():  # (the rule: array operations, no loop over the rows)
         result.sampled = greedy.reshape(-1, 1).tolist()  # one list per row, made in C

@@ -219,10 +219,29 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"hs_decode_step_{suffix}")
         # layers, doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, lm_head,
         # input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, write_slots,
-        # ws_stride, qsl, logits_indices, B, logits, argmax, all_finite, threads
+        # ws_stride, qsl, logits_indices, R, num_decodes, has_init, emit_row, emit_token,
+        # emit_slot, num_emits, num_logits, logits, argmax, all_finite, threads
         # (model/decode_step.py)
         fn.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _I64]
-        fn.argtypes += [_P, _P, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int]
+        fn.argtypes += [
+            _P,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_int
         # the same step on the library's background thread: 0 posted, 6 not (busy), else as above
         launch = getattr(lib, f"hs_decode_step_launch_{suffix}")

@@ -61,6 +61,14 @@ _ACT = {_ReLU2: 0, nn.SiLU: 1, nn.ReLU: 2}
 # demo model it wins at every batch the scheduler makes.
 MAX_STEP_MACS = 1 << 30
 
+# A step with prefill rows runs here only while its prefill rows' projection and attention
+# multiply-adds stay under this. Per multiply-add the library's products and its exact-softmax
+# attention are slower than torch's GEMMs and SDPA over a long prompt (both about 1.7e-8 s more
+# per multiply-add on one thread), while the per-op forward's fixed cost (its dispatches) is some
+# 2-2.5 ms: measured on the demo model, 16 to 192 new tokens after 0, 1500 and 2600 cached ones
+# (docs/architecture.md "Native steps"), the native step was faster up to about this much work.
+MAX_PREFILL_MACS = 1 << 27
+
 
 # A decoder layer as the residual blocks ``x + mixer(norm(x))`` it is made of: (cache index, kind,
 # norm, mixer) each, or _Refused for a layer of another shape.
@@ -163,7 +171,13 @@ class _Refused(Exception):
 
 
 class DecodeStep:
-    def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        caches: ModelCaches,
+        max_tokens: int | None = None,
+        max_prefill_macs: int | None = MAX_PREFILL_MACS,
+    ) -> None:
         """Raises _Refused for a model it cannot run (`for_model` turns that into None)."""
         from hybridserve.model.architectures.base import StackedCausalLM
 
@@ -206,6 +220,13 @@ class DecodeStep:
         self.num_layers = len(blocks)  # records: residual blocks
         macs = sum(int(np.prod(t.shape)) for t in self._watch if t.dim() == 2) - self.vocab * self.hidden
         self.max_tokens = max_tokens if max_tokens is not None else max(1, MAX_STEP_MACS // max(1, macs))
+        # a prefill row's work: its tokens' projections, and per (query token, key) pair the
+        # scores and values of every attention layer's heads
+        self.macs_per_token = macs
+        self.macs_per_pair = sum(
+            2 * int(r[12]) * int(r[14]) for r in rec[: len(blocks)] if r[0] == _KIND[ATTENTION]
+        )
+        self.max_prefill_macs = max_prefill_macs
         self.records = rec
         self.doubles = dbl
         self._versions = self._current_versions()
@@ -219,16 +240,20 @@ class DecodeStep:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, caches: ModelCaches, max_tokens: int | None = None
+        cls,
+        model: nn.Module,
+        caches: ModelCaches,
+        max_tokens: int | None = None,
+        max_prefill_macs: int | None = MAX_PREFILL_MACS,
     ) -> DecodeStep | None:
         """The fused step of `model` over `caches`, or None when it does not run this model here
         (or ``HYBRIDSERVE_DECODE_STEP=0`` turns it off). `max_tokens`: the most tokens of a step it
-        takes (default: as many as keep the projections' work under
-        MAX_STEP_MACS)."""
+        takes (default: as many as keep the projections' work under MAX_STEP_MACS);
+        `max_prefill_macs`: the most work of a step's prefill rows (None: no limit)."""
         if (max_tokens is not None and max_tokens <= 0) or not enabled():
             return None
         try:
-            return cls(model, caches, max_tokens)
+            return cls(model, caches, max_tokens, max_prefill_macs)
         except _Refused:
             return None
 
@@ -362,11 +387,11 @@ class DecodeStep:
 
     # --- a step ---
     def run(self, out: Any) -> DecodeOutput | None:
-        """The logits of every token of a step given as the scheduler's output (its numpy
-        arrays: input_ids, positions, slot_mapping, block_table, state_read_slot,
-        state_write_slots, query_start_loc, logits_indices; `num_decodes`) whose rows are all
-        decode rows (one token, or one verifying its drafts), or None, with nothing written, when
-        the step is not one this runs."""
+        """The logits of the tokens in `logits_indices` of a step given as the scheduler's output
+        (its numpy arrays: input_ids, positions, slot_mapping, block_table, state_read_slot,
+        state_write_slots, query_start_loc, logits_indices, has_initial_state, emit_row,
+        emit_token, emit_slot; `num_decodes`), or None, with nothing written, when the step is
+        not one this runs."""
         call = self.prepare(out)
         if call is None:
             return None
@@ -374,6 +399,19 @@ class DecodeStep:
         if got is None:
             self.recycle(call.output)
         return got
+
+    def _takes_prefill(self, out: Any, num_decodes: int) -> bool:
+        """Whether the prefill rows of a step (rows `num_decodes` on) are little enough work that
+        this runs them faster than the model's forward (`max_prefill_macs`)."""
+        if self.max_prefill_macs is None:
+            return True
+        qsl = np.asarray(out.query_start_loc)[num_decodes:]
+        n = qsl[1:] - qsl[:-1]
+        if (n < 1).any():
+            return False  # (not a step's layout: the forward reports it)
+        first = np.asarray(out.positions)[qsl[:-1]]  # each row's first position: its cached tokens
+        pairs = int((n * first).sum() + (n * (n + 1) // 2).sum())
+        return int(n.sum()) * self.macs_per_token + pairs * self.macs_per_pair <= self.max_prefill_macs
 
     def launch(self, out: Any, weights_checked: bool = False) -> PendingDecode | None:
         """The same step run on the native library's background thread: returns at once with
@@ -400,43 +438,56 @@ class DecodeStep:
         lent to it (given back by `recycle(call.output)` if it never runs), or None for a step
         this does not run. For a step planned ahead this runs while the step before computes;
         its input tokens are written into the same arrays before `post`."""
-        layout = getattr(out, "decode_layout", None)
+        layout = getattr(out, "step_layout", None)
         # the scheduler's output: its layout checked and its addresses in one call (it holds the
-        # arrays); any other object holding the same int64 arrays: read here, and held
-        lay, held = (layout(), out) if layout is not None else _decode_layout(out)
+        # arrays); any other object holding the same arrays: read here, and held
+        lay, held = (layout(), out) if layout is not None else _step_layout(out)
         if lay is None:
-            return None  # prefill rows too, or not the layout of a step (the forward reports it)
-        T, R, bt_stride, ws_stride, p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li = lay
-        if T > self.max_tokens:
+            return None  # not the layout of a step (the forward reports it)
+        T, R, num_decodes, num_logits, num_emits, bt_stride, ws_stride = lay[:7]
+        p_ids, p_pos, p_slots, p_bt, p_rs, p_ws, p_qsl, p_li, p_init, p_erow, p_etok, p_eslot = lay[7:]
+        if T > self.max_tokens or (num_decodes < R and not self._takes_prefill(out, num_decodes)):
             return None
         if not weights_checked and not self.weights_unchanged():
             return None  # weights changed in place: the model's forward reads them as they are
-        buffers = self._lend(T)
+        buffers = self._lend(max(1, num_logits))
         p_logits, p_greedy, p_finite = buffers.addresses
         args = (
             *self._head, p_ids, p_pos, p_slots, p_bt, bt_stride, p_rs, p_ws, ws_stride, p_qsl, p_li, R,
-            p_logits, p_greedy, p_finite, native.threads(),
+            num_decodes, p_init, p_erow, p_etok, p_eslot, num_emits, num_logits, p_logits, p_greedy, p_finite,
+            native.threads(),
         )  # fmt: skip
-        return NativeCall(args, buffers.view(T), held, (R, T, self.num_layers))
+        return NativeCall(args, buffers.view(num_logits), held, (R, T, self.num_layers))
 
 
-def _decode_layout(out: Any) -> tuple[list[int] | None, tuple[np.ndarray, ...]]:
-    """`SchedulerOutput.decode_layout` of any object holding the scheduler output's arrays
-    (int64, C-contiguous), and the arrays it read (a getter may return a fresh one each time)."""
+def _step_layout(out: Any) -> tuple[list[int] | None, tuple[np.ndarray, ...]]:
+    """`SchedulerOutput.step_layout` of any other object holding the scheduler output's arrays
+    (int64, C-contiguous; `has_initial_state` and the emits may be left out: a step of decode
+    rows), and the arrays it read (a getter may return a fresh one each time)."""
     ids, qsl = out.input_ids, out.query_start_loc
-    T, R = len(ids), int(out.num_decodes)
-    if R == 0 or len(qsl) != R + 1 or int(qsl[R]) != T:
+    T, R, num_decodes = len(ids), len(qsl) - 1, int(out.num_decodes)
+    if R <= 0 or int(qsl[R]) != T or not 0 <= num_decodes <= R:
         return None, ()
     pos, slots, bt, rs, ws, li = (
         out.positions, out.slot_mapping, out.block_table, out.state_read_slot, out.state_write_slots,
         out.logits_indices,
     )  # fmt: skip
-    if len(li) != T or len(pos) != T or len(slots) != T or len(rs) != R:
+    empty = np.zeros(0, dtype=np.int64)
+    init = np.ascontiguousarray(
+        getattr(out, "has_initial_state", np.zeros(R, dtype=np.bool_)), dtype=np.bool_
+    )
+    erow, etok, eslot = (getattr(out, name, empty) for name in ("emit_row", "emit_token", "emit_slot"))
+    if len(pos) != T or len(slots) != T or len(rs) != R or len(init) != R:
         return None, ()
     if bt.ndim != 2 or bt.shape[0] != R or ws.ndim != 2 or ws.shape[0] != R:
         return None, ()
+    if not len(erow) == len(etok) == len(eslot):
+        return None, ()
     arrays = (ids, pos, slots, bt, rs, ws, qsl, li)
-    return [T, R, bt.shape[1], ws.shape[1], *map(_ptr, arrays)], arrays
+    emits = (erow, etok, eslot)
+    layout = [T, R, num_decodes, len(li), len(erow), bt.shape[1], ws.shape[1], *map(_ptr, arrays)]
+    layout += [int(init.ctypes.data), *map(_ptr, emits)]
+    return layout, (*arrays, init, *emits)
 
 
 class NativeCall(NamedTuple):

@@ -1,28 +1,34 @@
-// One decode step of a whole model on the CPU, in one call (hybridserve.model.decode_step): every
-// row holds one new token, or one verifying its drafts (1 + k tokens, each with its logits).
+// One step of a whole model on the CPU, in one call (hybridserve.model.decode_step): decode rows
+// (one new token, or one verifying its drafts, each with its logits) and prefill rows (a prompt's
+// chunk, from a state kept for it or from zeros).
 // Embeddings, then residual blocks x + mixer(norm(x)), each an RMSNorm and a mixer (Mamba2,
 // attention with or without rotary embedding, an MLP gated or not), then the final norm and the LM
 // head: Nemotron-H's layers are one block each, Bamba's two (mixer, then MLP). At batch 1 the same
 // forward as torch ops costs about 450 dispatches of a few microseconds each for a few
 // microseconds of arithmetic per layer; here it is one ctypes call.
 //
-// The mixers call the library's own kernels (hs_mamba_decode, hs_paged_attention, the norms), so
-// the recurrence, attention and norms are exactly those of the per-op path; the projections are
-// the matrix-vector products below (the per-op path runs them as torch GEMMs, which sum in another
-// order: results agree to rounding, not bit for bit).
+// The mixers call the library's own kernels (hs_mamba_decode, hs_mamba_prefill,
+// hs_paged_attention, the norms), so the recurrence, attention and norms are exactly those of the
+// per-op path's decode rows; the projections are the matrix-vector products below (the per-op
+// path runs them as torch GEMMs, which sum in another order: results agree to rounding, not bit
+// for bit). A prefill row's attention is the paged kernel's, where the per-op path runs SDPA.
 //
 // Layers come as records of kFields int64 (pointers as integers) and kDoubles doubles, written
 // once per weight version by the caller; see decode_step.py for the field names. Per step of R
-// rows and T = qsl[R] tokens: qsl [R + 1] (row r owns tokens qsl[r] .. qsl[r + 1], at least one
-// and at most ws_stride); input_ids, positions, slot_mapping, logits_indices [T] (logits_indices
-// must be 0 .. T - 1: every token's logits); block_table [R, bt_stride]; read_slot [R];
-// write_slots [R, ws_stride] (the state after token t of row r goes to [r, t]); out: logits
-// [T, vocab], and per token the greedy token (argmax, the first of equal maxima, as torch.argmax)
-// and whether every logit is finite.
+// rows and T = qsl[R] tokens, rows [0, num_decodes) decode rows, the others prefill rows: qsl
+// [R + 1] (row r owns tokens qsl[r] .. qsl[r + 1], at least one, and a decode row at most
+// ws_stride); input_ids, positions, slot_mapping [T]; logits_indices [num_logits] (increasing:
+// the tokens whose logits are computed); block_table [R, bt_stride]; read_slot [R]; write_slots
+// [R, ws_stride] (a decode row's state after token t goes to [r, t], a prefill row's final state
+// to [r, 0]); has_init [R] (uint8: a prefill row starts from read_slot's state, else from zeros);
+// emit_row, emit_token, emit_slot [num_emits] (a prefill row's state after one of its tokens also
+// goes to a slot: checkpoints). out: logits [num_logits, vocab], and per logits row the greedy
+// token (argmax, the first of equal maxima, as torch.argmax) and whether every logit is finite.
 //
 // Return codes: 0 ok; 1 bad shapes; 2 a token id, position, KV slot, block id or state slot out
-// of range; 3 not a decode step of independent rows (logits of other tokens than all, or rows
-// sharing a state slot): the caller runs the per-op forward; 4 out of memory before anything
+// of range; 3 not a step of independent rows (rows sharing a state slot, a decode row longer
+// than the write window, logits indices out of order, an emit outside its prefill row): the
+// caller runs the per-op forward; 4 out of memory before anything
 // was written; 5 a failure after the caches were written (out of memory, or a check of a kernel
 // that check_step should have made): the step is lost and the caller must not run it again.
 // Everything that can be checked is checked before the first cache write, so codes 1 to 4 leave
@@ -61,6 +67,14 @@ int hs_mamba_decode_f64(const double*, int64_t, const double*, int64_t, const do
                         int64_t, const double*, const double*, const double*, double*, int64_t, const int64_t*,
                         int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                         int64_t, int64_t, int, double, double, double*, int);
+int hs_mamba_prefill_f32(const float*, int64_t, const float*, int64_t, const float*, const float*, float*, int64_t,
+                         const float*, const float*, const float*, float*, int64_t, const int64_t*, int64_t,
+                         const int64_t*, const uint8_t*, const int64_t*, const int64_t*, const int64_t*, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int, double, double, float*, int);
+int hs_mamba_prefill_f64(const double*, int64_t, const double*, int64_t, const double*, const double*, double*,
+                         int64_t, const double*, const double*, const double*, double*, int64_t, const int64_t*,
+                         int64_t, const int64_t*, const uint8_t*, const int64_t*, const int64_t*, const int64_t*,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, double, double, double*, int);
 }
 
 namespace {
@@ -100,6 +114,7 @@ struct Ops<float> {
     static constexpr auto gated_rms_norm = hs_gated_rms_norm_f32;
     static constexpr auto paged_attention = hs_paged_attention_f32;
     static constexpr auto mamba_decode = hs_mamba_decode_f32;
+    static constexpr auto mamba_prefill = hs_mamba_prefill_f32;
 };
 template <>
 struct Ops<double> {
@@ -107,6 +122,7 @@ struct Ops<double> {
     static constexpr auto gated_rms_norm = hs_gated_rms_norm_f64;
     static constexpr auto paged_attention = hs_paged_attention_f64;
     static constexpr auto mamba_decode = hs_mamba_decode_f64;
+    static constexpr auto mamba_prefill = hs_mamba_prefill_f64;
 };
 
 // y[b, j] = x[b, :] . W[j, :] + bias[j] for outputs j in [j0, j1) of rows b < B; W is [out, in]
@@ -308,50 +324,118 @@ void activate_row(T* v, const T* mul, int64_t n, int64_t act) {
     for (int64_t j = 0; j < n - i; ++j) v[i + j] = buf[j];
 }
 
+// The state writes of a step's prefill rows (rows num_decodes .. R - 1) as hs_mamba_prefill takes
+// them: per prefill row, the state after emit_token[e] goes to emit_slot[e] for each emit of the
+// row (emit_row[e], a step row), and the state after its last token to write_slots[r, 0]; CSR
+// over the prefill rows, sorted by token, at one token the emits first in their order (as
+// kernels/native.py's mamba_prefill orders them). qsl is the prefill rows' own, from 0.
+struct PrefillWrites {
+    std::vector<int64_t> qsl, offsets, token, slot;
+};
+
+// 0, or 3 where an emit names a row that is not a prefill row or a token outside its row.
+int prefill_writes(const int64_t* qsl, int64_t R, int64_t num_decodes, const int64_t* write_slots,
+                   int64_t ws_stride, const int64_t* emit_row, const int64_t* emit_token, const int64_t* emit_slot,
+                   int64_t num_emits, PrefillWrites& w) {
+    const int64_t P = R - num_decodes, t0 = qsl[num_decodes];
+    w.qsl.assign(static_cast<size_t>(P + 1), 0);
+    w.offsets.assign(static_cast<size_t>(P + 1), 0);
+    for (int64_t p = 0; p <= P; ++p) w.qsl[static_cast<size_t>(p)] = qsl[num_decodes + p] - t0;
+    struct Write {
+        int64_t row, token, slot;
+    };
+    std::vector<Write> all;
+    all.reserve(static_cast<size_t>(num_emits + P));
+    for (int64_t e = 0; e < num_emits; ++e) {
+        const int64_t p = emit_row[e] - num_decodes;
+        if (p < 0 || p >= P) return 3;
+        const int64_t n = w.qsl[static_cast<size_t>(p + 1)] - w.qsl[static_cast<size_t>(p)];
+        if (emit_token[e] < 0 || emit_token[e] >= n) return 3;
+        all.push_back({p, emit_token[e], emit_slot[e]});
+    }
+    for (int64_t p = 0; p < P; ++p) {
+        const int64_t n = w.qsl[static_cast<size_t>(p + 1)] - w.qsl[static_cast<size_t>(p)];
+        if (n > 0) all.push_back({p, n - 1, write_slots[(num_decodes + p) * ws_stride]});
+    }
+    std::stable_sort(all.begin(), all.end(), [](const Write& a, const Write& b) {
+        return a.row != b.row ? a.row < b.row : a.token < b.token;
+    });
+    w.token.resize(all.size());
+    w.slot.resize(all.size());
+    for (size_t k = 0; k < all.size(); ++k) {
+        w.token[k] = all[k].token;
+        w.slot[k] = all[k].slot;
+        ++w.offsets[static_cast<size_t>(all[k].row + 1)];
+    }
+    for (int64_t p = 0; p < P; ++p) w.offsets[static_cast<size_t>(p + 1)] += w.offsets[static_cast<size_t>(p)];
+    return 0;
+}
+
 // Everything the step reads that could be out of range, checked before anything is written
-// (codes 1 to 3; 0: the step may run).
+// (codes 1 to 3; 0: the step may run). Fills `pw` with the prefill rows' state writes.
 int check_step(const int64_t* layers, int64_t num_layers, int64_t hidden, int64_t vocab, const int64_t* input_ids,
                const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_table,
                int64_t bt_stride, const int64_t* read_slot, const int64_t* write_slots, int64_t ws_stride,
-               const int64_t* qsl, const int64_t* logits_indices, int64_t R) {
+               const int64_t* qsl, const int64_t* logits_indices, int64_t R, int64_t num_decodes,
+               const uint8_t* has_init, const int64_t* emit_row, const int64_t* emit_token, const int64_t* emit_slot,
+               int64_t num_emits, int64_t num_logits, PrefillWrites& pw) {
     if (R <= 0 || hidden <= 0 || vocab <= 0 || num_layers < 0 || bt_stride < 0 || ws_stride < 1) return 1;
+    if (num_decodes < 0 || num_decodes > R || num_emits < 0 || num_logits < 0) return 1;
     if (qsl[0] != 0) return 3;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = qsl[r + 1] - qsl[r];
-        if (n < 1 || n > ws_stride) return 3;  // a row of one token, or one verifying its drafts
+        // a decode row: one token, or one verifying its drafts; a prefill row: any tokens
+        if (n < 1 || (r < num_decodes && n > ws_stride)) return 3;
     }
     const int64_t T = qsl[R];
-    for (int64_t t = 0; t < T; ++t) {
-        if (logits_indices[t] != t) return 3;
+    if (num_logits > T) return 3;
+    for (int64_t i = 0; i < num_logits; ++i)
+        if (logits_indices[i] < 0 || logits_indices[i] >= T || (i > 0 && logits_indices[i] <= logits_indices[i - 1]))
+            return 3;
+    for (int64_t t = 0; t < T; ++t)
         if (input_ids[t] < 0 || input_ids[t] >= vocab) return 2;
-    }
+    if (prefill_writes(qsl, R, num_decodes, write_slots, ws_stride, emit_row, emit_token, emit_slot, num_emits, pw) != 0)
+        return 3;
     // rows whose state slots overlap are not independent: the per-op path orders their reads and
-    // writes (or falls back to the reference twins). (slot, row) of every write, sorted: no slot
-    // written by two rows, none read by a row other than its writer. (Slot 0 is the null slot:
-    // writes to it are skipped.)
-    std::vector<std::pair<int64_t, int64_t>> writes;
-    for (int64_t r = 0; r < R; ++r)
+    // writes (or falls back to the reference twins). (slot, row, token) of every write, sorted:
+    // no slot written by two rows, or by a prefill row at two tokens (the prefill kernel refuses
+    // that), none read by a row other than its writer. (Slot 0 is the null slot: writes to it
+    // are skipped.)
+    struct Write {
+        int64_t slot, row, token;
+        bool operator<(const Write& o) const {
+            return slot != o.slot ? slot < o.slot : (row != o.row ? row < o.row : token < o.token);
+        }
+    };
+    std::vector<Write> writes;
+    for (int64_t r = 0; r < num_decodes; ++r)
         for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i)
-            if (write_slots[r * ws_stride + i] != 0) writes.emplace_back(write_slots[r * ws_stride + i], r);
+            if (write_slots[r * ws_stride + i] != 0) writes.push_back({write_slots[r * ws_stride + i], r, i});
+    for (int64_t p = 0; p < R - num_decodes; ++p)
+        for (int64_t e = pw.offsets[static_cast<size_t>(p)]; e < pw.offsets[static_cast<size_t>(p + 1)]; ++e)
+            if (pw.slot[static_cast<size_t>(e)] != 0)
+                writes.push_back({pw.slot[static_cast<size_t>(e)], num_decodes + p, pw.token[static_cast<size_t>(e)]});
     std::sort(writes.begin(), writes.end());
-    for (size_t k = 1; k < writes.size(); ++k)
-        if (writes[k].first == writes[k - 1].first && writes[k].second != writes[k - 1].second) return 3;
+    for (size_t k = 1; k < writes.size(); ++k) {
+        const Write &a = writes[k - 1], &b = writes[k];
+        if (a.slot != b.slot) continue;
+        if (a.row != b.row || (b.row >= num_decodes && a.token != b.token)) return 3;
+    }
+    auto reads = [&](int64_t r) { return r < num_decodes || has_init[r] != 0; };
     for (int64_t c = 0; c < R; ++c) {
-        auto it = std::lower_bound(writes.begin(), writes.end(), std::make_pair(read_slot[c], int64_t(0)));
-        for (; it != writes.end() && it->first == read_slot[c]; ++it)
-            if (it->second != c) return 3;
+        if (!reads(c)) continue;
+        auto it = std::lower_bound(writes.begin(), writes.end(), Write{read_slot[c], 0, 0});
+        for (; it != writes.end() && it->slot == read_slot[c]; ++it)
+            if (it->row != c) return 3;
     }
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t* rec = layers + l * kFields;
         if (rec[0] == kMamba) {
             const int64_t slots = rec[13] < rec[15] ? rec[13] : rec[15];
-            for (int64_t r = 0; r < R; ++r) {
-                if (read_slot[r] < 0 || read_slot[r] >= slots) return 2;
-                for (int64_t i = 0; i < qsl[r + 1] - qsl[r]; ++i) {
-                    const int64_t w = write_slots[r * ws_stride + i];
-                    if (w < 0 || w >= slots) return 2;
-                }
-            }
+            for (int64_t r = 0; r < R; ++r)
+                if (reads(r) && (read_slot[r] < 0 || read_slot[r] >= slots)) return 2;
+            for (const Write& w : writes)
+                if (w.slot < 0 || w.slot >= slots) return 2;
         } else if (rec[0] == kAttention) {
             const int64_t blocks = rec[11], bs = rec[15];
             for (int64_t r = 0; r < R; ++r) {
@@ -381,22 +465,28 @@ int check_step(const int64_t* layers, int64_t num_layers, int64_t hidden, int64_
         const T *embed, const T *final_norm, double final_eps, const T *lm_head, const int64_t *input_ids,  \
         const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_table, int64_t bt_stride, \
         const int64_t *read_slot, const int64_t *write_slots, int64_t ws_stride, const int64_t *qsl,         \
-        const int64_t *logits_indices, int64_t R, T *logits, int64_t *argmax, uint8_t *all_finite, int threads
+        const int64_t *logits_indices, int64_t R, int64_t num_decodes, const uint8_t *has_init,             \
+        const int64_t *emit_row, const int64_t *emit_token, const int64_t *emit_slot, int64_t num_emits,     \
+        int64_t num_logits, T *logits, int64_t *argmax, uint8_t *all_finite, int threads
 #define HS_STEP_ARGS                                                                                         \
     layers, layer_doubles, num_layers, hidden, vocab, embed, final_norm, final_eps, lm_head, input_ids,       \
         positions, slot_mapping, block_table, bt_stride, read_slot, write_slots, ws_stride, qsl, logits_indices, R, \
-        logits, argmax, all_finite, threads
+        num_decodes, has_init, emit_row, emit_token, emit_slot, num_emits, num_logits, logits, argmax, all_finite, \
+        threads
 
 // check_step's arguments out of a step's
 #define HS_CHECK_ARGS                                                                                   \
     layers, num_layers, hidden, vocab, input_ids, positions, slot_mapping, block_table, bt_stride, read_slot, \
-        write_slots, ws_stride, qsl, logits_indices, R
+        write_slots, ws_stride, qsl, logits_indices, R, num_decodes, has_init, emit_row, emit_token, emit_slot, \
+        num_emits, num_logits
 
 template <typename T>
 int decode_step(HS_STEP_PARAMS(T)) {
-    const int rc = check_step(HS_CHECK_ARGS);
+    PrefillWrites pw;
+    const int rc = check_step(HS_CHECK_ARGS, pw);
     if (rc != 0) return rc;
     const int64_t B = qsl[R];  // tokens: every projection runs on B rows of activations
+    const int64_t Bd = qsl[num_decodes];  // the decode rows' tokens come first
     // the widest intermediate of any layer sizes the scratch buffers
     int64_t widest = hidden;
     for (int64_t l = 0; l < num_layers; ++l) {
@@ -431,11 +521,22 @@ int decode_step(HS_STEP_PARAMS(T)) {
             const T* z = a.data();
             const T* xbc = a.data() + d_inner;
             const T* dt = a.data() + d_inner + conv_dim;
-            int r = Ops<T>::mamba_decode(xbc, proj, dt, proj, cptr<T>(rec, 4), cptr<T>(rec, 5), mptr<T>(rec, 12),
+            int r = 0;
+            if (num_decodes > 0)
+                r = Ops<T>::mamba_decode(xbc, proj, dt, proj, cptr<T>(rec, 4), cptr<T>(rec, 5), mptr<T>(rec, 12),
                                          rec[13], cptr<T>(rec, 6), cptr<T>(rec, 7), cptr<T>(rec, 8),
-                                         mptr<T>(rec, 14), rec[15], qsl, R, read_slot, write_slots, ws_stride,
-                                         conv_dim, W, H, P, G, N, static_cast<int>(rec[21]), dbl[2], dbl[3], c.data(),
-                                         threads);
+                                         mptr<T>(rec, 14), rec[15], qsl, num_decodes, read_slot, write_slots,
+                                         ws_stride, conv_dim, W, H, P, G, N, static_cast<int>(rec[21]), dbl[2],
+                                         dbl[3], c.data(), threads);
+            if (r != 0) return 5;
+            if (num_decodes < R)  // the prefill rows: from their initial state, or from zeros
+                r = Ops<T>::mamba_prefill(xbc + Bd * proj, proj, dt + Bd * proj, proj, cptr<T>(rec, 4),
+                                          cptr<T>(rec, 5), mptr<T>(rec, 12), rec[13], cptr<T>(rec, 6),
+                                          cptr<T>(rec, 7), cptr<T>(rec, 8), mptr<T>(rec, 14), rec[15], pw.qsl.data(),
+                                          R - num_decodes, read_slot + num_decodes, has_init + num_decodes,
+                                          pw.offsets.data(), pw.token.data(), pw.slot.data(), conv_dim, W, H, P, G,
+                                          N, static_cast<int>(rec[21]), dbl[2], dbl[3], c.data() + Bd * d_inner,
+                                          threads);
             if (r != 0) return 5;
             r = Ops<T>::gated_rms_norm(c.data(), d_inner, z, proj, cptr<T>(rec, 9), d.data(), d_inner, B, d_inner,
                                        rec[22], dbl[1]);
@@ -481,9 +582,14 @@ int decode_step(HS_STEP_PARAMS(T)) {
         for (int64_t i = 0; i < B * hidden; ++i) h[static_cast<size_t>(i)] += mix[static_cast<size_t>(i)];
     }
     if (!ok) return 5;
-    if (Ops<T>::rms_norm(h.data(), hidden, final_norm, xn.data(), hidden, B, hidden, final_eps) != 0) return 5;
-    if (!linear<T>(xn.data(), B, hidden, lm_head, nullptr, vocab, logits, threads)) return 5;
-    for (int64_t b = 0; b < B; ++b) {
+    // the final norm and the LM head of the tokens whose logits are asked (each row's own: the
+    // bits of a token's logits do not depend on which others are asked)
+    const int64_t L = num_logits;
+    for (int64_t i = 0; i < L; ++i)
+        std::memcpy(a.data() + i * hidden, h.data() + logits_indices[i] * hidden, sizeof(T) * static_cast<size_t>(hidden));
+    if (L > 0 && Ops<T>::rms_norm(a.data(), hidden, final_norm, xn.data(), hidden, L, hidden, final_eps) != 0) return 5;
+    if (L > 0 && !linear<T>(xn.data(), L, hidden, lm_head, nullptr, vocab, logits, threads)) return 5;
+    for (int64_t b = 0; b < L; ++b) {
         const T* row = logits + b * vocab;
         int64_t best = 0;
         bool finite = true;
@@ -514,7 +620,8 @@ int guarded_step(HS_STEP_PARAMS(T)) {
 // Every array must stay alive and unchanged until the wait returns.
 template <typename T>
 int launch_step(HS_STEP_PARAMS(T)) {
-    const int rc = check_step(HS_CHECK_ARGS);
+    PrefillWrites pw;
+    const int rc = check_step(HS_CHECK_ARGS, pw);
     if (rc != 0) return rc;
     try {
         return hs::background().post([=] { return guarded_step<T>(HS_STEP_ARGS); }) ? 0 : 6;

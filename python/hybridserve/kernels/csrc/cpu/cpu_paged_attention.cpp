@@ -18,6 +18,7 @@
 // rescaling): each query vector's result depends only on its own query and keys, so a token gets
 // the same output whether it is decoded alone or verified with drafts.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +32,9 @@ namespace {
 
 // A call is split over threads only when each gets at least this many (query token, key) pairs.
 constexpr int64_t kMinPairsPerThread = 2048;
+// The scores of one tile of a row's tokens: at most this many (query vector, key slot) pairs
+// (256 KiB in float32), so that they stay in cache between the scores, the softmax and V.
+constexpr int64_t kTileScores = 1 << 16;
 
 // Keys a row reads: 1 + its largest position (0 for an empty row).
 inline int64_t row_keys(const int64_t* qsl, const int64_t* positions, int64_t r) {
@@ -133,146 +137,154 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                                positions};
     bool primed = false;
     for (int64_t r = row_begin; r < row_end; ++r) {
-        const int64_t t0 = qsl[r], t1 = qsl[r + 1];
-        if (t1 <= t0) continue;
-        const int64_t L = row_keys(qsl, positions, r);
-        // query vectors: every head of every token of the row (i = (t - t0) * H + head), so one
-        // pass over a token's K row (all KV heads, contiguous) serves them all
-        const int64_t nq = (t1 - t0) * H;
-        // a score row: room for every key slot of the row's blocks (the 16-key chunks below)
-        const int64_t Lp = ((L + block_size - 1) / block_size * block_size + 15) / 16 * 16;
-        scores.resize(static_cast<size_t>(nq * Lp));
-        acc.assign(static_cast<size_t>(nq * D), T(0));
-        qv_pos.resize(static_cast<size_t>(nq));
-        qv_koff.resize(static_cast<size_t>(nq));
-        qv_ptr.resize(static_cast<size_t>(nq));
-        if constexpr (!std::is_same_v<S, T>) {
-            qwide.resize(static_cast<size_t>(nq * D));
-            for (int64_t j = 0; j < nq * D; ++j) qwide[static_cast<size_t>(j)] = hs::widen(q[t0 * H * D + j]);
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-            for (int64_t h = 0; h < H; ++h) {
-                const int64_t i = (t - t0) * H + h;
-                qv_pos[i] = positions[t];
-                qv_koff[i] = (h / Gq) * D;
-                if constexpr (std::is_same_v<S, T>) qv_ptr[i] = q + (t * H + h) * D;
-                else qv_ptr[i] = qwide.data() + i * D;
+        const int64_t row_t0 = qsl[r], row_t1 = qsl[r + 1];
+        if (row_t1 <= row_t0) continue;
+        // A long row (a prompt's chunk) runs in tiles of its tokens whose scores stay in cache
+        // (each query vector's arithmetic is its own: tiles change no bit).
+        const int64_t row_lp = ((row_keys(qsl, positions, r) + 15) / 16 + 1) * 16;
+        const int64_t tile = std::max<int64_t>(1, kTileScores / (row_lp * H));
+        for (int64_t t0 = row_t0; t0 < row_t1; t0 += tile) {
+            const int64_t t1 = std::min(row_t1, t0 + tile);
+            int64_t L = 0;  // keys the tile reads: 1 + its largest position
+            for (int64_t t = t0; t < t1; ++t) L = positions[t] + 1 > L ? positions[t] + 1 : L;
+            // query vectors: every head of every token of the tile (i = (t - t0) * H + head), so one
+            // pass over a token's K row (all KV heads, contiguous) serves them all
+            const int64_t nq = (t1 - t0) * H;
+            // a score row: room for every key slot of the row's blocks (the 16-key chunks below)
+            const int64_t Lp = ((L + block_size - 1) / block_size * block_size + 15) / 16 * 16;
+            scores.resize(static_cast<size_t>(nq * Lp));
+            acc.assign(static_cast<size_t>(nq * D), T(0));
+            qv_pos.resize(static_cast<size_t>(nq));
+            qv_koff.resize(static_cast<size_t>(nq));
+            qv_ptr.resize(static_cast<size_t>(nq));
+            if constexpr (!std::is_same_v<S, T>) {
+                qwide.resize(static_cast<size_t>(nq * D));
+                for (int64_t j = 0; j < nq * D; ++j) qwide[static_cast<size_t>(j)] = hs::widen(q[t0 * H * D + j]);
             }
-        }
-        const int64_t* blocks = block_table + r * bt_stride;
-        const int64_t nb = (L + block_size - 1) / block_size;
-        if (!primed) {
-            for (int64_t s = 0; s < kPrefetchAhead; ++s) stream.prefetch(r, nb, s);
-            primed = true;
-        }
-        // scores[i][j] = scale * q_i . k_j for j <= pos_i
-        for (int64_t b = 0; b < nb; ++b) {
-            const S* kblock = kv + blocks[b] * block_stride;
-            stream.prefetch(r, nb, b + kPrefetchAhead);
-            const int64_t j0 = b * block_size;
-            const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
-            int64_t jj = 0;
-#ifdef __AVX512F__
-            if constexpr (std::is_same_v<T, float> && DC > 0 && DC % 16 == 0) {
-                // chunks of 16 key slots (a block of a multiple of 16 tokens holds them), also
-                // past the row's last key: a key's score must not depend on how many keys
-                // follow it (a token verified with drafts gets exactly its decode result). The
-                // scores past a query's position are computed and never read.
-                if (block_size % 16 == 0) {
-                    for (; jj < jn; jj += 16) {
-                        const S* krow = kblock + jj * tok_stride;
+            for (int64_t t = t0; t < t1; ++t) {
+                for (int64_t h = 0; h < H; ++h) {
+                    const int64_t i = (t - t0) * H + h;
+                    qv_pos[i] = positions[t];
+                    qv_koff[i] = (h / Gq) * D;
+                    if constexpr (std::is_same_v<S, T>) qv_ptr[i] = q + (t * H + h) * D;
+                    else qv_ptr[i] = qwide.data() + i * D;
+                }
+            }
+            const int64_t* blocks = block_table + r * bt_stride;
+            const int64_t nb = (L + block_size - 1) / block_size;
+            if (!primed) {
+                for (int64_t s = 0; s < kPrefetchAhead; ++s) stream.prefetch(r, nb, s);
+                primed = true;
+            }
+            // scores[i][j] = scale * q_i . k_j for j <= pos_i
+            for (int64_t b = 0; b < nb; ++b) {
+                const S* kblock = kv + blocks[b] * block_stride;
+                stream.prefetch(r, nb, b + kPrefetchAhead);
+                const int64_t j0 = b * block_size;
+                const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
+                int64_t jj = 0;
+    #ifdef __AVX512F__
+                if constexpr (std::is_same_v<T, float> && DC > 0 && DC % 16 == 0) {
+                    // chunks of 16 key slots (a block of a multiple of 16 tokens holds them), also
+                    // past the row's last key: a key's score must not depend on how many keys
+                    // follow it (a token verified with drafts gets exactly its decode result). The
+                    // scores past a query's position are computed and never read.
+                    if (block_size % 16 == 0) {
+                        for (; jj < jn; jj += 16) {
+                            const S* krow = kblock + jj * tok_stride;
+                            for (int64_t i = 0; i < nq; ++i) {
+                                if (j0 + jj > qv_pos[i]) continue;
+                                const __m512 sc = _mm512_mul_ps(dots16<DC>(qv_ptr[i], krow + qv_koff[i], tok_stride),
+                                                                _mm512_set1_ps(scale));
+                                _mm512_storeu_ps(scores.data() + i * Lp + j0 + jj, sc);
+                            }
+                        }
+                    }
+                }
+    #endif
+                for (; jj < jn; ++jj) {
+                    const S* krow = kblock + jj * tok_stride;
+                    const int64_t j = j0 + jj;
+                    for (int64_t i = 0; i < nq; ++i) {
+                        if (j > qv_pos[i]) continue;
+                        const T* qi = qv_ptr[i];
+                        const S* k = krow + qv_koff[i];
+                        T s = 0;
+                        for (int64_t d = 0; d < D; ++d) s += qi[d] * hs::widen(k[d]);
+                        scores[i * Lp + j] = s * scale;
+                    }
+                }
+            }
+            // softmax over each query vector's own keys
+            for (int64_t i = 0; i < nq; ++i) {
+                T* s = scores.data() + i * Lp;
+                const int64_t n = qv_pos[i] + 1;
+                T m = s[0];
+                for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
+                T sum = 0;
+                for (int64_t j = 0; j < n; ++j) {
+                    const T e = std::exp(s[j] - m);
+                    s[j] = e;
+                    sum += e;
+                }
+                const T inv = T(1) / sum;
+                for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+            }
+            // out_i = sum_j p_ij v_j
+            if constexpr (DC > 0 && DC % hs::Vec<T>::lanes == 0) {
+                // one query at a time with its output in registers: two sets of accumulators (even
+                // and odd keys), so the sum over keys is not one serial chain through memory
+                using V = hs::Vec<T>;
+                using VT = typename V::type;
+                constexpr int nv = DC / V::lanes;
+                // block by block (its V rows stay in L1 for every query vector), each query's output
+                // in registers within the block; keys in order, so the sum does not depend on how many
+                // keys follow a query's position
+                for (int64_t b = 0; b < nb; ++b) {
+                    const S* vblock = kv + blocks[b] * block_stride + half_stride;
+                    stream.prefetch(r, nb, nb + b + kPrefetchAhead);
+                    const int64_t j0 = b * block_size;
+                    for (int64_t i = 0; i < nq; ++i) {
+                        const int64_t n = qv_pos[i] + 1 - j0;  // this query's keys in the block
+                        if (n <= 0) continue;
+                        const int64_t jn = n < block_size ? n : block_size;
+                        const T* p = scores.data() + i * Lp + j0;
+                        const S* v = vblock + qv_koff[i];
+                        T* a = acc.data() + i * D;
+                        VT a0[nv];
+                        for (int u = 0; u < nv; ++u) a0[u] = V::load(a + u * V::lanes);
+                        for (int64_t jj = 0; jj < jn; ++jj) {
+                            const S* vr = v + jj * tok_stride;
+                            for (int u = 0; u < nv; ++u) a0[u] += hs::load_as<T>(vr + u * V::lanes) * p[jj];
+                        }
+                        for (int u = 0; u < nv; ++u) V::store(a + u * V::lanes, a0[u]);
+                    }
+                }
+            } else {
+                for (int64_t b = 0; b < nb; ++b) {
+                    const S* vblock = kv + blocks[b] * block_stride + half_stride;
+                    stream.prefetch(r, nb, nb + b + kPrefetchAhead);
+                    const int64_t j0 = b * block_size;
+                    const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
+                    for (int64_t jj = 0; jj < jn; ++jj) {
+                        const S* vrow = vblock + jj * tok_stride;
+                        const int64_t j = j0 + jj;
                         for (int64_t i = 0; i < nq; ++i) {
-                            if (j0 + jj > qv_pos[i]) continue;
-                            const __m512 sc = _mm512_mul_ps(dots16<DC>(qv_ptr[i], krow + qv_koff[i], tok_stride),
-                                                            _mm512_set1_ps(scale));
-                            _mm512_storeu_ps(scores.data() + i * Lp + j0 + jj, sc);
+                            if (j > qv_pos[i]) continue;
+                            const T p = scores[i * Lp + j];
+                            const S* v = vrow + qv_koff[i];
+                            T* a = acc.data() + i * D;
+                            for (int64_t d = 0; d < D; ++d) a[d] += p * hs::widen(v[d]);
                         }
                     }
                 }
             }
-#endif
-            for (; jj < jn; ++jj) {
-                const S* krow = kblock + jj * tok_stride;
-                const int64_t j = j0 + jj;
-                for (int64_t i = 0; i < nq; ++i) {
-                    if (j > qv_pos[i]) continue;
-                    const T* qi = qv_ptr[i];
-                    const S* k = krow + qv_koff[i];
-                    T s = 0;
-                    for (int64_t d = 0; d < D; ++d) s += qi[d] * hs::widen(k[d]);
-                    scores[i * Lp + j] = s * scale;
-                }
+            if constexpr (std::is_same_v<S, T>) {
+                for (int64_t t = t0; t < t1; ++t)
+                    std::memcpy(out + t * H * D, acc.data() + (t - t0) * H * D, sizeof(T) * static_cast<size_t>(H * D));
+            } else {
+                for (int64_t j = 0; j < nq * D; ++j) out[t0 * H * D + j] = hs::narrow<S>(acc[static_cast<size_t>(j)]);
             }
-        }
-        // softmax over each query vector's own keys
-        for (int64_t i = 0; i < nq; ++i) {
-            T* s = scores.data() + i * Lp;
-            const int64_t n = qv_pos[i] + 1;
-            T m = s[0];
-            for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
-            T sum = 0;
-            for (int64_t j = 0; j < n; ++j) {
-                const T e = std::exp(s[j] - m);
-                s[j] = e;
-                sum += e;
-            }
-            const T inv = T(1) / sum;
-            for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-        }
-        // out_i = sum_j p_ij v_j
-        if constexpr (DC > 0 && DC % hs::Vec<T>::lanes == 0) {
-            // one query at a time with its output in registers: two sets of accumulators (even
-            // and odd keys), so the sum over keys is not one serial chain through memory
-            using V = hs::Vec<T>;
-            using VT = typename V::type;
-            constexpr int nv = DC / V::lanes;
-            // block by block (its V rows stay in L1 for every query vector), each query's output
-            // in registers within the block; keys in order, so the sum does not depend on how many
-            // keys follow a query's position
-            for (int64_t b = 0; b < nb; ++b) {
-                const S* vblock = kv + blocks[b] * block_stride + half_stride;
-                stream.prefetch(r, nb, nb + b + kPrefetchAhead);
-                const int64_t j0 = b * block_size;
-                for (int64_t i = 0; i < nq; ++i) {
-                    const int64_t n = qv_pos[i] + 1 - j0;  // this query's keys in the block
-                    if (n <= 0) continue;
-                    const int64_t jn = n < block_size ? n : block_size;
-                    const T* p = scores.data() + i * Lp + j0;
-                    const S* v = vblock + qv_koff[i];
-                    T* a = acc.data() + i * D;
-                    VT a0[nv];
-                    for (int u = 0; u < nv; ++u) a0[u] = V::load(a + u * V::lanes);
-                    for (int64_t jj = 0; jj < jn; ++jj) {
-                        const S* vr = v + jj * tok_stride;
-                        for (int u = 0; u < nv; ++u) a0[u] += hs::load_as<T>(vr + u * V::lanes) * p[jj];
-                    }
-                    for (int u = 0; u < nv; ++u) V::store(a + u * V::lanes, a0[u]);
-                }
-            }
-        } else {
-            for (int64_t b = 0; b < nb; ++b) {
-                const S* vblock = kv + blocks[b] * block_stride + half_stride;
-                stream.prefetch(r, nb, nb + b + kPrefetchAhead);
-                const int64_t j0 = b * block_size;
-                const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
-                for (int64_t jj = 0; jj < jn; ++jj) {
-                    const S* vrow = vblock + jj * tok_stride;
-                    const int64_t j = j0 + jj;
-                    for (int64_t i = 0; i < nq; ++i) {
-                        if (j > qv_pos[i]) continue;
-                        const T p = scores[i * Lp + j];
-                        const S* v = vrow + qv_koff[i];
-                        T* a = acc.data() + i * D;
-                        for (int64_t d = 0; d < D; ++d) a[d] += p * hs::widen(v[d]);
-                    }
-                }
-            }
-        }
-        if constexpr (std::is_same_v<S, T>) {
-            for (int64_t t = t0; t < t1; ++t)
-                std::memcpy(out + t * H * D, acc.data() + (t - t0) * H * D, sizeof(T) * static_cast<size_t>(H * D));
-        } else {
-            for (int64_t j = 0; j < nq * D; ++j) out[t0 * H * D + j] = hs::narrow<S>(acc[static_cast<size_t>(j)]);
         }
     }
 }
