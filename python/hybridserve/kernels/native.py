@@ -223,25 +223,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         # emit_slot, num_emits, num_logits, logits, argmax, all_finite, threads
         # (model/decode_step.py)
         fn.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _I64]
-        fn.argtypes += [
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _P,
-            ctypes.c_int,
-        ]
+        fn.argtypes += [_P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
+        fn.argtypes += [_P, _P, _P, ctypes.c_int]
         fn.restype = ctypes.c_int
         # the same step on the library's background thread: 0 posted, 6 not (busy), else as above
         launch = getattr(lib, f"hs_decode_step_launch_{suffix}")

@@ -1,23 +1,26 @@
-"""A decode step of a whole model in one call of the C++ CPU library (``hs_decode_step``,
-kernels/csrc/cpu/cpu_decode_step.cpp), for the steps where every row is a decode row: one new
-token, or one verifying its drafts (every token's logits).
+"""A step of a whole model in one call of the C++ CPU library (``hs_decode_step``,
+kernels/csrc/cpu/cpu_decode_step.cpp), the native step: decode rows (one new token, or one
+verifying its drafts, every token's logits) and prefill rows (a prompt's chunk from zeros or from
+a kept state, with the checkpoints it emits; the logits of the tokens in `logits_indices`), alone
+or together.
 
 At batch 1 a small model's forward as torch ops is some 450 dispatches of a few microseconds
 each, around a few microseconds of arithmetic per layer; this is one ctypes call. The mixers run
 the library's own kernels (the Mamba2 recurrence, paged attention, the norms), so states, K / V
-and norms are computed exactly as on the per-op path; the projections are the library's
-matrix-vector products, which agree with torch's GEMMs to rounding (tests/model/test_decode_step.py
-compares the two in float64 and float32).
+and norms are computed as on the per-op path (whose prefill rows' attention is SDPA, to
+rounding); the projections are the library's matrix-vector products, which agree with torch's
+GEMMs to rounding (tests/model/test_decode_step.py compares the two in float64 and float32).
 
 `DecodeStep.for_model` builds its records once (one per residual block ``x + mixer(norm(x))``)
 from a model whose every part it knows: Nemotron-H (Mamba2, attention, non-gated MLP layers;
 no MoE), Mamba2, and Bamba (Mamba2 or rotary attention, then a gated MLP); float32 or float64;
 one process (a tensor-parallel shard has other modules and is refused). It returns None for any
-other model. `run` returns None, having written nothing, for a step it does not take:
-a prefill row, more tokens than `max_tokens`, rows sharing a state slot, or weights that changed
-since the records were built (the caller then runs the model's forward). A token's arithmetic
-does not depend on the other tokens of the step, so a verified token gets exactly the logits it
-gets decoded alone, in float32 too.
+other model. `run` returns None, having written nothing, for a step it does not take: more
+tokens than `max_tokens`, prefill rows of more work than `max_prefill_macs` (there the forward is
+faster), rows sharing a state slot, an emit outside its row, or weights that changed since the
+records were built (the caller then runs the model's forward). A token's arithmetic does not
+depend on the other tokens of the step, so a verified token gets exactly the logits it gets
+decoded alone, and a prompt the same bits in one step or in chunks, in float32 too.
 
 `launch` runs the same step on the library's one background thread and returns at once; the
 caller waits for it (`PendingDecode.wait`) before it reads or writes the caches again. The
@@ -66,7 +69,7 @@ MAX_STEP_MACS = 1 << 30
 # attention are slower than torch's GEMMs and SDPA over a long prompt (both about 1.7e-8 s more
 # per multiply-add on one thread), while the per-op forward's fixed cost (its dispatches) is some
 # 2-2.5 ms: measured on the demo model, 16 to 192 new tokens after 0, 1500 and 2600 cached ones
-# (docs/architecture.md "Native steps"), the native step was faster up to about this much work.
+# (benches/README.md "Native prefill steps"), the native step was faster up to about this much.
 MAX_PREFILL_MACS = 1 << 27
 
 
