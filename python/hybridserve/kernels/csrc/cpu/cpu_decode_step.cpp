@@ -388,8 +388,7 @@ int check_step(const int64_t* layers, int64_t num_layers, int64_t hidden, int64_
         if (n < 1 || (r < num_decodes && n > ws_stride)) return 3;
     }
     const int64_t T = qsl[R];
-    if (num_logits > T) return 3;
-    for (int64_t i = 0; i < num_logits; ++i)
+    for (int64_t i = 0; i < num_logits; ++i)  // (increasing and below T: at most T of them)
         if (logits_indices[i] < 0 || logits_indices[i] >= T || (i > 0 && logits_indices[i] <= logits_indices[i - 1]))
             return 3;
     for (int64_t t = 0; t < T; ++t)
