@@ -4,7 +4,8 @@
 #   2. run the GPU tests (tests/gpu incl. the end-to-end greedy / speculative runs, the sm_90
 #      compile check),
 #   3. run the kernel benchmark at Nemotron-H-8B shapes and print its table,
-#   4. write the table with the date into benches/README.md (between the gpu-check markers).
+#   4. write the table with the date into benches/README.md (between the gpu-check markers),
+#   5. time the demo model offline with CUDA graphs of decode steps and without.
 # Exit status: non-zero if the build or a test failed (the benchmark still runs after failed tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,4 +62,17 @@ else
   echo "BENCHMARK FAILED"
   status=1
 fi
+
+echo "== CUDA graphs: offline, graphs against eager"
+# (the demo model, 64 x 256 -> 128 and 1 x 64 -> 256 tokens; each line: dtype, mode, output tok/s)
+for dt in bfloat16 float32; do
+  for shape in "64 256 128" "1 64 256"; do
+    set -- $shape
+    for mode in --no-enforce-eager --enforce-eager; do
+      line=$($PY -m hybridserve bench offline --device cuda --warmup full --dtype "$dt" --num-prompts "$1" \
+        --prompt-len "$2" --output-len "$3" "$mode" 2>&1 | grep -E "output tok/s" | tail -1)
+      echo "$dt ${1}x$2->$3 $mode: ${line:-FAILED}"
+    done
+  done
+done
 exit $status

@@ -161,6 +161,10 @@ class EngineArgs:
     #: builds the previous step's outputs (engine/llm_engine.py). None = auto: on when the native
     #: decode step runs the model and a core is left beside the compute threads.
     async_scheduling: bool | None = None
+    #: False: on a GPU, steps of decode and verify rows replay CUDA graphs (model/cuda_graphs.py);
+    #: True: every step runs eagerly. None = eager for now: the graphs' capture has not yet run on
+    #: a device in tests/gpu. Nothing changes on the CPU.
+    enforce_eager: bool | None = None
     #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
     #: longer is refused (engine/grammar_compiler.py).
     grammar_compile_timeout: float = 10.0
@@ -173,7 +177,7 @@ class EngineArgs:
         """Type and range checks; ConfigError names the flag."""
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("MODEL: a model folder or 'demo' is required")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "enforce_eager"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{_flag(name)} must be True, False or None (auto), got {v!r}")

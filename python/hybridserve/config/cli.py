@@ -171,6 +171,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "left beside the CPU threads)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--no-enforce-eager: on a GPU, steps of decode and verify rows replay CUDA graphs; "
+        "--enforce-eager: every step runs eagerly (default: eager, until the graphs' capture has run on a "
+        "device in the GPU tests; nothing changes on the CPU)",
+    )
+    g.add_argument(
         "--kv-events-config",
         default=None,
         metavar="JSON",

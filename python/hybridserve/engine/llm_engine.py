@@ -176,7 +176,7 @@ class LLMEngine:
         self.config: _core.ResolvedConfig = em.resolved
         self.max_model_len = int(self.config.max_model_len)
         self.num_speculative_tokens = int(self.config.num_speculative_tokens)
-        self.runner = ModelRunner(em, self.num_speculative_tokens)
+        self.runner = ModelRunner(em, self.num_speculative_tokens, cuda_graphs=args.enforce_eager is False)
         self.scheduler = _core.Scheduler(
             self.config, em.sizes.num_kv_blocks, em.sizes.num_mamba_slots, prefix_cache_hash_seed(args)
         )

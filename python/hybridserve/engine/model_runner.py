@@ -31,6 +31,7 @@ from hybridserve.model.batch import (
     HostStaging,
     forward_batch_from_arrays,
 )
+from hybridserve.model.cuda_graphs import DecodeGraphs, SchedulerArrays
 from hybridserve.model.decode_step import DecodeOutput, DecodeStep, NativeCall, PendingDecode
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.sampler import RowSampling, Sampler, compute_logprobs
@@ -191,7 +192,7 @@ def _step_inputs(out: _core.SchedulerOutput, scoring: _PromptScoring | None) -> 
 
 
 class ModelRunner:
-    def __init__(self, em: EngineModel, num_speculative_tokens: int) -> None:
+    def __init__(self, em: EngineModel, num_speculative_tokens: int, cuda_graphs: bool = True) -> None:
         self.em = em
         # the kernels are chosen (and built) once, here, and every step uses them
         try:
@@ -214,6 +215,23 @@ class ModelRunner:
             if em.device.type == "cpu" and self.executor is None
             else None
         )
+        # with `cuda_graphs` (--no-enforce-eager), on a GPU with the CUDA kernels, steps of decode /
+        # verify rows replay CUDA graphs (model/cuda_graphs.py)
+        self.graphs: DecodeGraphs | None = None
+        if (
+            cuda_graphs
+            and em.device.type == "cuda"
+            and self.kernels is backend.Backend.CUDA
+            and self.executor is None
+        ):
+            block_size = int(em.resolved.block_size)
+            self.graphs = DecodeGraphs(
+                em.model,
+                em.caches,
+                max_rows=int(em.resolved.max_num_seqs),
+                max_tokens_per_row=1 + num_speculative_tokens,
+                max_blocks_per_row=-(-int(em.resolved.max_model_len) // block_size),
+            )
         self.rejection_sampler: Any = None
         if num_speculative_tokens > 0:
             from hybridserve.sampling.rejection import RejectionSampler
@@ -322,11 +340,17 @@ class ModelRunner:
                 assert self.decode_step is not None
                 self.decode_step.recycle(fused)  # (nothing read from it is a view of it)
             else:
-                batch = to_forward_batch(out, self.em.device, self.staging)
-                if scoring is not None:
-                    batch.logits_indices = scoring.logits_indices
-                with torch.inference_mode():
-                    logits = self.em.model.forward(batch, self.em.caches)
+                graphed = None
+                if self.graphs is not None and scoring is None:
+                    graphed = self.graphs.run(SchedulerArrays(out), int(out.num_decodes))
+                if graphed is not None:
+                    logits = graphed
+                else:
+                    batch = to_forward_batch(out, self.em.device, self.staging)
+                    if scoring is not None:
+                        batch.logits_indices = scoring.logits_indices
+                    with torch.inference_mode():
+                        logits = self.em.model.forward(batch, self.em.caches)
                 if scoring is not None:
                     result.prompt_logprobs = scoring.logprobs(logits, rows)
                     logits = logits[scoring.sampling_rows]

@@ -91,10 +91,19 @@ class HostStaging:
         """The buffer's first `size` entries, copied to the device (always a copy: the next step
         writes the buffer again)."""
         moved = self._host[:size].to(self.device, non_blocking=self._pinned, copy=True)
+        self._record_copy()
+        return moved
+
+    def copy_into(self, dst: torch.Tensor, size: int) -> None:
+        """The buffer's first `size` entries copied into the first `size` of `dst` (int64, on the
+        staging's device), a buffer kept by the caller (a CUDA graph's static inputs)."""
+        dst[:size].copy_(self._host[:size], non_blocking=self._pinned)
+        self._record_copy()
+
+    def _record_copy(self) -> None:
         if self._pinned:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return moved
 
 
 def _packed_to_device(arrays: Mapping[str, np.ndarray], staging: HostStaging) -> dict[str, torch.Tensor]:

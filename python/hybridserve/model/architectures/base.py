@@ -100,27 +100,36 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         fp32 (fp64 for an fp64 model). Writes KV at `slot_mapping` and the Mamba states per the
         state-window arrays of `batch`."""
         dev = self.embed_weight().device
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if batch.num_tokens == 0:
             n = int(batch.logits_indices.numel())
+            out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
             return torch.empty((n, self.config.vocab_size), dtype=out_dtype, device=dev)
-        ctx = ForwardContext.build(batch, dev)
-        hidden = self.embed(batch.input_ids.to(dev, torch.int64))
+        return self.forward_context(ForwardContext.build(batch, dev), batch.input_ids, caches)
+
+    def forward_context(
+        self, ctx: ForwardContext, input_ids: torch.Tensor, caches: ModelCaches
+    ) -> torch.Tensor:
+        """`forward` of a batch whose ForwardContext is built: host reads of `ctx`'s CPU fields
+        only, so that a CUDA graph can capture it (model/cuda_graphs.py builds the context of its
+        static buffers itself)."""
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        hidden = self.embed(input_ids.to(ctx.device, torch.int64))
         # Only the logits rows' outputs are needed after the last layer that writes a cache: that
         # layer returns those rows alone (an attention layer computes just their queries), and
         # the cache-free layers after it run on them alone. No row's output there depends on
         # another row, so only rounding can differ (tests/model/test_model_tail_rows.py, float64).
         # (CPU indices: they index device tensors as well, and the attention layer maps them to
         # rows on the CPU without a device sync)
-        keep = ctx.logits_indices if _drops_rows(ctx.logits_indices, batch.num_tokens) else None
+        keep = ctx.logits_indices if _drops_rows(ctx.logits_indices, ctx.num_tokens) else None
         cut = self.last_cache_layer()
         for i, layer in enumerate(self.decoder_layers()):
             if keep is not None and i == cut:
                 hidden = layer(hidden, ctx, caches, i, keep=keep)
             else:
                 hidden = layer(hidden, ctx, caches, i)
-        hidden = self.final_norm(hidden if keep is not None else hidden[ctx.logits_indices])
-        return self.head(hidden).to(out_dtype)
+        if keep is None and not _every_token(ctx.logits_indices, ctx.num_tokens):
+            hidden = hidden[ctx.logits_indices]
+        return self.head(self.final_norm(hidden)).to(out_dtype)
 
     def last_cache_layer(self) -> int:
         """Index of the last decoder layer that writes a cache (KV or Mamba state): the layers
@@ -202,6 +211,14 @@ class StackedCausalLM(CausalLM):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def _every_token(logits_indices: torch.Tensor, num_tokens: int) -> bool:
+    """Whether the logits rows are every token in order (a decode step's): the hidden states are
+    then taken as they are, with no gather (on a device, indexing with CPU indices copies them
+    there first)."""
+    n = int(logits_indices.numel())
+    return n == num_tokens and (n == 0 or bool((logits_indices == torch.arange(n)).all()))
 
 
 def _drops_rows(logits_indices: torch.Tensor, num_tokens: int) -> bool:

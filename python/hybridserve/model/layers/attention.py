@@ -176,7 +176,10 @@ class PagedAttention(nn.Module):
         mg = mask[:, :, None].expand(nd, 1, Gq, lmax, mask.shape[-1]).reshape(nd, 1, Gq * lmax, -1)
         og = self._grouped_sdpa(qg, mg, blocks, nb, kv_cache)
         o = og.view(nd, KVH, Gq, lmax, D).permute(0, 3, 1, 2, 4).reshape(nd, lmax, self.num_heads, D)
-        out[idx_d[vd]] = o[vd]
+        if vd is None:  # every row has lmax tokens: they are the first nd * lmax, in order
+            out[: nd * lmax] = o.reshape(nd * lmax, self.num_heads, D)
+        else:
+            out[idx_d[vd]] = o[vd]
 
     def _grouped_sdpa(
         self, qg: torch.Tensor, mask: torch.Tensor, blocks: torch.Tensor, nb: int, kv_cache: torch.Tensor
@@ -188,6 +191,8 @@ class PagedAttention(nn.Module):
         bs = kv_cache.shape[2]
         og = torch.empty_like(qg)
         step = max(1, _GATHER_BYTES // max(1, nb * bs * KVH * D * kv_cache.element_size()))
+        if kv_cache.is_cuda:  # (no CPU cache to stay in: one call, not one per group of rows)
+            step = rows
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             bl = blocks[r0 * nb : r1 * nb]
@@ -232,6 +237,8 @@ def _slot_index(ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tenso
 # K/V are still in the CPU cache when SDPA reads them (measured: 0.5-1 MiB best on the demo model).
 _GATHER_BYTES = 1 << 20
 
+# (block gather index, mask, padded token index, its valid entries, blocks per row); the token
+# index is None for plain decode rows, its valid entries None where every entry is valid
 _DecodeMeta = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 
 
@@ -308,12 +315,19 @@ def _decode_meta(rows: QueryRows, bs: int, dev: torch.device) -> _DecodeMeta:
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # [nd, 1, 1, ctx]
         meta: _DecodeMeta = (blocks, mask, None, None, nb)
     else:
-        t = torch.arange(lmax, dtype=torch.int64)
-        valid = t[None, :] < lengths[:, None]  # [nd, lmax]
-        idx = torch.where(valid, qsl[:-1, None] + t[None, :], qsl[:-1, None])  # pad: row's first token
-        idx_d = idx.to(dev)
+        if int(qsl[nd]) == nd * lmax:
+            # every row has lmax tokens (verify rows with K drafts each): the index is made on the
+            # device, no copy of a host array (a CUDA graph captures this), and every entry is valid
+            idx_d = torch.arange(nd * lmax, device=dev).view(nd, lmax)
+            valid_d: torch.Tensor | None = None
+        else:
+            t = torch.arange(lmax, dtype=torch.int64)
+            valid = t[None, :] < lengths[:, None]  # [nd, lmax]
+            idx = torch.where(valid, qsl[:-1, None] + t[None, :], qsl[:-1, None])  # pad: row's first token
+            idx_d = idx.to(dev)
+            valid_d = valid.to(dev)
         pos = rows.positions[idx_d]  # [nd, lmax]
         mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
-        meta = (blocks, mask, idx_d, valid.to(dev), nb)
+        meta = (blocks, mask, idx_d, valid_d, nb)
     rows.scratch[key] = meta
     return meta
