@@ -534,3 +534,24 @@ def test_definitions_of_both_kinds_an_id_and_refs_as_data() -> None:
     text = _qcall("f", a='"x"', b="1", c='{"$ref": "#"}', color="red")
     assert _accepts(qwen.grammar(tools, "f", False), text) == (True, "")
     assert [json.loads(c.arguments) for c in split_message(qwen, text)[1]] == [args]
+
+
+@pytest.mark.parametrize("name", ["hermes", "nemotron_json"])
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_block(name: str) -> None:
+    """Arguments may hold the format's closing tag as text (code, markup): the block ends at the
+    first closing tag outside a JSON string, in one piece and streamed in pieces. Escaped quotes
+    inside the string do not end it."""
+    parser = TOOL_PARSERS[name]
+    args = {"code": f'print("{parser.END}")  # \\"{parser.END}\\" and \\\\', "n": 1}
+    one = {"name": "run", "arguments": args}
+    block = parser.render_calls([one])
+    for text in (block, f"Before. {block} after {parser.END} done", f"{block}\n{block}"):
+        content, calls = split_message(parser, text)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", args)] * text.count(
+            parser.START
+        )
+        assert (content or "").strip() == text.replace(block, "").strip()
+        assert_stream_adds_up(parser, text)
+    # unfinished: the string is still open at the tag, so the call has not ended
+    cut = block[: block.index(parser.END) + len(parser.END)]
+    assert split_message(parser, cut) == (cut, [])

@@ -331,13 +331,43 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _json_end(text: str, start: int, tag: str) -> int:
+    """The first `tag` in `text` from `start` on that is not inside a JSON string (a call's
+    arguments may hold the closing tag as text), or -1. A quote escaped by a backslash does not
+    end a string. One pass: each tag and quote is found once."""
+    in_string = False
+    i = start
+    j = text.find(tag, start)
+    while j >= 0:
+        q = text.find('"', i)
+        if not in_string:
+            if q < 0 or j < q:
+                return j
+        elif q < 0:
+            return -1  # (inside a string that is not closed yet)
+        else:
+            k = q  # a quote after an odd number of backslashes is escaped
+            while k > i and text[k - 1] == "\\":
+                k -= 1
+            if (q - k) % 2 == 1:
+                i = q + 1
+                continue
+        in_string = not in_string
+        i = q + 1
+        if j < i:
+            j = text.find(tag, i)
+    return -1
+
+
 class _TaggedToolParser(abc.ABC):
     """Calls written between START and END tags; a block that does not read as calls is content.
-    A format gives its tags and how a block's body reads as calls (`_calls`)."""
+    A format gives its tags and how a block's body reads as calls (`_calls`). With `JSON_BODY`
+    the block ends at the first END outside a JSON string."""
 
     name = ""
     START = ""
     END = ""
+    JSON_BODY = False
 
     @abc.abstractmethod
     def _calls(self, body: str) -> list[ToolCall] | None:
@@ -356,7 +386,8 @@ class _TaggedToolParser(abc.ABC):
                 items.append(text[pos:end])
                 return items, end
             items.append(text[pos:i])
-            j = text.find(self.END, i + len(self.START))
+            body = i + len(self.START)
+            j = _json_end(text, body, self.END) if self.JSON_BODY else text.find(self.END, body)
             if j < 0:
                 if final:  # an unfinished call is text
                     items.append(text[i:])
@@ -376,6 +407,7 @@ class HermesToolParser(_TaggedToolParser):
     name = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
+    JSON_BODY = True
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -418,6 +450,7 @@ class NemotronJsonToolParser(_TaggedToolParser):
     name = "nemotron_json"
     START = "<TOOLCALL>"
     END = "</TOOLCALL>"
+    JSON_BODY = True
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = json.dumps(tools, ensure_ascii=False)
