@@ -27,8 +27,7 @@ def _decode_arrays(rows: int, tokens: int, seq_len: int, block_size: int = 16) -
         "logits_indices": np.arange(T),
         "seq_lens": np.full(rows, seq_len),
         "input_ids": np.arange(T) + 3,
-        "positions": np.repeat(np.arange(rows) * 0 + seq_len - tokens, tokens)
-        + np.tile(np.arange(tokens), rows),
+        "positions": np.tile(np.arange(seq_len - tokens, seq_len), rows),
         "slot_mapping": np.arange(T) + 100,
         "block_table": np.arange(rows * nb).reshape(rows, nb) + 1,
         "state_read_slot": np.arange(rows) + 1,

@@ -235,7 +235,7 @@ class DecodeGraphs:
         self.failed: str | None = None  # why graphs are off for good, after a capture failed
         self._weights = list(model.parameters()) if isinstance(model, nn.Module) else []
         self._versions = self._current_versions()
-        self.num_replays = 0  # steps a graph ran (for the engine's stats and the tests)
+        self.num_replays = 0  # steps a graph ran
 
     def _current_versions(self) -> tuple[int, ...]:
         return tuple(map(_VERSION, self._weights))

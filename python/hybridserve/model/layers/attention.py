@@ -190,9 +190,8 @@ class PagedAttention(nn.Module):
         rows, KVH, _, D = qg.shape
         bs = kv_cache.shape[2]
         og = torch.empty_like(qg)
-        step = max(1, _GATHER_BYTES // max(1, nb * bs * KVH * D * kv_cache.element_size()))
-        if kv_cache.is_cuda:  # (no CPU cache to stay in: one call, not one per group of rows)
-            step = rows
+        gather = _GATHER_BYTES_CUDA if kv_cache.is_cuda else _GATHER_BYTES
+        step = max(1, gather // max(1, nb * bs * KVH * D * kv_cache.element_size()))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             bl = blocks[r0 * nb : r1 * nb]
@@ -236,6 +235,9 @@ def _slot_index(ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tenso
 # Bytes of K (and of V) gathered per SDPA call of the decode rows: small enough that the gathered
 # K/V are still in the CPU cache when SDPA reads them (measured: 0.5-1 MiB best on the demo model).
 _GATHER_BYTES = 1 << 20
+# On a GPU there is no such cache to stay in: the groups are as large as memory allows (one call
+# for every row at short contexts), bounded so that long contexts gather no more than this
+_GATHER_BYTES_CUDA = 1 << 28
 
 # (block gather index, mask, padded token index, its valid entries, blocks per row); the token
 # index is None for plain decode rows, its valid entries None where every entry is valid
