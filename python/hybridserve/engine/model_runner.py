@@ -192,7 +192,7 @@ def _step_inputs(out: _core.SchedulerOutput, scoring: _PromptScoring | None) -> 
 
 
 class ModelRunner:
-    def __init__(self, em: EngineModel, num_speculative_tokens: int, cuda_graphs: bool = True) -> None:
+    def __init__(self, em: EngineModel, num_speculative_tokens: int, cuda_graphs: bool = False) -> None:
         self.em = em
         # the kernels are chosen (and built) once, here, and every step uses them
         try:
