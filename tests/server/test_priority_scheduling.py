@@ -37,7 +37,9 @@ def test_a_lower_priority_value_is_scheduled_first() -> None:
         long = threading.Thread(target=run, args=("long", {"max_tokens": 1500, "ignore_eos": True}))
         long.start()
         wait_for(server, "running", 1)
-        late = {"max_tokens": 4, "ignore_eos": True}
+        # each queued request decodes long enough that the order of the finishes cannot be
+        # swapped by when the client's threads happen to wake on a loaded machine
+        late = {"max_tokens": 200, "ignore_eos": True}
         first = threading.Thread(target=run, args=("first", {**late, "priority": 5}))
         first.start()
         wait_for(server, "waiting", 1)
