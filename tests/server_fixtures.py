@@ -157,15 +157,20 @@ class ServerProcess:
 
 def parse_sse(raw: bytes) -> list[Any]:
     """Split an SSE body into its `data:` payloads (JSON objects, or the string "[DONE]").
-    Asserts the OpenAI framing: every event is one `data: ` line followed by a blank line."""
+    Asserts the OpenAI framing: every event is one `data: ` line followed by a blank line, in
+    a Responses stream after an `event: ` line naming the payload's type."""
     text = raw.decode("utf-8")
     assert text.endswith("\n\n"), repr(text[-40:])
     events: list[Any] = []
     for block in text.split("\n\n")[:-1]:
+        kind = None
+        if block.startswith("event: "):
+            kind, _, block = block[len("event: ") :].partition("\n")
         assert block.startswith("data: "), repr(block[:80])
         assert "\n" not in block, repr(block[:80])
         payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
+        assert kind is None or kind == events[-1]["type"], (kind, block[:80])
     return events
 
 

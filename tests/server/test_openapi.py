@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hybridserve.server import protocol as P
+from hybridserve.server import responses as R
 from hybridserve.server.app import create_app
 from hybridserve.server.openapi import document
 from openapi_cases import Spec
@@ -127,6 +128,9 @@ def test_the_document_has_every_field_the_validators_accept_and_no_other():
         assert schema["required"] == [next(iter(BASES[path]))]
         # a server that ignores unknown fields says so, at every level
         assert request_schema(LAX_SPEC, path)["additionalProperties"] is True
+    schema = request_schema(SPEC, "/v1/responses")
+    assert set(schema["properties"]) == R.RESPONSES_FIELDS | R.PASSTHROUGH_FIELDS
+    assert schema["additionalProperties"] is False and schema["required"] == ["input"]
     assert '"additionalProperties": false' not in json.dumps(
         {k: v for k, v in LAX_SPEC.doc["components"]["schemas"].items() if k != "Error"}
     )

@@ -238,3 +238,33 @@ def test_the_openai_client_reads_the_reasoning(server):
         ]
     assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == content
+
+
+def test_a_response_holds_the_reasoning_as_its_own_item(server):
+    seeds = [
+        s
+        for s in range(40)
+        if 0 < raw_answer(server, {"messages": CHAT, "seed": s, **PARAMS}).find("</think>") < 20
+    ]
+    assert seeds
+    raw = raw_answer(server, {"messages": CHAT, "seed": seeds[0], **PARAMS})
+    reasoning, content = split_reasoning(R1, raw)
+    body = {"input": CHAT[0]["content"], "seed": seeds[0], "max_output_tokens": PARAMS["max_tokens"],
+            **{k: PARAMS[k] for k in ("temperature", "ignore_eos", "logit_bias")}}  # fmt: skip
+    status, whole = call(server, "/v1/responses", body)
+    assert status == 200, whole
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": reasoning}]
+    assert whole["output"][1]["content"][0]["text"] == content
+    assert 0 < whole["usage"]["output_tokens_details"]["reasoning_tokens"] < whole["usage"]["output_tokens"]
+    status, events = call(server, "/v1/responses", {**body, "stream": True})
+    assert status == 200
+    for kind, text in (("reasoning_text", reasoning), ("output_text", content)):
+        assert "".join(e["delta"] for e in events if e["type"] == f"response.{kind}.delta") == text
+    final = events[-1]["response"]
+
+    def without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in item.items() if k != "id"} for item in output]
+
+    assert without_ids(final["output"]) == without_ids(whole["output"]) and final["usage"] == whole["usage"]
+    assert_idle(server)

@@ -1,6 +1,7 @@
 """The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (and their /render), GET /v1/models[/{id}], GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (and their /render), POST /v1/responses
+and GET / DELETE /v1/responses/{id} (responses.py), GET /v1/models[/{id}], GET /health,
 GET /metrics, GET /openapi.json (openapi.py), and vLLM's tokenizer routes POST /tokenize, POST
 /detokenize, GET /tokenizer_info. Every request is validated (protocol.py) before anything reaches
 the engine; each choice of a request is one engine request whose outputs reach
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -31,6 +33,7 @@ from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
 from hybridserve.server import openapi, sse
 from hybridserve.server import protocol as P
+from hybridserve.server import responses as R
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
@@ -240,6 +243,8 @@ class ServerState:
     # engine request id -> ends its stream with finish_reason "abort" (used at shutdown)
     aborters: dict[str, Callable[[], None]] = field(default_factory=dict)
     idle: asyncio.Event | None = None
+    # /v1/responses: the responses kept for `previous_response_id` and GET /v1/responses/{id}
+    responses: R.ResponseStore = field(default_factory=R.ResponseStore)
 
     def engine_stats(self) -> dict[str, Any] | None:
         return self.engine.stats() if self.engine is not None else None
@@ -324,6 +329,9 @@ def create_app(
     app[STATE] = state
     app.router.add_post("/v1/completions", _completions, expect_handler=_expect_handler)
     app.router.add_post("/v1/chat/completions", _chat_completions, expect_handler=_expect_handler)
+    app.router.add_post("/v1/responses", _responses, expect_handler=_expect_handler)
+    app.router.add_get("/v1/responses/{response_id}", _get_response)
+    app.router.add_delete("/v1/responses/{response_id}", _delete_response)
     app.router.add_get("/v1/models", _models)
     # (any characters: the served name defaults to MODEL as given, which may be a path)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
@@ -777,6 +785,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
+    _split_reasoning(state, info, req)
+    return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+
+def _split_reasoning(state: ServerState, info: EngineModelInfo, req: P.GenerateRequest) -> None:
+    """With --reasoning-parser, a chat answer that begins in its reasoning is split (and a
+    grammar applies to the content after it)."""
     if (
         state.reasoning is not None
         and not req.thinking_disabled
@@ -787,7 +802,55 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             so = dataclasses.replace(so, start_after=state.reasoning.end)
             req.params = dataclasses.replace(req.params, structured_outputs=so)
         req.reasoning = state.reasoning
-    return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API (responses.py): a chat request, answered as output items."""
+    state = request.app[STATE]
+    engine, info = _require_engine(state)
+    parse = functools.partial(R.parse_responses_request, store=state.responses)
+    rreq = await _parse(request, info, state.served_model_name, parse)
+    req = rreq.chat
+    _split_reasoning(state, info, req)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    answer = _stream_response if req.stream else _response_json
+
+    async def respond(
+        created: int, arrival: float, choices: list[_Choice], sink: _Sink
+    ) -> web.StreamResponse:
+        return await answer(request, state, info, rreq, response_id, created, arrival, choices, sink)
+
+    try:
+        return await _generate(request, state, engine, info, req, response_id, respond=respond)
+    except P.APIError as e:  # (the engine's errors name the chat field, such as response_format)
+        raise R.renamed_error(e) from None
+
+
+def _kept_response(request: web.Request) -> tuple[ServerState, str]:
+    state = request.app[STATE]
+    response_id = request.match_info["response_id"]
+    if state.responses.get(response_id) is None:
+        raise P.APIError(
+            f"no kept response has the id {printable(response_id, 80)!r}",
+            status=404,
+            param="response_id",
+            code="not_found",
+        )
+    return state, response_id
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    state, response_id = _kept_response(request)
+    kept = state.responses.get(response_id)
+    if kept is None:  # (deleted in between)
+        raise P.APIError("the response was deleted", status=404, param="response_id", code="not_found")
+    return web.json_response(kept.body, dumps=_dumps)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    state, response_id = _kept_response(request)
+    deleted = state.responses.delete(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": deleted}, dumps=_dumps)
 
 
 async def _completions_render(request: web.Request) -> web.Response:
@@ -909,6 +972,13 @@ async def _abort(state: ServerState, engine_id: str) -> None:
         logger.exception("abort of %s failed", engine_id)
 
 
+# a choice's outputs on their way to the handler: an output, an engine error, _ABORTED, or None
+# when its engine stream ended
+_Sink = asyncio.Queue[tuple["_Choice", Any]]
+# how a handler answers from its choices' outputs: (created, arrival, choices, sink) -> response
+_Responder = Callable[[int, float, list["_Choice"], _Sink], Awaitable[web.StreamResponse]]
+
+
 async def _generate(
     request: web.Request,
     state: ServerState,
@@ -916,7 +986,11 @@ async def _generate(
     info: EngineModelInfo,
     req: P.GenerateRequest,
     request_id: str,
+    respond: _Responder | None = None,
 ) -> web.StreamResponse:
+    """Run the request's choices on the engine and answer with `respond` (default: the
+    completion or chat response, streamed or not); the choices are aborted and released
+    however the answer ends."""
     arrival = time.monotonic()
     created = int(time.time())
     if req.priority != 0 and state.scheduling_policy != "priority":
@@ -951,7 +1025,7 @@ async def _generate(
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     state.admit([c.engine_id for c in choices])
-    sink: asyncio.Queue[tuple[_Choice, Any]] = asyncio.Queue()
+    sink: _Sink = asyncio.Queue()
 
     async def run_one(choice: _Choice) -> None:
         try:
@@ -982,12 +1056,16 @@ async def _generate(
     try:
         if req.stream:
             try:
+                if respond is not None:
+                    return await respond(created, arrival, choices, sink)
                 return await _stream(request, state, info, req, request_id, created, arrival, choices, sink)
             except ConnectionError:
                 # the client closed the connection before aiohttp cancelled the handler (a write
                 # to the closing transport raises first): as a client that leaves at any other
                 # moment
                 raise _client_gone() from None
+        if respond is not None:
+            return await respond(created, arrival, choices, sink)
         return await _collect(state, info, req, request_id, created, arrival, choices, sink)
     except P.APIError as e:
         if e.status != CLIENT_CLOSED:
@@ -1416,3 +1494,133 @@ async def _send_tool_delta(
         reason = _tool_finish_reason(choice.finish_reason, bool(choice.tools.calls))
         cj = P.chat_chunk_choice(choice.index, finish_reason=reason, stop_reason=choice.stop_reason)
         await send(cj, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/responses (responses.py): the answer of its one choice as output items
+
+
+def _response_usage(
+    info: EngineModelInfo, req: P.GenerateRequest, choice: _Choice, reasoning: str
+) -> dict[str, Any]:
+    u = _usage(req, [choice])
+    # (the reasoning's tokens counted by encoding its text again: the answer's ids are not split)
+    reasoning_tokens = min(len(info.encode(reasoning)), u["completion_tokens"]) if reasoning else 0
+    return R.usage(
+        u["prompt_tokens"],
+        u["completion_tokens"],
+        u["prompt_tokens_details"]["cached_tokens"],
+        reasoning_tokens,
+    )
+
+
+def _keep_response(
+    state: ServerState, rreq: R.ResponsesRequest, body: dict[str, Any], content: str | None, calls: list[Any]
+) -> None:
+    """Keep a finished response for GET and for a later turn's `previous_response_id`."""
+    if rreq.store and body["status"] in ("completed", "incomplete"):
+        state.responses.put(body["id"], body, [*rreq.history, R.assistant_message(content, calls)])
+
+
+async def _response_json(
+    request: web.Request,
+    state: ServerState,
+    info: EngineModelInfo,
+    rreq: R.ResponsesRequest,
+    response_id: str,
+    created: int,
+    arrival: float,
+    choices: list[_Choice],
+    sink: _Sink,
+) -> web.StreamResponse:
+    req = rreq.chat
+    async for _choice, _delta in _deltas(state, choices, sink, arrival):
+        pass
+    c = choices[0]
+    reasoning, text = ("", c.text) if req.reasoning is None else split_reasoning(req.reasoning, c.text)
+    content: str | None = text
+    calls: list[Any] = []
+    if req.tool_parser is not None:
+        content, calls = split_message(req.tool_parser, text)
+    items = R.OutputItems()
+    items.reasoning(reasoning)
+    items.content(content or "")
+    for call in calls:
+        items.call(call)
+    items.close()
+    body = R.response_body(
+        rreq, response_id, created, status="done", output=items.items,
+        usage=_response_usage(info, req, c, reasoning), finish_reason=c.finish_reason,
+    )  # fmt: skip
+    _keep_response(state, rreq, body, content or None, calls)
+    return web.json_response(body, dumps=_dumps)
+
+
+async def _stream_response(
+    request: web.Request,
+    state: ServerState,
+    info: EngineModelInfo,
+    rreq: R.ResponsesRequest,
+    response_id: str,
+    created: int,
+    arrival: float,
+    choices: list[_Choice],
+    sink: _Sink,
+) -> web.StreamResponse:
+    """OpenAI's typed events: response.created and response.in_progress before the first output,
+    the items' events as the answer settles, and response.completed (or .incomplete, .failed)
+    with the whole response. An error before any output is a plain error response."""
+    req = rreq.chat
+    resp: web.StreamResponse | None = None
+    sequence = 0
+    items = R.OutputItems()
+    tools = ToolCallStream(req.tool_parser) if req.tool_parser is not None else None
+    splitter = ReasoningSplitter(req.reasoning) if req.reasoning is not None else None
+    reasoning_text = ""
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        nonlocal resp, sequence
+        if resp is None:
+            resp = await sse.start_stream(request)
+            start = R.response_body(rreq, response_id, created, status="in_progress", output=[])
+            events = [{"type": "response.created", "response": start},
+                      {"type": "response.in_progress", "response": start}, *events]  # fmt: skip
+        for event in events:
+            event["sequence_number"] = sequence
+            sequence += 1
+            await sse.send_typed_event(resp, event)
+
+    c = choices[0]
+    try:
+        async for _choice, delta in _deltas(state, choices, sink, arrival):
+            reasoning, text = (
+                ("", delta.text) if splitter is None else splitter.feed(delta.text, final=delta.finished)
+            )
+            reasoning_text += reasoning
+            events = items.reasoning(reasoning)
+            content, calls = (text, []) if tools is None else tools.feed(text, final=delta.finished)
+            events += items.content(content)
+            for call in calls:
+                events += items.call(call)
+            if events or resp is None:
+                await send(events)
+    except P.APIError as err:
+        if resp is None:  # nothing sent yet: a plain error response
+            raise
+        failed = R.response_body(
+            rreq, response_id, created, status="failed", output=items.items, error=R.renamed_error(err)
+        )
+        await send([*items.close(), {"type": "response.failed", "response": failed}])
+    else:
+        events = items.close()
+        body = R.response_body(
+            rreq, response_id, created, status="done", output=items.items,
+            usage=_response_usage(info, req, c, reasoning_text), finish_reason=c.finish_reason,
+        )  # fmt: skip
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])
+        content = "".join(p["text"] for i in items.items if i["type"] == "message" for p in i["content"])
+        _keep_response(state, rreq, body, content or None, [] if tools is None else tools.calls)
+        await send([*events, {"type": kind or "response.completed", "response": body}])
+    assert resp is not None
+    await resp.write_eof()
+    return resp

@@ -26,6 +26,7 @@ from hybridserve.sampling.params import (
 )
 from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
+from hybridserve.server import responses as R
 from hybridserve.server.tools import MAX_NAME_LEN, NAME_CHARS
 
 OPENAPI_VERSION = "3.1.0"
@@ -412,6 +413,65 @@ def _chat_fields(
     }
 
 
+def _responses_fields(
+    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+) -> dict[str, Schema]:
+    """/v1/responses (responses.py): OpenAI's Responses fields, and vLLM's sampling fields as
+    the chat route reads them."""
+    sampling = _sampling_fields(served_model_name, vocab_size, max_model_len)
+    shared = ("model", "temperature", "top_p", "stream", "user", "metadata", "service_tier")
+    text = {"type": "string", "description": "accepted and ignored"}
+    return {
+        **{
+            name: sampling[name]
+            for name in (*shared, *sorted(R.PASSTHROUGH_FIELDS - {"chat_template_kwargs"}))
+        },
+        "chat_template_kwargs": _template_fields(False)["chat_template_kwargs"],
+        "input": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "object"}},
+            ],
+            "description": "a user message, or input items: messages (role user, assistant, system or "
+            "developer; text parts), function_call and function_call_output items; reasoning items "
+            "are left out",
+        },
+        "instructions": {
+            "type": "string",
+            "description": "a system message before the input (not carried over)",
+        },
+        "previous_response_id": {
+            "type": "string",
+            "description": "continue a kept response's conversation (its input, then its output)",
+        },
+        "max_output_tokens": _max_tokens(max_model_len, "default: the room the prompt leaves"),
+        "tools": {
+            "type": "array",
+            "items": {"type": "object"},
+            "description": "function tools: {type: function, name, description, parameters, strict}",
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}],
+            "description": 'as chat\'s, a named choice written {"type": "function", "name": ...}',
+        },
+        "parallel_tool_calls": _bool("more than one call in an answer (default true)"),
+        "text": {
+            "type": "object",
+            "description": "format: {type: text | json_object | json_schema, name, schema, strict}",
+        },
+        "reasoning": {"type": "object", "description": "accepted and repeated; the model's template decides"},
+        "stream_options": {"type": "object", "description": "accepted and ignored"},
+        "store": _bool(
+            "keep the response for GET /v1/responses/{id} and previous_response_id (default true)"
+        ),
+        "include": {"type": "array", "items": {"type": "string"}, "description": "accepted and ignored"},
+        "truncation": {"enum": ["disabled"], "description": "only disabled (the default)"},
+        "prompt_cache_key": text,
+        "safety_identifier": text,
+        **{name: _unsupported() for name in R.UNSERVED_FIELDS},
+    }
+
+
 def _template_fields(request_templates: bool) -> dict[str, Schema]:
     """vLLM's chat-template fields (the chat route's and /tokenize's); `request_templates`: a
     request's own `chat_template` is rendered (--trust-request-chat-template), else refused."""
@@ -670,6 +730,11 @@ def document(
         P._CHAT_FIELDS,
         "messages",
     )
+    responses = _request(
+        _responses_fields(served_model_name, vocab_size, max_model_len),
+        R.RESPONSES_FIELDS | R.PASSTHROUGH_FIELDS,
+        "input",
+    )
     sec = api_key_required
     text_ok = {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}
     doc: dict[str, Any] = {
@@ -699,6 +764,21 @@ def document(
                     "vLLM's render: the token ids of a chat request's prompt (template applied)",
                     {"$ref": "#/components/schemas/ChatCompletionRequest"},
                     _json("{request_id, model, token_ids}"),
+                )
+            },
+            "/v1/responses": {
+                "post": _generation("OpenAI responses (docs/serving.md)", "ResponsesRequest", sec)
+            },
+            "/v1/responses/{response_id}": {
+                method: {
+                    **_get(summary, _json(answer), secured=sec),
+                    "parameters": [
+                        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                }
+                for method, summary, answer in (
+                    ("get", "a kept response (404 when not kept)", "the response"),
+                    ("delete", "delete a kept response (404 when not kept)", "{id, object, deleted}"),
                 )
             },
             "/v1/models": {"get": _get("the served model", _json("a list of one model card"), secured=sec)},
@@ -762,6 +842,7 @@ def document(
             "schemas": {
                 "CompletionRequest": completion,
                 "ChatCompletionRequest": chat,
+                "ResponsesRequest": responses,
                 "ChatMessage": _CHAT_MESSAGE,
                 "ChatContentPart": _CONTENT_PART,
                 "ChatToolCall": _CHAT_TOOL_CALL,

@@ -35,3 +35,8 @@ async def send_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
 
 async def send_done(resp: web.StreamResponse) -> None:
     await resp.write(DONE)
+
+
+async def send_typed_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
+    """One event of a Responses stream: its `type` also on an `event:` line, as OpenAI sends it."""
+    await resp.write(b"event: " + str(data["type"]).encode("utf-8") + b"\n" + encode_event(data))

@@ -1,0 +1,597 @@
+"""OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}) over the chat
+route's machinery.
+
+A Responses body is translated into a chat body (`input` and `instructions` into `messages`,
+`max_output_tokens` into `max_tokens`, flat function tools into chat tools, `text.format` into
+`response_format`) and validated by the chat validator, so both routes accept and refuse the same
+conversations, tools and grammars; its errors name the Responses fields. The answer is split as
+a chat answer is (reasoning, content, tool calls) and written as output items: a `reasoning` item,
+a `message` item with one `output_text` part, and a `function_call` item per call, in that order.
+A stream sends the same items as OpenAI's typed events (`response.created` ...
+`response.completed`), so the events add up to the response the same request gets unstreamed.
+
+Responses are kept (`store`, true by default as OpenAI's) in a store bounded by bytes, the oldest
+dropped first: `previous_response_id` continues the conversation a kept response ended (its
+input, then its output), without its `instructions`, as OpenAI does. Output reasoning is not
+sent back to the model in a later turn, as chat templates leave earlier reasoning out.
+
+Not served: hosted tools (web search, file search, computer use, MCP), images and files in the
+input, `background`, `truncation: "auto"`, logprobs (`top_logprobs`), `max_tool_calls`, and
+stored prompts or conversations (`prompt`, `conversation`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridserve.server import protocol as P
+from hybridserve.server.tools import ToolCall
+
+# Fields of OpenAI's Responses body this server reads (or type-checks and repeats)
+RESPONSES_FIELDS = {
+    "model",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "reasoning",
+    "stream",
+    "stream_options",
+    "store",
+    "metadata",
+    "user",
+    "service_tier",
+    "include",
+    "truncation",
+    "prompt_cache_key",
+    "safety_identifier",
+    # known, not served: accepted only when absent, null, false or empty
+    "background",
+    "top_logprobs",
+    "max_tool_calls",
+    "conversation",
+    "prompt",
+}
+# vLLM's extra fields, given to the chat validator as they are (the same meaning there)
+PASSTHROUGH_FIELDS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "bad_words",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "cache_salt",
+    "priority",
+    "chat_template_kwargs",
+}
+UNSERVED_FIELDS = ("background", "top_logprobs", "max_tool_calls", "conversation", "prompt")
+# A chat validator's field -> the Responses field it came from (its errors name the latter)
+_FIELD_NAMES = (
+    ("messages", "input"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+)
+_INPUT_TEXT_PARTS = {"input_text", "output_text", "text"}
+DEFAULT_STORE_BYTES = 64 << 20
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated Responses body: the chat request that runs it, and what the response repeats."""
+
+    chat: P.GenerateRequest
+    # the conversation as chat messages, without `instructions`: what a later turn continues
+    history: list[dict[str, Any]]
+    echo: dict[str, Any]  # the body's fields the response object repeats
+    store: bool = True
+    ignored_fields: list[str] = field(default_factory=list)  # (the app logs them)
+
+
+@dataclass
+class _Kept:
+    body: dict[str, Any]
+    history: list[dict[str, Any]]
+    size: int
+
+
+@dataclass
+class ResponseStore:
+    """Kept responses by id, at most `max_bytes` of their JSON and conversations (the oldest
+    dropped first). Shared by the event loop and the threads that parse large bodies."""
+
+    max_bytes: int = DEFAULT_STORE_BYTES
+    _kept: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)
+    _bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, response_id: str, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(history, ensure_ascii=False))
+        if size > self.max_bytes:
+            return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
+        with self._lock:
+            self._kept[response_id] = _Kept(body, history, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._kept.popitem(last=False)
+                self._bytes -= old.size
+
+    def get(self, response_id: str) -> _Kept | None:
+        with self._lock:
+            return self._kept.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            old = self._kept.pop(response_id, None)
+            if old is not None:
+                self._bytes -= old.size
+            return old is not None
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> P.APIError:
+    return P.APIError(f"{param}: {message}", param=param, code=code)
+
+
+def _unserved(param: str, what: str) -> P.APIError:
+    return P.APIError(
+        f"{param}: {what} is not supported by this server", param=param, code="unsupported_parameter"
+    )
+
+
+def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or its text parts as chat content parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(
+            param,
+            f"must be a string or a list of content parts, got {type(content).__name__}",
+            "invalid_type",
+        )
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        pp = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(pp, f"must be an object, got {type(part).__name__}", "invalid_type")
+        kind = part.get("type")
+        if kind == "refusal":
+            text = part.get("refusal")
+            extra = set(part) - {"type", "refusal"}
+        elif kind in _INPUT_TEXT_PARTS:
+            text = part.get("text")
+            extra = set(part) - {"type", "text", "annotations", "logprobs"}
+        else:
+            raise _unserved(f"{pp}.type", f"a content part of type {kind!r} (only text is)")
+        for key in sorted(extra):
+            unknown.found(f"{pp}.{key}")
+        if not isinstance(text, str):
+            raise _bad(f"{pp}.text", "must be a string", "invalid_type")
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _string_field(item: dict[str, Any], param: str, key: str) -> str:
+    v = item.get(key)
+    if v is None:
+        raise _bad(f"{param}.{key}", "required", "missing_field")
+    if not isinstance(v, str) or (key != "arguments" and not v):
+        raise _bad(f"{param}.{key}", "must be a non-empty string", "invalid_type")
+    return v
+
+
+def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
+    """`input` (a string, or a list of input items) as chat messages. Consecutive function calls
+    join one assistant message's `tool_calls` (with the assistant text just before them, if any);
+    a `reasoning` item is left out, as a template leaves earlier reasoning out."""
+    if isinstance(v, str):
+        return [{"role": "user", "content": v}]
+    if not isinstance(v, list):
+        raise _bad(
+            "input", f"must be a string or a list of input items, got {type(v).__name__}", "invalid_type"
+        )
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(v):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(p, f"must be an object, got {type(item).__name__}", "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            for key in sorted(set(item) - {"type", "role", "content", "id", "status"}):
+                unknown.found(f"{p}.{key}")
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"{p}.role", f"must be one of user, assistant, system, developer; got {role!r}")
+            if "content" not in item:
+                raise _bad(f"{p}.content", "required", "missing_field")
+            out.append({"role": role, "content": _text_of_parts(f"{p}.content", item["content"], unknown)})
+        elif kind == "function_call":
+            for key in sorted(set(item) - {"type", "call_id", "name", "arguments", "id", "status"}):
+                unknown.found(f"{p}.{key}")
+            call = {
+                "id": _string_field(item, p, "call_id"),
+                "type": "function",
+                "function": {
+                    "name": _string_field(item, p, "name"),
+                    "arguments": _string_field(item, p, "arguments"),
+                },
+            }
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and last["role"] == "assistant"
+                and isinstance(last.get("content"), (str, type(None)))
+            ):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            for key in sorted(set(item) - {"type", "call_id", "output", "id", "status"}):
+                unknown.found(f"{p}.{key}")
+            if item.get("output") is None:
+                raise _bad(f"{p}.output", "required", "missing_field")
+            result = _text_of_parts(f"{p}.output", item["output"], unknown)
+            out.append({"role": "tool", "tool_call_id": _string_field(item, p, "call_id"), "content": result})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise _unserved(f"{p}.type", f"an input item of type {kind!r}")
+    if not out:
+        raise _bad("input", "holds no message")
+    return out
+
+
+def _chat_tools(v: Any) -> list[Any]:
+    """Responses' flat function tools as chat tools (the chat validator checks their fields)."""
+    if not isinstance(v, list):
+        raise _bad("tools", f"must be a list of tools, got {type(v).__name__}", "invalid_type")
+    out: list[Any] = []
+    for i, t in enumerate(v):
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{i}]", f"must be an object, got {type(t).__name__}", "invalid_type")
+        if t.get("type") != "function":
+            raise _unserved(f"tools[{i}].type", f"a tool of type {t.get('type')!r} (function tools are)")
+        out.append({"type": "function", "function": {k: x for k, x in t.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(v: Any) -> Any:
+    if isinstance(v, dict):
+        if v.get("type") != "function":
+            raise _unserved("tool_choice.type", f"a tool choice of type {v.get('type')!r}")
+        return {"type": "function", "function": {k: x for k, x in v.items() if k != "type"}}
+    return v
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as the chat route's `response_format` (None: plain text)."""
+    if not isinstance(text, dict):
+        raise _bad("text", f"must be an object, got {type(text).__name__}", "invalid_type")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad("text.format", f"must be an object, got {type(fmt).__name__}", "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}
+    raise _bad("text.format.type", f"must be one of text, json_object, json_schema; got {kind!r}")
+
+
+def renamed_error(e: P.APIError) -> P.APIError:
+    """A chat validator's error, naming the Responses field it came from."""
+    param = e.param or ""
+    for chat_name, name in _FIELD_NAMES:
+        if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
+            new = name if chat_name == "messages" else name + param[len(chat_name) :]
+            e.message = e.message.replace(param, new, 1)
+            e.param = new
+            return e
+    if param.startswith(("tools[", "tool_choice.")) and ".function" in param:
+        new = param.replace(".function", "", 1)
+        e.message = e.message.replace(param, new, 1)
+        e.param = new
+    return e
+
+
+def _check_unserved(body: dict[str, Any]) -> None:
+    for key in UNSERVED_FIELDS:
+        v = body.get(key)
+        if v is not None and v is not False and v != {} and v != []:
+            raise _unserved(key, key)
+    if body.get("truncation") not in (None, "disabled"):
+        raise _unserved("truncation", f"truncation {body['truncation']!r} (only 'disabled' is)")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise _bad("include", "must be a list of strings", "invalid_type")
+    for key in ("reasoning", "stream_options"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise _bad(key, f"must be an object, got {type(body[key]).__name__}", "invalid_type")
+    for key in ("instructions", "previous_response_id", "prompt_cache_key", "safety_identifier"):
+        P.get_str(body, key)
+
+
+def parse_responses_request(
+    body: dict[str, Any],
+    info: P.ModelInfo,
+    served_model_name: str,
+    *,
+    strict: bool = True,
+    store: ResponseStore,
+) -> ResponsesRequest:
+    """Validate a /v1/responses body (the conversation of `previous_response_id` from `store`).
+    Raises APIError naming the Responses field."""
+    unknown = P.UnknownFields(strict)
+    for key in body:
+        if key not in RESPONSES_FIELDS and key not in PASSTHROUGH_FIELDS:
+            unknown.found(key)
+    _check_unserved(body)
+    if "input" not in body or body["input"] is None:
+        raise P.APIError("input: required", param="input", code="missing_field")
+    history: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        kept = store.get(previous)
+        if kept is None:
+            raise P.APIError(
+                f"previous_response_id: no kept response has the id {previous!r} (it was not stored, "
+                "was deleted, or was dropped to make room)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = [dict(m) for m in kept.history]
+    history += input_messages(body["input"], unknown)
+    instructions = body.get("instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    chat: dict[str, Any] = {k: body[k] for k in PASSTHROUGH_FIELDS if k in body}
+    chat["messages"] = messages
+    for key in (
+        "model",
+        "temperature",
+        "top_p",
+        "parallel_tool_calls",
+        "stream",
+        "user",
+        "metadata",
+        "service_tier",
+    ):
+        if key in body:
+            chat[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        chat["tools"] = _chat_tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        fmt = _response_format(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+    try:
+        req = P.parse_chat_request(chat, info, served_model_name, strict=strict)
+    except P.APIError as e:
+        raise renamed_error(e) from None
+    req.ignored_fields = unknown.names + req.ignored_fields
+    keep = P.get_bool(body, "store", True)
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "model": req.model,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": previous,
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "store": keep,
+        "temperature": body.get("temperature"),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p"),
+        "truncation": "disabled",
+        "user": body.get("user"),
+        "background": False,
+    }
+    return ResponsesRequest(
+        chat=req, history=history, echo=echo, store=keep, ignored_fields=req.ignored_fields
+    )
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """A response's output items as the answer is settled: reasoning text, content text and
+    finished tool calls, fed in the order they come. Each method returns the stream events it
+    makes (without their sequence numbers); `items` is the output so far."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item whose text is still growing
+
+    def _ensure(self, kind: str) -> list[dict[str, Any]]:
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        events = self.close()
+        if kind == "reasoning":
+            item: dict[str, Any] = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {
+                "type": "message",
+                "id": _new_id("msg"),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        index = len(self.items)
+        self.items.append(item)
+        self._open = item
+        events.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
+        item["content"].append(part)
+        events.append(
+            {"type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "part": _copy(part)}
+        )  # fmt: skip
+        return events
+
+    def _text(self, kind: str, delta: str) -> list[dict[str, Any]]:
+        if not delta:
+            return []
+        events = self._ensure(kind)
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += delta
+        event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        body: dict[str, Any] = {
+            "type": event,
+            "item_id": item["id"],
+            "output_index": len(self.items) - 1,
+            "content_index": 0,
+            "delta": delta,
+        }
+        if kind == "message":
+            body["logprobs"] = []
+        events.append(body)
+        return events
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        return self._text("reasoning", delta)
+
+    def content(self, delta: str) -> list[dict[str, Any]]:
+        return self._text("message", delta)
+
+    def call(self, call: ToolCall) -> list[dict[str, Any]]:
+        events = self.close()
+        index = len(self.items)
+        item = {
+            "type": "function_call",
+            "id": _new_id("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        events.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
+        events.append(
+            {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+             "delta": call.arguments}
+        )  # fmt: skip
+        events.append(
+            {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+             "name": call.name, "arguments": call.arguments}
+        )  # fmt: skip
+        item.update(arguments=call.arguments, status="completed")
+        self.items.append(item)
+        events.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The events that finish the open text item (none when no item is open)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        part = item["content"][0]
+        head = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "reasoning":
+            done: dict[str, Any] = {"type": "response.reasoning_text.done", **head, "text": part["text"]}
+        else:
+            done = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": []}
+            item["status"] = "completed"
+        return [
+            done,
+            {"type": "response.content_part.done", **head, "part": _copy(part)},
+            {"type": "response.output_item.done", "output_index": index, "item": _copy(item)},
+        ]
+
+
+def _copy(obj: dict[str, Any]) -> dict[str, Any]:
+    """(an event holds the item as it is now, not the object that goes on growing)"""
+    return copy.deepcopy(obj)
+
+
+def usage(
+    prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int
+) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def response_body(
+    req: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    error: P.APIError | None = None,
+) -> dict[str, Any]:
+    """The response object. `status`: "in_progress" (a stream's first events), else from the
+    answer's `finish_reason`: cut by max_output_tokens is "incomplete", ended by the server
+    (shutdown) "failed", any other end "completed"; "failed" with `error`."""
+    incomplete = None
+    failure = None if error is None else {"code": error.code or error.type, "message": error.message}
+    if status != "in_progress" and failure is None:
+        if finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif finish_reason == "abort":
+            failure = {
+                "code": "aborted",
+                "message": "the server ended the request before its answer was done",
+            }
+        else:
+            status = "completed"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "failed" if failure is not None else status,
+        "error": failure,
+        "incomplete_details": incomplete,
+        "output": output,
+        "usage": usage,
+        **req.echo,
+    }
+
+
+def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
+    """The answer as the chat message a later turn's conversation holds."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [c.to_json() for c in calls]
+    return msg

@@ -1,0 +1,307 @@
+"""OpenAI's Responses API (server/responses.py) against a real server, through the official openai
+client: a response says what the same conversation says on /v1/chat/completions (text, tool calls,
+a grammar from `text.format`, token counts); a stream's events add up to the unstreamed response;
+`previous_response_id` continues a kept conversation as the whole conversation sent again would;
+kept responses are read and deleted; bad input is a 400 naming the Responses field, and the
+server is idle after all of it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from hybridserve.model.demo import ensure_demo_model
+from hybridserve.server.responses import ResponseStore
+from server_fixtures import ServerProcess, assert_idle, call, running_server
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+QUESTION = "What is the weather in Paris?"
+GREEDY: dict[str, Any] = {"temperature": 0}
+# an answer that ends before its limit: at the first full stop
+STOPPED: dict[str, Any] = {"temperature": 0, "max_output_tokens": 80, "extra_body": {"stop": ["."]}}
+
+
+def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    ensure_demo_model()
+    with running_server("--max-num-seqs", "8") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return client.chat.completions.create(model="demo", messages=messages, **kw)  # type: ignore[arg-type]
+
+
+def streamed(client: openai.OpenAI, **kw: Any) -> tuple[list[Any], Any]:
+    """(events, final response) of a stream read by the client's own accumulator."""
+    with client.responses.stream(model="demo", **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    return events, final
+
+
+def items(response: Any) -> list[dict[str, Any]]:
+    """The output items without their ids (a stream's and another request's ids differ)."""
+    out = []
+    for item in response.output:
+        d = item.model_dump(exclude_none=True)
+        d.pop("id", None)
+        d.pop("call_id", None)
+        out.append(d)
+    return out
+
+
+def test_a_response_says_what_the_same_chat_says(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model="demo", instructions="Be brief.", input=QUESTION, max_output_tokens=16, **GREEDY
+    )
+    c = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+             max_tokens=16, **GREEDY)  # fmt: skip
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "demo"
+    assert r.output_text == c.choices[0].message.content and r.output_text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert r.usage.total_tokens == c.usage.total_tokens
+    # cut by max_output_tokens: incomplete, and says why
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.instructions, r.max_output_tokens, r.temperature) == ("Be brief.", 16, 0)
+    (message,) = r.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+    # an answer that stops is complete; input as a list of message items is the same conversation
+    stopped = client.responses.create(model="demo", input=QUESTION, **STOPPED)
+    listed = client.responses.create(
+        model="demo",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        **STOPPED,
+    )
+    assert stopped.status == "completed" and stopped.incomplete_details is None
+    assert listed.output_text == stopped.output_text
+    c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=80, temperature=0, stop=["."])
+    assert stopped.output_text == c.choices[0].message.content
+
+
+def test_a_stream_adds_up_to_the_unstreamed_response(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="demo", input=QUESTION, **STOPPED)
+    events, final = streamed(client, input=QUESTION, **STOPPED)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == final.output_text and kinds.count("response.output_text.delta") > 1
+    assert items(final) == items(whole) and final.usage == whole.usage and final.status == "completed"
+    assert final.id == events[0].response.id != whole.id
+    # cut by its limit: the stream ends in response.incomplete with the same text
+    cut = client.responses.create(model="demo", input=QUESTION, max_output_tokens=6, **GREEDY)
+    with client.responses.stream(model="demo", input=QUESTION, max_output_tokens=6, **GREEDY) as stream:
+        last = list(stream)[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == cut.output_text
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_tool_calls_are_function_call_items_as_chat_finds_them(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        kw = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False,
+              "max_output_tokens": 150, "temperature": 1.0, "extra_body": {"seed": seed}}  # fmt: skip
+        r = client.responses.create(model="demo", input=QUESTION, **kw)
+        c = chat(client, [{"role": "user", "content": QUESTION}], tools=[chat_tool(WEATHER), chat_tool(TIME)],
+                 tool_choice="required", parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=seed)  # fmt: skip
+        (call_item,) = r.output
+        (chat_call,) = c.choices[0].message.tool_calls
+        assert call_item.type == "function_call" and call_item.status == "completed"
+        assert call_item.call_id.startswith("call_") and call_item.id.startswith("fc_")
+        assert (call_item.name, call_item.arguments) == (
+            chat_call.function.name,
+            chat_call.function.arguments,
+        )
+        assert json.loads(call_item.arguments)  # a JSON object of the tool's arguments
+        assert r.status == "completed" and r.output_text == ""
+        events, final = streamed(client, input=QUESTION, **kw)
+        assert items(final) == items(r)
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert [(e.name, e.arguments) for e in done] == [(call_item.name, call_item.arguments)]
+    named = client.responses.create(
+        model="demo", input=QUESTION, tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=150, **GREEDY,
+    )  # fmt: skip
+    assert [(i.type, i.name) for i in named.output] == [("function_call", "get_time")]
+    assert -12 <= json.loads(named.output[0].arguments)["zone"] <= 12
+
+
+def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
+    schema = WEATHER["parameters"]
+    r = client.responses.create(
+        model="demo", input=QUESTION, max_output_tokens=80, temperature=0,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=80, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}})  # fmt: skip
+    assert r.output_text == c.choices[0].message.content
+    answer = json.loads(r.output_text)
+    assert set(answer) == {"city", "unit"} and answer["unit"] in ("c", "f") and len(answer["city"]) <= 10
+    assert r.text.format.type == "json_schema"
+
+
+def test_previous_response_id_continues_the_conversation_as_sending_it_again_would(
+    client: openai.OpenAI,
+) -> None:
+    first = client.responses.create(model="demo", input=QUESTION, instructions="Be brief.", **STOPPED)
+    second = client.responses.create(
+        model="demo", input="And in Rome?", previous_response_id=first.id, **STOPPED
+    )
+    # the same conversation, whole: the kept input and output, then the new input (the first
+    # turn's instructions are not carried over, as OpenAI's are not)
+    again = client.responses.create(
+        model="demo",
+        input=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And in Rome?"},
+        ],
+        **STOPPED,
+    )
+    assert second.previous_response_id == first.id
+    assert (second.output_text, second.usage.input_tokens) == (again.output_text, again.usage.input_tokens)
+    # a tool call, then its result: the call kept, the result sent as function_call_output
+    tools = [WEATHER]
+    called = client.responses.create(model="demo", input=QUESTION, tools=tools, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=150, **GREEDY)  # fmt: skip
+    (call_item,) = called.output
+    result = {"type": "function_call_output", "call_id": call_item.call_id, "output": "sunny, 21 C"}
+    follow = client.responses.create(model="demo", input=[result], previous_response_id=called.id, tools=tools,
+                                     tool_choice="none", **STOPPED)  # fmt: skip
+    whole = [
+        {"role": "user", "content": QUESTION},
+        {
+            "type": "function_call",
+            "call_id": call_item.call_id,
+            "name": call_item.name,
+            "arguments": call_item.arguments,
+        },
+        result,
+    ]
+    resent = client.responses.create(model="demo", input=whole, tools=tools, tool_choice="none", **STOPPED)
+    c = chat(
+        client,
+        [{"role": "user", "content": QUESTION},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": call_item.call_id, "type": "function",
+              "function": {"name": call_item.name, "arguments": call_item.arguments}}]},
+         {"role": "tool", "tool_call_id": call_item.call_id, "content": "sunny, 21 C"}],
+        tools=[chat_tool(WEATHER)], tool_choice="none", max_tokens=80, temperature=0, stop=["."],
+    )  # fmt: skip
+    assert follow.output_text == resent.output_text == c.choices[0].message.content
+    assert follow.usage.input_tokens == resent.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: openai.OpenAI) -> None:
+    r = client.responses.create(model="demo", input=QUESTION, max_output_tokens=4, **GREEDY)
+    again = client.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+    _, final = streamed(client, input=QUESTION, **STOPPED)
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    client.responses.delete(r.id)
+    status, err = call(server, f"/v1/responses/{r.id}")
+    assert status == 404 and err["error"]["code"] == "not_found"
+    status, err = call(server, "/v1/responses", {"input": "x", "previous_response_id": r.id})
+    assert status == 400 and err["error"]["param"] == "previous_response_id"
+    unkept = client.responses.create(model="demo", input=QUESTION, max_output_tokens=4, store=False, **GREEDY)
+    assert unkept.store is False and call(server, f"/v1/responses/{unkept.id}")[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(unkept.id)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "input"),
+        ({"input": 3}, "input"),
+        ({"input": []}, "input"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+        (
+            {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice.name",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),  # fmt: skip
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": 5}}}},
+            "text.format",
+        ),  # fmt: skip
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+        ({"input": "x" * 20000}, "input"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_responses_field(
+    server: ServerProcess, body: dict[str, Any], param: str
+) -> None:
+    status, err = call(server, "/v1/responses", body)
+    assert status == 400, err
+    assert err["error"]["param"].startswith(param), err
+    assert err["error"]["message"].startswith(param), err
+
+
+def test_the_server_is_idle_after_it_all(server: ServerProcess, client: openai.OpenAI) -> None:
+    # a client that leaves mid-stream does not leave its request behind
+    with client.responses.stream(model="demo", input=QUESTION, max_output_tokens=400, **GREEDY) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    assert_idle(server)
+
+
+def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
+    store = ResponseStore(max_bytes=400)
+    body = {"id": "a", "output": "x" * 50}
+    for name in "abcde":
+        store.put(name, {**body, "id": name}, [{"role": "user", "content": "y" * 50}])
+    kept = [n for n in "abcde" if store.get(n) is not None]
+    assert kept and kept == list("abcde")[-len(kept) :] and len(kept) < 5
+    assert store.delete(kept[0]) and not store.delete(kept[0])
+    store.put("huge", {"id": "huge", "output": "z" * 1000}, [])
+    assert store.get("huge") is None and store.get(kept[-1]) is not None
