@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -36,16 +37,17 @@ def test_stream_finishes_then_shutdown_refuses_new_requests() -> None:
 
 def test_shutdown_ends_a_running_stream() -> None:
     async def main() -> None:
-        engine = AsyncEngine(ARGS)
+        # (a long answer: the shutdown from another thread must land before it ends on its own)
+        engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=4096))
         await engine.wait_ready()
-        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
         gen = engine.generate("The quick brown fox", params, "long")
         first = await asyncio.wait_for(gen.__anext__(), 60)
         assert not first.finished
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         rest = await asyncio.wait_for(_drain(gen), 30)  # ends instead of waiting forever
         assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
-        assert len(rest[-1].outputs[0].token_ids) < 400
+        assert len(rest[-1].outputs[0].token_ids) < 4000
 
     asyncio.run(main())
 

@@ -54,7 +54,7 @@ QUERIED = "hybridserve_prefix_cache_queried_tokens_total"
 GROUPS, PER_GROUP = 4, 4
 DEMO_CORPUS = ROOT / "python" / "hybridserve" / "model" / "demo_corpus.txt"  # words the tokenizer knows
 CLIENT_TIMEOUT_S = 30.0
-STREAM_TOKENS = 1000  # long enough to be cut: the kill comes at the first chunks
+STREAM_TOKENS = 3000  # long enough to be cut: the kill comes at the first chunks
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:

@@ -775,12 +775,21 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
             r.close()  # the client goes away mid-stream
             return during
 
-    during = asyncio.run(go())
+    # (the whole answer takes a fraction of a second: on a loaded machine the client may close
+    # only after it ended, so a run to the end is tried again; a server that never aborts runs
+    # to the end every time)
+    for _ in range(3):
+        during = asyncio.run(go())
+        after = wait_idle(server)
+        generated = (
+            after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
+        )
+        if generated < max_tokens:
+            break
+        before = after
     assert held(during)["running"] == 1
     assert held(during)["kv_blocks"] >= 1 and held(during)["mamba_windows"] >= 1
-    after = wait_idle(server)
     assert_idle(server)
-    generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
     assert 3 <= generated < max_tokens  # aborted, not run to the end
     aborted = 'hybridserve_requests_finished_total{finish_reason="abort"}'
     assert after[aborted] == before.get(aborted, 0) + 1  # counted as finished, by "abort"
@@ -814,11 +823,17 @@ def test_client_disconnect_during_non_streaming_request_aborts_it(server, client
         await writer.wait_closed()
         return during
 
-    during = asyncio.run(go())
+    for _ in range(3):  # (tried again when it ran to the end first, as in the streaming test)
+        during = asyncio.run(go())
+        after = wait_idle(server)
+        generated = (
+            after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
+        )
+        if generated < max_tokens:
+            break
+        before = after
     assert held(during)["running"] == 1
-    after = wait_idle(server)
     assert_idle(server)
-    generated = after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
     assert generated < max_tokens  # aborted, not run to the end
 
 
