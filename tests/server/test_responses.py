@@ -194,8 +194,19 @@ def test_previous_response_id_continues_the_conversation_as_sending_it_again_wou
         ],
         **STOPPED,
     )
+    # and as a client keeps it itself: the output items sent back as the SDK dumps them
+    kept = client.responses.create(
+        model="demo",
+        input=[
+            {"role": "user", "content": QUESTION},
+            *[item.model_dump() for item in first.output],
+            {"role": "user", "content": "And in Rome?"},
+        ],
+        **STOPPED,
+    )
     assert second.previous_response_id == first.id
     assert (second.output_text, second.usage.input_tokens) == (again.output_text, again.usage.input_tokens)
+    assert (kept.output_text, kept.usage.input_tokens) == (again.output_text, again.usage.input_tokens)
     # a tool call, then its result: the call kept, the result sent as function_call_output
     tools = [WEATHER]
     called = client.responses.create(model="demo", input=QUESTION, tools=tools, tool_choice="required",
@@ -215,6 +226,11 @@ def test_previous_response_id_continues_the_conversation_as_sending_it_again_wou
         result,
     ]
     resent = client.responses.create(model="demo", input=whole, tools=tools, tool_choice="none", **STOPPED)
+    dumped = [whole[0], *[item.model_dump() for item in called.output], result]
+    resent_dumped = client.responses.create(
+        model="demo", input=dumped, tools=tools, tool_choice="none", **STOPPED
+    )
+    assert resent_dumped.output_text == resent.output_text
     c = chat(
         client,
         [{"role": "user", "content": QUESTION},

@@ -1549,7 +1549,7 @@ async def _response_json(
         items.call(call)
     items.close()
     body = R.response_body(
-        rreq, response_id, created, status="done", output=items.items,
+        rreq, response_id, created, output=items.items,
         usage=_response_usage(info, req, c, reasoning), finish_reason=c.finish_reason,
     )  # fmt: skip
     _keep_response(state, rreq, body, content or None, calls)
@@ -1582,7 +1582,7 @@ async def _stream_response(
         nonlocal resp, sequence
         if resp is None:
             resp = await sse.start_stream(request)
-            start = R.response_body(rreq, response_id, created, status="in_progress", output=[])
+            start = R.response_body(rreq, response_id, created, output=[], in_progress=True)
             events = [{"type": "response.created", "response": start},
                       {"type": "response.in_progress", "response": start}, *events]  # fmt: skip
         for event in events:
@@ -1607,14 +1607,12 @@ async def _stream_response(
     except P.APIError as err:
         if resp is None:  # nothing sent yet: a plain error response
             raise
-        failed = R.response_body(
-            rreq, response_id, created, status="failed", output=items.items, error=R.renamed_error(err)
-        )
+        failed = R.response_body(rreq, response_id, created, output=items.items, error=R.renamed_error(err))
         await send([*items.close(), {"type": "response.failed", "response": failed}])
     else:
         events = items.close()
         body = R.response_body(
-            rreq, response_id, created, status="done", output=items.items,
+            rreq, response_id, created, output=items.items,
             usage=_response_usage(info, req, c, reasoning_text), finish_reason=c.finish_reason,
         )  # fmt: skip
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])

@@ -160,8 +160,16 @@ def _unserved(param: str, what: str) -> P.APIError:
     )
 
 
-def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str | list[dict[str, Any]]:
-    """A message's content: a string, or its text parts as chat content parts."""
+def _others(obj: dict[str, Any], known: set[str], param: str, unknown: P.UnknownFields) -> None:
+    """Report the fields of an item or part this server does not know. A null one is no field:
+    clients send the output items of a response back as the SDK dumps them (`"phase": null`)."""
+    for key in sorted(set(obj) - known):
+        if obj[key] is not None:
+            unknown.found(f"{param}.{key}")
+
+
+def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str:
+    """A message's content: a string, or its text parts joined (as the chat route joins them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -170,7 +178,7 @@ def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str | 
             f"must be a string or a list of content parts, got {type(content).__name__}",
             "invalid_type",
         )
-    parts: list[dict[str, Any]] = []
+    parts: list[str] = []
     for j, part in enumerate(content):
         pp = f"{param}[{j}]"
         if not isinstance(part, dict):
@@ -178,18 +186,16 @@ def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str | 
         kind = part.get("type")
         if kind == "refusal":
             text = part.get("refusal")
-            extra = set(part) - {"type", "refusal"}
+            _others(part, {"type", "refusal"}, pp, unknown)
         elif kind in _INPUT_TEXT_PARTS:
             text = part.get("text")
-            extra = set(part) - {"type", "text", "annotations", "logprobs"}
+            _others(part, {"type", "text", "annotations", "logprobs"}, pp, unknown)
         else:
             raise _unserved(f"{pp}.type", f"a content part of type {kind!r} (only text is)")
-        for key in sorted(extra):
-            unknown.found(f"{pp}.{key}")
         if not isinstance(text, str):
             raise _bad(f"{pp}.text", "must be a string", "invalid_type")
-        parts.append({"type": "text", "text": text})
-    return parts
+        parts.append(text)
+    return "".join(parts)
 
 
 def _string_field(item: dict[str, Any], param: str, key: str) -> str:
@@ -218,8 +224,7 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
             raise _bad(p, f"must be an object, got {type(item).__name__}", "invalid_type")
         kind = item.get("type", "message")
         if kind == "message":
-            for key in sorted(set(item) - {"type", "role", "content", "id", "status"}):
-                unknown.found(f"{p}.{key}")
+            _others(item, {"type", "role", "content", "id", "status"}, p, unknown)
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"{p}.role", f"must be one of user, assistant, system, developer; got {role!r}")
@@ -227,8 +232,7 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
                 raise _bad(f"{p}.content", "required", "missing_field")
             out.append({"role": role, "content": _text_of_parts(f"{p}.content", item["content"], unknown)})
         elif kind == "function_call":
-            for key in sorted(set(item) - {"type", "call_id", "name", "arguments", "id", "status"}):
-                unknown.found(f"{p}.{key}")
+            _others(item, {"type", "call_id", "name", "arguments", "id", "status"}, p, unknown)
             call = {
                 "id": _string_field(item, p, "call_id"),
                 "type": "function",
@@ -238,17 +242,12 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
                 },
             }
             last = out[-1] if out else None
-            if (
-                last is not None
-                and last["role"] == "assistant"
-                and isinstance(last.get("content"), (str, type(None)))
-            ):
+            if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            for key in sorted(set(item) - {"type", "call_id", "output", "id", "status"}):
-                unknown.found(f"{p}.{key}")
+            _others(item, {"type", "call_id", "output", "id", "status"}, p, unknown)
             if item.get("output") is None:
                 raise _bad(f"{p}.output", "required", "missing_field")
             result = _text_of_parts(f"{p}.output", item["output"], unknown)
@@ -555,18 +554,19 @@ def response_body(
     response_id: str,
     created_at: int,
     *,
-    status: str,
     output: list[dict[str, Any]],
+    in_progress: bool = False,
     usage: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     error: P.APIError | None = None,
 ) -> dict[str, Any]:
-    """The response object. `status`: "in_progress" (a stream's first events), else from the
+    """The response object. Its status is "in_progress" (a stream's first events), else from the
     answer's `finish_reason`: cut by max_output_tokens is "incomplete", ended by the server
     (shutdown) "failed", any other end "completed"; "failed" with `error`."""
     incomplete = None
+    status = "in_progress"
     failure = None if error is None else {"code": error.code or error.type, "message": error.message}
-    if status != "in_progress" and failure is None:
+    if not in_progress and failure is None:
         if finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         elif finish_reason == "abort":
