@@ -252,7 +252,7 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
     assert client.responses.retrieve(final.id).output_text == final.output_text
     client.responses.delete(r.id)
     status, err = call(server, f"/v1/responses/{r.id}")
-    assert status == 404 and err["error"]["code"] == "not_found"
+    assert status == 404 and (err["error"]["type"], err["error"]["code"]) == ("not_found_error", "not_found")
     status, err = call(server, "/v1/responses", {"input": "x", "previous_response_id": r.id})
     assert status == 400 and err["error"]["param"] == "previous_response_id"
     unkept = client.responses.create(model="demo", input=QUESTION, max_output_tokens=4, store=False, **GREEDY)

@@ -833,6 +833,7 @@ def _kept_response(request: web.Request) -> tuple[ServerState, str]:
         raise P.APIError(
             f"no kept response has the id {printable(response_id, 80)!r}",
             status=404,
+            type="not_found_error",
             param="response_id",
             code="not_found",
         )
@@ -843,7 +844,13 @@ async def _get_response(request: web.Request) -> web.Response:
     state, response_id = _kept_response(request)
     kept = state.responses.get(response_id)
     if kept is None:  # (deleted in between)
-        raise P.APIError("the response was deleted", status=404, param="response_id", code="not_found")
+        raise P.APIError(
+            "the response was deleted",
+            status=404,
+            type="not_found_error",
+            param="response_id",
+            code="not_found",
+        )
     return web.json_response(kept.body, dumps=_dumps)
 
 

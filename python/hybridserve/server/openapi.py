@@ -682,7 +682,12 @@ def _json(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _generation(summary: str, schema_name: str, secured: bool) -> dict[str, Any]:
+def _generation(
+    summary: str,
+    schema_name: str,
+    secured: bool,
+    answer: str = "the choices (JSON), or with stream: true Server-Sent Events ending in [DONE]",
+) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary,
         "requestBody": {
@@ -691,7 +696,7 @@ def _generation(summary: str, schema_name: str, secured: bool) -> dict[str, Any]
         },
         "responses": {
             "200": {
-                "description": "the choices (JSON), or with stream: true Server-Sent Events ending in [DONE]",
+                "description": answer,
                 "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
             },
             **_error_responses(),
@@ -767,7 +772,13 @@ def document(
                 )
             },
             "/v1/responses": {
-                "post": _generation("OpenAI responses (docs/serving.md)", "ResponsesRequest", sec)
+                "post": _generation(
+                    "OpenAI responses (docs/serving.md)",
+                    "ResponsesRequest",
+                    sec,
+                    "the response (JSON), or with stream: true its typed Server-Sent Events, the last "
+                    "response.completed, response.incomplete or response.failed",
+                )
             },
             "/v1/responses/{response_id}": {
                 method: {
