@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import aiohttp
 import openai
@@ -117,14 +118,14 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
         # connection learns that it is shutting down (what a load balancer's health check needs)
         srv.signal(signal.SIGINT)
         async with aiohttp.ClientSession(headers=auth) as fresh:
-            for _ in range(100):
+            deadline = time.monotonic() + 15
+            while True:
                 async with fresh.get(srv.base + "/health") as h:
                     if h.status == 503:
                         assert (await h.json()) == {"status": "shutting_down"}
                         break
+                assert time.monotonic() < deadline, "/health never said shutting_down"
                 await asyncio.sleep(0.01)  # the signal may not have been handled yet
-            else:
-                raise AssertionError("/health never said shutting_down")
             async with fresh.post(
                 srv.base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
             ) as r3:
