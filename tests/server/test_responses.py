@@ -250,6 +250,31 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
     assert again.model_dump() == r.model_dump()
     _, final = streamed(client, input=QUESTION, **STOPPED)
     assert client.responses.retrieve(final.id).output_text == final.output_text
+    # its input, listed as items with ids, newest first by default, a page at a time
+    listed_input = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": QUESTION}],
+            "id": "msg_mine",
+        },
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    kept = client.responses.create(model="demo", input=listed_input, max_output_tokens=2, **GREEDY)
+    items = list(client.responses.input_items.list(kept.id, order="asc", limit=1))  # (pages through all)
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "system"), ("message", "user"), ("function_call", None), ("function_call_output", None)
+    ]  # fmt: skip
+    assert items[0].content[0].text == "Be brief." and items[1].id == "msg_mine"
+    assert len({i.id for i in items}) == 4 and items[2].call_id == "call_1" and items[3].output == "sunny"
+    newest = client.responses.input_items.list(kept.id, limit=2)
+    assert [i.id for i in newest.data] == [items[3].id, items[2].id] and newest.has_more
+    status, err = call(server, f"/v1/responses/{kept.id}/input_items?limit=0")
+    assert status == 400 and err["error"]["param"] == "limit"
+    status, err = call(server, f"/v1/responses/{kept.id}/input_items?after=nope")
+    assert status == 400 and err["error"]["param"] == "after"
     client.responses.delete(r.id)
     status, err = call(server, f"/v1/responses/{r.id}")
     assert status == 404 and (err["error"]["type"], err["error"]["code"]) == ("not_found_error", "not_found")

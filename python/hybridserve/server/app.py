@@ -332,6 +332,7 @@ def create_app(
     app.router.add_post("/v1/responses", _responses, expect_handler=_expect_handler)
     app.router.add_get("/v1/responses/{response_id}", _get_response)
     app.router.add_delete("/v1/responses/{response_id}", _delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", _response_input_items)
     app.router.add_get("/v1/models", _models)
     # (any characters: the served name defaults to MODEL as given, which may be a path)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
@@ -826,10 +827,11 @@ async def _responses(request: web.Request) -> web.StreamResponse:
         raise R.renamed_error(e) from None
 
 
-def _kept_response(request: web.Request) -> tuple[ServerState, str]:
-    state = request.app[STATE]
+def _kept_response(request: web.Request) -> R.KeptResponse:
+    """The kept response the path names, or a 404."""
     response_id = request.match_info["response_id"]
-    if state.responses.get(response_id) is None:
+    kept = request.app[STATE].responses.get(response_id)
+    if kept is None:
         raise P.APIError(
             f"no kept response has the id {printable(response_id, 80)!r}",
             status=404,
@@ -837,26 +839,21 @@ def _kept_response(request: web.Request) -> tuple[ServerState, str]:
             param="response_id",
             code="not_found",
         )
-    return state, response_id
+    return kept
 
 
 async def _get_response(request: web.Request) -> web.Response:
-    state, response_id = _kept_response(request)
-    kept = state.responses.get(response_id)
-    if kept is None:  # (deleted in between)
-        raise P.APIError(
-            "the response was deleted",
-            status=404,
-            type="not_found_error",
-            param="response_id",
-            code="not_found",
-        )
-    return web.json_response(kept.body, dumps=_dumps)
+    return web.json_response(_kept_response(request).body, dumps=_dumps)
+
+
+async def _response_input_items(request: web.Request) -> web.Response:
+    page = R.page_of_input_items(_kept_response(request).input_items, request.query)
+    return web.json_response(page, dumps=_dumps)
 
 
 async def _delete_response(request: web.Request) -> web.Response:
-    state, response_id = _kept_response(request)
-    deleted = state.responses.delete(response_id)
+    response_id = _kept_response(request).body["id"]
+    deleted = request.app[STATE].responses.delete(response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": deleted}, dumps=_dumps)
 
 
@@ -1526,7 +1523,8 @@ def _keep_response(
 ) -> None:
     """Keep a finished response for GET and for a later turn's `previous_response_id`."""
     if rreq.store and body["status"] in ("completed", "incomplete"):
-        state.responses.put(body["id"], body, [*rreq.history, R.assistant_message(content, calls)])
+        history = [*rreq.history, R.assistant_message(content, calls)]
+        state.responses.put(body["id"], body, history, rreq.input_items)
 
 
 async def _response_json(

@@ -792,6 +792,33 @@ def document(
                     ("delete", "delete a kept response (404 when not kept)", "{id, object, deleted}"),
                 )
             },
+            "/v1/responses/{response_id}/input_items": {
+                "get": {
+                    **_get(
+                        "a kept response's input items, a page at a time (404 when not kept)",
+                        _json("{object: list, data, first_id, last_id, has_more}"),
+                        secured=sec,
+                    ),
+                    "parameters": [
+                        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": _int(1, 100, "items per page (default 20)"),
+                        },
+                        {
+                            "name": "order",
+                            "in": "query",
+                            "schema": {"enum": ["asc", "desc"], "description": "default desc (newest first)"},
+                        },
+                        {
+                            "name": "after",
+                            "in": "query",
+                            "schema": {"type": "string", "description": "an item id"},
+                        },
+                    ],
+                }
+            },
             "/v1/models": {"get": _get("the served model", _json("a list of one model card"), secured=sec)},
             "/v1/models/{model_id}": {
                 "get": {

@@ -27,6 +27,7 @@ import json
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,14 +104,17 @@ class ResponsesRequest:
     # the conversation as chat messages, without `instructions`: what a later turn continues
     history: list[dict[str, Any]]
     echo: dict[str, Any]  # the body's fields the response object repeats
+    # `input` as items with ids, for GET /v1/responses/{id}/input_items
+    input_items: list[dict[str, Any]] = field(default_factory=list)
     store: bool = True
     ignored_fields: list[str] = field(default_factory=list)  # (the app logs them)
 
 
 @dataclass
-class _Kept:
+class KeptResponse:
     body: dict[str, Any]
     history: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
     size: int
 
 
@@ -120,22 +124,29 @@ class ResponseStore:
     dropped first). Shared by the event loop and the threads that parse large bodies."""
 
     max_bytes: int = DEFAULT_STORE_BYTES
-    _kept: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)
+    _kept: OrderedDict[str, KeptResponse] = field(default_factory=OrderedDict)
     _bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def put(self, response_id: str, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(history, ensure_ascii=False))
+    def put(
+        self,
+        response_id: str,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+        input_items: list[dict[str, Any]] | None = None,
+    ) -> None:
+        items = input_items or []
+        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (body, history, items))
         if size > self.max_bytes:
             return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
         with self._lock:
-            self._kept[response_id] = _Kept(body, history, size)
+            self._kept[response_id] = KeptResponse(body, history, items, size)
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, old = self._kept.popitem(last=False)
                 self._bytes -= old.size
 
-    def get(self, response_id: str) -> _Kept | None:
+    def get(self, response_id: str) -> KeptResponse | None:
         with self._lock:
             return self._kept.get(response_id)
 
@@ -259,6 +270,54 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
     if not out:
         raise _bad("input", "holds no message")
     return out
+
+
+def listed_input(v: Any) -> list[dict[str, Any]]:
+    """`input` (already validated) as OpenAI lists a response's input items: each with an id
+    (its own, or a new one), a message's content as typed parts, null fields left out."""
+    if isinstance(v, str):
+        v = [{"role": "user", "content": v}]
+    out: list[dict[str, Any]] = []
+    for given in v:
+        item = {k: copy.deepcopy(x) for k, x in given.items() if x is not None}
+        kind = item.setdefault("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "rs")
+        item.setdefault("id", _new_id(prefix))
+        if kind == "message" and isinstance(item["content"], str):
+            if item["role"] == "assistant":
+                item["content"] = [{"type": "output_text", "text": item["content"], "annotations": []}]
+            else:
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+        if kind != "reasoning":
+            item.setdefault("status", "completed")
+        out.append(item)
+    return out
+
+
+def page_of_input_items(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a kept response's input items: OpenAI's `limit` (1 to 100, default 20),
+    `order` (`desc`, the default, or `asc`) and `after` (an item id) query parameters."""
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise _bad("limit", f"must be an integer from 1 to 100, got {raw_limit[:20]!r}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _bad("order", f"must be asc or desc, got {order[:20]!r}")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(ordered) if item["id"] == after), None)
+        if at is None:
+            raise _bad("after", f"no input item of this response has the id {after[:80]!r}")
+        ordered = ordered[at + 1 :]
+    page = ordered[: int(raw_limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > len(page),
+    }
 
 
 def _chat_tools(v: Any) -> list[Any]:
@@ -417,7 +476,12 @@ def parse_responses_request(
         "background": False,
     }
     return ResponsesRequest(
-        chat=req, history=history, echo=echo, store=keep, ignored_fields=req.ignored_fields
+        chat=req,
+        history=history,
+        echo=echo,
+        input_items=listed_input(body["input"]),
+        store=keep,
+        ignored_fields=req.ignored_fields,
     )
 
 
