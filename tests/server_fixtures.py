@@ -282,3 +282,11 @@ def assert_idle(server: ServerProcess) -> dict[str, float]:
     assert held(m) == {"running": 0, "waiting": 0, "kv_blocks": 0, "mamba_windows": 0, "server_inflight": 0}
     assert m["hybridserve_mamba_checkpoints_pending"] == 0
     return m
+
+
+def openai_client(server: ServerProcess, timeout: float = 60) -> Any:
+    """The official openai client on the server's /v1 (no retries: a failure shows at once); use
+    it as a context manager to close its connections."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=timeout)

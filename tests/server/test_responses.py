@@ -16,7 +16,7 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.responses import ResponseStore
-from server_fixtures import ServerProcess, assert_idle, call, running_server
+from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
 
 WEATHER = {
     "type": "function",
@@ -58,9 +58,8 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
+    with openai_client(server) as c:
+        yield c
 
 
 def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:

@@ -10,7 +10,7 @@ import functools
 import io
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import aiohttp
@@ -775,9 +775,25 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
             r.close()  # the client goes away mid-stream
             return during
 
-    # (the whole answer takes a fraction of a second: on a loaded machine the client may close
-    # only after it ended, so a run to the end is tried again; a server that never aborts runs
-    # to the end every time)
+    during, after, generated = _until_cut(server, go, before, max_tokens)
+    assert held(during)["running"] == 1
+    assert held(during)["kv_blocks"] >= 1 and held(during)["mamba_windows"] >= 1
+    assert_idle(server)
+    assert 3 <= generated < max_tokens  # aborted, not run to the end
+    aborted = 'hybridserve_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1  # counted as finished, by "abort"
+
+
+def _until_cut(
+    server: Any,
+    go: Callable[[], Coroutine[Any, Any, dict[str, float]]],
+    before: dict[str, float],
+    max_tokens: int,
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """(metrics while the request ran, metrics after, tokens generated) of a client that leaves
+    during its request. The whole answer takes a fraction of a second: on a loaded machine the
+    client may leave only after it ended, so a run to the end is tried again, up to three times
+    in all; a server that never aborts runs to the end every time."""
     for _ in range(3):
         during = asyncio.run(go())
         after = wait_idle(server)
@@ -787,12 +803,7 @@ def test_client_disconnect_mid_stream_frees_everything(server, client):
         if generated < max_tokens:
             break
         before = after
-    assert held(during)["running"] == 1
-    assert held(during)["kv_blocks"] >= 1 and held(during)["mamba_windows"] >= 1
-    assert_idle(server)
-    assert 3 <= generated < max_tokens  # aborted, not run to the end
-    aborted = 'hybridserve_requests_finished_total{finish_reason="abort"}'
-    assert after[aborted] == before.get(aborted, 0) + 1  # counted as finished, by "abort"
+    return during, after, generated
 
 
 def test_client_disconnect_during_non_streaming_request_aborts_it(server, client):
@@ -823,15 +834,7 @@ def test_client_disconnect_during_non_streaming_request_aborts_it(server, client
         await writer.wait_closed()
         return during
 
-    for _ in range(3):  # (tried again when it ran to the end first, as in the streaming test)
-        during = asyncio.run(go())
-        after = wait_idle(server)
-        generated = (
-            after["hybridserve_generation_tokens_total"] - before["hybridserve_generation_tokens_total"]
-        )
-        if generated < max_tokens:
-            break
-        before = after
+    during, after, generated = _until_cut(server, go, before, max_tokens)
     assert held(during)["running"] == 1
     assert_idle(server)
     assert generated < max_tokens  # aborted, not run to the end

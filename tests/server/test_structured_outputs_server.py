@@ -18,7 +18,7 @@ import pydantic
 import pytest
 
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, running_server
+from server_fixtures import ServerProcess, openai_client, running_server
 
 # A short compile limit, so that the slow-grammar test is quick; every other grammar here
 # compiles in milliseconds.
@@ -76,9 +76,8 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
+    with openai_client(server) as c:
+        yield c
 
 
 def _parse(client: openai.OpenAI, **kw: Any) -> Any:

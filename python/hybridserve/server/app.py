@@ -819,7 +819,9 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     async def respond(
         created: int, arrival: float, choices: list[_Choice], sink: _Sink
     ) -> web.StreamResponse:
-        return await answer(request, state, info, rreq, response_id, created, arrival, choices, sink)
+        return await answer(
+            _ResponseRun(request, state, info, rreq, response_id, created, arrival, choices, sink)
+        )
 
     try:
         return await _generate(request, state, engine, info, req, response_id, respond=respond)
@@ -1518,31 +1520,44 @@ def _response_usage(
     )
 
 
-def _keep_response(
-    state: ServerState, rreq: R.ResponsesRequest, body: dict[str, Any], content: str | None, calls: list[Any]
-) -> None:
-    """Keep a finished response for GET and for a later turn's `previous_response_id`."""
-    if rreq.store and body["status"] in ("completed", "incomplete"):
-        history = [*rreq.history, R.assistant_message(content, calls)]
-        state.responses.put(body["id"], body, history, rreq.input_items)
+@dataclass
+class _ResponseRun:
+    """One /v1/responses request running: what its answer is written from."""
+
+    request: web.Request
+    state: ServerState
+    info: EngineModelInfo
+    rreq: R.ResponsesRequest
+    response_id: str
+    created: int
+    arrival: float
+    choices: list[_Choice]
+    sink: _Sink
+
+    def deltas(self) -> AsyncIterator[tuple[_Choice, _Delta]]:
+        return _deltas(self.state, self.choices, self.sink, self.arrival)
+
+    def finished(
+        self, items: R.OutputItems, reasoning: str, content: str | None, calls: list[Any]
+    ) -> dict[str, Any]:
+        """The finished response (kept, with `store`, for GET and a later turn)."""
+        c = self.choices[0]
+        body = R.response_body(
+            self.rreq, self.response_id, self.created, output=items.items,
+            usage=_response_usage(self.info, self.rreq.chat, c, reasoning), finish_reason=c.finish_reason,
+        )  # fmt: skip
+        if self.rreq.store and body["status"] in ("completed", "incomplete"):
+            history = [*self.rreq.history, R.assistant_message(content, calls)]
+            self.state.responses.put(body["id"], body, history, self.rreq.input_items)
+        return body
 
 
-async def _response_json(
-    request: web.Request,
-    state: ServerState,
-    info: EngineModelInfo,
-    rreq: R.ResponsesRequest,
-    response_id: str,
-    created: int,
-    arrival: float,
-    choices: list[_Choice],
-    sink: _Sink,
-) -> web.StreamResponse:
-    req = rreq.chat
-    async for _choice, _delta in _deltas(state, choices, sink, arrival):
+async def _response_json(run: _ResponseRun) -> web.StreamResponse:
+    req = run.rreq.chat
+    async for _choice, _delta in run.deltas():
         pass
-    c = choices[0]
-    reasoning, text = ("", c.text) if req.reasoning is None else split_reasoning(req.reasoning, c.text)
+    text = run.choices[0].text
+    reasoning, text = ("", text) if req.reasoning is None else split_reasoning(req.reasoning, text)
     content: str | None = text
     calls: list[Any] = []
     if req.tool_parser is not None:
@@ -1553,29 +1568,14 @@ async def _response_json(
     for call in calls:
         items.call(call)
     items.close()
-    body = R.response_body(
-        rreq, response_id, created, output=items.items,
-        usage=_response_usage(info, req, c, reasoning), finish_reason=c.finish_reason,
-    )  # fmt: skip
-    _keep_response(state, rreq, body, content or None, calls)
-    return web.json_response(body, dumps=_dumps)
+    return web.json_response(run.finished(items, reasoning, content or None, calls), dumps=_dumps)
 
 
-async def _stream_response(
-    request: web.Request,
-    state: ServerState,
-    info: EngineModelInfo,
-    rreq: R.ResponsesRequest,
-    response_id: str,
-    created: int,
-    arrival: float,
-    choices: list[_Choice],
-    sink: _Sink,
-) -> web.StreamResponse:
+async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
     """OpenAI's typed events: response.created and response.in_progress before the first output,
     the items' events as the answer settles, and response.completed (or .incomplete, .failed)
     with the whole response. An error before any output is a plain error response."""
-    req = rreq.chat
+    req = run.rreq.chat
     resp: web.StreamResponse | None = None
     sequence = 0
     items = R.OutputItems()
@@ -1586,8 +1586,8 @@ async def _stream_response(
     async def send(events: list[dict[str, Any]]) -> None:
         nonlocal resp, sequence
         if resp is None:
-            resp = await sse.start_stream(request)
-            start = R.response_body(rreq, response_id, created, output=[], in_progress=True)
+            resp = await sse.start_stream(run.request)
+            start = R.response_body(run.rreq, run.response_id, run.created, output=[], in_progress=True)
             events = [{"type": "response.created", "response": start},
                       {"type": "response.in_progress", "response": start}, *events]  # fmt: skip
         for event in events:
@@ -1595,9 +1595,8 @@ async def _stream_response(
             sequence += 1
             await sse.send_typed_event(resp, event)
 
-    c = choices[0]
     try:
-        async for _choice, delta in _deltas(state, choices, sink, arrival):
+        async for _choice, delta in run.deltas():
             reasoning, text = (
                 ("", delta.text) if splitter is None else splitter.feed(delta.text, final=delta.finished)
             )
@@ -1612,17 +1611,15 @@ async def _stream_response(
     except P.APIError as err:
         if resp is None:  # nothing sent yet: a plain error response
             raise
-        failed = R.response_body(rreq, response_id, created, output=items.items, error=R.renamed_error(err))
+        failed = R.response_body(
+            run.rreq, run.response_id, run.created, output=items.items, error=R.renamed_error(err)
+        )
         await send([*items.close(), {"type": "response.failed", "response": failed}])
     else:
         events = items.close()
-        body = R.response_body(
-            rreq, response_id, created, output=items.items,
-            usage=_response_usage(info, req, c, reasoning_text), finish_reason=c.finish_reason,
-        )  # fmt: skip
-        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])
         content = "".join(p["text"] for i in items.items if i["type"] == "message" for p in i["content"])
-        _keep_response(state, rreq, body, content or None, [] if tools is None else tools.calls)
+        body = run.finished(items, reasoning_text, content or None, [] if tools is None else tools.calls)
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])
         await send([*events, {"type": kind or "response.completed", "response": body}])
     assert resp is not None
     await resp.write_eof()
