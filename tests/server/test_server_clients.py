@@ -6,6 +6,7 @@ field and the code, the periodic engine line, the CPU threads at start (docs/ser
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import json
 import re
@@ -297,7 +298,7 @@ def test_access_and_client_error_lines(server):
     call(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True})
     pattern = (
         r'hybridserve\.access: 127\.0\.0\.1 "POST /v1/completions" 200 prompt_tokens=3 output_tokens=3 '
-        r"cached_tokens=\d+ ttft=\d+\.\d{3}s e2e=\d+\.\d{3}s$"
+        r"cached_tokens=\d+ ttft=\d+\.\d{3}s e2e=\d+\.\d{3}s id=cmpl-[0-9a-f]{32}$"
     )
     log_lines(server, pattern)
     status, _ = call(server, "/v1/completions", {"prompt": "x", "temperature": 9})
@@ -311,6 +312,53 @@ def test_access_and_client_error_lines(server):
     # health probes (the fixture polled /health while the model loaded) are at debug level
     assert '"GET /health"' not in server.output()
     assert re.search(r'hybridserve\.access: .*"GET /tokenizer_info" 200 e2e=', server.output())
+
+
+def _with_request_id(
+    server: ServerProcess, path: str, body: dict[str, Any] | None, request_id: str | None
+) -> tuple[int, str | None, Any]:
+    """(status, the answer's X-Request-Id header, its JSON body) of a request sent with that header."""
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers.get("X-Request-Id"), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers.get("X-Request-Id"), json.loads(e.read())
+
+
+def test_the_request_id_header_names_the_answer_and_comes_back(server):
+    body = {"prompt": "The fox", "max_tokens": 4, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, payload, prefix in (
+        ("/v1/completions", body, "cmpl-"),
+        ("/v1/chat/completions", chat, "chatcmpl-"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False}, "resp_"),
+    ):
+        status, header, answer = _with_request_id(server, path, payload, "trace-7.a")
+        assert (status, header, answer["id"]) == (200, "trace-7.a", f"{prefix}trace-7.a"), path
+        # without one, the header names the new id
+        status, header, answer = _with_request_id(server, path, payload, None)
+        assert status == 200 and header == answer["id"] and header.startswith(prefix)
+    log_lines(server, r'"POST /v1/completions" 200 .* id=cmpl-trace-7\.a$')
+    # one id on requests running at once: each is answered as it is alone (the engine's ids differ)
+    solo = _with_request_id(server, "/v1/completions", body, None)[2]["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(
+            pool.map(lambda _: _with_request_id(server, "/v1/completions", body, "same"), range(4))
+        )
+    assert all(
+        a[0] == 200 and a[2]["id"] == "cmpl-same" and a[2]["choices"][0]["text"] == solo for a in answers
+    )
+    # any route carries the client's id back, errors included; a bad one is refused on generation
+    assert _with_request_id(server, "/v1/nowhere", None, "x-1")[:2] == (404, "x-1")
+    status, header, err = _with_request_id(server, "/v1/completions", body, "a" * 257)
+    assert status == 400 and err["error"]["param"] == "X-Request-Id" and header is None
+    assert_idle(server)
 
 
 def test_engine_line_while_there_is_work_and_threads_at_start(server):

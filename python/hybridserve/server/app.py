@@ -40,6 +40,7 @@ from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, rea
 from hybridserve.server.request_log import (
     CLIENT_CLOSED,
     RECORD_KEY,
+    REQUEST_ID_KEY,
     RequestRecord,
     access_log_middleware,
     log_engine_stats,
@@ -57,6 +58,10 @@ DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's
 # How the server treats a request's `priority` (`create_app`): vLLM's --scheduling-policy values
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RETRY_AFTER_S = 1
+# vLLM's request id header: a generation answer's id is the client's value after the route's
+# prefix, and the answer carries the header back (the client's value, or the new id)
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_LEN = 256
 _ABORTED = object()  # sink marker: the server aborted this choice
 
 
@@ -352,7 +357,7 @@ def create_app(
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
-    app.on_response_prepare.append(_cors_headers)
+    app.on_response_prepare.append(_response_headers)
     if engine is not None:
         set_engine(app, engine, chat_template=chat_template)
     return app
@@ -525,10 +530,38 @@ async def _access_middleware(
     return await handler(request)
 
 
-async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """An allowed origin may read every response, streamed ones and errors included: set here,
-    just before the headers go out, rather than by each handler."""
+async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Set just before the headers go out, rather than by each handler, so that streamed answers
+    and errors get them too: the CORS headers an allowed origin needs to read the answer, and the
+    request id (the client's X-Request-Id, or a generation answer's new id)."""
     response.headers.update(request.app[STATE].access.cors_headers(request.headers))
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is not None and _request_id_ok(given):
+        response.headers[REQUEST_ID_HEADER] = given
+    elif isinstance(request.get(REQUEST_ID_KEY), str):
+        response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID_KEY]
+
+
+def _request_id_ok(value: str) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isascii() and value.isprintable()
+
+
+def _request_id(request: web.Request, prefix: str) -> str:
+    """A generation answer's id: the route's prefix and the client's X-Request-Id (as vLLM), or
+    a new one. The engine's ids of its choices stay unique either way (`_generate`)."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        request_id = f"{prefix}{uuid.uuid4().hex}"
+    elif _request_id_ok(given):
+        request_id = f"{prefix}{given}"
+    else:
+        raise P.APIError(
+            f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters",
+            param=REQUEST_ID_HEADER,
+            code="invalid_value",
+        )
+    request[REQUEST_ID_KEY] = request_id
+    return request_id
 
 
 @web.middleware
@@ -778,16 +811,18 @@ async def _parse(
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
+    request_id = _request_id(request, "cmpl-")
     req = await _parse(request, info, state.served_model_name, P.parse_completion_request)
-    return await _generate(request, state, engine, info, req, f"cmpl-{uuid.uuid4().hex}")
+    return await _generate(request, state, engine, info, req, request_id)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, info = _require_engine(state)
+    request_id = _request_id(request, "chatcmpl-")
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
     _split_reasoning(state, info, req)
-    return await _generate(request, state, engine, info, req, f"chatcmpl-{uuid.uuid4().hex}")
+    return await _generate(request, state, engine, info, req, request_id)
 
 
 def _split_reasoning(state: ServerState, info: EngineModelInfo, req: P.GenerateRequest) -> None:
@@ -809,11 +844,11 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API (responses.py): a chat request, answered as output items."""
     state = request.app[STATE]
     engine, info = _require_engine(state)
+    response_id = _request_id(request, "resp_")
     parse = functools.partial(R.parse_responses_request, store=state.responses)
     rreq = await _parse(request, info, state.served_model_name, parse)
     req = rreq.chat
     _split_reasoning(state, info, req)
-    response_id = f"resp_{uuid.uuid4().hex}"
     answer = _stream_response if req.stream else _response_json
 
     async def respond(
@@ -1007,8 +1042,15 @@ async def _generate(
             code="invalid_value",
         )
     n = req.params.n
+    # (a client's X-Request-Id may come with more than one request at once: the engine's ids get
+    # a part of their own)
+    base = (
+        request_id
+        if request.headers.get(REQUEST_ID_HEADER) is None
+        else f"{request_id}-{uuid.uuid4().hex[:12]}"
+    )
     choices = [
-        _Choice(index=i, engine_id=f"{request_id}-{i}", prompt=req.prompts[i // n])
+        _Choice(index=i, engine_id=f"{base}-{i}", prompt=req.prompts[i // n])
         for i in range(req.num_sequences)
     ]
     if len(choices) > state.max_queue_len:  # could never be admitted

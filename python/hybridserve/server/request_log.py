@@ -29,6 +29,7 @@ QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
 # A client that goes away before its answer is complete (nginx's code for it).
 CLIENT_CLOSED = 499
 RECORD_KEY = "hybridserve_record"  # the generation handlers' RequestRecord, on the aiohttp request
+REQUEST_ID_KEY = "hybridserve_request_id"  # a generation request's answer id, on the aiohttp request
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -63,6 +64,9 @@ def access_line(request: web.BaseRequest, status: int, elapsed_s: float) -> str:
             f"cached_tokens={record.cached_tokens} ttft={ttft}"
         )
     parts.append(f"e2e={elapsed_s:.3f}s")
+    request_id = request.get(REQUEST_ID_KEY)
+    if isinstance(request_id, str):
+        parts.append(f"id={printable(request_id, 300)}")
     return " ".join(parts)
 
 
