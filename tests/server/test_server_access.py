@@ -133,6 +133,9 @@ def test_an_allowed_origin_is_served_and_may_read_the_answers(server: ServerProc
     status, body, headers = call(server, "POST", "/v1/completions", origin)
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
     assert headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN and "Origin" in headers["Vary"]
+    # the page may read the answer's id and when to retry
+    assert set(headers["Access-Control-Expose-Headers"].split(", ")) == {"Retry-After", "X-Request-Id"}
+    assert {k.lower(): v for k, v in headers.items()}["x-request-id"].startswith("cmpl-")
     # Origin decides over Sec-Fetch-Site: the allowed origin is another site, and allowed
     status, body, headers = call(
         server, "POST", "/v1/completions", {**origin, "Sec-Fetch-Site": "cross-site"}
@@ -154,7 +157,7 @@ def test_an_allowed_origin_is_served_and_may_read_the_answers(server: ServerProc
     })  # fmt: skip
     assert status == 204, headers
     assert headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
-    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert set(headers["Access-Control-Allow-Methods"].split(", ")) == {"GET", "POST", "DELETE"}
     assert headers["Access-Control-Allow-Headers"] == "authorization,content-type,x-stainless-os"
     # an OPTIONS that is no preflight is still a method the route does not have
     status, body, _ = call(server, "OPTIONS", "/v1/completions")

@@ -252,7 +252,7 @@ class AccessPolicy:
             return {}
         return {
             "Access-Control-Allow-Origin": origins[0].strip(),
-            "Access-Control-Expose-Headers": "Retry-After",
+            "Access-Control-Expose-Headers": "Retry-After, X-Request-Id",
             "Vary": "Origin",
         }
 
@@ -265,7 +265,7 @@ class AccessPolicy:
         granted as asked: they carry no ambient authority (no cookies here), and browser clients
         send headers of their own (the openai library's x-stainless-*)."""
         out = self.cors_headers(headers)
-        out["Access-Control-Allow-Methods"] = "GET, POST"
+        out["Access-Control-Allow-Methods"] = "GET, POST, DELETE"  # (DELETE: a kept response)
         asked = headers.get("Access-Control-Request-Headers", "").strip()
         if asked:
             out["Access-Control-Allow-Headers"] = asked
