@@ -345,3 +345,8 @@ def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
     assert store.delete(kept[0]) and not store.delete(kept[0])
     store.put("huge", {"id": "huge", "output": "z" * 1000}, [])
     assert store.get("huge") is None and store.get(kept[-1]) is not None
+    # an id kept again replaces its older response and its bytes: the rest stays
+    left = [n for n in "abcde" if store.get(n) is not None]
+    for _ in range(20):
+        store.put(left[-1], {**body, "id": left[-1]}, [{"role": "user", "content": "y" * 50}])
+    assert [n for n in "abcde" if store.get(n) is not None] == left

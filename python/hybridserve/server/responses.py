@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}) over the chat
-route's machinery.
+"""OpenAI's Responses API (POST /v1/responses; GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items) over the chat route's machinery.
 
 A Responses body is translated into a chat body (`input` and `instructions` into `messages`,
 `max_output_tokens` into `max_tokens`, flat function tools into chat tools, `text.format` into
@@ -140,6 +140,9 @@ class ResponseStore:
         if size > self.max_bytes:
             return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
         with self._lock:
+            old = self._kept.pop(response_id, None)  # (a client's X-Request-Id may come again)
+            if old is not None:
+                self._bytes -= old.size
             self._kept[response_id] = KeptResponse(body, history, items, size)
             self._bytes += size
             while self._bytes > self.max_bytes:
@@ -156,9 +159,6 @@ class ResponseStore:
             if old is not None:
                 self._bytes -= old.size
             return old is not None
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> P.APIError:
