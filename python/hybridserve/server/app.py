@@ -1,7 +1,8 @@
 """The aiohttp application: OpenAI-compatible routes over an AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (and their /render), POST /v1/responses
-and GET / DELETE /v1/responses/{id} (responses.py), GET /v1/models[/{id}], GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (and their /render), POST /v1/responses,
+GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (responses.py), GET
+/v1/models[/{id}], GET /health,
 GET /metrics, GET /openapi.json (openapi.py), and vLLM's tokenizer routes POST /tokenize, POST
 /detokenize, GET /tokenizer_info. Every request is validated (protocol.py) before anything reaches
 the engine; each choice of a request is one engine request whose outputs reach
