@@ -175,6 +175,31 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     assert r.text.format.type == "json_schema"
 
 
+def test_the_message_logprobs_are_the_chat_route_s(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"input": QUESTION, "max_output_tokens": 12, "temperature": 0, "top_logprobs": 2,
+                          "include": ["message.output_text.logprobs"]}  # fmt: skip
+    r = client.responses.create(model="demo", **kw)
+    c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0, logprobs=True,
+             top_logprobs=2)  # fmt: skip
+    (part,) = r.output[0].content
+    want = [t.model_dump() for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in part.logprobs] == want and len(want) == r.usage.output_tokens
+    assert "".join(t["token"] for t in want) == r.output_text
+    # greedy: each token is the likelier of its two alternatives
+    assert all(t["logprob"] == max(a["logprob"] for a in t["top_logprobs"]) for t in want)
+    assert all(len(t["top_logprobs"]) == 2 for t in want)
+    events = list(client.responses.create(model="demo", stream=True, **kw))  # (cut by its limit)
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    deltas = [t.model_dump() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert deltas == want and [t.model_dump() for t in final.output[0].content[0].logprobs] == want
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert [t.model_dump() for t in done[0].logprobs] == want
+    # not asked for: none
+    plain = client.responses.create(model="demo", input=QUESTION, max_output_tokens=12, temperature=0)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
 def test_previous_response_id_continues_the_conversation_as_sending_it_again_would(
     client: openai.OpenAI,
 ) -> None:
@@ -313,6 +338,8 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+        ({"input": "x", "tools": [WEATHER], "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": "x", "temperature": -1}, "temperature"),
         ({"input": "x" * 20000}, "input"),
     ],

@@ -850,6 +850,12 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     rreq = await _parse(request, info, state.served_model_name, parse)
     req = rreq.chat
     _split_reasoning(state, info, req)
+    if rreq.logprobs and req.reasoning is not None:
+        raise P.APIError(
+            f"include: {R.LOGPROBS_INCLUDE} is not served with --reasoning-parser (not every token is the message's)",
+            param="include",
+            code="unsupported_parameter",
+        )
     answer = _stream_response if req.stream else _response_json
 
     async def respond(
@@ -1580,6 +1586,17 @@ class _ResponseRun:
     def deltas(self) -> AsyncIterator[tuple[_Choice, _Delta]]:
         return _deltas(self.state, self.choices, self.sink, self.arrival)
 
+    def logprobs(self, entries: list[Any] | None, ids: list[int]) -> list[dict[str, Any]] | None:
+        """The tokens' logprobs as an output_text part lists them (None when not asked for)."""
+        req = self.rreq.chat
+        if not self.rreq.logprobs or entries is None or req.logprobs is None:
+            return None
+        return list(
+            P.chat_logprobs(entries, ids, self.info.token_text, req.logprobs, self.info.token_bytes)[
+                "content"
+            ]
+        )
+
     def finished(
         self, items: R.OutputItems, reasoning: str, content: str | None, calls: list[Any]
     ) -> dict[str, Any]:
@@ -1607,7 +1624,8 @@ async def _response_json(run: _ResponseRun) -> web.StreamResponse:
         content, calls = split_message(req.tool_parser, text)
     items = R.OutputItems()
     items.reasoning(reasoning)
-    items.content(content or "")
+    c = run.choices[0]
+    items.content(content or "", run.logprobs(c.logprobs, c.token_ids))
     for call in calls:
         items.call(call)
     items.close()
@@ -1625,6 +1643,7 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
     tools = ToolCallStream(req.tool_parser) if req.tool_parser is not None else None
     splitter = ReasoningSplitter(req.reasoning) if req.reasoning is not None else None
     reasoning_text = ""
+    pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is not out yet
 
     async def send(events: list[dict[str, Any]]) -> None:
         nonlocal resp, sequence
@@ -1646,7 +1665,10 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
             reasoning_text += reasoning
             events = items.reasoning(reasoning)
             content, calls = (text, []) if tools is None else tools.feed(text, final=delta.finished)
-            events += items.content(content)
+            pending += run.logprobs(delta.logprobs, delta.token_ids) or []
+            events += items.content(content, pending)
+            if content:
+                pending = []
             for call in calls:
                 events += items.call(call)
             if events or resp is None:
@@ -1659,6 +1681,7 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
         )
         await send([*items.close(), {"type": "response.failed", "response": failed}])
     else:
+        items.late_logprobs(pending)
         events = items.close()
         content = "".join(p["text"] for i in items.items if i["type"] == "message" for p in i["content"])
         body = run.finished(items, reasoning_text, content or None, [] if tools is None else tools.calls)

@@ -464,8 +464,18 @@ def _responses_fields(
         "store": _bool(
             "keep the response for GET /v1/responses/{id} and previous_response_id (default true)"
         ),
-        "include": {"type": "array", "items": {"type": "string"}, "description": "accepted and ignored"},
+        "include": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": f"{R.LOGPROBS_INCLUDE}: the message's token logprobs; other values are accepted and ignored",
+        },
         "truncation": {"enum": ["disabled"], "description": "only disabled (the default)"},
+        "top_logprobs": _int(
+            0,
+            MAX_LOGPROBS,
+            "alternatives per token of the message's logprobs; needs include "
+            f"[{R.LOGPROBS_INCLUDE!r}] (not with tools or a reasoning parser)",
+        ),
         "prompt_cache_key": text,
         "safety_identifier": text,
         **{name: _unsupported() for name in R.UNSERVED_FIELDS},

@@ -16,8 +16,9 @@ input, then its output), without its `instructions`, as OpenAI does. Output reas
 sent back to the model in a later turn, as chat templates leave earlier reasoning out.
 
 Not served: hosted tools (web search, file search, computer use, MCP), images and files in the
-input, `background`, `truncation: "auto"`, logprobs (`top_logprobs`), `max_tool_calls`, and
-stored prompts or conversations (`prompt`, `conversation`).
+input, `background`, `truncation: "auto"`, `max_tool_calls`, stored prompts or conversations
+(`prompt`, `conversation`), and logprobs of an answer that is split (with tools or a reasoning
+parser, whose tokens are not all the message's).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridserve.sampling.params import MAX_LOGPROBS
 from hybridserve.server import protocol as P
 from hybridserve.server.tools import ToolCall
 
@@ -58,9 +60,9 @@ RESPONSES_FIELDS = {
     "truncation",
     "prompt_cache_key",
     "safety_identifier",
+    "top_logprobs",
     # known, not served: accepted only when absent, null, false or empty
     "background",
-    "top_logprobs",
     "max_tool_calls",
     "conversation",
     "prompt",
@@ -85,7 +87,9 @@ PASSTHROUGH_FIELDS = {
     "priority",
     "chat_template_kwargs",
 }
-UNSERVED_FIELDS = ("background", "top_logprobs", "max_tool_calls", "conversation", "prompt")
+UNSERVED_FIELDS = ("background", "max_tool_calls", "conversation", "prompt")
+# `include` of the message's token logprobs (with `top_logprobs` alternatives each)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # A chat validator's field -> the Responses field it came from (its errors name the latter)
 _FIELD_NAMES = (
     ("messages", "input"),
@@ -108,6 +112,7 @@ class ResponsesRequest:
     input_items: list[dict[str, Any]] = field(default_factory=list)
     store: bool = True
     ignored_fields: list[str] = field(default_factory=list)  # (the app logs them)
+    logprobs: bool = False  # the message's token logprobs were asked for (`LOGPROBS_INCLUDE`)
 
 
 @dataclass
@@ -451,6 +456,16 @@ def parse_responses_request(
         fmt = _response_format(body["text"])
         if fmt is not None:
             chat["response_format"] = fmt
+    top_logprobs = P.get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = LOGPROBS_INCLUDE in (body.get("include") or [])
+    if logprobs:
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            raise _bad(
+                "include", f"{LOGPROBS_INCLUDE} is not served with tools (not every token is the message's)"
+            )
+        chat.update(logprobs=True, top_logprobs=top_logprobs or 0)
+    elif top_logprobs is not None:
+        raise _bad("top_logprobs", f"needs include [{LOGPROBS_INCLUDE!r}]")
     try:
         req = P.parse_chat_request(chat, info, served_model_name, strict=strict)
     except P.APIError as e:
@@ -471,6 +486,7 @@ def parse_responses_request(
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
+        "top_logprobs": top_logprobs,
         "truncation": "disabled",
         "user": body.get("user"),
         "background": False,
@@ -482,6 +498,7 @@ def parse_responses_request(
         input_items=listed_input(body["input"]),
         store=keep,
         ignored_fields=req.ignored_fields,
+        logprobs=logprobs,
     )
 
 
@@ -525,13 +542,17 @@ class OutputItems:
         )  # fmt: skip
         return events
 
-    def _text(self, kind: str, delta: str) -> list[dict[str, Any]]:
+    def _text(
+        self, kind: str, delta: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         if not delta:
             return []
         events = self._ensure(kind)
         item = self._open
         assert item is not None
         item["content"][0]["text"] += delta
+        if logprobs:
+            item["content"][0]["logprobs"] += logprobs
         event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         body: dict[str, Any] = {
             "type": event,
@@ -541,15 +562,22 @@ class OutputItems:
             "delta": delta,
         }
         if kind == "message":
-            body["logprobs"] = []
+            body["logprobs"] = logprobs or []
         events.append(body)
         return events
 
     def reasoning(self, delta: str) -> list[dict[str, Any]]:
         return self._text("reasoning", delta)
 
-    def content(self, delta: str) -> list[dict[str, Any]]:
-        return self._text("message", delta)
+    def content(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """(`logprobs`: of the tokens the delta's text came from)"""
+        return self._text("message", delta, logprobs)
+
+    def late_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        """Logprobs of tokens that brought no text of their own (the end of a stream, where
+        nothing was held back any more): the open message's, reported by its done events."""
+        if self._open is not None and self._open["type"] == "message":
+            self._open["content"][0]["logprobs"] += logprobs
 
     def call(self, call: ToolCall) -> list[dict[str, Any]]:
         events = self.close()
@@ -587,7 +615,12 @@ class OutputItems:
         if item["type"] == "reasoning":
             done: dict[str, Any] = {"type": "response.reasoning_text.done", **head, "text": part["text"]}
         else:
-            done = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": []}
+            done = {
+                "type": "response.output_text.done",
+                **head,
+                "text": part["text"],
+                "logprobs": part["logprobs"],
+            }
             item["status"] = "completed"
         return [
             done,
