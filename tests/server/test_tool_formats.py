@@ -301,6 +301,32 @@ def test_qwen3_coder_forced_grammar_accepts_what_the_parser_reads(choice: str, p
         assert not _accepts(grammar, text)[0], text
 
 
+def test_qwen3_coder_text_values_keep_their_lengths() -> None:
+    """A text value's minLength and maxLength hold in a forced call (counted as the parser reads
+    the value: without the newlines around it); a longer bound than the grammar keeps is left out."""
+    sized = {"type": "string", "minLength": 2, "maxLength": 10}
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": sized, "b": {"type": "string", "maxLength": 10**6}},
+        "required": ["a"]}}}])  # fmt: skip
+    parser = Q.for_tools(tools)
+    grammar = parser.grammar(tools, "required", False)
+    for value, fits in (
+        ("ab", True),
+        ("abcdefghij", True),
+        ("a <b>\nc", True),  # lines, within the bound
+        ("a", False),
+        ("abcdefghijk", False),
+        ("\nabcdefghij", False),  # (a leading newline the parser would drop)
+        ("", False),
+    ):
+        text = _qcall("f", a=value)
+        assert _accepts(grammar, text)[0] == fits, value
+        if fits:
+            assert _qcalls(parser, text) == [("f", {"a": value})]
+    # a bound past MAX_TEXT_LENGTH_BOUND is not written into the grammar: any length goes
+    assert _accepts(grammar, _qcall("f", a="ab", b="x" * 50))[0]
+
+
 @pytest.mark.parametrize(
     "parser,result_block,described",
     [
@@ -376,12 +402,14 @@ def test_a_server_with_the_format_forces_and_reads_typed_calls(parser: str, desc
                 {"tool_choice": {"type": "function", "function": {"name": "reserve"}}},
                 {"tool_choice": {"type": "function", "function": {"name": "now"}}},
                 {"tool_choice": "required"},
+                # a text value ends within its maxLength (the demo model writes on otherwise)
+                {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
             )
         ):
             body = {
                 "model": "demo",
                 "messages": messages,
-                "tools": [RESERVE, NOW],
+                "tools": [RESERVE, NOW, WEATHER],
                 "max_tokens": 200,
                 "seed": seed,
                 **kw,
@@ -396,6 +424,8 @@ def test_a_server_with_the_format_forces_and_reads_typed_calls(parser: str, desc
                     assert isinstance(args["nights"], int) and args["room"] in ("single", "double")
                     assert set(args) <= {"nights", "room", "breakfast"}
                     assert isinstance(args.get("breakfast", False), bool)
+                elif name == "get_weather":
+                    assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 10
                 else:
                     assert (name, args) == ("now", {})
             if kw.get("parallel_tool_calls") is False or isinstance(kw["tool_choice"], dict):

@@ -544,6 +544,27 @@ def _typed_value(raw: str, schema: Any) -> Any:
 # a qwen3_coder text value with the newline that ends it (Qwen3CoderToolParser.grammar): no "</"
 # anywhere (no closing tag inside it), and no line after the first starting with "<"
 _TEXT_VALUE = r"/([^<\n]|<+[^<\/\n]|<*\n+[^<\n])*<*\n/"
+# The longest maxLength a text value's grammar keeps: its terminal's states grow with the bound (a
+# grammar with 10,000 compiles in about 0.1 s, with 50,000 in 0.7 s); a longer bound is left out.
+MAX_TEXT_LENGTH_BOUND = 10_000
+
+
+def _text_value(schema: Any, name: str) -> tuple[str, list[str]]:
+    """(the grammar of a qwen3_coder text value with its ending newline, the terminal it needs).
+    With minLength / maxLength (up to MAX_TEXT_LENGTH_BOUND) the text is also that many
+    characters and does not begin with a newline (the parser drops one there, which would make
+    it a character shorter than it was counted): the intersection of terminals, llguidance's `&`."""
+    lo = schema.get("minLength") if isinstance(schema, dict) else None
+    hi = schema.get("maxLength") if isinstance(schema, dict) else None
+    lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo > 0 else 0
+    hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and 0 <= hi <= MAX_TEXT_LENGTH_BOUND else None
+    if lo == 0 and hi is None or (hi is not None and lo > hi) or lo > MAX_TEXT_LENGTH_BOUND:
+        return _TEXT_VALUE, []
+    # (the ending newline is one more character)
+    count = f"{{{lo + 1},{'' if hi is None else hi + 1}}}"
+    return name, [f"{name}: {_TEXT_VALUE} & /(.|\\n){count}/ & /[^\\n](.|\\n)*|\\n/"]
+
+
 # a parameter name the parser reads back as written (`_PARAMETER`, stripped)
 _PARAM_NAME = re.compile(r"[^>\s](?:[^>\n]*[^>\s])?")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
@@ -583,9 +604,9 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         """Each call's parameters in the order its schema lists them, the required ones always
         and the others at most once. A string value is text without "</" whose lines after the
         first do not start with "<" (so that it ends where its closing tag begins: the lexer takes
-        the longest text and cannot step back); its length is not bounded (maxLength is not
-        enforced), while a JSON value (an object, an array) follows its whole schema. A parameter
-        name the format cannot carry is a ToolError."""
+        the longest text and cannot step back), its minLength and maxLength kept (`_text_value`),
+        while a JSON value (an object, an array) follows its whole schema. A parameter name the
+        format cannot carry is a ToolError."""
         rules: list[str] = []
         calls = []
         for i, t in enumerate(_chosen(tools, choice)):
@@ -611,7 +632,9 @@ class Qwen3CoderToolParser(_TaggedToolParser):
                 rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={pname}>\n")
                 value = _value_grammar(pschema, defs)
                 if value is None:  # text: lines, none of the later ones starting with "<"
-                    rules.append(f'{rule}: {opening} {_TEXT_VALUE} "</parameter>\\n"')
+                    text, terminal = _text_value(pschema, rule.upper())
+                    rules += terminal
+                    rules.append(f'{rule}: {opening} {text} "</parameter>\\n"')
                 else:
                     rules.append(f'{rule}: {opening} {value} "\\n</parameter>\\n"')
                 parts.append(rule if pname in required else f"{rule}?")
