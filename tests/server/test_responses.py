@@ -13,9 +13,12 @@ from typing import Any
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.responses import ResponseStore
+from openapi_cases import JSON_VALUES
 from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
 
 WEATHER = {
@@ -377,3 +380,92 @@ def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
     for _ in range(20):
         store.put(left[-1], {**body, "id": left[-1]}, [{"role": "user", "content": "y" * 50}])
     assert [n for n in "abcde" if store.get(n) is not None] == left
+
+
+# ------------------------------------------------------------------------- fuzzing
+
+_ODD = st.one_of(JSON_VALUES, st.recursive(JSON_VALUES, lambda inner: st.lists(inner, max_size=3)
+                 | st.dictionaries(st.sampled_from(["type", "role", "content", "text", "name", "call_id",
+                                                    "arguments", "output", "format", "schema", "x"]), inner,
+                                   max_size=4), max_leaves=8))  # fmt: skip
+_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image"]) | _ODD},
+                              optional={"text": _ODD, "refusal": _ODD, "annotations": _ODD})  # fmt: skip
+_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | _ODD},
+                          optional={"type": st.just("message") | _ODD, "content": st.text(max_size=8)
+                                    | st.lists(_PART | _ODD, max_size=2) | _ODD, "id": _ODD, "status": _ODD}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning"])},
+                          optional={"call_id": st.text(max_size=6) | _ODD, "name": st.sampled_from(["get_time", ""]) | _ODD,
+                                    "arguments": st.just("{}") | _ODD, "output": st.text(max_size=6) | _ODD}),
+    _ODD,
+)  # fmt: skip
+_FIELDS = {
+    "input": st.text(max_size=10) | st.lists(_ITEM, max_size=3) | _ODD,
+    "instructions": st.text(max_size=10) | _ODD,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function") | _ODD}, optional={
+        "name": st.sampled_from(["get_time", "bad name"]) | _ODD, "parameters": st.just(TIME["parameters"]) | _ODD}),
+        max_size=2) | _ODD,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function") | _ODD}, optional={"name": st.just("get_time") | _ODD}) | _ODD,
+    "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | _ODD},
+        optional={"name": _ODD, "schema": st.just({"type": "object"}) | _ODD})}) | _ODD,
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]) | _ODD,
+                        max_size=2) | _ODD,
+    "top_logprobs": _ODD,
+    "previous_response_id": _ODD,
+    "store": _ODD,
+    "reasoning": _ODD,
+    "truncation": st.sampled_from(["disabled", "auto"]) | _ODD,
+    "parallel_tool_calls": _ODD,
+    "metadata": _ODD,
+    "temperature": _ODD,
+    "stream": st.booleans(),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[ServerProcess]:
+    # (a short context: a fuzzed body that is valid ends quickly, whatever max_output_tokens it has)
+    with running_server("--max-model-len", "96", "--max-num-seqs", "4") as srv:
+        yield srv
+
+
+def _answered_or_refused(server: ServerProcess, body: dict[str, Any]) -> None:
+    status, answer = call(server, "/v1/responses", body)
+    assert status == 200 or 400 <= status < 500, (status, body, answer)
+    if status != 200:
+        assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
+        param = answer["error"]["param"]
+        assert param is None or param.split(".")[0].split("[")[0] in {*_FIELDS, "max_output_tokens"}, (
+            param,
+            body,
+        )
+
+
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@_FUZZ
+@given(st.one_of(
+    _PART.map(lambda part: [{"role": "user", "content": [part]}]),
+    _ITEM.map(lambda item: [item]),
+    _FIELDS["input"],
+))  # fmt: skip
+def test_any_input_is_answered_or_refused_with_a_4xx(small_server: ServerProcess, value: Any) -> None:
+    """(a content part, an item, and a whole input each fuzzed: a broken part deep in a broken
+    item would seldom be reached)"""
+    _answered_or_refused(small_server, {"input": value, "max_output_tokens": 2})
+
+
+@_FUZZ
+@given(st.sampled_from(sorted(set(_FIELDS) - {"input"})).flatmap(lambda f: st.tuples(st.just(f), _FIELDS[f])))
+def test_any_field_is_answered_or_refused_with_a_4xx(
+    small_server: ServerProcess, change: tuple[str, Any]
+) -> None:
+    field, value = change
+    _answered_or_refused(small_server, {"input": "hi", "max_output_tokens": 2, field: value})
+
+
+def test_the_fuzzed_server_is_idle_after(small_server: ServerProcess) -> None:
+    assert_idle(small_server)

@@ -203,7 +203,7 @@ def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str:
         if kind == "refusal":
             text = part.get("refusal")
             _others(part, {"type", "refusal"}, pp, unknown)
-        elif kind in _INPUT_TEXT_PARTS:
+        elif isinstance(kind, str) and kind in _INPUT_TEXT_PARTS:
             text = part.get("text")
             _others(part, {"type", "text", "annotations", "logprobs"}, pp, unknown)
         else:
@@ -343,6 +343,10 @@ def _chat_tool_choice(v: Any) -> Any:
     if isinstance(v, dict):
         if v.get("type") != "function":
             raise _unserved("tool_choice.type", f"a tool choice of type {v.get('type')!r}")
+        if not isinstance(v.get("name"), str):
+            raise _bad(
+                "tool_choice.name", "a named choice is {'type': 'function', 'name': ...}", "invalid_type"
+            )
         return {"type": "function", "function": {k: x for k, x in v.items() if k != "type"}}
     return v
 
