@@ -477,6 +477,7 @@ def test_model_type_and_architectures_must_name_one_family(tmp_path: Path) -> No
         (["config", "demo", "--kv-cache-memory", "9" * 400], 2, "--kv-cache-memory"),
         (["config", "demo", "--shared-prefix-markers", "²"], 2, "--shared-prefix-markers"),
         (["serve", "demo", "--max-body-bytes", "0"], 2, "--max-body-bytes"),
+        (["serve", "demo", "--responses-store-bytes", "-1"], 2, "--responses-store-bytes"),
         (["serve", "demo", "--shutdown-timeout", "nan"], 2, "--shutdown-timeout"),
         (["serve", "demo", "--max-model-len", "999999"], 2, "max_position_embeddings"),
         (["serve", "demo", "--host", "999.1.1.1", "--port", "0"], 1, "cannot listen"),

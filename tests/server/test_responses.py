@@ -426,9 +426,20 @@ _FIELDS = {
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[ServerProcess]:
-    # (a short context: a fuzzed body that is valid ends quickly, whatever max_output_tokens it has)
-    with running_server("--max-model-len", "96", "--max-num-seqs", "4") as srv:
+    # (a short context: a fuzzed body that is valid ends quickly, whatever max_output_tokens it
+    # has; and a server that keeps no responses)
+    with running_server(
+        "--max-model-len", "96", "--max-num-seqs", "4", "--responses-store-bytes", "0"
+    ) as srv:
         yield srv
+
+
+def test_a_server_with_no_store_keeps_nothing(small_server: ServerProcess) -> None:
+    status, r = call(small_server, "/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    assert status == 200 and r["store"] is True
+    assert call(small_server, f"/v1/responses/{r['id']}")[0] == 404
+    status, err = call(small_server, "/v1/responses", {"input": "x", "previous_response_id": r["id"]})
+    assert status == 400 and err["error"]["code"] == "previous_response_not_found"
 
 
 def _answered_or_refused(server: ServerProcess, body: dict[str, Any]) -> None:

@@ -293,6 +293,7 @@ def create_app(
     reasoning_parser: str | None = None,
     trust_request_chat_template: bool = False,
     tool_call_parser: str = "hermes",
+    responses_store_bytes: int = R.DEFAULT_STORE_BYTES,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -305,7 +306,8 @@ def create_app(
     chat answers get (None: answers are whole). `trust_request_chat_template`: a request's own
     `chat_template` is rendered (a template is code that runs here: for clients the operator
     trusts), else refused, as vLLM's flag of that name. `tool_call_parser`: a
-    `tools.TOOL_PARSERS` name, the format of tool calls."""
+    `tools.TOOL_PARSERS` name, the format of tool calls. `responses_store_bytes`: the memory of
+    the responses /v1/responses keeps (0: none)."""
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -326,6 +328,7 @@ def create_app(
         trust_request_chat_template=trust_request_chat_template,
         tool_call_parser=tool_call_parser,
         log_stats_interval_s=log_stats_interval_s,
+        responses=R.ResponseStore(max_bytes=responses_store_bytes),
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]

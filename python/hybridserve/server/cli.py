@@ -23,6 +23,7 @@ from hybridserve.arg_types import int_in, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
 from hybridserve.server.request_log import printable
+from hybridserve.server.responses import DEFAULT_STORE_BYTES
 from hybridserve.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
@@ -79,6 +80,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int_in(1, 1 << 40),
         default=4 * 1024 * 1024,
         help="largest request body accepted (413 beyond)",
+    )
+    g.add_argument(
+        "--responses-store-bytes",
+        type=int_in(0, 1 << 40),
+        default=DEFAULT_STORE_BYTES,
+        help="memory for the responses /v1/responses keeps for GET and previous_response_id, the oldest "
+        f"dropped first (default {DEFAULT_STORE_BYTES >> 20} MiB; 0 keeps none)",
     )
     g.add_argument(
         "--body-read-timeout",
@@ -239,6 +247,7 @@ async def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes,
+        responses_store_bytes=args.responses_store_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         body_read_timeout_s=args.body_read_timeout,
         access=access,
