@@ -7,8 +7,9 @@ draft has not seen yet as a prefill row (read window[0], write window[0]), then 
 decode row that reads window[j - 2] and writes window[j - 1] (scratch slots). K/V written for draft
 positions is overwritten when those positions are run for real.
 Drafts are greedy (argmax), so the rejection sampler treats them as drafts without probabilities.
-On the CPU the decode rows take the native decode step (model/decode_step.py) where it runs the
-draft model.
+On the CPU the rows take the native step (model/decode_step.py) where it runs the draft model:
+the decode rows always, the prefill rows while they are little work (the tokens accepted since
+the last proposal; a whole prompt takes the model's forward).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class DraftModelProposer(Proposer):
             state_dtype=default_state_dtype(self.config, dtype),
             device=device,
         )
-        # the draft's decode rows (one token each) in one native call, where the model allows
+        # the draft's rows in one native call, where the model allows (decode rows, and prefill
+        # rows of little work: `DecodeStep.run` refuses the others)
         self.decode_step = DecodeStep.for_model(self.model, self.caches) if device.type == "cpu" else None
         self.free_blocks = list(range(num_blocks - 1, 0, -1))
         self.free_slots = list(range(max(2, num_slots) - 1, 0, -1))
@@ -187,8 +189,10 @@ class DraftModelProposer(Proposer):
         write = [st.window[0] if not decode else st.window[step] for _, st, _ in rows]
         has_init = [True if decode else s > 0 for s in starts]
         n = len(rows)
-        if decode and self.decode_step is not None:
-            fused = self.decode_step.run(_decode_arrays(ids, pos, slots, table, read, write))
+        if self.decode_step is not None:
+            fused = self.decode_step.run(
+                _step_arrays(ids, pos, slots, table, read, write, qsl, has_init, decode)
+            )
             if fused is not None:
                 return fused.logits
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -212,24 +216,33 @@ class DraftModelProposer(Proposer):
         return self.model.forward(batch, self.caches)
 
 
-def _decode_arrays(
-    ids: list[int], pos: list[int], slots: list[int], table: torch.Tensor, read: list[int], write: list[int]
+def _step_arrays(
+    ids: list[int],
+    pos: list[int],
+    slots: list[int],
+    table: torch.Tensor,
+    read: list[int],
+    write: list[int],
+    qsl: list[int],
+    has_init: list[bool],
+    decode: bool,
 ) -> SimpleNamespace:
-    """A step of one-token decode rows as the arrays `DecodeStep.run` reads (the layout of the
-    scheduler's output)."""
-    n = len(ids)
+    """A step of one-token decode rows, or of prefill rows (each row's logits at its last
+    token), as the arrays `DecodeStep.run` reads (the layout of the scheduler's output)."""
+    n = len(read)
 
     def a(v: list[int]) -> np.ndarray:
         return np.asarray(v, dtype=np.int64)
 
     return SimpleNamespace(
-        num_decodes=n,
+        num_decodes=n if decode else 0,
         input_ids=a(ids),
         positions=a(pos),
         slot_mapping=a(slots),
         block_table=np.ascontiguousarray(table.numpy()),
         state_read_slot=a(read),
         state_write_slots=a(write).reshape(n, 1),
-        query_start_loc=np.arange(n + 1, dtype=np.int64),
-        logits_indices=np.arange(n, dtype=np.int64),
+        query_start_loc=a(qsl),
+        logits_indices=a([q - 1 for q in qsl[1:]]),
+        has_initial_state=np.asarray(has_init, dtype=np.bool_),
     )
