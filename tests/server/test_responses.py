@@ -8,6 +8,7 @@ server is idle after all of it."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,7 +103,8 @@ def test_a_response_says_what_the_same_chat_says(client: openai.OpenAI) -> None:
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (r.instructions, r.max_output_tokens, r.temperature) == ("Be brief.", 16, 0)
     (message,) = r.output
-    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+    # (the message of an answer that was cut is incomplete too, as OpenAI marks it)
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
     # an answer that stops is complete; input as a list of message items is the same conversation
     stopped = client.responses.create(model="demo", input=QUESTION, **STOPPED)
     listed = client.responses.create(
@@ -111,6 +113,7 @@ def test_a_response_says_what_the_same_chat_says(client: openai.OpenAI) -> None:
         **STOPPED,
     )
     assert stopped.status == "completed" and stopped.incomplete_details is None
+    assert stopped.output[0].status == "completed"
     assert listed.output_text == stopped.output_text
     c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=80, temperature=0, stop=["."])
     assert stopped.output_text == c.choices[0].message.content
@@ -162,6 +165,23 @@ def test_tool_calls_are_function_call_items_as_chat_finds_them(client: openai.Op
     )  # fmt: skip
     assert [(i.type, i.name) for i in named.output] == [("function_call", "get_time")]
     assert -12 <= json.loads(named.output[0].arguments)["zone"] <= 12
+
+
+def test_parallel_calls_stream_as_the_unstreamed_response_lists_them(client: openai.OpenAI) -> None:
+    """Text between and after calls (the newlines a format writes) stays the message's: the
+    stream sends the calls when the answer is done, so its items are the unstreamed ones."""
+    seen = 0
+    for seed in range(6):
+        kw = {"input": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required", "max_output_tokens": 300,
+              "temperature": 1.0, "extra_body": {"seed": seed}}  # fmt: skip
+        whole = client.responses.create(model="demo", **kw)
+        events = list(client.responses.create(model="demo", stream=True, **kw))
+        final = events[-1].response
+        assert items(final) == items(whole), seed
+        added = [e.item.type for e in events if e.type == "response.output_item.added"]
+        assert added == [i.type for i in whole.output]
+        seen += sum(i.type == "function_call" for i in whole.output) >= 2
+    assert seen, "no seed made two calls"
 
 
 def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
@@ -271,6 +291,29 @@ def test_previous_response_id_continues_the_conversation_as_sending_it_again_wou
     assert follow.usage.input_tokens == resent.usage.input_tokens == c.usage.prompt_tokens
 
 
+def _with_id(server: ServerProcess, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        server.base + "/v1/responses",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_an_id_used_again_names_only_its_newest_response(server: ServerProcess) -> None:
+    body = {"input": QUESTION, "max_output_tokens": 2, "temperature": 0}
+    first = _with_id(server, body, "again-1")
+    assert first["id"] == "resp_again-1" and call(server, "/v1/responses/resp_again-1")[0] == 200
+    # not kept this time: the older answer is not served under the id of the newer one
+    _with_id(server, {**body, "store": False}, "again-1")
+    assert call(server, "/v1/responses/resp_again-1")[0] == 404
+    _with_id(server, body, "again-1")
+    _with_id(server, {**body, "input": "and?"}, "again-1")
+    status, kept = call(server, "/v1/responses/resp_again-1/input_items")
+    assert status == 200 and kept["data"][0]["content"][0]["text"] == "and?"
+
+
 def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: openai.OpenAI) -> None:
     r = client.responses.create(model="demo", input=QUESTION, max_output_tokens=4, **GREEDY)
     again = client.responses.retrieve(r.id)
@@ -302,6 +345,9 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
     assert status == 400 and err["error"]["param"] == "limit"
     status, err = call(server, f"/v1/responses/{kept.id}/input_items?after=nope")
     assert status == 400 and err["error"]["param"] == "after"
+    for limit in ("%C2%B2", "1" * 5000, "-1", "101"):  # ("²" is a digit to str.isdigit)
+        status, err = call(server, f"/v1/responses/{kept.id}/input_items?limit={limit}")
+        assert status == 400 and err["error"]["param"] == "limit", limit
     client.responses.delete(r.id)
     status, err = call(server, f"/v1/responses/{r.id}")
     assert status == 404 and (err["error"]["type"], err["error"]["code"]) == ("not_found_error", "not_found")
@@ -340,7 +386,9 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
-        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "metadata": {"k": "\ud800"}}, "metadata"),
+        ({"input": [{"role": "user", "content": "x", "id": "\udfff"}]}, "input"),
         ({"input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
         ({"input": "x", "tools": [WEATHER], "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": "x", "temperature": -1}, "temperature"),
@@ -384,7 +432,9 @@ def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
 
 # ------------------------------------------------------------------------- fuzzing
 
-_ODD = st.one_of(JSON_VALUES, st.recursive(JSON_VALUES, lambda inner: st.lists(inner, max_size=3)
+# (JSON may write a lone surrogate, which no UTF-8 answer can hold)
+_SCALAR = JSON_VALUES | st.sampled_from(["\ud800", "a\udfff"])
+_ODD = st.one_of(_SCALAR, st.recursive(_SCALAR, lambda inner: st.lists(inner, max_size=3)
                  | st.dictionaries(st.sampled_from(["type", "role", "content", "text", "name", "call_id",
                                                     "arguments", "output", "format", "schema", "x"]), inner,
                                    max_size=4), max_leaves=8))  # fmt: skip

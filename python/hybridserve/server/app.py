@@ -871,6 +871,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     try:
         return await _generate(request, state, engine, info, req, response_id, respond=respond)
     except P.APIError as e:  # (the engine's errors name the chat field, such as response_format)
+        state.responses.delete(response_id)  # (an older response of a client's reused id)
         raise R.renamed_error(e) from None
 
 
@@ -1612,6 +1613,8 @@ class _ResponseRun:
         if self.rreq.store and body["status"] in ("completed", "incomplete"):
             history = [*self.rreq.history, R.assistant_message(content, calls)]
             self.state.responses.put(body["id"], body, history, self.rreq.input_items)
+        else:  # (an older response of the same id, a client's X-Request-Id, is not this one)
+            self.state.responses.delete(body["id"])
         return body
 
 
@@ -1629,16 +1632,23 @@ async def _response_json(run: _ResponseRun) -> web.StreamResponse:
     items.reasoning(reasoning)
     c = run.choices[0]
     items.content(content or "", run.logprobs(c.logprobs, c.token_ids))
+    items.close(_message_status(c.finish_reason))
     for call in calls:
         items.call(call)
-    items.close()
     return web.json_response(run.finished(items, reasoning, content or None, calls), dumps=_dumps)
+
+
+def _message_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason in ("length", "abort") else "completed"
 
 
 async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
     """OpenAI's typed events: response.created and response.in_progress before the first output,
-    the items' events as the answer settles, and response.completed (or .incomplete, .failed)
-    with the whole response. An error before any output is a plain error response."""
+    the reasoning's and the message's events as their text settles, each call's when the answer
+    is done (so that the items come in the unstreamed response's order: reasoning, the message
+    with all the content, then the calls, whatever text the model wrote between them), and
+    response.completed (or .incomplete, .failed) with the whole response. An error before any
+    output is a plain error response."""
     req = run.rreq.chat
     resp: web.StreamResponse | None = None
     sequence = 0
@@ -1672,8 +1682,6 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
             events += items.content(content, pending)
             if content:
                 pending = []
-            for call in calls:
-                events += items.call(call)
             if events or resp is None:
                 await send(events)
     except P.APIError as err:
@@ -1682,12 +1690,16 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
         failed = R.response_body(
             run.rreq, run.response_id, run.created, output=items.items, error=R.renamed_error(err)
         )
-        await send([*items.close(), {"type": "response.failed", "response": failed}])
+        run.state.responses.delete(run.response_id)  # (an older response of a reused id)
+        await send([*items.close("incomplete"), {"type": "response.failed", "response": failed}])
     else:
         items.late_logprobs(pending)
-        events = items.close()
+        events = items.close(_message_status(run.choices[0].finish_reason))
+        calls = [] if tools is None else tools.calls
+        for call in calls:
+            events += items.call(call)
         content = "".join(p["text"] for i in items.items if i["type"] == "message" for p in i["content"])
-        body = run.finished(items, reasoning_text, content or None, [] if tools is None else tools.calls)
+        body = run.finished(items, reasoning_text, content or None, calls)
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])
         await send([*events, {"type": kind or "response.completed", "response": body}])
     assert resp is not None

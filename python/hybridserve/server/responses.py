@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -143,7 +144,10 @@ class ResponseStore:
         items = input_items or []
         size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (body, history, items))
         if size > self.max_bytes:
-            return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
+            # (larger than the whole store: not kept, so a later turn gets a clear 400, and not
+            # an older response that had the same id)
+            self.delete(response_id)
+            return
         with self._lock:
             old = self._kept.pop(response_id, None)  # (a client's X-Request-Id may come again)
             if old is not None:
@@ -303,7 +307,7 @@ def page_of_input_items(items: list[dict[str, Any]], query: Mapping[str, str]) -
     """One page of a kept response's input items: OpenAI's `limit` (1 to 100, default 20),
     `order` (`desc`, the default, or `asc`) and `after` (an item id) query parameters."""
     raw_limit = query.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if re.fullmatch(r"[0-9]{1,3}", raw_limit) is None or not 1 <= int(raw_limit) <= 100:
         raise _bad("limit", f"must be an integer from 1 to 100, got {raw_limit[:20]!r}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -404,6 +408,16 @@ def _check_unserved(body: dict[str, Any]) -> None:
         P.get_str(body, key)
 
 
+def _check_writable(body: dict[str, Any]) -> None:
+    """The fields a response repeats (and keeps) must be writable as UTF-8: a lone surrogate in
+    one (JSON allows writing it) is refused here, not found when the answer is written."""
+    for key in ("input", "instructions", "metadata", "user", "reasoning", "text", "tools", "tool_choice"):
+        try:
+            json.dumps(body.get(key), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(key, "holds a lone surrogate (an unpaired \\ud800-\\udfff escape)") from None
+
+
 def parse_responses_request(
     body: dict[str, Any],
     info: P.ModelInfo,
@@ -468,14 +482,13 @@ def parse_responses_request(
                 "include", f"{LOGPROBS_INCLUDE} is not served with tools (not every token is the message's)"
             )
         chat.update(logprobs=True, top_logprobs=top_logprobs or 0)
-    elif top_logprobs is not None:
-        raise _bad("top_logprobs", f"needs include [{LOGPROBS_INCLUDE!r}]")
     try:
         req = P.parse_chat_request(chat, info, served_model_name, strict=strict)
     except P.APIError as e:
         raise renamed_error(e) from None
     req.ignored_fields = unknown.names + req.ignored_fields
     keep = P.get_bool(body, "store", True)
+    _check_writable(body)
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
@@ -608,8 +621,9 @@ class OutputItems:
         events.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
         return events
 
-    def close(self) -> list[dict[str, Any]]:
-        """The events that finish the open text item (none when no item is open)."""
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The events that finish the open text item (none when no item is open); a message
+        gets `status` (the response's: "incomplete" when its answer was cut)."""
         item, self._open = self._open, None
         if item is None:
             return []
@@ -625,7 +639,7 @@ class OutputItems:
                 "text": part["text"],
                 "logprobs": part["logprobs"],
             }
-            item["status"] = "completed"
+            item["status"] = status
         return [
             done,
             {"type": "response.content_part.done", **head, "part": _copy(part)},
@@ -666,13 +680,14 @@ def response_body(
     (shutdown) "failed", any other end "completed"; "failed" with `error`."""
     incomplete = None
     status = "in_progress"
-    failure = None if error is None else {"code": error.code or error.type, "message": error.message}
+    # (OpenAI's codes of a failed response: the engine's failures are the server's)
+    failure = None if error is None else {"code": "server_error", "message": error.message}
     if not in_progress and failure is None:
         if finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         elif finish_reason == "abort":
             failure = {
-                "code": "aborted",
+                "code": "server_error",
                 "message": "the server ended the request before its answer was done",
             }
         else:
