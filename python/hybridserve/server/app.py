@@ -1677,7 +1677,8 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
             )
             reasoning_text += reasoning
             events = items.reasoning(reasoning)
-            content, calls = (text, []) if tools is None else tools.feed(text, final=delta.finished)
+            # (the calls ToolCallStream settles are sent at the end, from tools.calls)
+            content = text if tools is None else tools.feed(text, final=delta.finished)[0]
             pending += run.logprobs(delta.logprobs, delta.token_ids) or []
             events += items.content(content, pending)
             if content:
