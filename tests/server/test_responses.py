@@ -117,6 +117,9 @@ def test_a_response_says_what_the_same_chat_says(client: openai.OpenAI) -> None:
     assert listed.output_text == stopped.output_text
     c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=80, temperature=0, stop=["."])
     assert stopped.output_text == c.choices[0].message.content
+    # an agent without tools: "auto" over no tools is plain text, as without it
+    bare = client.responses.create(model="demo", input=QUESTION, tools=[], tool_choice="auto", **STOPPED)
+    assert bare.output_text == stopped.output_text and bare.status == "completed"
 
 
 def test_a_stream_adds_up_to_the_unstreamed_response(client: openai.OpenAI) -> None:
@@ -387,6 +390,7 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
         ({"input": "x", "metadata": {"k": "\ud800"}}, "metadata"),
         ({"input": [{"role": "user", "content": "x", "id": "\udfff"}]}, "input"),
         ({"input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),

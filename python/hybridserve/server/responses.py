@@ -468,7 +468,9 @@ def parse_responses_request(
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
         chat["tools"] = _chat_tools(body["tools"])
-    if body.get("tool_choice") is not None:
+    # ("auto" without tools: what an agent framework sends for an agent with none; it means
+    # no calls, where the chat route would ask for tools)
+    if body.get("tool_choice") is not None and (body["tool_choice"] != "auto" or chat.get("tools")):
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if body.get("text") is not None:
         fmt = _response_format(body["text"])
