@@ -496,7 +496,7 @@ def parse_responses_request(
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
         "model": req.model,
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": previous,
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
         "store": keep,
