@@ -473,8 +473,8 @@ def _responses_fields(
         "top_logprobs": _int(
             0,
             MAX_LOGPROBS,
-            "alternatives per token of the message's logprobs; needs include "
-            f"[{R.LOGPROBS_INCLUDE!r}] (not with tools or a reasoning parser)",
+            "alternatives per token of the message's logprobs, with include "
+            f"[{R.LOGPROBS_INCLUDE!r}] (not with tools or a reasoning parser); alone it changes nothing",
         ),
         "prompt_cache_key": text,
         "safety_identifier": text,
