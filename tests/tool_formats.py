@@ -1,5 +1,6 @@
-"""Helpers for the tool-call format tests: a parser's stream over random cuts of a text, and a
-streamed chat answer's content and calls as the openai client sees them."""
+"""Helpers for the tool-call format tests: a parser's stream over random cuts of a text, a
+streamed chat answer's content and calls as the openai client sees them, and two chat tools whose
+forced calls the demo model ends within a few tokens (bounded arguments)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,35 @@ from typing import Any
 import openai
 
 from hybridserve.server.tools import ToolCallStream, ToolParser, split_message
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def assert_stream_adds_up(parser: ToolParser, text: str) -> None:

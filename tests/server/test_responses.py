@@ -21,36 +21,16 @@ from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.responses import ResponseStore
 from openapi_cases import JSON_VALUES
 from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
+from tool_formats import TIME as CHAT_TIME
+from tool_formats import WEATHER as CHAT_WEATHER
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
-TIME = {
-    "type": "function",
-    "name": "get_time",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-}
+# the chat tests' tools in the Responses form (flat: no "function" object)
+WEATHER = {"type": "function", **CHAT_WEATHER["function"]}
+TIME = {"type": "function", **CHAT_TIME["function"]}
 QUESTION = "What is the weather in Paris?"
 GREEDY: dict[str, Any] = {"temperature": 0}
 # an answer that ends before its limit: at the first full stop
 STOPPED: dict[str, Any] = {"temperature": 0, "max_output_tokens": 80, "extra_body": {"stop": ["."]}}
-
-
-def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +126,7 @@ def test_tool_calls_are_function_call_items_as_chat_finds_them(client: openai.Op
         kw = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False,
               "max_output_tokens": 150, "temperature": 1.0, "extra_body": {"seed": seed}}  # fmt: skip
         r = client.responses.create(model="demo", input=QUESTION, **kw)
-        c = chat(client, [{"role": "user", "content": QUESTION}], tools=[chat_tool(WEATHER), chat_tool(TIME)],
+        c = chat(client, [{"role": "user", "content": QUESTION}], tools=[CHAT_WEATHER, CHAT_TIME],
                  tool_choice="required", parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=seed)  # fmt: skip
         (call_item,) = r.output
         (chat_call,) = c.choices[0].message.tool_calls
@@ -288,7 +268,7 @@ def test_previous_response_id_continues_the_conversation_as_sending_it_again_wou
              {"id": call_item.call_id, "type": "function",
               "function": {"name": call_item.name, "arguments": call_item.arguments}}]},
          {"role": "tool", "tool_call_id": call_item.call_id, "content": "sunny, 21 C"}],
-        tools=[chat_tool(WEATHER)], tool_choice="none", max_tokens=80, temperature=0, stop=["."],
+        tools=[CHAT_WEATHER], tool_choice="none", max_tokens=80, temperature=0, stop=["."],
     )  # fmt: skip
     assert follow.output_text == resent.output_text == c.choices[0].message.content
     assert follow.usage.input_tokens == resent.usage.input_tokens == c.usage.prompt_tokens

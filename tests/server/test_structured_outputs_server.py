@@ -19,6 +19,7 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from server_fixtures import ServerProcess, openai_client, running_server
+from tool_formats import TIME, WEATHER
 
 # A short compile limit, so that the slow-grammar test is quick; every other grammar here
 # compiles in milliseconds.
@@ -36,34 +37,6 @@ class Person(pydantic.BaseModel):
     member: bool
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

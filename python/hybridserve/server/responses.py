@@ -514,7 +514,7 @@ def parse_responses_request(
         chat=req,
         history=history,
         echo=echo,
-        input_items=listed_input(body["input"]),
+        input_items=listed_input(body["input"]) if keep else [],  # (read only from the store)
         store=keep,
         ignored_fields=req.ignored_fields,
         logprobs=logprobs,

@@ -15,8 +15,7 @@
 //                          + exp(lam_i) C_i . H_prev + D x_i
 // The caller then scatters final / boundary states from `states` to their slots (slot copy).
 // All matmuls are 64x64 register-tiled fp32 GEMMs (no TF32): exact enough for fp32-state tests.
-// They are bound by loading and scaling their operands, not by the multiplies: 3xTF32 tensor-core
-// tiles in their place are slower on an H200 (docs/kernel-design.md).
+// Why CUDA cores and not tensor cores: docs/kernel-design.md.
 #include "common.cuh"
 
 namespace hs {
