@@ -480,3 +480,48 @@ def test_a_plan_whose_every_request_ended_is_dropped() -> None:
         assert out.finish_reason == "stop" and out.token_ids[-1] == stop
         assert step._lent == []
     assert llm.engine.stats()["num_planned_steps"] > 0
+
+
+def test_outputs_built_before_a_forward_in_the_engine_thread_are_handed_over_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step whose forward runs in the engine thread (a long prompt's chunk, too big for the
+    native step) after a step that ran in the background: the background step's outputs go to
+    `early_outputs` before that forward runs, not after it with its own; together they are
+    what the requests get without overlap."""
+    prompts = _prompts(2)
+    long_prompt = [random.Random(9).randrange(3, 780) for _ in range(400)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    # (a request's tokens do not depend on what shares its steps)
+    outs = _llm(False).generate([{"prompt_token_ids": p} for p in [*prompts, long_prompt]], params)
+    want = dict(zip(["r0", "r1", "long"], (list(o.outputs[0].token_ids) for o in outs)))
+
+    engine = _engine(True)
+    got = _start_overlapping(engine, prompts, params)
+    while any(len(got.get(f"r{i}", [])) < 2 for i in range(2)):
+        _collect(engine.step(), got)
+    events: list[tuple[str, list[str]]] = []
+
+    def early(outs: list[Any]) -> None:
+        events.append(("early", sorted(o.request_id for o in outs)))
+        _collect(outs, got)
+
+    engine.early_outputs = early
+    finish = engine.runner.finish
+
+    def spy(started: Any, rows: Any) -> Any:
+        events.append(("forward" if started.running is None else "wait", sorted(started.out.req_ids)))
+        return finish(started, rows)
+
+    monkeypatch.setattr(engine.runner, "finish", spy)
+    engine.add_request("long", {"prompt_token_ids": long_prompt}, params)
+    assert engine._in_flight is not None  # a decode step of r0, r1 computes in the background
+    _collect(engine.step(), got)
+    assert events == [
+        ("wait", ["r0", "r1"]),
+        ("early", ["r0", "r1"]),  # their tokens from the background step ...
+        ("forward", ["long", "r0", "r1"]),  # ... before the long prompt's forward
+    ]
+    _drain(engine, got)
+    assert got == want
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.requests

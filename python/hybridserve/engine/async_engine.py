@@ -201,6 +201,9 @@ class AsyncEngine:
             self.load_error = exc
             self._loaded.set()
             return
+        # a step that runs a long forward in this thread hands over what it already has first
+        # (a stream whose loop is gone is found at its request's next output)
+        engine.early_outputs = self._publish_early
         self._snapshot_stats()
         self._ready = True
         self._loaded.set()
@@ -247,22 +250,7 @@ class AsyncEngine:
                 self._drain_commands(engine)
                 self._fail_all(engine, exc)
                 continue
-            # the stats of this step first: a client that has its answer and reads /metrics at once
-            # must see the tokens it was given counted
-            self._snapshot_stats()
-            items: list[tuple[_Stream, RequestOutput | BaseException]] = []
-            for out in outputs:
-                stream = self._live_owner(out.request_id)
-                if out.finished:
-                    self._owner.pop(out.request_id, None)
-                if stream is not None and out.error is not None and out.invalid:
-                    items.append((stream, InvalidRequestError(out.error)))  # refused after it was accepted
-                elif stream is not None and out.error is not None:
-                    err = HybridServeError(f"the engine failed while running this request: {out.error}")
-                    items.append((stream, err))
-                elif stream is not None:
-                    items.append((stream, out))
-            _deliver(items)
+            items = self._publish(outputs)
             # streams whose event loop has closed: nobody reads them, their requests end here
             aborted = False
             for stream, item in items:
@@ -271,6 +259,30 @@ class AsyncEngine:
                     aborted = True
             if aborted:
                 self._snapshot_stats()
+
+    def _publish(self, outputs: list[RequestOutput]) -> list[tuple[_Stream, RequestOutput | BaseException]]:
+        """Hands `outputs` to their streams (each as an output or the error it carries); what was
+        handed to which stream."""
+        # the stats of the step first: a client that has its answer and reads /metrics at once
+        # must see the tokens it was given counted
+        self._snapshot_stats()
+        items: list[tuple[_Stream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            stream = self._live_owner(out.request_id)
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+            if stream is not None and out.error is not None and out.invalid:
+                items.append((stream, InvalidRequestError(out.error)))  # refused after it was accepted
+            elif stream is not None and out.error is not None:
+                err = HybridServeError(f"the engine failed while running this request: {out.error}")
+                items.append((stream, err))
+            elif stream is not None:
+                items.append((stream, out))
+        _deliver(items)
+        return items
+
+    def _publish_early(self, outputs: list[RequestOutput]) -> None:
+        self._publish(outputs)
 
     def _live_owner(self, rid: str) -> _Stream | None:
         """The stream that owns request `rid` in the engine, if its consumer still reads it."""

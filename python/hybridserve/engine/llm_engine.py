@@ -19,7 +19,7 @@ import logging
 import operator
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -223,6 +223,11 @@ class LLMEngine:
         self.plan_mode: PlanMode = plan_mode_from_env()
         self._previous: _ClosedStep | None = None  # committed, outputs not built (inside `step`)
         self._carried: list[RequestOutput] = []
+        #: Called by `step` with the outputs it has built before it runs a step's forward in its own
+        #: thread (not on the background thread), so that they are not held back for as long as
+        #: that forward takes; `step` then returns only what comes after. The server's engine
+        #: thread sets it (engine/async_engine.py); it must not call back into the engine.
+        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
         # structured outputs: requests whose grammar is still being compiled, in arrival order
@@ -508,6 +513,11 @@ class LLMEngine:
                 self.counters.num_overlapped_steps += 1
                 return outputs + self._emit_previous()
             outputs += self._emit_previous()
+            if outputs and self.early_outputs is not None:
+                # the forward below may take long (a prompt's chunk): what the step before made (a
+                # first token, every decoding request's next one) goes out before it, not after
+                early, outputs = outputs, []
+                self.early_outputs(early)
             return outputs + self._emit(self._close(running))
         except BaseException:
             if planned is not None:  # (the failure came before it was started)
