@@ -342,6 +342,14 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
         client.responses.delete(unkept.id)
 
 
+# an assistant message, then two calls that join it
+_CALLS: list[dict[str, Any]] = [
+    {"role": "assistant", "content": "Let me look."},
+    {"type": "function_call", "call_id": "c0", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -377,6 +385,20 @@ def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: open
         ({"input": "x", "tools": [WEATHER], "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": "x", "temperature": -1}, "temperature"),
         ({"input": "x" * 20000}, "input"),
+        # what the chat validator finds in a message names the item the message was made from
+        (
+            {"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": "a\ud800"}]},
+            "input[1].content",
+        ),
+        (
+            {"input": [*_CALLS, {"type": "function_call_output", "call_id": "c1", "output": "\ud800"}]},
+            "input[3].output",
+        ),
+        ({"input": [*_CALLS[:2], {**_CALLS[2], "call_id": "c\ud800"}]}, "input[2].call_id"),
+        ({"input": [*_CALLS[:2], {**_CALLS[2], "name": "get\ud800"}]}, "input[2].name"),
+        ({"input": [*_CALLS[:2], {**_CALLS[2], "arguments": '{"c": "\\ud800"}'}]}, "input[2].arguments"),
+        ({"input": "hi", "instructions": "x\ud800"}, "instructions"),
+        ({"input": "a\ud800"}, "input"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_responses_field(

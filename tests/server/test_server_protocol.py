@@ -570,6 +570,11 @@ BAD_TOOL_HISTORY = [
     (_with(0, tool_calls=[_call()]), "messages[0].tool_calls"),
     ([HISTORY[0], HISTORY[1], {"role": "tool", "content": "sunny"}], "messages[2].tool_call_id"),
     (_with(2, tool_call_id=5), "messages[2].tool_call_id"),
+    # escapes in the arguments' JSON text that decode to a lone surrogate (no tokenizer encodes it)
+    (
+        _with(1, tool_calls=[_call(arguments='{"city": "\\ud800"}')]),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
 ]
 
 

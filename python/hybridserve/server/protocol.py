@@ -995,6 +995,8 @@ def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, 
             parsed: Any = json.loads(args)
         except ValueError:
             parsed = args
+        else:  # (the JSON text's own escapes may decode to lone surrogates)
+            _check_surrogates(f"{pc}.function.arguments", json.dumps(parsed, ensure_ascii=False))
         out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
     return out
 

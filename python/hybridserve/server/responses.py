@@ -227,11 +227,19 @@ def _string_field(item: dict[str, Any], param: str, key: str) -> str:
     return v
 
 
-def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
-    """`input` (a string, or a list of input items) as chat messages. Consecutive function calls
-    join one assistant message's `tool_calls` (with the assistant text just before them, if any);
-    a `reasoning` item is left out, as a template leaves earlier reasoning out."""
+# Where a chat message came from, for the errors the chat validator raises about it: pairs of (a
+# path inside the chat message, the Responses field it was made from), the most specific first.
+# A chat error at `messages[k]` + rest names the field of the first pair whose path starts rest.
+Origin = list[tuple[str, str]]
+
+
+def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> list[dict[str, Any]]:
+    """`input` (a string, or a list of input items) as chat messages, with each message's origin
+    appended to `origins`. Consecutive function calls join one assistant message's `tool_calls`
+    (with the assistant text just before them, if any); a `reasoning` item is left out, as a
+    template leaves earlier reasoning out."""
     if isinstance(v, str):
+        origins.append([(".content", "input"), ("", "input")])
         return [{"role": "user", "content": v}]
     if not isinstance(v, list):
         raise _bad(
@@ -251,6 +259,7 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
             if "content" not in item:
                 raise _bad(f"{p}.content", "required", "missing_field")
             out.append({"role": role, "content": _text_of_parts(f"{p}.content", item["content"], unknown)})
+            origins.append([("", p)])
         elif kind == "function_call":
             _others(item, {"type", "call_id", "name", "arguments", "id", "status"}, p, unknown)
             call = {
@@ -262,16 +271,26 @@ def input_messages(v: Any, unknown: P.UnknownFields) -> list[dict[str, Any]]:
                 },
             }
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                out.append(last)
+                origins.append([("", p)])
+            calls = last.setdefault("tool_calls", [])
+            at = f".tool_calls[{len(calls)}]"
+            calls.append(call)
+            origins[-1][:0] = [
+                (f"{at}.function.arguments", f"{p}.arguments"),
+                (f"{at}.function.name", f"{p}.name"),
+                (f"{at}.id", f"{p}.call_id"),
+                (at, p),
+            ]
         elif kind == "function_call_output":
             _others(item, {"type", "call_id", "output", "id", "status"}, p, unknown)
             if item.get("output") is None:
                 raise _bad(f"{p}.output", "required", "missing_field")
             result = _text_of_parts(f"{p}.output", item["output"], unknown)
             out.append({"role": "tool", "tool_call_id": _string_field(item, p, "call_id"), "content": result})
+            origins.append([(".content", f"{p}.output"), (".tool_call_id", f"{p}.call_id"), ("", p)])
         elif kind == "reasoning":
             continue
         else:
@@ -375,9 +394,20 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     raise _bad("text.format.type", f"must be one of text, json_object, json_schema; got {kind!r}")
 
 
-def renamed_error(e: P.APIError) -> P.APIError:
-    """A chat validator's error, naming the Responses field it came from."""
+def renamed_error(e: P.APIError, origins: list[Origin] | None = None) -> P.APIError:
+    """A chat validator's error, naming the Responses field it came from: with `origins` (one per
+    chat message), an error about one message names the input item (or `instructions`, or
+    `previous_response_id`) it was made from."""
     param = e.param or ""
+    at = re.match(r"messages\[([0-9]+)\]", param)
+    if at is not None and origins is not None and int(at.group(1)) < len(origins):
+        rest = param[at.end() :]
+        for path, name in origins[int(at.group(1))]:
+            if rest == path or rest.startswith((f"{path}.", f"{path}[")) or not path:
+                new = name + rest[len(path) :]
+                e.message = e.message.replace(param, new, 1)
+                e.param = new
+                return e
     for chat_name, name in _FIELD_NAMES:
         if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
             new = name if chat_name == "messages" else name + param[len(chat_name) :]
@@ -447,8 +477,11 @@ def parse_responses_request(
                 code="previous_response_not_found",
             )
         history = [dict(m) for m in kept.history]
-    history += input_messages(body["input"], unknown)
+    origins: list[Origin] = [[("", "previous_response_id")] for _ in history]
+    history += input_messages(body["input"], unknown, origins)
     instructions = body.get("instructions")
+    if instructions:
+        origins.insert(0, [(".content", "instructions"), ("", "instructions")])
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat: dict[str, Any] = {k: body[k] for k in PASSTHROUGH_FIELDS if k in body}
     chat["messages"] = messages
@@ -487,7 +520,7 @@ def parse_responses_request(
     try:
         req = P.parse_chat_request(chat, info, served_model_name, strict=strict)
     except P.APIError as e:
-        raise renamed_error(e) from None
+        raise renamed_error(e, origins) from None
     req.ignored_fields = unknown.names + req.ignored_fields
     keep = P.get_bool(body, "store", True)
     _check_writable(body)
