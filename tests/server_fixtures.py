@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -84,11 +85,19 @@ class TokenizerModelInfo:
 class ServerProcess:
     """`python -m hybridserve serve demo --port P ...` in a subprocess (real engine, demo model)."""
 
-    def __init__(self, *extra_args: str, model: str = "demo", launcher: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *extra_args: str,
+        model: str = "demo",
+        launcher: Sequence[str] = (),
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         """`launcher`: a command that runs `-m hybridserve ...` in place of this Python (torchrun
-        and its flags)."""
+        and its flags). `tls`: the server serves HTTPS (its flags among `extra_args`), and this
+        client context trusts its certificate."""
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.base = f"{'http' if tls is None else 'https'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="hybridserve-serve-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -115,7 +124,7 @@ class ServerProcess:
 
     def health_status(self) -> int | None:
         try:
-            with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+            with urllib.request.urlopen(self.base + "/health", timeout=5, context=self.tls) as r:
                 return int(r.status)
         except urllib.error.HTTPError as e:
             return int(e.code)
@@ -214,12 +223,15 @@ def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tu
 
 
 @contextlib.contextmanager
-def running_server(*args: str, model: str = "demo") -> Iterator[ServerProcess]:
+def running_server(
+    *args: str, model: str = "demo", tls: ssl.SSLContext | None = None
+) -> Iterator[ServerProcess]:
     """A server with these flags, ready inside the block and stopped after it (SIGTERM); a graceful
-    shutdown must exit 0, and the log is kept (for the failure message) when it does not."""
+    shutdown must exit 0, and the log is kept (for the failure message) when it does not. `tls`:
+    as ServerProcess's."""
     if model == "demo":
         ensure_demo_model()
-    srv = ServerProcess(*args, model=model)
+    srv = ServerProcess(*args, model=model, tls=tls)
     try:
         srv.wait_ready()
         yield srv

@@ -42,6 +42,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="port to listen on (default 8000; 0 picks a free one)",
     )
     g.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        default=None,
+        help="serve HTTPS with this PEM certificate (chain); needs --ssl-keyfile (default: plain HTTP)",
+    )
+    g.add_argument(
+        "--ssl-keyfile", metavar="FILE", default=None, help="the private key of --ssl-certfile (PEM)"
+    )
+    g.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        default=None,
+        help="PEM certificates of the authorities whose client certificates --ssl-cert-reqs accepts",
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        metavar="{0,1,2}",
+        help="client certificates: 0 not asked for (default), 1 checked when a client shows one, 2 "
+        "required (each against --ssl-ca-certs)",
+    )
+    g.add_argument(
         "--api-key",
         default=os.environ.get("HYBRIDSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HYBRIDSERVE_API_KEY, else none)",
@@ -208,12 +231,14 @@ async def _serve(args: argparse.Namespace) -> int:
     from hybridserve.errors import ConfigError
     from hybridserve.server.access import AccessPolicy
     from hybridserve.server.app import create_app, drain, set_engine, set_load_error
+    from hybridserve.server.tls import TLSConfigError, server_context
 
     try:
         engine_args = EngineArgs.from_cli(args)  # bad flags fail here, before anything listens
         # and so do flags that do not fit the model (config.json only: no weights are read)
         await asyncio.to_thread(engine_args.resolve)
-    except ConfigError as e:
+        tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    except (ConfigError, TLSConfigError) as e:
         print(f"hybridserve serve: {e}", file=sys.stderr)
         return 2
 
@@ -269,7 +294,7 @@ async def _serve(args: argparse.Namespace) -> int:
         keepalive_timeout=args.keep_alive_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=tls)
     try:
         await site.start()
     except OSError as e:  # the port is taken, the host does not resolve or is not ours
@@ -279,7 +304,8 @@ async def _serve(args: argparse.Namespace) -> int:
     server = getattr(site, "_server", None)
     sockets = getattr(server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else args.port
-    logger.info("listening on http://%s:%d (loading the model...)", args.host, port)
+    scheme = "http" if tls is None else "https"
+    logger.info("listening on %s://%s:%d (loading the model...)", scheme, args.host, port)
 
     # The engine loads in a daemon thread, so a signal during loading need not wait for it.
     loaded: asyncio.Future[Any] = loop.create_future()
