@@ -91,12 +91,15 @@ class ServerProcess:
         model: str = "demo",
         launcher: Sequence[str] = (),
         tls: ssl.SSLContext | None = None,
+        uds: str | None = None,
     ) -> None:
         """`launcher`: a command that runs `-m hybridserve ...` in place of this Python (torchrun
         and its flags). `tls`: the server serves HTTPS (its flags among `extra_args`), and this
-        client context trusts its certificate."""
+        client context trusts its certificate. `uds`: the server listens on this Unix socket
+        (`--uds` is added), which `health_status` reaches."""
         self.port = free_port()
         self.tls = tls
+        self.uds = uds
         self.base = f"{'http' if tls is None else 'https'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="hybridserve-serve-", suffix=".log", delete=False)
         env = dict(os.environ)
@@ -111,6 +114,7 @@ class ServerProcess:
             model,
             "--port",
             str(self.port),
+            *(("--uds", uds) if uds is not None else ()),
             *extra_args,
         ]
         self.proc = subprocess.Popen(
@@ -123,6 +127,11 @@ class ServerProcess:
         return Path(self.log.name).read_text(errors="replace")
 
     def health_status(self) -> int | None:
+        if self.uds is not None:
+            try:
+                return unix_http(self.uds, "GET", "/health", timeout=5, tls=self.tls)[0]
+            except OSError:
+                return None
         try:
             with urllib.request.urlopen(self.base + "/health", timeout=5, context=self.tls) as r:
                 return int(r.status)
@@ -162,6 +171,39 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+def unix_http(
+    path: str,
+    method: str,
+    target: str,
+    body: Any = None,
+    timeout: float = 60,
+    tls: ssl.SSLContext | None = None,
+) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request over the Unix socket at `path` (Host: localhost, as curl
+    --unix-socket sends it); HTTPS with `tls` (a certificate for localhost)."""
+    import http.client
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(path)
+                self.sock = sock if tls is None else tls.wrap_socket(sock, server_hostname="localhost")
+            except BaseException:
+                sock.close()
+                raise
+
+    conn = Connection("localhost", timeout=timeout)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, target, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
 
 
 def parse_sse(raw: bytes) -> list[Any]:
@@ -224,14 +266,14 @@ def raw_http(server: ServerProcess, request: bytes, timeout: float = 30.0) -> tu
 
 @contextlib.contextmanager
 def running_server(
-    *args: str, model: str = "demo", tls: ssl.SSLContext | None = None
+    *args: str, model: str = "demo", tls: ssl.SSLContext | None = None, uds: str | None = None
 ) -> Iterator[ServerProcess]:
     """A server with these flags, ready inside the block and stopped after it (SIGTERM); a graceful
-    shutdown must exit 0, and the log is kept (for the failure message) when it does not. `tls`:
-    as ServerProcess's."""
+    shutdown must exit 0, and the log is kept (for the failure message) when it does not. `tls`,
+    `uds`: as ServerProcess's."""
     if model == "demo":
         ensure_demo_model()
-    srv = ServerProcess(*args, model=model, tls=tls)
+    srv = ServerProcess(*args, model=model, tls=tls, uds=uds)
     try:
         srv.wait_ready()
         yield srv

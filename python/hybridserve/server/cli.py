@@ -42,6 +42,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="port to listen on (default 8000; 0 picks a free one)",
     )
     g.add_argument(
+        "--uds",
+        metavar="PATH",
+        default=None,
+        help="listen on this Unix domain socket instead of --host/--port (a stale socket file left "
+        "there is replaced; the socket is removed when the server stops)",
+    )
+    g.add_argument(
         "--ssl-certfile",
         metavar="FILE",
         default=None,
@@ -231,6 +238,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from hybridserve.errors import ConfigError
     from hybridserve.server.access import AccessPolicy
     from hybridserve.server.app import create_app, drain, set_engine, set_load_error
+    from hybridserve.server.listen import ListenError, listen
     from hybridserve.server.tls import TLSConfigError, server_context
 
     try:
@@ -294,18 +302,13 @@ async def _serve(args: argparse.Namespace) -> int:
         keepalive_timeout=args.keep_alive_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, ssl_context=tls)
     try:
-        await site.start()
-    except OSError as e:  # the port is taken, the host does not resolve or is not ours
+        listening = await listen(runner, args.host, args.port, args.uds, tls)
+    except ListenError as e:
         await runner.cleanup()
-        print(f"hybridserve serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"hybridserve serve: {e}", file=sys.stderr)
         return 1
-    server = getattr(site, "_server", None)
-    sockets = getattr(server, "sockets", None) or []
-    port = sockets[0].getsockname()[1] if sockets else args.port
-    scheme = "http" if tls is None else "https"
-    logger.info("listening on %s://%s:%d (loading the model...)", scheme, args.host, port)
+    logger.info("listening on %s (loading the model...)", listening.where)
 
     # The engine loads in a daemon thread, so a signal during loading need not wait for it.
     loaded: asyncio.Future[Any] = loop.create_future()
@@ -359,13 +362,14 @@ async def _serve(args: argparse.Namespace) -> int:
             # --chat-template: the engine's own (read once, as the engine loaded)
             template = engine.chat_template if engine_args.chat_template is not None else None
             set_engine(app, engine, chat_template=template)
-            logger.info("ready: serving %r on http://%s:%d", _served_name(args), args.host, port)
+            logger.info("ready: serving %r on %s", _served_name(args), listening.where)
             rc = await _serve_until_stopped(engine, stop_wait)
     stop_wait.cancel()
     logger.info("shutting down")
     # drain first, still listening: new connections get 503 and /health says "shutting_down"
     await drain(app)
     await runner.cleanup()  # stops listening
+    listening.remove_socket()
     if engine is not None:
         try:
             res = engine.shutdown()
