@@ -59,10 +59,16 @@ def _stdout_reader_gone() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from hybridserve.config.cli import normalize_flag_names, settle_model
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.print_help(sys.stderr)
+        return 2
+    bad_model = settle_model(args)
+    if bad_model is not None:
+        print(f"hybridserve {args.command}: error: {bad_model}", file=sys.stderr)
         return 2
     module_name, handler_name = args._handler
     handler: Callable[[argparse.Namespace], int | None] = getattr(

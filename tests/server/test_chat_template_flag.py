@@ -129,10 +129,14 @@ def test_a_request_template_is_rendered_only_when_the_server_trusts_it() -> None
 def test_nvidia_command_lines_start_with_the_built_in_parsers() -> None:
     """The vLLM command lines NVIDIA gives for its Nemotron models name plugin files with the
     parsers: the files are not run (a warning names them), and the built-in parsers of those
-    names are used."""
+    names are used; the state dtype flag is taken in its underscore spelling."""
     with running_server(
         "--dtype",
         "float32",
+        "--trust-remote-code",
+        "--mamba_ssm_cache_dtype",  # (vLLM's parser takes underscores, and the cards write them)
+        "float32",
+        "--enable-auto-tool-choice",
         "--reasoning-parser-plugin",
         "nano_v3_reasoning_parser.py",
         "--reasoning-parser",
@@ -156,3 +160,4 @@ def test_nvidia_command_lines_start_with_the_built_in_parsers() -> None:
         assert "--reasoning-parser-plugin nano_v3_reasoning_parser.py: not run" in out
         assert "the built-in parser 'nano_v3' is used" in out
         assert "--tool-parser-plugin nemotron_toolcall_parser_no_streaming.py: not run" in out
+        assert "Mamba states in float32 (--mamba-ssm-cache-dtype)" in out

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# --mamba-ssm-cache-dtype: the Mamba states' dtype (vLLM's flag; "auto" reads the checkpoint)
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_QUEUE_LEN = 512
 
 # Largest accepted values of the integer settings that never reach the core's policy (beyond
@@ -130,6 +132,11 @@ class EngineArgs:
     #: Weights and activations: "auto" (config.json torch_dtype when float32/bfloat16/float16, else
     #: float32) | "float32" | "bfloat16" | "float16" | "float64".
     dtype: str = "auto"
+    #: The Mamba states' dtype (SSM and conv states): "auto" (the checkpoint's
+    #: `mamba_ssm_cache_dtype`, else float32; not the model dtype, as vLLM's auto: a recurrence
+    #: kept in bfloat16 drifts) | "float32" | "bfloat16" | "float16". A float64 model keeps
+    #: float64 states whatever this says.
+    mamba_ssm_cache_dtype: str = "auto"
     #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
     device: str | None = None
     #: N: tensor-parallel ranks (processes) the model is split over; the engine process is rank 0
@@ -191,6 +198,10 @@ class EngineArgs:
                 raise ConfigError(f"{_flag(name)} must be one of {', '.join(names)}; got {v!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ConfigError(
+                f"--mamba-ssm-cache-dtype must be one of {', '.join(STATE_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}"
+            )
         if self.device is not None and not (
             isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
         ):
@@ -356,8 +367,11 @@ class EngineArgs:
             if f.name.startswith("_") or not hasattr(ns, f.name):
                 continue
             kwargs[f.name] = getattr(ns, f.name)
-        if "model" not in kwargs:
-            kwargs["model"] = "demo"
+        if kwargs.get("model") is None:
+            # MODEL, else --model; a parser that has neither serves the demo (one that has them and
+            # got neither fails validation, naming MODEL)
+            option = getattr(ns, "model_option", None)
+            kwargs["model"] = option if option is not None else ("demo" if "model" not in kwargs else None)
         sc = kwargs.get("speculative_config")
         if isinstance(sc, str):
             kwargs["speculative_config"] = parse_speculative_json(sc)
@@ -368,7 +382,7 @@ class EngineArgs:
         mode = kwargs.get("mamba_cache_mode")
         if mode is None:
             kwargs.pop("mamba_cache_mode", None)
-        for name in ("block_size", "seed", "dtype", "max_queue_len"):
+        for name in ("block_size", "seed", "dtype", "mamba_ssm_cache_dtype", "max_queue_len"):
             if kwargs.get(name, 0) is None:
                 kwargs.pop(name)
         args = cls(**kwargs)

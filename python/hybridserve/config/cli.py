@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridserve import _core
-from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, EngineArgs
+from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, STATE_DTYPES, EngineArgs
 from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
 from hybridserve.config.plan import plan_engine
@@ -19,7 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     """Adds every engine flag (vLLM names) to `p`, and the MODEL positional unless `p` has one or
     `model_positional` is False. `--max-queue-len` is left to the server (and `config`)."""
     if model_positional and not any(a.dest == "model" for a in p._actions):
-        p.add_argument("model", help="model folder (HF config.json + safetensors), or 'demo'")
+        p.add_argument(
+            "model", nargs="?", default=None, help="model folder (HF config.json + safetensors), or 'demo'"
+        )
+        # (model cards write `vllm serve --model NAME`, an older form vLLM still takes)
+        p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="MODEL, as a flag")
     g = p.add_argument_group("engine")
     g.add_argument(
         "--enable-prefix-caching",
@@ -118,6 +123,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         help="longest sequence (default: the model's max_position_embeddings)",
     )
     g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="model dtype (default: auto)")
+    g.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=list(STATE_DTYPES),
+        default="auto",
+        help="dtype of the Mamba states (default: auto, the checkpoint's mamba_ssm_cache_dtype, else float32; "
+        "unlike vLLM's auto never the model dtype)",
+    )
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument(
         "--tensor-parallel-size",
@@ -194,6 +206,35 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         help="structured outputs: a grammar (JSON schema, regex, ...) that takes longer to compile is "
         "refused with a 400 (default: 10)",
     )
+
+
+def settle_model(ns: argparse.Namespace) -> str | None:
+    """Puts MODEL or `--model` into `ns.model` (parsers `add_engine_args` gave both); an error
+    message when neither is given or the two differ."""
+    if not hasattr(ns, "model_option"):
+        return None
+    given, option = ns.model, ns.model_option
+    if given is None and option is None:
+        return "MODEL is required: a model folder or 'demo' (or --model MODEL)"
+    if given is not None and option is not None and given != option:
+        return f"MODEL {given!r} and --model {option!r} differ: give the model once"
+    ns.model = given if given is not None else option
+    return None
+
+
+def normalize_flag_names(argv: Sequence[str]) -> list[str]:
+    """`--flag_name[=value]` as `--flag-name[=value]`: vLLM's parser takes either spelling, and
+    command lines written for it use both (NVIDIA's `--mamba_ssm_cache_dtype float32`). Values are
+    left as they are, and nothing after a lone `--`."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + list(argv[i:])
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

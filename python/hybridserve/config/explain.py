@@ -69,6 +69,7 @@ class ResolvedEngineConfig:
                 "model": a.model,
                 "model_dir": self.model_dir,
                 "dtype": self.dtype,
+                "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
                 "device": a.device,
                 "seed": a.seed,
                 "speculative": None if self.speculative is None else self.speculative.to_dict(),

@@ -62,6 +62,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     dtype = parse_dtype(resolved.dtype)
     k = int(core.num_speculative_tokens)
     caching = bool(core.enable_prefix_caching)
+    state_dtype = default_state_dtype(mcfg, dtype, args.mamba_ssm_cache_dtype)
     sizes = compute_cache_sizes(
         block_size=int(core.block_size),
         max_model_len=int(core.max_model_len),
@@ -69,7 +70,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
         num_speculative_tokens=k,
         prefix_caching_can_hit=caching,
         kv_bytes_per_token=kv_bytes_per_block(shard_cfg, 1, dtype),
-        mamba_bytes_per_slot=mamba_bytes_per_slot(shard_cfg, default_state_dtype(mcfg, dtype)),
+        mamba_bytes_per_slot=mamba_bytes_per_slot(shard_cfg, state_dtype),
         has_mamba_layers=bool(mcfg.has_mamba_layers),
         kv_cache_memory=args.kv_cache_memory,
         mamba_cache_memory=args.mamba_cache_memory,
@@ -96,6 +97,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
         )
         resolved = dataclasses.replace(lowered, args=args)
     if mcfg.has_mamba_layers:
+        decisions.append(_state_dtype_decision(args.mamba_ssm_cache_dtype, mcfg, dtype, state_dtype))
         decisions.append(
             Decision(
                 "state_pool_capacity",
@@ -121,6 +123,21 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
         decisions.append(_tensor_parallel_decision(mcfg, tp))
     resolved = dataclasses.replace(resolved, decisions=decisions, model_dir=model_dir)
     return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
+
+
+def _state_dtype_decision(requested: str, mcfg: ModelConfig, dtype: object, chosen: object) -> Decision:
+    """Which dtype the Mamba states take (torch dtypes: this module does not import torch)."""
+    name = str(chosen).removeprefix("torch.")
+    if str(dtype) == "torch.float64":
+        why = "a float64 model keeps float64 states"
+    elif requested != "auto":
+        why = "--mamba-ssm-cache-dtype"
+    else:
+        why = (
+            f"default: the checkpoint's mamba_ssm_cache_dtype ({mcfg.mamba_ssm_cache_dtype}), float32 when it "
+            "names none; --mamba-ssm-cache-dtype sets another"
+        )
+    return Decision("mamba_ssm_cache_dtype", "info", f"Mamba states in {name} ({why})")
 
 
 def _shard_config(mcfg: ModelConfig, tp: int, model_dir: str) -> ModelConfig:

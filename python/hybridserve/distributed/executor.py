@@ -94,6 +94,7 @@ class TPExecutor(GroupFailure):
         num_kv_blocks: int,
         block_size: int,
         num_mamba_slots: int,
+        mamba_ssm_cache_dtype: str = "auto",
     ) -> WorkerSpec:
         return WorkerSpec(
             model_dir=model_dir,
@@ -105,6 +106,7 @@ class TPExecutor(GroupFailure):
             world_size=world_size,
             init_method=f"tcp://127.0.0.1:{_free_port()}",
             cpu_threads=torch.get_num_threads(),
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         )
 
     @property

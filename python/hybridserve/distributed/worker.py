@@ -36,6 +36,7 @@ class WorkerSpec:
     world_size: int
     init_method: str
     cpu_threads: int
+    mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype
 
 
 @dataclass
@@ -81,7 +82,7 @@ class ShardRunner:
             block_size=spec.block_size,
             num_slots=spec.num_mamba_slots,
             kv_dtype=dtype,
-            state_dtype=default_state_dtype(loaded.config, dtype),
+            state_dtype=default_state_dtype(loaded.config, dtype, spec.mamba_ssm_cache_dtype),
             device=dev,
         )
         backend.pin(backend.resolve(dev))

@@ -100,7 +100,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
             shard_model(loaded.model, mcfg, 0, tp)
             cache_cfg = local_config(mcfg, tp)
         log_decisions(resolved_engine, logger)
-        caches = _allocate_caches(cache_cfg, sizes, resolved, dtype, device)
+        caches = _allocate_caches(cache_cfg, sizes, resolved, dtype, device, args.mamba_ssm_cache_dtype)
         if executor is not None:
             executor.wait_ready()
     except BaseException:
@@ -165,7 +165,14 @@ def _start_workers(
                 f"machine has {torch.cuda.device_count()} CUDA device(s)"
             )
     spec = TPExecutor.spec_for(
-        model_dir, dtype, device, tp, sizes.num_kv_blocks, block_size, sizes.num_mamba_slots
+        model_dir,
+        dtype,
+        device,
+        tp,
+        sizes.num_kv_blocks,
+        block_size,
+        sizes.num_mamba_slots,
+        args.mamba_ssm_cache_dtype,
     )
     env = check_torchrun(tp)
     if env is not None:
@@ -176,9 +183,14 @@ def _start_workers(
 
 
 def _allocate_caches(
-    cfg: Any, sizes: CacheSizes, resolved: _core.ResolvedConfig, dtype: torch.dtype, device: torch.device
+    cfg: Any,
+    sizes: CacheSizes,
+    resolved: _core.ResolvedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    requested_state_dtype: str,
 ) -> ModelCaches:
-    state_dtype = default_state_dtype(cfg, dtype)
+    state_dtype = default_state_dtype(cfg, dtype, requested_state_dtype)
     resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
     try:
         return ModelCaches(

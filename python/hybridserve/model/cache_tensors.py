@@ -33,10 +33,15 @@ _DTYPES = {
 }
 
 
-def default_state_dtype(config: ModelConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """fp64 for fp64 models, else the checkpoint's `mamba_ssm_cache_dtype` (default fp32)."""
+def default_state_dtype(
+    config: ModelConfig, model_dtype: torch.dtype, requested: str = "auto"
+) -> torch.dtype:
+    """fp64 for fp64 models, else `requested` (--mamba-ssm-cache-dtype), or for "auto" the
+    checkpoint's `mamba_ssm_cache_dtype` (default fp32)."""
     if model_dtype == torch.float64:
         return torch.float64
+    if requested != "auto":
+        return _DTYPES[requested]
     return _DTYPES.get(config.mamba_ssm_cache_dtype, torch.float32)
 
 
