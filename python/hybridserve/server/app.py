@@ -42,10 +42,12 @@ from hybridserve.server.request_log import (
     CLIENT_CLOSED,
     RECORD_KEY,
     REQUEST_ID_KEY,
+    REQUESTS_LOGGER,
     RequestRecord,
     access_log_middleware,
     log_engine_stats,
     printable,
+    request_line,
 )
 from hybridserve.server.tools import TOOL_PARSERS, ToolCallStream, split_message, tool_call_deltas
 
@@ -238,6 +240,10 @@ class ServerState:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # --tool-call-parser, a tools.TOOL_PARSERS name
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
+    # --enable-log-requests: a line per generation request's prompt and parameters, the prompt cut
+    # to --max-log-len characters (or ids) when that is given
+    log_requests: bool = False
+    max_log_len: int | None = None
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
     info: EngineModelInfo | None = None
@@ -294,6 +300,8 @@ def create_app(
     trust_request_chat_template: bool = False,
     tool_call_parser: str = "hermes",
     responses_store_bytes: int = R.DEFAULT_STORE_BYTES,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -307,7 +315,8 @@ def create_app(
     `chat_template` is rendered (a template is code that runs here: for clients the operator
     trusts), else refused, as vLLM's flag of that name. `tool_call_parser`: a
     `tools.TOOL_PARSERS` name, the format of tool calls. `responses_store_bytes`: the memory of
-    the responses /v1/responses keeps (0: none)."""
+    the responses /v1/responses keeps (0: none). `log_requests`: a line per generation request
+    with its prompt (cut to `max_log_len` characters or ids) and parameters."""
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -329,6 +338,8 @@ def create_app(
         tool_call_parser=tool_call_parser,
         log_stats_interval_s=log_stats_interval_s,
         responses=R.ResponseStore(max_bytes=responses_store_bytes),
+        log_requests=log_requests,
+        max_log_len=max_log_len,
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]
@@ -1084,6 +1095,12 @@ async def _generate(
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     state.admit([c.engine_id for c in choices])
+    if state.log_requests:
+        for i, prompt in enumerate(req.prompts):
+            rid = request_id if len(req.prompts) == 1 else f"{request_id}[{i}]"
+            REQUESTS_LOGGER.info(
+                "%s", request_line(rid, prompt.text, prompt.token_ids, req.params, state.max_log_len)
+            )
     sink: _Sink = asyncio.Queue()
 
     async def run_one(choice: _Choice) -> None:

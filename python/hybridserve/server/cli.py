@@ -214,6 +214,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "cache usage) logged while there is work (default 10)",
     )
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine line (vLLM's flag)")
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log every generation request's prompt and sampling parameters (vLLM's flag; off by default: "
+        "prompts are the users' data)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for older vLLM command lines: requests are not logged unless --enable-log-requests",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int_in(0, 2**31 - 1),
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, the first N characters (or token ids) of each prompt (default: all)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -291,6 +309,8 @@ async def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
     runner = web.AppRunner(
         app,

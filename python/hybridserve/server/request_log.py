@@ -1,7 +1,9 @@
 """What the server tells its operator (docs/serving.md, section 'Logging'): one access line per
 request (`--no-access-log` turns it off), and while the engine has work a line every
 `--log-stats-interval` seconds with its queues, token rates, prefix-cache hit rate and cache usage,
-as vLLM prints them (`--disable-log-stats` turns it off).
+as vLLM prints them (`--disable-log-stats` turns it off). With `--enable-log-requests`, a line per
+generation request with its prompt and sampling parameters (as vLLM's flag; off by default, since
+prompts are the users' data).
 
 Everything a client controls (paths, field names, error messages that quote the request) is
 written escaped and cut short, so that a request cannot forge or flood log lines.
@@ -10,6 +12,7 @@ written escaped and cut short, so that a request cannot forge or flood log lines
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +25,7 @@ from hybridserve.server.metrics import engine_value
 
 ACCESS_LOGGER = logging.getLogger("hybridserve.access")
 STATS_LOGGER = logging.getLogger("hybridserve.stats")
+REQUESTS_LOGGER = logging.getLogger("hybridserve.requests")
 
 # Probed every few seconds by load balancers, orchestrators and Prometheus: their lines are at
 # debug level, so that the access log shows the requests that do work.
@@ -41,6 +45,34 @@ def printable(text: str, limit: int = 200) -> str:
         return text
     return "".join(
         c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in text
+    )
+
+
+def request_line(
+    request_id: str, prompt_text: str | None, prompt_ids: list[int], params: Any, max_len: int | None
+) -> str:
+    """The `--enable-log-requests` line of one prompt of a request: its id, the prompt (its text
+    when the client sent text, else its token ids; the first `max_len` characters or ids when
+    given, `--max-log-len`), how many tokens it has, and the sampling parameters that differ
+    from their defaults."""
+    from hybridserve.sampling.params import SamplingParams  # (torch-free, but not needed before)
+
+    if prompt_text is not None:
+        cut = prompt_text if max_len is None else prompt_text[:max_len]
+        # (repr escapes every character that is not printable: a prompt cannot forge a line)
+        shown = repr(cut) + ("..." if len(cut) < len(prompt_text) else "")
+    else:
+        ids = prompt_ids if max_len is None else prompt_ids[:max_len]
+        shown = str(ids)[:-1] + (", ...]" if len(ids) < len(prompt_ids) else "]")
+    default = SamplingParams()
+    changed = [
+        f"{f.name}={printable(repr(getattr(params, f.name)))}"
+        for f in dataclasses.fields(params)
+        if getattr(params, f.name) != getattr(default, f.name)
+    ]
+    return (
+        f"request {printable(request_id)}: prompt {shown} ({len(prompt_ids)} tokens), "
+        f"params: {', '.join(changed) or 'defaults'}"
     )
 
 
