@@ -111,7 +111,13 @@ def test_a_stream_adds_up_to_the_unstreamed_response(client: openai.OpenAI) -> N
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == final.output_text and kinds.count("response.output_text.delta") > 1
-    assert items(final) == items(whole) and final.usage == whole.usage and final.status == "completed"
+    assert items(final) == items(whole) and final.status == "completed"
+    # the same counts; the cached ones are what the earlier requests left (the first of these two
+    # may have computed what the second hits)
+    assert final.usage is not None and whole.usage is not None
+    assert final.usage.model_dump(exclude={"input_tokens_details"}) == whole.usage.model_dump(
+        exclude={"input_tokens_details"}
+    )
     assert final.id == events[0].response.id != whole.id
     # cut by its limit: the stream ends in response.incomplete with the same text
     cut = client.responses.create(model="demo", input=QUESTION, max_output_tokens=6, **GREEDY)
@@ -184,6 +190,10 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
 def test_the_message_logprobs_are_the_chat_route_s(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"input": QUESTION, "max_output_tokens": 12, "temperature": 0, "top_logprobs": 2,
                           "include": ["message.output_text.logprobs"]}  # fmt: skip
+    # (float32: a request that computes the prompt and one that resumes a kept state agree to the
+    # last bits only nearly; two runs first leave the state every request below resumes)
+    for _ in range(2):
+        chat(client, [{"role": "user", "content": QUESTION}], max_tokens=1)
     r = client.responses.create(model="demo", **kw)
     c = chat(client, [{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0, logprobs=True,
              top_logprobs=2)  # fmt: skip
