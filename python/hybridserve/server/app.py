@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -223,7 +223,7 @@ def _token_texts(v: Any) -> Any:
 
 @dataclass
 class ServerState:
-    served_model_name: str
+    served_model_name: str  # the name answers carry (the first --served-model-name)
     api_key: str | None
     max_queue_len: int
     shutdown_grace_s: float
@@ -240,6 +240,8 @@ class ServerState:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # --tool-call-parser, a tools.TOOL_PARSERS name
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
+    # the other --served-model-name names: requests may name the model so too (as vLLM)
+    model_aliases: tuple[str, ...] = ()
     # --enable-log-requests: a line per generation request's prompt and parameters, the prompt cut
     # to --max-log-len characters (or ids) when that is given
     log_requests: bool = False
@@ -302,6 +304,7 @@ def create_app(
     responses_store_bytes: int = R.DEFAULT_STORE_BYTES,
     log_requests: bool = False,
     max_log_len: int | None = None,
+    model_aliases: Sequence[str] = (),
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -316,7 +319,8 @@ def create_app(
     trusts), else refused, as vLLM's flag of that name. `tool_call_parser`: a
     `tools.TOOL_PARSERS` name, the format of tool calls. `responses_store_bytes`: the memory of
     the responses /v1/responses keeps (0: none). `log_requests`: a line per generation request
-    with its prompt (cut to `max_log_len` characters or ids) and parameters."""
+    with its prompt (cut to `max_log_len` characters or ids) and parameters. `model_aliases`: more
+    names requests may give the model by; answers carry `served_model_name`."""
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -340,6 +344,7 @@ def create_app(
         responses=R.ResponseStore(max_bytes=responses_store_bytes),
         log_requests=log_requests,
         max_log_len=max_log_len,
+        model_aliases=tuple(a for a in dict.fromkeys(model_aliases) if a != served_model_name),
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]
@@ -629,6 +634,7 @@ async def _openapi(request: web.Request) -> web.Response:
     info = state.info  # None while the model loads: its limits are left out until it is loaded
     doc = openapi.document(
         served_model_name=state.served_model_name,
+        model_aliases=state.model_aliases,
         max_model_len=info.max_model_len if info is not None else None,
         vocab_size=info.vocab_size if info is not None else None,
         api_key_required=state.api_key is not None,
@@ -644,9 +650,9 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     card: dict[str, Any] = {
-        "id": state.served_model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "hybridserve",
@@ -657,15 +663,24 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    names = (state.served_model_name, *state.model_aliases)
+    return web.json_response({"object": "list", "data": [_model_card(state, n) for n in names]})
 
 
 async def _model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model_id = request.match_info["model_id"]
-    name = state.served_model_name
     # (a served name that is an absolute path: URL libraries merge the "//" of /v1/models//path)
-    if model_id != name and not (name.startswith("/") and model_id == name.lstrip("/")):
+    name = next(
+        (
+            n
+            for n in (state.served_model_name, *state.model_aliases)
+            if model_id == n or (n.startswith("/") and model_id == n.lstrip("/"))
+        ),
+        None,
+    )
+    if name is None:
         raise P.APIError(
             f"the model {model_id!r} does not exist",
             status=404,
@@ -673,7 +688,7 @@ async def _model(request: web.Request) -> web.Response:
             param="model",
             code="model_not_found",
         )
-    return web.json_response(_model_card(state))
+    return web.json_response(_model_card(state, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -803,9 +818,18 @@ async def _parse(
         raise _client_gone() from None
 
     strict = request.app[STATE].strict_request_fields
+    aliases = request.app[STATE].model_aliases
 
     def run() -> _R:
-        return parse(P.decode_json_body(raw), info, served_model_name, strict=strict)
+        body = P.decode_json_body(raw)
+        if (
+            aliases
+            and isinstance(body, dict)
+            and isinstance(body.get("model"), str)
+            and body["model"] in aliases
+        ):
+            body["model"] = served_model_name  # (another of its names: answers carry the first)
+        return parse(body, info, served_model_name, strict=strict)
 
     # a large body, or any with a client's own chat template allowed (its rendering has no time
     # limit), is parsed off the event loop, so other connections are answered meanwhile

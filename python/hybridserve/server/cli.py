@@ -96,8 +96,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="model name in the API (default: the MODEL argument as given, as vLLM; 'demo' for the demo)",
+        metavar="NAME",
+        help="model name in the API (default: the MODEL argument as given, as vLLM; 'demo' for the demo); "
+        "with more names, requests may give any of them and answers carry the first",
     )
     g.add_argument(
         "--max-queue-len",
@@ -238,7 +241,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def _served_name(args: argparse.Namespace) -> str:
     # vLLM's default: the MODEL argument exactly as given (a path stays a path), so that a client
     # configured for a vLLM server of the same model sends the name this one serves
-    return str(args.served_model_name or args.model)
+    return str(args.served_model_name[0] if args.served_model_name else args.model)
 
 
 def _build_engine(engine_args: Any) -> Any:
@@ -295,6 +298,7 @@ async def _serve(args: argparse.Namespace) -> int:
     app = create_app(
         None,
         served_model_name=_served_name(args),
+        model_aliases=tuple(args.served_model_name or ())[1:],
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes,

@@ -12,6 +12,7 @@ fields' descriptions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from hybridserve._core import __version__
@@ -108,7 +109,7 @@ def _max_tokens(max_model_len: int | None, default: str) -> Schema:
 
 
 def _sampling_fields(
-    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None
 ) -> dict[str, Schema]:
     """The fields both generation routes share (protocol._SAMPLING_FIELDS and _UNSUPPORTED_COMMON),
     `max_tokens` aside (its default differs)."""
@@ -116,7 +117,7 @@ def _sampling_fields(
     return {
         "model": {
             "type": "string",
-            "enum": [served_model_name],
+            "enum": list(model_names),
             "description": "the served model (default); another name is a 404 model_not_found",
         },
         "temperature": _num(
@@ -335,7 +336,7 @@ def _tool_fields() -> dict[str, Schema]:
 
 
 def _completion_fields(
-    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None
 ) -> dict[str, Schema]:
     token = _token_id(vocab_size)
     token_list: Schema = {"type": "array", "minItems": 1, "items": token}
@@ -344,7 +345,7 @@ def _completion_fields(
     text: Schema = {"type": "string", "minLength": 1}
     many = {"minItems": 1, "maxItems": P.MAX_PROMPTS_PER_REQUEST}
     return {
-        **_sampling_fields(served_model_name, vocab_size, max_model_len),
+        **_sampling_fields(model_names, vocab_size, max_model_len),
         "prompt": {
             "anyOf": [
                 text,
@@ -379,10 +380,10 @@ def _completion_fields(
 
 
 def _chat_fields(
-    served_model_name: str, vocab_size: int | None, max_model_len: int | None, request_templates: bool
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None, request_templates: bool
 ) -> dict[str, Schema]:
     return {
-        **_sampling_fields(served_model_name, vocab_size, max_model_len),
+        **_sampling_fields(model_names, vocab_size, max_model_len),
         "messages": {
             "type": "array",
             "minItems": 1,
@@ -414,11 +415,11 @@ def _chat_fields(
 
 
 def _responses_fields(
-    served_model_name: str, vocab_size: int | None, max_model_len: int | None
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None
 ) -> dict[str, Schema]:
     """/v1/responses (responses.py): OpenAI's Responses fields, and vLLM's sampling fields as
     the chat route reads them."""
-    sampling = _sampling_fields(served_model_name, vocab_size, max_model_len)
+    sampling = _sampling_fields(model_names, vocab_size, max_model_len)
     shared = ("model", "temperature", "top_p", "stream", "user", "metadata", "service_tier")
     text = {"type": "string", "description": "accepted and ignored"}
     return {
@@ -511,13 +512,13 @@ def _template_fields(request_templates: bool) -> dict[str, Schema]:
 
 
 def _tokenize_schemas(
-    served_model_name: str, vocab_size: int | None, request_templates: bool
+    model_names: list[str], vocab_size: int | None, request_templates: bool
 ) -> dict[str, Schema]:
     """vLLM's /tokenize and /detokenize bodies (protocol.parse_tokenize_request,
     parse_detokenize_request)."""
     model: Schema = {
         "type": "string",
-        "enum": [served_model_name],
+        "enum": list(model_names),
         "description": "the served model (default); another name is a 404 model_not_found",
     }
     token_strs = _bool("also return each token's vocabulary entry (default false)")
@@ -727,26 +728,29 @@ def _get(summary: str, ok: dict[str, Any], *, secured: bool = False) -> dict[str
 def document(
     *,
     served_model_name: str,
+    model_aliases: Sequence[str] = (),
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     api_key_required: bool = False,
     strict_request_fields: bool = True,
     trust_request_chat_template: bool = False,
 ) -> dict[str, Any]:
-    """The OpenAPI document of a server serving `served_model_name` (the model's limits when it
+    """The OpenAPI document of a server serving `served_model_name` (also under `model_aliases`;
+    the model's limits when it
     is loaded: None while it loads leaves those bounds out). `strict_request_fields`: whether the
     server refuses unknown fields (`--strict-request-fields`) or ignores them (the default).
     `trust_request_chat_template`: whether a chat request's own `chat_template` is rendered."""
+    names = [served_model_name, *model_aliases]
     completion = _request(
-        _completion_fields(served_model_name, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
+        _completion_fields(names, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
     )
     chat = _request(
-        _chat_fields(served_model_name, vocab_size, max_model_len, trust_request_chat_template),
+        _chat_fields(names, vocab_size, max_model_len, trust_request_chat_template),
         P._CHAT_FIELDS,
         "messages",
     )
     responses = _request(
-        _responses_fields(served_model_name, vocab_size, max_model_len),
+        _responses_fields(names, vocab_size, max_model_len),
         R.RESPONSES_FIELDS | R.PASSTHROUGH_FIELDS,
         "input",
     )
@@ -894,7 +898,7 @@ def document(
                 "ChatMessage": _CHAT_MESSAGE,
                 "ChatContentPart": _CONTENT_PART,
                 "ChatToolCall": _CHAT_TOOL_CALL,
-                **_tokenize_schemas(served_model_name, vocab_size, trust_request_chat_template),
+                **_tokenize_schemas(names, vocab_size, trust_request_chat_template),
                 "Error": _ERROR,
             },
         },
