@@ -78,8 +78,11 @@ class EngineModelInfo:
         *,
         trust_request_chat_template: bool = False,
         tool_call_parser: str = "hermes",
+        tokens_as_ids: bool = False,
     ) -> None:
         self.tokenizer = engine.tokenizer
+        # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says
+        self.tokens_as_ids = tokens_as_ids
         # --tool-call-parser: the format tools are described in and calls are read in (tools.py)
         self.tool_call_parser = tool_call_parser
         # a request's own `chat_template` is rendered (protocol._request_template), else refused
@@ -240,6 +243,7 @@ class ServerState:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # --tool-call-parser, a tools.TOOL_PARSERS name
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S  # 0: no periodic engine line
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids
     # the other --served-model-name names: requests may name the model so too (as vLLM)
     model_aliases: tuple[str, ...] = ()
     # --enable-log-requests: a line per generation request's prompt and parameters, the prompt cut
@@ -305,6 +309,7 @@ def create_app(
     log_requests: bool = False,
     max_log_len: int | None = None,
     model_aliases: Sequence[str] = (),
+    return_tokens_as_token_ids: bool = False,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -320,7 +325,8 @@ def create_app(
     `tools.TOOL_PARSERS` name, the format of tool calls. `responses_store_bytes`: the memory of
     the responses /v1/responses keeps (0: none). `log_requests`: a line per generation request
     with its prompt (cut to `max_log_len` characters or ids) and parameters. `model_aliases`: more
-    names requests may give the model by; answers carry `served_model_name`."""
+    names requests may give the model by; answers carry `served_model_name`.
+    `return_tokens_as_token_ids`: logprobs name tokens "token_id:N" unless a request says not."""
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -345,6 +351,7 @@ def create_app(
         log_requests=log_requests,
         max_log_len=max_log_len,
         model_aliases=tuple(a for a in dict.fromkeys(model_aliases) if a != served_model_name),
+        tokens_as_ids=return_tokens_as_token_ids,
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]
@@ -393,6 +400,7 @@ def set_engine(
         chat_template,
         trust_request_chat_template=state.trust_request_chat_template,
         tool_call_parser=state.tool_call_parser,
+        tokens_as_ids=state.tokens_as_ids,
     )
     state.engine = engine
     state.metrics.ready.set(1)
@@ -1243,6 +1251,11 @@ def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:
     return P.usage_dict(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
 
 
+def _as_ids(req: P.GenerateRequest, info: EngineModelInfo) -> bool:
+    """Whether the request's logprobs name tokens "token_id:N" (its field, else the server's flag)."""
+    return info.tokens_as_ids if req.tokens_as_ids is None else req.tokens_as_ids
+
+
 def _logprobs_json(
     req: P.GenerateRequest,
     info: EngineModelInfo,
@@ -1252,12 +1265,20 @@ def _logprobs_json(
 ) -> dict[str, Any] | None:
     if req.logprobs is None:
         return None
+    as_ids = _as_ids(req, info)
     if req.kind == "completion":
         skip = req.params.skip_special_tokens
         return P.completion_logprobs(
-            entries, ids, info.token_text, offsets, text_bytes=lambda t: info.text_bytes(t, skip)
+            entries,
+            ids,
+            info.token_text,
+            offsets,
+            text_bytes=lambda t: info.text_bytes(t, skip),
+            as_ids=as_ids,
         )
-    return P.chat_logprobs(entries, ids, info.token_text, req.logprobs, token_bytes=info.token_bytes)
+    return P.chat_logprobs(
+        entries, ids, info.token_text, req.logprobs, token_bytes=info.token_bytes, as_ids=as_ids
+    )
 
 
 def _echo_logprobs_json(
@@ -1278,6 +1299,7 @@ def _echo_logprobs_json(
         info.token_text,
         P.TextOffsets(0),
         text_bytes=lambda t: info.text_bytes(t, skip),
+        as_ids=_as_ids(req, info),
     )
     if prompt.text_offsets is not None:
         out["text_offset"] = list(prompt.text_offsets)
@@ -1295,7 +1317,7 @@ def _join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) ->
 def _vllm_prompt_logprobs(req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice) -> list[Any] | None:
     if req.prompt_logprobs is None or choice.prompt_logprobs is None:
         return None
-    return P.vllm_prompt_logprobs(choice.prompt_logprobs, info.token_text)
+    return P.vllm_prompt_logprobs(choice.prompt_logprobs, info.token_text, _as_ids(req, info))
 
 
 async def _deltas(

@@ -218,6 +218,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine line (vLLM's flag)")
     g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name each token 'token_id:N' instead of its text (vLLM's flag; a request's "
+        "return_tokens_as_token_ids says otherwise for itself)",
+    )
+    g.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="log every generation request's prompt and sampling parameters (vLLM's flag; off by default: "
@@ -313,6 +319,7 @@ async def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         access_log=args.access_log,
         log_stats_interval_s=0.0 if args.disable_log_stats else args.log_stats_interval,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
     )

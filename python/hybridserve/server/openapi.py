@@ -185,6 +185,10 @@ def _sampling_fields(
         "skip_special_tokens": _bool("leave special tokens out of the text (default true)"),
         "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
+        "return_tokens_as_token_ids": _bool(
+            "logprobs name each token 'token_id:N' instead of its text (default: the server's "
+            "--return-tokens-as-token-ids)"
+        ),
         "user": {"type": "string", "maxLength": USER_MAX_LEN, "description": "an end-user id (not used)"},
         "truncate_prompt_tokens": {
             "anyOf": [

@@ -267,6 +267,9 @@ class GenerateRequest:
     # The output ids are all the engine generated, as vLLM's: an EOS / stop token included, and up
     # to and including the token that completed a stop string, where the text is cut before it.
     return_token_ids: bool = False
+    # vLLM's `return_tokens_as_token_ids`: logprobs name tokens "token_id:N", not by their text
+    # (None: the server's --return-tokens-as-token-ids)
+    tokens_as_ids: bool | None = None
     # vLLM's `prompt_logprobs`: top-n of the prompt's logprobs (completions: in each choice; chat,
     # not streamed: on the response, whose choices share their prompt)
     prompt_logprobs: int | None = None
@@ -333,6 +336,8 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output",
     # vLLM's extra response field: the prompt and output token ids of each choice
     "return_token_ids",
+    # vLLM's: logprobs name tokens "token_id:N"
+    "return_tokens_as_token_ids",
     # hybridserve extension: isolates a tenant's prefix cache
     "cache_salt",
     # vLLM's: lower values are scheduled first (--scheduling-policy priority)
@@ -747,6 +752,9 @@ def parse_completion_request(
         )
     echo = get_bool(body, "echo", False)
     return_token_ids = get_bool(body, "return_token_ids", False)
+    tokens_as_ids = body.get("return_tokens_as_token_ids")
+    if tokens_as_ids is not None:
+        tokens_as_ids = get_bool(body, "return_tokens_as_token_ids", False)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     # vLLM's prompt_logprobs: the prompt's own log-probabilities in the choice's `prompt_logprobs`
     prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
@@ -796,6 +804,7 @@ def parse_completion_request(
         logprobs=logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        tokens_as_ids=tokens_as_ids,
         prompt_logprobs=prompt_logprobs,
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
@@ -1202,6 +1211,9 @@ def parse_chat_request(
             raise _bad("max_completion_tokens", "conflicts with max_tokens")
         max_tokens, max_param = max_completion, "max_completion_tokens"
     return_token_ids = get_bool(body, "return_token_ids", False)
+    tokens_as_ids = body.get("return_tokens_as_token_ids")
+    if tokens_as_ids is not None:
+        tokens_as_ids = get_bool(body, "return_tokens_as_token_ids", False)
     _check_sequences(1, n)
     tools, tool_choice, rendered_tools = _parse_tool_fields(body, unknown)
     keep = _parse_truncation(body, info.max_model_len)
@@ -1238,6 +1250,7 @@ def parse_chat_request(
         logprobs=logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        tokens_as_ids=tokens_as_ids,
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
@@ -1377,11 +1390,13 @@ def completion_logprobs(
     token_text: Callable[[int], str],
     offsets: TextOffsets,
     text_bytes: Callable[[int], bytes] | None = None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
 
     `text_bytes(t)` is what token t adds to the text (nothing for a skipped special token;
-    default: its label's UTF-8 bytes); `offsets` is advanced past these tokens.
+    default: its label's UTF-8 bytes); `offsets` is advanced past these tokens. `as_ids`: tokens
+    are named "token_id:N" (the offsets still count the text).
     """
     tokens: list[str] = []
     token_logprobs: list[float] = []
@@ -1389,12 +1404,12 @@ def completion_logprobs(
     text_offset: list[int] = []
     for tid, entry in zip(token_ids, entries):
         text = _entry_text(tid, entry, token_text)
-        tokens.append(text)
+        tokens.append(_id_label(tid) if as_ids else text)
         chosen = entry.get(tid)
         token_logprobs.append(_finite(chosen.logprob) if chosen is not None else -9999.0)
         top_d: dict[str, float] = {}
         for other_id, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
-            key = _entry_text(other_id, entry, token_text)
+            key = _id_label(other_id) if as_ids else _entry_text(other_id, entry, token_text)
             top_d.setdefault(key, _finite(lp.logprob))
         top.append(top_d)
         text_offset.append(
@@ -1414,35 +1429,35 @@ def chat_logprobs(
     token_text: Callable[[int], str],
     top_n: int,
     token_bytes: Callable[[int], bytes] | None = None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
     `token_bytes(t)` is the token's own bytes (default: its label's UTF-8), so that a piece of a
-    multi-byte character reports the bytes it really stands for."""
+    multi-byte character reports the bytes it really stands for. `as_ids`: tokens are named
+    "token_id:N"; their bytes stay the text's."""
 
-    def raw(tid: int, text: str) -> list[int]:
-        return list(token_bytes(tid) if token_bytes is not None else text.encode("utf-8"))
+    def item(tid: int, entry: TokenLogprobs, logprob: float) -> dict[str, Any]:
+        text = _entry_text(tid, entry, token_text)
+        raw = token_bytes(tid) if token_bytes is not None else text.encode("utf-8")
+        return {"token": _id_label(tid) if as_ids else text, "logprob": _finite(logprob), "bytes": list(raw)}
 
     content = []
     for tid, entry in zip(token_ids, entries):
-        text = _entry_text(tid, entry, token_text)
         chosen = entry.get(tid)
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append(
             {
-                "token": text,
-                "logprob": _finite(chosen.logprob) if chosen is not None else -9999.0,
-                "bytes": raw(tid, text),
-                "top_logprobs": [
-                    {
-                        "token": (t := _entry_text(oid, entry, token_text)),
-                        "logprob": _finite(lp.logprob),
-                        "bytes": raw(oid, t),
-                    }
-                    for oid, lp in ranked
-                ],
+                **item(tid, entry, chosen.logprob if chosen is not None else -9999.0),
+                "top_logprobs": [item(oid, entry, lp.logprob) for oid, lp in ranked],
             }
         )
     return {"content": content}
+
+
+def _id_label(tid: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it: text that no tokenizer's pieces
+    (partial characters, or several tokens of one text) can make ambiguous."""
+    return f"token_id:{tid}"
 
 
 def _entry_text(tid: int, entry: TokenLogprobs, token_text: Callable[[int], str]) -> str:
@@ -1482,10 +1497,11 @@ def completion_choice(
 
 
 def vllm_prompt_logprobs(
-    entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str]
+    entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str], as_ids: bool = False
 ) -> list[Any]:
     """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or {token id as a
-    string: {logprob, rank, decoded_token}} for the prompt token and its top alternatives."""
+    string: {logprob, rank, decoded_token}} for the prompt token and its top alternatives
+    (`decoded_token` "token_id:N" with `as_ids`)."""
     out: list[Any] = []
     for entry in entries:
         if entry is None:
@@ -1496,7 +1512,7 @@ def vllm_prompt_logprobs(
                 str(tid): {
                     "logprob": _finite(lp.logprob),
                     "rank": lp.rank,
-                    "decoded_token": lp.decoded_token or token_text(tid),
+                    "decoded_token": _id_label(tid) if as_ids else (lp.decoded_token or token_text(tid)),
                 }
                 for tid, lp in entry.items()
             }
