@@ -20,7 +20,7 @@ class ListenError(OSError):
 @dataclass
 class Listening:
     site: web.BaseSite
-    where: str  # for the log: "http://127.0.0.1:8000", "unix:/run/hs.sock"
+    where: str  # for the log: "http://127.0.0.1:8000", "http+unix:/run/hs.sock"
     socket_path: str | None = None  # the socket file this server made (removed when it stops)
     socket_inode: int | None = None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hybridserve.sampling.params import SamplingParams
 from hybridserve.server.metrics import engine_value
 
 ACCESS_LOGGER = logging.getLogger("hybridserve.access")
@@ -48,6 +49,9 @@ def printable(text: str, limit: int = 200) -> str:
     )
 
 
+_DEFAULT_PARAMS = SamplingParams()
+
+
 def request_line(
     request_id: str, prompt_text: str | None, prompt_ids: list[int], params: Any, max_len: int | None
 ) -> str:
@@ -55,8 +59,6 @@ def request_line(
     when the client sent text, else its token ids; the first `max_len` characters or ids when
     given, `--max-log-len`), how many tokens it has, and the sampling parameters that differ
     from their defaults."""
-    from hybridserve.sampling.params import SamplingParams  # (torch-free, but not needed before)
-
     if prompt_text is not None:
         cut = prompt_text if max_len is None else prompt_text[:max_len]
         # (repr escapes every character that is not printable: a prompt cannot forge a line)
@@ -64,7 +66,7 @@ def request_line(
     else:
         ids = prompt_ids if max_len is None else prompt_ids[:max_len]
         shown = str(ids)[:-1] + (", ...]" if len(ids) < len(prompt_ids) else "]")
-    default = SamplingParams()
+    default = _DEFAULT_PARAMS
     changed = [
         f"{f.name}={printable(repr(getattr(params, f.name)))}"
         for f in dataclasses.fields(params)
