@@ -180,9 +180,10 @@ def unix_http(
     body: Any = None,
     timeout: float = 60,
     tls: ssl.SSLContext | None = None,
+    host: str = "localhost",
 ) -> tuple[int, bytes]:
     """(status, body) of one HTTP request over the Unix socket at `path` (Host: localhost, as curl
-    --unix-socket sends it); HTTPS with `tls` (a certificate for localhost)."""
+    --unix-socket sends it, or `host`); HTTPS with `tls` (a certificate for localhost)."""
     import http.client
 
     class Connection(http.client.HTTPConnection):
@@ -196,7 +197,7 @@ def unix_http(
                 sock.close()
                 raise
 
-    conn = Connection("localhost", timeout=timeout)
+    conn = Connection(host, timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
         conn.request(method, target, body=data, headers={"Content-Type": "application/json"})

@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and its subcommands' parsers."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _flags(sub)
+    return out
+
+
 def _stdout_reader_gone() -> bool:
     """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
     try:
@@ -62,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridserve.config.cli import normalize_flag_names, settle_model
 
     parser = build_parser()
-    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else argv, _flags(parser)))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -268,47 +268,44 @@ def test_vllm_s_spellings_of_flags_and_of_the_model(model_dirs: dict[str, Path])
     """vLLM takes `--flag_name` for `--flag-name`, and `--model M` for MODEL: the command lines
     model cards give use both (NVIDIA's: `--model ... --mamba_ssm_cache_dtype float32`)."""
     hybrid, attn = str(model_dirs["hybrid"]), str(model_dirs["attn"])
-    proc = run_config("--model", hybrid, "--max_num_seqs", "8", "--mamba_ssm_cache_dtype=bfloat16", "--json")
+    proc = run_config("--model", hybrid, "--max_num_seqs", "8", "--mamba_ssm_cache_dtype=float32", "--json")
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
-    assert (d["model"], d["max_num_seqs"], d["mamba_ssm_cache_dtype"]) == (hybrid, 8, "bfloat16")
+    assert (d["model"], d["max_num_seqs"], d["mamba_ssm_cache_dtype"]) == (hybrid, 8, "float32")
     from hybridserve.model.demo import ensure_demo_model
 
     ensure_demo_model()  # (a model with weights: its plan says what the states take)
-    proc = run_config("--model", "demo", "--mamba_ssm_cache_dtype=bfloat16", "--json")
+    proc = run_config("--model", "demo", "--mamba_ssm_cache_dtype=float32", "--json")
     said = {x["code"]: x["message"] for x in json.loads(proc.stdout)["decisions"]}
-    assert "Mamba states in bfloat16 (--mamba-ssm-cache-dtype)" in said["mamba_ssm_cache_dtype"]
+    assert "Mamba states in float32 (--mamba-ssm-cache-dtype)" in said["mamba_ssm_cache_dtype"]
     assert run_config(hybrid, "--model", hybrid).returncode == 0  # (the same model twice)
     proc = run_config(hybrid, "--model", attn)
     assert proc.returncode == 2 and "differ" in proc.stderr
     proc = run_config("--json")
     assert proc.returncode == 2 and "MODEL is required" in proc.stderr
-    proc = run_config(hybrid, "--mamba_ssm_cache_dtype", "float8")
+    proc = run_config(hybrid, "--mamba_ssm_cache_dtype", "bfloat16")  # (vLLM's; not served here)
     assert proc.returncode == 2 and "--mamba-ssm-cache-dtype" in proc.stderr
 
 
-def test_only_flag_names_are_respelled() -> None:
+def test_only_the_names_of_known_flags_are_respelled() -> None:
+    from hybridserve.cli import _flags, build_parser
     from hybridserve.config.cli import normalize_flag_names
 
-    argv = [
-        "serve",
-        "my_model",
-        "--max_num_seqs=8",
-        "--chat_template",
-        "a_b.jinja",
-        "-tp",
-        "2",
-        "--",
-        "--x_y",
-    ]
-    assert normalize_flag_names(argv) == [
+    known = _flags(build_parser())
+    assert {"--max-num-seqs", "--chat-template", "--served-model-name", "--num-prompts"} <= known
+    argv = ["serve", "my_model", "--max_num_seqs=8", "--chat_template", "a_b.jinja", "--prompt", "--snake_case",
+            "--policy_file", "-tp", "2", "--", "--max_num_seqs"]  # fmt: skip
+    assert normalize_flag_names(argv, known) == [
         "serve",
         "my_model",
         "--max-num-seqs=8",
         "--chat-template",
         "a_b.jinja",
+        "--prompt",
+        "--snake_case",  # (not a flag of ours: a value, or another program's)
+        "--policy_file",
         "-tp",
         "2",
         "--",
-        "--x_y",
+        "--max_num_seqs",
     ]

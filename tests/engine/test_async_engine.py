@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -198,5 +199,49 @@ def test_a_step_wakes_each_event_loop_once_for_all_its_outputs(monkeypatch: pyte
             assert got[-1].finished and len(got[-1].outputs[0].token_ids) == 12
             assert len(got) == 12  # one output per token, none lost or merged
         assert 12 <= calls["engine"] <= steps  # 48 outputs
+
+    asyncio.run(main())
+
+
+def test_tokens_reach_their_streams_before_a_long_forward_in_the_engine_thread() -> None:
+    """A step whose forward runs in the engine thread (a long prompt's chunk, too big for the
+    native step) after one that ran in the background: the tokens the background step made are
+    in their stream's hands before that forward runs (the engine's `early_outputs`), not after."""
+
+    async def main() -> None:
+        engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=1024, async_scheduling=True))
+        await engine.wait_ready()
+        llm = engine.engine
+        assert llm is not None and llm.async_scheduling
+        received = {"d": 0}
+        checks: list[bool] = []
+        finish = llm.runner.finish
+
+        def spy(started, rows):  # noqa: ANN001, ANN202
+            if started.running is None and "long" in started.out.req_ids and "d" in llm.requests:
+                # everything the engine has made for "d" so far must be in the stream already
+                made = len(llm.requests["d"].output_token_ids)
+                deadline = time.monotonic() + 5
+                while received["d"] < made and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                checks.append(received["d"] >= made)
+            return finish(started, rows)
+
+        llm.runner.finish = spy  # type: ignore[method-assign]
+        decode = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+        async def consume() -> None:
+            async for o in engine.generate("The quick brown fox", decode, "d"):
+                received["d"] = len(o.outputs[0].token_ids)
+
+        task = asyncio.create_task(consume())
+        while received["d"] < 3:  # decoding, its steps in the background
+            await asyncio.sleep(0.01)
+        long_prompt = {"prompt_token_ids": [3 + i % 200 for i in range(600)]}
+        outs = [o async for o in engine.generate(long_prompt, SamplingParams(max_tokens=2), "long")]
+        assert outs[-1].finished
+        await asyncio.wait_for(task, 120)
+        engine.shutdown()
+        assert checks and all(checks), checks
 
     asyncio.run(main())

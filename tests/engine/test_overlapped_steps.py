@@ -525,3 +525,26 @@ def test_outputs_built_before_a_forward_in_the_engine_thread_are_handed_over_bef
     _drain(engine, got)
     assert got == want
     assert engine.stats()["kv_blocks_used"] == 0 and not engine.requests
+
+
+def test_a_hand_over_that_fails_loses_no_output(caplog: pytest.LogCaptureFixture) -> None:
+    """`early_outputs` raising: the outputs it was given come back from `step` with the step's own,
+    and the requests end as without it."""
+    prompts = _prompts(2)
+    long_prompt = [random.Random(9).randrange(3, 780) for _ in range(400)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = _llm(False).generate([{"prompt_token_ids": p} for p in [*prompts, long_prompt]], params)
+    want = dict(zip(["r0", "r1", "long"], (list(o.outputs[0].token_ids) for o in outs)))
+    engine = _engine(True)
+    got = _start_overlapping(engine, prompts, params)
+    calls: list[int] = []
+
+    def broken(outs: list[Any]) -> None:
+        calls.append(len(outs))
+        raise RuntimeError("the consumer is gone")
+
+    engine.early_outputs = broken
+    engine.add_request("long", {"prompt_token_ids": long_prompt}, params)
+    _drain(engine, got)
+    assert calls and got == want
+    assert "handing over a step's outputs before the next forward failed" in caplog.text

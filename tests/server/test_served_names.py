@@ -4,11 +4,14 @@ still a 404."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
-from server_fixtures import ServerProcess, call, openai_client, running_server
+from server_fixtures import ROOT, ServerProcess, call, openai_client, running_server
 
 NAMES = ["primary", "alias-one", "/models/by/path"]
 
@@ -47,3 +50,16 @@ def test_a_request_may_name_any_and_the_answer_carries_the_first(server: ServerP
         assert chat.model == "primary"
     status, err = call(server, "/v1/completions", {**body, "model": "other"})
     assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_a_model_after_the_names_is_taken_for_a_name_and_the_error_says_so() -> None:
+    """(as vLLM's: --served-model-name takes every word after it)"""
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "serve", "--served-model-name", "a", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "python")),
+    )
+    assert done.returncode == 2 and "give MODEL before it" in done.stderr, done.stderr[-2000:]

@@ -500,6 +500,12 @@ def test_tool_call_history_is_accepted_and_parsed():
     )
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == "not json"
     assert "tool_calls" not in msgs[1]
+    # nested deeper than the JSON parser goes: text too, not a server error
+    deep = "[" * 100_000 + "]" * 100_000
+    (msg,) = P._parse_messages(
+        [{"role": "assistant", "tool_calls": [{**odd, "function": {"name": "f", "arguments": deep}}]}]
+    )
+    assert msg["tool_calls"][0]["function"]["arguments"] == deep
 
 
 def test_tool_call_history_renders_as_hermes_text_for_chatml(info):

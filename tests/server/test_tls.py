@@ -39,12 +39,20 @@ def pem(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         "key": d / "server.key",
         "ca": d / "ca.pem",
         "client": d / "client.pem",
+        "locked": d / "locked.key",  # the server's key under a passphrase
     }
     server_cert.cert_chain_pems[0].write_to_path(str(files["cert"]))
     for blob in server_cert.cert_chain_pems[1:]:
         blob.write_to_path(str(files["cert"]), append=True)
     server_cert.private_key_pem.write_to_path(str(files["key"]))
     ca.cert_pem.write_to_path(str(files["ca"]))
+    from cryptography.hazmat.primitives import serialization  # (trustme's own dependency)
+
+    key = serialization.load_pem_private_key(server_cert.private_key_pem.bytes(), password=None)
+    locked = serialization.BestAvailableEncryption(b"secret")
+    files["locked"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, locked)
+    )
     ca.issue_cert("client@example.com").private_key_and_cert_chain_pem.write_to_path(str(files["client"]))
     return {k: str(v) for k, v in files.items()}
 
@@ -136,7 +144,8 @@ def _other_client_cert(d: Path) -> str:
         (["--ssl-certfile", "{cert}"], "--ssl-certfile needs --ssl-keyfile"),
         (["--ssl-keyfile", "{key}"], "--ssl-keyfile needs --ssl-certfile"),
         (["--ssl-ca-certs", "{ca}"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
-        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{dir}/none.key"], "no such file"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{dir}/none.key"], "--ssl-keyfile {dir}/none.key: no such file"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{locked}"], "the key needs a passphrase"),
         (["--ssl-certfile", "{key}", "--ssl-keyfile", "{cert}"], "not a PEM certificate and its private key"),
         (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
         (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "3"], "must be 0 (none)"),
@@ -153,4 +162,5 @@ def test_tls_flags_that_cannot_work_stop_the_server_naming_the_flag(
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert says in done.stderr and "listening" not in done.stderr + done.stdout, done.stderr[-2000:]
+    assert says.format(**values) in done.stderr, done.stderr[-2000:]
+    assert "listening" not in done.stderr + done.stdout

@@ -55,6 +55,8 @@ def test_requests_reach_the_server_on_its_socket_and_the_socket_goes_with_it(soc
         assert events[-1] == "[DONE]"
         assert "".join(e["choices"][0]["text"] for e in events[:-1] if isinstance(e, dict)) == whole
         assert unix_http(path, "GET", "/v1/models")[0] == 200
+        # a proxy may forward its clients' Host: no page can reach a Unix socket (no rebinding)
+        assert unix_http(path, "GET", "/v1/models", host="api.example.com")[0] == 200
         with pytest.raises(ConnectionRefusedError):  # nothing on the TCP port
             socket.create_connection(("127.0.0.1", srv.port), timeout=5).close()
         assert f"listening on http+unix:{path}" in srv.output()

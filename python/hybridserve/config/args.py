@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
-# --mamba-ssm-cache-dtype: the Mamba states' dtype (vLLM's flag; "auto" reads the checkpoint)
-STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --mamba-ssm-cache-dtype: the Mamba states' dtype (vLLM's flag; "auto" reads the checkpoint).
+# Not vLLM's bfloat16 / float16: the scan and the state update here compute in the state's dtype
+# (kernels/reference.py), and the native CPU step and the CUDA kernels take float32 states only.
+STATE_DTYPES = ("auto", "float32")
 DEFAULT_MAX_QUEUE_LEN = 512
 
 # Largest accepted values of the integer settings that never reach the core's policy (beyond
@@ -134,8 +136,8 @@ class EngineArgs:
     dtype: str = "auto"
     #: The Mamba states' dtype (SSM and conv states): "auto" (the checkpoint's
     #: `mamba_ssm_cache_dtype`, else float32; not the model dtype, as vLLM's auto: a recurrence
-    #: kept in bfloat16 drifts) | "float32" | "bfloat16" | "float16". A float64 model keeps
-    #: float64 states whatever this says.
+    #: kept in bfloat16 drifts) | "float32" (also over a checkpoint that asks for less). A float64
+    #: model keeps float64 states whatever this says.
     mamba_ssm_cache_dtype: str = "auto"
     #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
     device: str | None = None

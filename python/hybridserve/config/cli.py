@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from hybridserve import _core
@@ -128,7 +128,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         choices=list(STATE_DTYPES),
         default="auto",
         help="dtype of the Mamba states (default: auto, the checkpoint's mamba_ssm_cache_dtype, else float32; "
-        "unlike vLLM's auto never the model dtype)",
+        "unlike vLLM's auto never the model dtype; float32 also over a checkpoint that asks for less)",
     )
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument(
@@ -215,24 +215,30 @@ def settle_model(ns: argparse.Namespace) -> str | None:
         return None
     given, option = ns.model, ns.model_option
     if given is None and option is None:
-        return "MODEL is required: a model folder or 'demo' (or --model MODEL)"
+        hint = ""
+        if getattr(ns, "served_model_name", None):
+            # (nargs="+", as vLLM's: it takes every word after it, MODEL too)
+            hint = "; --served-model-name takes every name after it, so give MODEL before it"
+        return f"MODEL is required: a model folder or 'demo' (or --model MODEL){hint}"
     if given is not None and option is not None and given != option:
         return f"MODEL {given!r} and --model {option!r} differ: give the model once"
     ns.model = given if given is not None else option
     return None
 
 
-def normalize_flag_names(argv: Sequence[str]) -> list[str]:
-    """`--flag_name[=value]` as `--flag-name[=value]`: vLLM's parser takes either spelling, and
-    command lines written for it use both (NVIDIA's `--mamba_ssm_cache_dtype float32`). Values are
-    left as they are, and nothing after a lone `--`."""
+def normalize_flag_names(argv: Sequence[str], known: Collection[str]) -> list[str]:
+    """`--flag_name[=value]` as `--flag-name[=value]` where that is one of the `known` flags:
+    vLLM's parser takes either spelling, and command lines written for it use both (NVIDIA's
+    `--mamba_ssm_cache_dtype float32`). Anything else (a value that starts with `--`, a flag of
+    another program) is left as it is, and so is everything after a lone `--`."""
     out: list[str] = []
     for i, a in enumerate(argv):
         if a == "--":
             return out + list(argv[i:])
-        if a.startswith("--"):
-            name, eq, value = a.partition("=")
-            a = name.replace("_", "-") + eq + value
+        name, eq, value = a.partition("=")
+        dashed = name.replace("_", "-")
+        if a.startswith("--") and dashed != name and dashed in known:
+            a = dashed + eq + value
         out.append(a)
     return out
 

@@ -36,7 +36,7 @@ DEFAULT_ROUTER = "vllm-router"
 # SGLang's gateway takes the same flags after its `launch` subcommand
 _LAUNCH_SUBCOMMAND = {"sglang-router", "smg"}
 POLICIES = ("cache_aware", "round_robin")
-_SERVE_FLAGS_WE_SET = ("--port", "--host")
+_SERVE_FLAGS_WE_SET = ("--port", "--host", "--uds")
 
 
 def add_replicas_args(p: argparse.ArgumentParser) -> None:
@@ -134,6 +134,12 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
     for flag in _SERVE_FLAGS_WE_SET:
         if any(a == flag or a.startswith(flag + "=") for a in serve):
             raise ConfigError(f"{flag} is set for each replica; use --first-replica-port / --host")
+    # (the router and the health checks speak plain HTTP to the replicas)
+    tls = [a for a in serve if a.startswith("--ssl-") or a.startswith("--ssl_")]
+    if tls:
+        raise ConfigError(
+            f"{tls[0].partition('=')[0]}: the router reaches replicas over plain HTTP; put HTTPS in front of the router"
+        )
     return serve
 
 

@@ -226,7 +226,7 @@ class LLMEngine:
         #: Called by `step` with the outputs it has built before it runs a step's forward in its own
         #: thread (not on the background thread), so that they are not held back for as long as
         #: that forward takes; `step` then returns only what comes after. The server's engine
-        #: thread sets it (engine/async_engine.py); it must not call back into the engine.
+        #: thread sets it (engine/async_engine.py); it may read the engine (stats), not change it.
         self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
@@ -516,8 +516,12 @@ class LLMEngine:
             if outputs and self.early_outputs is not None:
                 # the forward below may take long (a prompt's chunk): what the step before made (a
                 # first token, every decoding request's next one) goes out before it, not after
-                early, outputs = outputs, []
-                self.early_outputs(early)
+                try:
+                    self.early_outputs(outputs)
+                except Exception:  # (they are returned with this step's instead)
+                    logger.exception("handing over a step's outputs before the next forward failed")
+                else:
+                    outputs = []
             return outputs + self._emit(self._close(running))
         except BaseException:
             if planned is not None:  # (the failure came before it was started)

@@ -1658,11 +1658,10 @@ class _ResponseRun:
         req = self.rreq.chat
         if not self.rreq.logprobs or entries is None or req.logprobs is None:
             return None
-        return list(
-            P.chat_logprobs(entries, ids, self.info.token_text, req.logprobs, self.info.token_bytes)[
-                "content"
-            ]
+        got = P.chat_logprobs(
+            entries, ids, self.info.token_text, req.logprobs, self.info.token_bytes, self.info.tokens_as_ids
         )
+        return list(got["content"])
 
     def finished(
         self, items: R.OutputItems, reasoning: str, content: str | None, calls: list[Any]

@@ -293,7 +293,11 @@ async def _serve(args: argparse.Namespace) -> int:
                 printable(plugin),
                 parser,
             )
-    access = AccessPolicy.for_bind(args.host, args.allowed_hosts, args.allowed_origins)
+    # (a browser cannot reach a Unix socket, so no DNS rebinding: on --uds the Host is checked
+    # only against --allowed-hosts, and a proxy may forward its clients' Host as it is)
+    access = AccessPolicy.for_bind(
+        None if args.uds is not None else args.host, args.allowed_hosts, args.allowed_origins
+    )
     if access.allowed_hosts is None:
         logger.info("the Host header is not checked (bound to all interfaces, or --allowed-hosts '*')")
     if access.any_origin and not args.api_key:

@@ -46,10 +46,14 @@ def _clear_stale_socket(path: str) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ListenError(f"--uds {path}: the path exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
     try:
         probe.connect(path)
     except ConnectionRefusedError:
-        os.unlink(path)  # nobody listens: a server that stopped without removing it
+        try:
+            os.unlink(path)  # nobody listens: a server that stopped without removing it
+        except OSError as e:
+            raise ListenError(f"--uds {path}: cannot remove the stale socket there: {e}") from None
         return
     except OSError as e:
         raise ListenError(f"--uds {path}: cannot check the socket there: {e}") from None

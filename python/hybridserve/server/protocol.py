@@ -1002,7 +1002,7 @@ def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, 
             _check_surrogates(f"{pc}.{key}", val)
         try:
             parsed: Any = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
             parsed = args
         else:  # (the JSON text's own escapes may decode to lone surrogates)
             _check_surrogates(f"{pc}.function.arguments", json.dumps(parsed, ensure_ascii=False))

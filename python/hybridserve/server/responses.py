@@ -404,7 +404,9 @@ def renamed_error(e: P.APIError, origins: list[Origin] | None = None) -> P.APIEr
         rest = param[at.end() :]
         for path, name in origins[int(at.group(1))]:
             if rest == path or rest.startswith((f"{path}.", f"{path}[")) or not path:
-                new = name + rest[len(path) :]
+                # (a field that is one string, or the kept conversation, is named whole)
+                whole = name in ("input", "instructions", "previous_response_id")
+                new = name if whole else name + rest[len(path) :]
                 e.message = e.message.replace(param, new, 1)
                 e.param = new
                 return e

@@ -5,6 +5,7 @@ name, not a handshake error later."""
 
 from __future__ import annotations
 
+import os
 import ssl
 
 # `--ssl-cert-reqs`: whether clients must show a certificate the `--ssl-ca-certs` authorities
@@ -14,6 +15,14 @@ CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
 
 class TLSConfigError(ValueError):
     """A TLS flag that cannot be used; the message names it."""
+
+
+class _PassphraseAsked(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    raise _PassphraseAsked
 
 
 def server_context(
@@ -37,20 +46,29 @@ def server_context(
         raise TLSConfigError(
             "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the authorities client certificates come from)"
         )
+    for flag, path in (
+        ("--ssl-certfile", certfile),
+        ("--ssl-keyfile", keyfile),
+        ("--ssl-ca-certs", ca_certs),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise TLSConfigError(f"{flag} {path}: no such file")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(certfile, keyfile)
-    except FileNotFoundError as e:
-        raise TLSConfigError(f"--ssl-certfile / --ssl-keyfile: no such file: {e.filename}") from None
-    except (ssl.SSLError, OSError) as e:
+        # (a key that needs a passphrase would make OpenSSL ask for it on the terminal)
+        ctx.load_cert_chain(certfile, keyfile, password=_no_passphrase)
+    except (ssl.SSLError, OSError, _PassphraseAsked) as e:
+        why = (
+            "the key needs a passphrase, which the server cannot ask for"
+            if isinstance(e, _PassphraseAsked)
+            else str(e)
+        )
         raise TLSConfigError(
-            f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a PEM certificate and its private key ({e})"
+            f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a PEM certificate and its private key ({why})"
         ) from None
     if ca_certs is not None:
         try:
             ctx.load_verify_locations(cafile=ca_certs)
-        except FileNotFoundError:
-            raise TLSConfigError(f"--ssl-ca-certs: no such file: {ca_certs}") from None
         except (ssl.SSLError, OSError) as e:
             raise TLSConfigError(f"--ssl-ca-certs {ca_certs}: no PEM certificates in it ({e})") from None
     ctx.verify_mode = CERT_REQS[cert_reqs]
