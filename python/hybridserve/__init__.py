@@ -9,6 +9,7 @@ from hybridserve.errors import ConfigError, HybridServeError, InternalError, Inv
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "ConfigError",
     "EngineArgs",
     "HybridServeError",
@@ -20,6 +21,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineArgs
+    from hybridserve.engine.beam_search import BeamSearchParams
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
@@ -28,6 +30,7 @@ _LAZY = {
     "LLM": "hybridserve.engine.llm",
     "EngineArgs": "hybridserve.config",
     "SamplingParams": "hybridserve.sampling.params",
+    "BeamSearchParams": "hybridserve.engine.beam_search",
 }
 
 

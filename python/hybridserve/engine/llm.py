@@ -15,6 +15,7 @@ from typing import Any, cast
 import jinja2
 
 from hybridserve.config import EngineArgs
+from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
@@ -104,6 +105,18 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best beams, best first
+        (engine/beam_search.py). Each step is a `generate` call whose prompts are the beams so
+        far; the prefix cache's last-token checkpoints make each compute one token."""
+        from hybridserve.engine.beam_search import beam_search
+
+        if isinstance(prompts, str | dict) or _is_token_list(prompts):
+            return beam_search(self, [prompts], params)  # type: ignore[list-item]
+        return beam_search(self, list(prompts), params)  # type: ignore[arg-type]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters `generate` and `chat` use when given none: SamplingParams' defaults with

@@ -90,6 +90,13 @@ class OfflineEngine(ServedModel, Protocol):
     #: the chat template served (--chat-template, else the model's)
     chat_template: ChatTemplate
 
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(its text, if it was text; its token ids)."""
+        ...
+
     def add_request(
         self,
         request_id: str,

@@ -1,0 +1,157 @@
+"""Beam search over the engine (`LLM.beam_search`, vLLM's offline API and types).
+
+Each step asks the engine for one token of every live beam, with the top 2 x `beam_width`
+log-probabilities (the model's own, as vLLM's default logprobs mode), extends each beam by each
+of them, and keeps the `beam_width` best of a prompt's candidates by their length-normalised score
+`cum_logprob / len(tokens) ** length_penalty` (the prompt's tokens counted, an ending EOS not).
+A candidate that ends in EOS is complete and leaves the live beams; so is one that reaches the
+context length. At the end the best `beam_width` of the complete and the live ones are returned.
+
+Every step sends each beam's whole token sequence as a new prompt. On a hybrid model that is
+cheap only because of the prefix cache's last-token checkpoints: the request of the step before
+kept the Mamba state after its prompt, so the next step's prompt, that prompt plus one token,
+computes that one token whichever of the candidates it is (docs/prefix-caching.md, "Last
+tokens"). The state of a beam is forked, not recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridserve.errors import InvalidRequestError
+from hybridserve.sampling.logprobs import TokenLogprobs
+from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hybridserve.engine.input_processor import Prompt
+    from hybridserve.engine.llm import LLM
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width log-probabilities)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's: `beam_width` beams, at most `max_tokens` new tokens each; `ignore_eos` keeps a beam
+    going past EOS; `length_penalty` the exponent of the length the score divides by.
+    `temperature` is accepted for vLLM's signature and changes nothing: the scores are the
+    model's log-probabilities whatever the temperature."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def check(self) -> None:
+        for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise InvalidRequestError(f"{name}: an integer {bound}, got {v!r}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or lp != lp or abs(lp) == float("inf"):
+            raise InvalidRequestError(f"length_penalty: a finite number, got {lp!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: every token (the prompt's first), the log-probabilities of each step that made
+    it (the alternatives the step saw), their sum, and once returned its text (of every token)
+    and why it ended ("stop": EOS, "length": max_tokens or the context length)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(
+    tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+) -> float:
+    """The score beams are ranked by: the summed log-probability over the length to the power
+    `length_penalty`, an ending EOS not counted."""
+    length = len(tokens) - (1 if eos_token_id is not None and tokens and tokens[-1] == eos_token_id else 0)
+    return float(cum_logprob / (max(length, 1) ** length_penalty))
+
+
+@dataclass
+class _Search:
+    live: list[BeamSearchSequence]
+    done: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    params.check()
+    engine = llm.engine
+    eos = None if params.ignore_eos else engine.eos_token_id
+    limit = int(engine.max_model_len)
+    searches = []
+    for i, prompt in enumerate(prompts):
+        _, ids = engine.encode_prompt(prompt)
+        if not ids:
+            raise InvalidRequestError(f"prompts[{i}]: no tokens")
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompts[{i}]: {len(ids)} tokens leave no room for one more within the context ({limit})"
+            )
+        searches.append(_Search([BeamSearchSequence(tokens=list(ids))]))
+
+    def score(b: BeamSearchSequence) -> float:
+        return beam_score(b.tokens, b.cum_logprob, eos, params.length_penalty)
+
+    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True)
+    for _ in range(params.max_tokens):
+        beams = [b for s in searches for b in s.live]
+        if not beams:
+            break
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for b in beams], step)
+        at = 0
+        for s in searches:
+            candidates = []
+            for beam in s.live:
+                seen = outs[at].outputs[0].logprobs
+                at += 1
+                if not seen:  # (a step that failed alone: its beam ends as it is)
+                    s.done.append(_ended(beam, "length"))
+                    continue
+                for token, lp in seen[0].items():
+                    new = BeamSearchSequence(
+                        tokens=[*beam.tokens, token],
+                        logprobs=[*beam.logprobs, seen[0]],
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if eos is not None and token == eos:
+                        s.done.append(_ended(new, "stop"))
+                    else:
+                        candidates.append(new)
+            candidates.sort(key=score, reverse=True)
+            s.live = []
+            for new in candidates[: params.beam_width]:
+                if len(new.tokens) >= limit:
+                    s.done.append(_ended(new, "length"))
+                else:
+                    s.live.append(new)
+    tokenizer = engine.tokenizer
+    results = []
+    for s in searches:
+        best = sorted([*s.done, *(_ended(b, "length") for b in s.live)], key=score, reverse=True)
+        for b in best[: params.beam_width]:
+            b.text = tokenizer.decode(b.tokens)
+        results.append(BeamSearchOutput(best[: params.beam_width]))
+    return results
+
+
+def _ended(beam: BeamSearchSequence, why: str) -> BeamSearchSequence:
+    beam.finish_reason = why
+    return beam
