@@ -115,6 +115,10 @@ class AsyncEngine:
         return self._loaded_engine().model_dir
 
     @property
+    def eos_token_id(self) -> int | None:
+        return self._loaded_engine().eos_token_id
+
+    @property
     def default_sampling(self) -> Mapping[str, Any]:
         return self._loaded_engine().default_sampling
 

@@ -91,64 +91,104 @@ class _Search:
     done: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    params.check()
-    engine = llm.engine
-    eos = None if params.ignore_eos else engine.eos_token_id
-    limit = int(engine.max_model_len)
-    searches = []
-    for i, prompt in enumerate(prompts):
-        _, ids = engine.encode_prompt(prompt)
-        if not ids:
-            raise InvalidRequestError(f"prompts[{i}]: no tokens")
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"prompts[{i}]: {len(ids)} tokens leave no room for one more within the context ({limit})"
-            )
-        searches.append(_Search([BeamSearchSequence(tokens=list(ids))]))
+class BeamSearch:
+    """The beams of some prompts, driven from outside by whoever runs the model: `queries()` are
+    the token sequences whose next-token log-probabilities the next step needs (every live beam,
+    prompt by prompt), `advance` takes them (one entry per query, None for a query that failed),
+    and `results()` gives each prompt's best beams. The offline API (`beam_search`) and the
+    server drive it alike."""
 
-    def score(b: BeamSearchSequence) -> float:
-        return beam_score(b.tokens, b.cum_logprob, eos, params.length_penalty)
+    def __init__(
+        self,
+        prompts: Sequence[list[int]],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+    ) -> None:
+        params.check()
+        self.params = params
+        self.eos = None if params.ignore_eos else eos_token_id
+        self.limit = max_model_len
+        self.steps = 0
+        self._searches = []
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidRequestError(f"prompts[{i}]: no tokens")
+            if len(ids) >= max_model_len:
+                raise InvalidRequestError(
+                    f"prompts[{i}]: {len(ids)} tokens leave no room for one more within the context "
+                    f"({max_model_len})"
+                )
+            self._searches.append(_Search([BeamSearchSequence(tokens=list(ids))]))
 
-    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True)
-    for _ in range(params.max_tokens):
-        beams = [b for s in searches for b in s.live]
-        if not beams:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for b in beams], step)
+    def step_params(self) -> SamplingParams:
+        """What each query asks the engine for: one token, with the top 2 x beam_width
+        log-probabilities."""
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width, ignore_eos=True
+        )
+
+    def queries(self) -> list[list[int]]:
+        """The next step's sequences; none once every beam ended or max_tokens steps ran."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [b.tokens for s in self._searches for b in s.live]
+
+    def _score(self, b: BeamSearchSequence) -> float:
+        return beam_score(b.tokens, b.cum_logprob, self.eos, self.params.length_penalty)
+
+    def advance(self, seen: Sequence[TokenLogprobs | None]) -> None:
+        self.steps += 1
         at = 0
-        for s in searches:
+        for s in self._searches:
             candidates = []
             for beam in s.live:
-                seen = outs[at].outputs[0].logprobs
+                entry = seen[at]
                 at += 1
-                if not seen:  # (a step that failed alone: its beam ends as it is)
+                if not entry:  # (a query that failed alone: its beam ends as it is)
                     s.done.append(_ended(beam, "length"))
                     continue
-                for token, lp in seen[0].items():
+                for token, lp in entry.items():
                     new = BeamSearchSequence(
                         tokens=[*beam.tokens, token],
-                        logprobs=[*beam.logprobs, seen[0]],
+                        logprobs=[*beam.logprobs, entry],
                         cum_logprob=beam.cum_logprob + lp.logprob,
                     )
-                    if eos is not None and token == eos:
+                    if self.eos is not None and token == self.eos:
                         s.done.append(_ended(new, "stop"))
                     else:
                         candidates.append(new)
-            candidates.sort(key=score, reverse=True)
+            candidates.sort(key=self._score, reverse=True)
             s.live = []
-            for new in candidates[: params.beam_width]:
-                if len(new.tokens) >= limit:
+            for new in candidates[: self.params.beam_width]:
+                if len(new.tokens) >= self.limit:
                     s.done.append(_ended(new, "length"))
                 else:
                     s.live.append(new)
-    tokenizer = engine.tokenizer
+
+    def results(self) -> list[list[BeamSearchSequence]]:
+        """Each prompt's best `beam_width` beams, best first (the live ones end as they are)."""
+        out = []
+        for s in self._searches:
+            every = [*s.done, *(_ended(b, "length") for b in s.live)]
+            out.append(sorted(every, key=self._score, reverse=True)[: self.params.beam_width])
+        return out
+
+
+def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    engine = llm.engine
+    search = BeamSearch(
+        [engine.encode_prompt(p)[1] for p in prompts], params, engine.eos_token_id, int(engine.max_model_len)
+    )
+    step = search.step_params()
+    while queries := search.queries():
+        outs = llm.generate([{"prompt_token_ids": q} for q in queries], step)
+        search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
     results = []
-    for s in searches:
-        best = sorted([*s.done, *(_ended(b, "length") for b in s.live)], key=score, reverse=True)
-        for b in best[: params.beam_width]:
-            b.text = tokenizer.decode(b.tokens)
-        results.append(BeamSearchOutput(best[: params.beam_width]))
+    for best in search.results():
+        for b in best:
+            b.text = engine.tokenizer.decode(b.tokens)
+        results.append(BeamSearchOutput(best))
     return results
 
 

@@ -34,6 +34,11 @@ class ServedModel(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The token that ends a sequence (None: the model has none)."""
+        ...
+
+    @property
     def model_dir(self) -> str: ...
 
     @property
@@ -89,9 +94,6 @@ class OfflineEngine(ServedModel, Protocol):
     arrival_index: int
     #: the chat template served (--chat-template, else the model's)
     chat_template: ChatTemplate
-
-    @property
-    def eos_token_id(self) -> int | None: ...
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(its text, if it was text; its token ids)."""

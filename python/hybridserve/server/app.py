@@ -36,6 +36,7 @@ from hybridserve.server import openapi, sse
 from hybridserve.server import protocol as P
 from hybridserve.server import responses as R
 from hybridserve.server.access import AccessPolicy
+from hybridserve.server.beam_route import run_beam_search
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from hybridserve.server.request_log import (
@@ -1126,13 +1127,15 @@ async def _generate(
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    state.admit([c.engine_id for c in choices])
     if state.log_requests:
         for i, prompt in enumerate(req.prompts):
             rid = request_id if len(req.prompts) == 1 else f"{request_id}[{i}]"
             REQUESTS_LOGGER.info(
                 "%s", request_line(rid, prompt.text, prompt.token_ids, req.params, state.max_log_len)
             )
+    if req.beam is not None and respond is None:  # (the Responses route passes no beam search)
+        return await _beam_answer(request, state, engine, info, req, request_id, base, created, arrival)
+    state.admit([c.engine_id for c in choices])
     sink: _Sink = asyncio.Queue()
 
     async def run_one(choice: _Choice) -> None:
@@ -1407,6 +1410,68 @@ async def _collect(
             usage,
             prompt_token_ids=prompt_ids,
             prompt_logprobs=_vllm_prompt_logprobs(req, info, choices[0]),
+        )
+    return web.json_response(body, dumps=_dumps)
+
+
+async def _beam_answer(
+    request: web.Request,
+    state: ServerState,
+    engine: EngineClient,
+    info: EngineModelInfo,
+    req: P.GenerateRequest,
+    request_id: str,
+    engine_ids: str,
+    created: int,
+    arrival: float,
+) -> web.Response:
+    """`use_beam_search`: each prompt's n best beams as its choices (server/beam_route.py)."""
+    try:
+        best, cut = await run_beam_search(
+            engine, req, engine_ids, state.admit, state.release, lambda: state.draining
+        )
+    except (asyncio.CancelledError, P.APIError):
+        raise
+    except Exception as e:
+        raise _engine_error(e) from None
+    ids = req.return_token_ids
+    out: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for prompt, beams in zip(req.prompts, best):
+        for beam in beams:
+            added = beam.tokens[len(prompt.token_ids) :]
+            completion_tokens += len(added)
+            text = info.decode(added, skip_special_tokens=req.params.skip_special_tokens)
+            why = "abort" if cut else beam.finish_reason
+            index = len(out)
+            if req.kind == "completion":
+                choice = P.completion_choice(
+                    index,
+                    text,
+                    why,
+                    None,
+                    prompt_token_ids=prompt.token_ids if ids else None,
+                    token_ids=added if ids else None,
+                )
+            else:
+                choice = P.chat_choice(index, text, why, None, token_ids=added if ids else None)
+            out.append(choice)
+    usage = P.usage_dict(sum(len(p.token_ids) for p in req.prompts), completion_tokens, 0)
+    request[RECORD_KEY] = RequestRecord(
+        prompt_tokens=usage["prompt_tokens"],
+        output_tokens=completion_tokens,
+        ttft_s=time.monotonic() - arrival,
+    )
+    if req.kind == "completion":
+        body = P.completion_response(request_id, created, req.model, out, usage)
+    else:
+        body = P.chat_response(
+            request_id,
+            created,
+            req.model,
+            out,
+            usage,
+            prompt_token_ids=req.prompts[0].token_ids if ids else None,
         )
     return web.json_response(body, dumps=_dumps)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridserve._core import __version__
+from hybridserve.engine.beam_search import MAX_BEAM_WIDTH
 from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
     MAX_BAD_WORD_LEN,
@@ -185,6 +186,15 @@ def _sampling_fields(
         "skip_special_tokens": _bool("leave special tokens out of the text (default true)"),
         "include_stop_str_in_output": _bool("keep the stop string that ended a choice (default false)"),
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
+        "use_beam_search": _bool(
+            "the choices are the n best beams of a beam search (n: the beam width, at most "
+            f"{MAX_BEAM_WIDTH}; no stream, logprobs, stop, tools or grammars with it)"
+        ),
+        "length_penalty": _num(
+            -1e6,
+            1e6,
+            "with use_beam_search: beams rank by summed log-probability / length ** this (default 1)",
+        ),
         "return_tokens_as_token_ids": _bool(
             "logprobs name each token 'token_id:N' instead of its text (default: the server's "
             "--return-tokens-as-token-ids)"

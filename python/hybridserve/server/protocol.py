@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from hybridserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from hybridserve.engine.chat_template import ChatTemplate, ContinuationError
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
@@ -267,6 +268,8 @@ class GenerateRequest:
     # The output ids are all the engine generated, as vLLM's: an EOS / stop token included, and up
     # to and including the token that completed a stop string, where the text is cut before it.
     return_token_ids: bool = False
+    # vLLM's `use_beam_search`: the choices are the n best beams (None: sampled as usual)
+    beam: BeamSearchParams | None = None
     # vLLM's `return_tokens_as_token_ids`: logprobs name tokens "token_id:N", not by their text
     # (None: the server's --return-tokens-as-token-ids)
     tokens_as_ids: bool | None = None
@@ -342,6 +345,9 @@ _SAMPLING_FIELDS = {
     "cache_salt",
     # vLLM's: lower values are scheduled first (--scheduling-policy priority)
     "priority",
+    # vLLM's beam search: the n best beams as the choices (engine/beam_search.py)
+    "use_beam_search",
+    "length_penalty",
     # vLLM's: keep only the prompt's last N tokens (-1: the context length)
     "truncate_prompt_tokens",
     # the grammar the output must match (server/structured_outputs.py): OpenAI's and vLLM's field
@@ -786,6 +792,17 @@ def parse_completion_request(
         prompt_logprobs=engine_prompt_logprobs,
     )
     params = _constrained(params, body, unknown)
+    beam = _beam_search(
+        body,
+        params,
+        stream=stream,
+        echo=echo,
+        logprobs=logprobs is not None,
+        prompt_logprobs=prompt_logprobs is not None,
+        stop=bool(params.stop or params.stop_token_ids),
+        max_tokens=max_tokens == 0,
+        **{_grammar_field(body): params.structured_outputs is not None},
+    )
     if echo and logprobs is not None:
         # the echoed prompt's text_offset index the client's own text (here, off the event loop
         # for a large body)
@@ -809,6 +826,34 @@ def parse_completion_request(
         continuous_usage=_continuous_usage(body),
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
+        beam=beam,
+    )
+
+
+def _grammar_field(body: dict[str, Any]) -> str:
+    """The field a request's grammar came in (for an error that names it)."""
+    return "response_format" if body.get("response_format") is not None else "structured_outputs"
+
+
+def _beam_search(body: dict[str, Any], params: SamplingParams, **asked: bool) -> BeamSearchParams | None:
+    """vLLM's `use_beam_search` (with `n` the beam width, `length_penalty`): the search's
+    parameters, or None. `asked`: fields given that a beam search does not serve (their names)."""
+    length_penalty = get_float(body, "length_penalty", 1.0, -1e6, 1e6)
+    if not get_bool(body, "use_beam_search", False):
+        return None
+    for name, given in asked.items():
+        if given:
+            raise APIError(
+                f"{name}: not served with use_beam_search", param=name, code="unsupported_parameter"
+            )
+    if params.n > MAX_BEAM_WIDTH:
+        raise _bad("n", f"with use_beam_search n is the beam width: at most {MAX_BEAM_WIDTH}, got {params.n}")
+    assert params.max_tokens is not None  # (resolved by the parser)
+    return BeamSearchParams(
+        beam_width=params.n,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        length_penalty=length_penalty,
     )
 
 
@@ -1239,6 +1284,16 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
     )
     params = _constrained(params, body, unknown, tools, tool_choice, _tool_parser(info))
+    beam = _beam_search(
+        body,
+        params,
+        stream=stream,
+        logprobs=logprobs is not None,
+        prompt_logprobs=prompt_logprobs is not None,
+        stop=bool(params.stop or params.stop_token_ids),
+        tools=bool(tools),
+        **{_grammar_field(body): params.structured_outputs is not None and not tools},
+    )
     req = GenerateRequest(
         kind="chat",
         model=model,
@@ -1257,6 +1312,7 @@ def parse_chat_request(
         thinking_disabled=_thinking_disabled(body),
         prompt_logprobs=prompt_logprobs,
         continued=continued,
+        beam=beam,
     )
     if rendered_tools:
         parser = _tool_parser(info).for_tools(rendered_tools)

@@ -1,0 +1,92 @@
+"""vLLM's `use_beam_search` through a real server (float64): the n choices are the n best beams
+`LLM.beam_search` finds, on the completion and chat routes and through the `openai` client's
+`extra_body`; what a beam search does not serve is a 400 naming the field; nothing is left held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hybridserve import LLM, BeamSearchParams
+from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
+
+PROMPT = "The history of the city"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server("--dtype", "float64", "--max-num-seqs", "8") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("demo", dtype="float64", cpu_threads=1)
+
+
+def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> None:
+    (want,) = offline.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=5))
+    n_prompt = len(offline.get_tokenizer().encode(PROMPT))
+    body: dict[str, Any] = {
+        "prompt": PROMPT,
+        "n": 3,
+        "max_tokens": 5,
+        "use_beam_search": True,
+        "return_token_ids": True,
+    }
+    status, r = call(server, "/v1/completions", body)
+    assert status == 200, r
+    assert [c["token_ids"] for c in r["choices"]] == [b.tokens[n_prompt:] for b in want.sequences]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert r["choices"][0]["text"] == offline.get_tokenizer().decode(want.sequences[0].tokens[n_prompt:])
+    assert all(c["finish_reason"] in ("stop", "length") for c in r["choices"])
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
+    # a list of prompts: n choices each, in prompt order
+    status, two = call(server, "/v1/completions", {**body, "prompt": [PROMPT, "Once upon a time"]})
+    assert status == 200 and len(two["choices"]) == 6
+    assert [c["token_ids"] for c in two["choices"][:3]] == [c["token_ids"] for c in r["choices"]]
+
+
+def test_chat_through_the_openai_client(server: ServerProcess, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "Tell me about the city"}]
+    with openai_client(server) as client:
+        r = client.chat.completions.create(
+            model="demo",
+            messages=messages,  # type: ignore[arg-type]
+            n=2,
+            max_tokens=4,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5},
+        )
+    prompt_ids = offline.get_tokenizer().encode(offline.engine.chat_template.render(messages, True))
+    (want,) = offline.beam_search(
+        {"prompt_token_ids": prompt_ids}, BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.5)
+    )
+    texts = [offline.get_tokenizer().decode(b.tokens[len(prompt_ids) :]) for b in want.sequences]
+    assert [c.message.content for c in r.choices] == texts
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["."]}, "stop"),
+        ({"n": 11}, "n"),
+        ({"echo": True}, "echo"),
+        ({"length_penalty": "long"}, "length_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    ],
+)
+def test_what_a_beam_search_does_not_serve_is_a_400(
+    server: ServerProcess, extra: dict[str, Any], param: str
+) -> None:
+    body = {"prompt": PROMPT, "n": 2, "max_tokens": 3, "use_beam_search": True, **extra}
+    status, err = call(server, "/v1/completions", body)
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_nothing_is_left_held(server: ServerProcess) -> None:
+    assert_idle(server)
