@@ -482,6 +482,23 @@ def test_a_plan_whose_every_request_ended_is_dropped() -> None:
     assert llm.engine.stats()["num_planned_steps"] > 0
 
 
+def _two_decoding_and_a_long_prompt() -> tuple[
+    list[list[int]], list[int], SamplingParams, dict[str, list[int]]
+]:
+    """Two short prompts (r0, r1) and a long one whose chunk is too big for the native step, and
+    what each gets without overlap (a request's tokens do not depend on what shares its steps)."""
+    prompts = _prompts(2)
+    long_prompt = [random.Random(9).randrange(3, 780) for _ in range(400)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = _llm(False).generate([{"prompt_token_ids": p} for p in [*prompts, long_prompt]], params)
+    return (
+        prompts,
+        long_prompt,
+        params,
+        dict(zip(["r0", "r1", "long"], (list(o.outputs[0].token_ids) for o in outs))),
+    )
+
+
 def test_outputs_built_before_a_forward_in_the_engine_thread_are_handed_over_before_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -489,12 +506,7 @@ def test_outputs_built_before_a_forward_in_the_engine_thread_are_handed_over_bef
     native step) after a step that ran in the background: the background step's outputs go to
     `early_outputs` before that forward runs, not after it with its own; together they are
     what the requests get without overlap."""
-    prompts = _prompts(2)
-    long_prompt = [random.Random(9).randrange(3, 780) for _ in range(400)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    # (a request's tokens do not depend on what shares its steps)
-    outs = _llm(False).generate([{"prompt_token_ids": p} for p in [*prompts, long_prompt]], params)
-    want = dict(zip(["r0", "r1", "long"], (list(o.outputs[0].token_ids) for o in outs)))
+    prompts, long_prompt, params, want = _two_decoding_and_a_long_prompt()
 
     engine = _engine(True)
     got = _start_overlapping(engine, prompts, params)
@@ -530,11 +542,7 @@ def test_outputs_built_before_a_forward_in_the_engine_thread_are_handed_over_bef
 def test_a_hand_over_that_fails_loses_no_output(caplog: pytest.LogCaptureFixture) -> None:
     """`early_outputs` raising: the outputs it was given come back from `step` with the step's own,
     and the requests end as without it."""
-    prompts = _prompts(2)
-    long_prompt = [random.Random(9).randrange(3, 780) for _ in range(400)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outs = _llm(False).generate([{"prompt_token_ids": p} for p in [*prompts, long_prompt]], params)
-    want = dict(zip(["r0", "r1", "long"], (list(o.outputs[0].token_ids) for o in outs)))
+    prompts, long_prompt, params, want = _two_decoding_and_a_long_prompt()
     engine = _engine(True)
     got = _start_overlapping(engine, prompts, params)
     calls: list[int] = []
