@@ -557,3 +557,33 @@ def test_copy_slots_batched_and_sequential():
     assert torch.equal(st, ref)
     K.copy_slots(st, i64([]), i64([]))
     assert torch.equal(st, ref)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_states_kept_in_low_precision_are_computed_in_float32_and_rounded_once(low: torch.dtype) -> None:
+    """A checkpoint may ask for bfloat16 / float16 Mamba states: the recurrence still runs in
+    float32 (the state widened when read), and each state written is the float32 one rounded
+    once: exactly what the float32 op gives on the widened state, then rounded. A verify row's
+    later tokens start from the unrounded state, not from a rounded one."""
+    gen = torch.Generator().manual_seed(7)
+    H, P, N, G = 4, 3, 4, 2
+    lengths = [3, 1, 4]
+    T, R = sum(lengths), len(lengths)
+    x, dt, A, B, C, D, dt_bias = make_ssm_params(H, P, N, G, T, gen, dtype=torch.float32)
+    slots = 1 + 5 * R
+    state = torch.randn(slots, H, P, N, generator=gen).to(low)
+    wide = state.float()
+    read = [1 + 5 * r for r in range(R)]
+    writes = [[1 + 5 * r + 1 + t if t < n else 0 for t in range(4)] for r, n in enumerate(lengths)]
+    qsl = qsl_of(lengths)
+    y = K.selective_state_update(x, dt, A, B, C, D, dt_bias, state, qsl, i64(read), i64(writes))
+    y32 = K.selective_state_update(x, dt, A, B, C, D, dt_bias, wide, qsl, i64(read), i64(writes))
+    assert torch.equal(y, y32) and torch.equal(state, wide.to(low))
+    # prefill: a row from a kept state, emitting inside its chunk
+    state2 = torch.randn(4, H, P, N, generator=gen).to(low)
+    wide2 = state2.float()
+    xp, dtp, Ap, Bp, Cp, Dp, biasp = make_ssm_params(H, P, N, G, 11, gen, dtype=torch.float32)
+    args = (i64([0, 11]), i64([5]), i64([1]), torch.tensor([True]), i64([2]), i64([0]), i64([4]), i64([3]), 8)
+    yp = K.ssd_prefill(xp, dtp, Ap, Bp, Cp, Dp, biasp, state2, *args)
+    yp32 = K.ssd_prefill(xp, dtp, Ap, Bp, Cp, Dp, biasp, wide2, *args)
+    assert torch.equal(yp, yp32) and torch.equal(state2, wide2.to(low))

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # --mamba-ssm-cache-dtype: the Mamba states' dtype (vLLM's flag; "auto" reads the checkpoint).
-# Not vLLM's bfloat16 / float16: the scan and the state update here compute in the state's dtype
-# (kernels/reference.py), and the native CPU step and the CUDA kernels take float32 states only.
+# Not vLLM's bfloat16 / float16: the native CPU step and the CUDA kernels take float32 states only,
+# so such states would run every Mamba layer on the torch ops (which compute them in float32).
 STATE_DTYPES = ("auto", "float32")
 DEFAULT_MAX_QUEUE_LEN = 512
 

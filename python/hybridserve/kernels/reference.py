@@ -57,6 +57,14 @@ def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: f
     return out
 
 
+def state_compute_dtype(state_dtype: torch.dtype) -> torch.dtype:
+    """What a Mamba recurrence computes in: its states' dtype, but float32 for states kept in
+    bfloat16 or float16 (a checkpoint's `mamba_ssm_cache_dtype`), which are widened when read and
+    rounded once when written, as vLLM's kernels treat them: a recurrence carried in bfloat16
+    would round every token's update."""
+    return torch.float32 if state_dtype in (torch.bfloat16, torch.float16) else state_dtype
+
+
 def _write_slots(state: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """state[slots[i]] = values[i] for every slot != 0 (slot 0 = null, skipped)."""
     if slots.numel() == 0:
@@ -129,7 +137,7 @@ def ssd_prefill(
         B, C: ``[T, G, N]``.
         D: ``[H]`` skip.
         dt_bias: ``[H]``.
-        ssm_state: ``[num_slots, H, P, N]`` fp32/fp64, read and written in place.
+        ssm_state: ``[num_slots, H, P, N]`` fp32/fp64 (bf16/fp16: computed in fp32, `state_compute_dtype`), read and written in place.
         query_start_loc: int64 ``[R + 1]``, starting at 0.
         num_computed_tokens: int64 ``[R]``: absolute position of each row's first token. Chunks are
             aligned to ABSOLUTE positions: chunk boundaries sit at multiples of ``chunk_size`` from
@@ -155,7 +163,7 @@ def ssd_prefill(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = int(query_start_loc.numel()) - 1
-    cdt = ssm_state.dtype
+    cdt = state_compute_dtype(ssm_state.dtype)
     dev = x.device
     Q = int(chunk_size)
     if H % G != 0:
@@ -373,7 +381,7 @@ def selective_state_update(
 
     Args:
         x: ``[T, H, P]``; dt: ``[T, H]`` raw; A, D, dt_bias: ``[H]``; B, C: ``[T, G, N]``.
-        ssm_state: ``[num_slots, H, P, N]`` fp32/fp64, in place.
+        ssm_state: ``[num_slots, H, P, N]`` fp32/fp64 (bf16/fp16: computed in fp32, `state_compute_dtype`), in place.
         query_start_loc: int64 ``[R + 1]`` from 0; row r has ``n_r`` tokens (1 for decode, 1 + k for
             a verify row), ``n_r <= W``.
         read_slot: int64 ``[R]``: initial state of the row (read before any write).
@@ -387,7 +395,7 @@ def selective_state_update(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = int(query_start_loc.numel()) - 1
-    cdt = ssm_state.dtype
+    cdt = state_compute_dtype(ssm_state.dtype)
     dev = x.device
     if T == 0 or R == 0:
         return torch.empty_like(x)

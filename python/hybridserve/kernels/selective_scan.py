@@ -17,7 +17,8 @@ Rows and states follow the conventions of kernels/reference.py: tokens packed by
 ``query_start_loc``; ``ssm_state`` ``[num_slots, D, N]`` (the engine's Mamba pool holds it as
 ``[num_slots, D, 1, N]``: heads of one channel); slot 0 is the null slot (writes to it skipped);
 every initial state is read before any slot is written. Everything computes in the dtype of
-``ssm_state``; y is returned in the dtype of ``x``.
+``ssm_state`` (float32 for a bfloat16 / float16 state: `reference.state_compute_dtype`); y is
+returned in the dtype of ``x``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.kernels import dispatch, native
-from hybridserve.kernels.reference import _check_emits, _padded_token_index, _step_index
+from hybridserve.kernels.reference import _check_emits, _padded_token_index, _step_index, state_compute_dtype
 
 __all__ = ["selective_scan_prefill", "selective_scan_update", "selective_scan_rows"]
 
@@ -52,7 +53,7 @@ def selective_scan_rows(
     zeros); `writes` as `Writes`. Returns y ``[T, D]``."""
     T, Dc = x.shape
     R = int(query_start_loc.numel()) - 1
-    cdt = ssm_state.dtype
+    cdt = state_compute_dtype(ssm_state.dtype)
     dev = x.device
     if T == 0 or R == 0:
         return torch.empty_like(x)

@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridserve.kernels import dispatch as K
 from hybridserve.kernels import selective_scan
-from hybridserve.kernels.reference import process_dt
+from hybridserve.kernels.reference import process_dt, state_compute_dtype
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.mamba2 import Conv1dParams
 from hybridserve.model.layers.norm import RMSNorm
@@ -101,7 +101,7 @@ class Mamba1Mixer(nn.Module):
         if self.dt_layernorm is not None:
             assert self.b_layernorm is not None and self.c_layernorm is not None
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        cdt = ssm_state.dtype
+        cdt = state_compute_dtype(ssm_state.dtype)
         # dt_proj without its bias, which joins dt in the state dtype before the softplus
         dt = process_dt(
             F.linear(dt, self.dt_proj.weight).to(cdt), self.dt_proj.bias.to(cdt), 0.0, float("inf")
