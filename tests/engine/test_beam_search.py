@@ -28,7 +28,8 @@ def _oracle(model: Any, prompt: list[int], width: int, steps: int, eos: int, pen
     log-probability) of the best `width` beams."""
 
     def score(beam: tuple[list[int], float]) -> float:
-        return beam_score(beam[0], beam[1], eos, penalty)
+        length = len(beam[0]) - (beam[0][-1] == eos)
+        return beam[1] / length**penalty
 
     live: list[tuple[list[int], float]] = [(prompt, 0.0)]
     done: list[tuple[list[int], float]] = []
@@ -78,11 +79,15 @@ def test_width_one_is_greedy_and_each_later_step_computes_one_token_a_beam(llm: 
     try:
         llm.engine.reset_prefix_cache()
         before = llm.engine.stats()["num_scheduled_tokens_total"]
-        one = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))
+        one = llm.beam_search(
+            PROMPTS, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True, length_penalty=0.0)
+        )
         computed = llm.engine.stats()["num_scheduled_tokens_total"] - before
         wide = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
     finally:
         del llm.generate
+    # (length_penalty 0: the score is the summed log-probability; with a length in it, an EOS the
+    # greedy tokens run past, not counted in the length, would rank otherwise)
     for g, o in zip(greedy, one):
         (beam,) = o.sequences
         assert beam.tokens[-6:] == list(g.outputs[0].token_ids) and beam.finish_reason == "length"
@@ -106,3 +111,37 @@ def test_width_one_is_greedy_and_each_later_step_computes_one_token_a_beam(llm: 
 def test_bad_parameters_are_refused(llm: LLM, params: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError):
         llm.beam_search("Hello", BeamSearchParams(**params))
+
+
+def test_a_step_ranks_by_length_normalised_score_and_sets_eos_beams_aside() -> None:
+    """The search's arithmetic on made-up log-probabilities: an EOS candidate completes (its EOS
+    not counted in its length), the rest are ranked by cum / length ** length_penalty, and with
+    ignore_eos an EOS candidate stays live but its EOS is still not counted (as vLLM's)."""
+    from hybridserve.engine.beam_search import BeamSearch
+    from hybridserve.sampling.logprobs import Logprob
+
+    def lp(**by_token: float) -> dict[int, Logprob]:
+        return {int(t[1:]): Logprob(logprob=v, rank=1) for t, v in by_token.items()}
+
+    eos = 9
+    search = BeamSearch(
+        [[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=2.0), eos, 100
+    )
+    search.advance([lp(t4=-1.0, t5=-2.0, t9=-0.5)])
+    # live: [1,2,3,4] (-1 / 4**2) and [1,2,3,5] (-2 / 16); [1,2,3,9] is complete (-0.5 / 3**2)
+    assert search.queries() == [[1, 2, 3, 4], [1, 2, 3, 5]]
+    search.advance([lp(t6=-0.1), lp(t7=-3.0)])
+    assert search.queries() == []  # (max_tokens steps ran)
+    (best,) = search.results()
+    # [1,2,3,4,6]: -1.1 / 25; the EOS beam: -0.5 / 9; [1,2,3,5,7]: -5 / 25
+    assert [b.tokens for b in best] == [[1, 2, 3, 4, 6], [1, 2, 3, 9]]
+    assert [b.finish_reason for b in best] == ["length", "stop"]
+    assert best[1].cum_logprob == -0.5 and beam_score(best[1].tokens, -0.5, eos, 2.0) == pytest.approx(
+        -0.5 / 9
+    )
+    kept = BeamSearch(
+        [[1]], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True, length_penalty=1.0), eos, 100
+    )
+    kept.advance([lp(t9=-0.6, t4=-1.0)])
+    # [1, 4]: -1.0 / 2 beats [1, 9]: -0.6 / 1 (its EOS not counted; counted, it would win at -0.3)
+    assert [b.tokens for b in kept.results()[0]] == [[1, 4]]

@@ -73,6 +73,7 @@ def test_chat_through_the_openai_client(server: ServerProcess, offline: LLM) -> 
         ({"stream": True}, "stream"),
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["."]}, "stop"),
+        ({"stop_token_ids": [5]}, "stop_token_ids"),
         ({"n": 11}, "n"),
         ({"echo": True}, "echo"),
         ({"length_penalty": "long"}, "length_penalty"),
@@ -85,6 +86,20 @@ def test_what_a_beam_search_does_not_serve_is_a_400(
 ) -> None:
     body = {"prompt": PROMPT, "n": 2, "max_tokens": 3, "use_beam_search": True, **extra}
     status, err = call(server, "/v1/completions", body)
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "now"}}]}, "tools"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_chat_refuses_so_too(server: ServerProcess, extra: dict[str, Any], param: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 3, "use_beam_search": True}
+    status, err = call(server, "/v1/chat/completions", {**body, **extra})
     assert status == 400 and err["error"]["param"] == param, err
 
 

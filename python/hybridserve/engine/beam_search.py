@@ -36,14 +36,16 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width log-probab
 class BeamSearchParams:
     """vLLM's: `beam_width` beams, at most `max_tokens` new tokens each; `ignore_eos` keeps a beam
     going past EOS; `length_penalty` the exponent of the length the score divides by.
-    `temperature` is accepted for vLLM's signature and changes nothing: the scores are the
-    model's log-probabilities whatever the temperature."""
+    `temperature` and `include_stop_str_in_output` are accepted for vLLM's signature and change
+    nothing: the scores are the model's log-probabilities whatever the temperature, and a beam
+    search stops at EOS only."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # (vLLM's; a beam search has no stop strings)
 
     def check(self) -> None:
         for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
@@ -107,7 +109,8 @@ class BeamSearch:
     ) -> None:
         params.check()
         self.params = params
-        self.eos = None if params.ignore_eos else eos_token_id
+        self.eos_token_id = eos_token_id  # (an ending EOS is not counted in a beam's length)
+        self.eos = None if params.ignore_eos else eos_token_id  # (ends a beam)
         self.limit = max_model_len
         self.steps = 0
         self._searches = []
@@ -135,42 +138,48 @@ class BeamSearch:
         return [b.tokens for s in self._searches for b in s.live]
 
     def _score(self, b: BeamSearchSequence) -> float:
-        return beam_score(b.tokens, b.cum_logprob, self.eos, self.params.length_penalty)
+        return beam_score(b.tokens, b.cum_logprob, self.eos_token_id, self.params.length_penalty)
 
     def advance(self, seen: Sequence[TokenLogprobs | None]) -> None:
+        """Takes one step's answers. Candidates are ranked as (parent, token) pairs, and only the
+        kept ones get token lists of their own (a long prompt is not copied 2 x beam_width times
+        over for every beam)."""
         self.steps += 1
+        penalty = self.params.length_penalty
         at = 0
         for s in self._searches:
-            candidates = []
+            # (score, parent, token, summed log-probability, the step's log-probabilities)
+            ranked: list[tuple[float, BeamSearchSequence, int, float, TokenLogprobs]] = []
             for beam in s.live:
                 entry = seen[at]
                 at += 1
                 if not entry:  # (a query that failed alone: its beam ends as it is)
                     s.done.append(_ended(beam, "length"))
                     continue
+                length = len(beam.tokens) + 1
                 for token, lp in entry.items():
-                    new = BeamSearchSequence(
-                        tokens=[*beam.tokens, token],
-                        logprobs=[*beam.logprobs, entry],
-                        cum_logprob=beam.cum_logprob + lp.logprob,
-                    )
+                    cum = beam.cum_logprob + lp.logprob
                     if self.eos is not None and token == self.eos:
-                        s.done.append(_ended(new, "stop"))
-                    else:
-                        candidates.append(new)
-            candidates.sort(key=self._score, reverse=True)
+                        s.done.append(_ended(_extended(beam, token, entry, cum), "stop"))
+                        continue
+                    counted = length - (1 if token == self.eos_token_id else 0)
+                    ranked.append((cum / (max(counted, 1) ** penalty), beam, token, cum, entry))
+            # (a stable sort: equal scores keep the order the beams and their entries came in)
+            ranked.sort(key=lambda c: c[0], reverse=True)
             s.live = []
-            for new in candidates[: self.params.beam_width]:
+            for _, beam, token, cum, entry in ranked[: self.params.beam_width]:
+                new = _extended(beam, token, entry, cum)
                 if len(new.tokens) >= self.limit:
                     s.done.append(_ended(new, "length"))
                 else:
                     s.live.append(new)
 
-    def results(self) -> list[list[BeamSearchSequence]]:
-        """Each prompt's best `beam_width` beams, best first (the live ones end as they are)."""
+    def results(self, live_reason: str = "length") -> list[list[BeamSearchSequence]]:
+        """Each prompt's best `beam_width` beams, best first; the live ones end as they are, with
+        `live_reason` ("abort" for a search the server's shutdown cut short)."""
         out = []
         for s in self._searches:
-            every = [*s.done, *(_ended(b, "length") for b in s.live)]
+            every = [*s.done, *(_ended(b, live_reason) for b in s.live)]
             out.append(sorted(every, key=self._score, reverse=True)[: self.params.beam_width])
         return out
 
@@ -190,6 +199,10 @@ def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -
             b.text = engine.tokenizer.decode(b.tokens)
         results.append(BeamSearchOutput(best))
     return results
+
+
+def _extended(beam: BeamSearchSequence, token: int, entry: TokenLogprobs, cum: float) -> BeamSearchSequence:
+    return BeamSearchSequence(tokens=[*beam.tokens, token], logprobs=[*beam.logprobs, entry], cum_logprob=cum)
 
 
 def _ended(beam: BeamSearchSequence, why: str) -> BeamSearchSequence:

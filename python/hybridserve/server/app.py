@@ -1425,43 +1425,62 @@ async def _beam_answer(
     created: int,
     arrival: float,
 ) -> web.Response:
-    """`use_beam_search`: each prompt's n best beams as its choices (server/beam_route.py)."""
-    try:
-        best, cut = await run_beam_search(
-            engine, req, engine_ids, state.admit, state.release, lambda: state.draining
-        )
-    except (asyncio.CancelledError, P.APIError):
-        raise
-    except Exception as e:
-        raise _engine_error(e) from None
+    """`use_beam_search`: each prompt's n best beams as its choices (server/beam_route.py). The
+    search holds its n x prompts places of the queue (checked by the caller) to its end."""
+    places = [f"{engine_ids}-beams-{i}" for i in range(req.num_sequences)]
+    state.admit(places)
+    prompt_tokens = sum(len(p.token_ids) for p in req.prompts)
+    completion_tokens = 0
     ids = req.return_token_ids
     out: list[dict[str, Any]] = []
-    completion_tokens = 0
-    for prompt, beams in zip(req.prompts, best):
-        for beam in beams:
-            added = beam.tokens[len(prompt.token_ids) :]
-            completion_tokens += len(added)
-            text = info.decode(added, skip_special_tokens=req.params.skip_special_tokens)
-            why = "abort" if cut else beam.finish_reason
-            index = len(out)
-            if req.kind == "completion":
-                choice = P.completion_choice(
-                    index,
-                    text,
-                    why,
-                    None,
-                    prompt_token_ids=prompt.token_ids if ids else None,
-                    token_ids=added if ids else None,
-                )
-            else:
-                choice = P.chat_choice(index, text, why, None, token_ids=added if ids else None)
-            out.append(choice)
-    usage = P.usage_dict(sum(len(p.token_ids) for p in req.prompts), completion_tokens, 0)
-    request[RECORD_KEY] = RequestRecord(
-        prompt_tokens=usage["prompt_tokens"],
-        output_tokens=completion_tokens,
-        ttft_s=time.monotonic() - arrival,
-    )
+    try:
+        try:
+            best, steps = await run_beam_search(engine, req, engine_ids, lambda: state.draining)
+        except (asyncio.CancelledError, P.APIError):
+            raise
+        except Exception as e:
+            raise _engine_error(e) from None
+        if steps == 0:  # (the shutdown came before its first step)
+            raise P.APIError(
+                "the server is shutting down", status=503, type="service_unavailable", code="shutting_down"
+            )
+        for prompt, beams in zip(req.prompts, best):
+            for beam in beams:
+                added = beam.tokens[len(prompt.token_ids) :]
+                completion_tokens += len(added)
+                text = info.decode(added, skip_special_tokens=req.params.skip_special_tokens)
+                if req.kind == "completion":
+                    out.append(
+                        P.completion_choice(
+                            len(out),
+                            text,
+                            beam.finish_reason,
+                            None,
+                            prompt_token_ids=prompt.token_ids if ids else None,
+                            token_ids=added if ids else None,
+                        )
+                    )
+                else:
+                    reasoning, content = (
+                        (None, text) if req.reasoning is None else split_reasoning(req.reasoning, text)
+                    )
+                    out.append(
+                        P.chat_choice(
+                            len(out),
+                            content,
+                            beam.finish_reason,
+                            None,
+                            token_ids=added if ids else None,
+                            reasoning=reasoning,
+                        )
+                    )
+    finally:
+        for place in places:
+            state.release(place)
+        request[RECORD_KEY] = RequestRecord(
+            prompt_tokens=prompt_tokens, output_tokens=completion_tokens, ttft_s=time.monotonic() - arrival
+        )
+    usage = P.usage_dict(prompt_tokens, completion_tokens, 0)
     if req.kind == "completion":
         body = P.completion_response(request_id, created, req.model, out, usage)
     else:

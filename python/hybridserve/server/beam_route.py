@@ -2,10 +2,11 @@
 engine/beam_search.py, each step's queries sent to the engine at once as one-token requests; the
 `n` best beams of each prompt are its choices (text and token ids of what the beam added).
 
-A step's queries are the beams so far as prompts: the request of the step before kept the state
-after its prompt (a last-token checkpoint), so each query computes one token. Each query counts
-against `--max-queue-len` while it runs, as a request's sequences do; a search the server's
-shutdown meets ends after the step it is in, its beams as they are (finish_reason "abort")."""
+A step's queries are the beams so far as prompts: with prefix caching on, the request of the
+step before kept the state after its prompt (a last-token checkpoint), so each query computes one
+token. The search holds `n` x prompts places of `--max-queue-len` from start to end, as a
+request's sequences do; a search the server's shutdown meets ends after the step it is in, its
+live beams as they are (finish_reason "abort")."""
 
 from __future__ import annotations
 
@@ -33,28 +34,20 @@ async def _next_token_logprobs(
 
 
 async def run_beam_search(
-    engine: EngineClient,
-    req: P.GenerateRequest,
-    engine_ids: str,
-    admit: Callable[[list[str]], None],
-    release: Callable[[str], None],
-    stopping: Callable[[], bool],
-) -> tuple[list[list[BeamSearchSequence]], bool]:
-    """Each prompt's best beams, best first, and whether the server's shutdown cut the search
-    short. `engine_ids`: the prefix of its engine requests' ids. `admit` / `release` count the
-    running queries as in-flight sequences."""
+    engine: EngineClient, req: P.GenerateRequest, engine_ids: str, stopping: Callable[[], bool]
+) -> tuple[list[list[BeamSearchSequence]], int]:
+    """Each prompt's best beams, best first, and the steps that ran (fewer than asked when the
+    server's shutdown cut the search short: its live beams end "abort"). `engine_ids`: the
+    prefix of its engine requests' ids."""
     assert req.beam is not None
     search = BeamSearch(
         [p.token_ids for p in req.prompts], req.beam, engine.eos_token_id, int(engine.max_model_len)
     )
     params = search.step_params()
-    cut = False
     while queries := search.queries():
         if stopping():
-            cut = True
-            break
+            return search.results(live_reason="abort"), search.steps
         ids = [f"{engine_ids}-beam{search.steps}-{i}" for i in range(len(queries))]
-        admit(ids)
         tasks = [
             asyncio.create_task(_next_token_logprobs(engine, q, params, rid, req))
             for q, rid in zip(queries, ids)
@@ -67,8 +60,5 @@ async def run_beam_search(
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        finally:
-            for rid in ids:
-                release(rid)
         search.advance(seen)
-    return search.results(), cut
+    return search.results(), search.steps

@@ -799,7 +799,8 @@ def parse_completion_request(
         echo=echo,
         logprobs=logprobs is not None,
         prompt_logprobs=prompt_logprobs is not None,
-        stop=bool(params.stop or params.stop_token_ids),
+        stop=bool(params.stop),
+        stop_token_ids=bool(params.stop_token_ids),
         max_tokens=max_tokens == 0,
         **{_grammar_field(body): params.structured_outputs is not None},
     )
@@ -1290,7 +1291,8 @@ def parse_chat_request(
         stream=stream,
         logprobs=logprobs is not None,
         prompt_logprobs=prompt_logprobs is not None,
-        stop=bool(params.stop or params.stop_token_ids),
+        stop=bool(params.stop),
+        stop_token_ids=bool(params.stop_token_ids),
         tools=bool(tools),
         **{_grammar_field(body): params.structured_outputs is not None and not tools},
     )

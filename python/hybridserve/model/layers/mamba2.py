@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridserve.kernels import dispatch as K
 from hybridserve.kernels import native
+from hybridserve.kernels.reference import state_compute_dtype
 from hybridserve.model.forward_context import ForwardContext
 from hybridserve.model.layers.norm import GatedRMSNorm
 from hybridserve.model.model_config import ModelConfig
@@ -70,7 +71,7 @@ class Mamba2Mixer(nn.Module):
         the conv and SSD scan of every token, writing the states per the ForwardContext."""
         T = proj.shape[0]
         z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        w, A = self._constants(ssm_state.dtype)
+        w, A = self._constants(state_compute_dtype(ssm_state.dtype))
         b = self.conv1d.bias
         ndt = ctx.num_decode_tokens
 
