@@ -56,7 +56,7 @@ def test_serve_args_come_after_the_double_dash() -> None:
         ([], "give the replicas' model after `--`"),
         (["--", "demo", "--port", "9"], "--port is set for each replica"),
         (["--", "demo", "--host=0.0.0.0"], "--host is set for each replica"),
-        (["--", "demo", "--uds", "/tmp/x.sock"], "--uds is set for each replica"),
+        (["--", "demo", "--uds", "hs.sock"], "--uds is set for each replica"),
         (
             ["--", "demo", "--ssl-certfile=c.pem", "--ssl-keyfile", "k.pem"],
             "--ssl-certfile: the router reaches",

@@ -207,7 +207,7 @@ class AsyncEngine:
             return
         # a step that runs a long forward in this thread hands over what it already has first
         # (a stream whose loop is gone is found at its request's next output)
-        engine.early_outputs = self._publish_early
+        engine.early_outputs = self._publish
         self._snapshot_stats()
         self._ready = True
         self._loaded.set()
@@ -284,9 +284,6 @@ class AsyncEngine:
                 items.append((stream, out))
         _deliver(items)
         return items
-
-    def _publish_early(self, outputs: list[RequestOutput]) -> None:
-        self._publish(outputs)
 
     def _live_owner(self, rid: str) -> _Stream | None:
         """The stream that owns request `rid` in the engine, if its consumer still reads it."""

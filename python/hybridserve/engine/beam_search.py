@@ -83,7 +83,11 @@ def beam_score(
 ) -> float:
     """The score beams are ranked by: the summed log-probability over the length to the power
     `length_penalty`, an ending EOS not counted."""
-    length = len(tokens) - (1 if eos_token_id is not None and tokens and tokens[-1] == eos_token_id else 0)
+    ends = eos_token_id is not None and bool(tokens) and tokens[-1] == eos_token_id
+    return _normalised(cum_logprob, len(tokens) - ends, length_penalty)
+
+
+def _normalised(cum_logprob: float, length: int, length_penalty: float) -> float:
     return float(cum_logprob / (max(length, 1) ** length_penalty))
 
 
@@ -162,8 +166,9 @@ class BeamSearch:
                     if self.eos is not None and token == self.eos:
                         s.done.append(_ended(_extended(beam, token, entry, cum), "stop"))
                         continue
-                    counted = length - (1 if token == self.eos_token_id else 0)
-                    ranked.append((cum / (max(counted, 1) ** penalty), beam, token, cum, entry))
+                    # (beam_score of the extended beam, without building its token list)
+                    score = _normalised(cum, length - (token == self.eos_token_id), penalty)
+                    ranked.append((score, beam, token, cum, entry))
             # (a stable sort: equal scores keep the order the beams and their entries came in)
             ranked.sort(key=lambda c: c[0], reverse=True)
             s.live = []

@@ -227,7 +227,7 @@ class LLMEngine:
         #: thread (not on the background thread), so that they are not held back for as long as
         #: that forward takes; `step` then returns only what comes after. The server's engine
         #: thread sets it (engine/async_engine.py); it may read the engine (stats), not change it.
-        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
+        self.early_outputs: Callable[[list[RequestOutput]], object] | None = None
         self.counters = EngineCounters()
         self.acceptance_per_position = [0] * self.num_speculative_tokens
         # structured outputs: requests whose grammar is still being compiled, in arrival order

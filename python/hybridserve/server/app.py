@@ -690,13 +690,7 @@ async def _model(request: web.Request) -> web.Response:
         None,
     )
     if name is None:
-        raise P.APIError(
-            f"the model {model_id!r} does not exist",
-            status=404,
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+        raise P.not_found(f"the model {model_id!r} does not exist", "model", "model_not_found")
     return web.json_response(_model_card(state, name))
 
 
@@ -924,12 +918,8 @@ def _kept_response(request: web.Request) -> R.KeptResponse:
     response_id = request.match_info["response_id"]
     kept = request.app[STATE].responses.get(response_id)
     if kept is None:
-        raise P.APIError(
-            f"no kept response has the id {printable(response_id, 80)!r}",
-            status=404,
-            type="not_found_error",
-            param="response_id",
-            code="not_found",
+        raise P.not_found(
+            f"no kept response has the id {printable(response_id, 80)!r}", "response_id", "not_found"
         )
     return kept
 

@@ -445,17 +445,20 @@ def _check_fields(
             raise APIError(f"{key}: not supported by this server", param=key, code="unsupported_parameter")
 
 
+def not_found(message: str, param: str, code: str) -> APIError:
+    """OpenAI's 404 for something a request names that is not here."""
+    return APIError(message, status=404, type="not_found_error", param=param, code=code)
+
+
 def _parse_model(body: dict[str, Any], served_model_name: str) -> str:
     model = get_str(body, "model")
     if model is None:
         return served_model_name
     if model != served_model_name:
-        raise APIError(
+        raise not_found(
             f"the model {model!r} does not exist; this server serves {served_model_name!r}",
-            status=404,
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
+            "model",
+            "model_not_found",
         )
     return model
 
