@@ -287,6 +287,25 @@ def test_vllm_s_spellings_of_flags_and_of_the_model(model_dirs: dict[str, Path])
     assert proc.returncode == 2 and "--mamba-ssm-cache-dtype" in proc.stderr
 
 
+def test_kv_cache_dtype_is_a_decision_with_its_reason() -> None:
+    """NVIDIA's FP8 cards pass `--kv-cache-dtype fp8`: the plan says what the cache takes and why."""
+    from hybridserve.model.demo import ensure_demo_model
+
+    ensure_demo_model()
+
+    def said(*flags: str) -> str:
+        proc = run_config("demo", "--dtype", "float32", *flags, "--json")
+        assert proc.returncode == 0, proc.stderr
+        return {x["code"]: x["message"] for x in json.loads(proc.stdout)["decisions"]}["kv_cache_dtype"]
+
+    assert said() == "KV cache in float32 (default: the model dtype)"
+    fp8 = said("--kv_cache_dtype", "fp8")
+    assert fp8.startswith("KV cache in float8_e4m3fn (--kv-cache-dtype; K and V are rounded to float8_e4m3fn")
+    assert said("--kv-cache-dtype", "float32") == "KV cache in float32 (--kv-cache-dtype)"
+    proc = run_config("demo", "--kv-cache-dtype", "fp8_inc")
+    assert proc.returncode == 2 and "--kv-cache-dtype" in proc.stderr and "fp8_e5m2" in proc.stderr
+
+
 def test_only_the_names_of_known_flags_are_respelled() -> None:
     from hybridserve.cli import _flags, build_parser
     from hybridserve.config.cli import normalize_flag_names

@@ -43,6 +43,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # Not vLLM's bfloat16 / float16: the native CPU step and the CUDA kernels take float32 states only,
 # so such states would run every Mamba layer on the torch ops (which compute them in float32).
 STATE_DTYPES = ("auto", "float32")
+# --kv-cache-dtype: the KV cache's dtype (vLLM's flag and names; "fp8" is fp8_e4m3). "auto" is the
+# model dtype. K and V are rounded to it when written and widened to the model dtype when read, by
+# every attention path alike, so prefix hits and chunking still never change an output.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_QUEUE_LEN = 512
 
 # Largest accepted values of the integer settings that never reach the core's policy (beyond
@@ -139,6 +143,11 @@ class EngineArgs:
     #: kept in bfloat16 drifts) | "float32" (also over a checkpoint that asks for less). A float64
     #: model keeps float64 states whatever this says.
     mamba_ssm_cache_dtype: str = "auto"
+    #: The KV cache's dtype: "auto" (the model dtype) | "float32" | "bfloat16" | "float16" | "fp8"
+    #: (= "fp8_e4m3") | "fp8_e5m2". K and V are rounded to it when written (fp8 without scales,
+    #: e4m3 saturating at +-448, as vLLM's with a scale of 1); every attention path reads the
+    #: rounded values, so caching stays lossless.
+    kv_cache_dtype: str = "auto"
     #: "cpu", "cuda", "cuda:N"; None = auto (the engine decides).
     device: str | None = None
     #: N: tensor-parallel ranks (processes) the model is split over; the engine process is rank 0
@@ -203,6 +212,10 @@ class EngineArgs:
         if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
             raise ConfigError(
                 f"--mamba-ssm-cache-dtype must be one of {', '.join(STATE_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
         if self.device is not None and not (
             isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
@@ -384,7 +397,14 @@ class EngineArgs:
         mode = kwargs.get("mamba_cache_mode")
         if mode is None:
             kwargs.pop("mamba_cache_mode", None)
-        for name in ("block_size", "seed", "dtype", "mamba_ssm_cache_dtype", "max_queue_len"):
+        for name in (
+            "block_size",
+            "seed",
+            "dtype",
+            "mamba_ssm_cache_dtype",
+            "kv_cache_dtype",
+            "max_queue_len",
+        ):
             if kwargs.get(name, 0) is None:
                 kwargs.pop(name)
         args = cls(**kwargs)

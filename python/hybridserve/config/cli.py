@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from hybridserve import _core
-from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, STATE_DTYPES, EngineArgs
+from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, KV_CACHE_DTYPES, STATE_DTYPES, EngineArgs
 from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
 from hybridserve.config.plan import plan_engine
@@ -129,6 +129,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default="auto",
         help="dtype of the Mamba states (default: auto, the checkpoint's mamba_ssm_cache_dtype, else float32; "
         "unlike vLLM's auto never the model dtype; float32 also over a checkpoint that asks for less)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="dtype of the KV cache (default: auto, the model dtype; fp8 is fp8_e4m3, kept without scales). "
+        "K and V are rounded to it when written; prefix caching stays lossless",
     )
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument(

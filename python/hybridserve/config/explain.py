@@ -70,6 +70,7 @@ class ResolvedEngineConfig:
                 "model_dir": self.model_dir,
                 "dtype": self.dtype,
                 "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
+                "kv_cache_dtype": a.kv_cache_dtype,
                 "device": a.device,
                 "seed": a.seed,
                 "speculative": None if self.speculative is None else self.speculative.to_dict(),

@@ -46,6 +46,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     from hybridserve.model.cache_tensors import (
         default_state_dtype,
         kv_bytes_per_block,
+        kv_cache_dtype,
         mamba_bytes_per_slot,
         parse_dtype,
     )
@@ -63,13 +64,14 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     k = int(core.num_speculative_tokens)
     caching = bool(core.enable_prefix_caching)
     state_dtype = default_state_dtype(mcfg, dtype, args.mamba_ssm_cache_dtype)
+    kv_dtype = kv_cache_dtype(dtype, args.kv_cache_dtype)
     sizes = compute_cache_sizes(
         block_size=int(core.block_size),
         max_model_len=int(core.max_model_len),
         max_num_seqs=int(core.max_num_seqs),
         num_speculative_tokens=k,
         prefix_caching_can_hit=caching,
-        kv_bytes_per_token=kv_bytes_per_block(shard_cfg, 1, dtype),
+        kv_bytes_per_token=kv_bytes_per_block(shard_cfg, 1, kv_dtype),
         mamba_bytes_per_slot=mamba_bytes_per_slot(shard_cfg, state_dtype),
         has_mamba_layers=bool(mcfg.has_mamba_layers),
         kv_cache_memory=args.kv_cache_memory,
@@ -119,10 +121,27 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                     "state pool more memory",
                 )
             )
+    if mcfg.num_attention_layers > 0:
+        decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype))
     if tp > 1:
         decisions.append(_tensor_parallel_decision(mcfg, tp))
     resolved = dataclasses.replace(resolved, decisions=decisions, model_dir=model_dir)
     return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
+
+
+def _kv_dtype_decision(requested: str, dtype: object, chosen: object) -> Decision:
+    """Which dtype the KV cache takes (torch dtypes: this module does not import torch)."""
+    name = str(chosen).removeprefix("torch.")
+    if requested == "auto":
+        return Decision("kv_cache_dtype", "info", f"KV cache in {name} (default: the model dtype)")
+    why = "--kv-cache-dtype"
+    if chosen != dtype:
+        why += (
+            f"; K and V are rounded to {name} when written and read back in "
+            f"{str(dtype).removeprefix('torch.')} by every attention path; on the CPU the native kernels "
+            "take the model dtype only, so attention and the decode step run on the torch ops"
+        )
+    return Decision("kv_cache_dtype", "info", f"KV cache in {name} ({why})")
 
 
 def _state_dtype_decision(requested: str, mcfg: ModelConfig, dtype: object, chosen: object) -> Decision:

@@ -95,6 +95,7 @@ class TPExecutor(GroupFailure):
         block_size: int,
         num_mamba_slots: int,
         mamba_ssm_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> WorkerSpec:
         return WorkerSpec(
             model_dir=model_dir,
@@ -107,6 +108,7 @@ class TPExecutor(GroupFailure):
             init_method=f"tcp://127.0.0.1:{_free_port()}",
             cpu_threads=torch.get_num_threads(),
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property

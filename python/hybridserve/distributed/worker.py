@@ -37,6 +37,7 @@ class WorkerSpec:
     init_method: str
     cpu_threads: int
     mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ShardRunner:
         from hybridserve.distributed.sharding import local_config, shard_model
         from hybridserve.kernels import backend
         from hybridserve.model.batch import HostStaging
-        from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype
+        from hybridserve.model.cache_tensors import ModelCaches, default_state_dtype, kv_cache_dtype
         from hybridserve.model.loader import load_model
 
         dev = torch.device(device or rank_device(spec.device, rank))
@@ -81,7 +82,7 @@ class ShardRunner:
             num_blocks=spec.num_kv_blocks,
             block_size=spec.block_size,
             num_slots=spec.num_mamba_slots,
-            kv_dtype=dtype,
+            kv_dtype=kv_cache_dtype(dtype, spec.kv_cache_dtype),
             state_dtype=default_state_dtype(loaded.config, dtype, spec.mamba_ssm_cache_dtype),
             device=dev,
         )

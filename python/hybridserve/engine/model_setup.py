@@ -25,6 +25,7 @@ from hybridserve.errors import ConfigError
 from hybridserve.model.cache_tensors import (
     ModelCaches,
     default_state_dtype,
+    kv_cache_dtype,
 )
 from hybridserve.model.demo import resolve_model_path
 from hybridserve.model.loader import load_model
@@ -100,7 +101,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
             shard_model(loaded.model, mcfg, 0, tp)
             cache_cfg = local_config(mcfg, tp)
         log_decisions(resolved_engine, logger)
-        caches = _allocate_caches(cache_cfg, sizes, resolved, dtype, device, args.mamba_ssm_cache_dtype)
+        caches = _allocate_caches(cache_cfg, sizes, resolved, dtype, device, args)
         if executor is not None:
             executor.wait_ready()
     except BaseException:
@@ -173,6 +174,7 @@ def _start_workers(
         block_size,
         sizes.num_mamba_slots,
         args.mamba_ssm_cache_dtype,
+        args.kv_cache_dtype,
     )
     env = check_torchrun(tp)
     if env is not None:
@@ -188,9 +190,9 @@ def _allocate_caches(
     resolved: _core.ResolvedConfig,
     dtype: torch.dtype,
     device: torch.device,
-    requested_state_dtype: str,
+    args: EngineArgs,
 ) -> ModelCaches:
-    state_dtype = default_state_dtype(cfg, dtype, requested_state_dtype)
+    state_dtype = default_state_dtype(cfg, dtype, args.mamba_ssm_cache_dtype)
     resolved.validate_pool_sizes(sizes.num_kv_blocks, sizes.num_mamba_slots)
     try:
         return ModelCaches(
@@ -198,7 +200,7 @@ def _allocate_caches(
             num_blocks=sizes.num_kv_blocks,
             block_size=int(resolved.block_size),
             num_slots=sizes.num_mamba_slots,
-            kv_dtype=dtype,
+            kv_dtype=kv_cache_dtype(dtype, args.kv_cache_dtype),
             state_dtype=state_dtype,
             device=device,
         )

@@ -1,7 +1,7 @@
 """ModelCaches: the KV cache and the Mamba state tensors of one model (docs/memory.md).
 
 - KV, per attention layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the KV dtype
-  (the model dtype by default). Block ids index dim 0; block 0 is the null block (allocated, never
+  (the model dtype by default, `kv_cache_dtype`). Block ids index dim 0; block 0 is the null block (allocated, never
   handed out by the pool), so ``num_blocks`` counts it.
 - Mamba state, per Mamba layer: conv ``[num_slots, conv_dim, d_conv - 1]`` and ssm
   ``[num_slots, nheads, headdim, dstate]``; fp32 by default (the checkpoint's
@@ -43,6 +43,20 @@ def default_state_dtype(
     if requested != "auto":
         return _DTYPES[requested]
     return _DTYPES.get(config.mamba_ssm_cache_dtype, torch.float32)
+
+
+_KV_DTYPES = {
+    **_DTYPES,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_dtype(model_dtype: torch.dtype, requested: str = "auto") -> torch.dtype:
+    """The KV cache's dtype: `requested` (--kv-cache-dtype, vLLM's names), or for "auto" the
+    model dtype."""
+    return model_dtype if requested == "auto" else _KV_DTYPES[requested]
 
 
 def _elem(dtype: torch.dtype) -> int:
