@@ -288,6 +288,20 @@ def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802 - the demo tokenizer, as t
     return list(Tokenizer(ensure_demo_model()).encode(text))
 
 
+def _assert_same_entries(got: list[Any], want: list[Any]) -> None:
+    """The same tokens, ranks and texts at every position, and the same logprobs up to float64
+    rounding: the two requests ran in batches of other shapes (docs/losslessness.md: logits are
+    not claimed bit-identical across batch layouts)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if g is None or w is None:
+            assert g is w is None
+            continue
+        strip = lambda e: {t: {k: v for k, v in x.items() if k != "logprob"} for t, x in e.items()}  # noqa: E731
+        assert strip(g) == strip(w)
+        assert all(abs(g[t]["logprob"] - w[t]["logprob"]) < 1e-9 for t in g)
+
+
 def test_chat_prompt_logprobs_are_the_rendered_prompts(server: ServerProcess) -> None:
     """vLLM's prompt_logprobs on chat: on the response (its choices share one prompt), the same
     numbers as a completion of the rendered prompt's ids; not with stream: true."""
@@ -302,7 +316,7 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts(server: ServerProcess) ->
     )
     assert status == 200 and len(chat["choices"]) == 2
     _, done = post("/v1/completions", {"prompt": tok["tokens"], "max_tokens": 1, "prompt_logprobs": 2})
-    assert chat["prompt_logprobs"] == done["choices"][0]["prompt_logprobs"]
+    _assert_same_entries(chat["prompt_logprobs"], done["choices"][0]["prompt_logprobs"])
     assert len(chat["prompt_logprobs"]) == tok["count"] and chat["prompt_logprobs"][0] is None
     _, plain = post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     assert "prompt_logprobs" not in plain
