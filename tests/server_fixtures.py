@@ -34,12 +34,13 @@ def free_port() -> int:
 class TokenizerModelInfo:
     """protocol.ModelInfo over a real tokenizer folder (the demo model's), for parsing tests."""
 
-    def __init__(self, model_dir: str, max_model_len: int = 64) -> None:
+    def __init__(self, model_dir: str, max_model_len: int = 64, max_logprobs: int = 20) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.template = ChatTemplate.from_model_dir(model_dir)
         self._max_model_len = max_model_len
+        self._max_logprobs = max_logprobs
 
     @property
     def max_model_len(self) -> int:
@@ -48,6 +49,10 @@ class TokenizerModelInfo:
     @property
     def vocab_size(self) -> int | None:
         return int(self.tokenizer.get_vocab_size())
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._max_logprobs
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from openapi_cases import Spec
 MODEL = "demo"
 MAX_MODEL_LEN = 64
 VOCAB = 100
+MAX_LOGPROBS = 7  # (--max-logprobs; not the default 20, so that a bound left at 20 shows)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -31,6 +32,7 @@ class FakeInfo:
 
     max_model_len = MAX_MODEL_LEN
     vocab_size: int | None = VOCAB
+    max_logprobs = MAX_LOGPROBS
     sampling_defaults: dict[str, Any] = {}  # noqa: RUF012 - read only
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -51,11 +53,19 @@ class FakeInfo:
         return [1]
 
 
-SPEC = Spec(document(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB))
+SPEC = Spec(
+    document(
+        served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, max_logprobs=MAX_LOGPROBS
+    )
+)
 # the document of a server that ignores unknown fields (the default; not --strict-request-fields)
 LAX_SPEC = Spec(
     document(
-        served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB, strict_request_fields=False
+        served_model_name=MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        vocab_size=VOCAB,
+        max_logprobs=MAX_LOGPROBS,
+        strict_request_fields=False,
     )
 )
 # vLLM's tokenizer routes: /tokenize takes either of the first two bodies

@@ -166,7 +166,12 @@ def test_echo_offsets_index_the_clients_text_with_a_bos_the_tokenizer_adds() -> 
     )
     info = EngineModelInfo(
         SimpleNamespace(
-            tokenizer=tok, max_model_len=256, vocab_size=tok.vocab_size, model_dir="", default_sampling={}
+            tokenizer=tok,
+            max_model_len=256,
+            vocab_size=tok.vocab_size,
+            max_logprobs=20,
+            model_dir="",
+            default_sampling={},
         ),  # type: ignore[arg-type]
         ChatTemplate("{{ messages[0]['content'] }}"),
     )

@@ -34,6 +34,7 @@ from hybridserve.config.kv_events import KVEventsConfig
 from hybridserve.config.sizing import min_mamba_slots
 from hybridserve.config.speculative import SpeculativeConfig, parse_speculative_json
 from hybridserve.errors import ConfigError
+from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
@@ -60,6 +61,7 @@ _PYTHON_UPPER_BOUNDS = {
     "tensor_parallel_size": 1024,
     "seed": 2**64 - 1,
     "prefix_cache_hash_seed": 2**64 - 1,
+    "max_logprobs": 2**31 - 1,
 }
 _PYTHON_LOWER_BOUNDS = {
     "max_queue_len": 1,
@@ -70,6 +72,7 @@ _PYTHON_LOWER_BOUNDS = {
     "tensor_parallel_size": 1,
     "seed": 0,
     "prefix_cache_hash_seed": 0,
+    "max_logprobs": -1,
 }
 
 
@@ -186,6 +189,9 @@ class EngineArgs:
     #: Seconds a structured-output grammar may take to compile; a request whose grammar takes
     #: longer is refused (engine/grammar_compiler.py).
     grammar_compile_timeout: float = 10.0
+    #: Most log-probabilities a request may ask for per token (`logprobs`, `prompt_logprobs`,
+    #: `top_logprobs`), as vLLM's --max-logprobs; -1 = the vocabulary. A request over it is refused.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     #: KV cache events for routers: vLLM's KVEventsConfig fields (config/kv_events.py), as a dict,
     #: a KVEventsConfig or the JSON text of --kv-events-config. None = no events.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -221,7 +227,7 @@ class EngineArgs:
             isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)
         ):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {self.device!r}")
-        required = ("block_size", "seed", "max_queue_len", "tensor_parallel_size")
+        required = ("block_size", "seed", "max_queue_len", "tensor_parallel_size", "max_logprobs")
         optional = (
             "max_num_seqs",
             "mamba_block_size",

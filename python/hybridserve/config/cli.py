@@ -14,6 +14,7 @@ from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
 from hybridserve.config.plan import plan_engine
 from hybridserve.errors import ConfigError, HybridServeError
+from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -204,6 +205,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         help="publish KV cache events for cache-aware routers, in vLLM's format and spelling, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
         "(docs/kv-events.md; the events carry every request's token ids: publish on a trusted network)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        metavar="N",
+        help=f"most log-probabilities a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; "
+        f"default: {DEFAULT_MAX_LOGPROBS}; -1: the vocabulary)",
     )
     g.add_argument(
         "--grammar-compile-timeout",

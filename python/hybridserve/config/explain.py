@@ -71,6 +71,7 @@ class ResolvedEngineConfig:
                 "dtype": self.dtype,
                 "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
                 "kv_cache_dtype": a.kv_cache_dtype,
+                "max_logprobs": a.max_logprobs,
                 "device": a.device,
                 "seed": a.seed,
                 "speculative": None if self.speculative is None else self.speculative.to_dict(),

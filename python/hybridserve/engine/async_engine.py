@@ -107,6 +107,10 @@ class AsyncEngine:
         return self._loaded_engine().vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self._loaded_engine().max_logprobs
+
+    @property
     def max_model_len(self) -> int:
         return self._loaded_engine().max_model_len
 

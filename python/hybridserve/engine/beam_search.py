@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from hybridserve.engine.input_processor import Prompt
     from hybridserve.engine.llm import LLM
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width log-probabilities)
+MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width log-probabilities)
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,19 @@ class BeamSearch:
         return out
 
 
+def widest_beam(max_logprobs: int) -> int:
+    """The widest beam an engine serves: a step asks for 2 x beam_width log-probabilities, which
+    --max-logprobs bounds, and MAX_BEAM_WIDTH bounds the beams one search holds."""
+    return min(MAX_BEAM_WIDTH, max_logprobs // 2)
+
+
 def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
     engine = llm.engine
+    if params.beam_width > (widest := widest_beam(engine.max_logprobs)):
+        raise InvalidRequestError(
+            f"beam_width: at most {widest} here (a step asks for 2 x beam_width log-probabilities, and "
+            f"--max-logprobs is {engine.max_logprobs}), got {params.beam_width}"
+        )
     search = BeamSearch(
         [engine.encode_prompt(p)[1] for p in prompts], params, engine.eos_token_id, int(engine.max_model_len)
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import InvalidRequestError
-from hybridserve.sampling.params import SamplingParams
+from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from hybridserve.sampling.seeds import request_seed
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (as vLLM's inputs).
@@ -73,11 +73,20 @@ class InputProcessor:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, engine_seed: int
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        engine_seed: int,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        #: most log-probabilities per token a request may ask for (--max-logprobs; -1 = the
+        #: vocabulary), never more than the vocabulary has
+        self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
         self.engine_seed = engine_seed
         self.arrival_index = 0  # index of the next admitted request
 
@@ -130,6 +139,12 @@ class InputProcessor:
         params.validate()
         if params.n != 1:
             raise InvalidRequestError("n: LLMEngine takes one sequence per request; fan out n above it")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}: at most {self.max_logprobs} log-probabilities per token (--max-logprobs), got {asked}"
+                )
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequestError("prompt: must not be empty")

@@ -192,6 +192,7 @@ class LLMEngine:
             vocab_size=em.vocab_size,
             max_model_len=self.max_model_len,
             engine_seed=int(args.seed),
+            max_logprobs=int(args.max_logprobs),
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
         # where a prompt's first message ends, declared shared to the scheduler (shared_prefix.py)
@@ -256,6 +257,11 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.runner.em.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        """Most log-probabilities per token a request may ask for (--max-logprobs, resolved)."""
+        return self.inputs.max_logprobs
 
     @property
     def model_dir(self) -> str:

@@ -34,6 +34,12 @@ class ServedModel(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def max_logprobs(self) -> int:
+        """Most log-probabilities per token a request may ask for (--max-logprobs; -1 resolved
+        to the vocabulary)."""
+        ...
+
+    @property
     def eos_token_id(self) -> int | None:
         """The token that ends a sequence (None: the model has none)."""
         ...

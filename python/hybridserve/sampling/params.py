@@ -11,8 +11,9 @@ import numpy as np
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.structured_outputs import StructuredOutputsParams
 
-# Beyond this, a top-n logprobs request costs more than it is worth to anyone.
-MAX_LOGPROBS = 20
+# The most log-probabilities per token a request may ask for unless the engine says otherwise
+# (--max-logprobs, vLLM's default): each one is a top-n over the vocabulary on every step.
+DEFAULT_MAX_LOGPROBS = 20
 # top_k past the vocabulary keeps every token; the bound keeps the value inside the per-row int64
 # arrays of the batch (and is the HTTP API's).
 MAX_TOP_K = 2**31 - 1
@@ -157,12 +158,9 @@ class SamplingParams:
         if not is_int(self.n) or self.n < 1 or self.n > 128:
             raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
         if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)
+            not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
         ):
-            raise bad(
-                "prompt_logprobs",
-                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
-            )
+            raise bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs!r}")
         least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < least):
             what = "a non-negative integer (0: score the prompt only)" if least == 0 else "a positive integer"
@@ -186,10 +184,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be a non-negative integer below 2^63, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
-        ):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs!r}")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             v = getattr(self, flag)
             if not isinstance(v, bool | np.bool_):

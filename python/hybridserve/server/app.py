@@ -90,6 +90,7 @@ class EngineModelInfo:
         self.trust_request_chat_template = trust_request_chat_template
         self._max_model_len = int(engine.max_model_len)
         self._vocab_size = int(engine.vocab_size)
+        self._max_logprobs = int(engine.max_logprobs)
         self._sampling_defaults = dict(engine.default_sampling)
         if chat_template is None:
             source = self.tokenizer.chat_template
@@ -109,6 +110,10 @@ class EngineModelInfo:
     @property
     def vocab_size(self) -> int | None:
         return self._vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._max_logprobs
 
     @property
     def sampling_defaults(self) -> Mapping[str, Any]:
@@ -646,6 +651,7 @@ async def _openapi(request: web.Request) -> web.Response:
         model_aliases=state.model_aliases,
         max_model_len=info.max_model_len if info is not None else None,
         vocab_size=info.vocab_size if info is not None else None,
+        max_logprobs=info.max_logprobs if info is not None else None,
         api_key_required=state.api_key is not None,
         strict_request_fields=state.strict_request_fields,
         trust_request_chat_template=state.trust_request_chat_template,

@@ -22,7 +22,6 @@ from hybridserve.sampling.params import (
     MAX_BAD_WORD_LEN,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_LOGPROBS,
     MAX_STOP_STR_LEN,
     MAX_STOP_STRS_TOTAL_LEN,
 )
@@ -350,7 +349,7 @@ def _tool_fields() -> dict[str, Schema]:
 
 
 def _completion_fields(
-    model_names: list[str], vocab_size: int | None, max_model_len: int | None
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None, max_logprobs: int | None
 ) -> dict[str, Schema]:
     token = _token_id(vocab_size)
     token_list: Schema = {"type": "array", "minItems": 1, "items": token}
@@ -379,10 +378,10 @@ def _completion_fields(
             "prefix each choice with its prompt (default false); with logprobs, the prompt's tokens "
             "come first in logprobs, the first with a null logprob"
         ),
-        "logprobs": _int(0, MAX_LOGPROBS, "log-probabilities of the top-n tokens"),
+        "logprobs": _int(0, max_logprobs, "log-probabilities of the top-n tokens"),
         "prompt_logprobs": _int(
             0,
-            MAX_LOGPROBS,
+            max_logprobs,
             "the prompt's own log-probabilities with their top-n, in each choice's prompt_logprobs",
         ),
         "best_of": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "only equal to n"),
@@ -394,7 +393,11 @@ def _completion_fields(
 
 
 def _chat_fields(
-    model_names: list[str], vocab_size: int | None, max_model_len: int | None, request_templates: bool
+    model_names: list[str],
+    vocab_size: int | None,
+    max_model_len: int | None,
+    max_logprobs: int | None,
+    request_templates: bool,
 ) -> dict[str, Schema]:
     return {
         **_sampling_fields(model_names, vocab_size, max_model_len),
@@ -412,10 +415,10 @@ def _chat_fields(
             max_model_len, "max_tokens' newer name; equal to it if both are given"
         ),
         "logprobs": _bool("return log-probabilities (default false)"),
-        "top_logprobs": _int(0, MAX_LOGPROBS, "alternatives per token; requires logprobs: true"),
+        "top_logprobs": _int(0, max_logprobs, "alternatives per token; requires logprobs: true"),
         "prompt_logprobs": _int(
             0,
-            MAX_LOGPROBS,
+            max_logprobs,
             "the rendered prompt's own log-probabilities with their top-n, in the response's "
             "prompt_logprobs (vLLM's; not with stream: true)",
         ),
@@ -429,7 +432,7 @@ def _chat_fields(
 
 
 def _responses_fields(
-    model_names: list[str], vocab_size: int | None, max_model_len: int | None
+    model_names: list[str], vocab_size: int | None, max_model_len: int | None, max_logprobs: int | None
 ) -> dict[str, Schema]:
     """/v1/responses (responses.py): OpenAI's Responses fields, and vLLM's sampling fields as
     the chat route reads them."""
@@ -487,7 +490,7 @@ def _responses_fields(
         "truncation": {"enum": ["disabled"], "description": "only disabled (the default)"},
         "top_logprobs": _int(
             0,
-            MAX_LOGPROBS,
+            max_logprobs,
             "alternatives per token of the message's logprobs, with include "
             f"[{R.LOGPROBS_INCLUDE!r}] (not with tools or a reasoning parser); alone it changes nothing",
         ),
@@ -745,6 +748,7 @@ def document(
     model_aliases: Sequence[str] = (),
     max_model_len: int | None = None,
     vocab_size: int | None = None,
+    max_logprobs: int | None = None,
     api_key_required: bool = False,
     strict_request_fields: bool = True,
     trust_request_chat_template: bool = False,
@@ -756,15 +760,15 @@ def document(
     `trust_request_chat_template`: whether a chat request's own `chat_template` is rendered."""
     names = [served_model_name, *model_aliases]
     completion = _request(
-        _completion_fields(names, vocab_size, max_model_len), P._COMPLETION_FIELDS, "prompt"
+        _completion_fields(names, vocab_size, max_model_len, max_logprobs), P._COMPLETION_FIELDS, "prompt"
     )
     chat = _request(
-        _chat_fields(names, vocab_size, max_model_len, trust_request_chat_template),
+        _chat_fields(names, vocab_size, max_model_len, max_logprobs, trust_request_chat_template),
         P._CHAT_FIELDS,
         "messages",
     )
     responses = _request(
-        _responses_fields(names, vocab_size, max_model_len),
+        _responses_fields(names, vocab_size, max_model_len, max_logprobs),
         R.RESPONSES_FIELDS | R.PASSTHROUGH_FIELDS,
         "input",
     )

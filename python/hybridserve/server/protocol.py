@@ -20,14 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from hybridserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from hybridserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, widest_beam
 from hybridserve.engine.chat_template import ChatTemplate, ContinuationError
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_LOGPROBS,
     MAX_TOP_K,
     SamplingParams,
     stop_length_error,
@@ -199,6 +198,11 @@ class ModelInfo(Protocol):
 
     @property
     def vocab_size(self) -> int | None: ...
+
+    @property
+    def max_logprobs(self) -> int:
+        """Most log-probabilities per token a request may ask for (--max-logprobs)."""
+        ...
 
     @property
     def sampling_defaults(self) -> Mapping[str, Any]:
@@ -764,9 +768,9 @@ def parse_completion_request(
     tokens_as_ids = body.get("return_tokens_as_token_ids")
     if tokens_as_ids is not None:
         tokens_as_ids = get_bool(body, "return_tokens_as_token_ids", False)
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, 0, info.max_logprobs)
     # vLLM's prompt_logprobs: the prompt's own log-probabilities in the choice's `prompt_logprobs`
-    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, info.max_logprobs)
     # max_tokens 0 scores the prompt and generates nothing (echo: the evaluation harnesses' form)
     scoring = echo or prompt_logprobs is not None
     requested_max = get_int(body, "max_tokens", None, 0 if scoring else 1, None)
@@ -798,6 +802,7 @@ def parse_completion_request(
     beam = _beam_search(
         body,
         params,
+        info,
         stream=stream,
         echo=echo,
         logprobs=logprobs is not None,
@@ -839,7 +844,9 @@ def _grammar_field(body: dict[str, Any]) -> str:
     return "response_format" if body.get("response_format") is not None else "structured_outputs"
 
 
-def _beam_search(body: dict[str, Any], params: SamplingParams, **asked: bool) -> BeamSearchParams | None:
+def _beam_search(
+    body: dict[str, Any], params: SamplingParams, info: ModelInfo, **asked: bool
+) -> BeamSearchParams | None:
     """vLLM's `use_beam_search` (with `n` the beam width, `length_penalty`): the search's
     parameters, or None. `asked`: fields given that a beam search does not serve (their names)."""
     length_penalty = get_float(body, "length_penalty", 1.0, -1e6, 1e6)
@@ -850,8 +857,13 @@ def _beam_search(body: dict[str, Any], params: SamplingParams, **asked: bool) ->
             raise APIError(
                 f"{name}: not served with use_beam_search", param=name, code="unsupported_parameter"
             )
-    if params.n > MAX_BEAM_WIDTH:
-        raise _bad("n", f"with use_beam_search n is the beam width: at most {MAX_BEAM_WIDTH}, got {params.n}")
+    if params.n > (widest := widest_beam(info.max_logprobs)):
+        why = (
+            ""
+            if widest == MAX_BEAM_WIDTH
+            else f" (each step asks for 2 x n log-probabilities: --max-logprobs {info.max_logprobs})"
+        )
+        raise _bad("n", f"with use_beam_search n is the beam width: at most {widest}{why}, got {params.n}")
     assert params.max_tokens is not None  # (resolved by the parser)
     return BeamSearchParams(
         beam_width=params.n,
@@ -1248,7 +1260,7 @@ def parse_chat_request(
     _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_COMMON | _CHAT_UNSUPPORTED, unknown)
     model, n, stream, include_usage, cache_salt, user = _common(body, served_model_name, unknown)
     want_logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = get_int(body, "top_logprobs", None, 0, info.max_logprobs)
     if top_logprobs is not None and not want_logprobs:
         raise _bad("top_logprobs", "requires logprobs to be true")
     logprobs = (top_logprobs or 0) if want_logprobs else None
@@ -1276,7 +1288,7 @@ def parse_chat_request(
     resolved = _generation_config_cap(
         _resolve_max_tokens(max_tokens, prompts, info.max_model_len, "messages", max_param), info
     )
-    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    prompt_logprobs = get_int(body, "prompt_logprobs", None, 0, info.max_logprobs)
     if prompt_logprobs is not None and stream:
         raise _bad("prompt_logprobs", "not available with stream: true on chat (as vLLM)")
     params = _sampling_params(
@@ -1291,6 +1303,7 @@ def parse_chat_request(
     beam = _beam_search(
         body,
         params,
+        info,
         stream=stream,
         logprobs=logprobs is not None,
         prompt_logprobs=prompt_logprobs is not None,

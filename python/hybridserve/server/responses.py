@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridserve.sampling.params import MAX_LOGPROBS
 from hybridserve.server import protocol as P
 from hybridserve.server.tools import ToolCall
 
@@ -511,7 +510,7 @@ def parse_responses_request(
         fmt = _response_format(body["text"])
         if fmt is not None:
             chat["response_format"] = fmt
-    top_logprobs = P.get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = P.get_int(body, "top_logprobs", None, 0, info.max_logprobs)
     logprobs = LOGPROBS_INCLUDE in (body.get("include") or [])
     if logprobs:
         if chat.get("tools") and chat.get("tool_choice") != "none":
