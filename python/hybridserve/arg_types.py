@@ -40,3 +40,16 @@ def seconds(allow_zero: bool = False) -> Callable[[str], float]:
         return v
 
     return parse
+
+
+def only_one(instead: str) -> Callable[[str], int]:
+    """vLLM's size of a kind of parallelism this engine does not run: 1 is accepted (command lines
+    written for vLLM give it), anything else is refused with what to use `instead`."""
+
+    def parse(text: str) -> int:
+        v = int_in(1)(text)
+        if v != 1:
+            raise argparse.ArgumentTypeError(f"only 1 here, got {v}: {instead}")
+        return v
+
+    return parse

@@ -168,6 +168,10 @@ class EngineArgs:
     #: Bytes for both caches together, split as config/sizing.py documents (with one of the two
     #: budgets above, the other pool gets the rest). None = no total.
     cache_memory: int | None = None
+    #: vLLM's fraction of a GPU's memory for weights, activations and caches. Accepted on the CPU,
+    #: where it changes nothing (as on vLLM's CPU build: the budgets above size the caches);
+    #: refused on a CUDA device, where the caches are not yet sized from it. None = not given.
+    gpu_memory_utilization: float | None = None
     #: Exact number of KV blocks (counting the null block), overriding kv_cache_memory.
     num_kv_blocks: int | None = None
     #: Exact number of Mamba state slots (counting the null slot), overriding mamba_cache_memory.
@@ -253,6 +257,15 @@ class EngineArgs:
         if self.cache_memory is not None and None not in (self.kv_cache_memory, self.mamba_cache_memory):
             raise ConfigError(
                 "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
+            )
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1)):
+            raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {u!r}")
+        if u is not None and str(self.device or "cpu").startswith("cuda"):
+            raise ConfigError(
+                "--gpu-memory-utilization: the caches are not sized from a fraction of device memory "
+                "here; give their memory instead (--cache-memory, or --kv-cache-memory and "
+                "--mamba-cache-memory)"
             )
         t = self.grammar_compile_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not (0 < t <= 3600):

@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from hybridserve import _core
+from hybridserve.arg_types import only_one
 from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, KV_CACHE_DTYPES, STATE_DTYPES, EngineArgs
 from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
@@ -147,6 +148,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         metavar="N",
         help="split the model over N processes (ranks; gloo on the CPU, NCCL on cuda:0..N-1; default: 1)",
     )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=only_one("hybridserve splits a model over devices by --tensor-parallel-size"),
+        default=1,
+        metavar="1",
+        help="accepted for vLLM's command lines with 1 (the model is split by --tensor-parallel-size)",
+    )
     g.add_argument("--seed", type=int, default=0, help="engine seed of sampling (default: 0)")
     g.add_argument(
         "--prefix-cache-hash-seed",
@@ -165,6 +174,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default=None,
         metavar="BYTES",
         help="both caches together, e.g. 3GiB (split: see config/sizing.py; with one of the two budgets above, the other gets the rest)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="vLLM's flag: accepted on the CPU, where it changes nothing (the budgets above size the "
+        "caches, as on vLLM's CPU build); refused with --device cuda",
     )
     g.add_argument(
         "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-memory)"

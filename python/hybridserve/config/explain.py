@@ -72,6 +72,7 @@ class ResolvedEngineConfig:
                 "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
                 "kv_cache_dtype": a.kv_cache_dtype,
                 "max_logprobs": a.max_logprobs,
+                "gpu_memory_utilization": a.gpu_memory_utilization,
                 "device": a.device,
                 "seed": a.seed,
                 "speculative": None if self.speculative is None else self.speculative.to_dict(),

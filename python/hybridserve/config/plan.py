@@ -123,6 +123,16 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
             )
     if mcfg.num_attention_layers > 0:
         decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype))
+    if args.gpu_memory_utilization is not None:
+        decisions.append(
+            Decision(
+                "gpu_memory_utilization",
+                "info",
+                f"--gpu-memory-utilization {args.gpu_memory_utilization:g} changes nothing on the CPU (as on "
+                "vLLM's CPU build): the caches are sized by the defaults, --cache-memory, --kv-cache-memory "
+                "and --mamba-cache-memory",
+            )
+        )
     if tp > 1:
         decisions.append(_tensor_parallel_decision(mcfg, tp))
     resolved = dataclasses.replace(resolved, decisions=decisions, model_dir=model_dir)

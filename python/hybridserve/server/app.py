@@ -256,6 +256,11 @@ class ServerState:
     # to --max-log-len characters (or ids) when that is given
     log_requests: bool = False
     max_log_len: int | None = None
+    # --response-role: the role of a chat answer (one with add_generation_prompt false answers in
+    # its last message's, as vLLM's)
+    response_role: str = "assistant"
+    # --enable-force-include-usage: every streamed completion and chat answer ends with its usage
+    force_include_usage: bool = False
     stats_task: asyncio.Task[None] | None = None
     engine: EngineClient | None = None
     info: EngineModelInfo | None = None
@@ -316,6 +321,8 @@ def create_app(
     max_log_len: int | None = None,
     model_aliases: Sequence[str] = (),
     return_tokens_as_token_ids: bool = False,
+    response_role: str = "assistant",
+    force_include_usage: bool = False,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -332,7 +339,11 @@ def create_app(
     the responses /v1/responses keeps (0: none). `log_requests`: a line per generation request
     with its prompt (cut to `max_log_len` characters or ids) and parameters. `model_aliases`: more
     names requests may give the model by; answers carry `served_model_name`.
-    `return_tokens_as_token_ids`: logprobs name tokens "token_id:N" unless a request says not."""
+    `return_tokens_as_token_ids`: logprobs name tokens "token_id:N" unless a request says not.
+    `response_role`: the role of chat answers. `force_include_usage`: streamed completion and chat
+    answers end with a usage chunk whatever their `stream_options` say."""
+    if not response_role or not response_role.isprintable() or len(response_role) > 64:
+        raise ValueError(f"response_role: 1 to 64 printable characters, got {response_role!r}")
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -358,6 +369,8 @@ def create_app(
         max_log_len=max_log_len,
         model_aliases=tuple(a for a in dict.fromkeys(model_aliases) if a != served_model_name),
         tokens_as_ids=return_tokens_as_token_ids,
+        response_role=response_role,
+        force_include_usage=force_include_usage,
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]
@@ -861,6 +874,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     engine, info = _require_engine(state)
     request_id = _request_id(request, "cmpl-")
     req = await _parse(request, info, state.served_model_name, P.parse_completion_request)
+    _apply_server_options(state, req)
     return await _generate(request, state, engine, info, req, request_id)
 
 
@@ -869,8 +883,18 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine, info = _require_engine(state)
     request_id = _request_id(request, "chatcmpl-")
     req = await _parse(request, info, state.served_model_name, P.parse_chat_request)
+    _apply_server_options(state, req)
     _split_reasoning(state, info, req)
     return await _generate(request, state, engine, info, req, request_id)
+
+
+def _apply_server_options(state: ServerState, req: P.GenerateRequest) -> None:
+    """What the server's flags add to a parsed completion or chat request: --response-role, and
+    --enable-force-include-usage."""
+    if req.stream and state.force_include_usage:
+        req.include_usage = True
+    if req.kind == "chat" and req.role is None:
+        req.role = state.response_role
 
 
 def _split_reasoning(state: ServerState, info: EngineModelInfo, req: P.GenerateRequest) -> None:
@@ -1389,6 +1413,7 @@ async def _collect(
                     c.stop_reason,
                     token_ids=c.token_ids if ids else None,
                     reasoning=reasoning,
+                    role=req.role or "assistant",
                 )
             )
             if req.tool_parser is not None:
@@ -1468,6 +1493,7 @@ async def _beam_answer(
                             None,
                             token_ids=added if ids else None,
                             reasoning=reasoning,
+                            role=req.role or "assistant",
                         )
                     )
     finally:
@@ -1596,7 +1622,7 @@ async def _send_delta(
             return  # its text is held back (it may begin a tag), and nothing else is new
         cj = P.chat_chunk_choice(
             choice.index,
-            role=None if choice.started_stream else "assistant",
+            role=None if choice.started_stream else req.role or "assistant",
             # (with a reasoning parser a delta carries only the kinds of text it has)
             content=content if req.reasoning is None or content else None,
             finish_reason=choice.finish_reason if delta.finished else None,
@@ -1680,7 +1706,7 @@ async def _send_tool_delta(
     if content or reasoning or lps is not None or ids or not choice.started_stream:
         cj = P.chat_chunk_choice(
             choice.index,
-            role=None if choice.started_stream else "assistant",
+            role=None if choice.started_stream else req.role or "assistant",
             content=content if req.reasoning is None or content else None,  # (as `_send_delta`)
             logprobs=lps,
             token_ids=ids,

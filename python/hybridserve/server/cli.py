@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from hybridserve.arg_types import int_in, seconds
+from hybridserve.arg_types import int_in, only_one, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
 from hybridserve.server.request_log import printable
@@ -27,6 +27,17 @@ from hybridserve.server.responses import DEFAULT_STORE_BYTES
 from hybridserve.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
+
+# --uvicorn-log-level (vLLM's names): the levels of the loggers of the HTTP layer
+HTTP_LOG_LEVELS = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": logging.DEBUG,
+}
+HTTP_LOGGERS = ("hybridserve.access", "aiohttp")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -205,9 +216,49 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-access-log",
+        "--disable-uvicorn-access-log",
         dest="access_log",
         action="store_false",
-        help="no log line per request (method, path, status, tokens, TTFT, E2E)",
+        help="no log line per request (method, path, status, tokens, TTFT, E2E); vLLM's name too",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=list(HTTP_LOG_LEVELS),
+        default=None,
+        help="vLLM's flag: the level of the HTTP layer's loggers (the access lines and aiohttp's), as "
+        "uvicorn's there (warning and above: no access lines; default: --log-level)",
+    )
+    g.add_argument(
+        "--response-role",
+        type=_role,
+        default="assistant",
+        metavar="ROLE",
+        help="the role of a chat answer's message (vLLM's flag; default assistant); a request with "
+        "add_generation_prompt false answers in the role of its last message, as vLLM's",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed completion and chat answer ends with a usage chunk, as if its "
+        "stream_options asked for one (vLLM's flag)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always given",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="accepted for vLLM's command lines: answers always carry X-Request-Id",
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=only_one("data-parallel replicas are served by `hybridserve replicas --num-replicas N`"),
+        default=1,
+        metavar="1",
+        help="accepted for vLLM's command lines with 1 (replicas: `hybridserve replicas`)",
     )
     g.add_argument(
         "--log-stats-interval",
@@ -242,6 +293,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests, the first N characters (or token ids) of each prompt (default: all)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _role(text: str) -> str:
+    """--response-role: a name a chat message's `role` can carry."""
+    if not 0 < len(text) <= 64 or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"1 to 64 printable characters, got {text!r}")
+    return text
 
 
 def _served_name(args: argparse.Namespace) -> str:
@@ -326,6 +384,8 @@ async def _serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        response_role=args.response_role,
+        force_include_usage=args.enable_force_include_usage,
     )
     runner = web.AppRunner(
         app,
@@ -455,6 +515,9 @@ def serve_main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
+    if getattr(args, "uvicorn_log_level", None) is not None:
+        for name in HTTP_LOGGERS:
+            logging.getLogger(name).setLevel(HTTP_LOG_LEVELS[args.uvicorn_log_level])
     from hybridserve.distributed.torchrun import check_torchrun, run_worker
     from hybridserve.errors import ConfigError
 

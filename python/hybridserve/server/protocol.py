@@ -295,6 +295,9 @@ class GenerateRequest:
     reasoning: ReasoningFormat | None = None
     # chat with continue_final_message: the content of the message the answer continues
     continued: str | None = None
+    # chat: the role of the answer's message: with add_generation_prompt false, the last
+    # message's (as vLLM's); None: the server's (--response-role)
+    role: str | None = None
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -1198,6 +1201,11 @@ def _render_tool_history(
     return T.with_tool_history_as_text(messages, parser, calls=calls_as_text, results=results_as_text)
 
 
+def _adds_generation_prompt(body: dict[str, Any]) -> bool:
+    """`add_generation_prompt`: default true, false with `continue_final_message`."""
+    return bool(get_bool(body, "add_generation_prompt", not get_bool(body, "continue_final_message", False)))
+
+
 def _render_chat(
     body: dict[str, Any],
     info: ModelInfo,
@@ -1212,7 +1220,7 @@ def _render_chat(
     `chat_template_kwargs`. `context_limit` (the chat route's): a conversation that cannot fit is
     refused before it is tokenized."""
     continue_final = get_bool(body, "continue_final_message", False)
-    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    add_generation_prompt = _adds_generation_prompt(body)
     if continue_final and add_generation_prompt:
         raise _bad(
             "continue_final_message",
@@ -1331,6 +1339,8 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
         continued=continued,
         beam=beam,
+        # (the messages are valid here: they were rendered)
+        role=None if _adds_generation_prompt(body) else str(body["messages"][-1]["role"]),
     )
     if rendered_tools:
         parser = _tool_parser(info).for_tools(rendered_tools)
@@ -1603,12 +1613,13 @@ def chat_choice(
     *,
     token_ids: Sequence[int] | None = None,
     reasoning: str | None = None,
+    role: str = "assistant",
 ) -> dict[str, Any]:
-    """A chat choice; `token_ids` (vLLM's `return_token_ids`) is added only when given (the
+    """A chat choice (its message in `role`); `token_ids` (vLLM's `return_token_ids`) is added only when given (the
     prompt's ids go on the response: `chat_response(prompt_token_ids=...)`). `reasoning`: the
     answer's reasoning (server/reasoning.py), in `reasoning` and its older name
     `reasoning_content`; `text` is then its content, null when it has none."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": role, "content": text}
     if reasoning is not None:
         message.update(content=text or None, reasoning=reasoning, reasoning_content=reasoning)
     choice: dict[str, Any] = {
