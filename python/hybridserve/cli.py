@@ -71,12 +71,27 @@ def _stdout_reader_gone() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from hybridserve.config.cli import normalize_flag_names, settle_model
+    from hybridserve.config.config_file import expand_config_files
+    from hybridserve.errors import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else argv, _flags(parser)))
+    given = normalize_flag_names(sys.argv[1:] if argv is None else argv, _flags(parser))
+    try:
+        given, file_model = expand_config_files(parser, given)
+    except ConfigError as exc:
+        command = given[0] if given else "hybridserve"
+        print(f"hybridserve {command}: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(normalize_flag_names(given, _flags(parser)))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if (
+        file_model is not None
+        and getattr(args, "model", None) is None
+        and getattr(args, "model_option", None) is None
+    ):
+        args.model_option = file_model  # (a MODEL on the command line wins over the file's)
     bad_model = settle_model(args)
     if bad_model is not None:
         print(f"hybridserve {args.command}: error: {bad_model}", file=sys.stderr)
@@ -85,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int | None] = getattr(
         importlib.import_module(module_name), handler_name
     )
-    from hybridserve.errors import ConfigError, InvalidRequestError
+    from hybridserve.errors import InvalidRequestError
 
     try:
         rc = handler(args)

@@ -117,3 +117,18 @@ def test_what_cannot_be_served_stops_the_start(flags: tuple[str, ...], said: str
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert said in proc.stderr
+
+
+def test_a_config_file_s_flags_reach_the_server(tmp_path: Any) -> None:
+    """`serve --config FILE` (vLLM's): the file's flags, server and engine alike."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("served-model-name: [tiny, demo]\nmax_logprobs: 3\nresponse-role: bot\ndtype: float32\n")
+    with running_server("--config", str(path)) as srv:
+        status, models = call(srv, "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["tiny", "demo"]
+        status, out = call(
+            srv, "/v1/chat/completions", {"model": "demo", "messages": MESSAGES, "max_tokens": 2}
+        )
+        assert status == 200 and out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "bot"
+        status, err = call(srv, "/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 4})
+        assert status == 400 and err["error"]["param"] == "logprobs"

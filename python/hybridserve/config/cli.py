@@ -27,6 +27,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         )
         # (model cards write `vllm serve --model NAME`, an older form vLLM still takes)
         p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="MODEL, as a flag")
+    p.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE",
+        help="read flags from a YAML file of flag names and values (vLLM's; the command line's own "
+        "flags win; docs/serving.md, Command line)",
+    )
     g = p.add_argument_group("engine")
     g.add_argument(
         "--enable-prefix-caching",
