@@ -4,13 +4,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from hybridserve import LLM, BeamSearchParams
-from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
+from server_fixtures import (
+    ServerProcess,
+    assert_idle,
+    call,
+    get_metrics,
+    held,
+    openai_client,
+    running_server,
+    wait_idle,
+)
 
 PROMPT = "The history of the city"
 
@@ -101,6 +115,59 @@ def test_chat_refuses_so_too(server: ServerProcess, extra: dict[str, Any], param
     body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 3, "use_beam_search": True}
     status, err = call(server, "/v1/chat/completions", {**body, **extra})
     assert status == 400 and err["error"]["param"] == param, err
+
+
+# a search of hundreds of steps: seconds of work, still running when the test cuts it short
+LONG = {"prompt": PROMPT, "n": 3, "max_tokens": 400, "ignore_eos": True, "use_beam_search": True}
+GENERATED = "hybridserve_generation_tokens_total"
+
+
+def _until_running(server: ServerProcess, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while held(get_metrics(server))["running"] == 0:
+        assert time.monotonic() < deadline, "the search never ran"
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_ends_its_search(server: ServerProcess) -> None:
+    """The step's queries are aborted and no later step is sent: the engine is left idle having
+    generated a fraction of the search's tokens."""
+    before = wait_idle(server)[GENERATED]
+
+    async def leave() -> None:
+        body = json.dumps(LONG).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await asyncio.to_thread(_until_running, server)
+        writer.close()
+        await writer.wait_closed()
+
+    asyncio.run(leave())
+    after = assert_idle(server)[GENERATED]
+    assert 0 < after - before < LONG["n"] * LONG["max_tokens"] // 2, after - before
+    status, out = call(server, "/v1/completions", {**LONG, "max_tokens": 3})  # (the server still serves)
+    assert status == 200 and len(out["choices"]) == 3
+
+
+def test_a_shutdown_ends_a_search_after_its_step() -> None:
+    """SIGTERM during a search: it answers with its beams as they are, ending `abort`, and the
+    server exits 0."""
+    with running_server("--dtype", "float64", "--shutdown-timeout", "60") as srv:
+        got: dict[str, Any] = {}
+        ask = threading.Thread(target=lambda: got.update(answer=call(srv, "/v1/completions", LONG)))
+        ask.start()
+        _until_running(srv)
+        srv.signal(signal.SIGTERM)
+        ask.join(timeout=120)
+        status, out = got["answer"]
+        assert status == 200, out
+        assert [c["finish_reason"] for c in out["choices"]] == ["abort"] * 3
+        assert 0 < out["usage"]["completion_tokens"] < 3 * LONG["max_tokens"]
 
 
 def test_nothing_is_left_held(server: ServerProcess) -> None:
