@@ -49,6 +49,10 @@ STATE_DTYPES = ("auto", "float32")
 # every attention path alike, so prefix hits and chunking still never change an output.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_QUEUE_LEN = 512
+# --load-format (vLLM's names): "auto" and "safetensors" read the checkpoint's weights, "dummy"
+# fills them with small random numbers (for measuring speed on a model's shapes without its
+# weights; what it says is noise)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # Largest accepted values of the integer settings that never reach the core's policy (beyond
 # them nothing can be allocated; the core takes 64-bit byte sizes and seeds).
@@ -95,6 +99,12 @@ class EngineArgs:
 
     #: Model folder (HF config.json + safetensors + tokenizer.json), or "demo".
     model: str
+    #: The folder of the tokenizer (tokenizer.json, tokenizer_config.json and its chat template),
+    #: as vLLM's --tokenizer. None = the model folder.
+    tokenizer: str | None = None
+    #: Where the weights come from: "auto" / "safetensors" (the checkpoint's), or "dummy" (small
+    #: random numbers, seeded: a model's speed without its weights; config.json is enough).
+    load_format: str = "auto"
     #: Prefix caching of the KV cache and the Mamba state. None = auto (on).
     enable_prefix_caching: bool | None = None
     #: "auto" | "none" | "align" | "all" (docs/cache-modes.md, "Modes").
@@ -223,6 +233,12 @@ class EngineArgs:
             raise ConfigError(
                 f"--mamba-ssm-cache-dtype must be one of {', '.join(STATE_DTYPES)}; got {self.mamba_ssm_cache_dtype!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
+            )
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ConfigError(f"--tokenizer must be a folder, got {self.tokenizer!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
@@ -422,6 +438,7 @@ class EngineArgs:
             "dtype",
             "mamba_ssm_cache_dtype",
             "kv_cache_dtype",
+            "load_format",
             "max_queue_len",
         ):
             if kwargs.get(name, 0) is None:

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from hybridserve import _core
 from hybridserve.arg_types import only_one
-from hybridserve.config.args import DEFAULT_MAX_QUEUE_LEN, DTYPES, KV_CACHE_DTYPES, STATE_DTYPES, EngineArgs
+from hybridserve.config.args import (
+    DEFAULT_MAX_QUEUE_LEN,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    STATE_DTYPES,
+    EngineArgs,
+)
 from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
 from hybridserve.config.plan import plan_engine
@@ -36,6 +43,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "flags win; docs/serving.md, Command line)",
     )
     g = p.add_argument_group("engine")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the folder of the tokenizer (tokenizer.json, tokenizer_config.json, its chat template) when "
+        "it is not the model's (vLLM's flag)",
+    )
+    g.add_argument(
+        "--load-format",
+        choices=list(LOAD_FORMATS),
+        default="auto",
+        help="auto / safetensors: the checkpoint's weights; dummy: small seeded random numbers, to measure "
+        "a model's speed from its config.json alone (its answers are noise)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -68,6 +68,8 @@ class ResolvedEngineConfig:
             {
                 "model": a.model,
                 "model_dir": self.model_dir,
+                "tokenizer": a.tokenizer,
+                "load_format": a.load_format,
                 "dtype": self.dtype,
                 "mamba_ssm_cache_dtype": a.mamba_ssm_cache_dtype,
                 "kv_cache_dtype": a.kv_cache_dtype,

@@ -96,6 +96,7 @@ class TPExecutor(GroupFailure):
         num_mamba_slots: int,
         mamba_ssm_cache_dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        load_format: str = "auto",
     ) -> WorkerSpec:
         return WorkerSpec(
             model_dir=model_dir,
@@ -109,6 +110,7 @@ class TPExecutor(GroupFailure):
             cpu_threads=torch.get_num_threads(),
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             kv_cache_dtype=kv_cache_dtype,
+            load_format=load_format,
         )
 
     @property

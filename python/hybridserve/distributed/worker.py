@@ -38,6 +38,7 @@ class WorkerSpec:
     cpu_threads: int
     mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
+    load_format: str = "auto"  # --load-format ("dummy": every rank draws the same full weights)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class ShardRunner:
 
         dev = torch.device(device or rank_device(spec.device, rank))
         dtype = getattr(torch, spec.dtype)
-        loaded = load_model(spec.model_dir, dtype=dtype, device=dev)
+        loaded = load_model(spec.model_dir, dtype=dtype, device=dev, load_format=spec.load_format)
         shard_model(loaded.model, loaded.config, rank, spec.world_size)
         self.device = dev
         self.model = loaded.model

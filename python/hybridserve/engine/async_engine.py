@@ -119,6 +119,10 @@ class AsyncEngine:
         return self._loaded_engine().model_dir
 
     @property
+    def tokenizer_dir(self) -> str:
+        return self._loaded_engine().tokenizer_dir
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._loaded_engine().eos_token_id
 

@@ -203,9 +203,9 @@ class LLMEngine:
         if self.default_sampling:
             logger.info("%s", why)
         #: the chat template served (--chat-template, else the model's): LLM.chat renders with it
-        self.chat_template = ChatTemplate.served(em.model_dir, args.chat_template)
+        self.chat_template = ChatTemplate.served(em.tokenizer_dir, args.chat_template)
         self.shared_prefix_markers, why = resolve_markers(
-            args.shared_prefix_markers, em.model_dir, em.tokenizer, self.chat_template
+            args.shared_prefix_markers, em.tokenizer_dir, em.tokenizer, self.chat_template
         )
         logger.info("shared-prefix markers: %s (%s)", list(self.shared_prefix_markers) or "none", why)
         # KV cache events for routers (docs/kv-events.md): recorded by the scheduler, sent by a
@@ -266,6 +266,10 @@ class LLMEngine:
     @property
     def model_dir(self) -> str:
         return self.runner.em.model_dir
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.runner.em.tokenizer_dir
 
     @property
     def eos_token_id(self) -> int | None:

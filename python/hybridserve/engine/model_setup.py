@@ -54,6 +54,9 @@ class EngineModel:
     vocab_size: int
     proposer: Any
     model_dir: str
+    # where the tokenizer, its special tokens and the chat template come from (--tokenizer, else
+    # the model folder)
+    tokenizer_dir: str
     # the workers of ranks 1 .. N-1 with tensor parallelism (distributed/executor.py), else None
     executor: Any = None
 
@@ -92,7 +95,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size)) if tp > 1 else None
     )
     try:
-        loaded = load_model(model_dir, dtype=dtype, device=str(device))
+        loaded = load_model(model_dir, dtype=dtype, device=str(device), load_format=args.load_format)
         mcfg = loaded.config
         cache_cfg = mcfg
         if executor is not None:
@@ -108,7 +111,8 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         if executor is not None:
             executor.shutdown()
         raise
-    tokenizer = Tokenizer(model_dir)
+    tokenizer_dir = str(model_dir) if args.tokenizer is None else str(resolve_model_path(args.tokenizer))
+    tokenizer = Tokenizer(tokenizer_dir)
     eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
     vocab_size = int(mcfg.vocab_size)
     logger.info(
@@ -140,6 +144,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         vocab_size=vocab_size,
         proposer=proposer,
         model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
         executor=executor,
     )
 
@@ -175,6 +180,7 @@ def _start_workers(
         sizes.num_mamba_slots,
         args.mamba_ssm_cache_dtype,
         args.kv_cache_dtype,
+        args.load_format,
     )
     env = check_torchrun(tp)
     if env is not None:

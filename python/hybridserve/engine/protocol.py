@@ -48,6 +48,11 @@ class ServedModel(Protocol):
     def model_dir(self) -> str: ...
 
     @property
+    def tokenizer_dir(self) -> str:
+        """The folder of the tokenizer and its chat template (--tokenizer, else model_dir)."""
+        ...
+
+    @property
     def default_sampling(self) -> Mapping[str, Any]:
         """SamplingParams fields (and values) that a request which does not set them takes: the
         model's generation config (--generation-config)."""

@@ -122,11 +122,14 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Build the architecture named in `<path>/config.json` and load its safetensors weights.
 
     dtype: float32, bfloat16, float16 or float64 (or their names). `progress`: tqdm bar; default
-    on for large checkpoints only.
+    on for large checkpoints only. `load_format` "dummy": no weights are read; every parameter is
+    drawn uniformly from [-1e-3, 1e-3] by a seeded generator (`_dummy_weights`), the same on every
+    load and every tensor-parallel rank.
     """
     from hybridserve.model.demo import resolve_model_path
 
@@ -136,7 +139,7 @@ def load_model(
     dt = parse_dtype(dtype)
     dev = torch.device(device)
     cls, cfg = load_config(model_dir)
-    files = _tensor_files(model_dir)
+    files = _tensor_files(model_dir) if load_format != "dummy" else {}
     stored: dict[str, str] = {}  # parameter name -> key in the checkpoint (an alias if renamed)
     for name, olds in cls.key_aliases.items():
         if name not in files:
@@ -158,8 +161,59 @@ def load_model(
         ) from None
     for p in model.parameters():
         p.requires_grad_(False)
-    params = dict(model.named_parameters())
+    if load_format == "dummy":
+        _dummy_weights(model, cls, cfg, dt, dev)
+    else:
+        _read_weights(model, cls, cfg, model_dir, files, stored, dt, dev, progress)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        config=cfg,
+        tokenizer=_check_tokenizer(cfg, model_dir),
+        model_dir=str(model_dir),
+        dtype=dt,
+        device=dev,
+    )
 
+
+# vLLM's dummy weights: a small range, so that activations neither vanish nor overflow in any
+# dtype, and a fixed seed, so that every load (and every rank's full copy before its shard is cut)
+# holds the same numbers
+_DUMMY_RANGE = 1e-3
+_DUMMY_SEED = 1234
+
+
+def _dummy_weights(
+    model: CausalLM, cls: type[CausalLM], cfg: ModelConfig, dt: torch.dtype, dev: torch.device
+) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(_DUMMY_SEED)
+    params = dict(model.named_parameters())
+    tie = cfg.tie_word_embeddings and model.honours_tie_word_embeddings
+    tied = model.tied_weight_map() if tie else {}
+    for name, p in params.items():
+        if name in tied:
+            continue
+        values = torch.empty(p.shape, dtype=torch.float32).uniform_(
+            -_DUMMY_RANGE, _DUMMY_RANGE, generator=gen
+        )
+        p.data = values.to(device=dev, dtype=_param_dtype(cls, name, dt))
+    for name, alias in tied.items():
+        _set_param(model, name, params[alias])
+
+
+def _read_weights(
+    model: CausalLM,
+    cls: type[CausalLM],
+    cfg: ModelConfig,
+    model_dir: Path,
+    files: dict[str, Path],
+    stored: dict[str, str],
+    dt: torch.dtype,
+    dev: torch.device,
+    progress: bool | None,
+) -> None:
+    """The checkpoint's tensors into `model`'s parameters (checked: present, shape, dtype)."""
+    params = dict(model.named_parameters())
     from safetensors import safe_open
 
     handles: dict[Path, Any] = {}
@@ -231,8 +285,11 @@ def load_model(
     unused = sorted(set(files) - set(params) - set(stored.values()))
     if unused:
         log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
-    model.eval()
 
+
+def _check_tokenizer(cfg: ModelConfig, model_dir: Path) -> Any:
+    """The folder's tokenizer.json (None without one), said when it outgrows the vocabulary; and
+    the EOS / BOS ids of generation_config.json filled in."""
     tokenizer = None
     tok_path = model_dir / "tokenizer.json"
     if tok_path.is_file():
@@ -253,9 +310,7 @@ def load_model(
             )  # fmt: skip
     _fill_token_ids(cfg, model_dir)
     _warn_unreachable_token_ids(cfg, model_dir)
-    return LoadedModel(
-        model=model, config=cfg, tokenizer=tokenizer, model_dir=str(model_dir), dtype=dt, device=dev
-    )
+    return tokenizer
 
 
 def _set_param(model: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:

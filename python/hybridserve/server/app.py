@@ -99,7 +99,7 @@ class EngineModelInfo:
                     source, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token
                 )
             else:  # none, or named templates: the template file decides
-                chat_template = ChatTemplate.from_model_dir(engine.model_dir)
+                chat_template = ChatTemplate.from_model_dir(engine.tokenizer_dir)
         self.chat_template = chat_template
         self._token_text_cache: dict[int, str] = {}
 
