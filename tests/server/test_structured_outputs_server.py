@@ -130,6 +130,51 @@ def test_json_schema_regex_choice_grammar(client: openai.OpenAI) -> None:
     assert (r.choices[0].message.content or "").startswith("{")
 
 
+def test_vllm_s_older_guided_fields_constrain_too(client: openai.OpenAI) -> None:
+    """Clients written for vLLM before `structured_outputs` send `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar`: ignoring them would answer unconstrained."""
+    schema = Person.model_json_schema()
+    for given in (schema, json.dumps(schema)):  # (vLLM took the schema's JSON text too)
+        r = client.chat.completions.create(
+            model="demo",
+            messages=MESSAGES,
+            max_tokens=80,
+            seed=6,
+            extra_body={"guided_json": given, "guided_decoding_backend": "xgrammar"},
+        )
+        Person.model_validate_json(r.choices[0].message.content or "")
+    r = client.completions.create(
+        model="demo", prompt="Code:", max_tokens=20, seed=7, extra_body={"guided_regex": r"[A-Z]{3}-\d{2,4}"}
+    )
+    assert re.fullmatch(r"[A-Z]{3}-\d{2,4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=20,
+        seed=8,
+        extra_body={"guided_choice": ["sunny", "rain"]},
+    )
+    assert r.choices[0].message.content in ("sunny", "rain")
+    r = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=20,
+        seed=9,
+        extra_body={"guided_grammar": 'start: "temp=" /[0-9]{1,2}/ "C"'},
+    )
+    assert re.fullmatch(r"temp=[0-9]{1,2}C", r.choices[0].message.content or "")
+    for body, param in (
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": [1]}, "guided_json"),
+        ({"guided_regex": "[a-z]+", "guided_choice": ["x"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),
+        ({"guided_decoding_backend": 3}, "guided_decoding_backend"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, extra_body=body)
+        assert e.value.body["param"] == param, (body, e.value.body)
+
+
 def _tool_call(client: openai.OpenAI, **kw: Any) -> Any:
     return client.chat.completions.create(model="demo", messages=MESSAGES, **{"max_tokens": 150, **kw})
 

@@ -245,6 +245,7 @@ def _grammar_fields() -> dict[str, Schema]:
         },
     }
     source: Schema = {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
+    grammar_text: Schema = {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
     kinds = ("json", "regex", "choice", "grammar", "json_object")
 
     def given(k: str) -> Schema:
@@ -287,6 +288,23 @@ def _grammar_fields() -> dict[str, Schema]:
             "description": "vLLM's: exactly one of json (a JSON schema), regex, choice, grammar, "
             f"json_object; at most {MAX_GRAMMAR_CHARS} characters of source",
         },
+        # vLLM's older fields, each the structured_outputs key of the same grammar
+        "guided_json": {
+            "type": "object",
+            "description": "vLLM's older structured_outputs.json: a JSON schema (its JSON text, a string, is "
+            "taken too, as vLLM took it)",
+        },
+        "guided_regex": {**grammar_text, "description": "vLLM's older structured_outputs.regex"},
+        "guided_choice": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_CHOICES,
+            "items": {"type": "string", "minLength": 1},
+            "description": "vLLM's older structured_outputs.choice",
+        },
+        "guided_grammar": {**grammar_text, "description": "vLLM's older structured_outputs.grammar"},
+        "guided_decoding_backend": {"type": "string", "description": "accepted and ignored"},
+        "guided_whitespace_pattern": {"type": "string", "description": "accepted and ignored"},
     }
 
 

@@ -360,6 +360,9 @@ _SAMPLING_FIELDS = {
     # the grammar the output must match (server/structured_outputs.py): OpenAI's and vLLM's field
     "response_format",
     "structured_outputs",
+    # vLLM's older names of structured_outputs' grammars, and their options (ignored)
+    *constraints.GUIDED_FIELDS,
+    *constraints.GUIDED_OPTIONS,
     # vLLM's: whether a text prompt gets the tokenizer's special tokens (BOS); completions default
     # true, chat false (the template writes them), as vLLM
     "add_special_tokens",

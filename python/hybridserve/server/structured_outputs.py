@@ -1,6 +1,8 @@
 """The request fields that constrain the output with a grammar: OpenAI's `response_format`
 (`json_object`, `json_schema`; chat and completions), vLLM's `structured_outputs` (`json`, `regex`,
-`choice`, `grammar`, `json_object`), and `tool_choice` "required" or a named function (tools.py).
+`choice`, `grammar`, `json_object`) and its older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` (which clients written for vLLM before `structured_outputs` still send: ignoring
+them would answer unconstrained), and `tool_choice` "required" or a named function (tools.py).
 At most one of them may constrain a request. The result is `SamplingParams.structured_outputs`,
 labelled with the field it came from, so that an error found when the engine compiles it (an
 invalid schema, regex or grammar; one that takes too long) is a 400 naming that field.
@@ -8,6 +10,7 @@ invalid schema, regex or grammar; one that takes too long) is a 400 naming that 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +19,16 @@ from hybridserve.sampling.structured_outputs import StructuredOutputsParams
 from hybridserve.server.tools import ToolParser
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+# vLLM's older fields: each the `structured_outputs` key of the same grammar
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# ... and its older options of them, which choose nothing here (one grammar library; JSON is
+# written without free whitespace): type-checked and ignored
+GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
 _JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 
 
@@ -103,6 +116,28 @@ def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> Structu
     return _labelled("structured_outputs", **fields)
 
 
+def parse_guided(body: dict[str, Any]) -> list[StructuredOutputsParams]:
+    """vLLM's older `guided_*` fields given (not null), each as its `structured_outputs` grammar;
+    `guided_json` may be the schema's JSON text, as vLLM took it."""
+    found = []
+    for name, key in GUIDED_FIELDS.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if name == "guided_json" and isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except (json.JSONDecodeError, RecursionError):
+                raise FieldError(name, "must be a JSON schema (an object, or its JSON text)") from None
+        if name == "guided_json" and not isinstance(v, dict):
+            raise FieldError(name, "must be a JSON schema (an object, or its JSON text)", "invalid_type")
+        found.append(_labelled(name, **{key: v}))
+    for name in GUIDED_OPTIONS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise FieldError(name, f"must be a string, got {type(body[name]).__name__}", "invalid_type")
+    return found
+
+
 def constraint(
     body: dict[str, Any],
     *,
@@ -121,6 +156,7 @@ def constraint(
     so = parse_structured_outputs(body.get("structured_outputs"), on_unknown)
     if so is not None:
         found.append(so)
+    found += parse_guided(body)
     if tools and parser is not None and tool_choice not in ("none", "auto"):
         found.append(
             _labelled("tool_choice", grammar=parser.grammar(tools, tool_choice, parallel_tool_calls))
