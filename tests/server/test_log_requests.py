@@ -58,3 +58,23 @@ def test_without_the_flag_no_prompt_is_logged() -> None:
     with running_server("--disable-log-requests") as server:
         assert _post(server, "/v1/completions", {"prompt": "Secret words", "max_tokens": 2}, "quiet") == 200
         assert not _request_lines(server) and "Secret words" not in server.output()
+
+
+def test_enable_log_outputs_logs_each_finished_choice() -> None:
+    """vLLM's `--enable-log-outputs`: a line per finished choice, streamed or not, with the answer's
+    id, the choice's index, its text (escaped, cut to --max-log-len), token count and reason."""
+    with running_server("--enable-log-outputs", "--max-log-len", "5", "--dtype", "float32") as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+        status, out = call(server, "/v1/completions", body)
+        assert status == 200
+        streamed = {**body, "n": 1, "stream": True, "max_tokens": 2}
+        assert _post(server, "/v1/completions", streamed, "streamed") == 200
+        every = _request_lines(server)
+    lines = [line for line in every if " output " in line]
+    assert len(lines) == 3, lines
+    text = out["choices"][0]["text"]
+    for i in (0, 1):
+        (line,) = [line for line in lines if f"output {out['id']} choice {i}:" in line]
+        assert f"{text[:5]!r}... (6 tokens), finish_reason=length" in line
+    assert any("output cmpl-streamed choice 0:" in line and "(2 tokens)" in line for line in lines)
+    assert len(every) == 3  # (no prompt line: not asked for)

@@ -47,6 +47,7 @@ from hybridserve.server.request_log import (
     RequestRecord,
     access_log_middleware,
     log_engine_stats,
+    output_line,
     printable,
     request_line,
 )
@@ -256,6 +257,8 @@ class ServerState:
     # to --max-log-len characters (or ids) when that is given
     log_requests: bool = False
     max_log_len: int | None = None
+    # --enable-log-outputs: a line per finished choice with its text (cut to --max-log-len)
+    log_outputs: bool = False
     # --response-role: the role of a chat answer (one with add_generation_prompt false answers in
     # its last message's, as vLLM's)
     response_role: str = "assistant"
@@ -323,6 +326,7 @@ def create_app(
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
     force_include_usage: bool = False,
+    log_outputs: bool = False,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine` may be None while the model loads (then /health is
     503 and generation routes answer 503); attach it later with `set_engine`. `access`: the Host
@@ -341,7 +345,8 @@ def create_app(
     names requests may give the model by; answers carry `served_model_name`.
     `return_tokens_as_token_ids`: logprobs name tokens "token_id:N" unless a request says not.
     `response_role`: the role of chat answers. `force_include_usage`: streamed completion and chat
-    answers end with a usage chunk whatever their `stream_options` say."""
+    answers end with a usage chunk whatever their `stream_options` say. `log_outputs`: a line
+    per finished choice with its text (cut to `max_log_len` characters)."""
     if not response_role or not response_role.isprintable() or len(response_role) > 64:
         raise ValueError(f"response_role: 1 to 64 printable characters, got {response_role!r}")
     if tool_call_parser not in TOOL_PARSERS:
@@ -371,6 +376,7 @@ def create_app(
         tokens_as_ids=return_tokens_as_token_ids,
         response_role=response_role,
         force_include_usage=force_include_usage,
+        log_outputs=log_outputs,
     )
     state_holder["s"] = state
     middlewares = [_error_middleware, _access_middleware, _auth_middleware]
@@ -1026,6 +1032,7 @@ class _Choice:
     index: int
     engine_id: str
     prompt: P.PromptInput
+    request_id: str = ""  # the answer's id (the access and request log lines')
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -1125,7 +1132,7 @@ async def _generate(
         else f"{request_id}-{uuid.uuid4().hex[:12]}"
     )
     choices = [
-        _Choice(index=i, engine_id=f"{base}-{i}", prompt=req.prompts[i // n])
+        _Choice(index=i, engine_id=f"{base}-{i}", prompt=req.prompts[i // n], request_id=request_id)
         for i in range(req.num_sequences)
     ]
     if len(choices) > state.max_queue_len:  # could never be admitted
@@ -1364,6 +1371,18 @@ async def _deltas(
                 choice.done = True
                 choice.engine_finished = True
         _observe(state, choice, delta, arrival)
+        if choice.done and state.log_outputs:
+            REQUESTS_LOGGER.info(
+                "%s",
+                output_line(
+                    choice.request_id,
+                    choice.index,
+                    choice.text,
+                    choice.token_ids,
+                    choice.finish_reason,
+                    state.max_log_len,
+                ),
+            )
         yield choice, delta
 
 

@@ -281,6 +281,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "prompts are the users' data)",
     )
     g.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="log every finished choice's text, token count and finish reason (vLLM's flag; off by "
+        "default: answers are the users' data)",
+    )
+    g.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="accepted for older vLLM command lines: requests are not logged unless --enable-log-requests",
@@ -386,6 +392,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_log_len=args.max_log_len,
         response_role=args.response_role,
         force_include_usage=args.enable_force_include_usage,
+        log_outputs=args.enable_log_outputs,
     )
     runner = web.AppRunner(
         app,

@@ -78,6 +78,25 @@ def request_line(
     )
 
 
+def output_line(
+    request_id: str,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    max_len: int | None,
+) -> str:
+    """The `--enable-log-outputs` line of one finished choice: the answer's id and the choice's
+    index, its text (the first `max_len` characters when given, `--max-log-len`), how many
+    tokens it has, and why it ended."""
+    cut = text if max_len is None else text[:max_len]
+    shown = repr(cut) + ("..." if len(cut) < len(text) else "")
+    return (
+        f"output {printable(request_id)} choice {index}: {shown} ({len(token_ids)} tokens), "
+        f"finish_reason={finish_reason}"
+    )
+
+
 @dataclass
 class RequestRecord:
     """What a generation handler reports of its request for the access line."""
