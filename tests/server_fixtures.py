@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -287,6 +288,20 @@ def running_server(
         rc = srv.stop()
     assert rc == 0, f"rc={rc} " + srv.output()[-3000:]
     srv.remove_log()
+
+
+async def post_and_hold(server: ServerProcess, path: str, body: Any) -> asyncio.StreamWriter:
+    """Sends a JSON POST on a connection of its own and returns its writer without reading the
+    answer: closing it is a client that goes away."""
+    data = json.dumps(body).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    return writer
 
 
 def call(server: ServerProcess, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 import time
@@ -22,6 +21,7 @@ from server_fixtures import (
     get_metrics,
     held,
     openai_client,
+    post_and_hold,
     running_server,
     wait_idle,
 )
@@ -135,14 +135,7 @@ def test_a_client_that_leaves_ends_its_search(server: ServerProcess) -> None:
     before = wait_idle(server)[GENERATED]
 
     async def leave() -> None:
-        body = json.dumps(LONG).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
+        writer = await post_and_hold(server, "/v1/completions", LONG)
         await asyncio.to_thread(_until_running, server)
         writer.close()
         await writer.wait_closed()

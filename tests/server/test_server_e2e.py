@@ -27,6 +27,7 @@ from server_fixtures import (
     held,
     parse_metrics,
     parse_sse,
+    post_and_hold,
     raw_http,
     wait_idle,
 )
@@ -814,16 +815,8 @@ def test_client_disconnect_during_non_streaming_request_aborts_it(server, client
     before = wait_idle(server)
 
     async def go() -> dict[str, float]:
-        body = json.dumps(
-            {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
-        ).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+        writer = await post_and_hold(server, "/v1/completions", body)
         deadline = time.monotonic() + 30
         while True:  # until the engine runs it
             during = await asyncio.to_thread(metrics, server)
