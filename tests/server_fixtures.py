@@ -56,6 +56,10 @@ class TokenizerModelInfo:
         return self._max_logprobs
 
     @property
+    def response_role(self) -> str:
+        return "assistant"
+
+    @property
     def sampling_defaults(self) -> dict[str, Any]:
         return {}
 

@@ -42,6 +42,13 @@ def seconds(allow_zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def role_name(text: str) -> str:
+    """A name a chat message's `role` can carry (--response-role): 1 to 64 printable characters."""
+    if not 0 < len(text) <= 64 or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"1 to 64 printable characters, got {text!r}")
+    return text
+
+
 def only_one(instead: str) -> Callable[[str], int]:
     """vLLM's size of a kind of parallelism this engine does not run: 1 is accepted (command lines
     written for vLLM give it), anything else is refused with what to use `instead`."""

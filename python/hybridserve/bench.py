@@ -56,7 +56,7 @@ def _factor(allow_zero: bool) -> Callable[[str], float]:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
-    s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server", allow_abbrev=False)
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     s.add_argument(
         "--workload",
@@ -134,6 +134,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
     c = sub.add_parser(
         "cache-trace",
+        allow_abbrev=False,
         help="prefix-cache placement and eviction policies replayed on request traces (no model)",
     )
     c.add_argument(
@@ -179,7 +180,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--report", default=None, metavar="FILE", help="write the markdown tables here")
     c.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
 
-    o = sub.add_parser("offline", help="engine throughput through the LLM API (no HTTP)")
+    o = sub.add_parser("offline", help="engine throughput through the LLM API (no HTTP)", allow_abbrev=False)
     from hybridserve.config import add_engine_args
 
     o.add_argument("--model", default="demo", help="model folder, or 'demo' (default)")

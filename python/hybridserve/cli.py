@@ -37,11 +37,15 @@ _HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
+    # (no abbreviations: `--conf` would set --config's value without the file being read, and a
+    # flag added later would change what an abbreviation means)
+    parser = argparse.ArgumentParser(
+        prog="hybridserve", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"hybridserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, handler, builder) in _COMMANDS.items():
-        p = sub.add_parser(name, help=_HELP[name], description=_HELP[name])
+        p = sub.add_parser(name, help=_HELP[name], description=_HELP[name], allow_abbrev=False)
         module = importlib.import_module(module_name)
         getattr(module, builder)(p)
         p.set_defaults(_handler=(module_name, handler))
@@ -86,11 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if (
-        file_model is not None
-        and getattr(args, "model", None) is None
-        and getattr(args, "model_option", None) is None
-    ):
+    if file_model is not None and args.model is None and args.model_option is None:
         args.model_option = file_model  # (a MODEL on the command line wins over the file's)
     bad_model = settle_model(args)
     if bad_model is not None:

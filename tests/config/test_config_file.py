@@ -34,38 +34,56 @@ enable-prefix-caching: false
 async-scheduling: true
 trust-remote-code: true
 disable-log-stats: false
-served-model-name: [demo, tiny]
 speculative-config: {method: ngram, num_speculative_tokens: 3}
+served-model-name: [demo, tiny]
 """,
     )
-    argv, model = expand_config_files(build_parser(), ["serve", "--config", path, "--port", "9000"])
+    argv, model = expand_config_files(build_parser(), ["serve", "--config", path, "--port", "9000", "mine"])
     assert model == "demo"
+    # the command line's own first (its --port: the file's is left out), then the file's
     assert argv == [
-        "serve",
-        "--port", "8001",
-        "--max-num-seqs", "32",
-        "--cpu-threads", "1",
+        "serve", "--port", "9000", "mine",
+        "--max-num-seqs=32",
+        "--cpu-threads=1",
         "--no-enable-prefix-caching",
         "--async-scheduling",
         "--trust-remote-code",
+        "--speculative-config=" + json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
         "--served-model-name", "demo", "tiny",
-        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
-        "--port", "9000",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
-    assert args.port == 9000 and args.max_num_seqs == 32  # (the command line's port wins)
-    # the other spelling, and a subcommand under another (bench offline takes the engine flags)
-    other = tmp_path / "offline.yaml"
-    other.write_text("max-num-seqs: 4\n")
-    argv, model = expand_config_files(
-        build_parser(), ["bench", "offline", f"--config={other}", "--num-prompts", "2"]
+    # a list last in the file takes none of the command line's words: MODEL stays the command line's
+    assert (args.port, args.max_num_seqs, args.model, args.served_model_name) == (
+        9000,
+        32,
+        "mine",
+        ["demo", "tiny"],
     )
-    assert (argv, model) == (["bench", "offline", "--max-num-seqs", "4", "--num-prompts", "2"], None)
 
 
-def test_a_subcommand_without_the_flag_is_left_alone(tmp_path: Path) -> None:
-    argv = ["demo-model", "out", "--config", "x.yaml"]
-    assert expand_config_files(build_parser(), argv) == (argv, None)
+def test_the_command_line_wins_for_every_kind_of_flag(tmp_path: Path) -> None:
+    path = _file(tmp_path, "stop: [a, b]\nenable-prefix-caching: true\nseed: -3\nmax-tokens: 4\n")
+    argv, _ = expand_config_files(
+        build_parser(), ["generate", "demo", "--stop", "c", "--no-enable-prefix-caching", "--config", path]
+    )
+    args = build_parser().parse_args(argv)
+    # an appending flag is the command line's alone; a --no- form counts as the flag; a value that
+    # starts with "-" stays a value
+    assert (args.stop, args.enable_prefix_caching, args.seed, args.max_tokens) == (["c"], False, -3, 4)
+
+
+def test_the_file_s_model_for_each_subcommand(tmp_path: Path) -> None:
+    path = _file(tmp_path, "model: demo\n")
+    for argv in (["serve"], ["config"], ["generate"]):
+        expanded, model = expand_config_files(build_parser(), [*argv, "--config", path])
+        assert (expanded, model) == (argv, "demo")  # (taken by the caller when MODEL is not given)
+    # bench offline's MODEL is a flag of its own: the file's is that flag, unless the command line's
+    expanded, model = expand_config_files(build_parser(), ["bench", "offline", "--config", path])
+    assert (expanded, model) == (["bench", "offline", "--model=demo"], None)
+    expanded, _ = expand_config_files(
+        build_parser(), ["bench", "offline", "--model", "x", f"--config={path}"]
+    )
+    assert expanded == ["bench", "offline", "--model", "x"]
 
 
 @pytest.mark.parametrize(
@@ -80,6 +98,9 @@ def test_a_subcommand_without_the_flag_is_left_alone(tmp_path: Path) -> None:
         ("max-num-seqs: null\n", "max-num-seqs takes one value"),
         ("served-model-name: []\n", "needs at least one value"),
         ("12: 3\n", "is not a flag name"),
+        ("tp: 2\n", "'tp' is a short flag; write its long name (--tensor-parallel-size)"),
+        ("max-num-seqs: 2024-01-01\n", '"2024-01-01" (a date) is not a flag value'),
+        ("enable-prefix-caching: 2024-01-01\n", 'is true or false, got "2024-01-01"'),
     ],
 )
 def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: str, said: str) -> None:
@@ -93,6 +114,12 @@ def _config(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hybridserve", "config", *args], capture_output=True, text=True, timeout=60
     )
+
+
+def test_no_flag_is_abbreviated(tmp_path: Path) -> None:
+    """`--conf FILE` would set --config's value without the file being read."""
+    proc = _config("demo", "--conf", _file(tmp_path, "max-num-seqs: 3\n"))
+    assert proc.returncode == 2 and "unrecognized arguments: --conf" in proc.stderr
 
 
 def test_hybridserve_config_reads_the_file(tmp_path: Path) -> None:
@@ -112,3 +139,16 @@ def test_hybridserve_config_reads_the_file(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "nowhere.yaml: cannot read it" in missing.stderr
     bad = _config("--config", _file(tmp_path, "max-num-seqs: many\n"))
     assert bad.returncode == 2 and "--max-num-seqs" in bad.stderr  # (argparse names the flag)
+
+
+def test_generate_takes_the_file_s_model_and_flags(tmp_path: Path) -> None:
+    path = _file(tmp_path, "model: demo\nmax-tokens: 3\ntemperature: 0\nignore-eos: true\njson: true\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridserve", "generate", "--config", path, "--prompt", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (line,) = proc.stdout.splitlines()
+    assert len(json.loads(line)["token_ids"]) == 3

@@ -56,7 +56,9 @@ def test_every_load_draws_the_same_weights(config_only: str) -> None:
 def test_without_dummy_or_a_tokenizer_it_says_what_is_missing(config_only: str) -> None:
     with pytest.raises(ConfigError, match="no \\*.safetensors files"):
         LLM(config_only, tokenizer=ensure_demo_model(), cpu_threads=1)
-    with pytest.raises(ConfigError, match="tokenizer.json: missing"):
+    with pytest.raises(ConfigError, match="tokenizer.json: missing .*needs --tokenizer DIR"):
         LLM(config_only, load_format="dummy", cpu_threads=1)
+    with pytest.raises(ConfigError, match="^--tokenizer nowhere: .*tokenizer.json: missing"):
+        LLM("demo", tokenizer="nowhere", cpu_threads=1)
     with pytest.raises(ConfigError, match="--load-format must be one of"):
         LLM("demo", load_format="pt")

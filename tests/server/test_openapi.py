@@ -33,6 +33,7 @@ class FakeInfo:
     max_model_len = MAX_MODEL_LEN
     vocab_size: int | None = VOCAB
     max_logprobs = MAX_LOGPROBS
+    response_role = "assistant"
     sampling_defaults: dict[str, Any] = {}  # noqa: RUF012 - read only
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -103,9 +103,11 @@ def test_continuous_usage_stats_only_with_include_usage():
     info = TokenizerModelInfo(ensure_demo_model())
 
     def continuous(opts: dict[str, Any]) -> bool:
-        return P.parse_completion_request(
+        """Whether every chunk carries the usage (as the stream does: where usage is included)."""
+        req = P.parse_completion_request(
             {"prompt": "x", "stream": True, "stream_options": opts}, info, "demo"
-        ).continuous_usage
+        )
+        return req.include_usage and req.continuous_usage
 
     assert continuous({"include_usage": True, "continuous_usage_stats": True})
     assert not continuous({"continuous_usage_stats": True})  # (as vLLM)

@@ -156,6 +156,7 @@ def test_guided_fields_errors_name_the_field(client: openai.OpenAI) -> None:
         ({"guided_regex": "[a-z]+", "guided_choice": ["x"]}, "guided_choice"),
         ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),
         ({"guided_decoding_backend": 3}, "guided_decoding_backend"),
+        ({"guided_regex": "a", "use_beam_search": True, "n": 2}, "guided_regex"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, extra_body=body)

@@ -45,6 +45,15 @@ def test_the_answer_takes_the_response_role(server: ServerProcess) -> None:
     status, events = _chat(server, stream=True)
     roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
     assert status == 200 and roles[0] == "narrator" and set(roles[1:]) == {None}
+    # the answer sent back in the conversation's history is an assistant message
+    history = [*MESSAGES, out["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    status, again = call(server, "/v1/chat/completions", {"messages": history, "max_tokens": 2})
+    assert status == 200 and again["choices"][0]["message"]["role"] == "narrator"
+    status, tok = call(server, "/tokenize", {"messages": history})
+    status_a, tok_a = call(
+        server, "/tokenize", {"messages": [*MESSAGES, {**history[1], "role": "assistant"}, history[2]]}
+    )
+    assert status == status_a == 200 and tok["tokens"] == tok_a["tokens"]
     # a beam search's choices too
     status, out = _chat(server, use_beam_search=True, n=2)
     assert status == 200 and {c["message"]["role"] for c in out["choices"]} == {"narrator"}
@@ -78,6 +87,10 @@ def test_every_stream_ends_with_its_usage(server: ServerProcess, path: str) -> N
         chunks = [e for e in events if isinstance(e, dict)]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
         assert all(c.get("usage") is None for c in chunks[:-1])  # (not continuous usage)
+    # continuous_usage_stats asks for the usage in every chunk, and the flag includes the usage
+    status, events = call(server, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert status == 200 and all(c.get("usage") is not None for c in chunks)
     status, out = call(server, path, {**body, "stream": False})
     assert status == 200 and "cached_tokens" in out["usage"]["prompt_tokens_details"]
 

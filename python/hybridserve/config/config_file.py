@@ -10,13 +10,15 @@ values, e.g. for `hybridserve serve --config serve.yaml`:
     served-model-name: [demo, tiny]
     speculative-config: {method: ngram, num_speculative_tokens: 3}
 
-A flag given on the command line wins over the file's value, wherever it stands: the file's flags
-are put first, right after the subcommand, and argparse keeps the last value it reads. So does a
-MODEL given on the command line over the file's `model`. A true switch is the bare flag, a false
-one its `--no-` form (or nothing, for a flag that has none); a list is the flag's values in
-order; a mapping is passed as its JSON text (the flags that take JSON). A key that is not one of
-the subcommand's flags, a value of the wrong shape, a file that is not a mapping or not YAML:
-each is an error naming the file and the key.
+A flag given on the command line wins over the file's value: the file's value of a flag the
+command line gives is left out, and the file's other flags go after the command line's own
+(before a lone `--`), so that a list in the file cannot take a word of the command line for one
+of its values. So does a MODEL given on the command line win over the file's `model`. A true
+switch is the bare flag, a false one its `--no-` form (or nothing, for a flag that has none); a
+single value is `--flag=value` (so that a value starting with `-` stays a value); a list is the
+flag's values in order; a mapping is passed as its JSON text (the flags that take JSON). A key
+that is not one of the subcommand's long flags, a value of the wrong shape, a file that is not
+a mapping or not YAML: each is an error naming the file and the key.
 """
 
 from __future__ import annotations
@@ -96,54 +98,85 @@ def _read(path: str) -> dict[str, Any]:
     return data
 
 
+def _shown(v: Any) -> str:
+    # (YAML also reads dates and times, which JSON has no form for)
+    return json.dumps(v, default=str)
+
+
 def _scalar(path: str, key: str, v: Any) -> str:
     if isinstance(v, dict):
-        return json.dumps(v)
+        return _shown(v)
     if isinstance(v, bool) or v is None or isinstance(v, list):
-        raise ConfigError(f"{FLAG} {path}: {key} takes one value, got {json.dumps(v)}")
+        raise ConfigError(f"{FLAG} {path}: {key} takes one value, got {_shown(v)}")
     if not isinstance(v, str | int | float):
-        raise ConfigError(f"{FLAG} {path}: {key}: a {type(v).__name__} is not a flag value")
+        raise ConfigError(f"{FLAG} {path}: {key}: {_shown(v)} (a {type(v).__name__}) is not a flag value")
     return str(v)
 
 
-def _tokens(path: str, key: Any, value: Any, actions: dict[str, argparse.Action]) -> list[str]:
+def _flag_of(path: str, key: Any, actions: dict[str, argparse.Action]) -> tuple[str, argparse.Action]:
+    """The long flag a file's key names, and its action."""
     if not isinstance(key, str) or not key.strip("-"):
         raise ConfigError(f"{FLAG} {path}: {key!r} is not a flag name")
-    flag = "--" + key.lstrip("-").replace("_", "-")
+    name = key.lstrip("-").replace("_", "-")
+    flag = "--" + name
     action = actions.get(flag)
+    if action is None and ("-" + name) in actions:  # a short flag (-tp): its long name is wanted
+        long = [s for s in actions["-" + name].option_strings if s.startswith("--")]
+        raise ConfigError(f"{FLAG} {path}: {key!r} is a short flag; write its long name ({', '.join(long)})")
     if action is None or flag == FLAG:
         raise ConfigError(f"{FLAG} {path}: {key!r} is not a flag of this command")
+    return flag, action
+
+
+def _tokens(path: str, key: str, flag: str, action: argparse.Action, value: Any) -> list[str]:
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
-            raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {json.dumps(value)}")
+            raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {_shown(value)}")
         return [flag] if value else ["--no-" + flag[2:]]
     if action.nargs == 0:  # a switch (store_true / store_false / store_const)
         if not isinstance(value, bool):
-            raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {json.dumps(value)}")
+            raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {_shown(value)}")
         return [flag] if value else []
     if action.nargs in ("+", "*"):
         values = value if isinstance(value, list) else [value]
         if not values and action.nargs == "+":
             raise ConfigError(f"{FLAG} {path}: {key} needs at least one value")
         return [flag, *(_scalar(path, key, v) for v in values)]
-    return [flag, _scalar(path, key, value)]
+    return [f"{flag}={_scalar(path, key, value)}"]
+
+
+def _given(argv: Sequence[str], actions: dict[str, argparse.Action]) -> set[str]:
+    """The destinations of the flags the command line gives (`--flag`, `--flag=value`, `--no-flag`,
+    short forms)."""
+    out = set()
+    for a in argv:
+        action = actions.get(a.split("=", 1)[0]) if a.startswith("-") else None
+        if action is not None:
+            out.add(action.dest)
+    return out
 
 
 def expand_config_files(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], str | None]:
-    """`argv` with each `--config FILE` replaced by the file's flags, put right after the
-    subcommand (so that the command line's own flags win); and the files' `model`, for a command
-    line that names none. Subcommands without a `--config` flag are left as they are."""
+    """`argv` without its `--config FILE`s and with the files' flags that the command line does
+    not give, after its own (before a lone `--`); and the files' `model`, for a subcommand whose
+    MODEL is a positional (the caller takes it when the command line names none). Subcommands
+    without a `--config` flag are left as they are."""
     start, sub = _subcommand_path(parser, argv)
     actions = _option_actions(sub)
     if FLAG not in actions:
         return list(argv), None
     paths, rest = _config_paths(argv, start)
+    end = rest.index("--", start) if "--" in rest[start:] else len(rest)
+    given = _given(rest[start:end], actions)
+    positional_model = "--model" in actions and actions["--model"].dest != "model"
     model: str | None = None
-    inserted: list[str] = []
+    added: list[str] = []
     for path in paths:
         for key, value in _read(path).items():
-            if isinstance(key, str) and key.lstrip("-").replace("_", "-") == "model":
+            if positional_model and isinstance(key, str) and key.lstrip("-") == "model":
                 model = _scalar(path, key, value)
                 continue
-            inserted += _tokens(path, key, value, actions)
-    return rest[:start] + inserted + rest[start:], model
+            flag, action = _flag_of(path, key, actions)
+            if action.dest not in given:
+                added += _tokens(path, key, flag, action, value)
+    return rest[:end] + added + rest[end:], model

@@ -122,7 +122,8 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                 )
             )
     if mcfg.num_attention_layers > 0:
-        decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype))
+        on_cpu = not str(args.device or "cpu").startswith("cuda")
+        decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype, on_cpu))
     if args.gpu_memory_utilization is not None:
         decisions.append(
             Decision(
@@ -139,8 +140,9 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
 
 
-def _kv_dtype_decision(requested: str, dtype: object, chosen: object) -> Decision:
-    """Which dtype the KV cache takes (torch dtypes: this module does not import torch)."""
+def _kv_dtype_decision(requested: str, dtype: object, chosen: object, on_cpu: bool) -> Decision:
+    """Which dtype the KV cache takes (torch dtypes: this module does not import torch), and on the
+    CPU what a dtype other than the model's costs."""
     name = str(chosen).removeprefix("torch.")
     if requested == "auto":
         return Decision("kv_cache_dtype", "info", f"KV cache in {name} (default: the model dtype)")
@@ -148,9 +150,10 @@ def _kv_dtype_decision(requested: str, dtype: object, chosen: object) -> Decisio
     if chosen != dtype:
         why += (
             f"; K and V are rounded to {name} when written and read back in "
-            f"{str(dtype).removeprefix('torch.')} by every attention path; on the CPU the native kernels "
-            "take the model dtype only, so attention and the decode step run on the torch ops"
+            f"{str(dtype).removeprefix('torch.')} by every attention path"
         )
+        if on_cpu:
+            why += "; the native CPU kernels take the model dtype only, so attention and the decode step run on the torch ops"
     return Decision("kv_cache_dtype", "info", f"KV cache in {name} ({why})")
 
 

@@ -14,7 +14,6 @@ CLI_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0, 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     from hybridserve.config import add_engine_args
 
-    p.add_argument("model", help="model folder, or 'demo' for the built-in demo model")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     # (None: the model's generation config where it recommends a value, else these defaults)
     p.add_argument("--max-tokens", type=int, default=None, help=f"default {CLI_DEFAULTS['max_tokens']}")

@@ -90,12 +90,20 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         torch.set_num_threads(threads.threads)
     # (torch's intra-op threads; the C++ kernels' pool uses as many: kernels/native.py)
     logger.info("CPU threads: %d (%s)", torch.get_num_threads(), threads.reason)
+    # (before any weight is read or worker started: a wrong --tokenizer fails at once)
+    tokenizer_dir, tokenizer = _load_tokenizer(args, str(model_dir))
     tp = int(args.tensor_parallel_size)
     executor = (
         _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size)) if tp > 1 else None
     )
     try:
-        loaded = load_model(model_dir, dtype=dtype, device=str(device), load_format=args.load_format)
+        loaded = load_model(
+            model_dir,
+            dtype=dtype,
+            device=str(device),
+            load_format=args.load_format,
+            tokenizer_dir=tokenizer_dir,
+        )
         mcfg = loaded.config
         cache_cfg = mcfg
         if executor is not None:
@@ -111,8 +119,6 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         if executor is not None:
             executor.shutdown()
         raise
-    tokenizer_dir = str(model_dir) if args.tokenizer is None else str(resolve_model_path(args.tokenizer))
-    tokenizer = Tokenizer(tokenizer_dir)
     eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
     vocab_size = int(mcfg.vocab_size)
     logger.info(
@@ -147,6 +153,21 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         tokenizer_dir=tokenizer_dir,
         executor=executor,
     )
+
+
+def _load_tokenizer(args: EngineArgs, model_dir: str) -> tuple[str, Tokenizer]:
+    """(its folder, the tokenizer): --tokenizer's, else the model folder's; a ConfigError that
+    names the flag to give or to fix."""
+    if args.tokenizer is None:
+        try:
+            return model_dir, Tokenizer(model_dir)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; a model folder without one needs --tokenizer DIR") from None
+    tokenizer_dir = str(resolve_model_path(args.tokenizer))
+    try:
+        return tokenizer_dir, Tokenizer(tokenizer_dir)
+    except ConfigError as e:
+        raise ConfigError(f"--tokenizer {args.tokenizer}: {e}") from None
 
 
 def _start_workers(

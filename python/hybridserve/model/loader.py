@@ -123,13 +123,15 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     load_format: str = "auto",
+    tokenizer_dir: str | None = None,
 ) -> LoadedModel:
     """Build the architecture named in `<path>/config.json` and load its safetensors weights.
 
     dtype: float32, bfloat16, float16 or float64 (or their names). `progress`: tqdm bar; default
     on for large checkpoints only. `load_format` "dummy": no weights are read; every parameter is
     drawn uniformly from [-1e-3, 1e-3] by a seeded generator (`_dummy_weights`), the same on every
-    load and every tensor-parallel rank.
+    load and every tensor-parallel rank. `tokenizer_dir`: where the tokenizer is (--tokenizer), if
+    not in the model folder.
     """
     from hybridserve.model.demo import resolve_model_path
 
@@ -169,7 +171,7 @@ def load_model(
     return LoadedModel(
         model=model,
         config=cfg,
-        tokenizer=_check_tokenizer(cfg, model_dir),
+        tokenizer=_check_tokenizer(cfg, model_dir, Path(tokenizer_dir) if tokenizer_dir else model_dir),
         model_dir=str(model_dir),
         dtype=dt,
         device=dev,
@@ -287,11 +289,11 @@ def _read_weights(
         log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
 
 
-def _check_tokenizer(cfg: ModelConfig, model_dir: Path) -> Any:
-    """The folder's tokenizer.json (None without one), said when it outgrows the vocabulary; and
-    the EOS / BOS ids of generation_config.json filled in."""
+def _check_tokenizer(cfg: ModelConfig, model_dir: Path, tokenizer_dir: Path) -> Any:
+    """The tokenizer.json of `tokenizer_dir` (None without one), said when it outgrows the
+    vocabulary; and the EOS / BOS ids of the model's generation_config.json filled in."""
     tokenizer = None
-    tok_path = model_dir / "tokenizer.json"
+    tok_path = tokenizer_dir / "tokenizer.json"
     if tok_path.is_file():
         from tokenizers import Tokenizer
 

@@ -13,6 +13,7 @@ starts listening (`set_engine`), so /health answers 503 while the model loads.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import functools
@@ -28,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
+from hybridserve.arg_types import role_name
 from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
@@ -81,8 +83,11 @@ class EngineModelInfo:
         trust_request_chat_template: bool = False,
         tool_call_parser: str = "hermes",
         tokens_as_ids: bool = False,
+        response_role: str = "assistant",
     ) -> None:
         self.tokenizer = engine.tokenizer
+        # --response-role: an earlier answer sent back in a conversation carries it
+        self._response_role = response_role
         # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says
         self.tokens_as_ids = tokens_as_ids
         # --tool-call-parser: the format tools are described in and calls are read in (tools.py)
@@ -115,6 +120,10 @@ class EngineModelInfo:
     @property
     def max_logprobs(self) -> int:
         return self._max_logprobs
+
+    @property
+    def response_role(self) -> str:
+        return self._response_role
 
     @property
     def sampling_defaults(self) -> Mapping[str, Any]:
@@ -347,8 +356,10 @@ def create_app(
     `response_role`: the role of chat answers. `force_include_usage`: streamed completion and chat
     answers end with a usage chunk whatever their `stream_options` say. `log_outputs`: a line
     per finished choice with its text (cut to `max_log_len` characters)."""
-    if not response_role or not response_role.isprintable() or len(response_role) > 64:
-        raise ValueError(f"response_role: 1 to 64 printable characters, got {response_role!r}")
+    try:
+        role_name(response_role)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"response_role: {e}") from None
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
@@ -426,6 +437,7 @@ def set_engine(
         trust_request_chat_template=state.trust_request_chat_template,
         tool_call_parser=state.tool_call_parser,
         tokens_as_ids=state.tokens_as_ids,
+        response_role=state.response_role,
     )
     state.engine = engine
     state.metrics.ready.set(1)
@@ -1432,7 +1444,7 @@ async def _collect(
                     c.stop_reason,
                     token_ids=c.token_ids if ids else None,
                     reasoning=reasoning,
-                    role=req.role or "assistant",
+                    role=req.answer_role,
                 )
             )
             if req.tool_parser is not None:
@@ -1512,7 +1524,7 @@ async def _beam_answer(
                             None,
                             token_ids=added if ids else None,
                             reasoning=reasoning,
-                            role=req.role or "assistant",
+                            role=req.answer_role,
                         )
                     )
     finally:
@@ -1573,7 +1585,7 @@ async def _stream(
         if resp is None:
             resp = await sse.start_stream(request)
         # vLLM's continuous_usage_stats: every chunk carries the request's usage so far
-        usage = _usage(req, choices) if req.continuous_usage else None
+        usage = _usage(req, choices) if req.include_usage and req.continuous_usage else None
         if req.kind == "chat":
             event = P.chat_chunk(request_id, created, req.model, [choice_json], usage, req.include_usage,
                                  prompt_token_ids=prompt_token_ids)  # fmt: skip
@@ -1641,7 +1653,7 @@ async def _send_delta(
             return  # its text is held back (it may begin a tag), and nothing else is new
         cj = P.chat_chunk_choice(
             choice.index,
-            role=None if choice.started_stream else req.role or "assistant",
+            role=None if choice.started_stream else req.answer_role,
             # (with a reasoning parser a delta carries only the kinds of text it has)
             content=content if req.reasoning is None or content else None,
             finish_reason=choice.finish_reason if delta.finished else None,
@@ -1725,7 +1737,7 @@ async def _send_tool_delta(
     if content or reasoning or lps is not None or ids or not choice.started_stream:
         cj = P.chat_chunk_choice(
             choice.index,
-            role=None if choice.started_stream else req.role or "assistant",
+            role=None if choice.started_stream else req.answer_role,
             content=content if req.reasoning is None or content else None,  # (as `_send_delta`)
             logprobs=lps,
             token_ids=ids,

@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from hybridserve.arg_types import int_in, only_one, seconds
+from hybridserve.arg_types import int_in, only_one, role_name, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
 from hybridserve.server.request_log import printable
@@ -230,7 +230,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--response-role",
-        type=_role,
+        type=role_name,
         default="assistant",
         metavar="ROLE",
         help="the role of a chat answer's message (vLLM's flag; default assistant); a request with "
@@ -299,13 +299,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests, the first N characters (or token ids) of each prompt (default: all)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def _role(text: str) -> str:
-    """--response-role: a name a chat message's `role` can carry."""
-    if not 0 < len(text) <= 64 or not text.isprintable():
-        raise argparse.ArgumentTypeError(f"1 to 64 printable characters, got {text!r}")
-    return text
 
 
 def _served_name(args: argparse.Namespace) -> str:

@@ -205,6 +205,11 @@ class ModelInfo(Protocol):
         ...
 
     @property
+    def response_role(self) -> str:
+        """The role chat answers are given in (--response-role): a message in it is an assistant's."""
+        ...
+
+    @property
     def sampling_defaults(self) -> Mapping[str, Any]:
         """SamplingParams fields a request that leaves them out takes (the model's generation
         config, --generation-config); the fields' own defaults otherwise."""
@@ -280,7 +285,8 @@ class GenerateRequest:
     # vLLM's `prompt_logprobs`: top-n of the prompt's logprobs (completions: in each choice; chat,
     # not streamed: on the response, whose choices share their prompt)
     prompt_logprobs: int | None = None
-    # vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage in every chunk
+    # vLLM's `stream_options.continuous_usage_stats`: usage in every chunk, where usage is
+    # included (include_usage)
     continuous_usage: bool = False
     # unknown fields the request carried, ignored (not --strict-request-fields); the app logs them
     ignored_fields: list[str] = dataclasses.field(default_factory=list)
@@ -298,6 +304,11 @@ class GenerateRequest:
     # chat: the role of the answer's message: with add_generation_prompt false, the last
     # message's (as vLLM's); None: the server's (--response-role)
     role: str | None = None
+
+    @property
+    def answer_role(self) -> str:
+        """The role a chat answer's message is given in."""
+        return self.role or "assistant"
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
@@ -597,14 +608,11 @@ def _parse_stream(body: dict[str, Any], unknown: UnknownFields) -> tuple[bool, b
 
 
 def _continuous_usage(body: dict[str, Any]) -> bool:
-    """vLLM's `stream_options.continuous_usage_stats`: usage in every chunk; only with
-    include_usage, as vLLM (the options are checked by _parse_stream)."""
+    """vLLM's `stream_options.continuous_usage_stats` asked for: usage in every chunk, where usage
+    is included (include_usage, or the server's --enable-force-include-usage), as vLLM (the
+    options are checked by _parse_stream)."""
     opts = body.get("stream_options")
-    return (
-        isinstance(opts, dict)
-        and bool(opts.get("include_usage"))
-        and bool(opts.get("continuous_usage_stats"))
-    )
+    return isinstance(opts, dict) and bool(opts.get("continuous_usage_stats"))
 
 
 def _ignored_common(body: dict[str, Any]) -> None:
@@ -816,7 +824,7 @@ def parse_completion_request(
         stop=bool(params.stop),
         stop_token_ids=bool(params.stop_token_ids),
         max_tokens=max_tokens == 0,
-        **{_grammar_field(body): params.structured_outputs is not None},
+        **{_grammar_field(params): params.structured_outputs is not None},
     )
     if echo and logprobs is not None:
         # the echoed prompt's text_offset index the client's own text (here, off the event loop
@@ -845,9 +853,10 @@ def parse_completion_request(
     )
 
 
-def _grammar_field(body: dict[str, Any]) -> str:
+def _grammar_field(params: SamplingParams) -> str:
     """The field a request's grammar came in (for an error that names it)."""
-    return "response_format" if body.get("response_format") is not None else "structured_outputs"
+    so = params.structured_outputs
+    return so.param if so is not None and so.param else "structured_outputs"
 
 
 def _beam_search(
@@ -951,8 +960,13 @@ def _parse_prompts(
     )
 
 
-def _parse_messages(v: Any, unknown: UnknownFields | None = None) -> list[dict[str, Any]]:
+def _parse_messages(
+    v: Any, unknown: UnknownFields | None = None, answer_role: str = "assistant"
+) -> list[dict[str, Any]]:
+    """The chat messages, checked. `answer_role`: the role the server answers in
+    (--response-role); a message in it is an earlier answer sent back, an assistant message."""
     unknown = unknown if unknown is not None else UnknownFields(strict=True)
+    roles = _MESSAGE_ROLES | {answer_role}
     if v is None:
         raise APIError("messages: required", param="messages", code="missing_field")
     if not isinstance(v, list):
@@ -968,8 +982,10 @@ def _parse_messages(v: Any, unknown: UnknownFields | None = None) -> list[dict[s
             if key not in _MESSAGE_FIELDS:
                 unknown.found(f"{p}.{key}")
         role = m.get("role")
-        if not isinstance(role, str) or role not in _MESSAGE_ROLES:
-            raise _bad(f"{p}.role", f"must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}")
+        if not isinstance(role, str) or role not in roles:
+            raise _bad(f"{p}.role", f"must be one of {sorted(roles)}, got {role!r}")
+        if role == answer_role:
+            role = "assistant"
         calls = None
         if m.get("tool_calls") is not None:
             if role != "assistant":
@@ -1234,7 +1250,8 @@ def _render_chat(
     own = _request_template(body, info)
     template = own or _served_template(info)
     parser = _tool_parser(info)
-    messages = _render_tool_history(template, _parse_messages(body.get("messages"), unknown), parser)
+    messages = _parse_messages(body.get("messages"), unknown, info.response_role)
+    messages = _render_tool_history(template, messages, parser)
     if tools:  # the template renders them, or they go into the system prompt (tools.py)
         if _template_renders_tools(template):
             template_kwargs = {**(template_kwargs or {}), "tools": tools}
@@ -1321,7 +1338,7 @@ def parse_chat_request(
         stop=bool(params.stop),
         stop_token_ids=bool(params.stop_token_ids),
         tools=bool(tools),
-        **{_grammar_field(body): params.structured_outputs is not None and not tools},
+        **{_grammar_field(params): params.structured_outputs is not None and not tools},
     )
     req = GenerateRequest(
         kind="chat",
