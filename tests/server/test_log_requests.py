@@ -18,6 +18,7 @@ def _post(server: ServerProcess, path: str, body: dict[str, object], request_id:
         headers={"Content-Type": "application/json", "X-Request-Id": request_id},
     )
     with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()  # (the whole answer: a stream's last chunk comes after its output line)
         return int(r.status)
 
 
