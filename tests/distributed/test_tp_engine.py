@@ -156,6 +156,35 @@ def test_demo_model_with_draft_speculation_and_preemption_at_tp2() -> None:
     assert stats["prefix_cache_hit_tokens"] > 0
 
 
+def test_a_narrow_kv_cache_at_tp2_gives_the_tp1_numbers(engine_model) -> None:  # type: ignore[no-untyped-def]
+    """--kv-cache-dtype fp8 reaches the worker: TP 2 gives TP 1's tokens and logprobs (to float64
+    rounding) with prefix hits, where a worker keeping its heads' keys unrounded would move the
+    logprobs by the narrow cache's rounding."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    batch = [{"prompt_token_ids": p} for p in family_engine.prompts()]
+
+    def numbers(tp: int, kv: str) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+        llm = family_engine.make_llm(engine_model[0], "all", tensor_parallel_size=tp, kv_cache_dtype=kv)
+        try:
+            llm.generate(batch, params)
+            outs = llm.generate(batch, params)  # (the second pass hits the first one's checkpoints)
+            assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+        finally:
+            if tp > 1:
+                llm.engine.stop_workers()  # type: ignore[attr-defined]
+        return [
+            (tuple(c.token_ids), tuple(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])))
+            for c in (o.outputs[0] for o in outs)
+        ]
+
+    one, two, exact = numbers(1, "fp8"), numbers(TP, "fp8"), numbers(1, "auto")
+    gap = max(abs(a - b) for (_, x), (_, y) in zip(one, exact, strict=True) for a, b in zip(x, y))
+    assert gap > 1e-6  # (the rounding is visible in the logprobs)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(two, one, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-9
+
+
 def test_sizes_the_model_does_not_allow_are_refused_naming_the_flag(tmp_path: Path) -> None:
     demo = str(ensure_demo_model())
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3: .*Mamba heads \(8\)"):
