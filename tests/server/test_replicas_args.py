@@ -50,6 +50,23 @@ def test_serve_args_come_after_the_double_dash() -> None:
     assert _serve_args(_args("--worker-urls", "http://a:1")) == []
 
 
+def test_a_config_file_s_flags_are_checked_and_passed_written_out(tmp_path: Path) -> None:
+    """The replicas get the file's flags as arguments, and the ones a replica may not take are
+    refused as if the command line gave them."""
+    good = tmp_path / "good.yaml"
+    good.write_text("model: demo\nmax-num-seqs: 8\n")
+    assert _serve_args(_args("--", "--config", str(good))) == ["--max-num-seqs=8", "--model=demo"]
+    assert _serve_args(_args("--", "mine", "--config", str(good))) == ["mine", "--max-num-seqs=8"]
+    for text, message in (
+        ("port: 9\n", "--port is set"),
+        ("ssl-certfile: c.pem\n", "--ssl-certfile: the router"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            _serve_args(_args("--", "demo", "--config", str(bad)))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -131,6 +131,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
         return []
     if not serve:
         raise ConfigError("give the replicas' model after `--`, e.g. `hybridserve replicas -- demo`")
+    serve = _inline_config_files(serve)
     for flag in _SERVE_FLAGS_WE_SET:
         if any(a == flag or a.startswith(flag + "=") for a in serve):
             raise ConfigError(f"{flag} is set for each replica; use --first-replica-port / --host")
@@ -141,6 +142,21 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
             f"{tls[0].partition('=')[0]}: the router reaches replicas over plain HTTP; put HTTPS in front of the router"
         )
     return serve
+
+
+def _inline_config_files(serve: list[str]) -> list[str]:
+    """The serve arguments with their `--config FILE`s written out, so that the flags a file gives
+    are checked here as the command line's are (a file's `port` or `ssl-certfile` too)."""
+    from hybridserve.cli import build_parser
+    from hybridserve.config.config_file import expand_config_files
+
+    parser = build_parser()
+    expanded, model = expand_config_files(parser, ["serve", *serve])
+    if model is not None:
+        ns, _ = parser.parse_known_args(expanded)
+        if ns.model is None and ns.model_option is None:
+            expanded.append(f"--model={model}")
+    return expanded[1:]
 
 
 def _health(url: str) -> int | None:
