@@ -608,6 +608,93 @@ def test_bf16_attention_is_the_float32_kernel_on_the_widened_values(H, KVH, D, b
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
 
 
+# a KV cache narrower than the model (--kv-cache-dtype): the widened values, exactly
+NARROW_KV = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.float32, torch.float8_e5m2),
+    (BF16, torch.float8_e4m3fn),
+    (BF16, torch.float8_e5m2),
+]
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype", NARROW_KV)
+@pytest.mark.parametrize("H, KVH, D, bs", [(4, 2, 32, 16), (6, 2, 24, 5), (8, 1, 128, 16)])
+def test_a_narrow_kv_cache_is_the_kernel_on_its_widened_values(H, KVH, D, bs, q_dtype, kv_dtype):
+    q, kv, bt, qsl, pos = make_case(
+        [1, 4, 1, 3, 1], [1, 37, 2 * bs, 9, 3 * bs + 1], H, KVH, D, bs, torch.float32
+    )
+    narrow = kv.to(kv_dtype)
+    q = q.to(q_dtype)
+    out = native.paged_attention(q, narrow, bt, qsl, pos, D**-0.5)
+    assert out is not None and out.dtype == q_dtype and out.shape == q.shape
+    # the kernel of q's dtype on the cache widened by torch (every byte's widening is checked
+    # exactly below; the arithmetic may contract into fused multiply-adds otherwise than the
+    # other instantiation's, so its last bit may differ)
+    wide = native.paged_attention(q, narrow.to(q_dtype), bt, qsl, pos, D**-0.5)
+    torch.testing.assert_close(out, wide, rtol=1e-6, atol=1e-6)
+    ref = attention_ref(q, narrow, bt, qsl, pos, D**-0.5)
+    tol = 2e-6 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_byte_widens_as_torch_widens_it(kv_dtype):
+    """Each of the 256 byte values (NaNs, infinities, subnormals too) as V of a one-key attention,
+    whose output is that V (a zero's sign aside: the sum starts at +0)."""
+    values = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+    kv = torch.zeros(1, 2, 16, 1, 256, dtype=kv_dtype)
+    kv[0, 1, 0, 0] = values
+    q = torch.zeros(1, 1, 256)
+    out = native.paged_attention(
+        q, kv, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 1]), torch.tensor([0]), 1.0
+    )
+    assert out is not None
+    want = values.float()
+    assert torch.equal(out[0, 0].isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(out[0, 0][keep], want[keep])
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_the_engine_reads_a_narrow_kv_cache_with_the_kernel_as_the_torch_path_does(monkeypatch, kv):
+    """A float32 model with --kv-cache-dtype: the decode rows' attention runs in the kernel, and
+    its tokens and logprobs are the torch path's (same widened values, float32 arithmetic)."""
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    calls = []
+    real = native.paged_attention
+
+    def counting(*a, **kw):
+        res = real(*a, **kw)
+        calls.append(res is not None)
+        return res
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)]} for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM("demo", dtype="float32", max_num_seqs=8, kv_cache_dtype=kv, cpu_threads=1)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]) for c in outs]
+
+    monkeypatch.setattr(native, "paged_attention", counting)
+    with_kernel = run()
+    assert calls and all(calls)
+    monkeypatch.setattr(native, "paged_attention", lambda *a, **kw: None)  # the torch path
+    with_torch = run()
+    for (tokens, lps), (want, want_lps) in zip(with_kernel, with_torch, strict=True):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
+
+
+def test_a_kv_cache_of_another_dtype_without_a_kernel_takes_the_torch_path():
+    q, kv, bt, qsl, pos = make_case([1], [9], 2, 2, 32, 16, torch.float32)
+    assert native.paged_attention(q.double(), kv.to(torch.float8_e4m3fn), bt, qsl, pos, 0.1) is None
+    assert native.paged_attention(q.to(BF16), kv, bt, qsl, pos, 0.1) is None  # (a wider cache)
+
+
 def _narrow(c, names=("xbc", "dt", "conv_weight", "conv_bias")):
     return {k: (v.to(BF16) if k in names and v is not None else v) for k, v in clone_case(c).items()}
 

@@ -153,7 +153,10 @@ def _kv_dtype_decision(requested: str, dtype: object, chosen: object, on_cpu: bo
             f"{str(dtype).removeprefix('torch.')} by every attention path"
         )
         if on_cpu:
-            why += "; the native CPU kernels take the model dtype only, so attention and the decode step run on the torch ops"
+            why += (
+                "; on the CPU the attention kernel reads it as it is, and the whole-model decode step "
+                "(small batches) steps aside for the layer-by-layer forward"
+            )
     return Decision("kv_cache_dtype", "info", f"KV cache in {name} ({why})")
 
 

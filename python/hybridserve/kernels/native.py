@@ -64,6 +64,15 @@ _LINK_FLAGS = ("-shared", "-pthread")
 # every kernel's entry points, by the dtype of the tensors they read and write (str(torch dtype):
 # no torch import at module level); bfloat16 ones compute in float32
 _SUFFIX = {"torch.float32": "f32", "torch.float64": "f64", "torch.bfloat16": "bf16"}
+# The attention kernel's entry points for a KV cache narrower than the model (--kv-cache-dtype):
+# (q's dtype, the cache's) -> the name's suffix
+_KV_SUFFIX = {
+    ("torch.float32", "torch.bfloat16"): "f32_kv_bf16",
+    ("torch.float32", "torch.float8_e4m3fn"): "f32_kv_fp8e4m3",
+    ("torch.float32", "torch.float8_e5m2"): "f32_kv_fp8e5m2",
+    ("torch.bfloat16", "torch.float8_e4m3fn"): "bf16_kv_fp8e4m3",
+    ("torch.bfloat16", "torch.float8_e5m2"): "bf16_kv_fp8e5m2",
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -181,7 +190,7 @@ def _build(cxx: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point (ctypes converts and checks each argument by them)."""
-    for suffix in _SUFFIX.values():
+    for suffix in (*_SUFFIX.values(), *_KV_SUFFIX.values()):
         fn = getattr(lib, f"hs_paged_attention_{suffix}")
         # q, kv, out, block_table, bt_stride, qsl, positions, rows, tokens, blocks, H, KVH, D,
         # block_size, scale, threads
@@ -287,14 +296,14 @@ def paged_attention(
     None when the kernel does not apply (not on the CPU, another dtype, no library): the caller
     then takes its torch path. Bad block ids or positions raise ValueError before anything is read.
     bfloat16 q and K/V are computed in float32 (the float32 kernel on the widened values) and the
-    result rounded to bfloat16."""
+    result rounded to bfloat16. A cache narrower than q (bfloat16 or float8 under float32 q,
+    float8 under bfloat16 q: --kv-cache-dtype) is widened exactly as it is read."""
     import torch
 
-    fn_name = _attention_fn(q.dtype)
+    fn_name = _attention_fn(q.dtype, kv_cache.dtype)
     if (
         not _on_cpu(q, kv_cache, block_table, qsl, positions)
         or fn_name is None
-        or kv_cache.dtype != q.dtype
         or not kv_cache.is_contiguous()  # not copied here: the torch path reads it in place
     ):
         return None
@@ -347,9 +356,10 @@ def paged_attention(
     return out
 
 
-def _attention_fn(dtype: torch.dtype) -> str | None:
-    """The entry point of the attention kernel for q / K / V of `dtype`."""
-    suffix = _SUFFIX.get(str(dtype))
+def _attention_fn(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """The entry point of the attention kernel for q (and out) of `dtype` and K / V of
+    `kv_dtype`, or None where there is none."""
+    suffix = _SUFFIX.get(str(dtype)) if kv_dtype == dtype else _KV_SUFFIX.get((str(dtype), str(kv_dtype)))
     return None if suffix is None else f"hs_paged_attention_{suffix}"
 
 

@@ -32,6 +32,47 @@ struct bf16 {
     uint16_t bits;
 };
 
+// float8 storage of a KV cache narrower than the model (--kv-cache-dtype fp8_e4m3 / fp8_e5m2),
+// read only: each of the 256 values is widened exactly through a table.
+struct fp8e4m3 {
+    uint8_t bits;
+};
+struct fp8e5m2 {
+    uint8_t bits;
+};
+
+// The float of each byte, as torch's .to(torch.float32) of float8_e4m3fn (bias 7, subnormals,
+// no infinities, S.1111.111 NaN) and float8_e5m2 (bias 15, IEEE-like: infinities and NaNs).
+template <int kExpBits>
+struct Fp8Table {
+    float value[256];
+    Fp8Table() {
+        constexpr int man_bits = 7 - kExpBits;
+        constexpr int bias = (1 << (kExpBits - 1)) - 1;
+        constexpr int exp_max = (1 << kExpBits) - 1;
+        for (int b = 0; b < 256; ++b) {
+            const int sign = b >> 7, e = (b >> man_bits) & exp_max, m = b & ((1 << man_bits) - 1);
+            float v;
+            if (kExpBits == 4 && e == exp_max && m == (1 << man_bits) - 1) v = NAN;
+            else if (kExpBits == 5 && e == exp_max) v = m == 0 ? INFINITY : NAN;
+            else if (e == 0) v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+            else v = std::ldexp(static_cast<float>(m + (1 << man_bits)), e - bias - man_bits);
+            value[b] = sign ? -v : v;
+        }
+    }
+};
+inline const float* fp8_table(fp8e4m3) {
+    static const Fp8Table<4> t;
+    return t.value;
+}
+inline const float* fp8_table(fp8e5m2) {
+    static const Fp8Table<5> t;
+    return t.value;
+}
+
+template <typename S>
+inline constexpr bool is_fp8 = std::is_same_v<S, fp8e4m3> || std::is_same_v<S, fp8e5m2>;
+
 inline float widen(float v) { return v; }
 inline double widen(double v) { return v; }
 inline float widen(bf16 v) {
@@ -40,6 +81,8 @@ inline float widen(bf16 v) {
     std::memcpy(&f, &u, sizeof(f));
     return f;
 }
+inline float widen(fp8e4m3 v) { return fp8_table(v)[v.bits]; }
+inline float widen(fp8e5m2 v) { return fp8_table(v)[v.bits]; }
 
 // T -> storage type S; for bfloat16 round to nearest even, as torch's .to(torch.bfloat16) (NaN
 // stays a quiet NaN).
@@ -57,11 +100,23 @@ inline S narrow(T v) {
     }
 }
 
-// One vector of T from Vec<T>::lanes values of storage type S (S = T, or bfloat16 for float).
+// One vector of T from Vec<T>::lanes values of storage type S (S = T, or bfloat16 or float8 for
+// float).
 template <typename T, typename S>
 inline typename Vec<T>::type load_as(const S* p) {
     if constexpr (std::is_same_v<S, T>) {
         return Vec<T>::load(p);
+    } else if constexpr (is_fp8<S>) {
+        static_assert(std::is_same_v<T, float>, "float8 is read as float");
+        typename Vec<T>::type v;
+#ifdef __AVX512F__
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m512 w = _mm512_i32gather_ps(idx, fp8_table(S{}), 4);
+        std::memcpy(&v, &w, sizeof(v));
+#else
+        for (int i = 0; i < Vec<T>::lanes; ++i) v[i] = widen(p[i]);
+#endif
+        return v;
     } else {
         static_assert(std::is_same_v<T, float> && std::is_same_v<S, bf16>, "bf16 is read as float");
         typename Vec<T>::type v;

@@ -6,6 +6,9 @@
 //   kv_cache      [num_blocks, 2, block_size, KVH, D]   (index 0 = K, 1 = V)
 // in float32, float64, or bfloat16 (q, kv_cache and out alike; computed in float32 from the
 // bfloat16 values, so the result is the float32 kernel's on the widened inputs, rounded once).
+// A KV cache narrower than the model (--kv-cache-dtype) has entry points of its own: float32 or
+// bfloat16 q and out with bfloat16 or float8 (e4m3, e5m2) K and V, each value widened exactly to
+// float32 as it is read, so the result is the float32 kernel's on the widened cache.
 //   block_table   [num_rows, bt_stride] int64
 //   qsl           [num_rows + 1] int64: row r owns tokens qsl[r] .. qsl[r+1]
 //   positions     [T] int64: token t attends keys 0 .. positions[t] of its row
@@ -117,8 +120,8 @@ inline __m512 dots16(const float* q, const S* k0, int64_t tok_stride) {
 }
 #endif
 
-template <typename T, typename S, int DC>
-void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride,
+template <typename T, typename S, typename KS, int DC>
+void paged_attention(const S* q, const KS* kv, S* out, const int64_t* block_table, int64_t bt_stride,
                      const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t H,
                      int64_t KVH, int64_t D_runtime, int64_t block_size, T scale, int64_t row_begin,
                      int64_t row_end) {
@@ -133,7 +136,7 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
     std::vector<int64_t> qv_koff;  // offset of the query's KV head inside a token's row
     std::vector<const T*> qv_ptr;
     std::vector<T> qwide;  // the row's queries in T, where S is narrower
-    const HalfStream<S> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
+    const HalfStream<KS> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
                                positions};
     bool primed = false;
     for (int64_t r = row_begin; r < row_end; ++r) {
@@ -178,7 +181,7 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
             }
             // scores[i][j] = scale * q_i . k_j for j <= pos_i
             for (int64_t b = 0; b < nb; ++b) {
-                const S* kblock = kv + blocks[b] * block_stride;
+                const KS* kblock = kv + blocks[b] * block_stride;
                 stream.prefetch(r, nb, b + kPrefetchAhead);
                 const int64_t j0 = b * block_size;
                 const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
@@ -191,7 +194,7 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                     // scores past a query's position are computed and never read.
                     if (block_size % 16 == 0) {
                         for (; jj < jn; jj += 16) {
-                            const S* krow = kblock + jj * tok_stride;
+                            const KS* krow = kblock + jj * tok_stride;
                             for (int64_t i = 0; i < nq; ++i) {
                                 if (j0 + jj > qv_pos[i]) continue;
                                 const __m512 sc = _mm512_mul_ps(dots16<DC>(qv_ptr[i], krow + qv_koff[i], tok_stride),
@@ -203,12 +206,12 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                 }
     #endif
                 for (; jj < jn; ++jj) {
-                    const S* krow = kblock + jj * tok_stride;
+                    const KS* krow = kblock + jj * tok_stride;
                     const int64_t j = j0 + jj;
                     for (int64_t i = 0; i < nq; ++i) {
                         if (j > qv_pos[i]) continue;
                         const T* qi = qv_ptr[i];
-                        const S* k = krow + qv_koff[i];
+                        const KS* k = krow + qv_koff[i];
                         T s = 0;
                         for (int64_t d = 0; d < D; ++d) s += qi[d] * hs::widen(k[d]);
                         scores[i * Lp + j] = s * scale;
@@ -241,7 +244,7 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                 // in registers within the block; keys in order, so the sum does not depend on how many
                 // keys follow a query's position
                 for (int64_t b = 0; b < nb; ++b) {
-                    const S* vblock = kv + blocks[b] * block_stride + half_stride;
+                    const KS* vblock = kv + blocks[b] * block_stride + half_stride;
                     stream.prefetch(r, nb, nb + b + kPrefetchAhead);
                     const int64_t j0 = b * block_size;
                     for (int64_t i = 0; i < nq; ++i) {
@@ -249,12 +252,12 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                         if (n <= 0) continue;
                         const int64_t jn = n < block_size ? n : block_size;
                         const T* p = scores.data() + i * Lp + j0;
-                        const S* v = vblock + qv_koff[i];
+                        const KS* v = vblock + qv_koff[i];
                         T* a = acc.data() + i * D;
                         VT a0[nv];
                         for (int u = 0; u < nv; ++u) a0[u] = V::load(a + u * V::lanes);
                         for (int64_t jj = 0; jj < jn; ++jj) {
-                            const S* vr = v + jj * tok_stride;
+                            const KS* vr = v + jj * tok_stride;
                             for (int u = 0; u < nv; ++u) a0[u] += hs::load_as<T>(vr + u * V::lanes) * p[jj];
                         }
                         for (int u = 0; u < nv; ++u) V::store(a + u * V::lanes, a0[u]);
@@ -262,17 +265,17 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
                 }
             } else {
                 for (int64_t b = 0; b < nb; ++b) {
-                    const S* vblock = kv + blocks[b] * block_stride + half_stride;
+                    const KS* vblock = kv + blocks[b] * block_stride + half_stride;
                     stream.prefetch(r, nb, nb + b + kPrefetchAhead);
                     const int64_t j0 = b * block_size;
                     const int64_t jn = L - j0 < block_size ? L - j0 : block_size;
                     for (int64_t jj = 0; jj < jn; ++jj) {
-                        const S* vrow = vblock + jj * tok_stride;
+                        const KS* vrow = vblock + jj * tok_stride;
                         const int64_t j = j0 + jj;
                         for (int64_t i = 0; i < nq; ++i) {
                             if (j > qv_pos[i]) continue;
                             const T p = scores[i * Lp + j];
-                            const S* v = vrow + qv_koff[i];
+                            const KS* v = vrow + qv_koff[i];
                             T* a = acc.data() + i * D;
                             for (int64_t d = 0; d < D; ++d) a[d] += p * hs::widen(v[d]);
                         }
@@ -289,8 +292,8 @@ void paged_attention(const S* q, const S* kv, S* out, const int64_t* block_table
     }
 }
 
-template <typename T, typename S>
-int dispatch(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride,
+template <typename T, typename S, typename KS>
+int dispatch(const S* q, const KS* kv, S* out, const int64_t* block_table, int64_t bt_stride,
              const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_tokens,
              int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size, double scale,
              int threads) {
@@ -305,7 +308,7 @@ int dispatch(const S* q, const S* kv, S* out, const int64_t* block_table, int64_
             weight[static_cast<size_t>(r)] + (qsl[r + 1] - qsl[r]) * row_keys(qsl, positions, r);
     const bool ok = hs::parallel_rows(num_rows, threads, weight, kMinPairsPerThread, [&](int64_t b, int64_t e) {
 #define HS_ATTN(DC)                                                                                       \
-    paged_attention<T, S, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
+    paged_attention<T, S, KS, DC>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, H, KVH, D, block_size, \
                            s, b, e)
         switch (D) {
             case 32: HS_ATTN(32); break;
@@ -324,21 +327,27 @@ extern "C" {
 
 // Return codes: 0 ok, 1 bad shapes, 2 a row range, position or block id out of bounds (nothing
 // read), 4 out of memory or no thread could be started.
-#define HS_PAGED_ATTENTION(NAME, T, S)                                                                            \
-    int NAME(const S* q, const S* kv, S* out, const int64_t* block_table, int64_t bt_stride, const int64_t* qsl,  \
+#define HS_PAGED_ATTENTION(NAME, T, S, KS)                                                                        \
+    int NAME(const S* q, const KS* kv, S* out, const int64_t* block_table, int64_t bt_stride, const int64_t* qsl,  \
              const int64_t* positions, int64_t num_rows, int64_t num_tokens, int64_t num_blocks, int64_t H,        \
              int64_t KVH, int64_t D, int64_t block_size, double scale, int threads) {                             \
         try {                                                                                                      \
-            return dispatch<T, S>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_tokens,          \
+            return dispatch<T, S, KS>(q, kv, out, block_table, bt_stride, qsl, positions, num_rows, num_tokens,          \
                                num_blocks, H, KVH, D, block_size, scale, threads);                                \
         } catch (...) {                                                                                            \
             return 4;                                                                                              \
         }                                                                                                          \
     }
 
-HS_PAGED_ATTENTION(hs_paged_attention_f32, float, float)
-HS_PAGED_ATTENTION(hs_paged_attention_f64, double, double)
-HS_PAGED_ATTENTION(hs_paged_attention_bf16, float, hs::bf16)
+HS_PAGED_ATTENTION(hs_paged_attention_f32, float, float, float)
+HS_PAGED_ATTENTION(hs_paged_attention_f64, double, double, double)
+HS_PAGED_ATTENTION(hs_paged_attention_bf16, float, hs::bf16, hs::bf16)
+// a KV cache narrower than the model
+HS_PAGED_ATTENTION(hs_paged_attention_f32_kv_bf16, float, float, hs::bf16)
+HS_PAGED_ATTENTION(hs_paged_attention_f32_kv_fp8e4m3, float, float, hs::fp8e4m3)
+HS_PAGED_ATTENTION(hs_paged_attention_f32_kv_fp8e5m2, float, float, hs::fp8e5m2)
+HS_PAGED_ATTENTION(hs_paged_attention_bf16_kv_fp8e4m3, float, hs::bf16, hs::fp8e4m3)
+HS_PAGED_ATTENTION(hs_paged_attention_bf16_kv_fp8e5m2, float, hs::bf16, hs::fp8e5m2)
 
 #undef HS_PAGED_ATTENTION
 
