@@ -643,17 +643,19 @@ def test_every_float8_byte_widens_as_torch_widens_it(kv_dtype):
     """Each of the 256 byte values (NaNs, infinities, subnormals too) as V of a one-key attention,
     whose output is that V (a zero's sign aside: the sum starts at +0)."""
     values = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
-    kv = torch.zeros(1, 2, 16, 1, 256, dtype=kv_dtype)
-    kv[0, 1, 0, 0] = values
-    q = torch.zeros(1, 1, 256)
-    out = native.paged_attention(
-        q, kv, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 1]), torch.tensor([0]), 1.0
-    )
-    assert out is not None
     want = values.float()
-    assert torch.equal(out[0, 0].isnan(), want.isnan())
     keep = ~want.isnan()
-    assert torch.equal(out[0, 0][keep], want[keep])
+    # heads of 128 (the kernel's vector path) and of 256 (its scalar one)
+    for kvh, d in ((2, 128), (1, 256)):
+        kv = torch.zeros(1, 2, 16, kvh, d, dtype=kv_dtype)
+        kv[0, 1, 0] = values.view(kvh, d)
+        q = torch.zeros(1, kvh, d)
+        bt = torch.zeros(1, 1, dtype=torch.int64)
+        out = native.paged_attention(q, kv, bt, torch.tensor([0, 1]), torch.tensor([0]), 1.0)
+        assert out is not None
+        got = out[0].reshape(256)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[keep], want[keep])
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
