@@ -95,11 +95,15 @@ def test_a_token_gets_the_same_output_alone_and_among_drafts():
         assert torch.equal(alone[0], together[i])
 
 
-def test_the_engine_attention_layer_uses_it_and_agrees_with_sdpa(monkeypatch):
-    from hybridserve.engine.llm import LLM
-    from hybridserve.sampling.params import SamplingParams
+# requests of 20 to 65 tokens, batched by the engine tests of the attention kernel below
+ATTENTION_PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)]} for i in range(6)
+]
 
-    calls = []
+
+def _count_kernel_calls(monkeypatch) -> list[bool]:
+    """Wraps the attention kernel: each call appends whether the kernel ran (not declined)."""
+    calls: list[bool] = []
     real = native.paged_attention
 
     def counting(*a, **kw):
@@ -107,10 +111,18 @@ def test_the_engine_attention_layer_uses_it_and_agrees_with_sdpa(monkeypatch):
         calls.append(res is not None)
         return res
 
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)]} for i in range(6)]
+    monkeypatch.setattr(native, "paged_attention", counting)
+    return calls
+
+
+def test_the_engine_attention_layer_uses_it_and_agrees_with_sdpa(monkeypatch):
+    from hybridserve.engine.llm import LLM
+    from hybridserve.sampling.params import SamplingParams
+
+    prompts = ATTENTION_PROMPTS
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     llm = LLM("demo", dtype="float64", max_num_seqs=8)
-    monkeypatch.setattr(native, "paged_attention", counting)
+    calls = _count_kernel_calls(monkeypatch)
     with_native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls and all(calls)
     monkeypatch.setattr(native, "paged_attention", lambda *a, **kw: None)  # the SDPA path
@@ -665,15 +677,7 @@ def test_the_engine_reads_a_narrow_kv_cache_with_the_kernel_as_the_torch_path_do
     from hybridserve.engine.llm import LLM
     from hybridserve.sampling.params import SamplingParams
 
-    calls = []
-    real = native.paged_attention
-
-    def counting(*a, **kw):
-        res = real(*a, **kw)
-        calls.append(res is not None)
-        return res
-
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)]} for i in range(6)]
+    prompts = ATTENTION_PROMPTS
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     llm = LLM("demo", dtype="float32", max_num_seqs=8, kv_cache_dtype=kv, cpu_threads=1)
 
@@ -681,7 +685,7 @@ def test_the_engine_reads_a_narrow_kv_cache_with_the_kernel_as_the_torch_path_do
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]) for c in outs]
 
-    monkeypatch.setattr(native, "paged_attention", counting)
+    calls = _count_kernel_calls(monkeypatch)
     with_kernel = run()
     assert calls and all(calls)
     monkeypatch.setattr(native, "paged_attention", lambda *a, **kw: None)  # the torch path
