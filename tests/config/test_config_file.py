@@ -61,6 +61,14 @@ served-model-name: [demo, tiny]
     )
 
 
+def test_a_no_spelling_and_a_list_of_an_appending_flag(tmp_path: Path) -> None:
+    path = _file(tmp_path, "no-enable-prefix-caching: false\nprompt: [a, b]\nstop: x\n")
+    argv, _ = expand_config_files(build_parser(), ["generate", "demo", "--config", path])
+    assert argv == ["generate", "demo", "--enable-prefix-caching", "--prompt=a", "--prompt=b", "--stop=x"]
+    args = build_parser().parse_args(argv)
+    assert (args.enable_prefix_caching, args.prompt, args.stop) == (True, ["a", "b"], ["x"])
+
+
 def test_the_command_line_wins_for_every_kind_of_flag(tmp_path: Path) -> None:
     path = _file(tmp_path, "stop: [a, b]\nenable-prefix-caching: true\nseed: -3\nmax-tokens: 4\n")
     argv, _ = expand_config_files(

@@ -57,6 +57,12 @@ def test_a_config_file_s_flags_are_checked_and_passed_written_out(tmp_path: Path
     good.write_text("model: demo\nmax-num-seqs: 8\n")
     assert _serve_args(_args("--", "--config", str(good))) == ["--max-num-seqs=8", "--model=demo"]
     assert _serve_args(_args("--", "mine", "--config", str(good))) == ["mine", "--max-num-seqs=8"]
+    # a flag the command line gives in vLLM's underscore spelling wins over the file's too
+    assert _serve_args(_args("--", "mine", "--max_num_seqs", "4", "--config", str(good))) == [
+        "mine",
+        "--max-num-seqs",
+        "4",
+    ]
     for text, message in (
         ("port: 9\n", "--port is set"),
         ("ssl-certfile: c.pem\n", "--ssl-certfile: the router"),

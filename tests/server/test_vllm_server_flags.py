@@ -54,9 +54,19 @@ def test_the_answer_takes_the_response_role(server: ServerProcess) -> None:
         server, "/tokenize", {"messages": [*MESSAGES, {**history[1], "role": "assistant"}, history[2]]}
     )
     assert status == status_a == 200 and tok["tokens"] == tok_a["tokens"]
+    status, doc = call(server, "/openapi.json")
+    assert "narrator" in doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
     # a beam search's choices too
     status, out = _chat(server, use_beam_search=True, n=2)
     assert status == 200 and {c["message"]["role"] for c in out["choices"]} == {"narrator"}
+
+
+def test_a_response_role_that_is_a_role_already_renames_nothing() -> None:
+    from hybridserve.server import protocol as P
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}]
+    assert [m["role"] for m in P._parse_messages(msgs, answer_role="narrator")] == ["user", "assistant"]
+    assert [m["role"] for m in P._parse_messages(msgs[:1], answer_role="user")] == ["user"]
 
 
 def test_without_a_generation_prompt_the_last_message_s_role(server: ServerProcess) -> None:

@@ -132,11 +132,16 @@ def _tokens(path: str, key: str, flag: str, action: argparse.Action, value: Any)
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {_shown(value)}")
-        return [flag] if value else ["--no-" + flag[2:]]
+        positive = action.option_strings[0]
+        if flag != positive:  # the key is the `no-` spelling: its true is the flag's false
+            value = not value
+        return [positive] if value else ["--no-" + positive[2:]]
     if action.nargs == 0:  # a switch (store_true / store_false / store_const)
         if not isinstance(value, bool):
             raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {_shown(value)}")
         return [flag] if value else []
+    if isinstance(action, argparse._AppendAction):  # (repeated: --prompt a --prompt b)
+        return [f"{flag}={_scalar(path, key, v)}" for v in (value if isinstance(value, list) else [value])]
     if action.nargs in ("+", "*"):
         values = value if isinstance(value, list) else [value]
         if not values and action.nargs == "+":

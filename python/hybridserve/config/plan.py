@@ -122,8 +122,11 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                 )
             )
     if mcfg.num_attention_layers > 0:
+        from hybridserve.kernels.native import reads_kv_cache
+
         on_cpu = not str(args.device or "cpu").startswith("cuda")
-        decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype, on_cpu))
+        kernel = reads_kv_cache(dtype, kv_dtype) if on_cpu else None
+        decisions.append(_kv_dtype_decision(args.kv_cache_dtype, dtype, kv_dtype, kernel))
     if args.gpu_memory_utilization is not None:
         decisions.append(
             Decision(
@@ -140,9 +143,10 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     return EnginePlan(resolved=resolved, sizes=sizes, model_config=mcfg)
 
 
-def _kv_dtype_decision(requested: str, dtype: object, chosen: object, on_cpu: bool) -> Decision:
+def _kv_dtype_decision(requested: str, dtype: object, chosen: object, kernel: bool | None) -> Decision:
     """Which dtype the KV cache takes (torch dtypes: this module does not import torch), and on the
-    CPU what a dtype other than the model's costs."""
+    CPU (`kernel`: whether the C++ attention kernel reads that cache; None off the CPU) what a
+    dtype other than the model's costs."""
     name = str(chosen).removeprefix("torch.")
     if requested == "auto":
         return Decision("kv_cache_dtype", "info", f"KV cache in {name} (default: the model dtype)")
@@ -152,10 +156,15 @@ def _kv_dtype_decision(requested: str, dtype: object, chosen: object, on_cpu: bo
             f"; K and V are rounded to {name} when written and read back in "
             f"{str(dtype).removeprefix('torch.')} by every attention path"
         )
-        if on_cpu:
+        if kernel:
             why += (
                 "; on the CPU the attention kernel reads it as it is, and the whole-model decode step "
                 "(small batches) steps aside for the layer-by-layer forward"
+            )
+        elif kernel is not None:
+            why += (
+                f"; on the CPU attention runs on the torch ops (the C++ kernels read no {name} cache under "
+                f"a {str(dtype).removeprefix('torch.')} model)"
             )
     return Decision("kv_cache_dtype", "info", f"KV cache in {name} ({why})")
 

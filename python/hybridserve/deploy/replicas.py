@@ -147,13 +147,18 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
 def _inline_config_files(serve: list[str]) -> list[str]:
     """The serve arguments with their `--config FILE`s written out, so that the flags a file gives
     are checked here as the command line's are (a file's `port` or `ssl-certfile` too)."""
-    from hybridserve.cli import build_parser
+    from hybridserve.cli import _flags, build_parser
+    from hybridserve.config.cli import normalize_flag_names
     from hybridserve.config.config_file import expand_config_files
 
     parser = build_parser()
-    expanded, model = expand_config_files(parser, ["serve", *serve])
+    # (spelled as `serve` reads them, so that a `--flag_name` given here wins over the file's)
+    expanded, model = expand_config_files(parser, normalize_flag_names(["serve", *serve], _flags(parser)))
     if model is not None:
-        ns, _ = parser.parse_known_args(expanded)
+        try:
+            ns, _ = parser.parse_known_args(expanded)
+        except SystemExit:  # (argparse has printed what does not parse)
+            raise ConfigError("the serve arguments after `--` do not parse") from None
         if ns.model is None and ns.model_option is None:
             expanded.append(f"--model={model}")
     return expanded[1:]

@@ -97,6 +97,7 @@ class TPExecutor(GroupFailure):
         mamba_ssm_cache_dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         load_format: str = "auto",
+        tokenizer_dir: str | None = None,
     ) -> WorkerSpec:
         return WorkerSpec(
             model_dir=model_dir,
@@ -111,6 +112,7 @@ class TPExecutor(GroupFailure):
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             kv_cache_dtype=kv_cache_dtype,
             load_format=load_format,
+            tokenizer_dir=tokenizer_dir,
         )
 
     @property

@@ -39,6 +39,7 @@ class WorkerSpec:
     mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     load_format: str = "auto"  # --load-format ("dummy": every rank draws the same full weights)
+    tokenizer_dir: str | None = None  # --tokenizer (None: the model folder's)
 
 
 @dataclass
@@ -74,7 +75,13 @@ class ShardRunner:
 
         dev = torch.device(device or rank_device(spec.device, rank))
         dtype = getattr(torch, spec.dtype)
-        loaded = load_model(spec.model_dir, dtype=dtype, device=dev, load_format=spec.load_format)
+        loaded = load_model(
+            spec.model_dir,
+            dtype=dtype,
+            device=dev,
+            load_format=spec.load_format,
+            tokenizer_dir=spec.tokenizer_dir,
+        )
         shard_model(loaded.model, loaded.config, rank, spec.world_size)
         self.device = dev
         self.model = loaded.model

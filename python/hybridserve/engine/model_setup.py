@@ -94,7 +94,9 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
     tokenizer_dir, tokenizer = _load_tokenizer(args, str(model_dir))
     tp = int(args.tensor_parallel_size)
     executor = (
-        _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size)) if tp > 1 else None
+        _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size), tokenizer_dir)
+        if tp > 1
+        else None
     )
     try:
         loaded = load_model(
@@ -177,6 +179,7 @@ def _start_workers(
     device: torch.device,
     sizes: CacheSizes,
     block_size: int,
+    tokenizer_dir: str,
 ) -> Any:
     """Spawns the tensor-parallel workers, or joins those a launcher (torchrun) started (they load
     their shards while this process loads its)."""
@@ -202,6 +205,7 @@ def _start_workers(
         args.mamba_ssm_cache_dtype,
         args.kv_cache_dtype,
         args.load_format,
+        tokenizer_dir,
     )
     env = check_torchrun(tp)
     if env is not None:

@@ -356,6 +356,11 @@ def paged_attention(
     return out
 
 
+def reads_kv_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the attention kernel takes q of `dtype` over a cache of `kv_dtype`."""
+    return _attention_fn(dtype, kv_dtype) is not None
+
+
 def _attention_fn(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
     """The entry point of the attention kernel for q (and out) of `dtype` and K / V of
     `kv_dtype`, or None where there is none."""

@@ -308,7 +308,7 @@ def _check_tokenizer(cfg: ModelConfig, model_dir: Path, tokenizer_dir: Path) -> 
             log.warning(
                 "%s: the tokenizer has %d tokens but config.json's vocab_size is %d: prompts "
                 "holding ids >= %d will be refused",
-                model_dir, n_tok, cfg.vocab_size, cfg.vocab_size,
+                tok_path, n_tok, cfg.vocab_size, cfg.vocab_size,
             )  # fmt: skip
     _fill_token_ids(cfg, model_dir)
     _warn_unreachable_token_ids(cfg, model_dir)

@@ -683,6 +683,7 @@ async def _openapi(request: web.Request) -> web.Response:
         max_model_len=info.max_model_len if info is not None else None,
         vocab_size=info.vocab_size if info is not None else None,
         max_logprobs=info.max_logprobs if info is not None else None,
+        response_role=state.response_role,
         api_key_required=state.api_key is not None,
         strict_request_fields=state.strict_request_fields,
         trust_request_chat_template=state.trust_request_chat_template,

@@ -673,6 +673,12 @@ _ERROR: Schema = {
 }
 
 
+def _chat_message(response_role: str) -> Schema:
+    """A chat message; its role may also be the server's --response-role (an earlier answer)."""
+    roles = sorted(P._MESSAGE_ROLES | {response_role})
+    return {**_CHAT_MESSAGE, "properties": {**_CHAT_MESSAGE["properties"], "role": {"enum": roles}}}
+
+
 def _optional(schema: Schema) -> Schema:
     """JSON null means "not given" for every optional field (protocol.py's readers)."""
     out = dict(schema)
@@ -768,6 +774,7 @@ def document(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     max_logprobs: int | None = None,
+    response_role: str = "assistant",
     api_key_required: bool = False,
     strict_request_fields: bool = True,
     trust_request_chat_template: bool = False,
@@ -932,7 +939,7 @@ def document(
                 "CompletionRequest": completion,
                 "ChatCompletionRequest": chat,
                 "ResponsesRequest": responses,
-                "ChatMessage": _CHAT_MESSAGE,
+                "ChatMessage": _chat_message(response_role),
                 "ChatContentPart": _CONTENT_PART,
                 "ChatToolCall": _CHAT_TOOL_CALL,
                 **_tokenize_schemas(names, vocab_size, trust_request_chat_template),

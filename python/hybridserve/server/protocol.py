@@ -984,7 +984,7 @@ def _parse_messages(
         role = m.get("role")
         if not isinstance(role, str) or role not in roles:
             raise _bad(f"{p}.role", f"must be one of {sorted(roles)}, got {role!r}")
-        if role == answer_role:
+        if role == answer_role and role not in _MESSAGE_ROLES:
             role = "assistant"
         calls = None
         if m.get("tool_calls") is not None:

@@ -61,14 +61,12 @@ struct Fp8Table {
         }
     }
 };
-inline const float* fp8_table(fp8e4m3) {
-    static const Fp8Table<4> t;
-    return t.value;
-}
-inline const float* fp8_table(fp8e5m2) {
-    static const Fp8Table<5> t;
-    return t.value;
-}
+// Built when the library is loaded (not on first use: a function-local static would put a guard
+// check in front of every value a scalar loop widens).
+inline const Fp8Table<4> kFp8E4M3Table{};
+inline const Fp8Table<5> kFp8E5M2Table{};
+inline const float* fp8_table(fp8e4m3) { return kFp8E4M3Table.value; }
+inline const float* fp8_table(fp8e5m2) { return kFp8E5M2Table.value; }
 
 template <typename S>
 inline constexpr bool is_fp8 = std::is_same_v<S, fp8e4m3> || std::is_same_v<S, fp8e5m2>;
