@@ -147,14 +147,13 @@ def _kv_dtype_decision(requested: str, dtype: object, chosen: object, kernel: bo
     """Which dtype the KV cache takes (torch dtypes: this module does not import torch), and on the
     CPU (`kernel`: whether the C++ attention kernel reads that cache; None off the CPU) what a
     dtype other than the model's costs."""
-    name = str(chosen).removeprefix("torch.")
+    name, model = str(chosen).removeprefix("torch."), str(dtype).removeprefix("torch.")
     if requested == "auto":
         return Decision("kv_cache_dtype", "info", f"KV cache in {name} (default: the model dtype)")
     why = "--kv-cache-dtype"
     if chosen != dtype:
         why += (
-            f"; K and V are rounded to {name} when written and read back in "
-            f"{str(dtype).removeprefix('torch.')} by every attention path"
+            f"; K and V are rounded to {name} when written and read back in {model} by every attention path"
         )
         if kernel:
             why += (
@@ -164,7 +163,7 @@ def _kv_dtype_decision(requested: str, dtype: object, chosen: object, kernel: bo
         elif kernel is not None:
             why += (
                 f"; on the CPU attention runs on the torch ops (the C++ kernels read no {name} cache under "
-                f"a {str(dtype).removeprefix('torch.')} model)"
+                f"a {model} model)"
             )
     return Decision("kv_cache_dtype", "info", f"KV cache in {name} ({why})")
 

@@ -185,13 +185,19 @@ _DUMMY_RANGE = 1e-3
 _DUMMY_SEED = 1234
 
 
+def _tied(model: CausalLM, cfg: ModelConfig) -> dict[str, str]:
+    """The parameters that share another's tensor (name -> the other's), where config.json ties
+    the embeddings and the architecture honours it."""
+    tie = cfg.tie_word_embeddings and model.honours_tie_word_embeddings
+    return dict(model.tied_weight_map()) if tie else {}
+
+
 def _dummy_weights(
     model: CausalLM, cls: type[CausalLM], cfg: ModelConfig, dt: torch.dtype, dev: torch.device
 ) -> None:
     gen = torch.Generator(device="cpu").manual_seed(_DUMMY_SEED)
     params = dict(model.named_parameters())
-    tie = cfg.tie_word_embeddings and model.honours_tie_word_embeddings
-    tied = model.tied_weight_map() if tie else {}
+    tied = _tied(model, cfg)
     for name, p in params.items():
         if name in tied:
             continue
@@ -221,8 +227,7 @@ def _read_weights(
     handles: dict[Path, Any] = {}
     try:
         ties = model.tied_weight_map()
-        tie = cfg.tie_word_embeddings and model.honours_tie_word_embeddings
-        tied = {k: v for k, v in ties.items() if tie}
+        tied = _tied(model, cfg)
         to_load = [n for n in params if n not in tied]
         for name in to_load:
             if name not in files:
