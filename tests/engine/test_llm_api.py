@@ -902,3 +902,45 @@ def test_generate_schedules_a_batch_by_priority_and_outputs_do_not_change() -> N
             llm.generate(prompts, params, priority=bad)  # type: ignore[arg-type]
     stats = llm.engine.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_finished_outputs_carry_the_request_phases() -> None:
+    # one sequence at a time: the second request waits in the queue for the whole first one
+    llm = LLM("demo", dtype="float32", max_model_len=256, max_num_seqs=1)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first, second = llm.generate([PROMPT, "Another prompt of its own"], params)
+    for out in (first, second):
+        m = out.metrics
+        assert m is not None
+        assert m.first_scheduled_time is not None and m.first_token_time is not None
+        assert m.last_token_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+        assert m.last_token_time <= m.finished_time
+        assert m.queue_time == m.first_scheduled_time - m.arrival_time
+        assert m.prefill_time == m.first_token_time - m.first_scheduled_time
+        assert m.decode_time == m.last_token_time - m.first_token_time
+        assert m.inference_time == m.finished_time - m.first_scheduled_time
+    # (the second is scheduled only once the first has made its last token)
+    assert first.metrics is not None and second.metrics is not None
+    assert second.metrics.first_scheduled_time >= first.metrics.last_token_time  # type: ignore[operator]
+    assert second.metrics.queue_time >= first.metrics.decode_time  # type: ignore[operator]
+    # n sequences: the first of each start, the last of each end
+    both = llm.generate(PROMPT, SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True))[
+        0
+    ]
+    assert both.metrics is not None and both.metrics.first_scheduled_time is not None
+    assert both.metrics.arrival_time <= both.metrics.first_scheduled_time <= both.metrics.finished_time
+    assert both.metrics.last_token_time is not None and both.metrics.first_token_time is not None
+    assert both.metrics.decode_time is not None and both.metrics.decode_time >= 0
+
+
+def test_request_phases_not_reached_are_none_and_sequences_combine() -> None:
+    from hybridserve.engine.outputs import RequestMetrics
+
+    waiting = RequestMetrics(1.0, None, None, None, 2.0)
+    assert waiting.queue_time is None and waiting.prefill_time is None
+    assert waiting.decode_time is None and waiting.inference_time is None
+    ran = RequestMetrics(1.0, 1.5, 1.75, 3.0, 3.5)
+    merged = RequestMetrics.combined([waiting, ran, None])
+    assert merged == RequestMetrics(1.0, 1.5, 1.75, 3.0, 3.5)
+    assert RequestMetrics.combined([None]) is None

@@ -750,6 +750,39 @@ def test_metrics_names_and_counters(server, client):
     assert after[itl] == before[itl] + 4
 
 
+def test_metrics_of_request_phases_and_sizes(server, client):
+    before = wait_idle(server)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Phases of a request",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = wait_idle(server)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"hybridserve_request_{phase}_time_seconds_count") == 1, phase
+        assert delta(f'vllm:request_{phase}_time_seconds_count{{model_name="{MODEL}"}}') == 1, phase
+    assert delta("hybridserve_request_prompt_tokens_sum") == r.usage.prompt_tokens
+    assert delta("hybridserve_request_generation_tokens_sum") == 6
+    assert delta('vllm:request_generation_tokens_bucket{le="5.0",model_name="demo"}') == 0
+    assert delta('vllm:request_generation_tokens_bucket{le="10.0",model_name="demo"}') == 1
+    # the engine's phases lie within what the server saw: queue and prefill before the first
+    # token reached the server, prefill and decode within the whole request
+    ttft = delta("hybridserve_time_to_first_token_seconds_sum")
+    queue = delta("hybridserve_request_queue_time_seconds_sum")
+    prefill = delta("hybridserve_request_prefill_time_seconds_sum")
+    decode = delta("hybridserve_request_decode_time_seconds_sum")
+    inference = delta("hybridserve_request_inference_time_seconds_sum")
+    assert queue >= 0 and prefill > 0 and decode > 0
+    assert queue + prefill <= ttft
+    assert prefill + decode <= inference <= delta("hybridserve_e2e_request_latency_seconds_sum")
+
+
 def test_client_disconnect_mid_stream_frees_everything(server, client):
     limit = max_model_len(client)
     prompt_len = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens

@@ -19,7 +19,7 @@ from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.outputs import RequestMetrics, RequestOutput
 from hybridserve.engine.protocol import OfflineEngine
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import InvalidRequestError
@@ -304,6 +304,7 @@ class LLM:
                     # a sequence that failed alone has finish_reason "error"; its reason is here
                     error=next((final[rid].error for rid in ids if final[rid].error), None),
                     prompt_logprobs=first.prompt_logprobs,
+                    metrics=RequestMetrics.combined([final[rid].metrics for rid in ids]),
                 )
             )
         return results

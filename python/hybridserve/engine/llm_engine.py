@@ -19,6 +19,7 @@ import logging
 import operator
 import os
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -84,6 +85,15 @@ class _Running:
 
     started: StartedStep
     owners: list[RequestState | None]
+
+
+def _mark_scheduled(owners: list[RequestState | None]) -> None:
+    """The first step of each request starts now (its queue time ends here)."""
+    now = 0.0
+    for st in owners:
+        if st is not None and st.first_scheduled_time is None:
+            now = now or time.monotonic()
+            st.first_scheduled_time = now
 
 
 @dataclass
@@ -516,6 +526,7 @@ class LLMEngine:
             out = started.out
             self.counters.num_steps += 1
             running = _Running(started, [self.requests.get(rid) for rid in out.req_ids])
+            _mark_scheduled(running.owners)
             if started.running is not None:
                 # the forward runs on the background thread while the previous step's outputs
                 # are built

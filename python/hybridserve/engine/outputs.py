@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 
-__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "TokenLogprobs"]
 
 
 @dataclass
@@ -20,6 +20,65 @@ class CompletionOutput:
     # Set on streamed outputs: what arrived since the previous output of this request.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When a request passed each phase, in `time.monotonic()` seconds of the engine's process
+    (as vLLM's request stats): a phase it never reached is None (a request aborted while waiting
+    was never scheduled; one that ended before its first token has none)."""
+
+    arrival_time: float  # the engine accepted it
+    first_scheduled_time: float | None  # its first row was in a step
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float
+
+    @staticmethod
+    def combined(parts: list[RequestMetrics | None]) -> RequestMetrics | None:
+        """One request's phases from those of its sequences (n > 1): the first of each start,
+        the last of each end."""
+        known = [m for m in parts if m is not None]
+        if not known:
+            return None
+
+        def first(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return min(present) if present else None
+
+        lasts = [m.last_token_time for m in known if m.last_token_time is not None]
+        return RequestMetrics(
+            arrival_time=min(m.arrival_time for m in known),
+            first_scheduled_time=first([m.first_scheduled_time for m in known]),
+            first_token_time=first([m.first_token_time for m in known]),
+            last_token_time=max(lasts) if lasts else None,
+            finished_time=max(m.finished_time for m in known),
+        )
+
+    @property
+    def queue_time(self) -> float | None:
+        """Waiting before its first step."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """From its first step to its first token (the prompt's chunks, and any step it waited
+        between them)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """From its first token to its last."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        """From its first step to its end."""
+        return None if self.first_scheduled_time is None else self.finished_time - self.first_scheduled_time
 
 
 @dataclass
@@ -39,3 +98,5 @@ class RequestOutput:
     # The prompt's own log-probabilities (SamplingParams.prompt_logprobs): None for the first
     # token, then one entry per prompt token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # The request's phase times, on its finished output only
+    metrics: RequestMetrics | None = None

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from hybridserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from hybridserve.sampling.grammar import GrammarMatcher
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.sampler import RowSampling
@@ -32,6 +32,7 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # the start of the first step with a row of it
     first_token_time: float | None = None
     last_token_time: float | None = None
     # Structured outputs: the request's state in its grammar, advanced over every accepted token
@@ -51,6 +52,15 @@ class RequestState:
     def _take_prompt_logprobs(self) -> list[TokenLogprobs | None]:
         self.prompt_logprobs_sent = True
         return list(self.prompt_logprobs or [])
+
+    def _metrics(self) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            last_token_time=self.last_token_time,
+            finished_time=time.monotonic(),
+        )
 
     def to_output(
         self,
@@ -78,6 +88,7 @@ class RequestState:
             ],
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self._metrics() if finished else None,
             # the prompt's logprobs go with the first output and the last (a reader of a stream
             # takes them once; a copy per streamed token would cost a prompt's length each time)
             prompt_logprobs=None

@@ -31,7 +31,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from hybridserve.arg_types import role_name
 from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.outputs import RequestMetrics, RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
 from hybridserve.server import openapi, sse
@@ -1073,6 +1073,7 @@ class _Delta:
     token_ids: list[int]
     logprobs: list[Any] | None
     finished: bool
+    phases: RequestMetrics | None = None  # the engine's times, on the finished output
 
 
 def _apply_output(choice: _Choice, out: RequestOutput) -> _Delta:
@@ -1095,7 +1096,7 @@ def _apply_output(choice: _Choice, out: RequestOutput) -> _Delta:
     if finished:
         choice.finish_reason = co.finish_reason or "stop"
         choice.stop_reason = co.stop_reason
-    return _Delta(new_text, new_ids, new_lps, finished)
+    return _Delta(new_text, new_ids, new_lps, finished, out.metrics)
 
 
 async def _abort(state: ServerState, engine_id: str) -> None:
@@ -1285,6 +1286,7 @@ def _observe(state: ServerState, choice: _Choice, delta: _Delta, arrival: float)
     if delta.finished:
         m.e2e_latency.observe(time.monotonic() - arrival)
         m.requests_finished.inc(choice.finish_reason or "stop")
+        m.observe_finished(delta.phases, len(choice.prompt.token_ids), len(choice.token_ids))
 
 
 def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry, never the process-global one).
 
 Engine gauges and counters are read from `engine.stats()` at scrape time, so /metrics always shows
-the engine's own numbers; latency histograms are observed by the server as tokens stream out.
+the engine's own numbers; latency histograms are observed by the server as tokens stream out,
+and a finished request's phases (queue, prefill, decode) from the times the engine kept of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridserve import _core
+from hybridserve.engine.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -229,6 +231,10 @@ _LATENCY_BUCKETS = (
 )
 
 
+# request sizes in tokens: 1, 2, 5, 10, 20, 50, ... up to a million (vLLM's 1-2-5 series)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: str) -> None:
         self._stats = stats
@@ -296,18 +302,26 @@ class _EngineCollector(Collector):
         yield info
 
 
-class _Latency:
-    """A latency histogram under hybridserve's name and, labelled with the model, vLLM's."""
+class _Histogram:
+    """A histogram under hybridserve's name and, labelled with the model, vLLM's (of seconds
+    unless other buckets are given)."""
 
-    def __init__(self, registry: CollectorRegistry, name: str, doc: str, model_name: str) -> None:
-        self.own = Histogram(f"hybridserve_{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
-        self.vllm = Histogram(
-            f"vllm:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry
-        ).labels(model_name=model_name)
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        name: str,
+        doc: str,
+        model_name: str,
+        buckets: tuple[float, ...] = _LATENCY_BUCKETS,
+    ) -> None:
+        self.own = Histogram(f"hybridserve_{name}", doc, buckets=buckets, registry=registry)
+        self.vllm = Histogram(f"vllm:{name}", doc, ["model_name"], buckets=buckets, registry=registry).labels(
+            model_name=model_name
+        )
 
-    def observe(self, seconds: float) -> None:
-        self.own.observe(seconds)
-        self.vllm.observe(seconds)
+    def observe(self, value: float) -> None:
+        self.own.observe(value)
+        self.vllm.observe(value)
 
 
 class _Finished:
@@ -341,23 +355,62 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model_name))
-        self.time_to_first_token = _Latency(
+        self.time_to_first_token = _Histogram(
             self.registry,
             "time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
             model_name,
         )
-        self.inter_token_latency = _Latency(
+        self.inter_token_latency = _Histogram(
             self.registry,
             "inter_token_latency_seconds",
             "Time between consecutive generated tokens of one request.",
             model_name,
         )
-        self.e2e_latency = _Latency(
+        self.e2e_latency = _Histogram(
             self.registry,
             "e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
             model_name,
+        )
+        # the phases of a finished request, from the engine's clock (RequestMetrics)
+        self.request_queue_time = _Histogram(
+            self.registry,
+            "request_queue_time_seconds",
+            "Time a request waited in the engine before its first step.",
+            model_name,
+        )
+        self.request_prefill_time = _Histogram(
+            self.registry,
+            "request_prefill_time_seconds",
+            "Time from a request's first step to its first token.",
+            model_name,
+        )
+        self.request_decode_time = _Histogram(
+            self.registry,
+            "request_decode_time_seconds",
+            "Time from a request's first token to its last.",
+            model_name,
+        )
+        self.request_inference_time = _Histogram(
+            self.registry,
+            "request_inference_time_seconds",
+            "Time from a request's first step to its end.",
+            model_name,
+        )
+        self.request_prompt_tokens = _Histogram(
+            self.registry,
+            "request_prompt_tokens",
+            "Prompt tokens of a finished request.",
+            model_name,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = _Histogram(
+            self.registry,
+            "request_generation_tokens",
+            "Generated tokens of a finished request.",
+            model_name,
+            buckets=_TOKEN_BUCKETS,
         )
         self.requests_finished = _Finished(self.registry, model_name)
         self.http_errors = Counter(
@@ -372,6 +425,23 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.ready = Gauge("hybridserve_model_ready", "1 once the model is loaded.", registry=self.registry)
+
+    def observe_finished(
+        self, phases: RequestMetrics | None, prompt_tokens: int, generation_tokens: int
+    ) -> None:
+        """A request the engine finished: its sizes, and the phases it reached."""
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        if phases is None:
+            return
+        for histogram, seconds in (
+            (self.request_queue_time, phases.queue_time),
+            (self.request_prefill_time, phases.prefill_time),
+            (self.request_decode_time, phases.decode_time),
+            (self.request_inference_time, phases.inference_time),
+        ):
+            if seconds is not None:
+                histogram.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
