@@ -137,6 +137,31 @@ def test_a_batch_with_a_grammar_that_does_not_compile_is_refused_whole_every_tim
     assert llm.generate("Hi", good)[0].outputs[0].token_ids == alone
 
 
+def test_a_grammar_too_large_to_follow_fails_its_request_alone_as_invalid(llm: LLM) -> None:
+    """A grammar that compiles and gives its first mask but hits a limit of the grammar library
+    a few tokens in ends its own request with finish_reason "error", marked `invalid` (the
+    client's input: the server answers a 400) and naming the field; the batch's other request
+    is what it is alone."""
+    good = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate("Hi", good)[0].outputs[0].token_ids
+    for spec, words in (
+        ({"regex": "a{1000000}"}, "lexer error"),
+        (
+            {"json": {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}},
+            "parser",
+        ),
+    ):
+        bad = SamplingParams(max_tokens=20, structured_outputs=spec)
+        ok, failed = llm.generate(["Hi", "x"], [good, bad])
+        assert ok.outputs[0].token_ids == alone and ok.error is None
+        assert failed.outputs[0].finish_reason == "error" and failed.invalid
+        assert failed.error is not None and failed.error.startswith(
+            "structured_outputs: the grammar is too large"
+        )
+        assert words in failed.error
+        assert not llm.engine.has_unfinished_requests()
+
+
 def test_same_grammar_compiles_once(llm: LLM) -> None:
     grammars = llm.engine.grammars  # type: ignore[attr-defined]
     spec = {"regex": r"q[0-9]{3}"}

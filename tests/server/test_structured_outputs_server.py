@@ -320,6 +320,36 @@ def test_bad_grammars_are_400s_that_name_the_field(client: openai.OpenAI) -> Non
     assert e["param"] == "tools[0].function.name"
 
 
+# A grammar that compiles (and gives its first mask) but hits a limit of the grammar library (its
+# parser's items) a few tokens in
+RECURSIVE_SCHEMA = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+
+
+def test_a_grammar_too_large_to_follow_is_a_400_that_names_the_field(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create
+    for stream in (False, True):
+
+        def ask(stream: bool = stream) -> None:
+            answer = chat(
+                model="demo",
+                messages=MESSAGES,
+                max_tokens=20,
+                stream=stream,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": RECURSIVE_SCHEMA},
+                },
+            )
+            if stream:  # (the error comes before the first chunk: it is the answer's status)
+                list(answer)  # type: ignore[arg-type]
+
+        e = _error(ask)
+        assert e["param"] == "response_format" and "too large to follow" in e["message"], e
+        assert e["type"] == "invalid_request_error"
+    # the server goes on
+    assert chat(model="demo", messages=MESSAGES, max_tokens=3).choices[0].finish_reason == "length"
+
+
 def _slow_schema() -> dict[str, Any]:
     """A JSON schema whose compilation takes seconds: thousands of optional properties (the
     grammar of their orders grows with their square)."""

@@ -303,6 +303,7 @@ class LLM:
                     num_cached_tokens=first.num_cached_tokens,
                     # a sequence that failed alone has finish_reason "error"; its reason is here
                     error=next((final[rid].error for rid in ids if final[rid].error), None),
+                    invalid=next((final[rid].invalid for rid in ids if final[rid].error), False),
                     prompt_logprobs=first.prompt_logprobs,
                     metrics=RequestMetrics.combined([final[rid].metrics for rid in ids]),
                 )

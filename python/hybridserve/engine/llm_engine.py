@@ -685,10 +685,15 @@ class LLMEngine:
             st = self.requests.get(rid)
             if st is None:
                 continue
-            logger.error("request %s failed alone: %s", rid, why)
             st.finish_reason, st.stop_reason = "error", None
             failed = st.to_output(finished=True)
-            failed.error = why
+            refusal = st.grammar_refusal()
+            if refusal is None:
+                logger.error("request %s failed alone: %s", rid, why)
+                failed.error = why
+            else:  # (a 400: its grammar is too large to follow)
+                logger.info("request %s refused: %s", rid, refusal)
+                failed.error, failed.invalid = refusal, True
             outputs.append(failed)
             done.append(rid)
         # Forgotten only once every output of the step exists: after a failure in `process` they

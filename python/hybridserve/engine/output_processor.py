@@ -174,6 +174,8 @@ class OutputProcessor:
                     st.to_output(finished=finished, delta_text=delta_text, delta_token_ids=new_ids)
                 )
                 outputs[-1].error = grammar_error
+                if grammar_error is not None and (refusal := st.grammar_refusal()):
+                    outputs[-1].error, outputs[-1].invalid = refusal, True
         return outputs, done
 
     def forget(self, request_id: str) -> RequestState | None:

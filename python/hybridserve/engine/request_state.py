@@ -53,6 +53,16 @@ class RequestState:
         self.prompt_logprobs_sent = True
         return list(self.prompt_logprobs or [])
 
+    def grammar_refusal(self) -> str | None:
+        """Where the request failed because its grammar hit a limit of the grammar library (too
+        large to follow: the client's input, not an engine fault), the error of the field that
+        gave the grammar; else None."""
+        so = self.params.structured_outputs
+        why = None if self.grammar is None else self.grammar.limit_hit()
+        if so is None or why is None:
+            return None
+        return f"{so.param}: the grammar is too large to follow: {why}"
+
     def _metrics(self) -> RequestMetrics:
         return RequestMetrics(
             arrival_time=self.arrival_time,

@@ -102,6 +102,12 @@ class GrammarMatcher:
     def is_accepting(self) -> bool:
         return self.opened and bool(self._m.is_accepting())
 
+    def limit_hit(self) -> str | None:
+        """Why the matcher is in its error state (the grammar hit a limit of the grammar library,
+        too many lexer expressions or parser items, which its first masks may not reach), else
+        None."""
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
+
     def check(self) -> None:
         """Raise GrammarError if the matcher is in its error state."""
         if self._m.is_error():
