@@ -49,6 +49,10 @@ def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> 
         "max_tokens": 5,
         "use_beam_search": True,
         "return_token_ids": True,
+        # the neutral values of what a search refuses are accepted (`vllm bench serve` sends one)
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0,
+        "min_tokens": 0,
     }
     status, r = call(server, "/v1/completions", body)
     assert status == 200, r
@@ -93,6 +97,14 @@ def test_chat_through_the_openai_client(server: ServerProcess, offline: LLM) -> 
         ({"length_penalty": "long"}, "length_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+        # what would change the tokens allowed or their log-probabilities
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"bad_words": ["the"]}, "bad_words"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"min_tokens": 2}, "min_tokens"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -0.5}, "frequency_penalty"),
     ],
 )
 def test_what_a_beam_search_does_not_serve_is_a_400(
@@ -109,6 +121,7 @@ def test_what_a_beam_search_does_not_serve_is_a_400(
         ({"tools": [{"type": "function", "function": {"name": "now"}}]}, "tools"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"logprobs": True}, "logprobs"),
+        ({"bad_words": ["the"]}, "bad_words"),
     ],
 )
 def test_chat_refuses_so_too(server: ServerProcess, extra: dict[str, Any], param: str) -> None:

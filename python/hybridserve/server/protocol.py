@@ -867,6 +867,19 @@ def _beam_search(
     length_penalty = get_float(body, "length_penalty", 1.0, -1e6, 1e6)
     if not get_bool(body, "use_beam_search", False):
         return None
+    # The search ranks beams by the model's own log-probabilities: a field of the request that
+    # would change them or the tokens allowed is refused, not silently dropped (a default of the
+    # model's generation config is not the client's asking, and is left unused, as vLLM does).
+    changes_tokens = {
+        "allowed_token_ids": params.allowed_token_ids is not None,
+        "bad_words": bool(params.bad_words),
+        "logit_bias": bool(params.logit_bias),
+        "min_tokens": params.min_tokens > 0,
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+    }
+    asked.update({name: body.get(name) is not None and on for name, on in changes_tokens.items()})
     for name, given in asked.items():
         if given:
             raise APIError(
