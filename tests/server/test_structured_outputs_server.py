@@ -115,9 +115,8 @@ def _grammar(form: str, key: str, value: Any) -> dict[str, Any]:
 def test_json_regex_choice_grammar(client: openai.OpenAI, form: str) -> None:
     """vLLM's `structured_outputs`, and the `guided_*` fields that clients written for vLLM before
     it still send (ignoring them would answer unconstrained)."""
-    schemas: list[Any] = [Person.model_json_schema()]
-    if form == "guided":
-        schemas.append(json.dumps(schemas[0]))  # (vLLM took the schema's JSON text too)
+    # (vLLM takes the schema's JSON text too, in either form)
+    schemas: list[Any] = [Person.model_json_schema(), json.dumps(Person.model_json_schema())]
     for schema in schemas:
         r = client.chat.completions.create(
             model="demo", messages=MESSAGES, max_tokens=80, seed=6, extra_body=_grammar(form, "json", schema)
@@ -153,6 +152,8 @@ def test_guided_fields_errors_name_the_field(client: openai.OpenAI) -> None:
     for body, param in (
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_json": [1]}, "guided_json"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+        ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json"),
         ({"guided_regex": "[a-z]+", "guided_choice": ["x"]}, "guided_choice"),
         ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),
         ({"guided_decoding_backend": 3}, "guided_decoding_backend"),

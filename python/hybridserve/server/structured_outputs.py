@@ -99,8 +99,8 @@ def parse_response_format(v: Any, on_unknown: OnUnknown = _refuse) -> Structured
 
 
 def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> StructuredOutputsParams | None:
-    """vLLM's `structured_outputs`: {"json": schema} | {"regex": str} | {"choice": [str, ...]} |
-    {"grammar": Lark or GBNF} | {"json_object": true}."""
+    """vLLM's `structured_outputs`: {"json": schema or its JSON text} | {"regex": str} |
+    {"choice": [str, ...]} | {"grammar": Lark or GBNF} | {"json_object": true}."""
     if v is None:
         return None
     if not isinstance(v, dict):
@@ -111,9 +111,21 @@ def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> Structu
             on_unknown(f"structured_outputs.{key}")
         elif x is not None:
             fields[key] = x
-    if "json" in fields and not isinstance(fields["json"], dict):
-        raise FieldError("structured_outputs.json", "must be a JSON schema object", "invalid_type")
+    if "json" in fields:
+        fields["json"] = _schema("structured_outputs.json", fields["json"])
     return _labelled("structured_outputs", **fields)
+
+
+def _schema(name: str, v: Any) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except (json.JSONDecodeError, RecursionError):
+            raise FieldError(name, "must be a JSON schema (an object, or its JSON text)") from None
+    if not isinstance(v, dict):
+        raise FieldError(name, "must be a JSON schema (an object, or its JSON text)", "invalid_type")
+    return v
 
 
 def parse_guided(body: dict[str, Any]) -> list[StructuredOutputsParams]:
@@ -124,13 +136,8 @@ def parse_guided(body: dict[str, Any]) -> list[StructuredOutputsParams]:
         v = body.get(name)
         if v is None:
             continue
-        if name == "guided_json" and isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except (json.JSONDecodeError, RecursionError):
-                raise FieldError(name, "must be a JSON schema (an object, or its JSON text)") from None
-        if name == "guided_json" and not isinstance(v, dict):
-            raise FieldError(name, "must be a JSON schema (an object, or its JSON text)", "invalid_type")
+        if name == "guided_json":
+            v = _schema(name, v)
         found.append(_labelled(name, **{key: v}))
     for name in GUIDED_OPTIONS:
         if body.get(name) is not None and not isinstance(body[name], str):
