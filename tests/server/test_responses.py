@@ -284,27 +284,29 @@ def test_previous_response_id_continues_the_conversation_as_sending_it_again_wou
     assert follow.usage.input_tokens == resent.usage.input_tokens == c.usage.prompt_tokens
 
 
-def _with_id(server: ServerProcess, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+def _with_id(server: ServerProcess, body: dict[str, Any], request_id: str) -> tuple[dict[str, Any], str]:
     req = urllib.request.Request(
         server.base + "/v1/responses",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", "X-Request-Id": request_id},
     )
     with urllib.request.urlopen(req, timeout=60) as r:
-        return dict(json.loads(r.read()))
+        return dict(json.loads(r.read())), r.headers["X-Request-Id"]
 
 
-def test_an_id_used_again_names_only_its_newest_response(server: ServerProcess) -> None:
+def test_a_kept_responses_id_is_never_the_clients_request_id(server: ServerProcess) -> None:
+    """Two clients sending the same X-Request-Id each keep their own response: the ids are the
+    server's, and neither reads the other's conversation."""
     body = {"input": QUESTION, "max_output_tokens": 2, "temperature": 0}
-    first = _with_id(server, body, "again-1")
-    assert first["id"] == "resp_again-1" and call(server, "/v1/responses/resp_again-1")[0] == 200
-    # not kept this time: the older answer is not served under the id of the newer one
-    _with_id(server, {**body, "store": False}, "again-1")
+    first, echoed = _with_id(server, body, "again-1")
+    second, _ = _with_id(server, {**body, "input": "and?"}, "again-1")
+    assert echoed == "again-1"  # (the header still comes back, for tracing)
+    assert first["id"] != second["id"] and "again-1" not in first["id"] + second["id"]
+    assert first["id"].startswith("resp_") and second["id"].startswith("resp_")
+    for answer, text in ((first, QUESTION), (second, "and?")):
+        status, kept = call(server, f"/v1/responses/{answer['id']}/input_items")
+        assert status == 200 and kept["data"][0]["content"][0]["text"] == text
     assert call(server, "/v1/responses/resp_again-1")[0] == 404
-    _with_id(server, body, "again-1")
-    _with_id(server, {**body, "input": "and?"}, "again-1")
-    status, kept = call(server, "/v1/responses/resp_again-1/input_items")
-    assert status == 200 and kept["data"][0]["content"][0]["text"] == "and?"
 
 
 def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: openai.OpenAI) -> None:

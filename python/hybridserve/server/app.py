@@ -611,14 +611,15 @@ def _request_id_ok(value: str) -> bool:
     return 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isascii() and value.isprintable()
 
 
-def _request_id(request: web.Request, prefix: str) -> str:
+def _request_id(request: web.Request, prefix: str, *, from_header: bool = True) -> str:
     """A generation answer's id: the route's prefix and the client's X-Request-Id (as vLLM), or
-    a new one. The engine's ids of its choices stay unique either way (`_generate`)."""
+    a new one (always, where not `from_header`). The engine's ids of its choices stay unique
+    either way (`_generate`)."""
     given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None:
-        request_id = f"{prefix}{uuid.uuid4().hex}"
+    if given is None or (from_header and _request_id_ok(given)):
+        request_id = f"{prefix}{uuid.uuid4().hex if given is None else given}"
     elif _request_id_ok(given):
-        request_id = f"{prefix}{given}"
+        request_id = f"{prefix}{uuid.uuid4().hex}"
     else:
         raise P.APIError(
             f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters",
@@ -935,7 +936,10 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API (responses.py): a chat request, answered as output items."""
     state = request.app[STATE]
     engine, info = _require_engine(state)
-    response_id = _request_id(request, "resp_")
+    # A kept response is read back by its id, so the id is the server's own, never the client's
+    # X-Request-Id (as vLLM's): an id two clients both send would let the later one's answer
+    # replace the earlier one's, which then reads a conversation not its own.
+    response_id = _request_id(request, "resp_", from_header=False)
     parse = functools.partial(R.parse_responses_request, store=state.responses)
     rreq = await _parse(request, info, state.served_model_name, parse)
     req = rreq.chat
@@ -958,7 +962,6 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     try:
         return await _generate(request, state, engine, info, req, response_id, respond=respond)
     except P.APIError as e:  # (the engine's errors name the chat field, such as response_format)
-        state.responses.delete(response_id)  # (an older response of a client's reused id)
         raise R.renamed_error(e) from None
 
 
@@ -1815,8 +1818,6 @@ class _ResponseRun:
         if self.rreq.store and body["status"] in ("completed", "incomplete"):
             history = [*self.rreq.history, R.assistant_message(content, calls)]
             self.state.responses.put(body["id"], body, history, self.rreq.input_items)
-        else:  # (an older response of the same id, a client's X-Request-Id, is not this one)
-            self.state.responses.delete(body["id"])
         return body
 
 
@@ -1893,7 +1894,6 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
         failed = R.response_body(
             run.rreq, run.response_id, run.created, output=items.items, error=R.renamed_error(err)
         )
-        run.state.responses.delete(run.response_id)  # (an older response of a reused id)
         await send([*items.close("incomplete"), {"type": "response.failed", "response": failed}])
     else:
         items.late_logprobs(pending)

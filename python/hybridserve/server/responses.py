@@ -143,12 +143,9 @@ class ResponseStore:
         items = input_items or []
         size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (body, history, items))
         if size > self.max_bytes:
-            # (larger than the whole store: not kept, so a later turn gets a clear 400, and not
-            # an older response that had the same id)
-            self.delete(response_id)
-            return
+            return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
         with self._lock:
-            old = self._kept.pop(response_id, None)  # (a client's X-Request-Id may come again)
+            old = self._kept.pop(response_id, None)  # (an id kept again replaces its older entry)
             if old is not None:
                 self._bytes -= old.size
             self._kept[response_id] = KeptResponse(body, history, items, size)
