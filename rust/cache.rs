@@ -1183,6 +1183,20 @@ impl HybridCacheManager {
         true
     }
 
+    /// For a request about to be freed between steps (call before `free`): the pending
+    /// checkpoint `dst`, reserved to be copied from its window slot `src` at the start of the
+    /// next step, which an idle engine does not run, is kept on `src` itself instead (as
+    /// `adopt_window_checkpoint`). `dst` is given back either way; false if nothing was kept.
+    pub fn adopt_pending_publish(&mut self, req: ReqKey, src: SlotId, dst: SlotId) -> bool {
+        let tag = self.mamba.checkpoint_tag(dst);
+        self.cancel_checkpoint(dst);
+        let (Some(tag), Some(index)) = (tag, self.state_window(req).iter().position(|&s| s == src))
+        else {
+            return false;
+        };
+        self.adopt_window_checkpoint(req, index, tag.hash, tag.position, tag.kind)
+    }
+
     /// Whether a checkpoint of `kind` for the state after `position` tokens may be kept under
     /// `hash`, having evicted by the policy to make room for it (see `reserve_checkpoint`).
     fn checkpoint_room(&mut self, hash: BlockHash, position: usize, kind: CheckpointKind) -> bool {

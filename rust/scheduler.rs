@@ -307,11 +307,13 @@ impl Scheduler {
                 }
             }
             RequestStatus::Running => {
-                if finished && self.in_flight.is_none() {
+                let between_steps = self.in_flight.is_none();
+                if finished && between_steps {
                     // Between steps the live window slot holds the state after exactly the
                     // computed tokens (with a step in flight it may be half written).
                     self.keep_last_state(key, &req);
                 }
+                self.settle_publishes_of(key, between_steps);
                 self.cache.free(key);
                 self.running.retain(|&k| k != key);
             }
@@ -319,6 +321,27 @@ impl Scheduler {
         }
         self.finished_ids.push(req.id.to_string());
         true
+    }
+
+    /// The publishes of the last update that copy from `key`'s window, which is about to be
+    /// freed (a stop string or an abort ended the request after the update that reached a grid
+    /// point): waiting for the next step, they would hold their checkpoints pending while the
+    /// engine is idle, and the next turn, admitted before that step, would miss them. Between
+    /// steps (`adopt`) each window slot, written by the committed step, becomes its checkpoint;
+    /// otherwise the checkpoint is given back.
+    fn settle_publishes_of(&mut self, key: ReqKey, adopt: bool) {
+        let window = self.cache.state_window(key).to_vec();
+        let mut kept = Vec::with_capacity(self.pending_publishes.len());
+        for (src, dst) in std::mem::take(&mut self.pending_publishes) {
+            if !window.contains(&src) {
+                kept.push((src, dst));
+            } else if adopt {
+                self.cache.adopt_pending_publish(key, src, dst);
+            } else {
+                self.cache.cancel_checkpoint(dst);
+            }
+        }
+        self.pending_publishes = kept;
     }
 
     /// True while any request is waiting or running, or a finish decided inside `schedule()`

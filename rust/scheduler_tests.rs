@@ -918,6 +918,48 @@ fn decode_crossing_a_boundary_publishes_the_exact_window_slot() {
 }
 
 #[test]
+fn a_request_ended_after_a_publishing_update_keeps_the_window_slot_itself() {
+    // A stop string (finish_request) or an abort between the update that reached a boundary and
+    // the next step: the checkpoint is kept on the window slot at once, nothing stays pending
+    // while the engine is idle, and the next prompt through that boundary hits it.
+    for finish in [true, false] {
+        let (mut s, o) = at_first_verify_step(MambaCacheMode::Align, 50);
+        let window: Vec<i64> = o.write_slots_row(0).to_vec();
+        s.update_from_output(&o, &[8, 9, 11], &[3], Some((&[], &[0])))
+            .unwrap();
+        let (src, dst) = s.pending_publishes[0];
+        assert!(if finish {
+            s.finish_request("a")
+        } else {
+            s.abort_request("a")
+        });
+        assert!(s.pending_publishes.is_empty(), "finish={finish}");
+        assert_eq!(s.cache().stats().checkpoints_pending, 0, "finish={finish}");
+        assert_eq!(src as i64, window[1]);
+        assert_eq!(
+            s.cache().debug_tag(src).map(|t| t.1),
+            Some(8),
+            "finish={finish}"
+        );
+        assert_eq!(
+            s.cache().debug_tag(dst),
+            None,
+            "the reserved slot is given back"
+        );
+        // a prompt through position 8 resumes from that state
+        s.add_request(NewRequest::new("b", vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 30], 4))
+            .unwrap();
+        let o = s.schedule().unwrap();
+        assert_eq!(o.num_computed_tokens, vec![8], "finish={finish}");
+        assert_eq!(
+            o.state_copies[..2],
+            [src as i64, o.state_read_slot[0]],
+            "finish={finish}: the kept state is copied into b's window"
+        );
+    }
+}
+
+#[test]
 fn rejected_drafts_never_publish() {
     let (mut s, o) = at_first_verify_step(MambaCacheMode::Align, 50);
     // Only the correction token: computed 6 -> 7, boundary 8 (a draft position) not reached.
