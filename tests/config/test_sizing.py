@@ -155,3 +155,25 @@ def test_config_explain_shows_the_capacity_and_a_given_count_is_refused_with_the
     assert "state_pool_capacity" in out.stdout
     bad = run("--num-mamba-slots", "21", "--max-num-seqs", "64")
     assert bad.returncode == 2 and "lower --max-num-seqs to 20" in bad.stderr
+
+
+def test_the_checkpoint_reserve_warning_names_only_fixes_that_exist() -> None:
+    from hybridserve.config import EngineArgs
+    from hybridserve.config.plan import plan_engine
+    from hybridserve.model.demo import resolve_model_path
+
+    demo = resolve_model_path("demo")
+
+    def warning(**kw: Any) -> str:
+        args = EngineArgs(model="demo", max_model_len=256, mamba_cache_mode="all", **kw)
+        plan = plan_engine(args, demo)
+        (d,) = [d for d in plan.resolved.decisions if d.code == "state_pool_below_checkpoint_reserve"]
+        return d.message
+
+    # room for 2 sequences with a checkpoint slot each: lowering --max-num-seqs to 2 is a fix
+    assert "lower --max-num-seqs to 2 or give the state pool more memory" in warning(
+        max_num_seqs=3, num_mamba_slots=6
+    )
+    # the window of one sequence fits, not its checkpoint slot: no count of sequences is a fix
+    few = warning(max_num_seqs=1, num_mamba_slots=2)
+    assert few.endswith("give the state pool more memory") and "--max-num-seqs to" not in few

@@ -117,8 +117,12 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                     "warning",
                     f"--max-num-seqs {sizes.max_num_seqs} leaves {spare} slots for prefix-cache "
                     f"checkpoints, fewer than one per running sequence: checkpoints are evicted before "
-                    f"they are reused; lower --max-num-seqs to {sizes.state_pool_capacity} or give the "
-                    "state pool more memory",
+                    "they are reused; "
+                    + (
+                        f"lower --max-num-seqs to {sizes.state_pool_capacity} or give the state pool more memory"
+                        if sizes.state_pool_capacity > 0
+                        else "give the state pool more memory"
+                    ),
                 )
             )
     if mcfg.num_attention_layers > 0:
