@@ -616,16 +616,13 @@ def _request_id(request: web.Request, prefix: str, *, from_header: bool = True) 
     a new one (always, where not `from_header`). The engine's ids of its choices stay unique
     either way (`_generate`)."""
     given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None or (from_header and _request_id_ok(given)):
-        request_id = f"{prefix}{uuid.uuid4().hex if given is None else given}"
-    elif _request_id_ok(given):
-        request_id = f"{prefix}{uuid.uuid4().hex}"
-    else:
+    if given is not None and not _request_id_ok(given):
         raise P.APIError(
             f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters",
             param=REQUEST_ID_HEADER,
             code="invalid_value",
         )
+    request_id = f"{prefix}{given if given is not None and from_header else uuid.uuid4().hex}"
     request[REQUEST_ID_KEY] = request_id
     return request_id
 
