@@ -699,6 +699,43 @@ def test_sse_framing(server):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
 
 
+def _raw_http(server: Any, version: str, path: str, body: dict, headers: str = "") -> tuple[str, bytes]:
+    """A request written by hand in HTTP/`version`, read to the server's close: (the head, the
+    body as sent, chunked or not)."""
+
+    async def go() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        data = json.dumps(body).encode()
+        writer.write(
+            f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n{headers}\r\n".encode()
+            + data
+        )
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(-1), 60)  # (to the close)
+        writer.close()
+        return raw
+
+    head, _, rest = asyncio.run(go()).partition(b"\r\n\r\n")
+    return head.decode(), rest
+
+
+def test_a_stream_to_an_http_1_0_client_ends_with_the_connection(server):
+    """HTTP/1.0 (what many proxies forward as) has no chunked encoding: the stream is sent as it
+    comes, without a length, and the server's close ends it."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    head, rest = _raw_http(server, "1.0", "/v1/completions", body)
+    assert head.startswith("HTTP/1.0 200"), head
+    assert "transfer-encoding" not in head.lower() and "keep-alive" not in head.lower()
+    events = parse_sse(rest)
+    assert events[-1] == "[DONE]" and len(events) == 4
+    # HTTP/1.1 with `Connection: close`: chunked, and told the connection closes
+    head, rest = _raw_http(server, "1.1", "/v1/completions", body, "Connection: close\r\n")
+    assert head.startswith("HTTP/1.1 200") and "Connection: close" in head, head
+    assert "Transfer-Encoding: chunked" in head and rest.endswith(b"0\r\n\r\n")
+    assert_idle(server)
+
+
 def test_metrics_show_the_state_pool_capacity(server):
     m = wait_idle(server)
     # no speculation, prefix caching on: each sequence needs its window of 1 and a checkpoint slot

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 DONE = b"data: [DONE]\n\n"
 
+# (no Connection header: whether the connection stays open is the HTTP layer's to say, and a
+# client that asked for `Connection: close` must not be told otherwise)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
-    "Connection": "keep-alive",
     "X-Accel-Buffering": "no",
 }
 
@@ -24,7 +25,12 @@ def encode_event(data: dict[str, Any]) -> bytes:
 
 async def start_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
-    resp.enable_chunked_encoding()
+    if request.version >= HttpVersion11:
+        resp.enable_chunked_encoding()
+    else:
+        # HTTP/1.0 has no chunks (proxies that forward as 1.0 are common): the stream has no
+        # length and ends when the server closes the connection
+        resp.force_close()
     await resp.prepare(request)
     return resp
 
