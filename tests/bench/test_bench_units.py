@@ -185,6 +185,7 @@ async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> An
     the ids for return_token_ids, "ignore" never returns them, "refuse" answers a request that asks
     for them with a 400 naming the field (as a strict server does with an unknown field). A broken
     server: "empty" streams nothing, "text-count" and "over-cached" send usage that is no usage,
+    "abort" and "error" end the answer with that finish_reason (a shutdown, a failure),
     "models-html" / "models-no-id" answer /v1/models with no model list."""
     from aiohttp import web
 
@@ -203,7 +204,9 @@ async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> An
             choice: dict[str, Any] = {
                 "index": 0,
                 "text": "x",
-                "finish_reason": "length" if i == n - 1 else None,
+                "finish_reason": ("length" if mode not in ("abort", "error") else mode)
+                if i == n - 1
+                else None,
             }
             if mode == "ids" and body.get("return_token_ids"):
                 choice["token_ids"] = [7]
@@ -265,6 +268,8 @@ async def test_follow_ups_use_the_returned_ids_or_fall_back_to_stand_ins(
         ("empty", "the stream ended without a chunk of the answer"),
         ("text-count", "the server's usage.completion_tokens is not a count: 'a'"),
         ("over-cached", "the server's usage says 8 cached of 3 prompt tokens"),
+        ("abort", "the server ended the request with finish_reason 'abort'"),
+        ("error", "the server ended the request with finish_reason 'error'"),
     ],
 )
 async def test_a_broken_answer_fails_its_request_saying_why(

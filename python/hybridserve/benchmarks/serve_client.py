@@ -290,6 +290,10 @@ async def _stream_one(
             r.e2e = time.perf_counter() - start
             if r.error is None and r.ttft is None:
                 r.error = "the stream ended without a chunk of the answer"
+            if r.error is None and r.finish_reason in ("abort", "error"):
+                # (a server that shuts down ends its streams so: the answer is cut short, and
+                # its tokens and times would pass for a whole request's)
+                r.error = f"the server ended the request with finish_reason {r.finish_reason!r}"
             break
     except Exception as e:  # the run goes on; the request counts as failed
         r.error = f"{type(e).__name__}: {e}"[:200]
