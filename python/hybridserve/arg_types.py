@@ -60,3 +60,15 @@ def only_one(instead: str) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+def not_empty(what: str) -> Callable[[str], str]:
+    """A value that must not be empty (an unset shell variable expands to one): `what` says what
+    to give instead."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"empty; {what}")
+        return text
+
+    return parse

@@ -508,6 +508,17 @@ def test_serve_refuses_a_body_read_timeout_that_is_not_a_positive_time(
     assert exc.value.code == 2 and "--body-read-timeout" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "says"), [("--host", "give an address"), ("--uds", "the socket's path")])
+def test_serve_refuses_an_empty_address(flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """(an unset shell variable would otherwise listen on every interface, or crash)"""
+    from hybridserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "demo", flag, ""])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{flag}: empty; " in err and says in err
+
+
 def test_demo_model_files_share_one_mode(tmp_path: Path) -> None:
     from hybridserve.model.demo import write_demo_model
 

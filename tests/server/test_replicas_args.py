@@ -108,6 +108,18 @@ def test_a_router_that_cannot_run_and_bad_router_args_are_usage_errors_before_an
     for router in ("/nonexistent/vllm-router", str(not_executable), str(tmp_path)):
         assert main(["replicas", "--router-bin", router, "--", "demo"]) == 2
         assert f"--router-bin {router}: no such executable" in capsys.readouterr().err
+    # executable but no program (a text file without an interpreter line): refused when it is
+    # run, as the command's error, with no traceback
+    not_a_program = tmp_path / "not-a-program"
+    not_a_program.write_text("not a program\n")
+    not_a_program.chmod(0o755)
+    assert main(["replicas", "--router-bin", str(not_a_program), "--worker-urls", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert f"router: cannot run {not_a_program}: Exec format error" in err and "Traceback" not in err
+    # an empty router address: refused, not every interface
+    with pytest.raises(SystemExit) as exc:
+        main(["replicas", "--host", "", "--", "demo"])
+    assert exc.value.code == 2 and "--host: empty" in capsys.readouterr().err
     router = _executable(tmp_path, "vllm-router")
     assert main(["replicas", "--router-bin", router, "--router-args", "'unclosed", "--", "demo"]) == 2
     assert "--router-args: No closing quotation" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from hybridserve.arg_types import int_in, seconds
+from hybridserve.arg_types import int_in, not_empty, seconds
 from hybridserve.errors import ConfigError
 
 DEFAULT_ROUTER = "vllm-router"
@@ -47,7 +47,12 @@ def add_replicas_args(p: argparse.ArgumentParser) -> None:
         metavar="URL,...",
         help="route to these running servers instead of starting replicas (other machines)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        type=not_empty("give an address, or 0.0.0.0 / :: for every interface"),
+        help="address the router binds (default 127.0.0.1)",
+    )
     p.add_argument("--port", type=int_in(1, 65535), default=8000, help="router port (default 8000)")
     p.add_argument(
         "--first-replica-port",
@@ -197,15 +202,19 @@ class _Children:
             out = open(self.log_dir / f"{name}.log", "ab")  # the child writes to it
         print(f"hybridserve replicas: starting {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         # its own session: a Ctrl-C in the terminal reaches the children once, through us
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
-            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
-        )
-        if out is not None:
-            out.close()
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+            )
+        except OSError as e:  # (a file that is not a program: the children started go, see main)
+            raise ConfigError(f"{name}: cannot run {cmd[0]}: {e.strerror or e}") from None
+        finally:
+            if out is not None:
+                out.close()
         self.procs.append((name, proc))
         return proc
 

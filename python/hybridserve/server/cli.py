@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from hybridserve.arg_types import int_in, only_one, role_name, seconds
+from hybridserve.arg_types import int_in, not_empty, only_one, role_name, seconds
 from hybridserve.server.access import parse_allowed_hosts, parse_allowed_origins
 from hybridserve.server.reasoning import REASONING_PARSERS
 from hybridserve.server.request_log import printable
@@ -45,7 +45,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)  # MODEL and every engine flag
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        # (an empty host would listen on every interface: that is asked for by name)
+        type=not_empty("give an address, or 0.0.0.0 / :: for every interface"),
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 or :: for every interface)",
+    )
     g.add_argument(
         "--port",
         type=int_in(0, 65535),
@@ -56,6 +62,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--uds",
         metavar="PATH",
         default=None,
+        type=not_empty("give the socket's path"),
         help="listen on this Unix domain socket instead of --host/--port (a stale socket file left "
         "there is replaced; the socket is removed when the server stops)",
     )
