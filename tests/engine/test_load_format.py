@@ -62,3 +62,18 @@ def test_without_dummy_or_a_tokenizer_it_says_what_is_missing(config_only: str) 
         LLM("demo", tokenizer="nowhere", cpu_threads=1)
     with pytest.raises(ConfigError, match="--load-format must be one of"):
         LLM("demo", load_format="pt")
+
+
+def test_serve_exits_2_when_a_flag_names_what_is_not_there(tmp_path: Path) -> None:
+    """The model loads after the server listens; a ConfigError found there (a --tokenizer folder
+    without tokenizer.json) is still the user's error: exit 2, as `generate` exits, not 1."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "python"))
+    argv = [sys.executable, "-m", "hybridserve", "serve", "demo", "--port", "0", "--tokenizer", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--tokenizer {tmp_path}" in done.stderr and "Traceback" not in done.stderr

@@ -459,7 +459,9 @@ async def _serve(args: argparse.Namespace) -> int:
         if exc is not None:
             logger.error("loading the model failed: %s", exc)
             set_load_error(app, str(exc))
-            rc = 1
+            # a flag that names what is not there (--tokenizer, a draft model) is a usage error,
+            # as `generate` says it
+            rc = 2 if isinstance(exc, ConfigError) else 1
         elif not stop.is_set():
             # --chat-template: the engine's own (read once, as the engine loaded)
             template = engine.chat_template if engine_args.chat_template is not None else None
