@@ -162,6 +162,22 @@ def test_a_grammar_too_large_to_follow_fails_its_request_alone_as_invalid(llm: L
         assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_token_the_grammar_refuses_is_no_limit_of_the_grammar(llm: LLM) -> None:
+    """A refused token means the masks failed (an engine fault, a 500), not a grammar too large
+    to follow (the client's, a 400): the matcher's error state alone does not tell them apart."""
+    from hybridserve.sampling.grammar import GrammarError, GrammarMatcher
+
+    ticket = llm.engine.grammars.submit(StructuredOutputsParams(regex="abc"))
+    assert ticket.wait(30)
+    matcher = ticket.poll()
+    assert isinstance(matcher, GrammarMatcher)
+    tok = llm.get_tokenizer()
+    bad = next(t for t in range(3, 795) if tok.decode([t]).strip() and not tok.decode([t]).startswith("a"))
+    with pytest.raises(GrammarError, match="doesn.t satisfy the grammar"):
+        matcher.accept([bad])
+    assert matcher.limit_hit() is None
+
+
 def test_same_grammar_compiles_once(llm: LLM) -> None:
     grammars = llm.engine.grammars  # type: ignore[attr-defined]
     spec = {"regex": r"q[0-9]{3}"}

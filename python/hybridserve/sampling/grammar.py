@@ -70,6 +70,9 @@ class GrammarMatcher:
         self._gate: tuple[int, ...] = ()
         self._seen: list[int] = []
         self.opened = True
+        # a token the grammar does not allow was consumed: the masks failed (an engine fault),
+        # which also leaves the matcher in its error state
+        self._refused_token = False
 
     def start_after(self, tokens: Sequence[int]) -> None:
         """The grammar applies only to the output after its first run of `tokens` (before any
@@ -103,10 +106,12 @@ class GrammarMatcher:
         return self.opened and bool(self._m.is_accepting())
 
     def limit_hit(self) -> str | None:
-        """Why the matcher is in its error state (the grammar hit a limit of the grammar library,
-        too many lexer expressions or parser items, which its first masks may not reach), else
-        None."""
-        return _first_line(self._m.get_error()) if self._m.is_error() else None
+        """Why the matcher is in its error state when the grammar hit a limit of the grammar
+        library (too many lexer expressions or parser items, which its first masks may not
+        reach), else None: also None when the error is a token the grammar refused."""
+        if self._refused_token or not self._m.is_error():
+            return None
+        return _first_line(self._m.get_error())
 
     def check(self) -> None:
         """Raise GrammarError if the matcher is in its error state."""
@@ -130,6 +135,8 @@ class GrammarMatcher:
             if not tokens:
                 return
         if not self._m.consume_tokens([int(t) for t in tokens]):
+            # (llguidance says so in its error's text; a limit hit while consuming does not)
+            self._refused_token = "doesn't satisfy the grammar" in _first_line(self._m.get_error())
             self.check()
             raise GrammarError("the grammar refused an accepted token")
         self.num_accepted += len(tokens)
