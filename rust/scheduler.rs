@@ -307,13 +307,25 @@ impl Scheduler {
                 }
             }
             RequestStatus::Running => {
+                // Between steps the live window slot holds the state after exactly the computed
+                // tokens (with a step in flight it may be half written).
                 let between_steps = self.in_flight.is_none();
-                if finished && between_steps {
-                    // Between steps the live window slot holds the state after exactly the
-                    // computed tokens (with a step in flight it may be half written).
-                    self.keep_last_state(key, &req);
+                let live = self
+                    .cache
+                    .state_window(key)
+                    .get(req.live_window_index)
+                    .copied();
+                // (a publish of the live slot itself, the last computed token being a grid point,
+                // gives way to the last-token state, as when the scheduler ends a request there)
+                let keep_live = if finished && between_steps {
+                    live
+                } else {
+                    None
+                };
+                let live_was_published = self.settle_publishes_of(key, between_steps, keep_live);
+                if keep_live.is_some() && !self.keep_last_state(key, &req) && live_was_published {
+                    self.keep_last_boundary(key, &req);
                 }
-                self.settle_publishes_of(key, between_steps);
                 self.cache.free(key);
                 self.running.retain(|&k| k != key);
             }
@@ -327,21 +339,27 @@ impl Scheduler {
     /// freed (a stop string or an abort ended the request after the update that reached a grid
     /// point): waiting for the next step, they would hold their checkpoints pending while the
     /// engine is idle, and the next turn, admitted before that step, would miss them. Between
-    /// steps (`adopt`) each window slot, written by the committed step, becomes its checkpoint;
-    /// otherwise the checkpoint is given back.
-    fn settle_publishes_of(&mut self, key: ReqKey, adopt: bool) {
+    /// steps (`adopt`) each window slot, written by the committed step, becomes its checkpoint,
+    /// but for `keep_back` (the live slot, kept by the caller as the request's last state),
+    /// whose reserved checkpoint is given back: true if it had one. (With a step in flight there
+    /// are no publishes: `schedule()` takes them, and a step is planned ahead only without any;
+    /// were there one, its checkpoint would be given back.)
+    fn settle_publishes_of(&mut self, key: ReqKey, adopt: bool, keep_back: Option<SlotId>) -> bool {
         let window = self.cache.state_window(key).to_vec();
         let mut kept = Vec::with_capacity(self.pending_publishes.len());
+        let mut kept_back = false;
         for (src, dst) in std::mem::take(&mut self.pending_publishes) {
             if !window.contains(&src) {
                 kept.push((src, dst));
-            } else if adopt {
+            } else if adopt && Some(src) != keep_back {
                 self.cache.adopt_pending_publish(key, src, dst);
             } else {
+                kept_back |= Some(src) == keep_back;
                 self.cache.cancel_checkpoint(dst);
             }
         }
         self.pending_publishes = kept;
+        kept_back
     }
 
     /// True while any request is waiting or running, or a finish decided inside `schedule()`

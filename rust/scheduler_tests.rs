@@ -960,6 +960,51 @@ fn a_request_ended_after_a_publishing_update_keeps_the_window_slot_itself() {
 }
 
 #[test]
+fn a_stop_string_on_a_grid_point_keeps_the_last_token_state_where_the_placement_keeps_one() {
+    // Computed 6 -> 8 (one draft accepted and the correction): the grid point 8 is the last
+    // computed token, its publish the live slot's own. A stop string ends the request there:
+    // with branch points the slot is kept as the last-token state, as when the scheduler ends a
+    // request on a boundary; with the grid alone as the grid checkpoint. One checkpoint either
+    // way, nothing pending.
+    for placement in [
+        CheckpointPlacement::Grid,
+        CheckpointPlacement::BranchAndGrid,
+    ] {
+        let mut c = cfg(MambaCacheMode::Align, 3);
+        c.checkpoint_placement = placement;
+        let mut s = Scheduler::new(&c, 256, 64, 0).unwrap();
+        s.add_request(NewRequest::new("a", (1..=6).collect(), 50))
+            .unwrap();
+        let o = s.schedule().unwrap();
+        s.update_from_output(&o, &[7], &[1], Some((&[8, 9, 10], &[3])))
+            .unwrap();
+        let o = s.schedule().unwrap();
+        s.update_from_output(&o, &[8, 11], &[2], Some((&[], &[0])))
+            .unwrap();
+        let (src, _) = s.pending_publishes[0];
+        assert_eq!(s.get_request("a").unwrap().num_computed_tokens, 8);
+        assert!(s.finish_request("a"));
+        let st = s.cache().stats();
+        assert_eq!(
+            (st.checkpoints_pending, st.checkpoints_committed),
+            (0, 1),
+            "{placement:?}"
+        );
+        assert_eq!(
+            s.cache().debug_tag(src).map(|t| t.1),
+            Some(8),
+            "{placement:?}"
+        );
+        let kind = if placement == CheckpointPlacement::Grid {
+            CheckpointKind::Grid
+        } else {
+            CheckpointKind::LastToken
+        };
+        assert_eq!(st.checkpoints_by_kind[kind.index()], 1, "{placement:?}");
+    }
+}
+
+#[test]
 fn rejected_drafts_never_publish() {
     let (mut s, o) = at_first_verify_step(MambaCacheMode::Align, 50);
     // Only the correction token: computed 6 -> 7, boundary 8 (a draft position) not reached.

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -369,3 +370,14 @@ def openai_client(server: ServerProcess, timeout: float = 60) -> Any:
     import openai
 
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def log_lines(server: ServerProcess, pattern: str, timeout: float = 15.0, count: int = 1) -> list[str]:
+    """The server's log lines matching `pattern`, once there are `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for ln in server.output().splitlines() if re.search(pattern, ln)]
+        if len(lines) >= count or time.monotonic() > deadline:
+            assert len(lines) >= count, f"no log line matches {pattern!r}:\n{server.output()[-3000:]}"
+            return lines
+        time.sleep(0.05)

@@ -328,13 +328,17 @@ def test_a_boundary_crossed_in_the_last_verify_step_is_hit_by_the_next_turn(mode
     assert stats["spec_decode_accepted_tokens"] == stats["spec_decode_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("placement", ["grid", "branch+grid"])
 @pytest.mark.parametrize("mode", ["align", "all"])
-def test_a_grid_point_reached_by_the_step_a_stop_string_ends_is_hit_by_the_next_turn(mode: str) -> None:
+def test_a_grid_point_reached_by_the_step_a_stop_string_ends_is_hit_by_the_next_turn(
+    mode: str, placement: str
+) -> None:
     """A 45-token prompt decodes one token a step; the step that computes position 64 (a grid
     point) samples the 20th token, whose text is the stop string. The scheduler's update
     queued the checkpoint's copy for the next step, and the stop string, matched after the
     update, ends the request: the idle engine holds nothing pending, and the next turn, admitted
-    at once, hits 64 and matches the reference."""
+    at once, hits 64 and matches the reference. (64 is also the last computed token: with branch
+    points the state there is kept as the last-token state, with the grid alone as the grid's.)"""
     rng = random.Random(45)
     prompt = [rng.randrange(3, 780) for _ in range(45)]
     ref = _llm(enable_prefix_caching=False, max_num_seqs=1)
@@ -347,10 +351,12 @@ def test_a_grid_point_reached_by_the_step_a_stop_string_ends_is_hit_by_the_next_
     turn = prompt + list(first) + [5, 6, 7]
     ref_turn = ref.generate([{"prompt_token_ids": turn}], plain)[0]
 
-    llm = _llm(**mode_args(mode, "grid"))
+    llm = _llm(**mode_args(mode, placement))
     got = llm.generate([{"prompt_token_ids": prompt}], stopped)[0].outputs[0]
     assert (got.token_ids, got.finish_reason, got.stop_reason) == (first, "stop", stop)
-    assert llm.engine.stats()["checkpoints_pending"] == 0
+    stats = llm.engine.stats()
+    assert stats["checkpoints_pending"] == 0
+    assert stats["checkpoints_last_token"] == (placement == "branch+grid")
     again = llm.generate([{"prompt_token_ids": turn}], plain)[0]
     assert again.outputs[0].token_ids == ref_turn.outputs[0].token_ids
     assert again.num_cached_tokens == 64

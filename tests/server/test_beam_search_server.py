@@ -53,6 +53,7 @@ def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> 
         "repetition_penalty": 1.0,
         "presence_penalty": 0,
         "min_tokens": 0,
+        "logit_bias": {"5": 0},
     }
     status, r = call(server, "/v1/completions", body)
     assert status == 200, r

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.responses import ResponseStore
 from openapi_cases import JSON_VALUES
-from server_fixtures import ServerProcess, assert_idle, call, openai_client, running_server
+from server_fixtures import ServerProcess, assert_idle, call, log_lines, openai_client, running_server
 from tool_formats import TIME as CHAT_TIME
 from tool_formats import WEATHER as CHAT_WEATHER
 
@@ -307,6 +307,8 @@ def test_a_kept_responses_id_is_never_the_clients_request_id(server: ServerProce
         status, kept = call(server, f"/v1/responses/{answer['id']}/input_items")
         assert status == 200 and kept["data"][0]["content"][0]["text"] == text
     assert call(server, "/v1/responses/resp_again-1")[0] == 404
+    # the access line names the server's id and the client's
+    log_lines(server, rf'"POST /v1/responses" 200 .* id={second["id"]} x_request_id=again-1$')
 
 
 def test_kept_responses_are_read_and_deleted(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -21,7 +21,15 @@ import pytest
 
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.model.demo import ensure_demo_model
-from server_fixtures import ServerProcess, TokenizerModelInfo, assert_idle, call, parse_sse, running_server
+from server_fixtures import (
+    ServerProcess,
+    TokenizerModelInfo,
+    assert_idle,
+    call,
+    log_lines,
+    parse_sse,
+    running_server,
+)
 
 MAX_MODEL_LEN = 512
 PROMPT = "The quick brown fox"
@@ -55,17 +63,6 @@ def stream(server: ServerProcess, path: str, body: dict[str, Any]) -> list[Any]:
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
         return parse_sse(r.read())
-
-
-def log_lines(server: ServerProcess, pattern: str, timeout: float = 15.0, count: int = 1) -> list[str]:
-    """The server's log lines matching `pattern`, once there are `count` of them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [ln for ln in server.output().splitlines() if re.search(pattern, ln)]
-        if len(lines) >= count or time.monotonic() > deadline:
-            assert len(lines) >= count, f"no log line matches {pattern!r}:\n{server.output()[-3000:]}"
-            return lines
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------- tokenizer routes

@@ -43,6 +43,7 @@ from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from hybridserve.server.request_log import (
     CLIENT_CLOSED,
+    CLIENT_REQUEST_ID_KEY,
     RECORD_KEY,
     REQUEST_ID_KEY,
     REQUESTS_LOGGER,
@@ -624,6 +625,8 @@ def _request_id(request: web.Request, prefix: str, *, from_header: bool = True) 
         )
     request_id = f"{prefix}{given if given is not None and from_header else uuid.uuid4().hex}"
     request[REQUEST_ID_KEY] = request_id
+    if given is not None and not from_header:  # (the access line still names it)
+        request[CLIENT_REQUEST_ID_KEY] = given
     return request_id
 
 

@@ -873,7 +873,7 @@ def _beam_search(
     changes_tokens = {
         "allowed_token_ids": params.allowed_token_ids is not None,
         "bad_words": bool(params.bad_words),
-        "logit_bias": bool(params.logit_bias),
+        "logit_bias": any(v != 0 for v in (params.logit_bias or {}).values()),
         "min_tokens": params.min_tokens > 0,
         "presence_penalty": params.presence_penalty != 0.0,
         "frequency_penalty": params.frequency_penalty != 0.0,

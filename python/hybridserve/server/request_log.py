@@ -35,6 +35,8 @@ QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
 CLIENT_CLOSED = 499
 RECORD_KEY = "hybridserve_record"  # the generation handlers' RequestRecord, on the aiohttp request
 REQUEST_ID_KEY = "hybridserve_request_id"  # a generation request's answer id, on the aiohttp request
+# the client's X-Request-Id where the answer's id is not made of it (a Responses answer)
+CLIENT_REQUEST_ID_KEY = "hybridserve_client_request_id"
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -120,6 +122,9 @@ def access_line(request: web.BaseRequest, status: int, elapsed_s: float) -> str:
     request_id = request.get(REQUEST_ID_KEY)
     if isinstance(request_id, str):
         parts.append(f"id={printable(request_id, 300)}")
+    client_id = request.get(CLIENT_REQUEST_ID_KEY)
+    if isinstance(client_id, str):
+        parts.append(f"x_request_id={printable(client_id, 300)}")
     return " ".join(parts)
 
 
