@@ -40,7 +40,6 @@ async def test_access_lines_levels_and_the_switch(aiohttp_client, caplog):
 def test_engine_line_rates_and_silence_when_idle():
     line = EngineStatsLine()
     idle = {"num_running": 0, "num_waiting": 0, "prompt_tokens": 0, "generation_tokens": 0}
-    assert line.update(idle, 0.0) is None
     busy = {
         "num_running": 2,  # (the scheduler's name of num_requests_running)
         "num_requests_waiting": 1,
@@ -53,6 +52,9 @@ def test_engine_line_rates_and_silence_when_idle():
         "mamba_slots_used": 3,
         "mamba_slots_total": 12,
     }
+    # the first snapshot, busy or not, has no interval to give rates over: no line
+    assert EngineStatsLine().update(busy, 0.0) is None
+    assert line.update(idle, 0.0) is None
     text = line.update(busy, 10.0)
     assert text == (
         "engine: 2 running, 1 waiting; prompt 100.0 tok/s, generation 5.0 tok/s; prefix cache hit rate "

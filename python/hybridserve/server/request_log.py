@@ -167,7 +167,7 @@ class EngineStatsLine:
 
     def update(self, stats: dict[str, Any], now: float) -> str | None:
         """The line for the interval that ends now, or None when the engine had nothing to do
-        in it (no request held and no token moved)."""
+        in it (no request held and no token moved), and for the first snapshot."""
         keys = (
             "num_requests_running",
             "num_requests_waiting",
@@ -183,8 +183,8 @@ class EngineStatsLine:
         cur = {k: engine_value(stats, k) for k in keys}
         prev, prev_t = self._prev, self._prev_t
         self._prev, self._prev_t = cur, now
-        if prev is None:  # the first snapshot: rates need two
-            prev, prev_t = {k: 0.0 for k in keys}, now
+        if prev is None:  # the first snapshot: rates need two (its line would say 0 tok/s)
+            return None
         dt = now - prev_t
 
         def delta(k: str) -> float:
