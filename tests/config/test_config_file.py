@@ -109,6 +109,11 @@ def test_the_file_s_model_for_each_subcommand(tmp_path: Path) -> None:
         ("tp: 2\n", "'tp' is a short flag; write its long name (--tensor-parallel-size)"),
         ("max-num-seqs: 2024-01-01\n", '"2024-01-01" (a date) is not a flag value'),
         ("enable-prefix-caching: 2024-01-01\n", 'is true or false, got "2024-01-01"'),
+        # a value the flag itself refuses: its check runs here, naming the key
+        ("max-num-seqs: {a: 1}\n", 'max-num-seqs: not an integer (got {"a": 1})'),
+        ("max-num-seqs: 1e3\n", "max-num-seqs: not an integer (got 1e3)"),
+        ("dtype: float8\n", "dtype: one of auto, float32, bfloat16, float16, float64 (got float8)"),
+        ("port: 70000\n", "port: must be in [0, 65535], got 70000 (got 70000)"),
     ],
 )
 def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: str, said: str) -> None:
@@ -116,6 +121,11 @@ def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: s
     with pytest.raises(ConfigError, match="--config .*flags.yaml") as e:
         expand_config_files(build_parser(), ["serve", "--config", path])
     assert said in str(e.value)
+
+
+def test_an_empty_config_path_is_said_so() -> None:
+    with pytest.raises(ConfigError, match="^--config: empty; give a YAML file$"):
+        expand_config_files(build_parser(), ["serve", "--config="])
 
 
 def _config(*args: str) -> subprocess.CompletedProcess[str]:
@@ -146,7 +156,7 @@ def test_hybridserve_config_reads_the_file(tmp_path: Path) -> None:
     missing = _config("--config", str(tmp_path / "nowhere.yaml"))
     assert missing.returncode == 2 and "nowhere.yaml: cannot read it" in missing.stderr
     bad = _config("--config", _file(tmp_path, "max-num-seqs: many\n"))
-    assert bad.returncode == 2 and "--max-num-seqs" in bad.stderr  # (argparse names the flag)
+    assert bad.returncode == 2 and "flags.yaml: max-num-seqs: not an integer (got many)" in bad.stderr
 
 
 def test_generate_takes_the_file_s_model_and_flags(tmp_path: Path) -> None:

@@ -79,6 +79,8 @@ def _config_paths(argv: Sequence[str], start: int) -> tuple[list[str], list[str]
 def _read(path: str) -> dict[str, Any]:
     import yaml
 
+    if not path.strip():  # (Path("") is the working folder)
+        raise ConfigError(f"{FLAG}: empty; give a YAML file")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -103,14 +105,33 @@ def _shown(v: Any) -> str:
     return json.dumps(v, default=str)
 
 
-def _scalar(path: str, key: str, v: Any) -> str:
+def _scalar(path: str, key: str, v: Any, action: argparse.Action | None = None) -> str:
     if isinstance(v, dict):
-        return _shown(v)
-    if isinstance(v, bool) or v is None or isinstance(v, list):
+        text = _shown(v)
+    elif isinstance(v, bool) or v is None or isinstance(v, list):
         raise ConfigError(f"{FLAG} {path}: {key} takes one value, got {_shown(v)}")
-    if not isinstance(v, str | int | float):
+    elif not isinstance(v, str | int | float):
         raise ConfigError(f"{FLAG} {path}: {key}: {_shown(v)} (a {type(v).__name__}) is not a flag value")
-    return str(v)
+    else:
+        text = str(v)
+    if action is not None:
+        _check(path, key, action, text)
+    return text
+
+
+def _check(path: str, key: str, action: argparse.Action, text: str) -> None:
+    """The flag's own check of a value, here, so that its error names the file and the key
+    (argparse's would name only the flag)."""
+    value: Any = text
+    if callable(action.type):
+        try:
+            value = action.type(text)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            plain = {int: "not an integer", float: "not a number"}  # (Python's words name a literal)
+            why = plain.get(action.type) or str(e) or "not a value it takes"  # type: ignore[call-overload]
+            raise ConfigError(f"{FLAG} {path}: {key}: {why} (got {text})") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{FLAG} {path}: {key}: one of {', '.join(map(str, action.choices))} (got {text})")
 
 
 def _flag_of(path: str, key: Any, actions: dict[str, argparse.Action]) -> tuple[str, argparse.Action]:
@@ -141,13 +162,15 @@ def _tokens(path: str, key: str, flag: str, action: argparse.Action, value: Any)
             raise ConfigError(f"{FLAG} {path}: {key} is true or false, got {_shown(value)}")
         return [flag] if value else []
     if isinstance(action, argparse._AppendAction):  # (repeated: --prompt a --prompt b)
-        return [f"{flag}={_scalar(path, key, v)}" for v in (value if isinstance(value, list) else [value])]
+        return [
+            f"{flag}={_scalar(path, key, v, action)}" for v in (value if isinstance(value, list) else [value])
+        ]
     if action.nargs in ("+", "*"):
         values = value if isinstance(value, list) else [value]
         if not values and action.nargs == "+":
             raise ConfigError(f"{FLAG} {path}: {key} needs at least one value")
-        return [flag, *(_scalar(path, key, v) for v in values)]
-    return [f"{flag}={_scalar(path, key, value)}"]
+        return [flag, *(_scalar(path, key, v, action) for v in values)]
+    return [f"{flag}={_scalar(path, key, value, action)}"]
 
 
 def _given(argv: Sequence[str], actions: dict[str, argparse.Action]) -> set[str]:
