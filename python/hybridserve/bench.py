@@ -84,10 +84,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="shared-prefix: shared tokens (default 3/4 of --prompt-len)",
     )
+    # (None: not given, so that a flag of another workload is refused, not left unused)
     s.add_argument(
-        "--num-prefixes", type=int_in(1), default=1, help="shared-prefix: distinct shared prefixes"
+        "--num-prefixes",
+        type=int_in(1),
+        default=None,
+        help="shared-prefix: distinct shared prefixes (default 1)",
     )
-    s.add_argument("--num-turns", type=int_in(1), default=3, help="multi-turn: turns per conversation")
+    s.add_argument(
+        "--num-turns", type=int_in(1), default=None, help="multi-turn: turns per conversation (default 3)"
+    )
     s.add_argument(
         "--trace",
         default=None,
@@ -301,6 +307,13 @@ def bench_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--base-url {args.base_url!r}: {why}")
         base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
         trace, trace_source = _load_trace(args)
+        for flag, value, workload in (
+            ("--prefix-len", args.prefix_len, "shared-prefix"),
+            ("--num-prefixes", args.num_prefixes, "shared-prefix"),
+            ("--num-turns", args.num_turns, "multi-turn"),
+        ):
+            if value is not None and args.workload != workload:
+                raise ConfigError(f"{flag} applies to --workload {workload}, not {args.workload}")
         if args.prefix_len is not None and args.prefix_len > args.prompt_len:
             raise ConfigError(f"--prefix-len {args.prefix_len} is longer than --prompt-len {args.prompt_len}")
         spec = WorkloadSpec(
@@ -310,8 +323,8 @@ def bench_main(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             prefix_len=args.prefix_len,
-            num_prefixes=args.num_prefixes,
-            num_turns=args.num_turns,
+            num_prefixes=1 if args.num_prefixes is None else args.num_prefixes,
+            num_turns=3 if args.num_turns is None else args.num_turns,
             token_id_max=args.token_id_max,
         )
         cfg = ServeConfig(

@@ -296,6 +296,27 @@ async def test_a_model_list_without_an_id_is_a_one_line_error(aiohttp_server: An
         await run_serve(cfg)
 
 
+def test_a_flag_of_another_workload_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridserve.cli import main
+
+    for flags, said in (
+        (
+            ["--workload", "random", "--num-turns", "5"],
+            "--num-turns applies to --workload multi-turn, not random",
+        ),
+        (
+            ["--workload", "multi-turn", "--prefix-len", "16"],
+            "--prefix-len applies to --workload shared-prefix",
+        ),
+        (
+            ["--workload", "random", "--num-prefixes", "3"],
+            "--num-prefixes applies to --workload shared-prefix",
+        ),
+    ):
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_a_shared_prefix_longer_than_the_prompt_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridserve.cli import main
 
