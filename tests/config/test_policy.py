@@ -195,12 +195,20 @@ def test_pool_overrides_are_checked_against_the_config() -> None:
         EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
     EngineArgs(model="m", num_mamba_slots=9, max_num_seqs=2, speculative_config=NGRAM3).resolve(HYBRID)
     EngineArgs(model="m", num_mamba_slots=5, max_num_seqs=1, speculative_config=NGRAM3).resolve(HYBRID)
-    # max_num_seqs unset: the engine lowers it to what the slots run, so one window must fit
-    EngineArgs(model="m", num_mamba_slots=5, speculative_config=NGRAM3).resolve(HYBRID)
+    # max_num_seqs unset: the engine lowers it to what the slots run, so one window must fit,
+    # with its checkpoint slot where prefix caching is on (as the sizing counts them)
+    EngineArgs(model="m", num_mamba_slots=6, speculative_config=NGRAM3).resolve(HYBRID)
+    with pytest.raises(
+        hybridserve.ConfigError,
+        match="one running sequence with a window of 4 slots and a checkpoint slot needs 6",
+    ):
+        EngineArgs(model="m", num_mamba_slots=5, speculative_config=NGRAM3).resolve(HYBRID)
+    no_cache = {"speculative_config": NGRAM3, "enable_prefix_caching": False}
+    EngineArgs(model="m", num_mamba_slots=5, **no_cache).resolve(HYBRID)
     with pytest.raises(
         hybridserve.ConfigError, match="one running sequence with a window of 4 slots needs 5"
     ):
-        EngineArgs(model="m", num_mamba_slots=4, speculative_config=NGRAM3).resolve(HYBRID)
+        EngineArgs(model="m", num_mamba_slots=4, **no_cache).resolve(HYBRID)
 
 
 def test_dtype_auto_follows_the_model() -> None:

@@ -353,10 +353,16 @@ class EngineArgs:
             seqs = int(core.max_num_seqs) if self.max_num_seqs is not None else 1
             k = int(core.num_speculative_tokens)
             need = min_mamba_slots(seqs, k, bool(core.has_mamba_layers))
-            if self.num_mamba_slots < need and self.max_num_seqs is None:
+            # (lowered, a sequence also takes a checkpoint slot with prefix caching: sizing's
+            # state_pool_capacity, which would refuse one slot fewer after this check passed)
+            checkpoint = self.max_num_seqs is None and bool(
+                core.enable_prefix_caching and core.has_mamba_layers
+            )
+            if self.num_mamba_slots < need + checkpoint and self.max_num_seqs is None:
                 raise ConfigError(
                     f"--num-mamba-slots {self.num_mamba_slots}: one running sequence with a window of "
-                    f"{1 + k} slot{'s' if k else ''} needs {need}, counting the null slot; raise it"
+                    f"{1 + k} slot{'s' if k else ''}{' and a checkpoint slot' if checkpoint else ''} needs "
+                    f"{need + checkpoint}, counting the null slot; raise it"
                 )
             if self.num_mamba_slots < need:
                 runs = (self.num_mamba_slots - 1) // (1 + k)
