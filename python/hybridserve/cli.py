@@ -74,6 +74,15 @@ def _stdout_reader_gone() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (before a command's own handling: while the parser is built)
+        given = sys.argv[1:] if argv is None else list(argv)
+        print(f"hybridserve{' ' + given[0] if given else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from hybridserve.config.cli import normalize_flag_names, settle_model
     from hybridserve.config.config_file import expand_config_files
     from hybridserve.errors import ConfigError

@@ -820,6 +820,16 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(
     assert main(["bench", "offline", "--num-prompts", "1"]) == 130
     err = capsys.readouterr().err
     assert "hybridserve bench: interrupted" in err and "Traceback" not in err
+    # a Ctrl-C while the parser is still being built (the first moments of any command)
+    import hybridserve.cli as cli
+
+    def building(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", building)
+    assert main(["serve", "demo"]) == 130
+    err = capsys.readouterr().err
+    assert "hybridserve serve: interrupted" in err and "Traceback" not in err
 
 
 def test_generate_cli_reads_prompts_from_stdin_crlf_or_not() -> None:
