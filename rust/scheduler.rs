@@ -323,6 +323,12 @@ impl Scheduler {
                     None
                 };
                 let live_was_published = self.settle_publishes_of(key, between_steps, keep_live);
+                if live_was_published {
+                    // (its publish, counted when it was reserved, is given back: what keeps the
+                    // slot below counts it again, as the one kind it becomes)
+                    self.stats.checkpoints_published =
+                        self.stats.checkpoints_published.saturating_sub(1);
+                }
                 if keep_live.is_some() && !self.keep_last_state(key, &req) && live_was_published {
                     self.keep_last_boundary(key, &req);
                 }

@@ -966,9 +966,11 @@ fn a_stop_string_on_a_grid_point_keeps_the_last_token_state_where_the_placement_
     // with branch points the slot is kept as the last-token state, as when the scheduler ends a
     // request on a boundary; with the grid alone as the grid checkpoint. One checkpoint either
     // way, nothing pending.
-    for placement in [
-        CheckpointPlacement::Grid,
-        CheckpointPlacement::BranchAndGrid,
+    // (an abort keeps no last-token state: the slot stays the grid checkpoint it was published as)
+    for (placement, abort) in [
+        (CheckpointPlacement::Grid, false),
+        (CheckpointPlacement::BranchAndGrid, false),
+        (CheckpointPlacement::BranchAndGrid, true),
     ] {
         let mut c = cfg(MambaCacheMode::Align, 3);
         c.checkpoint_placement = placement;
@@ -983,24 +985,29 @@ fn a_stop_string_on_a_grid_point_keeps_the_last_token_state_where_the_placement_
             .unwrap();
         let (src, _) = s.pending_publishes[0];
         assert_eq!(s.get_request("a").unwrap().num_computed_tokens, 8);
-        assert!(s.finish_request("a"));
+        assert!(if abort {
+            s.abort_request("a")
+        } else {
+            s.finish_request("a")
+        });
         let st = s.cache().stats();
+        let at = format!("{placement:?}, abort {abort}");
         assert_eq!(
             (st.checkpoints_pending, st.checkpoints_committed),
             (0, 1),
-            "{placement:?}"
+            "{at}"
         );
-        assert_eq!(
-            s.cache().debug_tag(src).map(|t| t.1),
-            Some(8),
-            "{placement:?}"
-        );
-        let kind = if placement == CheckpointPlacement::Grid {
-            CheckpointKind::Grid
-        } else {
+        assert_eq!(s.cache().debug_tag(src).map(|t| t.1), Some(8), "{at}");
+        let last_token = placement == CheckpointPlacement::BranchAndGrid && !abort;
+        let kind = if last_token {
             CheckpointKind::LastToken
+        } else {
+            CheckpointKind::Grid
         };
-        assert_eq!(st.checkpoints_by_kind[kind.index()], 1, "{placement:?}");
+        assert_eq!(st.checkpoints_by_kind[kind.index()], 1, "{at}");
+        // counted once, as the kind it became
+        let counts = (s.stats().checkpoints_published, s.stats().checkpoints_kept);
+        assert_eq!(counts, if last_token { (0, 1) } else { (1, 0) }, "{at}");
     }
 }
 

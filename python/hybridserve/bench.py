@@ -306,7 +306,6 @@ def bench_main(args: argparse.Namespace) -> int:
         if (why := _url_error(base_url)) is not None:  # said now, not after --ready-timeout
             raise ConfigError(f"--base-url {args.base_url!r}: {why}")
         base_url = base_url.removesuffix("/v1")  # the server root: /v1 is added per route
-        trace, trace_source = _load_trace(args)
         for flag, value, workload in (
             ("--prefix-len", args.prefix_len, "shared-prefix"),
             ("--num-prefixes", args.num_prefixes, "shared-prefix"),
@@ -314,6 +313,7 @@ def bench_main(args: argparse.Namespace) -> int:
         ):
             if value is not None and args.workload != workload:
                 raise ConfigError(f"{flag} applies to --workload {workload}, not {args.workload}")
+        trace, trace_source = _load_trace(args)
         if args.prefix_len is not None and args.prefix_len > args.prompt_len:
             raise ConfigError(f"--prefix-len {args.prefix_len} is longer than --prompt-len {args.prompt_len}")
         spec = WorkloadSpec(
@@ -323,8 +323,11 @@ def bench_main(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             prefix_len=args.prefix_len,
-            num_prefixes=1 if args.num_prefixes is None else args.num_prefixes,
-            num_turns=3 if args.num_turns is None else args.num_turns,
+            **{
+                k: v
+                for k, v in (("num_prefixes", args.num_prefixes), ("num_turns", args.num_turns))
+                if v is not None
+            },
             token_id_max=args.token_id_max,
         )
         cfg = ServeConfig(

@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # (before a command's own handling: while the parser is built)
         given = sys.argv[1:] if argv is None else list(argv)
-        print(f"hybridserve{' ' + given[0] if given else ''}: interrupted", file=sys.stderr)
+        command = f" {given[0]}" if given and not given[0].startswith("-") else ""
+        print(f"hybridserve{command}: interrupted", file=sys.stderr)
         return 130
 
 

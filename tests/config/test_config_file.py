@@ -113,7 +113,7 @@ def test_the_file_s_model_for_each_subcommand(tmp_path: Path) -> None:
         ("max-num-seqs: {a: 1}\n", 'max-num-seqs: not an integer (got {"a": 1})'),
         ("max-num-seqs: 1e3\n", "max-num-seqs: not an integer (got 1e3)"),
         ("dtype: float8\n", "dtype: one of auto, float32, bfloat16, float16, float64 (got float8)"),
-        ("port: 70000\n", "port: must be in [0, 65535], got 70000 (got 70000)"),
+        ("port: 70000\n", "port: must be in [0, 65535], got 70000"),
     ],
 )
 def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: str, said: str) -> None:
@@ -121,6 +121,13 @@ def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: s
     with pytest.raises(ConfigError, match="--config .*flags.yaml") as e:
         expand_config_files(build_parser(), ["serve", "--config", path])
     assert said in str(e.value)
+
+
+def test_a_refused_value_is_shown_once(tmp_path: Path) -> None:
+    for text, end in (("port: 70000\n", "got 70000"), ("max-num-seqs: many\n", "not an integer (got many)")):
+        with pytest.raises(ConfigError) as e:
+            expand_config_files(build_parser(), ["serve", "--config", _file(tmp_path, text)])
+        assert str(e.value).endswith(end), str(e.value)
 
 
 def test_an_empty_config_path_is_said_so() -> None:

@@ -17,8 +17,9 @@ of its values. So does a MODEL given on the command line win over the file's `mo
 switch is the bare flag, a false one its `--no-` form (or nothing, for a flag that has none); a
 single value is `--flag=value` (so that a value starting with `-` stays a value); a list is the
 flag's values in order; a mapping is passed as its JSON text (the flags that take JSON). A key
-that is not one of the subcommand's long flags, a value of the wrong shape, a file that is not
-a mapping or not YAML: each is an error naming the file and the key.
+that is not one of the subcommand's long flags, a value of the wrong shape or one the flag
+refuses, a file that is not a mapping or not YAML, an empty path: each is an error naming the
+file and the key.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _scalar(path: str, key: str, v: Any, action: argparse.Action | None = None) 
 
 def _check(path: str, key: str, action: argparse.Action, text: str) -> None:
     """The flag's own check of a value, here, so that its error names the file and the key
-    (argparse's would name only the flag)."""
+    (argparse's would name only the flag). argparse runs the flag's type again: a type must
+    have no side effects (none reads a file)."""
     value: Any = text
     if callable(action.type):
         try:
@@ -129,7 +131,8 @@ def _check(path: str, key: str, action: argparse.Action, text: str) -> None:
         except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
             plain = {int: "not an integer", float: "not a number"}  # (Python's words name a literal)
             why = plain.get(action.type) or str(e) or "not a value it takes"  # type: ignore[call-overload]
-            raise ConfigError(f"{FLAG} {path}: {key}: {why} (got {text})") from None
+            shown = "" if text in why else f" (got {text})"  # (the flag's own words may say it)
+            raise ConfigError(f"{FLAG} {path}: {key}: {why}{shown}") from None
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{FLAG} {path}: {key}: one of {', '.join(map(str, action.choices))} (got {text})")
 

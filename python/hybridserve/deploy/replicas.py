@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import shlex
 import shutil
 import signal
@@ -187,6 +188,9 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+_NOT_RUNNABLE = {errno.ENOEXEC, errno.EACCES, errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
+
+
 class _Children:
     """The processes this command started, in start order, with their names."""
 
@@ -210,7 +214,12 @@ class _Children:
                 start_new_session=True,
                 preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
             )
-        except OSError as e:  # (a file that is not a program: the children started go, see main)
+        except OSError as e:
+            # a program the user named that cannot be run (not a program, not allowed, gone) is
+            # the user's error; the children started go (see replicas_main). Other failures
+            # (no memory, no process left) are not, and keep their traceback.
+            if e.errno not in _NOT_RUNNABLE:
+                raise
             raise ConfigError(f"{name}: cannot run {cmd[0]}: {e.strerror or e}") from None
         finally:
             if out is not None:

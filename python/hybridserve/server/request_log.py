@@ -208,16 +208,25 @@ class EngineStatsLine:
         )
 
 
+def _read(read: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    try:
+        return read()
+    except Exception:  # an engine that stopped: /health says so, this line has nothing to add
+        return None
+
+
 async def log_engine_stats(read: Callable[[], dict[str, Any] | None], interval_s: float) -> None:
     """Every `interval_s` seconds, the engine line (while there is work); `read` gives the
     engine's stats, None while no engine is loaded. Runs until cancelled."""
     line = EngineStatsLine()
+    # The first snapshot as soon as an engine is loaded (it has done no work yet): the baseline
+    # of the first interval, so that work in it is counted and its rates are over its own time.
+    while _read(read) is None:
+        await asyncio.sleep(min(0.1, interval_s))
+    line.update(_read(read) or {}, time.monotonic())
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            stats = read()
-        except Exception:  # an engine that stopped: /health says so, this line has nothing to add
-            continue
+        stats = _read(read)
         if stats is None:
             continue
         text = line.update(stats, time.monotonic())
