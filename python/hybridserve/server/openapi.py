@@ -271,6 +271,8 @@ def _grammar_fields() -> dict[str, Schema]:
             "type": "object",
             "additionalProperties": False,
             "properties": {
+                # (its JSON text, a string, is taken too, as vLLM takes it: not said here, where a
+                # string the server refuses would be a value the document accepts)
                 "json": nullable_schema,
                 "regex": source,
                 "choice": {
@@ -286,7 +288,8 @@ def _grammar_fields() -> dict[str, Schema]:
                 {"type": "null"},
                 *({**given(k), "not": {"anyOf": [given(j) for j in kinds if j != k]}} for k in kinds),
             ],
-            "description": "vLLM's: exactly one of json (a JSON schema), regex, choice, grammar, "
+            "description": "vLLM's: exactly one of json (a JSON schema; its JSON text is taken too), regex, "
+            "choice, grammar, "
             f"json_object; at most {MAX_GRAMMAR_CHARS} characters of source",
         },
         # vLLM's older fields, each the structured_outputs key of the same grammar

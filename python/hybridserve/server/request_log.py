@@ -221,9 +221,9 @@ async def log_engine_stats(read: Callable[[], dict[str, Any] | None], interval_s
     line = EngineStatsLine()
     # The first snapshot as soon as an engine is loaded (it has done no work yet): the baseline
     # of the first interval, so that work in it is counted and its rates are over its own time.
-    while _read(read) is None:
+    while (first := _read(read)) is None:
         await asyncio.sleep(min(0.1, interval_s))
-    line.update(_read(read) or {}, time.monotonic())
+    line.update(first, time.monotonic())
     while True:
         await asyncio.sleep(interval_s)
         stats = _read(read)
