@@ -112,6 +112,10 @@ def test_table_has_every_rule() -> None:
 def test_table_case_through_cli(
     model_dirs: dict[str, Path], name: str, kind: str, flags: str, expect: str
 ) -> None:
+    # (the table's draft model "d" is a folder here: `config` refuses a draft folder that is missing)
+    flags = flags.replace(
+        '"model":"d"', json.dumps({"model": str(model_dirs["hybrid"])}, separators=(",", ":"))[1:-1]
+    )
     proc = run_config(str(model_dirs[kind]), *flags.split(), "--json")
     tokens = expect.split()
     if tokens[0] == "ok":
@@ -173,6 +177,30 @@ def test_bad_speculative_json_and_missing_model_exit_2(model_dirs: dict[str, Pat
     proc = run_config(str(tmp_path / "nowhere"))
     assert proc.returncode == 2
     assert "config.json" in proc.stderr
+
+
+def test_tokenizer_and_draft_folders_are_checked_as_the_engine_checks_them(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    hybrid = str(model_dirs["hybrid"])
+    proc = run_config(hybrid, "--tokenizer", str(tmp_path / "nowhere"), "--explain")
+    assert proc.returncode == 2
+    assert "--tokenizer" in proc.stderr and "tokenizer.json: missing" in proc.stderr
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    assert run_config(hybrid, "--tokenizer", str(tmp_path / "tok")).returncode == 0
+
+    def draft(path: Path) -> subprocess.CompletedProcess[str]:
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+        return run_config(hybrid, "--speculative-config", json.dumps(spec))
+
+    proc = draft(tmp_path / "nowhere")
+    assert proc.returncode == 2
+    assert "--speculative-config" in proc.stderr and "model folder does not exist" in proc.stderr
+    proc = draft(tmp_path / "tok")  # a folder without config.json
+    assert proc.returncode == 2
+    assert "no config.json" in proc.stderr
+    assert draft(model_dirs["hybrid"]).returncode == 0
 
 
 def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:

@@ -327,6 +327,7 @@ def config_main(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
         resolved = engine_args.resolve()
+        _check_folders(engine_args)
         no_plan = None
         if args.explain or _is_checkpoint(engine_args.model):
             # with the cache plan: pool sizes and the sequences the state pool can run; it needs a
@@ -347,6 +348,26 @@ def config_main(args: argparse.Namespace) -> int:
         if no_plan is not None:
             print(f"cache plan: not computed: {no_plan}")
     return 0
+
+
+def _check_folders(args: EngineArgs) -> None:
+    """The folders the engine would read besides the model's, refused as it refuses them (without
+    loading them): --tokenizer's tokenizer.json and the draft model's folder."""
+    if args.tokenizer is not None:
+        path = Path(args.tokenizer) / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"--tokenizer {args.tokenizer}: {path}: missing (a model folder needs tokenizer.json)"
+            )
+    spec = args.speculative()
+    if spec is not None and spec.method == "draft_model" and spec.model != "demo":
+        draft = Path(str(spec.model or ""))
+        if not draft.is_dir():
+            raise ConfigError(f"--speculative-config: model {draft}: model folder does not exist")
+        if not (draft / "config.json").is_file():
+            raise ConfigError(
+                f"--speculative-config: model {draft}: {draft / 'config.json'}: no config.json in the model folder"
+            )
 
 
 def _is_checkpoint(model: str) -> bool:
