@@ -49,6 +49,21 @@ def test_total_budget_caps_mamba_at_half_unless_its_windows_need_more() -> None:
     assert s.num_mamba_slots == 65
 
 
+def test_total_budget_keeps_one_sequence_of_kv_when_max_num_seqs_can_be_lowered() -> None:
+    # 64 sequences with windows of 1 + 5 need 385 slots (38.5 MB), more than the whole 20 MiB
+    budget = 20 * MIB
+    kw: dict[str, Any] = dict(cache_memory=budget, max_num_seqs=64, num_speculative_tokens=5)
+    s = sizes(**kw, max_num_seqs_auto=True)
+    one_sequence = -(-(1024 + 5) // 16) + 1  # one sequence of max_model_len + K, and the null block
+    assert s.num_kv_blocks == one_sequence
+    assert s.num_mamba_slots == (budget - one_sequence * 16 * KV_PER_TOKEN) // SLOT
+    assert s.max_num_seqs == s.state_pool_capacity == (s.num_mamba_slots - 1) // 7
+    assert s.num_mamba_slots * SLOT + s.num_kv_blocks * s.kv_bytes_per_block <= budget
+    # a given --max-num-seqs is not lowered: the error names the count that fits
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 64 .*lower --max-num-seqs to \d+"):
+        sizes(**kw)
+
+
 def test_total_with_one_pool_budget_gives_the_other_the_rest() -> None:
     s = sizes(cache_memory=64 * MIB, mamba_cache_memory=10 * SLOT)
     assert s.num_mamba_slots == 10

@@ -36,6 +36,10 @@ class EnginePlan:
     model_config: ModelConfig
 
 
+def _sequences(n: int) -> str:
+    return f"{n} sequence{'' if n == 1 else 's'}"
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
@@ -92,8 +96,8 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                 "max_num_seqs_lowered",
                 "warning",
                 f"max_num_seqs = {sizes.max_num_seqs}, not the default {_core.DEFAULT_MAX_NUM_SEQS}: the "
-                f"Mamba state pool of {sizes.num_mamba_slots} slots runs {sizes.state_pool_capacity} "
-                f"sequences with {per_seq} each; raise --mamba-cache-memory (or --cache-memory, "
+                f"Mamba state pool of {sizes.num_mamba_slots} slots runs {_sequences(sizes.state_pool_capacity)} "
+                f"with {per_seq} each; raise --mamba-cache-memory (or --cache-memory, "
                 "--num-mamba-slots) to run more",
             )
         )
@@ -105,7 +109,7 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
                 "state_pool_capacity",
                 "info",
                 f"Mamba state pool: {sizes.num_mamba_slots} slots of {_mib(sizes.mamba_bytes_per_slot)} "
-                f"(the null slot counted) run {sizes.state_pool_capacity} sequences with {per_seq} each; "
+                f"(the null slot counted) run {_sequences(sizes.state_pool_capacity)} with {per_seq} each; "
                 f"max_num_seqs {sizes.max_num_seqs}",
             )
         )

@@ -15,7 +15,8 @@ One total budget (`--cache-memory`) is split before the rules above apply (`spli
 - with one of `--kv-cache-memory` / `--mamba-cache-memory` also given, the other pool gets the rest;
 - else the Mamba pool gets the bytes of the slots it wants by default (windows + checkpoint
   reserve), but no more than half of the total unless its windows alone need more; the KV pool
-  gets the rest. A model without Mamba layers gives everything to KV, one without attention
+  gets the rest. When `max_num_seqs` was not given, the windows never take the bytes the KV pool
+  needs for one sequence of `max_model_len`: `max_num_seqs` is lowered to the slots left instead. A model without Mamba layers gives everything to KV, one without attention
   everything to the state pool.
 Explicit counts (`--num-kv-blocks`, `--num-mamba-slots`) still override the bytes of their pool;
 the bytes such a count leaves unused are not moved to the other pool.
@@ -60,8 +61,10 @@ def split_cache_memory(
     mamba_bytes_per_slot: int,
     has_attention_layers: bool,
     has_mamba_layers: bool,
+    min_kv_bytes: int = 0,
 ) -> tuple[int, int]:
-    """(kv bytes, mamba bytes) of one total budget; see the module docstring."""
+    """(kv bytes, mamba bytes) of one total budget; see the module docstring. `min_kv_bytes`: what
+    the windows leave to the KV pool at least (0 when max_num_seqs is the user's)."""
     if kv_cache_memory is not None and mamba_cache_memory is not None:
         raise ConfigError(
             "--cache-memory is the total of --kv-cache-memory and --mamba-cache-memory: give at most one of them with it"
@@ -84,6 +87,8 @@ def split_cache_memory(
         return 0, cache_memory
     mamba = min(wanted_mamba_slots * mamba_bytes_per_slot, cache_memory // 2)
     mamba = max(mamba, min(min_mamba_slots * mamba_bytes_per_slot, cache_memory))
+    if 0 < min_kv_bytes < cache_memory:
+        mamba = min(mamba, cache_memory - min_kv_bytes)
     return cache_memory - mamba, mamba
 
 
@@ -141,6 +146,7 @@ def compute_cache_sizes(
             mamba_bytes_per_slot=mamba_bytes_per_slot,
             has_attention_layers=kv_bytes_per_token > 0,
             has_mamba_layers=has_mamba_layers,
+            min_kv_bytes=(per_seq_blocks + 1) * kv_bytes_per_block if max_num_seqs_auto else 0,
         )
     if num_mamba_slots is None:
         if not has_mamba_layers:
