@@ -106,6 +106,7 @@ def test_width_one_is_greedy_and_each_later_step_computes_one_token_a_beam(llm: 
         {"beam_width": 11, "max_tokens": 4},
         {"beam_width": 2, "max_tokens": 0},
         {"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")},
+        {"beam_width": "2", "max_tokens": 4},
     ],
 )
 def test_bad_parameters_are_refused(llm: LLM, params: dict[str, Any]) -> None:
@@ -145,3 +146,39 @@ def test_a_step_ranks_by_length_normalised_score_and_sets_eos_beams_aside() -> N
     kept.advance([lp(t9=-0.6, t4=-1.0)])
     # [1, 4]: -1.0 / 2 beats [1, 9]: -0.6 / 1 (its EOS not counted; counted, it would win at -0.3)
     assert [b.tokens for b in kept.results()[0]] == [[1, 4]]
+
+
+def test_vllm_s_keywords_batch_the_prompts_and_change_no_beam(llm: LLM) -> None:
+    prompts = [*PROMPTS, "Hello world"]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    together = llm.beam_search(prompts, params)
+    by_two = llm.beam_search(prompts, params, use_tqdm=True, concurrency_limit=2)
+    assert [[b.tokens for b in o.sequences] for o in by_two] == [
+        [b.tokens for b in o.sequences] for o in together
+    ]
+    with pytest.raises(InvalidRequestError, match="concurrency_limit"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+    with pytest.raises(InvalidRequestError, match="lora_request"):
+        llm.beam_search(prompts, params, lora_request=object())  # type: ignore[arg-type]
+
+
+def test_a_failed_query_fails_the_search_and_an_aborted_one_ends_its_beam() -> None:
+    """A step query's last output: log-probabilities go on; a failure raises (a beam cut short is
+    no result that reached its length); an abort ends the beam as "abort"."""
+    from hybridserve import HybridServeError
+    from hybridserve.engine.beam_search import BeamSearch, query_logprobs
+    from hybridserve.engine.outputs import CompletionOutput, RequestOutput
+    from hybridserve.sampling.logprobs import Logprob
+
+    def out(reason: str, logprobs: Any = None, error: str | None = None) -> RequestOutput:
+        done = CompletionOutput(0, "", [], finish_reason=reason, logprobs=logprobs)
+        return RequestOutput("q", None, [1], [done], finished=True, error=error)
+
+    entry = {4: Logprob(logprob=-1.0, rank=1)}
+    assert query_logprobs(out("length", [entry])) == entry
+    with pytest.raises(HybridServeError, match="non-finite"):
+        query_logprobs(out("error", error="non-finite logits"))
+    assert query_logprobs(out("abort")) is None and query_logprobs(None) is None
+    search = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=3), 9, 100)
+    search.advance([None])
+    assert search.queries() == [] and [b.finish_reason for b in search.results()[0]] == ["abort"]

@@ -68,6 +68,26 @@ def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> 
     assert [c["token_ids"] for c in two["choices"][:3]] == [c["token_ids"] for c in r["choices"]]
 
 
+def test_a_beam_that_ends_in_eos_shows_no_eos_text(server: ServerProcess, offline: LLM) -> None:
+    """As in a sampled answer: the EOS is in token_ids but not in the text, even with special
+    tokens shown."""
+    prompt = "Hello world"  # (one of its three best beams ends in EOS after two tokens)
+    (want,) = offline.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=5))
+    eos = offline.engine.eos_token_id
+    assert any(b.tokens[-1] == eos for b in want.sequences)
+    body = {"prompt": prompt, "n": 3, "max_tokens": 5, "use_beam_search": True, "return_token_ids": True}
+    status, r = call(server, "/v1/completions", {**body, "skip_special_tokens": False})
+    assert status == 200, r
+    ended = [c for c in r["choices"] if c["token_ids"][-1:] == [eos]]
+    assert ended and all(c["finish_reason"] == "stop" for c in ended)
+    tok = offline.get_tokenizer()
+    for c in r["choices"]:
+        shown = c["token_ids"][:-1] if c in ended else c["token_ids"]
+        assert c["text"] == tok.decode(shown, skip_special_tokens=False)
+    assert all(tok.decode([eos], skip_special_tokens=False) not in c["text"] for c in ended)
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
+
+
 def test_chat_through_the_openai_client(server: ServerProcess, offline: LLM) -> None:
     messages = [{"role": "user", "content": "Tell me about the city"}]
     with openai_client(server) as client:

@@ -389,6 +389,10 @@ _CALLS: list[dict[str, Any]] = [
             "text.format",
         ),  # fmt: skip
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": "not one"}}},
+            "text.format.schema",
+        ),  # fmt: skip
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
@@ -448,6 +452,20 @@ def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
     for _ in range(20):
         store.put(left[-1], {**body, "id": left[-1]}, [{"role": "user", "content": "y" * 50}])
     assert [n for n in "abcde" if store.get(n) is not None] == left
+
+
+def test_the_store_counts_the_utf8_bytes_it_holds_and_hands_out_copies() -> None:
+    store = ResponseStore(max_bytes=500)
+    store.put("ascii", {"id": "ascii", "output": "e" * 300}, [])
+    assert store.get("ascii") is not None
+    store.put("accents", {"id": "accents", "output": "\u00e9" * 300}, [])  # 300 characters, 600 bytes
+    assert store.get("accents") is None
+    kept = store.get("ascii")
+    assert kept is not None
+    kept.body["output"] = "changed"
+    kept.history.append({"role": "user", "content": "more"})
+    again = store.get("ascii")
+    assert again is not None and again.body["output"] == "e" * 300 and again.history == []
 
 
 # ------------------------------------------------------------------------- fuzzing

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridserve.errors import InvalidRequestError
+from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from hybridserve.engine.input_processor import Prompt
     from hybridserve.engine.llm import LLM
+    from hybridserve.engine.outputs import RequestOutput
 
 MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width log-probabilities)
 
@@ -100,7 +101,8 @@ class _Search:
 class BeamSearch:
     """The beams of some prompts, driven from outside by whoever runs the model: `queries()` are
     the token sequences whose next-token log-probabilities the next step needs (every live beam,
-    prompt by prompt), `advance` takes them (one entry per query, None for a query that failed),
+    prompt by prompt), `advance` takes them (one entry per query, None for a query the engine
+    aborted: `query_logprobs`),
     and `results()` gives each prompt's best beams. The offline API (`beam_search`) and the
     server drive it alike."""
 
@@ -157,8 +159,8 @@ class BeamSearch:
             for beam in s.live:
                 entry = seen[at]
                 at += 1
-                if not entry:  # (a query that failed alone: its beam ends as it is)
-                    s.done.append(_ended(beam, "length"))
+                if not entry:  # (a query the engine aborted: its beam ends as it is)
+                    s.done.append(_ended(beam, "abort"))
                     continue
                 length = len(beam.tokens) + 1
                 for token, lp in entry.items():
@@ -189,31 +191,71 @@ class BeamSearch:
         return out
 
 
+def query_logprobs(out: RequestOutput | None) -> TokenLogprobs | None:
+    """A step query's next-token log-probabilities from its last output; None where the engine
+    aborted it (its beam ends "abort"). A query the engine failed raises: a beam cut short by a
+    failure is no result, and must not pass for one that reached its length."""
+    first = out.outputs[0] if out is not None and out.outputs else None
+    if first is not None and first.logprobs:
+        return first.logprobs[0]
+    if out is not None and (out.error or (first is not None and first.finish_reason == "error")):
+        raise HybridServeError(f"a beam search step failed: {out.error or 'the engine gave no reason'}")
+    return None
+
+
 def widest_beam(max_logprobs: int) -> int:
     """The widest beam an engine serves: a step asks for 2 x beam_width log-probabilities, which
     --max-logprobs bounds, and MAX_BEAM_WIDTH bounds the beams one search holds."""
     return min(MAX_BEAM_WIDTH, max_logprobs // 2)
 
 
-def beam_search(llm: LLM, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(
+    llm: LLM,
+    prompts: Sequence[Prompt],
+    params: BeamSearchParams,
+    *,
+    use_tqdm: bool = False,
+    concurrency_limit: int | None = None,
+) -> list[BeamSearchOutput]:
+    """`LLM.beam_search`. `concurrency_limit`: at most that many prompts searched at once (all
+    of them when None), as vLLM's; `use_tqdm` shows a bar over the prompts."""
+    params.check()
+    if concurrency_limit is not None and (
+        isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1
+    ):
+        raise InvalidRequestError(f"concurrency_limit: an integer >= 1 or None, got {concurrency_limit!r}")
     engine = llm.engine
     if params.beam_width > (widest := widest_beam(engine.max_logprobs)):
         raise InvalidRequestError(
             f"beam_width: at most {widest} here (a step asks for 2 x beam_width log-probabilities, and "
             f"--max-logprobs is {engine.max_logprobs}), got {params.beam_width}"
         )
-    search = BeamSearch(
-        [engine.encode_prompt(p)[1] for p in prompts], params, engine.eos_token_id, int(engine.max_model_len)
-    )
-    step = search.step_params()
-    while queries := search.queries():
-        outs = llm.generate([{"prompt_token_ids": q} for q in queries], step)
-        search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+    ids = [engine.encode_prompt(p)[1] for p in prompts]
+    BeamSearch(ids, params, engine.eos_token_id, int(engine.max_model_len))  # (every prompt checked first)
+    limit = concurrency_limit or max(1, len(ids))
+    bar = None
+    if use_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), desc="Beam search", unit="prompt")
     results = []
-    for best in search.results():
-        for b in best:
-            b.text = engine.tokenizer.decode(b.tokens)
-        results.append(BeamSearchOutput(best))
+    try:
+        for start in range(0, len(ids), limit):
+            chunk = ids[start : start + limit]
+            search = BeamSearch(chunk, params, engine.eos_token_id, int(engine.max_model_len))
+            step = search.step_params()
+            while queries := search.queries():
+                outs = llm.generate([{"prompt_token_ids": q} for q in queries], step)
+                search.advance([query_logprobs(o) for o in outs])
+            for best in search.results():
+                for b in best:
+                    b.text = engine.tokenizer.decode(b.tokens)
+                results.append(BeamSearchOutput(best))
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
     return results
 
 

@@ -107,16 +107,33 @@ class LLM:
         return self.engine.tokenizer
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best beams, best first
         (engine/beam_search.py). Each step is a `generate` call whose prompts are the beams so
-        far; the prefix cache's last-token checkpoints make each compute one token."""
+        far; the prefix cache's last-token checkpoints make each compute one token.
+        `concurrency_limit`: at most that many prompts searched at once. `lora_request` is
+        vLLM's; no adapter is served here, so only None is taken."""
         from hybridserve.engine.beam_search import beam_search
 
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request: LoRA adapters are not supported; give None")
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
-            return beam_search(self, [prompts], params)  # type: ignore[list-item]
-        return beam_search(self, list(prompts), params)  # type: ignore[arg-type]
+            listed = [prompts]
+        else:
+            listed = list(prompts)  # type: ignore[arg-type]
+        return beam_search(
+            self,
+            listed,  # type: ignore[arg-type]
+            params,
+            use_tqdm=use_tqdm,
+            concurrency_limit=concurrency_limit,
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters `generate` and `chat` use when given none: SamplingParams' defaults with

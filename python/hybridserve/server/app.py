@@ -1506,7 +1506,10 @@ async def _beam_answer(
             for beam in beams:
                 added = beam.tokens[len(prompt.token_ids) :]
                 completion_tokens += len(added)
-                text = info.decode(added, skip_special_tokens=req.params.skip_special_tokens)
+                # (an ending EOS is in token_ids but not in the text, as a sampled answer's)
+                ends_eos = beam.finish_reason == "stop" and added[-1:] == [engine.eos_token_id]
+                shown = added[:-1] if ends_eos else added
+                text = info.decode(shown, skip_special_tokens=req.params.skip_special_tokens)
                 if req.kind == "completion":
                     out.append(
                         P.completion_choice(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from hybridserve.engine.beam_search import BeamSearch, BeamSearchSequence
+from hybridserve.engine.beam_search import BeamSearch, BeamSearchSequence, query_logprobs
 from hybridserve.engine.protocol import EngineClient
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import SamplingParams
@@ -28,9 +28,7 @@ async def _next_token_logprobs(
         {"prompt_token_ids": tokens}, params, engine_id, cache_salt=req.cache_salt, priority=req.priority
     ):
         last = out
-    if last is None or not last.outputs or not last.outputs[0].logprobs:
-        return None
-    return last.outputs[0].logprobs[0]
+    return query_logprobs(last)
 
 
 async def run_beam_search(

@@ -31,7 +31,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from hybridserve.server import protocol as P
 from hybridserve.server.tools import ToolCall
@@ -94,6 +94,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _FIELD_NAMES = (
     ("messages", "input"),
     ("max_tokens", "max_output_tokens"),
+    # (the chat form nests the schema in `json_schema`; `text.format` holds it directly)
+    ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
 )
 _INPUT_TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -115,18 +117,46 @@ class ResponsesRequest:
     logprobs: bool = False  # the message's token logprobs were asked for (`LOGPROBS_INCLUDE`)
 
 
-@dataclass
+@dataclass(frozen=True)
 class KeptResponse:
-    body: dict[str, Any]
-    history: list[dict[str, Any]]
-    input_items: list[dict[str, Any]]
-    size: int
+    """One kept response as the UTF-8 JSON of its parts: the store's bound counts the bytes it
+    holds (a parsed body of logprobs takes about five times its JSON's size in Python objects),
+    and every read gets objects of its own to change."""
+
+    _body: bytes
+    _history: bytes
+    _input_items: bytes
+
+    @classmethod
+    def of(
+        cls, body: dict[str, Any], history: list[dict[str, Any]], input_items: list[dict[str, Any]]
+    ) -> KeptResponse:
+        def enc(x: Any) -> bytes:
+            return json.dumps(x, ensure_ascii=False, separators=(",", ":")).encode()
+
+        return cls(enc(body), enc(history), enc(input_items))
+
+    @property
+    def size(self) -> int:
+        return len(self._body) + len(self._history) + len(self._input_items)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return cast("dict[str, Any]", json.loads(self._body))
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", json.loads(self._history))
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", json.loads(self._input_items))
 
 
 @dataclass
 class ResponseStore:
-    """Kept responses by id, at most `max_bytes` of their JSON and conversations (the oldest
-    dropped first). Shared by the event loop and the threads that parse large bodies."""
+    """Kept responses by id, at most `max_bytes` of their JSON and conversations, in UTF-8 (the
+    oldest dropped first). Shared by the event loop and the threads that parse large bodies."""
 
     max_bytes: int = DEFAULT_STORE_BYTES
     _kept: OrderedDict[str, KeptResponse] = field(default_factory=OrderedDict)
@@ -140,15 +170,15 @@ class ResponseStore:
         history: list[dict[str, Any]],
         input_items: list[dict[str, Any]] | None = None,
     ) -> None:
-        items = input_items or []
-        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (body, history, items))
+        kept = KeptResponse.of(body, history, input_items or [])
+        size = kept.size
         if size > self.max_bytes:
             return  # (larger than the whole store: not kept, so a later turn gets a clear 400)
         with self._lock:
             old = self._kept.pop(response_id, None)  # (an id kept again replaces its older entry)
             if old is not None:
                 self._bytes -= old.size
-            self._kept[response_id] = KeptResponse(body, history, items, size)
+            self._kept[response_id] = kept
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, old = self._kept.popitem(last=False)
@@ -474,7 +504,7 @@ def parse_responses_request(
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        history = [dict(m) for m in kept.history]
+        history = kept.history
     origins: list[Origin] = [[("", "previous_response_id")] for _ in history]
     history += input_messages(body["input"], unknown, origins)
     instructions = body.get("instructions")
