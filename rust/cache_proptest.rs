@@ -1,5 +1,6 @@
 //! Property test: a random driver plays scheduler and model runner against the cache manager
-//! (add / allocate / step with checkpoints / commit or cancel / hit / preempt / finish / reset,
+//! (add / allocate / step with checkpoints / commit or cancel / hit / preempt / finish, adopting
+//! a pending publish's window slot or not / reset,
 //! with pools small enough to evict), over all three modes, an attention-only model,
 //! K in {0, 1, 4}, the three checkpoint placements (grid points; branch points at any block
 //! boundary; last-token states kept at finish and preemption, with tail entries) and the three
@@ -51,6 +52,10 @@ enum Op {
     },
     Finish {
         pick: u8,
+        /// A publish of the last update (a checkpoint reserved to be copied from a window slot at
+        /// the next step) is adopted as the slot itself before the free, as the scheduler does
+        /// for a request that a stop string or an abort ends between steps.
+        adopt: bool,
     },
     Settle {
         cancel: bool,
@@ -64,7 +69,7 @@ fn op() -> impl Strategy<Value = Op> {
         8 => (any::<u8>(), 1u8..24, any::<u8>(), prop::bool::weighted(0.15))
             .prop_map(|(pick, chunk, accept, abort_ckpt)| Op::Step { pick, chunk, accept, abort_ckpt }),
         1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
-        2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        2 => (any::<u8>(), any::<bool>()).prop_map(|(pick, adopt)| Op::Finish { pick, adopt }),
         4 => prop::bool::weighted(0.2).prop_map(|cancel| Op::Settle { cancel }),
         1 => Just(Op::Reset),
     ]
@@ -109,6 +114,8 @@ struct Driver {
     mirror: Mirror,
     /// Nonzero hits predicted from the events (for the coverage test).
     predicted_hits: usize,
+    /// Publishes adopted as window slots (for the coverage test).
+    adopted: usize,
 }
 
 /// A subscriber of the KV cache events that knows only what they say: per group, the announced
@@ -244,6 +251,7 @@ impl Driver {
             tail_hits: 0,
             mirror: Mirror::default(),
             predicted_hits: 0,
+            adopted: 0,
         }
     }
 
@@ -368,8 +376,11 @@ impl Driver {
                     r.live = 0;
                 }
             }
-            Op::Finish { pick } => {
+            Op::Finish { pick, adopt } => {
                 if let Some(key) = self.pick(pick) {
+                    if adopt {
+                        self.adopt_publish(key);
+                    }
                     self.keep_last(key);
                     self.m.free(key);
                     self.pinned_tail.remove(&key);
@@ -426,6 +437,53 @@ impl Driver {
                 Some(&Self::content(&r.salt, &r.tokens[..computed])),
                 "the adopted slot holds the state after exactly the computed tokens"
             );
+        }
+    }
+
+    /// The scheduler's publish of a verify row's boundary (a window slot other than the live
+    /// one, holding the state after an accepted token at a block or grid boundary) for a request
+    /// that ends before the next step: the checkpoint reserved for the copy is given back and
+    /// the window slot itself is kept in its place.
+    fn adopt_publish(&mut self, key: ReqKey) {
+        let Some(r) = self.reqs.get(&key) else {
+            return;
+        };
+        if !self.hybrid || !r.running {
+            return;
+        }
+        let window = self.m.state_window(key).to_vec();
+        let found = window.iter().enumerate().find_map(|(t, &s)| {
+            let (salt, toks) = self.mem.get(&s).cloned().flatten()?;
+            let pos = toks.len();
+            let step = if self.branch { B } else { M };
+            let boundary = pos > 0 && pos % step == 0 && pos <= r.computed;
+            (t != r.live && boundary && salt == r.salt && toks[..] == r.tokens[..pos])
+                .then_some((s, pos))
+        });
+        let Some((src, pos)) = found else {
+            return;
+        };
+        let kind = if pos % M == 0 {
+            CheckpointKind::Grid
+        } else {
+            CheckpointKind::Branch
+        };
+        let h = r.hashes[pos / B - 1];
+        let Some(dst) = self.m.reserve_checkpoint(h, pos, kind) else {
+            return;
+        };
+        assert_eq!(self.m.debug_tag(dst), Some((h, pos)));
+        let kept = self.m.adopt_pending_publish(key, src, dst);
+        assert_eq!(
+            self.m.debug_tag(dst),
+            None,
+            "the reserved checkpoint is given back"
+        );
+        assert_ne!(self.m.mamba_pool().kind(dst), Some(SlotKind::Pending));
+        if kept {
+            assert_eq!(self.m.mamba_pool().kind(src), Some(SlotKind::Committed));
+            assert_eq!(self.m.debug_tag(src), Some((h, pos)));
+            self.adopted += 1;
         }
     }
 
@@ -944,6 +1002,7 @@ fn random_operations_reach_every_checkpoint_kind() {
     let mut by_kind = [0usize; CheckpointKind::COUNT];
     let mut tails = 0;
     let mut predicted = 0;
+    let mut adopted = 0;
     for case in 0..300u64 {
         let placement = [
             CheckpointPlacement::Branch,
@@ -969,6 +1028,7 @@ fn random_operations_reach_every_checkpoint_kind() {
             d.check_events();
         }
         predicted += d.predicted_hits;
+        adopted += d.adopted;
         d.finish_all();
         for (total, n) in by_kind.iter_mut().zip(d.hits_by_kind) {
             *total += n;
@@ -978,4 +1038,5 @@ fn random_operations_reach_every_checkpoint_kind() {
     assert!(by_kind.iter().all(|&n| n > 0), "{by_kind:?}");
     assert!(tails > 0);
     assert!(predicted > 0, "the events predicted no hit at all");
+    assert!(adopted > 0, "no publish was adopted");
 }
