@@ -425,6 +425,19 @@ def test_metrics_registry_is_per_app_and_complete():
     assert v3["hybridserve_prefix_cache_hit_tokens_total"] == 48
 
 
+def test_long_latencies_fall_in_buckets_up_to_vllm_s_tops():
+    """A first token after 10 minutes and a request of an hour land in buckets of their own (as in
+    vLLM's histograms), not in +Inf, where every quantile would read as the last bucket."""
+    m = ServerMetrics(lambda: None, "demo")
+    m.time_to_first_token.observe(600.0)
+    m.e2e_latency.observe(3600.0)
+    v = parse_metrics(m.render().decode())
+    ttft = 'vllm:time_to_first_token_seconds_bucket{le="%s",model_name="demo"}'
+    e2e = 'vllm:e2e_request_latency_seconds_bucket{le="%s",model_name="demo"}'
+    assert v[ttft % "160.0"] == 0 and v[ttft % "640.0"] == 1 and v[ttft % "2560.0"] == 1
+    assert v[e2e % "1920.0"] == 0 and v[e2e % "7680.0"] == 1
+
+
 # ------------------------------------------------------------------------- app without a model
 
 

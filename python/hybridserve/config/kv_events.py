@@ -90,10 +90,11 @@ class KVEventsConfig:
                 raise ConfigError(f"{FLAG}: {name} must be a tcp://, ipc:// or inproc:// address, got {v!r}")
             if (why := _endpoint_error(v)) is not None:
                 raise ConfigError(f"{FLAG}: {name} {v!r}: {why}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
+        # (hwm 0 is ZMQ's "no limit", max_queue_size 0 Python's unbounded queue: vLLM takes both)
+        for name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10**9:
-                raise ConfigError(f"{FLAG}: {name} must be an integer in [1, 1e9], got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= 10**9:
+                raise ConfigError(f"{FLAG}: {name} must be an integer in [{low}, 1e9], got {v!r}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"{FLAG}: topic must be a string, got {self.topic!r}")
 

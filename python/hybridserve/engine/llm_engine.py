@@ -795,6 +795,9 @@ class LLMEngine:
             self._forget(rid)
         if not self.scheduler.reset_prefix_cache():
             logger.error("could not empty the prefix cache after a failed step")
+        # (now: the engine goes idle, and a router must not route by the emptied cache until the
+        # next request's step)
+        self.publish_kv_events()
         if isinstance(exc, Exception):
             logger.exception("engine step failed; %d requests failed with it", len(failed))
         else:
@@ -819,6 +822,11 @@ class LLMEngine:
             block_size=int(self.config.block_size),
             enable_prefix_caching=bool(self.config.enable_prefix_caching),
         )
+        if self.kv_events is not None:
+            # what a subscriber can receive: the events of batches the publisher's queue dropped
+            # are not among them
+            s["kv_events_emitted"] = s.get("kv_events_emitted", 0) - self.kv_events.events_dropped
+            s["kv_event_batches_dropped"] = self.kv_events.batches_dropped
         verify_rows = self.counters.spec_decode_verify_rows
         s.update(
             prompt_tokens=self.counters.prompt_tokens,

@@ -92,7 +92,13 @@ ENGINE_COUNTERS = {
     ),
     "kv_events_emitted": (
         "hybridserve_kv_events",
-        "KV cache events emitted for subscribers (0 unless --kv-events-config enables them).",
+        "KV cache events published for subscribers (0 unless --kv-events-config enables them); "
+        "a dropped batch's events are not counted.",
+    ),
+    "kv_event_batches_dropped": (
+        "hybridserve_kv_event_batches_dropped",
+        "Batches of KV cache events dropped because the publisher's queue was full (their "
+        "sequence numbers are skipped).",
     ),
     "checkpoints_kept": (
         "hybridserve_mamba_checkpoints_kept_last_token",
@@ -231,6 +237,11 @@ _LATENCY_BUCKETS = (
 )
 
 
+# Above 80 s, vLLM's own tops: a first token up to 2560 s, a request (or its phase) up to 7680 s
+# (a long prompt on a CPU engine takes minutes; quantiles beyond the last bucket read as it)
+_TTFT_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
 # request sizes in tokens: 1, 2, 5, 10, 20, 50, ... up to a million (vLLM's 1-2-5 series)
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
@@ -360,6 +371,7 @@ class ServerMetrics:
             "time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
             model_name,
+            buckets=_TTFT_BUCKETS,
         )
         self.inter_token_latency = _Histogram(
             self.registry,
@@ -372,6 +384,7 @@ class ServerMetrics:
             "e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
             model_name,
+            buckets=_REQUEST_BUCKETS,
         )
         # the phases of a finished request, from the engine's clock (RequestMetrics)
         self.request_queue_time = _Histogram(
@@ -379,24 +392,28 @@ class ServerMetrics:
             "request_queue_time_seconds",
             "Time a request waited in the engine before its first step.",
             model_name,
+            buckets=_REQUEST_BUCKETS,
         )
         self.request_prefill_time = _Histogram(
             self.registry,
             "request_prefill_time_seconds",
             "Time from a request's first step to its first token.",
             model_name,
+            buckets=_REQUEST_BUCKETS,
         )
         self.request_decode_time = _Histogram(
             self.registry,
             "request_decode_time_seconds",
             "Time from a request's first token to its last.",
             model_name,
+            buckets=_REQUEST_BUCKETS,
         )
         self.request_inference_time = _Histogram(
             self.registry,
             "request_inference_time_seconds",
             "Time from a request's first step to its end.",
             model_name,
+            buckets=_REQUEST_BUCKETS,
         )
         self.request_prompt_tokens = _Histogram(
             self.registry,
