@@ -114,3 +114,16 @@ def test_shapes_the_size_does_not_divide_are_refused(checkpoints: dict[str, str]
         ConfigError, match=r"--tensor-parallel-size 2: NewForCausalLM has no tensor-parallel form"
     ):
         check_tensor_parallel(dataclasses.replace(falcon, architecture="NewForCausalLM"), 2)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+def test_a_bad_collective_timeout_is_a_config_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from hybridserve.distributed.parallel_state import collective_timeout_s
+
+    monkeypatch.setenv("HYBRIDSERVE_TP_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match="HYBRIDSERVE_TP_TIMEOUT_S"):
+        collective_timeout_s()
+    monkeypatch.setenv("HYBRIDSERVE_TP_TIMEOUT_S", "12.5")
+    assert collective_timeout_s() == 12.5

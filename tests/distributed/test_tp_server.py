@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from hybridserve import LLM, SamplingParams
+from hybridserve.errors import EngineDeadError
 from hybridserve.model.demo import ensure_demo_model
 from server_fixtures import ServerProcess, free_port
 
@@ -70,6 +74,14 @@ def test_serve_tp2_then_a_killed_worker_fails_the_stream_and_the_server_exits_no
         kids = _children(srv.proc.pid)
         workers = [p for p, cmd in kids.items() if "spawn_main" in cmd]
         assert len(workers) == 1, kids
+        # a Ctrl-C or a service manager's stop reaches the whole group: the worker stays for
+        # rank 0's drain (it ends when rank 0 tells it to, or is gone)
+        os.kill(workers[0], signal.SIGINT)
+        os.kill(workers[0], signal.SIGTERM)
+        time.sleep(0.5)
+        assert _alive(workers[0])
+        with _post(srv, {"prompt": "Hello there", "max_tokens": 5, "temperature": 0}) as r:
+            assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
         body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         with _post(srv, body) as stream:
@@ -111,6 +123,9 @@ def test_torchrun_ranks_serve_the_spawned_mode_tokens_and_sigterm_ends_them_all(
         llm = LLM("demo", dtype="float32", tensor_parallel_size=2, cpu_threads=1)
         try:
             ref = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            llm.engine.stop_workers()  # type: ignore[attr-defined]
+            with pytest.raises(EngineDeadError, match="stopped"):  # (no step without its workers)
+                llm.generate(prompt, SamplingParams(max_tokens=n))
         finally:
             llm.engine.stop_workers()  # type: ignore[attr-defined]
         srv.wait_ready()
@@ -128,7 +143,15 @@ def test_torchrun_ranks_serve_the_spawned_mode_tokens_and_sigterm_ends_them_all(
         ranks = {p: cmd for p, cmd in _children(srv.proc.pid).items() if "hybridserve serve" in cmd}
         assert len(ranks) == 2, ranks  # torchrun's two ranks, and no spawned worker
         assert not [cmd for cmd in _children(srv.proc.pid).values() if "spawn_main" in cmd]
-        srv.signal(signal.SIGTERM)
+        # torchrun forwards the SIGTERM to both ranks: the stream in flight still ends whole
+        # (the worker runs rank 0's draining steps)
+        with _post(srv, {**body, "max_tokens": 64, "stream": True}) as stream:
+            assert stream.readline().startswith(b"data: {")
+            srv.signal(signal.SIGTERM)
+            rest = stream.read()
+        events = [json.loads(x[6:]) for x in rest.splitlines() if x.startswith(b"data: {")]
+        assert not [e for e in events if "error" in e], rest[-2000:]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
         srv.wait_exit(30)
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
@@ -137,3 +160,31 @@ def test_torchrun_ranks_serve_the_spawned_mode_tokens_and_sigterm_ends_them_all(
     finally:
         srv.stop()
     srv.remove_log()
+
+
+SCRIPT = """
+import sys
+from hybridserve import LLM, SamplingParams
+from hybridserve.distributed.torchrun import run_worker, torchrun_env
+
+env = torchrun_env()
+assert env is not None
+if env.rank > 0:
+    sys.exit(run_worker(env, "cpu"))
+llm = LLM("demo", dtype="float32", tensor_parallel_size=2, cpu_threads=1, max_model_len=256)
+out = llm.generate("Once upon a time", SamplingParams(max_tokens=4, temperature=0))
+print("generated:", out[0].outputs[0].text)
+# (no stop_workers: the script just ends)
+"""
+
+
+def test_an_offline_script_under_torchrun_that_just_ends_ends_its_workers_cleanly(tmp_path: Path) -> None:
+    ensure_demo_model()
+    script = tmp_path / "offline.py"
+    script.write_text(SCRIPT)
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generated:" in proc.stdout
+    assert "Traceback" not in proc.stderr and "exiting" not in proc.stderr, proc.stderr[-3000:]

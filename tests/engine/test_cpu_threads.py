@@ -19,6 +19,14 @@ def test_the_default_leaves_one_core_and_explicit_settings_win():
     assert choose_cpu_threads(None, environ={"OMP_NUM_THREADS": " "}, cores=4).threads == 3
 
 
+def test_tensor_parallel_ranks_share_the_default_cores():
+    shared = choose_cpu_threads(None, environ={}, cores=16, ranks=2)
+    assert shared.threads == 7 and "2 tensor-parallel ranks" in shared.reason
+    assert choose_cpu_threads(None, environ={}, cores=8, ranks=4).threads == 1
+    assert choose_cpu_threads(None, environ={}, cores=2, ranks=4).threads == 1  # (at least one)
+    assert choose_cpu_threads(3, environ={}, cores=16, ranks=2).threads == 3  # (given: each rank's)
+
+
 def test_usable_cores_are_the_affinity_within_the_cgroup_quota(tmp_path):
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("150000 100000\n")  # a container with --cpus 1.5

@@ -123,3 +123,36 @@ def test_a_router_that_cannot_run_and_bad_router_args_are_usage_errors_before_an
     router = _executable(tmp_path, "vllm-router")
     assert main(["replicas", "--router-bin", router, "--router-args", "'unclosed", "--", "demo"]) == 2
     assert "--router-args: No closing quotation" in capsys.readouterr().err
+
+
+def test_ports_that_clash_or_are_taken_are_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    router = _executable(tmp_path, "vllm-router")
+    base = ["replicas", "--router-bin", router]
+    assert main([*base, "--port", "18400", "--first-replica-port", "18400", "--", "demo"]) == 2
+    assert "replica0's port 18400 is also --port" in capsys.readouterr().err
+    assert main([*base, "--port", "18400", "--router-metrics-port", "18402", "--", "demo"]) == 2
+    assert "replica1's port 18402 is also --router-metrics-port" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [*base, "--num-replicas", "1", "--port", str(port - 1 if port > 1024 else port + 1)]
+        assert main([*argv, "--first-replica-port", str(port), "--", "demo"]) == 2
+        assert f"replica0's port {port}: the port is already in use" in capsys.readouterr().err
+        assert main([*base, "--port", str(port), "--worker-urls", "http://127.0.0.1:9"]) == 2
+        assert f"--port {port}: the port is already in use" in capsys.readouterr().err
+
+
+def test_a_replica_may_drain_for_its_own_shutdown_timeout(tmp_path: Path) -> None:
+    from hybridserve.deploy.replicas import STOP_MARGIN_S, replica_stop_timeout
+
+    assert replica_stop_timeout(["demo", "--shutdown-timeout", "300"]) == 300 + STOP_MARGIN_S
+    assert replica_stop_timeout(["demo"]) == 5 + STOP_MARGIN_S  # (serve's default)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("shutdown-timeout: 90\n")
+    serve = _serve_args(_args("--", "demo", "--config", str(cfg)))
+    assert replica_stop_timeout(serve) == 90 + STOP_MARGIN_S

@@ -21,6 +21,7 @@ import errno
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,9 @@ DEFAULT_ROUTER = "vllm-router"
 _LAUNCH_SUBCOMMAND = {"sglang-router", "smg"}
 POLICIES = ("cache_aware", "round_robin")
 _SERVE_FLAGS_WE_SET = ("--port", "--host", "--uds")
+# Beyond a replica's --shutdown-timeout, the seconds it may take to stop once its requests are
+# done or aborted (the engine thread ends, the listener closes) before it is killed
+STOP_MARGIN_S = 30.0
 
 
 def add_replicas_args(p: argparse.ArgumentParser) -> None:
@@ -170,6 +174,54 @@ def _inline_config_files(serve: list[str]) -> list[str]:
     return expanded[1:]
 
 
+def replica_stop_timeout(serve: list[str]) -> float:
+    """How long a replica may take to drain and stop: its own `--shutdown-timeout` (a file's too:
+    `serve` is written out) plus STOP_MARGIN_S."""
+    from hybridserve.cli import build_parser
+
+    try:
+        ns, _ = build_parser().parse_known_args(["serve", *serve])
+    except SystemExit:  # (refused by the replicas themselves, which then never start)
+        return STOP_MARGIN_S
+    return float(getattr(ns, "shutdown_timeout", 0.0)) + STOP_MARGIN_S
+
+
+def check_ports(args: argparse.Namespace, replica_ports: list[int]) -> None:
+    """Refuses, before anything starts, ports that would clash: the router's, its metrics port and
+    the replicas' must differ, and none may be in use already (a replica that cannot listen
+    exits, and whatever answers on its port would pass its health check)."""
+    named = [("--port", args.port)]
+    if args.router_metrics_port is not None:
+        named.append(("--router-metrics-port", args.router_metrics_port))
+    named += [(f"replica{i}'s port", port) for i, port in enumerate(replica_ports)]
+    seen: dict[int, str] = {}
+    for name, port in named:
+        if port in seen:
+            raise ConfigError(
+                f"{name} {port} is also {seen[port]}: give --port, --first-replica-port and "
+                "--router-metrics-port ports that do not overlap"
+            )
+        seen[port] = name
+    hosts = {"--port": args.host, "--router-metrics-port": args.host}
+    for name, port in named:
+        host = hosts.get(name, "127.0.0.1")
+        if _in_use(host, port):
+            raise ConfigError(f"{name} {port}: the port is already in use on {host}")
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether binding (host, port) fails because the address is in use (other failures, a
+    host name that does not resolve say, are left to the program that binds it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as servers bind: TIME_WAIT is free)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def _health(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -236,7 +288,8 @@ class _Children:
             if proc.poll() is not None:
                 print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
                 return False
-            if _health(url) == 200:
+            # (only while it runs: whatever answers once it has exited is not this child)
+            if _health(url) == 200 and proc.poll() is None:
                 return True
             if time.monotonic() > deadline:
                 print(f"hybridserve replicas: {name} not healthy after {timeout:.0f}s", file=sys.stderr)
@@ -244,9 +297,10 @@ class _Children:
             time.sleep(0.2)
         return False
 
-    def stop(self, timeout: float = 120.0) -> bool:
-        """SIGTERM the replicas and wait (they drain), then the router; True when every child that
-        was still running exits 0 (one that died before was reported when it did)."""
+    def stop(self, timeout: float = STOP_MARGIN_S) -> bool:
+        """SIGTERM the replicas and wait up to `timeout` seconds (they drain), then the router;
+        True when every child that was still running exits 0 (one that died before was reported
+        when it did)."""
         ok = True
         running = [(n, p) for n, p in self.procs if p.poll() is None]
         replicas = [(n, p) for n, p in running if n != "router"]
@@ -277,6 +331,8 @@ def replicas_main(args: argparse.Namespace) -> int:
             raise ConfigError("--first-replica-port: the replicas' ports run past 65535")
         worker_urls = [f"http://127.0.0.1:{first + i}" for i in range(args.num_replicas)]
     router_cmd = router_command(args, worker_urls)
+    check_ports(args, [int(u.rsplit(":", 1)[1]) for u in worker_urls] if serve else [])
+    stop_timeout = replica_stop_timeout(serve)
 
     children = _Children(args.log_dir)
     old = {s: signal.signal(s, children.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -288,13 +344,13 @@ def replicas_main(args: argparse.Namespace) -> int:
         for name, proc in list(children.procs):
             url = worker_urls[int(name.removeprefix("replica"))]
             if not children.wait_healthy(name, proc, url, args.startup_timeout):
-                children.stop()
+                children.stop(stop_timeout)
                 return 0 if children.stopping else 1
         router = children.start("router", router_cmd)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         router_url = f"http://{f'[{host}]' if ':' in host else host}:{args.port}"
         if not children.wait_healthy("router", router, router_url, args.startup_timeout):
-            children.stop()
+            children.stop(stop_timeout)
             return 0 if children.stopping else 1
         print(
             f"hybridserve replicas: ready: {router_url} routes ({args.policy}) to {', '.join(worker_urls)}",
@@ -305,14 +361,14 @@ def replicas_main(args: argparse.Namespace) -> int:
         while not children.stopping:
             if router.poll() is not None:
                 print(f"hybridserve replicas: the router exited with {router.returncode}", file=sys.stderr)
-                children.stop()
+                children.stop(stop_timeout)
                 return 1
             for name, proc in children.procs:
                 if name not in dead and proc.poll() is not None:
                     dead.add(name)  # the router's health checks take it out of rotation
                     print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
             time.sleep(0.2)
-        return 0 if children.stop() else 1
+        return 0 if children.stop(stop_timeout) else 1
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

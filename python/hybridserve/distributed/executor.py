@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from hybridserve.distributed.group_failure import GroupFailure
+from hybridserve.distributed.group_failure import WORKERS_STOPPED, GroupFailure
 from hybridserve.distributed.parallel_state import collective_timeout_s, destroy_tp_group, init_tp_group
 from hybridserve.distributed.worker import StepInputs, WorkerSpec, worker_main
-from hybridserve.errors import ConfigError
+from hybridserve.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -42,6 +42,12 @@ def _exit_status(proc: BaseProcess) -> int | None:
     """The exit status of a worker whose sentinel is ready: reaped first (it may not be yet)."""
     proc.join(1.0)
     return proc.exitcode
+
+
+def _exited(rank: int, proc: BaseProcess) -> str:
+    """Why the group is dead: a worker exited (with its status, when it could be reaped)."""
+    code = _exit_status(proc)
+    return f"tensor-parallel worker rank {rank} exited" + ("" if code is None else f" with status {code}")
 
 
 def _free_port() -> int:
@@ -172,15 +178,18 @@ class TPExecutor(GroupFailure):
 
     def check_alive(self, grace: float = 0.0) -> None:
         """Raises EngineDeadError once the group is dead; a worker process that has exited makes
-        it so. `grace`: seconds to wait for one to exit first (after a failed step, a worker
-        killed a moment ago is still being torn down when its peers' collectives break)."""
+        it so, and so does `shutdown`. `grace`: seconds to wait for one to exit first (after a
+        failed step, a worker killed a moment ago is still being torn down when its peers'
+        collectives break)."""
+        if self._closing and self.dead_reason is None:
+            raise EngineDeadError(WORKERS_STOPPED)
         if self.dead_reason is None and not self._closing:
             # a worker's sentinel closes as it exits, a moment before it can be reaped (until then
             # `is_alive()` still says True): the sentinel is what tells
             ready = wait([p.sentinel for p in self._procs], timeout=grace)
             for rank, p in enumerate(self._procs, start=1):
                 if p.sentinel in ready:
-                    self.fail(f"tensor-parallel worker rank {rank} exited with status {_exit_status(p)}")
+                    self.fail(_exited(rank, p))
         self.raise_if_dead()
 
     def _watch(self) -> None:
@@ -193,8 +202,7 @@ class TPExecutor(GroupFailure):
             for s in ready:
                 rank = live.pop(s)
                 if not self._closing:
-                    code = _exit_status(self._procs[rank - 1])
-                    self.fail(f"tensor-parallel worker rank {rank} exited with status {code}")
+                    self.fail(_exited(rank, self._procs[rank - 1]))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the workers (asks, then terminates, then kills) and leaves the process group."""
@@ -228,6 +236,8 @@ class TPExecutor(GroupFailure):
         self.shutdown(timeout=0.0 if self.dead_reason is not None else EXIT_SHUTDOWN_TIMEOUT_S)
 
     def _kill_all(self) -> None:
+        # (a worker ignores SIGTERM, which a terminal or a service manager sends the whole group:
+        # it is killed when it does not end by itself)
         for p in self._procs:
             if p.is_alive():
                 p.terminate()

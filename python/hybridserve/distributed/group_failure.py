@@ -10,6 +10,9 @@ from hybridserve.errors import EngineDeadError
 
 logger = logging.getLogger("hybridserve.distributed")
 
+# Why an engine whose workers were stopped (`LLMEngine.stop_workers`, `shutdown`) runs no step
+WORKERS_STOPPED = "the tensor-parallel workers were stopped (stop_workers or shutdown)"
+
 
 class GroupFailure:
     """`dead_reason`: the first failure's reason (None while the group is usable). The first

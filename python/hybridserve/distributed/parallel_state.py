@@ -9,6 +9,7 @@ bits)."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,9 +37,18 @@ _GROUP: TPGroup | None = None
 
 
 def collective_timeout_s() -> float:
-    """`HYBRIDSERVE_TP_TIMEOUT_S`, else DEFAULT_TIMEOUT_S."""
-    v = os.environ.get("HYBRIDSERVE_TP_TIMEOUT_S")
-    return float(v) if v else DEFAULT_TIMEOUT_S
+    """`HYBRIDSERVE_TP_TIMEOUT_S` (seconds, a finite number above 0), else DEFAULT_TIMEOUT_S;
+    ConfigError naming the variable for any other value."""
+    v = os.environ.get("HYBRIDSERVE_TP_TIMEOUT_S", "").strip()
+    if not v:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(v)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds < math.inf):
+        raise ConfigError(f"HYBRIDSERVE_TP_TIMEOUT_S must be a number of seconds above 0, got {v!r}")
+    return seconds
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:

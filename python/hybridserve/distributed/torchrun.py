@@ -17,6 +17,7 @@ when called."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -25,8 +26,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.distributed.group_failure import GroupFailure
-from hybridserve.errors import ConfigError
+from hybridserve.distributed.group_failure import WORKERS_STOPPED, GroupFailure
+from hybridserve.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -112,6 +113,9 @@ class TorchrunExecutor(GroupFailure):
         self._closing = False
         self._group = _join(0, env.world_size, torch.device(spec.device))
         _send(spec, self._group)  # the workers load their shards while this rank loads its own
+        # A script that ends without shutting its engine down lets the workers exit cleanly
+        # (they take a closed connection for a failure, and the launcher fails the whole job).
+        atexit.register(self.shutdown)
 
     @property
     def pids(self) -> list[int]:
@@ -140,7 +144,10 @@ class TorchrunExecutor(GroupFailure):
             self.check_alive()
 
     def check_alive(self, grace: float = 0.0) -> None:
-        """Raises EngineDeadError once the group is dead (the launcher watches the processes)."""
+        """Raises EngineDeadError once the group is dead (the launcher watches the processes) or
+        `shutdown` told the workers to exit."""
+        if self._closing and self.dead_reason is None:
+            raise EngineDeadError(WORKERS_STOPPED)
         self.raise_if_dead()
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -150,6 +157,7 @@ class TorchrunExecutor(GroupFailure):
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         if self.dead_reason is None:
             try:
                 _send(None, self._group)
@@ -174,8 +182,9 @@ def run_worker(env: TorchrunEnv, device: str | None) -> int:
     import torch
 
     from hybridserve.distributed.parallel_state import destroy_tp_group
-    from hybridserve.distributed.worker import ShardRunner
+    from hybridserve.distributed.worker import ShardRunner, ignore_stop_signals
 
+    ignore_stop_signals()
     dev = torch.device(f"cuda:{env.local_rank}" if (device or "cpu").startswith("cuda") else "cpu")
     group = _join(env.rank, env.world_size, dev)
     spec = _recv(group)

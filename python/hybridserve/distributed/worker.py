@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -113,11 +114,22 @@ class ShardRunner:
                 self.model.forward(batch, self.caches)
 
 
+def ignore_stop_signals() -> None:
+    """A worker ends when rank 0 tells it to or is gone, never on SIGINT or SIGTERM: a Ctrl-C in
+    a terminal, a service manager's stop and torchrun's forwarding reach every process of the
+    group at once, and a worker that died then would break the step of every request that rank 0
+    is draining. (Rank 0 kills a worker that does not end by itself; torchrun kills its ranks
+    after its grace period.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def worker_main(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     """The process entry point of rank `rank` (spawned by executor.TPExecutor)."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s", stream=sys.stderr
     )
+    ignore_stop_signals()
     code = 0
     try:
         import torch

@@ -51,14 +51,24 @@ def usable_cores(cpu_limit: float | None = None) -> int:
 
 
 def choose_cpu_threads(
-    requested: int | None, *, environ: dict[str, str] | None = None, cores: int | None = None
+    requested: int | None,
+    *,
+    environ: dict[str, str] | None = None,
+    cores: int | None = None,
+    ranks: int = 1,
 ) -> ThreadChoice:
-    """The engine's thread count: `requested` (--cpu-threads) if given, torch's own choice if
-    OMP_NUM_THREADS is set, else the usable cores minus one (at least 1)."""
+    """The thread count of each of the engine's `ranks` processes (tensor parallelism runs one a
+    rank, each with this many threads): `requested` (--cpu-threads) if given, torch's own choice
+    if OMP_NUM_THREADS is set, else the usable cores minus one, shared among the ranks (at least
+    1 each: ranks that together spin more threads than there are cores wait on each other at
+    every barrier)."""
     env = os.environ if environ is None else environ
     if requested is not None:
         return ThreadChoice(int(requested), "--cpu-threads")
     if env.get("OMP_NUM_THREADS", "").strip():
         return ThreadChoice(None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS'].strip()}")
     n = usable_cores() if cores is None else cores
-    return ThreadChoice(max(1, n - 1), f"default: {n} usable core(s), one left to the rest of the process")
+    reason = f"default: {n} usable core(s), one left to the rest of the process"
+    if ranks > 1:
+        reason += f", the rest shared by {ranks} tensor-parallel ranks"
+    return ThreadChoice(max(1, (n - 1) // ranks), reason)

@@ -85,14 +85,14 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         raise ConfigError(
             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
-    threads = choose_cpu_threads(args.cpu_threads)
+    tp = int(args.tensor_parallel_size)
+    threads = choose_cpu_threads(args.cpu_threads, ranks=tp)
     if threads.threads is not None:
         torch.set_num_threads(threads.threads)
     # (torch's intra-op threads; the C++ kernels' pool uses as many: kernels/native.py)
     logger.info("CPU threads: %d (%s)", torch.get_num_threads(), threads.reason)
     # (before any weight is read or worker started: a wrong --tokenizer fails at once)
     tokenizer_dir, tokenizer = _load_tokenizer(args, str(model_dir))
-    tp = int(args.tensor_parallel_size)
     executor = (
         _start_workers(args, model_dir, dtype, device, sizes, int(resolved.block_size), tokenizer_dir)
         if tp > 1
@@ -184,10 +184,20 @@ def _start_workers(
     """Spawns the tensor-parallel workers, or joins those a launcher (torchrun) started (they load
     their shards while this process loads its)."""
     from hybridserve.distributed.executor import TPExecutor
+    from hybridserve.distributed.parallel_state import collective_timeout_s
     from hybridserve.distributed.torchrun import TorchrunExecutor, check_torchrun
 
     tp = int(args.tensor_parallel_size)
-    if device.type == "cuda":
+    collective_timeout_s()  # (a bad HYBRIDSERVE_TP_TIMEOUT_S is refused before any rank starts)
+    env = check_torchrun(tp)
+    if env is not None and device.type == "cuda" and device.index not in (None, env.local_rank):
+        # (every rank of a launcher's group takes cuda:LOCAL_RANK: another index for rank 0
+        # would put two ranks on one device)
+        raise ConfigError(
+            f"--device {device}: under torchrun each rank takes cuda:LOCAL_RANK (rank 0: "
+            f"cuda:{env.local_rank}); give --device cuda"
+        )
+    if device.type == "cuda" and env is None:
         first = device.index or 0
         if first + tp > torch.cuda.device_count():
             raise ConfigError(
@@ -207,7 +217,6 @@ def _start_workers(
         args.load_format,
         tokenizer_dir,
     )
-    env = check_torchrun(tp)
     if env is not None:
         logger.info("tensor parallel: joining the %d ranks torchrun started", tp)
         return TorchrunExecutor(spec, env)
