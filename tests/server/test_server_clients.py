@@ -237,8 +237,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
         chunks, last = events[:-2], events[-2]
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5 * body.get("n", 1)
         assert all(c["usage"] is not None for c in chunks)
-        seen = [c["usage"]["completion_tokens"] for c in chunks]
-        assert seen == sorted(seen) and seen[-1] == last["usage"]["completion_tokens"]
+        # each chunk: its choice's tokens so far (as vLLM's), counted up to the choice's 5
+        for index in range(body.get("n", 1)):
+            seen = [c["usage"]["completion_tokens"] for c in chunks if c["choices"][0]["index"] == index]
+            assert seen == sorted(seen) and seen[-1] == 5
         assert {c["usage"]["prompt_tokens"] for c in chunks} == {last["usage"]["prompt_tokens"]}
         # without it, as before: usage only in the last chunk
         plain = stream(

@@ -1299,6 +1299,10 @@ def _usage(req: P.GenerateRequest, choices: list[_Choice]) -> dict[str, Any]:
     return P.usage_dict(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
 
 
+def _choice_usage(choice: _Choice) -> dict[str, Any]:
+    return P.usage_dict(len(choice.prompt.token_ids), len(choice.token_ids), choice.num_cached_tokens)
+
+
 def _as_ids(req: P.GenerateRequest, info: EngineModelInfo) -> bool:
     """Whether the request's logprobs name tokens "token_id:N" (its field, else the server's flag)."""
     return info.tokens_as_ids if req.tokens_as_ids is None else req.tokens_as_ids
@@ -1593,8 +1597,11 @@ async def _stream(
         nonlocal resp
         if resp is None:
             resp = await sse.start_stream(request)
-        # vLLM's continuous_usage_stats: every chunk carries the request's usage so far
-        usage = _usage(req, choices) if req.include_usage and req.continuous_usage else None
+        # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (its
+        # prompt's tokens, the tokens the choice made), as vLLM's chunks do
+        usage = None
+        if req.include_usage and req.continuous_usage:
+            usage = _choice_usage(choices[choice_json["index"]])
         if req.kind == "chat":
             event = P.chat_chunk(request_id, created, req.model, [choice_json], usage, req.include_usage,
                                  prompt_token_ids=prompt_token_ids)  # fmt: skip
