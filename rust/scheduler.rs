@@ -83,6 +83,11 @@ pub struct SchedulerStats {
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lost_tokens: u64,
+    /// The part of the two above from admissions of preempted requests (vLLM counts a
+    /// preempted request's lookup apart: a victim that finds its own blocks again is no hit of
+    /// sharing).
+    pub prefix_preempted_queried_tokens: u64,
+    pub prefix_preempted_hit_tokens: u64,
     /// Hits and hit tokens by where the checkpoint came from (`CheckpointKind::index`).
     pub prefix_hits_by_kind: [u64; CheckpointKind::COUNT],
     pub prefix_hit_tokens_by_kind: [u64; CheckpointKind::COUNT],
@@ -872,6 +877,10 @@ impl Scheduler {
             }
             self.stats.prefix_queried_tokens += known as u64;
             self.stats.prefix_hit_tokens += start as u64;
+            if req.num_preemptions > 0 {
+                self.stats.prefix_preempted_queried_tokens += known as u64;
+                self.stats.prefix_preempted_hit_tokens += start as u64;
+            }
             self.stats.prefix_lost_tokens += hit.kv_hit_tokens.saturating_sub(start) as u64;
             if let Some(kind) = hit.kind {
                 self.stats.prefix_hits_by_kind[kind.index()] += 1;

@@ -381,7 +381,7 @@ impl PyScheduler {
         let s = self.inner.stats();
         let c = &s.cache;
         let d = PyDict::new(py);
-        let items: [(&str, u64); 41] = [
+        let items: [(&str, u64); 43] = [
             ("num_running", s.num_running as u64),
             ("num_waiting", s.num_waiting as u64),
             ("num_preempted", s.num_preempted as u64),
@@ -394,6 +394,11 @@ impl PyScheduler {
             ("prefix_queried_tokens", s.prefix_queried_tokens),
             ("prefix_hit_tokens", s.prefix_hit_tokens),
             ("prefix_lost_tokens", s.prefix_lost_tokens),
+            (
+                "prefix_preempted_queried_tokens",
+                s.prefix_preempted_queried_tokens,
+            ),
+            ("prefix_preempted_hit_tokens", s.prefix_preempted_hit_tokens),
             ("checkpoints_kept", s.checkpoints_kept),
             ("spec_drafted_tokens", s.spec_drafted_tokens),
             ("spec_accepted_tokens", s.spec_accepted_tokens),

@@ -965,3 +965,24 @@ def test_request_phases_not_reached_are_none_and_sequences_combine() -> None:
     merged = RequestMetrics.combined([waiting, ran, None])
     assert merged == RequestMetrics(1.0, 1.5, 1.75, 3.0, 3.5)
     assert RequestMetrics.combined([None]) is None
+
+
+def test_vllm_s_prefix_cache_figures_leave_out_the_lookups_of_preempted_requests() -> None:
+    """A preempted request looks its tokens up again when it is readmitted, and mostly finds its own
+    blocks: vLLM counts that apart from its prefix-cache queries and hits, and so do the figures
+    behind `vllm:prefix_cache_*`; the engine's own counters count every admission."""
+    llm = LLM("demo", dtype="float32", max_num_batched_tokens=128, num_kv_blocks=30, max_model_len=256)
+    prompts = [
+        f"Request {i} tells a story about the sea and the ships that sail on it at night" for i in range(6)
+    ]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0))
+    s = llm.engine.stats()
+    assert s["num_preemptions_total"] > 0 and s["prefix_preempted_queried_tokens"] > 0
+    # every prompt looked up once, at its first admission, as vLLM counts queries
+    assert s["vllm_prefix_cache_queried_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert s["prefix_cache_queried_tokens"] == (
+        s["vllm_prefix_cache_queried_tokens"] + s["prefix_preempted_queried_tokens"]
+    )
+    assert (
+        s["prefix_cache_hit_tokens"] == s["vllm_prefix_cache_hit_tokens"] + s["prefix_preempted_hit_tokens"]
+    )

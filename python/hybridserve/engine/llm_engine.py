@@ -816,6 +816,11 @@ class LLMEngine:
             num_requests_awaiting_grammar=awaiting,
             prefix_cache_queried_tokens=s.get("prefix_queried_tokens", 0),
             prefix_cache_hit_tokens=s.get("prefix_hit_tokens", 0),
+            # vLLM's figures leave out a preempted request's lookup again (counted apart there)
+            vllm_prefix_cache_queried_tokens=s.get("prefix_queried_tokens", 0)
+            - s.get("prefix_preempted_queried_tokens", 0),
+            vllm_prefix_cache_hit_tokens=s.get("prefix_hit_tokens", 0)
+            - s.get("prefix_preempted_hit_tokens", 0),
             prefix_cache_lost_tokens=s.get("prefix_lost_tokens", 0),
             # sequences the state pool can run with their windows and a checkpoint slot each
             mamba_state_capacity_seqs=self.em.sizes.state_pool_capacity,

@@ -161,12 +161,13 @@ VLLM_GAUGES = {
 VLLM_COUNTERS = {
     "vllm:prompt_tokens": ("prompt_tokens", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("generation_tokens", "Number of generation tokens processed."),
+    # (as vLLM's: the lookups of requests not preempted before; the hybridserve_ names count all)
     "vllm:prefix_cache_queries": (
-        "prefix_cache_queried_tokens",
+        "vllm_prefix_cache_queried_tokens",
         "Prefix cache queries, in terms of number of queried tokens.",
     ),
     "vllm:prefix_cache_hits": (
-        "prefix_cache_hit_tokens",
+        "vllm_prefix_cache_hit_tokens",
         "Prefix cache hits, in terms of number of cached tokens (a hybrid hit needs KV and a Mamba state).",
     ),
     "vllm:num_preemptions": ("num_preemptions_total", "Cumulative number of preemptions."),
@@ -200,6 +201,8 @@ ENGINE_KEY_ALIASES = {
     "prefix_cache_queried_tokens": ("prefix_queried_tokens",),
     "prefix_cache_hit_tokens": ("prefix_hit_tokens",),
     "prefix_cache_lost_tokens": ("prefix_lost_tokens",),
+    "vllm_prefix_cache_queried_tokens": ("prefix_cache_queried_tokens", "prefix_queried_tokens"),
+    "vllm_prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prefix_hit_tokens"),
     "spec_decode_draft_tokens": ("spec_drafted_tokens",),
     "spec_decode_accepted_tokens": ("spec_accepted_tokens",),
     "num_preemptions_total": ("num_preemptions",),
