@@ -68,6 +68,36 @@ def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> 
     assert [c["token_ids"] for c in two["choices"][:3]] == [c["token_ids"] for c in r["choices"]]
 
 
+def test_a_streamed_search_sends_each_finished_beam_as_a_chunk(server: ServerProcess) -> None:
+    """As vLLM streams a beam search (its beams are known only at the end): one chunk per choice
+    with the whole text and finish reason, then the usage chunk; the same choices as unstreamed."""
+    body = {"prompt": PROMPT, "n": 3, "max_tokens": 5, "use_beam_search": True, "return_token_ids": True}
+    status, whole = call(server, "/v1/completions", body)
+    assert status == 200, whole
+    status, events = call(
+        server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert status == 200, events
+    assert events[-1] == "[DONE]"
+    chunks, last = events[:-2], events[-2]
+    got = [c["choices"][0] for c in chunks]
+    assert [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in got] == [
+        (c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in whole["choices"]
+    ]
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    messages = [{"role": "user", "content": "Tell me about the city"}]
+    with openai_client(server) as client:
+        kw: dict[str, Any] = dict(model="demo", messages=messages, n=2, max_tokens=4)
+        kw["extra_body"] = {"use_beam_search": True}
+        plain = client.chat.completions.create(**kw)
+        streamed = list(client.chat.completions.create(**kw, stream=True))
+    by_index = {c.choices[0].index: c.choices[0] for c in streamed}
+    assert [by_index[c.index].delta.content for c in plain.choices] == [
+        c.message.content for c in plain.choices
+    ]
+    assert all(by_index[c.index].finish_reason == c.finish_reason for c in plain.choices)
+
+
 def test_a_beam_that_ends_in_eos_shows_no_eos_text(server: ServerProcess, offline: LLM) -> None:
     """As in a sampled answer: the EOS is in token_ids but not in the text, even with special
     tokens shown."""
@@ -109,7 +139,6 @@ def test_chat_through_the_openai_client(server: ServerProcess, offline: LLM) -> 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"stream": True}, "stream"),
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["."]}, "stop"),
         ({"stop_token_ids": [5]}, "stop_token_ids"),

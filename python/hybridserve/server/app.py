@@ -1486,15 +1486,16 @@ async def _beam_answer(
     engine_ids: str,
     created: int,
     arrival: float,
-) -> web.Response:
+) -> web.StreamResponse:
     """`use_beam_search`: each prompt's n best beams as its choices (server/beam_route.py). The
-    search holds its n x prompts places of the queue (checked by the caller) to its end."""
+    search holds its n x prompts places of the queue (checked by the caller) to its end. With
+    `stream` the finished choices go as one chunk each (as vLLM streams a search: its beams are
+    known only at the end)."""
     places = [f"{engine_ids}-beams-{i}" for i in range(req.num_sequences)]
     state.admit(places)
     prompt_tokens = sum(len(p.token_ids) for p in req.prompts)
     completion_tokens = 0
-    ids = req.return_token_ids
-    out: list[dict[str, Any]] = []
+    made: list[_BeamChoice] = []
     try:
         try:
             best, steps = await run_beam_search(engine, req, engine_ids, lambda: state.draining)
@@ -1514,32 +1515,7 @@ async def _beam_answer(
                 ends_eos = beam.finish_reason == "stop" and added[-1:] == [engine.eos_token_id]
                 shown = added[:-1] if ends_eos else added
                 text = info.decode(shown, skip_special_tokens=req.params.skip_special_tokens)
-                if req.kind == "completion":
-                    out.append(
-                        P.completion_choice(
-                            len(out),
-                            text,
-                            beam.finish_reason,
-                            None,
-                            prompt_token_ids=prompt.token_ids if ids else None,
-                            token_ids=added if ids else None,
-                        )
-                    )
-                else:
-                    reasoning, content = (
-                        (None, text) if req.reasoning is None else split_reasoning(req.reasoning, text)
-                    )
-                    out.append(
-                        P.chat_choice(
-                            len(out),
-                            content,
-                            beam.finish_reason,
-                            None,
-                            token_ids=added if ids else None,
-                            reasoning=reasoning,
-                            role=req.answer_role,
-                        )
-                    )
+                made.append(_BeamChoice(len(made), prompt, added, text, beam.finish_reason or "length"))
     finally:
         for place in places:
             state.release(place)
@@ -1547,6 +1523,35 @@ async def _beam_answer(
             prompt_tokens=prompt_tokens, output_tokens=completion_tokens, ttft_s=time.monotonic() - arrival
         )
     usage = P.usage_dict(prompt_tokens, completion_tokens, 0)
+    if req.stream:
+        return await _stream_beams(request, req, request_id, created, made, usage)
+    ids = req.return_token_ids
+    out: list[dict[str, Any]] = []
+    for c in made:
+        if req.kind == "completion":
+            out.append(
+                P.completion_choice(
+                    c.index,
+                    c.text,
+                    c.finish_reason,
+                    None,
+                    prompt_token_ids=c.prompt.token_ids if ids else None,
+                    token_ids=c.token_ids if ids else None,
+                )
+            )
+        else:
+            reasoning, content = _beam_reasoning(req, c.text)
+            out.append(
+                P.chat_choice(
+                    c.index,
+                    content,
+                    c.finish_reason,
+                    None,
+                    token_ids=c.token_ids if ids else None,
+                    reasoning=reasoning,
+                    role=req.answer_role,
+                )
+            )
     if req.kind == "completion":
         body = P.completion_response(request_id, created, req.model, out, usage)
     else:
@@ -1559,6 +1564,75 @@ async def _beam_answer(
             prompt_token_ids=req.prompts[0].token_ids if ids else None,
         )
     return web.json_response(body, dumps=_dumps)
+
+
+@dataclass
+class _BeamChoice:
+    """One beam as a choice: what it added to its prompt, and its text."""
+
+    index: int
+    prompt: P.PromptInput
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def _beam_reasoning(req: P.GenerateRequest, text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of a chat beam: all content without a reasoning parser."""
+    return (None, text) if req.reasoning is None else split_reasoning(req.reasoning, text)
+
+
+async def _stream_beams(
+    request: web.Request,
+    req: P.GenerateRequest,
+    request_id: str,
+    created: int,
+    made: list[_BeamChoice],
+    usage: dict[str, Any],
+) -> web.StreamResponse:
+    """The finished beams as a stream: one chunk per choice with its whole text and its finish
+    reason, then the usage chunk (with `include_usage`) and [DONE]."""
+    ids = req.return_token_ids
+    continuous = req.include_usage and req.continuous_usage
+    resp = await sse.start_stream(request)
+    for c in made:
+        own = P.usage_dict(len(c.prompt.token_ids), len(c.token_ids), 0) if continuous else None
+        if req.kind == "completion":
+            cj = P.completion_choice(
+                c.index,
+                c.text,
+                c.finish_reason,
+                None,
+                prompt_token_ids=c.prompt.token_ids if ids else None,
+                token_ids=c.token_ids if ids else None,
+            )
+            event = P.completion_chunk(request_id, created, req.model, [cj], own, req.include_usage)
+        else:
+            reasoning, content = _beam_reasoning(req, c.text)
+            cj = P.chat_chunk_choice(
+                c.index,
+                role=req.answer_role,
+                content=content if req.reasoning is None or content else None,
+                finish_reason=c.finish_reason,
+                token_ids=c.token_ids if ids else None,
+                reasoning=reasoning or None,
+            )
+            event = P.chat_chunk(
+                request_id,
+                created,
+                req.model,
+                [cj],
+                own,
+                req.include_usage,
+                prompt_token_ids=c.prompt.token_ids if ids else None,
+            )
+        await sse.send_event(resp, event)
+    if req.include_usage:
+        chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
+        await sse.send_event(resp, chunk(request_id, created, req.model, [], usage, True))
+    await sse.send_done(resp)
+    await resp.write_eof()
+    return resp
 
 
 def _echo_text(info: EngineModelInfo, req: P.GenerateRequest, prompt: P.PromptInput) -> str:
