@@ -277,3 +277,37 @@ def test_a_stop_string_that_ended_among_the_first_min_tokens_never_counts() -> N
     assert released == text == "aab" and stopped_by == "aa"
     released, text, stopped_by = _run("aaab", stop=["aa"], min_tokens=2)  # "aa" at tokens 2-3 counts
     assert released == text == "a" and stopped_by == "aa"
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A SentencePiece-style tokenizer (Metaspace, decoded as Llama-2's: "▁" to a space, then the
+    text's first space stripped): a token's leading space shows only after another token."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "▁The", "▁capital", "▁is", "▁the", "▁d", "▁m", "é", "▁caf"]
+    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    folder = tmp_path_factory.mktemp("metaspace")
+    hf.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_first_token_keeps_its_space_after_the_prompt(metaspace: Tokenizer, deferred: bool) -> None:
+    """The window starts on the prompt's last tokens (as vLLM's): decoded alone, "▁the" would lose
+    its space, and the text would not continue the prompt."""
+    prompt, out = [1, 2, 3], [4, 5, 4, 6]  # "The capital is" + " the d the m"
+    d = IncrementalDetokenizer(metaspace, context=prompt, deferred=deferred)
+    text = "".join(d.add_tokens([t], final=i == len(out) - 1) for i, t in enumerate(out))
+    assert text == d.text == " the d the m"
+    assert metaspace.decode(prompt) + text == metaspace.decode(prompt + out)
+    # a stop string that begins with the space matches at the token that brings it
+    s = IncrementalDetokenizer(metaspace, stop=[" the"], context=prompt)
+    assert s.add_tokens([4]) == "" and s.stopped_by == " the" and s.text == ""
+    # without a prompt there is nothing to continue: the text starts as the decoder starts it
+    assert IncrementalDetokenizer(metaspace).add_tokens([4], final=True) == "the"

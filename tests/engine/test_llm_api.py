@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, ConfigError, InvalidRequestError, SamplingParams
+from hybridserve.engine.detokenizer import CONTEXT_TOKENS
 from hybridserve.sampling.params import MAX_TOP_K
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -752,7 +753,9 @@ def test_offline_generate_decodes_each_text_once_at_the_end(monkeypatch: pytest.
 
     monkeypatch.setattr(tok, "decode", counting)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
-    assert lengths == [12]  # one decode of the whole output, not one per token
+    # one decode of the prompt's last tokens the text continues, one of them and the whole
+    # output at the end: not one per token
+    assert lengths == [CONTEXT_TOKENS, CONTEXT_TOKENS + 12]
     assert out.text == decode(out.token_ids)
     # with a stop string to watch for, the text is followed token by token again
     lengths.clear()
@@ -986,3 +989,48 @@ def test_vllm_s_prefix_cache_figures_leave_out_the_lookups_of_preempted_requests
     assert (
         s["prefix_cache_hit_tokens"] == s["vllm_prefix_cache_hit_tokens"] + s["prefix_preempted_hit_tokens"]
     )
+
+
+def test_a_text_prompt_gets_the_tokenizer_s_special_tokens_as_the_completion_route_s(tmp_path: Path) -> None:
+    """A tokenizer that puts a BOS first: `generate` with a text encodes it with it (as vLLM's
+    `LLM.generate` and the server's /v1/completions do), token ids stay as given."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from hybridserve.engine.tokenizer import Tokenizer
+    from hybridserve.model.demo import resolve_model_path
+
+    hf = HFTokenizer.from_file(str(Path(resolve_model_path("demo")) / "tokenizer.json"))
+    hf.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM("demo", dtype="float32", max_model_len=128, tokenizer=str(tmp_path))
+    params = SamplingParams(max_tokens=1, temperature=0)
+    (out,) = llm.generate("Hello world", params)
+    assert out.prompt_token_ids == Tokenizer(tmp_path).encode("Hello world", add_special_tokens=True)
+    assert out.prompt_token_ids[0] == 0 and len(out.prompt_token_ids) > 1
+    (given,) = llm.generate({"prompt_token_ids": out.prompt_token_ids[1:]}, params)
+    assert given.prompt_token_ids == out.prompt_token_ids[1:]
+
+
+def test_vllm_s_other_sampling_fields_are_taken_or_refused_by_name() -> None:
+    llm = LLM("demo", dtype="float32", max_model_len=128)
+    ok = SamplingParams(n=2, best_of=2, spaces_between_special_tokens=False, detokenize=True, max_tokens=2)
+    assert [len(o.outputs) for o in llm.generate("Hello", ok)] == [2]
+    for kw, field in (
+        ({"best_of": 3}, "best_of"),
+        ({"detokenize": False}, "detokenize"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ):
+        with pytest.raises(InvalidRequestError, match=field):
+            SamplingParams(**kw)
+    # truncate_prompt_tokens keeps the prompt's last tokens (-1: as many as the context holds)
+    ids = list(range(10, 40))
+    (cut,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, truncate_prompt_tokens=8))
+    assert cut.prompt_token_ids == ids[-8:]
+    (whole,) = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1)
+    )
+    assert whole.prompt_token_ids == ids
+    # a logit_bias outside the vocabulary is refused, as the HTTP route refuses it
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate("Hello", SamplingParams(max_tokens=1, logit_bias={10**6: 5.0}))

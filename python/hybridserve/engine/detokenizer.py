@@ -7,6 +7,11 @@ without the new tokens; the difference is the new text. A trailing replacement c
 unfinished character, held back until more tokens (or the end) arrive. The cost per token is
 constant, not proportional to the length of the output.
 
+The window starts on the last few prompt tokens (`context`), as vLLM's does: decoders that strip
+the space of a text's first token (SentencePiece's Metaspace, "▁the" -> "the") would otherwise
+take the output's first word's space away, and a stop string " the" would match a token late. The
+context's own text is never released.
+
 `deferred=True` (the offline `LLM.generate` path, where nobody reads the text before the end): with
 no stop strings to watch for, tokens are only collected and the text is decoded once, when the
 final call comes.
@@ -34,6 +39,8 @@ class Decoder(Protocol):
 
 
 _INCOMPLETE = "\ufffd"
+# Prompt tokens the window starts on (vLLM's incremental detokenizer starts 5 back)
+CONTEXT_TOKENS = 5
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -154,6 +161,8 @@ class IncrementalDetokenizer:
     min_tokens: int = 0
     # Decode once at the end instead of per token (only when there are no stop strings).
     deferred: bool = False
+    # The prompt's ids (its last CONTEXT_TOKENS start the window; their text is not released)
+    context: Sequence[int] = ()
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text released so far
     stopped_by: str | None = None  # the stop string that matched, if any
@@ -167,6 +176,24 @@ class IncrementalDetokenizer:
     def __post_init__(self) -> None:
         if self.stop:
             self._automaton = _StopAutomaton(self.stop)
+        tail = [int(t) for t in self.context[-CONTEXT_TOKENS:]]
+        self._context_text = self.tokenizer.decode(tail, skip_special_tokens=self.skip_special_tokens)
+        # (not a prompt that ends inside a character: the output's first token completes it, and
+        # the window must not count the character as the prompt's)
+        if tail and not self._context_text.endswith(_INCOMPLETE):
+            self.token_ids = [*tail, *self.token_ids]
+            self._read_offset = len(tail)
+        self._context = self._read_offset  # token_ids[:_context] are the prompt's
+
+    def _decode_output(self) -> str:
+        """The whole output's text, decoded after the context (as the window decodes it)."""
+        skip = self.skip_special_tokens
+        whole = self.tokenizer.decode(self.token_ids, skip_special_tokens=skip)
+        if not self._context:
+            return whole
+        if whole.startswith(self._context_text):
+            return whole[len(self._context_text) :]
+        return self.tokenizer.decode(self.token_ids[self._context :], skip_special_tokens=skip)
 
     def _decode_window(self, final: bool) -> str:
         """The text the new tokens add ('' while they end inside a character)."""
@@ -192,7 +219,7 @@ class IncrementalDetokenizer:
             if not final or (self._read_offset == len(self.token_ids) and self.text):
                 return ""  # not the end yet, or already decoded up to the last token
             self._read_offset = len(self.token_ids)
-            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            full = self._decode_output()
             delta = full[len(self.text) :] if full.startswith(self.text) else ""
             self.text = full if full.startswith(self.text) else self.text
             return delta
@@ -205,7 +232,7 @@ class IncrementalDetokenizer:
         # arrived one character at a time (the one that starts first on a tie). Only matches that
         # end in the new text count, and none while the tokens are among the first min_tokens
         # (a match that ends in their text never counts, even while its end is still held back).
-        counts = len(self.token_ids) > self.min_tokens
+        counts = len(self.token_ids) - self._context > self.min_tokens
         base = len(self.text)  # `pending` starts at this position of the whole text
         pending = self._held + new
         first: tuple[int, str] | None = None

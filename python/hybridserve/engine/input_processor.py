@@ -112,7 +112,8 @@ class InputProcessor:
                     f"prompt: at least {at_least} tokens leave no room to generate within max_model_len "
                     f"{self.max_model_len}"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            # (with the tokenizer's special tokens, a BOS say, as vLLM and the completion route encode)
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
@@ -148,6 +149,11 @@ class InputProcessor:
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequestError("prompt: must not be empty")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep  # (as the completion route cuts)
+            if len(ids) > keep:  # (a prompt that was cut keeps no text: it is not the client's)
+                text, ids = None, ids[-keep:]
         vocab = self.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
@@ -162,6 +168,8 @@ class InputProcessor:
             raise InvalidRequestError(f"stop_token_ids: token ids must be in [0, {vocab})")
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise InvalidRequestError(f"allowed_token_ids: token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})")
         banned = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else ()
         return EngineRequest(
             request_id=request_id,

@@ -266,7 +266,7 @@ class LLM:
                 ids: list[str] = []
                 groups.append(ids)
                 for j in range(params.n):
-                    sub = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, j))
+                    sub = dataclasses.replace(params, n=1, best_of=None, seed=choice_seed(params.seed, j))
                     rid = f"llm-{self._next_id}"
                     self._next_id += 1
                     self.engine.add_request(rid, prompt, sub, priority=prio)

@@ -44,6 +44,7 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 min_tokens=req.min_tokens,
                 deferred=not self.stream_outputs,
+                context=req.prompt_token_ids,
             ),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(req.prompt_token_ids),

@@ -85,7 +85,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> value added to that token's logit before any other
     # processing (greedy rows too). None or empty: no bias. Ids are checked against the vocabulary
-    # by the sampler's caller (the HTTP protocol knows the vocabulary; here only id >= 0).
+    # when the request is added (here only id >= 0).
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: the only tokens the output may hold (None: any). Checked against
     # the vocabulary when the request is added.
@@ -94,6 +94,16 @@ class SamplingParams:
     # spaces and after one space; a word's last token is forbidden wherever the output ends with
     # the tokens before it.
     bad_words: list[str] | None = None
+    # vLLM's truncate_prompt_tokens: only the prompt's last that many tokens are kept (-1: as many
+    # as the context holds); None keeps the prompt whole
+    truncate_prompt_tokens: int | None = None
+    # vLLM's fields that change nothing here, taken so that code written for vLLM runs: best_of
+    # (None or n only: the n sequences are the answer), spaces_between_special_tokens (decoding
+    # with a fast tokenizer, as vLLM's fast path, does not use it) and detokenize (true only: the
+    # text and stop strings need it)
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -186,10 +196,25 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs!r}")
-        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for flag in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        ):
             v = getattr(self, flag)
             if not isinstance(v, bool | np.bool_):
                 raise bad(flag, f"must be true or false, got {v!r}")
+        if not self.detokenize:
+            raise bad("detokenize", "only true is served (the text and stop strings need it)")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of != self.n):
+            raise bad("best_of", f"only None or n ({self.n}) is served, got {self.best_of!r}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not is_int(keep) or not (keep == -1 or keep >= 1)):
+            raise bad(
+                "truncate_prompt_tokens", f"must be -1 (the context) or a positive integer, got {keep!r}"
+            )
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
         if (why := stop_length_error(self.stop)) is not None:
