@@ -379,11 +379,8 @@ def build_hf_model(kind: str, overrides: dict, vocab_size: int = 256, seed: int 
     if kind == "nemotron_h":
         cfg = transformers.NemotronHConfig(**common, **overrides)
         model = transformers.NemotronHForCausalLM(cfg)
-        # time_step_min = 0: transformers clamps dt only in prefill; with no clamp both agree
-        cfg.time_step_min = 0.0
-        for m in model.modules():
-            if hasattr(m, "time_step_limit"):
-                m.time_step_limit = (0.0, float("inf"))
+        # (time_step_min keeps its default, 0.001, as every released config has it: it shapes the
+        # dt initialisation only, the mixer clamps by time_step_limit, (0, inf))
     elif kind == "bamba":
         cfg = transformers.BambaConfig(**common, **overrides)
         model = transformers.BambaForCausalLM(cfg)

@@ -1,8 +1,7 @@
 """Model runner vs transformers on tiny random checkpoints, and self-consistency in float64.
 
-dt clamp: transformers' NemotronH clamps dt >= time_step_min in prefill only; the tiny NemotronH
-checkpoints here use time_step_min = 0 so that the clamp never fires (our engine applies the same
-limits in prefill and decode).
+dt limits: NemotronH clamps dt by `time_step_limit`, (0, inf), not by `time_step_min` (which only
+initialises dt_bias): a checkpoint whose dt falls below time_step_min matches transformers.
 """
 
 from __future__ import annotations
@@ -82,6 +81,30 @@ def test_full_prompt_logits_match_transformers(checkpoints, name):
     caches = ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4)
     ours = lm.model(_full_prompt_batch(prompt), caches)
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, float(rel)
+
+
+def test_nemotron_h_dt_below_time_step_min_is_not_clamped(tmp_path):
+    """Every released Nemotron-H config says time_step_min 0.001 and time_step_limit [0, inf]: a
+    head whose dt falls below 0.001 is computed with its own dt, as transformers computes it."""
+    from model_fixtures import NEMOTRON_H_CONFIGS
+
+    hf = build_hf_model("nemotron_h", NEMOTRON_H_CONFIGS["nh_g1"], vocab_size=VOCAB, seed=3)
+    assert hf.config.time_step_min == pytest.approx(0.001)
+    small = torch.tensor([1e-4, 3e-4, 5e-4, 0.02, 0.05, 0.1], dtype=torch.float64)
+    for m in hf.modules():
+        if hasattr(m, "dt_bias"):
+            dt = small.repeat(m.dt_bias.numel() // len(small) + 1)[: m.dt_bias.numel()]
+            with torch.no_grad():
+                m.dt_bias.copy_(torch.log(torch.expm1(dt)))  # softplus(dt_bias) = dt
+    d = save_hf_model(hf, tmp_path / "nh")
+    lm = load_model(str(d), torch.float32)
+    prompt = random_prompts(1, VOCAB, [29], seed=7)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    caches = ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4)
+    ours = lm.model(_full_prompt_batch(prompt), caches)
     rel = (ours - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4, float(rel)
 

@@ -18,9 +18,9 @@
 - `tokenizer_config.json` (ChatML chat template) and `generation_config.json`.
 
 The same seed gives the same bytes on the same machine (training runs in one thread with
-deterministic algorithms; see `train_weights`). `time_step_min` is 1e-9 so that the NemotronH
-mixer's dt clamp (applied by transformers in prefill but not in single-token decode) never fires,
-and `time_step_limit` is `[0, inf]` (written with transformers' `{"__float__": "Infinity"}` tag).
+deterministic algorithms; see `train_weights`). `time_step_limit`, the mixer's dt clamp, is
+`[0, inf]` (written with transformers' `{"__float__": "Infinity"}` tag), as in released configs;
+`time_step_min` (1e-9) only feeds transformers' initialiser.
 
 `ensure_demo_model()` builds the default-seed checkpoint once into a cache folder and returns its
 path; `resolve_model_path("demo")` is what every `model=` argument goes through.
@@ -85,10 +85,9 @@ INIT_STD = 0.02
 LM_HEAD_STD = 0.02
 DT_MIN, DT_MAX = 1e-3, 0.1  # softplus(dt_bias) is log-uniform in this range
 A_MIN, A_MAX = 1.0, 16.0  # A_log = log(uniform(A_MIN, A_MAX))
-# transformers' NemotronH mixer clamps dt >= time_step_min in prefill but not in decode. With this
-# value the clamp never fires for these weights (dt_bias >= softplus^-1(1e-3) ~ -6.9 and the dt
-# projection is O(1)), so prefill and decode agree; it must stay > 0 because transformers' own
-# initialiser takes log(time_step_min).
+# time_step_min feeds only transformers' initialiser of dt_bias (which takes its log: it must stay
+# > 0); the weights here are drawn by `DT_MIN`/`DT_MAX`. (Changing it would change the checkpoint's
+# config.json, and so its cache folder.)
 TIME_STEP_MIN = 1e-9
 
 # Training (see `train_weights`): AdamW from the seeded random init, on windows of the tokenized

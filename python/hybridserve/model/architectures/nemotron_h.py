@@ -4,16 +4,15 @@
 Checkpoint names: `backbone.embeddings.weight`, `backbone.layers.{i}.norm.weight`,
 `backbone.layers.{i}.mixer.*`, `backbone.norm_f.weight`, `lm_head.weight`.
 
-dt limits: transformers' mixer uses ``(time_step_min, inf)`` and clamps only in its chunked
-(prefill) path, not in single-token decode. We apply ``(time_step_min, inf)`` in BOTH paths so that
-prefill and decode agree exactly (losslessness across chunkings). Against transformers this is
-identical whenever the clamp does not fire, e.g. `time_step_min` ~ 0 (the demo model uses 1e-9;
-the parity tests use 0).
+dt limits: `time_step_limit`, default ``(0, inf)``, as transformers' mixer and vLLM's apply them
+(released configs say ``[0.0, Infinity]``). `time_step_min` (0.001 in every released config) only
+shapes the initialisation of `dt_bias`: clamping by it would change every head whose dt falls
+below it. The limits apply in prefill and decode alike, so that every chunking gives the same
+states.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from hybridserve.model.model_config import (
     get_int,
     integral,
     layer_kinds,
+    time_step_limit,
 )
 from hybridserve.model.model_config import (
     MLP as MLP_KIND,
@@ -106,7 +106,7 @@ class NemotronHForCausalLM(StackedCausalLM):
         head_dim = get_field(raw, "head_dim", "attention_head_dim")
         if head_dim is None and num_heads > 0:
             head_dim = hidden // num_heads
-        dt_min = get_float(raw, "time_step_min", "mamba_dt_min", default=0.001)
+        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
         cfg = ModelConfig(
             architecture="NemotronHForCausalLM",
             model_type=str(raw.get("model_type", "nemotron_h")),
@@ -133,7 +133,7 @@ class NemotronHForCausalLM(StackedCausalLM):
             mamba_act=str(raw.get("mamba_hidden_act", "silu")),
             mamba_norm_eps=get_float(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5),
             dt_min=dt_min,
-            dt_max=math.inf,
+            dt_max=dt_max,
             mamba_ssm_cache_dtype=str(raw.get("mamba_ssm_cache_dtype", "float32")),
             num_heads=num_heads,
             num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
