@@ -4,13 +4,14 @@ and a short answer."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.model.demo import ensure_demo_model
+from hybridserve.model.demo import ensure_demo_model, resolve_model_path
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 
@@ -68,3 +69,32 @@ def test_generation_config_is_the_default_and_vllm_turns_it_off(recommending_mod
         assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)
     finally:
         over.engine.shutdown()
+
+
+def test_every_eos_id_of_the_model_ends_a_request_as_a_stop_token(tmp_path: Path) -> None:
+    """A generation_config.json whose eos_token_id is a list (instruct checkpoints name their
+    end-of-turn token there): each id ends the output, as transformers stops and as vLLM adds them
+    to the request's stop token ids; ignore_eos runs past them, min_tokens masks them."""
+    demo = Path(resolve_model_path("demo"))
+    ids = list(range(10, 30))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (free,) = LLM("demo", dtype="float32", max_model_len=128).generate({"prompt_token_ids": ids}, greedy)
+    tokens = list(free.outputs[0].token_ids)
+    other = next(t for t in tokens[2:] if t not in tokens[:2] and t != 2)  # an id first made 3rd or later
+    at = tokens.index(other)
+    folder = tmp_path / "two_eos"
+    folder.mkdir()
+    for f in demo.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, other]}))
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0))
+    assert list(out.outputs[0].token_ids) == tokens[: at + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == other
+    (past,) = llm.generate({"prompt_token_ids": ids}, greedy)
+    assert list(past.outputs[0].token_ids) == tokens
+    (held,) = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, min_tokens=8)
+    )
+    assert other not in held.outputs[0].token_ids[: at + 1]  # (masked while min_tokens holds)

@@ -5,6 +5,7 @@ sampling seed). Nothing here touches the scheduler or the model: a refused reque
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,8 +81,12 @@ class InputProcessor:
         max_model_len: int,
         engine_seed: int,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
+        #: the model's EOS ids besides the primary one: stop token ids of every request that does
+        #: not ignore EOS (as vLLM adds them)
+        self.extra_eos_token_ids = tuple(extra_eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         #: most log-probabilities per token a request may ask for (--max-logprobs; -1 = the
@@ -171,6 +176,13 @@ class InputProcessor:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})")
         banned = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else ()
+        extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            # (a copy: the caller's params are its own; the extra ids are valid by construction,
+            # so they are set, not checked again, as the scheduler, the min_tokens mask and the
+            # outputs all read them from here)
+            params = copy.copy(params)
+            params.stop_token_ids = [*params.stop_token_ids, *extra]
         return EngineRequest(
             request_id=request_id,
             prompt=text,

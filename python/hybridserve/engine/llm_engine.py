@@ -203,6 +203,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             engine_seed=int(args.seed),
             max_logprobs=int(args.max_logprobs),
+            extra_eos_token_ids=em.extra_eos_token_ids,
         )
         self.outputs = OutputProcessor(em.tokenizer, em.eos_token_id)
         # where a prompt's first message ends, declared shared to the scheduler (shared_prefix.py)

@@ -54,11 +54,14 @@ class EngineModel:
     vocab_size: int
     proposer: Any
     model_dir: str
+    # the model's other EOS ids (config.json's and generation_config.json's lists, the
+    # tokenizer's): each ends a request as a stop token id does (`extra_eos_ids`)
     # where the tokenizer, its special tokens and the chat template come from (--tokenizer, else
     # the model folder)
     tokenizer_dir: str
     # the workers of ranks 1 .. N-1 with tensor parallelism (distributed/executor.py), else None
     executor: Any = None
+    extra_eos_token_ids: tuple[int, ...] = ()
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -123,6 +126,7 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         raise
     eos = mcfg.eos_token_id if mcfg.eos_token_id is not None else tokenizer.eos_token_id
     vocab_size = int(mcfg.vocab_size)
+    extra_eos = extra_eos_ids(eos, [*mcfg.eos_token_ids, tokenizer.eos_token_id], vocab_size)
     logger.info(
         "model %s (%s, %s): %d KV blocks of %d tokens, %d Mamba slots",
         model_dir,
@@ -154,7 +158,15 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         model_dir=model_dir,
         tokenizer_dir=tokenizer_dir,
         executor=executor,
+        extra_eos_token_ids=extra_eos,
     )
+
+
+def extra_eos_ids(eos: int | None, every: list[int | None], vocab_size: int) -> tuple[int, ...]:
+    """The EOS ids besides the primary `eos` that the model may generate: as transformers stops at
+    any id of an `eos_token_id` list, and vLLM adds the generation config's and the tokenizer's
+    to a request's stop token ids."""
+    return tuple(sorted({t for t in every if t is not None and t != eos and 0 <= t < vocab_size}))
 
 
 def _load_tokenizer(args: EngineArgs, model_dir: str) -> tuple[str, Tokenizer]:
