@@ -226,7 +226,7 @@ def test_qwen3_coder_values_that_do_not_read_stay_text() -> None:
         ("null", {"enum": ["null", "a"]}, "null"),  # a choice of strings is text
         ("null", {"type": ["string", "null"]}, None),
         ("null", {"type": "string"}, "null"),
-        ('"hello"', True, "hello"),  # a schema of `true`: JSON
+        ('"hello"', True, '"hello"'),  # a schema of `true`, no type: text, as vLLM reads it
         ("3", None, "3"),  # not declared
     ]
     for raw, schema, want in cases:
@@ -437,6 +437,12 @@ def test_a_server_with_the_format_forces_and_reads_typed_calls(parser: str, desc
             assert [(c["name"], c["arguments"]) for c in calls] == [
                 (c.function.name, c.function.arguments) for c in full.message.tool_calls
             ]
+            if kw == {"tool_choice": {"type": "function", "function": {"name": "now"}}}:
+                # the client's own accumulation of the chunks: a message of calls alone has no
+                # content, as unstreamed (its first chunk says null, not "")
+                with client.chat.completions.stream(**body) as events:
+                    final = events.get_final_completion().choices[0]
+                assert final.message.content is None and final.message.tool_calls
 
 
 # ---- tool schemas with definitions ---------------------------------------------------------------
@@ -561,7 +567,8 @@ def test_definitions_of_both_kinds_an_id_and_refs_as_data() -> None:
         hermes, f"<tool_call>\n{json.dumps({'name': 'f', 'arguments': wrong})}\n</tool_call>"
     )[0]
     qwen = TOOL_PARSERS["qwen3_coder"].for_tools(tools)
-    text = _qcall("f", a='"x"', b="1", c='{"$ref": "#"}', color="red")
+    # (a refers to a string: text, in the grammar and as read back)
+    text = _qcall("f", a="x", b="1", c='{"$ref": "#"}', color="red")
     assert _accepts(qwen.grammar(tools, "f", False), text) == (True, "")
     assert [json.loads(c.arguments) for c in split_message(qwen, text)[1]] == [args]
 
@@ -585,3 +592,86 @@ def test_a_closing_tag_inside_a_json_string_does_not_end_the_block(name: str) ->
     # unfinished: the string is still open at the tag, so the call has not ended
     cut = block[: block.index(parser.END) + len(parser.END)]
     assert split_message(parser, cut) == (cut, [])
+
+
+# ------------------------------------------------------------------------- odd but valid outputs
+
+H = TOOL_PARSERS["hermes"]
+
+
+def _hermes(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def test_arguments_are_strict_utf8_json_or_the_block_is_text() -> None:
+    """A lone surrogate escape ("\\ud800", valid JSON) stays an escape (no UTF-8 text holds the
+    character); numbers JSON cannot write back (1e999, NaN, Infinity) make the block text, as any
+    block that does not read as a call: `arguments` is always JSON a client's parser takes."""
+    content, calls = split_message(H, _hermes('{"name": "f", "arguments": {"x": "\\ud800", "y": "é"}}'))
+    (call_,) = calls
+    call_.arguments.encode("utf-8")
+    assert json.loads(call_.arguments) == {"x": "\ud800", "y": "é"} and not content
+    for bad in ('{"n": 1e999}', '{"n": NaN}', '{"n": -Infinity}'):
+        text = _hermes(f'{{"name": "f", "arguments": {bad}}}')
+        assert split_message(H, text) == (text, [])
+    text = _hermes('{"name": "f\\ud800", "arguments": {}}')  # (a name is never an escape)
+    assert split_message(H, text) == (text, [])
+    nemotron = '<TOOLCALL>[{"name": "f", "arguments": {"n": 1e999}}]</TOOLCALL>'
+    assert split_message(P, nemotron)[1] == []
+    q = TOOL_PARSERS["qwen3_coder"].for_tools(
+        parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"v": {"type": "object"}, "s": {"type": "string"}}}}}])
+    )  # fmt: skip
+    ((_, args),) = _qcalls(q, _qcall("f", v='{"n": 1e999}', s="\\ud800"))
+    assert args == {"v": '{"n": 1e999}', "s": "\\ud800"}  # (what does not read stays text)
+
+
+def test_a_forced_call_s_arguments_are_an_object_whatever_the_schema_leaves_open() -> None:
+    for params in ({}, {"properties": {"x": {"type": "integer"}}}):
+        tools = parse_tools([{"type": "function", "function": {"name": "ping", "parameters": params}}])
+        grammar = H.grammar(tools, "ping", False)
+        assert _accepts(grammar, _hermes('{"name": "ping", "arguments": {}}'))[0]
+        assert not _accepts(grammar, _hermes('{"name": "ping", "arguments": "world"}'))[0]
+    with pytest.raises(ToolError, match=r"parameters.type"):
+        parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
+
+
+def test_qwen3_coder_reads_optional_and_referenced_strings_as_text() -> None:
+    """As vLLM types them: Optional[str] (anyOf a string and null) and a `$ref` to a string are
+    text, digits and all; no type at all is text too; a root `$ref` (a pydantic model) is
+    followed for the parameters, required ones included in the forced grammar."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "query": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+            "zip": {"$ref": "#/$defs/Zip"},
+            "free": {"description": "no type"},
+            "count": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        },
+        "$defs": {"Zip": {"type": "string"}},
+    }
+    tools = parse_tools([{"type": "function", "function": {"name": "search", "parameters": schema}}])
+    q = TOOL_PARSERS["qwen3_coder"].for_tools(tools)
+    text = _qcall("search", query="12345", zip="007", free="true", count="3")
+    assert _qcalls(q, text) == [("search", {"query": "12345", "zip": "007", "free": "true", "count": 3})]
+    assert _qcalls(q, _qcall("search", query="null", count="null")) == [
+        ("search", {"query": None, "count": None})
+    ]
+    assert _accepts(q.grammar(tools, "search", False), text)[0]
+    rooted = {
+        "$ref": "#/$defs/A",
+        "$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": rooted}}])
+    q = TOOL_PARSERS["qwen3_coder"].for_tools(tools)
+    grammar = q.grammar(tools, "f", False)
+    assert _accepts(grammar, _qcall("f", x="4"))[0] and not _accepts(grammar, _qcall("f"))[0]
+    assert _qcalls(q, _qcall("f", x="4")) == [("f", {"x": 4})]
+
+
+def test_a_block_whose_json_leaves_a_string_open_is_text_and_the_calls_after_it_count() -> None:
+    good = _hermes('{"name": "g", "arguments": {}}')
+    text = f'<tool_call>{{"name": "f", "arguments": {{"s": "x}}}}</tool_call>\nOK then {good} bye'
+    content, calls = split_message(H, text)
+    assert [c.name for c in calls] == ["g"]
+    assert content.startswith('<tool_call>{"name": "f"') and content.endswith(" bye")

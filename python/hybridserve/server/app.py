@@ -1796,8 +1796,9 @@ def _with_tool_calls(choice_json: dict[str, Any], req: P.GenerateRequest, c: _Ch
     assert req.tool_parser is not None
     content, calls = split_message(req.tool_parser, text)
     message = choice_json["message"]
-    # (after a reasoning part, no content is null, as chat_choice writes it)
-    message["content"] = None if "reasoning" in message and not content else content
+    # (no content is null, as OpenAI writes a message of calls alone, and as the stream's chunks
+    # add up to)
+    message["content"] = content or None
     if calls:
         message["tool_calls"] = [call.to_json() for call in calls]
     choice_json["finish_reason"] = _tool_finish_reason(c.finish_reason, bool(calls))
@@ -1828,7 +1829,8 @@ async def _send_tool_delta(
         cj = P.chat_chunk_choice(
             choice.index,
             role=None if choice.started_stream else req.answer_role,
-            content=content if req.reasoning is None or content else None,  # (as `_send_delta`)
+            # (no content yet is null: a message of calls alone adds up to null, as unstreamed)
+            content=content or None,
             logprobs=lps,
             token_ids=ids,
             reasoning=reasoning or None,

@@ -138,6 +138,12 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ToolError(f"{p}.function.parameters", "must be a JSON schema object")
+        kind = params.get("type") if params is not None else None
+        if kind is not None and "object" not in (kind if isinstance(kind, list) else [kind]):
+            raise ToolError(
+                f"{p}.function.parameters.type",
+                f"must be 'object' (a function's arguments are an object), got {kind!r}",
+            )
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolError(f"{p}.function.strict", "must be a boolean")
@@ -290,7 +296,12 @@ def _call_alternatives(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], dic
     alternatives = []
     defs: dict[str, Any] = {}
     for i, t in enumerate(tools):
-        arguments, tool_defs = _rooted(t["function"]["parameters"], f"tool{i}")
+        params = t["function"]["parameters"]
+        if isinstance(params, dict) and "type" not in params and "$ref" not in params:
+            # ({} or properties without a type would take any JSON value: a call's arguments
+            # are an object, and anything else is no call)
+            params = {**params, "type": "object"}
+        arguments, tool_defs = _rooted(params, f"tool{i}")
         defs.update(tool_defs)
         alternatives.append(
             {
@@ -307,20 +318,51 @@ def _chosen(tools: list[dict[str, Any]], choice: str) -> list[dict[str, Any]]:
     return tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text}: no JSON number holds it")
+    return v
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_loads(text: str) -> Any:
+    """JSON as the standard has it: Python's reader also takes NaN and Infinity, and reads 1e999
+    as inf, which no JSON text can write back (a client's parser refuses `Infinity`). Raises
+    ValueError (or RecursionError) for what does not read."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def arguments_json(args: dict[str, Any]) -> str:
+    """A call's arguments as JSON text for the client: UTF-8 as written, or with ASCII escapes
+    where a string holds a lone surrogate (a model's "\ud800" escape, which no UTF-8 text can
+    hold as a character: the escape is the same JSON value)."""
+    text = json.dumps(args, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(args)
+    return text
+
+
 def _tool_call(obj: Any) -> ToolCall | None:
     """A {"name", "arguments"} object the model wrote as a call (arguments as an object, or as
-    the JSON text of one, as some models write them; "parameters" as its other name)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    the JSON text of one, as some models write them; "parameters" as its other name). A name
+    that is not UTF-8 text (a lone surrogate escape) is no call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or _unwritable(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = strict_loads(args)
         except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+    return ToolCall(name=obj["name"], arguments=arguments_json(args))
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -389,6 +431,13 @@ class _TaggedToolParser(abc.ABC):
             body = i + len(self.START)
             j = _json_end(text, body, self.END) if self.JSON_BODY else text.find(self.END, body)
             if j < 0:
+                k = text.find(self.END, body) if final and self.JSON_BODY else -1
+                if k >= 0:
+                    # (at the end, a block whose JSON leaves a string open is text up to its
+                    # closing tag, and the calls after it still count)
+                    items.append(text[i : k + len(self.END)])
+                    pos = k + len(self.END)
+                    continue
                 if final:  # an unfinished call is text
                     items.append(text[i:])
                     return items, len(text)
@@ -430,7 +479,7 @@ class HermesToolParser(_TaggedToolParser):
 
     def _calls(self, body: str) -> list[ToolCall] | None:
         try:
-            call = _tool_call(json.loads(body))
+            call = _tool_call(strict_loads(body))
         except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
         return None if call is None else [call]
@@ -479,7 +528,7 @@ class NemotronJsonToolParser(_TaggedToolParser):
 
     def _calls(self, body: str) -> list[ToolCall] | None:
         try:
-            objs = json.loads(body)
+            objs = strict_loads(body)
         except (ValueError, RecursionError):  # (not JSON, or nested too deep to read)
             return None
         if isinstance(objs, dict):  # one call written without its list
@@ -500,27 +549,73 @@ _INTEGER = r"-?(0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
-def _typed_value(raw: str, schema: Any) -> Any:
-    """A `qwen3_coder` parameter's text as the value its schema says (vLLM's typing): a string, or
-    a choice of strings, as written; an integer or number when the text is one in JSON's form, a
-    boolean for true or false in any case (else the text); null for "null" unless the schema
-    allows only strings; anything else (objects, arrays, no type) as JSON when it parses, else
-    the text. A parameter the tool does not declare (`schema` None) stays text. Never raises: a
-    value that does not read stays text."""
+def _resolved(schema: Any, defs: dict[str, Any] | None) -> Any:
+    """A schema that is only a local `$ref` (with a description or a title) as the definition it
+    points at among the tool's root `$defs` (`_rooted`); any other schema as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    ref = schema.get("$ref")
+    if (
+        defs
+        and isinstance(ref, str)
+        and ref.startswith("#/$defs/")
+        and set(schema) <= {"$ref", "description", "title"}
+    ):
+        target = defs.get(ref[len("#/$defs/") :].replace("~1", "/").replace("~0", "~"))
+        if isinstance(target, dict):
+            return target
+    return schema
+
+
+def _param_kind(schema: Any, defs: dict[str, Any] | None, depth: int = 0) -> tuple[str, bool]:
+    """(how a `qwen3_coder` value of `schema` reads, whether null is allowed), as vLLM types it:
+    "string" (text as written: a string, a choice of strings, or a schema with no type at all),
+    "integer", "number", "boolean", "null", or "json" (an object, an array, a choice of other
+    values, a constant that is not a string). A local `$ref` is followed; a union (a list of types,
+    `anyOf`, `oneOf`) is a string when it allows one (Optional[str]), else its first type that
+    is not null."""
+    schema = _resolved(schema, defs)
+    if not isinstance(schema, dict) or depth > 8:
+        return "string", False
+    kinds: list[str] = []
+    nullable = False
+    kind = schema.get("type")
+    if isinstance(kind, str | list):
+        kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)]
+    else:
+        for key in ("anyOf", "oneOf"):
+            subs = schema.get(key)
+            for sub in subs if isinstance(subs, list) else []:
+                sub_kind, sub_null = _param_kind(sub, defs, depth + 1)
+                kinds.append(sub_kind)
+                nullable |= sub_null
+    nullable |= "null" in kinds
+    if not kinds:
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum:
+            return ("string" if all(isinstance(v, str) for v in enum) else "json"), nullable
+        if "const" in schema:
+            return ("string" if isinstance(schema["const"], str) else "json"), schema["const"] is None
+        return ("json" if "properties" in schema or "items" in schema else "string"), nullable
+    if "string" in kinds:
+        return "string", nullable
+    first = next((k for k in kinds if k != "null"), "null")
+    return (first if first in ("integer", "number", "boolean", "null") else "json"), nullable
+
+
+def _typed_value(raw: str, schema: Any, defs: dict[str, Any] | None = None) -> Any:
+    """A `qwen3_coder` parameter's text as the value its schema says (vLLM's typing,
+    `_param_kind`): text as written for a string; an integer or number when the text is one in
+    JSON's form, a boolean for true or false in any case (else the text); null for "null" unless
+    the schema allows only strings; objects and arrays as JSON when it parses (strictly: no NaN,
+    no number JSON cannot write back), else the text. A parameter the tool does not declare
+    (`schema` None) stays text. Never raises: a value that does not read stays text."""
     if schema is None:
         return raw
-    if not isinstance(schema, dict):  # a boolean schema: any value
-        schema = {}
-    kind = schema.get("type")
-    nullable = kind == "null" or (isinstance(kind, list) and "null" in kind)
-    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
-        kind = "string" if "string" in kind else next((k for k in kind if k != "null"), "null")
-    enum = schema.get("enum")
-    if kind is None and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        kind = "string"  # (a choice of strings: "null" among them is the text)
+    kind, nullable = _param_kind(schema, defs)
     if raw.strip() == "null" and (nullable or kind != "string"):
         return None
-    if kind == "string":
+    if kind in ("string", "null"):
         return raw
     text = raw.strip()
     if kind in ("integer", "number") and re.fullmatch(_INTEGER, text):
@@ -536,7 +631,7 @@ def _typed_value(raw: str, schema: Any) -> Any:
     if kind == "boolean":
         return {"true": True, "false": False}.get(text.lower(), raw)  # (True / False too, as vLLM)
     try:
-        return json.loads(text)
+        return strict_loads(text)
     except (ValueError, RecursionError):
         return raw
 
@@ -582,10 +677,12 @@ class Qwen3CoderToolParser(_TaggedToolParser):
     END = "</tool_call>"
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
-        self._params: dict[str, dict[str, Any]] = {}
+        # a tool's name -> (its parameters' schemas, the definitions their refs point at)
+        self._params: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         for t in tools or []:
-            props = (t["function"].get("parameters") or {}).get("properties")
-            self._params[t["function"]["name"]] = props if isinstance(props, dict) else {}
+            params, defs = _rooted_parameters(t["function"].get("parameters") or {})
+            props = params.get("properties")
+            self._params[t["function"]["name"]] = (props if isinstance(props, dict) else {}, defs)
 
     def for_tools(self, tools: list[dict[str, Any]]) -> Self:
         return type(self)(tools)
@@ -611,10 +708,7 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         calls = []
         for i, t in enumerate(_chosen(tools, choice)):
             fn = t["function"]
-            params = fn.get("parameters") or {}
-            _, defs = _rooted(params, "tool")
-            if defs:  # each JSON value's schema with the tool's definitions at its root
-                params = defs["tool"]
+            params, defs = _rooted_parameters(fn.get("parameters") or {})
             raw_props = params.get("properties")
             props: dict[str, Any] = raw_props if isinstance(raw_props, dict) else {}
             raw_required = params.get("required")
@@ -653,15 +747,15 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         if m is None or body[: m.start()].strip() or body[m.end() :].strip():
             return None
         name = m.group(1).strip()
-        schemas = self._params.get(name, {})
+        schemas, defs = self._params.get(name, ({}, {}))
         args: dict[str, Any] = {}
         for pm in _PARAMETER.finditer(m.group(2)):
             value = pm.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
             pname = pm.group(1).strip()
-            args[pname] = _typed_value(value, schemas.get(pname))
-        return [ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))]
+            args[pname] = _typed_value(value, schemas.get(pname), defs)
+        return [ToolCall(name=name, arguments=arguments_json(args))]
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         blocks = []
@@ -679,30 +773,38 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         return f"<tool_response>\n{content}\n</tool_response>"
 
 
+def _rooted_parameters(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A `qwen3_coder` tool's parameters schema with its definitions at the root (`_rooted`; each
+    JSON value's schema refers to them), a root that is only a `$ref` (a pydantic model)
+    followed: (the schema whose `properties` are the parameters, the definitions)."""
+    _, defs = _rooted(params, "tool")
+    if defs:
+        params = defs["tool"]
+        target = _resolved(params, defs)
+        params = target if isinstance(target, dict) else params
+    return params, defs
+
+
 def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | None:
-    """The grammar of a `qwen3_coder` parameter's value: None for text (a string), the literal
-    forms of integers, numbers and booleans, the choices of a string enum, and JSON by the schema
-    for anything else (with `defs`, the tool's definitions its refs point at, `_rooted`)."""
-    if not isinstance(schema, dict):
-        schema = {}
-    ref = schema.get("$ref")
-    if defs and isinstance(ref, str) and ref.startswith("#/$defs/"):  # (a pydantic enum, a model)
-        target = defs.get(ref[len("#/$defs/") :].replace("~1", "/").replace("~0", "~"))
-        if isinstance(target, dict) and set(schema) <= {"$ref", "description", "title"}:
-            schema = target
-    kind = schema.get("type")
-    if isinstance(kind, list):  # a nullable string is text ("null" reads as null)
-        kind = "string" if "string" in kind else next((k for k in kind if k != "null"), None)
-    enum = schema.get("enum")
+    """The grammar of a `qwen3_coder` parameter's value, as `_typed_value` reads it back: None for
+    text (a string, or no type), the literal forms of integers, numbers and booleans, the choices
+    of a string enum, and JSON by the schema for anything else (with `defs`, the tool's
+    definitions its refs point at, `_rooted`)."""
+    target = _resolved(schema, defs)
+    target = target if isinstance(target, dict) else {}
+    enum = target.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
         return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+    kind, _ = _param_kind(schema, defs)
     if kind == "string":
         return None
     if kind in ("integer", "number"):  # (the forms `_typed_value` reads)
         return f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
     if kind == "boolean":
         return '("true" | "false")'
-    return f"%json {json.dumps(_with_defs({**schema, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
+    if kind == "null":
+        return '"null"'
+    return f"%json {json.dumps(_with_defs({**target, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
 
 
 class FirstCallOnly:
