@@ -194,3 +194,49 @@ def test_bad_chat_template_setting_is_a_config_error(tmp_path: Path) -> None:
         EngineArgs(model="demo", chat_template=str(bad)).validate()
     with pytest.raises(ConfigError, match="--chat-template must be"):
         EngineArgs(model="demo", chat_template="").validate()
+
+
+NAMED_DEFAULT = (
+    "{% if tools is not none %}TOOLS {% endif %}{% if documents is not none %}DOCS {% endif %}"
+    "{{ pad_token }}{% for m in messages %}{% generation %}{{ m['content'] | trim }}{% endgeneration %}"
+    "{{ {'b': 1, 'a': m['role']} | tojson(sort_keys=True, separators=(',', ':')) }}{% endfor %}"
+)
+NAMED_TOOL_USE = "TOOL-USE {{ tools | length if tools else 0 }} {% for m in messages %}{{ m['content'] | trim }}{% endfor %}"
+
+
+def test_named_templates_and_the_template_environment_are_transformers(tmp_path: Path) -> None:
+    """A model with named templates renders `tool_use` when tools are given and `default` else; a
+    template sees `tools` and `documents` as None when not given, every special token's text
+    (`pad_token`), transformers' `tojson` options and its `{% generation %}` block; a trimmed
+    continued message loses its trailing space, as transformers cuts it."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hybridserve.engine.chat_template import ChatTemplate
+    from hybridserve.model.demo import resolve_model_path
+
+    shutil.copy(Path(resolve_model_path("demo")) / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": [
+            {"name": "default", "template": NAMED_DEFAULT},
+            {"name": "tool_use", "template": NAMED_TOOL_USE},
+        ],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    ours = ChatTemplate.from_model_dir(tmp_path)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "The answer is "}]
+    for kw in ({}, {"tools": tools}):
+        want = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kw)
+        assert ours.render(chat, True, dict(kw)) == want
+    want = auto.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert ours.render(chat, False, continue_final_message=True) == want
+    assert want.endswith("The answer is")
+    # a request (or LLM.chat) may name one of the model's templates
+    assert ours.with_source("tool_use").render(chat, True).startswith("TOOL-USE 0 ")  # (tools: None)

@@ -308,6 +308,15 @@ def test_loader_errors(checkpoints, tmp_path):
     _, d = checkpoints("nh_g1")
     from safetensors.torch import load_file, save_file
 
+    # a size no layer can be built with, which the family's own reading lets through
+    _, b = checkpoints("bamba_g1")
+    neg = _copy_ckpt(b, tmp_path / "negative")
+    raw = json.loads((neg / "config.json").read_text())
+    raw["intermediate_size"] = -1
+    (neg / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="config.json: the model cannot be built"):
+        load_model(str(neg))
+
     # unknown architecture
     u = _copy_ckpt(d, tmp_path / "unknown")
     raw = json.loads((u / "config.json").read_text())

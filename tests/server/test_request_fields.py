@@ -202,12 +202,13 @@ def test_a_continued_final_message_ends_the_prompt_inside_it():
     full = tpl.render(ANSWER, add_generation_prompt=False)
     cut = tpl.render(ANSWER, add_generation_prompt=False, continue_final_message=True)
     assert cut == full[: full.rindex("<|im_end|>")] and cut.endswith("<|im_start|>assistant\nThe colour is")
-    # the client's own trailing space stays, even under a template that trims what follows it
+    # the client's own trailing space stays where the template writes the content as given; a
+    # template that trims the content takes it away, as transformers' apply_chat_template does
     spaced = [ANSWER[0], {"role": "assistant", "content": "The colour is "}]
     assert tpl.render(spaced, False, continue_final_message=True).endswith("The colour is ")
     trims = ChatTemplate("{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}")
     assert trims.render(spaced, False, continue_final_message=True) == (
-        "[user] Name a colour.\n[assistant] The colour is "
+        "[user] Name a colour.\n[assistant] The colour is"
     )
     # a message that also appears inside the template's own text ("i" of "<|im_end|>") is cut at its
     # own end, not at the last copy of it

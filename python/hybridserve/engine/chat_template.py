@@ -1,4 +1,12 @@
-"""Chat template rendering from the model's tokenizer_config.json (jinja2, sandboxed, HF semantics)."""
+"""Chat template rendering from the model's tokenizer_config.json (jinja2, sandboxed, HF semantics).
+
+As transformers' `apply_chat_template` renders: the variables `messages`, `tools` and `documents`
+(None when not given), `add_generation_prompt` and every special token's text (`bos_token`,
+`eos_token`, `pad_token`, ...); its `tojson` filter, `raise_exception`, `strftime_now` and its
+`{% generation %}` block (which only marks the assistant's text: rendered as it is). A model with
+named templates (a list in tokenizer_config.json, or `additional_chat_templates/NAME.jinja`)
+renders `tool_use` when the conversation has tools, else `default`; a request may name one.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +40,20 @@ class ContinuationError(ValueError):
 
 # Appended to the final message's content to find where the template writes that content's end:
 # searching the rendered text for the content itself would match a copy of it elsewhere (a short
-# message such as "i" inside the template's own end-of-turn text).
-_CONTINUE_MARK = "HYBRIDSERVE-CONTINUE-5c0e7a91"
+# message such as "i" inside the template's own end-of-turn text). It ends with a space, as
+# transformers' tag does: a template that trims the content trims that too, and then the content's
+# own trailing spaces went with it (the text is cut before the mark and stripped at its end).
+_CONTINUE_MARK = "HYBRIDSERVE-CONTINUE-5c0e7a91 "
+# The special tokens transformers passes to a template by their names
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_text(v: Any) -> str | None:
@@ -43,15 +63,55 @@ def _token_text(v: Any) -> str | None:
     return content if isinstance(content, str) else None
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # (transformers' filter: no HTML escaping, its options)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_extension() -> Any:
+    """transformers' `{% generation %}...{% endgeneration %}` block: it marks the assistant's
+    text for training masks; rendering it renders its body."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 class ChatTemplate:
     def __init__(
-        self, template: str | None = None, *, bos_token: str | None = None, eos_token: str | None = None
+        self,
+        template: str | None = None,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        named: dict[str, str] | None = None,
     ) -> None:
+        """`special_tokens`: the texts of the tokenizer's special tokens by name (`bos_token` and
+        `eos_token` win over theirs); `named`: the model's other named templates (`tool_use`)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source = template or DEFAULT_CHAT_TEMPLATE
-        self.bos_token = bos_token
-        self.eos_token = eos_token
+        self.special_tokens = {
+            **(special_tokens or {}),
+            **({"bos_token": bos_token} if bos_token is not None else {}),
+            **({"eos_token": eos_token} if eos_token is not None else {}),
+        }
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.named = dict(named or {})
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
@@ -60,14 +120,31 @@ class ChatTemplate:
             return datetime.now().strftime(fmt)
 
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _generation_extension()],
         )
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
-        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
+        self._env = env
         self._template = env.from_string(self.source)
+        self._compiled_named: dict[str, Any] = {}
+
+    def with_source(self, template: str) -> ChatTemplate:
+        """Another template's text with this one's special tokens (a request's or --chat-template);
+        a name among the model's named templates is that template."""
+        source = self.named.get(template, template)
+        return ChatTemplate(source, special_tokens=self.special_tokens, named=self.named)
+
+    def _for(self, extra: dict[str, Any] | None) -> Any:
+        """The template to render: the model's `tool_use` one when the conversation has tools."""
+        source = self.named.get("tool_use") if extra and extra.get("tools") else None
+        if source is None:
+            return self._template
+        if "tool_use" not in self._compiled_named:
+            self._compiled_named["tool_use"] = self._env.from_string(source)
+        return self._compiled_named["tool_use"]
 
     @classmethod
     def served(cls, model_dir: str | Path | None, override: str | None = None) -> ChatTemplate:
@@ -76,7 +153,7 @@ class ChatTemplate:
         model = cls.from_model_dir(model_dir)
         if override is None:
             return model
-        return cls(chat_template_source(override), bos_token=model.bos_token, eos_token=model.eos_token)
+        return model.with_source(chat_template_source(override))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
@@ -92,17 +169,27 @@ class ChatTemplate:
             except (OSError, ValueError):
                 cfg = {}
         template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named: dict[str, str] = {}
+        if isinstance(template, list):  # named templates: "default" is the template
+            named = {
+                t["name"]: t["template"]
+                for t in template
+                if isinstance(t, dict)
+                and isinstance(t.get("name"), str)
+                and isinstance(t.get("template"), str)
+            }
             template = named.get("default") or next(iter(named.values()), None)
         jinja_path = d / "chat_template.jinja"
         if not isinstance(template, str) and jinja_path.is_file():
             template = jinja_path.read_text(encoding="utf-8")
-        return cls(
-            template if isinstance(template, str) else None,
-            bos_token=_token_text(cfg.get("bos_token")),
-            eos_token=_token_text(cfg.get("eos_token")),
-        )
+        extra_dir = d / "additional_chat_templates"  # (transformers 5 saves named ones there)
+        if extra_dir.is_dir():
+            for f in sorted(extra_dir.glob("*.jinja")):
+                named.setdefault(f.stem, f.read_text(encoding="utf-8"))
+        tokens = {
+            name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None
+        }
+        return cls(template if isinstance(template, str) else None, special_tokens=tokens, named=named)
 
     def render(
         self,
@@ -125,23 +212,32 @@ class ChatTemplate:
             raise ContinuationError("the final message has no content to continue")
         marked = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
         text = self._render(marked, False, extra)
-        if text.count(_CONTINUE_MARK) != 1:
+        mark = _CONTINUE_MARK.strip()
+        if text.count(mark) != 1:
             raise ContinuationError(
                 "the chat template does not write the final message's content as given, so it cannot be continued"
             )
-        return text[: text.index(_CONTINUE_MARK)]
+        at = text.index(mark)
+        if text.startswith(_CONTINUE_MARK, at):
+            return text[:at]
+        return text[:at].rstrip()  # (the template trims the content: its own trailing space too)
 
     def _render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any] | None
     ) -> str:
-        return self._template.render(
-            {
-                **(extra or {}),
-                "messages": messages,
-                "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.bos_token or "",
-                "eos_token": self.eos_token or "",
-            }
+        return str(
+            self._for(extra).render(
+                {
+                    "tools": None,
+                    "documents": None,
+                    **(extra or {}),
+                    # (the server's: a request's template variables do not replace them)
+                    **{name: "" for name in ("bos_token", "eos_token")},
+                    **self.special_tokens,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                }
+            )
         )
 
 

@@ -16,7 +16,7 @@ import jinja2
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
+from hybridserve.engine.chat_template import encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
@@ -167,10 +167,8 @@ class LLM:
         if chat_template is not None:
             if not isinstance(chat_template, str) or not chat_template:
                 raise InvalidRequestError(f"chat_template: a Jinja template's text, got {chat_template!r}")
-            try:
-                template = ChatTemplate(
-                    chat_template, bos_token=template.bos_token, eos_token=template.eos_token
-                )
+            try:  # (a name of one of the model's named templates is that template)
+                template = template.with_source(chat_template)
             except jinja2.TemplateError as e:
                 raise InvalidRequestError(f"chat_template: {e}") from None
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):

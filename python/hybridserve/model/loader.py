@@ -151,8 +151,13 @@ def load_model(
                     stored[name] = old
                     break
 
-    with torch.device("meta"):
-        model = cls(cfg)
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    except (RuntimeError, TypeError, ValueError) as e:
+        # a size in config.json that no layer can be built with (-1, a string) that the family's
+        # own checks let through: the file's error, not a traceback
+        raise ConfigError(f"{model_dir / 'config.json'}: the model cannot be built from it: {e}") from None
     try:
         model.to_empty(device=dev)
     except RuntimeError as e:  # the allocator's "can't allocate" / out of memory

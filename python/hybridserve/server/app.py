@@ -99,14 +99,8 @@ class EngineModelInfo:
         self._vocab_size = int(engine.vocab_size)
         self._max_logprobs = int(engine.max_logprobs)
         self._sampling_defaults = dict(engine.default_sampling)
-        if chat_template is None:
-            source = self.tokenizer.chat_template
-            if isinstance(source, str) and source:
-                chat_template = ChatTemplate(
-                    source, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token
-                )
-            else:  # none, or named templates: the template file decides
-                chat_template = ChatTemplate.from_model_dir(engine.tokenizer_dir)
+        if chat_template is None:  # (the tokenizer's: its named templates and special tokens too)
+            chat_template = ChatTemplate.from_model_dir(engine.tokenizer_dir)
         self.chat_template = chat_template
         self._token_text_cache: dict[int, str] = {}
 

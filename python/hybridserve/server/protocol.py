@@ -1180,13 +1180,13 @@ def _served_template(info: ModelInfo) -> ChatTemplate | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_template(source: str, bos_token: str | None, eos_token: str | None) -> ChatTemplate:
-    return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token)
+def _compiled_template(source: str, served: ChatTemplate | None) -> ChatTemplate:
+    return ChatTemplate(source) if served is None else served.with_source(source)
 
 
 def _request_template(body: dict[str, Any], info: ModelInfo) -> ChatTemplate | None:
-    """vLLM's `chat_template`: a request's own template, rendered in place of the served one with
-    the model's BOS and EOS texts. Refused unless the server trusts its clients' templates
+    """vLLM's `chat_template`: a request's own template (or the name of one of the model's named
+    templates), rendered in place of the served one with the model's special tokens. Refused unless the server trusts its clients' templates
     (`--trust-request-chat-template`, as vLLM): a template is code that runs on the server."""
     source = body.get("chat_template")
     if source is None:
@@ -1207,9 +1207,7 @@ def _request_template(body: dict[str, Any], info: ModelInfo) -> ChatTemplate | N
 
     served = _served_template(info)
     try:
-        return _compiled_template(
-            source, served.bos_token if served else None, served.eos_token if served else None
-        )
+        return _compiled_template(source, served)
     except (jinja2.TemplateError, SyntaxError, RecursionError, MemoryError) as e:
         # (Python's own compiler refuses what nests too deep: SyntaxError, RecursionError)
         raise _bad("chat_template", f"is not a valid Jinja template: {type(e).__name__}: {e}") from None
