@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from cli_fixtures import run_cli
 from hybridserve import LLM, SamplingParams
 from hybridserve.model.loader import load_model
 from model_fixtures import Driver, build_hf_model, random_prompts, save_hf_model
@@ -99,12 +98,7 @@ def check_float64_logits(checkpoint: Checkpoint, new_tokens: int, *, padded_batc
 
 def explain(model_dir: Path, *flags: str) -> str:
     """What `hybridserve config MODEL_DIR --explain [flags]` prints (it must succeed)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", str(model_dir), "--explain", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_cli("config", str(model_dir), "--explain", *flags)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_fixtures import run_cli
 from hybridserve.cli import build_parser
 from hybridserve.config.config_file import expand_config_files
 from hybridserve.errors import ConfigError
@@ -136,9 +137,7 @@ def test_an_empty_config_path_is_said_so() -> None:
 
 
 def _config(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", *args], capture_output=True, text=True, timeout=60
-    )
+    return run_cli("config", *args)
 
 
 def test_no_flag_is_abbreviated(tmp_path: Path) -> None:

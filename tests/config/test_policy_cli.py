@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import hybridserve
+from cli_fixtures import run_cli
 from hybridserve.config import read_model_capabilities
 
 TABLE = Path(__file__).with_name("policy_cases.txt")
@@ -60,12 +61,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def run_config(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hybridserve", "config", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # (in this process: test_a_reader_that_goes_away... runs a real one, it needs a pipe)
+    return run_cli("config", *args)
 
 
 def on_off(v: bool) -> str:

@@ -158,11 +158,11 @@ def test_engine_lowers_max_num_seqs_says_why_and_runs_more_requests_than_it() ->
 
 def test_config_explain_shows_the_capacity_and_a_given_count_is_refused_with_the_fix() -> None:
     import subprocess
-    import sys
+
+    from cli_fixtures import run_cli
 
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "hybridserve", "config", "demo", "--explain", *flags]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return run_cli("config", "demo", "--explain", *flags)
 
     out = run("--num-mamba-slots", "21")
     assert out.returncode == 0, out.stderr
