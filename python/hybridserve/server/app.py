@@ -1523,16 +1523,7 @@ async def _beam_answer(
     out: list[dict[str, Any]] = []
     for c in made:
         if req.kind == "completion":
-            out.append(
-                P.completion_choice(
-                    c.index,
-                    c.text,
-                    c.finish_reason,
-                    None,
-                    prompt_token_ids=c.prompt.token_ids if ids else None,
-                    token_ids=c.token_ids if ids else None,
-                )
-            )
+            out.append(c.completion_choice(ids))
         else:
             reasoning, content = _beam_reasoning(req, c.text)
             out.append(
@@ -1570,6 +1561,18 @@ class _BeamChoice:
     text: str
     finish_reason: str
 
+    def completion_choice(self, ids: bool) -> dict[str, Any]:
+        """The choice of a completion (a stream's chunk carries the same), with its prompt's and
+        its own token ids when `ids` (`return_token_ids`)."""
+        return P.completion_choice(
+            self.index,
+            self.text,
+            self.finish_reason,
+            None,
+            prompt_token_ids=self.prompt.token_ids if ids else None,
+            token_ids=self.token_ids if ids else None,
+        )
+
 
 def _beam_reasoning(req: P.GenerateRequest, text: str) -> tuple[str | None, str]:
     """(reasoning, content) of a chat beam: all content without a reasoning parser."""
@@ -1592,15 +1595,9 @@ async def _stream_beams(
     for c in made:
         own = P.usage_dict(len(c.prompt.token_ids), len(c.token_ids), 0) if continuous else None
         if req.kind == "completion":
-            cj = P.completion_choice(
-                c.index,
-                c.text,
-                c.finish_reason,
-                None,
-                prompt_token_ids=c.prompt.token_ids if ids else None,
-                token_ids=c.token_ids if ids else None,
+            event = P.completion_chunk(
+                request_id, created, req.model, [c.completion_choice(ids)], own, req.include_usage
             )
-            event = P.completion_chunk(request_id, created, req.model, [cj], own, req.include_usage)
         else:
             reasoning, content = _beam_reasoning(req, c.text)
             cj = P.chat_chunk_choice(
