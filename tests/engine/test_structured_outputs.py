@@ -474,3 +474,85 @@ def test_a_grammar_start_is_checked_and_needs_no_consumed_tokens() -> None:
     late.num_accepted = 1
     with pytest.raises(GrammarError):
         late.start_after([3])
+
+
+# ------------------------------------------------------------------------- schema and grammar forms
+
+
+def _matcher(so: StructuredOutputsParams, llm: LLM):  # noqa: ANN202
+    import llguidance
+
+    tok = llm.engine.grammars.tokenizer()
+    return tok, llguidance.LLMatcher(tok, so.to_grammar(), log_level=0)
+
+
+def _takes(so: StructuredOutputsParams, llm: LLM, text: str) -> bool:
+    tok, m = _matcher(so, llm)
+    assert not m.get_error(), m.get_error()
+    return bool(m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting())
+
+
+def test_schema_forms_vllm_and_pydantic_write_compile_as_expected(llm: LLM) -> None:
+    """A string `format` the grammar library does not check (pydantic's Path, SecretStr; OpenAPI's
+    uri-reference) leaves the string free instead of refusing the schema (a property named
+    "format" is a property); `disable_additional_properties` (OpenAI's strict) closes objects
+    that do not say otherwise; `disable_any_whitespace` writes JSON without spaces."""
+    from hybridserve.sampling.structured_outputs import prepared_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "format": "path"},
+            "when": {"type": "string", "format": "date"},
+            "format": {"type": "string", "format": "uri-reference"},
+        },
+        "required": ["path"],
+    }
+    prepared = prepared_schema(schema)
+    assert prepared["properties"]["when"]["format"] == "date" and "format" in prepared["properties"]
+    assert "format" not in prepared["properties"]["path"] and "format" not in prepared["properties"]["format"]
+    loose = StructuredOutputsParams(json=schema)
+    assert _takes(loose, llm, '{"path": "/tmp/x", "other": 1}')
+    strict = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert _takes(strict, llm, '{"path": "/tmp/x"}') and not _takes(
+        strict, llm, '{"path": "/tmp/x", "other": 1}'
+    )
+    compact = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                      disable_any_whitespace=True)  # fmt: skip
+    assert _takes(compact, llm, '{"a":1}') and not _takes(compact, llm, '{"a": 1}')
+    assert loose.cache_key != strict.cache_key
+
+
+def test_regex_classes_are_ascii_and_lark_grammars_may_start_with_a_question_mark(llm: LLM) -> None:
+    digits = StructuredOutputsParams(regex=r"\d{3}")
+    assert _takes(digits, llm, "123") and not _takes(digits, llm, "١٢٣")
+    # vLLM's documented SQL example: a Lark grammar whose rules inline (`?start:`)
+    sql = StructuredOutputsParams(
+        grammar='?start: "SELECT " column " FROM " table\n?column: "a" | "b"\n?table: "t"'
+    )
+    assert _takes(sql, llm, "SELECT a FROM t")
+    gbnf = StructuredOutputsParams(grammar='root ::= "yes" | "no"')
+    assert _takes(gbnf, llm, "yes") and not _takes(gbnf, llm, "maybe")
+
+
+def test_every_eos_of_the_model_ends_a_grammar_where_its_eos_may(tmp_path) -> None:  # noqa: ANN001
+    """A model whose turn ends on an EOS other than the primary one (a list in
+    generation_config.json): where the grammar allows EOS, that one ends the output too."""
+    from pathlib import Path
+
+    from hybridserve.model.demo import resolve_model_path
+
+    demo = Path(resolve_model_path("demo"))
+    for f in demo.iterdir():
+        if f.name not in ("config.json", "generation_config.json"):
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((demo / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    params = SamplingParams(
+        max_tokens=12, temperature=0, logit_bias={2: 30.0}, structured_outputs={"regex": "a+"}
+    )
+    (out,) = llm.generate("Say a:", params)
+    assert out.outputs[0].text == "a" and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == 2

@@ -390,6 +390,13 @@ _CALLS: list[dict[str, Any]] = [
         ),  # fmt: skip
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         (
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "s", "json_schema": {"schema": {}}}},
+            },
+            "text.format.schema",
+        ),  # fmt: skip
+        (
             {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": "not one"}}},
             "text.format.schema",
         ),  # fmt: skip

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridserve.errors import InvalidRequestError
-from hybridserve.sampling.grammar import GrammarMatcher
+from hybridserve.sampling.grammar import EosAliases, GrammarMatcher
 from hybridserve.sampling.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -83,11 +83,19 @@ class CompiledGrammar:
 class GrammarTicket:
     """A request's claim on a compilation: ready, failed or still pending."""
 
-    def __init__(self, compiled: CompiledGrammar, timeout_s: float, vocab_size: int, param: str) -> None:
+    def __init__(
+        self,
+        compiled: CompiledGrammar,
+        timeout_s: float,
+        vocab_size: int,
+        param: str,
+        eos_aliases: EosAliases | None = None,
+    ) -> None:
         self._c = compiled
         self.param = param  # the request field errors name
         self._timeout_s = timeout_s
         self._vocab_size = vocab_size
+        self._eos_aliases = eos_aliases
         self._submitted = time.monotonic()
 
     @property
@@ -101,7 +109,7 @@ class GrammarTicket:
         if c.done():
             if c.error is not None or c.matcher is None:
                 return InvalidRequestError(f"{self.param}: {c.error or 'the grammar did not compile'}")
-            return GrammarMatcher(c.matcher.deep_copy(), self._vocab_size)
+            return GrammarMatcher(c.matcher.deep_copy(), self._vocab_size, self._eos_aliases)
         started = c.started
         now = time.monotonic() if now is None else now
         if started is not None and now - started > self._timeout_s:
@@ -131,6 +139,7 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_id: int | None,
         *,
+        extra_eos_token_ids: tuple[int, ...] = (),
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_threads: int = DEFAULT_NUM_THREADS,
         cache_size: int = DEFAULT_CACHE_SIZE,
@@ -138,6 +147,13 @@ class GrammarCompiler:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = int(vocab_size)
         self.eos_token_id = eos_token_id
+        # the model's other EOS ids: allowed wherever the grammar allows its EOS (they end a
+        # request as the EOS does, engine/input_processor.py)
+        self.eos_aliases: EosAliases | None = (
+            (eos_token_id, tuple(extra_eos_token_ids))
+            if eos_token_id is not None and extra_eos_token_ids
+            else None
+        )
         self.timeout_s = float(timeout_s)
         self.cache_size = int(cache_size)
         self._num_threads = int(num_threads)
@@ -251,14 +267,14 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                return GrammarTicket(cached, self.timeout_s, self.vocab_size, spec.param)
+                return GrammarTicket(cached, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases)
             c = CompiledGrammar(key=key, kind=spec.kind)
             self._cache[key] = c
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             self._start()
         self._jobs.put((c, spec))
-        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param)
+        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -252,6 +252,7 @@ class LLMEngine:
             self.tokenizer.to_json(),
             self.vocab_size,
             self.eos_token_id,
+            extra_eos_token_ids=self.em.extra_eos_token_ids,
             timeout_s=float(self.args.grammar_compile_timeout),
         )
 

@@ -58,12 +58,21 @@ def _first_line(text: str, limit: int = 500) -> str:
     return line[:limit]
 
 
+# (the grammar's EOS id, the model's other EOS ids)
+EosAliases = tuple[int, tuple[int, ...]]
+
+
 class GrammarMatcher:
     """One request's state in its grammar (see the module docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_aliases: EosAliases | None = None
+    ) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
+        # (the EOS the grammar knows, the model's other EOS ids): wherever the grammar allows its
+        # EOS, the others are allowed too (`grammar_bitmask`), as each of them ends the request
+        self.eos_aliases = eos_aliases
         self.num_accepted = 0  # tokens consumed so far (the request's output length)
         # `start_after`: the tokens the output holds before the grammar applies (none: it applies
         # from the first token), the last of them seen so far, and whether they were all seen
@@ -163,8 +172,11 @@ def grammar_bitmask(
     out = np.full((sum(ks) + len(matchers), words), -1, dtype=np.int32)
     plain: list[tuple[llguidance.LLMatcher, int]] = []
     spec: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+    aliased: list[tuple[int, int, EosAliases]] = []  # (first row, rows, aliases)
     row = 0
     for i, m in enumerate(matchers):
+        if m is not None and m.eos_aliases is not None:
+            aliased.append((row, 1 + ks[i], m.eos_aliases))
         if m is not None and not m.opened:
             # before its start every token is allowed; a draft that completes the start opens the
             # grammar for the positions after it, from its first state
@@ -196,7 +208,21 @@ def grammar_bitmask(
     for m in matchers:
         if m is not None:
             m.check()  # a limit hit while computing the mask
+    for first, n, (eos, others) in aliased:
+        _allow_with(out[first : first + n], eos, others)
     return out
+
+
+def _allow_with(masks: np.ndarray, token: int, others: Sequence[int]) -> None:
+    """In int32 bitmasks [rows, words]: each of `others` is allowed in the rows that allow
+    `token` (in place)."""
+    bits = masks.view(np.uint32)
+    word, bit = divmod(token, 32)
+    on = (bits[:, word] >> np.uint32(bit)) & np.uint32(1)
+    for t in others:
+        w, b = divmod(t, 32)
+        if w < bits.shape[1]:
+            bits[:, w] |= on << np.uint32(b)
 
 
 _BITS = np.arange(32, dtype=np.uint32)

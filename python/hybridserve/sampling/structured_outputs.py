@@ -14,6 +14,7 @@ known only when it is compiled, and a compile error is an InvalidRequestError th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,57 @@ JSON_DEFAULTS: dict[str, Any] = {
     "key_separator": ": ",
 }
 
+# `disable_any_whitespace` (vLLM's): JSON without a space between its items and after its keys
+COMPACT_SEPARATORS = {"item_separator": ",", "key_separator": ":"}
+
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options beside the kind, which this engine serves
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
+
+# The string formats llguidance checks; JSON Schema makes `format` an annotation, so another one
+# (pydantic's "path", "password", "binary"; OpenAPI's "uri-reference", "byte") leaves the string
+# free rather than refusing the schema
+FORMATS = frozenset(
+    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+)
+# Keywords whose value is a map of names to schemas, one schema, or a list of schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedProperties", "unevaluatedItems", "additionalItems",
+)  # fmt: skip
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+# a GBNF rule (`name ::= ...`): anything else is Lark (`start:`, `?start:`, `%llguidance`)
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)
+
+
+def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0) -> Any:
+    """A JSON schema as the grammar is built from it: `format`s llguidance does not check left out
+    (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
+    (OpenAI's `strict`, vLLM's `disable_additional_properties`) every object schema that does not
+    say otherwise takes no properties beyond its own. Returns a new schema; data (`const`,
+    `enum`, `default`, `examples`) is left as it is."""
+    if not isinstance(schema, dict) or depth > 200:  # (deeper is refused when compiled)
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "format" and isinstance(value, str) and value not in FORMATS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {
+                k: prepared_schema(v, closed_objects=closed_objects, depth=depth + 1)
+                for k, v in value.items()
+            }
+        elif key in _SCHEMA_ONE:
+            value = prepared_schema(value, closed_objects=closed_objects, depth=depth + 1)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [prepared_schema(v, closed_objects=closed_objects, depth=depth + 1) for v in value]
+        out[key] = value
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if closed_objects and is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _bad(msg: str) -> InvalidRequestError:
@@ -58,6 +109,10 @@ class StructuredOutputsParams:
     # The grammar applies only after the output has held this text's tokens (a thinking model's
     # `</think>`: its reasoning is free, its answer matches the grammar); None: from the start
     start_after: str | None = None
+    # vLLM's options: JSON without whitespace between items and after keys; object schemas that
+    # do not say otherwise take no other properties (also what OpenAI's `strict` means)
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +157,9 @@ class StructuredOutputsParams:
                 raise _bad(f"choice: at most {MAX_CHOICES} choices")
         elif self.json_object is not True:
             raise _bad("json_object: must be true")
+        for option in OPTIONS:
+            if not isinstance(getattr(self, option), bool):
+                raise _bad(f"{option}: must be true or false, got {getattr(self, option)!r}")
         if self.start_after is not None and (
             not isinstance(self.start_after, str) or not 0 < len(self.start_after) <= MAX_START_AFTER_CHARS
         ):
@@ -130,7 +188,8 @@ class StructuredOutputsParams:
     @property
     def cache_key(self) -> tuple[str, str]:
         """Requests with equal keys share one compiled grammar."""
-        return self.kind, self.source
+        options = "".join("1" if getattr(self, o) else "0" for o in OPTIONS)
+        return f"{self.kind}/{options}", self.source
 
     def to_grammar(self) -> str:
         """The llguidance grammar (its JSON form). Raises InvalidRequestError when the source
@@ -140,28 +199,43 @@ class StructuredOutputsParams:
 
         kind = self.kind
         matcher = llguidance.LLMatcher
+        defaults = {**JSON_DEFAULTS, **(COMPACT_SEPARATORS if self.disable_any_whitespace else {})}
         try:
             if kind == "json":
                 schema: Any = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return matcher.grammar_from_json_schema(schema, defaults=dict(JSON_DEFAULTS))  # type: ignore[arg-type]
+                schema = prepared_schema(schema, closed_objects=self.disable_additional_properties)
+                return matcher.grammar_from_json_schema(schema, defaults=defaults)  # type: ignore[arg-type]
             if kind == "json_object":
-                return matcher.grammar_from_json_schema({"type": "object"}, defaults=dict(JSON_DEFAULTS))  # type: ignore[arg-type]
+                return matcher.grammar_from_json_schema({"type": "object"}, defaults=defaults)  # type: ignore[arg-type]
             if kind == "regex":
-                return matcher.grammar_from_regex(self.regex or "")
+                # (\d, \w and \s as ASCII classes, as in a JSON schema's `pattern` and vLLM's
+                # backends: Unicode digits are no digits to a zip code)
+                return matcher.grammar_from_lark(
+                    f"start: /{llguidance.regex_to_lark(self.regex or '', 'dw')}/"
+                )
             if kind == "choice":
                 alternatives = " | ".join(json.dumps(s) for s in self.choice or [])
                 return matcher.grammar_from_lark(f"start: {alternatives}")
-            return llguidance.grammar_from("grammar", self.grammar or "")
+            text = self.grammar or ""
+            if _GBNF_RULE.search(text):
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                try:
+                    text = gbnf_to_lark(text)
+                except Exception as e:  # (the converter's own errors derive from Exception)
+                    raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {e}") from None
+            return matcher.grammar_from_lark(text)
         except (ValueError, RecursionError) as e:
             raise _bad(f"invalid {kind}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The one field that is set, as vLLM's request field spells it."""
-        return {self.kind: getattr(self, self.kind)}
+        """The one field that is set, and the options that are on, as vLLM's request field
+        spells them."""
+        return {self.kind: getattr(self, self.kind), **{o: True for o in OPTIONS if getattr(self, o)}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
-        unknown = sorted(set(d) - set(_KINDS) - {"param", "start_after"})
+        unknown = sorted(set(d) - set(_KINDS) - set(OPTIONS) - {"param", "start_after"})
         if unknown:
-            raise _bad(f"unknown field {unknown[0]!r} (supported: {', '.join(_KINDS)})")
+            raise _bad(f"unknown field {unknown[0]!r} (supported: {', '.join((*_KINDS, *OPTIONS))})")
         return cls(**{k: v for k, v in d.items() if v is not None})

@@ -400,23 +400,29 @@ def _chat_tool_choice(v: Any) -> Any:
     return v
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
+def _response_format(text: Any, unknown: P.UnknownFields) -> dict[str, Any] | None:
     """`text.format` as the chat route's `response_format` (None: plain text)."""
     if not isinstance(text, dict):
         raise _bad("text", f"must be an object, got {type(text).__name__}", "invalid_type")
+    _others(text, {"format", "verbosity"}, "text", unknown)
     fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
         raise _bad("text.format", f"must be an object, got {type(fmt).__name__}", "invalid_type")
     kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
     if kind == "json_schema":
+        if "schema" not in fmt:
+            nested = " (the Responses API takes it at text.format.schema, not in json_schema)"
+            raise _bad(
+                "text.format.schema", "required" + (nested if "json_schema" in fmt else ""), "missing_field"
+            )
+        _others(fmt, {"type", "name", "schema", "strict", "description"}, "text.format", unknown)
         inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": inner}
+    if kind in ("text", "json_object"):
+        _others(fmt, {"type"}, "text.format", unknown)
+        return None if kind == "text" else {"type": "json_object"}
     raise _bad("text.format.type", f"must be one of text, json_object, json_schema; got {kind!r}")
 
 
@@ -534,7 +540,7 @@ def parse_responses_request(
     if body.get("tool_choice") is not None and (body["tool_choice"] != "auto" or chat.get("tools")):
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if body.get("text") is not None:
-        fmt = _response_format(body["text"])
+        fmt = _response_format(body["text"], unknown)
         if fmt is not None:
             chat["response_format"] = fmt
     top_logprobs = P.get_int(body, "top_logprobs", None, 0, info.max_logprobs)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridserve.errors import InvalidRequestError
-from hybridserve.sampling.structured_outputs import StructuredOutputsParams
+from hybridserve.sampling.structured_outputs import OPTIONS, StructuredOutputsParams
 from hybridserve.server.tools import ToolParser
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -30,6 +30,12 @@ GUIDED_FIELDS = {
 # written without free whitespace): type-checked and ignored
 GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
 _JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+# vLLM's fields of `structured_outputs` that would change the output and are not served: refused
+# by name rather than left unused (its backend choices and fallbacks change nothing here)
+_UNSERVED_OPTIONS = {
+    "structural_tag": "a structural tag (tool-call tags around JSON)",
+    "whitespace_pattern": "a whitespace pattern (JSON here has fixed separators)",
+}
 
 
 def _refuse(name: str) -> None:
@@ -95,7 +101,8 @@ def parse_response_format(v: Any, on_unknown: OnUnknown = _refuse) -> Structured
         schema = {"type": "object"}
     if not isinstance(schema, dict):
         raise FieldError("response_format.json_schema.schema", "must be a JSON schema object", "invalid_type")
-    return _labelled("response_format", json=schema)
+    # OpenAI's `strict`: the output has the schema's properties and no others
+    return _labelled("response_format", json=schema, disable_additional_properties=js.get("strict") is True)
 
 
 def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> StructuredOutputsParams | None:
@@ -107,7 +114,13 @@ def parse_structured_outputs(v: Any, on_unknown: OnUnknown = _refuse) -> Structu
         raise FieldError("structured_outputs", f"must be an object, got {type(v).__name__}", "invalid_type")
     fields = {}
     for key, x in v.items():
-        if key not in ("json", "regex", "choice", "grammar", "json_object"):
+        if key in _UNSERVED_OPTIONS:
+            raise FieldError(
+                f"structured_outputs.{key}",
+                f"{_UNSERVED_OPTIONS[key]} is not supported",
+                "unsupported_parameter",
+            )
+        if key not in ("json", "regex", "choice", "grammar", "json_object", *OPTIONS):
             on_unknown(f"structured_outputs.{key}")
         elif x is not None:
             fields[key] = x

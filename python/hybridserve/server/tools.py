@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Self
 
-from hybridserve.sampling.structured_outputs import JSON_DEFAULTS
+from hybridserve.sampling.structured_outputs import JSON_DEFAULTS, prepared_schema
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # the most calls a forced ("required") output may hold
@@ -296,7 +296,7 @@ def _call_alternatives(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], dic
     alternatives = []
     defs: dict[str, Any] = {}
     for i, t in enumerate(tools):
-        params = t["function"]["parameters"]
+        params = prepared_schema(t["function"]["parameters"])
         if isinstance(params, dict) and "type" not in params and "$ref" not in params:
             # ({} or properties without a type would take any JSON value: a call's arguments
             # are an object, and anything else is no call)
@@ -777,6 +777,7 @@ def _rooted_parameters(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     """A `qwen3_coder` tool's parameters schema with its definitions at the root (`_rooted`; each
     JSON value's schema refers to them), a root that is only a `$ref` (a pydantic model)
     followed: (the schema whose `properties` are the parameters, the definitions)."""
+    params = prepared_schema(params)
     _, defs = _rooted(params, "tool")
     if defs:
         params = defs["tool"]
