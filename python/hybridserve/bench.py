@@ -69,7 +69,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--num-requests", type=int_in(1), default=64, help="requests in all (turns count one each)"
     )
     s.add_argument(
-        "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+        "--request-rate",
+        type=_rate,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once); with multi-turn, of conversations, each "
+        "sending its turns one after another",
     )
     s.add_argument(
         "--concurrency", type=int_in(1), default=None, help="most requests in flight (default: no limit)"
@@ -314,8 +318,11 @@ def bench_main(args: argparse.Namespace) -> int:
             if value is not None and args.workload != workload:
                 raise ConfigError(f"{flag} applies to --workload {workload}, not {args.workload}")
         trace, trace_source = _load_trace(args)
-        if args.prefix_len is not None and args.prefix_len > args.prompt_len:
-            raise ConfigError(f"--prefix-len {args.prefix_len} is longer than --prompt-len {args.prompt_len}")
+        if args.prefix_len is not None and args.prefix_len >= args.prompt_len:
+            raise ConfigError(
+                f"--prefix-len {args.prefix_len} leaves no unique tokens in --prompt-len {args.prompt_len}: "
+                "give fewer"
+            )
         spec = WorkloadSpec(
             name=args.workload,
             num_requests=args.num_requests,

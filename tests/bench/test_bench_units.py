@@ -317,9 +317,11 @@ def test_a_flag_of_another_workload_is_a_usage_error(capsys: pytest.CaptureFixtu
         assert said in capsys.readouterr().err
 
 
-def test_a_shared_prefix_longer_than_the_prompt_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_shared_prefix_as_long_as_the_prompt_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """(one of the prompt's length would leave no token of its own: it was cut without a word)"""
     from hybridserve.cli import main
 
-    argv = ["bench", "serve", "--workload", "shared-prefix", "--prompt-len", "64", "--prefix-len", "100"]
-    assert main(argv) == 2
-    assert "--prefix-len 100 is longer than --prompt-len 64" in capsys.readouterr().err
+    for prefix in ("100", "64"):
+        argv = ["bench", "serve", "--workload", "shared-prefix", "--prompt-len", "64", "--prefix-len", prefix]
+        assert main(argv) == 2
+        assert f"--prefix-len {prefix} leaves no unique tokens in --prompt-len 64" in capsys.readouterr().err

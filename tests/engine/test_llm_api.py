@@ -1034,3 +1034,46 @@ def test_vllm_s_other_sampling_fields_are_taken_or_refused_by_name() -> None:
     # a logit_bias outside the vocabulary is refused, as the HTTP route refuses it
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate("Hello", SamplingParams(max_tokens=1, logit_bias={10**6: 5.0}))
+
+
+def test_code_written_for_vllm_s_llm_runs() -> None:
+    """vLLM's arguments that change nothing here are taken (and a value that would change the
+    model is refused by name); its dtype names and a torch dtype; seed None; `cumulative_logprob`;
+    `lora_request=None` in its place; a tokenizer that encodes as transformers' does; a callable
+    `use_tqdm` makes the bar, one step a prompt; `reset_prefix_cache`; a prompt dict with a key
+    that is not served is refused, not dropped."""
+    llm = LLM(
+        "demo", dtype=torch.float32, seed=None, trust_remote_code=True, swap_space=4, disable_log_stats=True,
+        tokenizer_mode="auto", quantization=None, max_model_len=128,
+    )  # fmt: skip
+    assert llm.engine.args.dtype == "float32" and llm.engine.args.seed == 0
+    with pytest.raises(ConfigError, match="quantization"):
+        LLM("demo", quantization="fp8")
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, n=2)
+    bars: list[Any] = []
+
+    class Bar:
+        def __init__(self, total: int, desc: str) -> None:
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+        def close(self) -> None:
+            pass
+
+    outs = llm.generate(["Hello", "World"], params, Bar, None)  # (use_tqdm, lora_request: vLLM's order)
+    assert [(b.total, b.n) for b in bars] == [(2, 2)]
+    for o in outs[0].outputs:
+        want = sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or []))
+        assert o.cumulative_logprob == pytest.approx(want) and o.cumulative_logprob < 0
+    (plain,) = llm.generate("Hello", SamplingParams(max_tokens=2))
+    assert plain.outputs[0].cumulative_logprob is None
+    tok = llm.get_tokenizer()
+    assert tok("Hello")["input_ids"] == tok.encode("Hello") == outs[0].prompt_token_ids
+    assert llm.reset_prefix_cache() is True
+    with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, params)
+    with pytest.raises(InvalidRequestError, match="lora_request"):
+        llm.chat([{"role": "user", "content": "hi"}], params, lora_request=object())  # type: ignore[arg-type]

@@ -40,6 +40,18 @@ if TYPE_CHECKING:
     from hybridserve._core import CheckpointPlacementName, EvictionPolicyName, MambaCacheModeName
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# vLLM's other names of them (--dtype half, a torch.dtype in LLM(...))
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+
+
+def dtype_name(v: Any) -> Any:
+    """A dtype as DTYPES names it: vLLM's aliases and torch dtypes to their names; anything else
+    as it is (for the check to refuse)."""
+    if not isinstance(v, str) and type(v).__name__ == "dtype":  # (torch.float32: no torch import)
+        v = str(v).removeprefix("torch.")
+    return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
 # --mamba-ssm-cache-dtype: the Mamba states' dtype (vLLM's flag; "auto" reads the checkpoint).
 # Not vLLM's bfloat16 / float16: the native CPU step and the CUDA kernels take float32 states only,
 # so such states would run every Mamba layer on the torch ops (which compute them in float32).
@@ -209,6 +221,13 @@ class EngineArgs:
     #: KV cache events for routers: vLLM's KVEventsConfig fields (config/kv_events.py), as a dict,
     #: a KVEventsConfig or the JSON text of --kv-events-config. None = no events.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        # vLLM's spellings: its dtype aliases and torch dtypes; seed None (its default) is the
+        # engine's own seed
+        self.dtype = dtype_name(self.dtype)
+        if self.seed is None:
+            self.seed = 0
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:

@@ -12,6 +12,7 @@ from hybridserve import _core
 from hybridserve.arg_types import only_one
 from hybridserve.config.args import (
     DEFAULT_MAX_QUEUE_LEN,
+    DTYPE_ALIASES,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -43,6 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "flags win; docs/serving.md, Command line)",
     )
     g = p.add_argument_group("engine")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines: hybridserve runs no code from a model folder",
+    )
     g.add_argument(
         "--tokenizer",
         default=None,
@@ -153,7 +159,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         default=None,
         help="longest sequence (default: the model's max_position_embeddings)",
     )
-    g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="model dtype (default: auto)")
+    g.add_argument(
+        "--dtype",
+        choices=[*DTYPES, *DTYPE_ALIASES],
+        default="auto",
+        help="model dtype (default: auto; vLLM's half, float and double name float16, float32, float64)",
+    )
     g.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=list(STATE_DTYPES),

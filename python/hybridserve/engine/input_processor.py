@@ -120,6 +120,11 @@ class InputProcessor:
             # (with the tokenizer's special tokens, a BOS say, as vLLM and the completion route encode)
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, dict):
+            unknown = sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids"))
+            if unknown:  # (vLLM's multi_modal_data, say: not served, so not silently dropped)
+                raise InvalidRequestError(
+                    f"prompt: a dict prompt takes 'prompt' or 'prompt_token_ids' only, got {unknown[0]!r}"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jinja2
@@ -22,7 +22,7 @@ from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
 from hybridserve.engine.protocol import OfflineEngine
 from hybridserve.engine.tokenizer import Tokenizer
-from hybridserve.errors import InvalidRequestError
+from hybridserve.errors import ConfigError, InvalidRequestError
 from hybridserve.sampling.params import SamplingParams
 from hybridserve.sampling.seeds import choice_seed
 
@@ -88,9 +88,48 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
     return out
 
 
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise InvalidRequestError("lora_request: LoRA adapters are not supported; give None")
+
+
+# vLLM's LLM(...) arguments that change nothing here: taken so that code written for vLLM runs
+# (a value that would change the answer is refused by name, `_vllm_only_arguments`)
+_VLLM_NO_OPS = frozenset(
+    ("trust_remote_code", "disable_log_stats", "swap_space", "download_dir", "disable_custom_all_reduce",
+     "compilation_config", "hf_token", "max_seq_len_to_capture")
+)  # fmt: skip
+# argument -> the values that leave the model as it is
+_VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "quantization": (None,),
+    "revision": (None,),
+    "tokenizer_revision": (None,),
+    "code_revision": (None,),
+    "tokenizer_mode": ("auto", "hf"),
+}
+
+
+def _vllm_only_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` without vLLM's arguments that change nothing here; ConfigError for one whose value
+    would (a quantization, a revision: the model folder is read as it is)."""
+    rest = {}
+    for name, v in kwargs.items():
+        if name in _VLLM_NO_OPS:
+            continue
+        if name in _VLLM_NEUTRAL:
+            if v not in _VLLM_NEUTRAL[name]:
+                allowed = " or ".join(repr(x) for x in _VLLM_NEUTRAL[name])
+                raise ConfigError(f"{name}: only {allowed} is served here, got {v!r}")
+            continue
+        rest[name] = v
+    return rest
+
+
 class LLM:
     def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
-        self._attach(LLMEngine(EngineArgs(model=model, **engine_kwargs)))
+        """`engine_kwargs`: EngineArgs' fields; vLLM's arguments that change nothing here
+        (`trust_remote_code`, `swap_space`, `disable_log_stats`, ...) are taken too."""
+        self._attach(LLMEngine(EngineArgs(model=model, **_vllm_only_arguments(engine_kwargs))))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -105,6 +144,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: drops every cached prefix (KV blocks and Mamba checkpoints); False while a
+        request is running."""
+        return bool(self.engine.reset_prefix_cache())
 
     def beam_search(
         self,
@@ -121,8 +165,7 @@ class LLM:
         vLLM's; no adapter is served here, so only None is taken."""
         from hybridserve.engine.beam_search import beam_search
 
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request: LoRA adapters are not supported; give None")
+        _no_lora(lora_request)
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             listed = [prompts]
         else:
@@ -144,12 +187,14 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's `LLM.chat`: `messages` is one conversation
         (a list of `{"role", "content"}` messages; content a string, None or a list of text parts)
@@ -161,7 +206,14 @@ class LLM:
         takes them) are the template's `tools` variable: a template that mentions them renders
         them, as transformers' `apply_chat_template(tools=...)` does; nothing parses calls out of
         the replies here (the server does). A conversation the template refuses, or one malformed,
-        raises InvalidRequestError and nothing runs."""
+        raises InvalidRequestError and nothing runs. vLLM's `lora_request` (None only) and
+        `chat_template_content_format` ("auto" or "string": text content is all there is here)
+        are taken."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise InvalidRequestError(
+                f"chat_template_content_format: 'auto' or 'string' (text content only), got {chat_template_content_format!r}"
+            )
         conversations = _conversations(messages)
         template = self.engine.chat_template
         if chat_template is not None:
@@ -203,7 +255,8 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order. `priority`: one per
@@ -212,7 +265,10 @@ class LLM:
         on its own (non-finite logits in its row, an error while sampling it) comes back with
         finish_reason "error" and its result's `error` says why; the others are unaffected. A
         batch with an invalid request (a prompt, a parameter, a grammar that does not compile) is
-        refused whole with InvalidRequestError, and changes nothing."""
+        refused whole with InvalidRequestError, and changes nothing. `use_tqdm`: a bar over the
+        prompts (True, or a tqdm-like factory to make it); `lora_request` (vLLM's): None only,
+        no adapter is served."""
+        _no_lora(lora_request)
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         elif (
@@ -281,16 +337,27 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
-            from tqdm import tqdm
+            factory: Callable[..., Any]
+            if callable(use_tqdm):
+                factory = use_tqdm
+            else:
+                from tqdm import tqdm
 
-            progress = tqdm(total=sum(len(g) for g in groups), desc="generate")
+                factory = tqdm
+            progress = factory(total=len(groups), desc="Processed prompts")
+        # (a prompt counts once its last sequence is done)
+        left = {rid: len(ids) for ids in groups for rid in ids[:1]}
+        group_of = {rid: ids[0] for ids in groups for rid in ids}
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                        if progress is not None:
-                            progress.update(1)
+                        head = group_of.get(out.request_id)
+                        if progress is not None and head is not None:
+                            left[head] -= 1
+                            if left[head] == 0:
+                                progress.update(1)
         except BaseException:
             for ids in groups:  # leave nothing of this call behind in the engine
                 for rid in ids:

@@ -375,7 +375,7 @@ class LLMEngine:
         so = params.structured_outputs
         if grammar is not None and so is not None and so.start_after is not None:
             # (an added token such as a thinking model's `</think>` encodes to itself)
-            grammar.start_after(self.tokenizer.encode(so.start_after))
+            grammar.start_after(self.tokenizer.encode(so.start_after, add_special_tokens=False))
         self.scheduler.add_request(
             request_id,
             req.prompt_token_ids,

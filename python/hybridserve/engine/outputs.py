@@ -21,6 +21,14 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the summed log-probability of the tokens made, when logprobs were asked for
+        (each position's entries hold its token), else None."""
+        if self.logprobs is None:
+            return None
+        return float(sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs) if t in entry))
+
 
 @dataclass(frozen=True)
 class RequestMetrics:

@@ -49,7 +49,7 @@ def template_message_end_ids(
     end = text.find(_USER_PROBE)
     if start < 0 or end < start:
         return (), "the chat template does not write a system message before a user message"
-    between = tokenizer.encode(text[start + len(_SYSTEM_PROBE) : end])
+    between = tokenizer.encode(text[start + len(_SYSTEM_PROBE) : end], add_special_tokens=False)
     special = [t for t in between if tokenizer.is_special(t)]
     if not special:
         return (), "the chat template writes no special token between two messages"

@@ -89,10 +89,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a text, with the tokenizer's special tokens (a BOS) by default, as
+        transformers' `encode` and vLLM's tokenizer give them (`LLM.get_tokenizer()`)."""
         return self.encode_many([text], add_special_tokens=add_special_tokens)[0]
 
-    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """transformers' call form: {"input_ids": ...}."""
+        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids of each text. Texts that are long in all go through one `encode_batch` call,
         which holds the global lock for none of them: one `encode` per text would hold it for each
         in turn, and every time the engine thread let go of it (each torch operation does) the

@@ -208,11 +208,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "without a time limit: for clients you trust",
     )
     g.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted for vLLM's command lines: hybridserve runs no code from a model folder",
-    )
-    g.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
