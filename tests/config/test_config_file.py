@@ -113,7 +113,10 @@ def test_the_file_s_model_for_each_subcommand(tmp_path: Path) -> None:
         # a value the flag itself refuses: its check runs here, naming the key
         ("max-num-seqs: {a: 1}\n", 'max-num-seqs: not an integer (got {"a": 1})'),
         ("max-num-seqs: 1e3\n", "max-num-seqs: not an integer (got 1e3)"),
-        ("dtype: float8\n", "dtype: one of auto, float32, bfloat16, float16, float64, half, float, double (got float8)"),
+        (
+            "dtype: float8\n",
+            "dtype: one of auto, float32, bfloat16, float16, float64, half, float, double (got float8)",
+        ),
         ("port: 70000\n", "port: must be in [0, 65535], got 70000"),
     ],
 )

@@ -162,6 +162,24 @@ def test_vllm_s_keywords_batch_the_prompts_and_change_no_beam(llm: LLM) -> None:
         llm.beam_search(prompts, params, lora_request=object())  # type: ignore[arg-type]
 
 
+def test_every_eos_of_the_model_ends_a_beam() -> None:
+    """A model's other EOS ids (end-of-turn tokens) end a beam as its EOS does, uncounted in its
+    length; with ignore_eos none does."""
+    from hybridserve.engine.beam_search import BeamSearch
+    from hybridserve.sampling.logprobs import Logprob
+
+    entry = {7: Logprob(logprob=-0.5, rank=1), 4: Logprob(logprob=-1.0, rank=2)}
+    search = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=1), 9, 100, (7,))
+    search.advance([entry])
+    ((best,),) = search.results()
+    assert best.tokens == [1, 2, 7] and best.finish_reason == "stop"
+    kept = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True), 9, 100, (7,))
+    kept.advance([entry])
+    ((live,),) = kept.results()
+    # (7 stays a candidate; uncounted in the length, -0.5 / 2 beats 4's -1.0 / 3)
+    assert live.tokens == [1, 2, 7] and live.finish_reason == "length"
+
+
 def test_a_failed_query_fails_the_search_and_an_aborted_one_ends_its_beam() -> None:
     """A step query's last output: log-probabilities go on; a failure raises (a beam cut short is
     no result that reached its length); an abort ends the beam as "abort"."""

@@ -1031,6 +1031,13 @@ def test_vllm_s_other_sampling_fields_are_taken_or_refused_by_name() -> None:
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1)
     )
     assert whole.prompt_token_ids == ids
+    # a text far longer than the context is cut, not refused
+    (long_text,) = llm.generate(
+        "hello world " * 2000, SamplingParams(max_tokens=1, truncate_prompt_tokens=50)
+    )
+    assert len(long_text.prompt_token_ids) == 50 and long_text.prompt is None
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=1, truncate_prompt_tokens=129))
     # a logit_bias outside the vocabulary is refused, as the HTTP route refuses it
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate("Hello", SamplingParams(max_tokens=1, logit_bias={10**6: 5.0}))

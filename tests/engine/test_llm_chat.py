@@ -238,5 +238,16 @@ def test_named_templates_and_the_template_environment_are_transformers(tmp_path:
     want = auto.apply_chat_template(chat, tokenize=False, continue_final_message=True)
     assert ours.render(chat, False, continue_final_message=True) == want
     assert want.endswith("The answer is")
-    # a request (or LLM.chat) may name one of the model's templates
+    # a request (or LLM.chat) may name one of the model's templates, or give its own: that one is
+    # rendered, tools or not, as transformers renders a template it is given
     assert ours.with_source("tool_use").render(chat, True).startswith("TOOL-USE 0 ")  # (tools: None)
+    for given in ("default", "OWN {{ tools | length }}"):
+        want = auto.apply_chat_template(chat, tokenize=False, chat_template=given, tools=tools)
+        assert ours.with_source(given).render(chat, True, {"tools": tools}) == want
+    # the server decides how to write tools and calls from the template that renders them
+    from hybridserve.server.protocol import _template_renders_tools
+
+    plain = {**config, "chat_template": [{"name": "default", "template": "{{ messages | length }}"},
+                                          {"name": "tool_use", "template": NAMED_TOOL_USE}]}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(plain))
+    assert _template_renders_tools(ChatTemplate.from_model_dir(tmp_path))

@@ -4,6 +4,7 @@ docs/structured-outputs.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -526,6 +527,8 @@ def test_schema_forms_vllm_and_pydantic_write_compile_as_expected(llm: LLM) -> N
 def test_regex_classes_are_ascii_and_lark_grammars_may_start_with_a_question_mark(llm: LLM) -> None:
     digits = StructuredOutputsParams(regex=r"\d{3}")
     assert _takes(digits, llm, "123") and not _takes(digits, llm, "١٢٣")
+    spaced = StructuredOutputsParams(regex=r"a\sb")
+    assert _takes(spaced, llm, "a b") and not _takes(spaced, llm, "a\u2009b")
     # vLLM's documented SQL example: a Lark grammar whose rules inline (`?start:`)
     sql = StructuredOutputsParams(
         grammar='?start: "SELECT " column " FROM " table\n?column: "a" | "b"\n?table: "t"'
@@ -556,3 +559,6 @@ def test_every_eos_of_the_model_ends_a_grammar_where_its_eos_may(tmp_path) -> No
     (out,) = llm.generate("Say a:", params)
     assert out.outputs[0].text == "a" and out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == 2
+    # a request that ignores EOS: the other EOS is no EOS to its grammar, which allows it nowhere
+    (past,) = llm.generate("Say a:", dataclasses.replace(params, ignore_eos=True))
+    assert past.outputs[0].text == "a" * 12 and past.outputs[0].finish_reason == "length"

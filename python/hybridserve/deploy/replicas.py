@@ -177,10 +177,16 @@ def _inline_config_files(serve: list[str]) -> list[str]:
 def replica_stop_timeout(serve: list[str]) -> float:
     """How long a replica may take to drain and stop: its own `--shutdown-timeout` (a file's too:
     `serve` is written out) plus STOP_MARGIN_S."""
+    import contextlib
+    import io
+
     from hybridserve.cli import build_parser
 
+    if not serve:
+        return STOP_MARGIN_S
     try:
-        ns, _ = build_parser().parse_known_args(["serve", *serve])
+        with contextlib.redirect_stderr(io.StringIO()):  # (the replicas print their own refusal)
+            ns, _ = build_parser().parse_known_args(["serve", *serve])
     except SystemExit:  # (refused by the replicas themselves, which then never start)
         return STOP_MARGIN_S
     return float(getattr(ns, "shutdown_timeout", 0.0)) + STOP_MARGIN_S

@@ -205,7 +205,7 @@ class TPExecutor(GroupFailure):
                     self.fail(_exited(rank, self._procs[rank - 1]))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops the workers (asks, then terminates, then kills) and leaves the process group."""
+        """Stops the workers (asks, then kills one that did not end) and leaves the process group."""
         if self._closing:
             return
         self._closing = True
@@ -237,15 +237,12 @@ class TPExecutor(GroupFailure):
 
     def _kill_all(self) -> None:
         # (a worker ignores SIGTERM, which a terminal or a service manager sends the whole group:
-        # it is killed when it does not end by itself)
+        # one that did not end by itself is killed)
         for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(2.0)
             if p.is_alive():
                 p.kill()
-                p.join(2.0)
+        for p in self._procs:
+            p.join(2.0)
 
 
 __all__ = ["StepInputs", "TPExecutor", "WorkerSpec", "collective_timeout_s"]

@@ -22,12 +22,16 @@ import datetime
 import logging
 import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.distributed.group_failure import WORKERS_STOPPED, GroupFailure
 from hybridserve.errors import ConfigError, EngineDeadError
+
+# How long an exit that did not shut the engine down waits for the workers to take "stop"
+EXIT_SHUTDOWN_TIMEOUT_S = 2.0
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -115,7 +119,7 @@ class TorchrunExecutor(GroupFailure):
         _send(spec, self._group)  # the workers load their shards while this rank loads its own
         # A script that ends without shutting its engine down lets the workers exit cleanly
         # (they take a closed connection for a failure, and the launcher fails the whole job).
-        atexit.register(self.shutdown)
+        atexit.register(self._shutdown_at_exit)
 
     @property
     def pids(self) -> list[int]:
@@ -143,6 +147,14 @@ class TorchrunExecutor(GroupFailure):
             self.fail(f"a tensor-parallel worker is gone ({exc})")
             self.check_alive()
 
+    def _shutdown_at_exit(self) -> None:
+        # The "stop" broadcast waits for every worker; one still inside a step's collectives (the
+        # process exits on an error mid-step) would never take it, and the exit must not wait for
+        # it: the launcher ends what is left once this rank is gone.
+        t = threading.Thread(target=self.shutdown, name="hybridserve-tp-exit", daemon=True)
+        t.start()
+        t.join(EXIT_SHUTDOWN_TIMEOUT_S)
+
     def check_alive(self, grace: float = 0.0) -> None:
         """Raises EngineDeadError once the group is dead (the launcher watches the processes) or
         `shutdown` told the workers to exit."""
@@ -157,7 +169,7 @@ class TorchrunExecutor(GroupFailure):
         if self._closing:
             return
         self._closing = True
-        atexit.unregister(self.shutdown)
+        atexit.unregister(self._shutdown_at_exit)
         if self.dead_reason is None:
             try:
                 _send(None, self._group)

@@ -127,6 +127,10 @@ class AsyncEngine:
         return self._loaded_engine().eos_token_id
 
     @property
+    def extra_eos_token_ids(self) -> tuple[int, ...]:
+        return self._loaded_engine().extra_eos_token_ids
+
+    @property
     def default_sampling(self) -> Mapping[str, Any]:
         return self._loaded_engine().default_sampling
 

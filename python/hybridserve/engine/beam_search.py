@@ -112,11 +112,14 @@ class BeamSearch:
         params: BeamSearchParams,
         eos_token_id: int | None,
         max_model_len: int,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         params.check()
         self.params = params
         self.eos_token_id = eos_token_id  # (an ending EOS is not counted in a beam's length)
-        self.eos = None if params.ignore_eos else eos_token_id  # (ends a beam)
+        # every EOS id of the model ends a beam (the others as stop token ids end a request)
+        self.eos_ids = frozenset(t for t in (eos_token_id, *extra_eos_token_ids) if t is not None)
+        self.ends: frozenset[int] = frozenset() if params.ignore_eos else self.eos_ids
         self.limit = max_model_len
         self.steps = 0
         self._searches = []
@@ -144,7 +147,8 @@ class BeamSearch:
         return [b.tokens for s in self._searches for b in s.live]
 
     def _score(self, b: BeamSearchSequence) -> float:
-        return beam_score(b.tokens, b.cum_logprob, self.eos_token_id, self.params.length_penalty)
+        ends = bool(b.tokens) and b.tokens[-1] in self.eos_ids
+        return _normalised(b.cum_logprob, len(b.tokens) - ends, self.params.length_penalty)
 
     def advance(self, seen: Sequence[TokenLogprobs | None]) -> None:
         """Takes one step's answers. Candidates are ranked as (parent, token) pairs, and only the
@@ -165,11 +169,11 @@ class BeamSearch:
                 length = len(beam.tokens) + 1
                 for token, lp in entry.items():
                     cum = beam.cum_logprob + lp.logprob
-                    if self.eos is not None and token == self.eos:
+                    if token in self.ends:
                         s.done.append(_ended(_extended(beam, token, entry, cum), "stop"))
                         continue
-                    # (beam_score of the extended beam, without building its token list)
-                    score = _normalised(cum, length - (token == self.eos_token_id), penalty)
+                    # (the score of the extended beam, without building its token list)
+                    score = _normalised(cum, length - (token in self.eos_ids), penalty)
                     ranked.append((score, beam, token, cum, entry))
             # (a stable sort: equal scores keep the order the beams and their entries came in)
             ranked.sort(key=lambda c: c[0], reverse=True)
@@ -231,7 +235,8 @@ def beam_search(
             f"--max-logprobs is {engine.max_logprobs}), got {params.beam_width}"
         )
     ids = [engine.encode_prompt(p)[1] for p in prompts]
-    BeamSearch(ids, params, engine.eos_token_id, int(engine.max_model_len))  # (every prompt checked first)
+    eos, extra = engine.eos_token_id, engine.extra_eos_token_ids
+    BeamSearch(ids, params, eos, int(engine.max_model_len), extra)  # (every prompt checked first)
     limit = concurrency_limit or max(1, len(ids))
     bar = None
     if use_tqdm:
@@ -242,7 +247,7 @@ def beam_search(
     try:
         for start in range(0, len(ids), limit):
             chunk = ids[start : start + limit]
-            search = BeamSearch(chunk, params, engine.eos_token_id, int(engine.max_model_len))
+            search = BeamSearch(chunk, params, eos, int(engine.max_model_len), extra)
             step = search.step_params()
             while queries := search.queries():
                 outs = llm.generate([{"prompt_token_ids": q} for q in queries], step)

@@ -133,9 +133,15 @@ class ChatTemplate:
 
     def with_source(self, template: str) -> ChatTemplate:
         """Another template's text with this one's special tokens (a request's or --chat-template);
-        a name among the model's named templates is that template."""
+        a name among the model's named templates is that template. The template given is the one
+        rendered, tools or not (as transformers renders a template it is given)."""
         source = self.named.get(template, template)
-        return ChatTemplate(source, special_tokens=self.special_tokens, named=self.named)
+        return ChatTemplate(source, special_tokens=self.special_tokens)
+
+    def source_for(self, tools: bool) -> str:
+        """The text of the template a conversation renders with: the model's `tool_use` one when
+        it has tools and the model names one, else the template's own."""
+        return self.named.get("tool_use", self.source) if tools else self.source
 
     def _for(self, extra: dict[str, Any] | None) -> Any:
         """The template to render: the model's `tool_use` one when the conversation has tools."""

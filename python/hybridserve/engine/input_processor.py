@@ -95,14 +95,16 @@ class InputProcessor:
         self.engine_seed = engine_seed
         self.arrival_index = 0  # index of the next admitted request
 
-    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt; a malformed prompt is an InvalidRequestError."""
+    def encode_prompt(self, prompt: Prompt, cut: bool = False) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; a malformed prompt is an InvalidRequestError.
+        `cut`: the prompt will be cut to its last tokens (truncate_prompt_tokens), so a text too
+        long for the context is tokenized, not refused."""
         try:
-            return self._encode_prompt(prompt)
+            return self._encode_prompt(prompt, cut)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"prompt: token ids must be integers ({exc})") from exc
 
-    def _encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _encode_prompt(self, prompt: Prompt, cut: bool = False) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -111,7 +113,9 @@ class InputProcessor:
                     "prompt: not valid Unicode (it holds an unpaired surrogate)"
                 ) from None
             # (the bound is at most the text's length: a shorter text is always counted in full)
-            at_least = self.tokenizer.min_tokens(prompt) if len(prompt) >= self.max_model_len else 0
+            at_least = (
+                self.tokenizer.min_tokens(prompt) if len(prompt) >= self.max_model_len and not cut else 0
+            )
             if at_least >= self.max_model_len:  # refused before seconds of tokenizing megabytes
                 raise InvalidRequestError(
                     f"prompt: at least {at_least} tokens leave no room to generate within max_model_len "
@@ -130,7 +134,7 @@ class InputProcessor:
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise InvalidRequestError("prompt: a dict prompt's 'prompt' must be a str")
-                return self._encode_prompt(prompt["prompt"])
+                return self._encode_prompt(prompt["prompt"], cut)
             raise InvalidRequestError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, bytes | bytearray) or prompt is None:
             raise InvalidRequestError(
@@ -156,10 +160,14 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"{name}: at most {self.max_logprobs} log-probabilities per token (--max-logprobs), got {asked}"
                 )
-        text, ids = self.encode_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens: at most max_model_len ({self.max_model_len}), got {keep}"
+            )
+        text, ids = self.encode_prompt(prompt, cut=keep is not None and keep != -1)
         if not ids:
             raise InvalidRequestError("prompt: must not be empty")
-        keep = params.truncate_prompt_tokens
         if keep is not None:
             keep = self.max_model_len if keep == -1 else keep  # (as the completion route cuts)
             if len(ids) > keep:  # (a prompt that was cut keeps no text: it is not the client's)

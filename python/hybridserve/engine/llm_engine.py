@@ -222,6 +222,7 @@ class LLMEngine:
         # KV cache events for routers (docs/kv-events.md): recorded by the scheduler, sent by a
         # publisher thread after every step.
         self.kv_events: KVEventPublisher | None = None
+        self._kv_events_dropped: tuple[int, int] | None = None  # (events, batches) at shutdown
         events_cfg = args.kv_events()
         if events_cfg is not None:
             self.scheduler.enable_kv_events()
@@ -286,6 +287,10 @@ class LLMEngine:
     @property
     def eos_token_id(self) -> int | None:
         return self.runner.em.eos_token_id
+
+    @property
+    def extra_eos_token_ids(self) -> tuple[int, ...]:
+        return self.runner.em.extra_eos_token_ids
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -394,6 +399,10 @@ class LLMEngine:
         if not arrived:
             self.inputs.admitted()  # only requests that were admitted take an arrival index
             self.outputs.add_request(req)
+        if grammar is not None and params.ignore_eos:
+            # (the model's other EOS ids end no request that ignores EOS: they are no EOS to its
+            # grammar, which allows them nowhere)
+            grammar.eos_aliases = None
         self.requests[request_id].grammar = grammar
         self.counters.prompt_tokens += len(req.prompt_token_ids)
 
@@ -726,6 +735,7 @@ class LLMEngine:
         if self.kv_events is not None:
             self.publish_kv_events()
             self.kv_events.shutdown()
+            self._kv_events_dropped = (self.kv_events.events_dropped, self.kv_events.batches_dropped)
             self.kv_events = None
 
     def _row_sampling(self, request_id: str) -> RowSampling | None:
@@ -829,11 +839,13 @@ class LLMEngine:
             block_size=int(self.config.block_size),
             enable_prefix_caching=bool(self.config.enable_prefix_caching),
         )
-        if self.kv_events is not None:
+        pub = self.kv_events
+        dropped = (pub.events_dropped, pub.batches_dropped) if pub is not None else self._kv_events_dropped
+        if dropped is not None:
             # what a subscriber can receive: the events of batches the publisher's queue dropped
-            # are not among them
-            s["kv_events_emitted"] = s.get("kv_events_emitted", 0) - self.kv_events.events_dropped
-            s["kv_event_batches_dropped"] = self.kv_events.batches_dropped
+            # are not among them (also once the publisher was shut down)
+            s["kv_events_emitted"] = s.get("kv_events_emitted", 0) - dropped[0]
+            s["kv_event_batches_dropped"] = dropped[1]
         verify_rows = self.counters.spec_decode_verify_rows
         s.update(
             prompt_tokens=self.counters.prompt_tokens,

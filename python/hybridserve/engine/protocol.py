@@ -45,6 +45,11 @@ class ServedModel(Protocol):
         ...
 
     @property
+    def extra_eos_token_ids(self) -> tuple[int, ...]:
+        """The model's other EOS ids: each ends a sequence too (as a stop token id)."""
+        ...
+
+    @property
     def model_dir(self) -> str: ...
 
     @property

@@ -211,7 +211,7 @@ class StructuredOutputsParams:
                 # (\d, \w and \s as ASCII classes, as in a JSON schema's `pattern` and vLLM's
                 # backends: Unicode digits are no digits to a zip code)
                 return matcher.grammar_from_lark(
-                    f"start: /{llguidance.regex_to_lark(self.regex or '', 'dw')}/"
+                    f"start: /{llguidance.regex_to_lark(self.regex or '', 'dws')}/"
                 )
             if kind == "choice":
                 alternatives = " | ".join(json.dumps(s) for s in self.choice or [])

@@ -1506,7 +1506,8 @@ async def _beam_answer(
                 added = beam.tokens[len(prompt.token_ids) :]
                 completion_tokens += len(added)
                 # (an ending EOS is in token_ids but not in the text, as a sampled answer's)
-                ends_eos = beam.finish_reason == "stop" and added[-1:] == [engine.eos_token_id]
+                eos_ids = (engine.eos_token_id, *engine.extra_eos_token_ids)
+                ends_eos = beam.finish_reason == "stop" and bool(added) and added[-1] in eos_ids
                 shown = added[:-1] if ends_eos else added
                 text = info.decode(shown, skip_special_tokens=req.params.skip_special_tokens)
                 made.append(_BeamChoice(len(made), prompt, added, text, beam.finish_reason or "length"))

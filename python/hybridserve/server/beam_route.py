@@ -39,7 +39,11 @@ async def run_beam_search(
     prefix of its engine requests' ids."""
     assert req.beam is not None
     search = BeamSearch(
-        [p.token_ids for p in req.prompts], req.beam, engine.eos_token_id, int(engine.max_model_len)
+        [p.token_ids for p in req.prompts],
+        req.beam,
+        engine.eos_token_id,
+        int(engine.max_model_len),
+        engine.extra_eos_token_ids,
     )
     params = search.step_params()
     while queries := search.queries():

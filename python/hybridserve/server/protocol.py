@@ -1214,17 +1214,19 @@ def _request_template(body: dict[str, Any], info: ModelInfo) -> ChatTemplate | N
 
 
 def _template_renders_tools(template: ChatTemplate | None) -> bool:
-    """Whether the chat template renders `tools` itself (it mentions them)."""
-    return template is not None and "tools" in template.source
+    """Whether the chat template a conversation with tools renders with (the model's `tool_use`
+    one, where it names one) renders `tools` itself (it mentions them)."""
+    return template is not None and "tools" in template.source_for(tools=True)
 
 
 def _render_tool_history(
-    template: ChatTemplate | None, messages: list[dict[str, Any]], parser: T.ToolParser
+    template: ChatTemplate | None, messages: list[dict[str, Any]], parser: T.ToolParser, tools: bool
 ) -> list[dict[str, Any]]:
     """The messages with the assistants' `tool_calls` and the `tool` results as a template that
     does not render them needs them: a template that mentions `tool_calls` (or the "tool" role)
-    gets them as message fields; otherwise they are written as Hermes text (tools.py)."""
-    source = template.source if template is not None else ""
+    gets them as message fields; otherwise they are written as Hermes text (tools.py). `tools`:
+    the conversation has tools (the model's `tool_use` template then renders it)."""
+    source = template.source_for(tools) if template is not None else ""
     calls_as_text = "tool_calls" not in source
     results_as_text = re.search(r"""['"]tool['"]""", source) is None
     return T.with_tool_history_as_text(messages, parser, calls=calls_as_text, results=results_as_text)
@@ -1261,7 +1263,7 @@ def _render_chat(
     template = own or _served_template(info)
     parser = _tool_parser(info)
     messages = _parse_messages(body.get("messages"), unknown, info.response_role)
-    messages = _render_tool_history(template, messages, parser)
+    messages = _render_tool_history(template, messages, parser, bool(tools))
     if tools:  # the template renders them, or they go into the system prompt (tools.py)
         if _template_renders_tools(template):
             template_kwargs = {**(template_kwargs or {}), "tools": tools}
