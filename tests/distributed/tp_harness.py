@@ -28,6 +28,9 @@ def _entry(rank: int, tp: int, port: int, fn: Callable[..., Any], args: tuple[An
     init_tp_group(rank, tp, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
     try:
         result: Any = fn(rank, tp, *args)
+        # (every rank done with its collectives before any leaves: a rank that exits while its
+        # peer's last operation still reads its socket aborts that peer under load)
+        torch.distributed.barrier()
     except BaseException:
         result = RuntimeError(f"rank {rank}:\n{traceback.format_exc()}")
     Path(f"{out}.{rank}").write_bytes(pickle.dumps(result))

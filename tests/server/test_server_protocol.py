@@ -525,7 +525,7 @@ def test_tool_call_history_renders_as_hermes_text_for_chatml(info):
     """The demo template knows neither tool_calls nor the tool role: Hermes text, the result in a
     user turn."""
     rendered = P._render_tool_history(
-        P._served_template(info), P._parse_messages(HISTORY), P._tool_parser(info)
+        P._served_template(info), P._parse_messages(HISTORY), P._tool_parser(info), tools=False
     )
     assert rendered[1] == {
         "role": "assistant",
