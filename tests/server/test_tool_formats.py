@@ -634,6 +634,14 @@ def test_a_forced_call_s_arguments_are_an_object_whatever_the_schema_leaves_open
         assert not _accepts(grammar, _hermes('{"name": "ping", "arguments": "world"}'))[0]
     with pytest.raises(ToolError, match=r"parameters.type"):
         parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
+    # OpenAI's `strict`: the forced call's arguments have the schema's properties and no others
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    extra = _hermes('{"name": "f", "arguments": {"x": 1, "y": 2}}')
+    for strict, takes_extra in ((False, True), (True, False)):
+        fn = {"name": "f", "parameters": schema, "strict": strict}
+        tools = parse_tools([{"type": "function", "function": fn}])
+        assert tools[0]["function"]["strict"] is strict
+        assert _accepts(H.grammar(tools, "f", False), extra)[0] is takes_extra
 
 
 def test_qwen3_coder_reads_optional_and_referenced_strings_as_text() -> None:

@@ -159,6 +159,8 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
             if params is not None
             else {"type": "object", "properties": {}, "additionalProperties": False}
         )
+        if strict is not None:  # (OpenAI's: a forced call's arguments take no other properties)
+            clean["strict"] = strict
         out.append({"type": "function", "function": clean})
     return out
 
@@ -296,7 +298,9 @@ def _call_alternatives(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], dic
     alternatives = []
     defs: dict[str, Any] = {}
     for i, t in enumerate(tools):
-        params = prepared_schema(t["function"]["parameters"])
+        params = prepared_schema(
+            t["function"]["parameters"], closed_objects=t["function"].get("strict") is True
+        )
         if isinstance(params, dict) and "type" not in params and "$ref" not in params:
             # ({} or properties without a type would take any JSON value: a call's arguments
             # are an object, and anything else is no call)
