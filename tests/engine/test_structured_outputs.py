@@ -513,10 +513,10 @@ def test_schema_forms_vllm_and_pydantic_write_compile_as_expected(llm: LLM) -> N
     assert prepared["properties"]["when"]["format"] == "date" and "format" in prepared["properties"]
     assert "format" not in prepared["properties"]["path"] and "format" not in prepared["properties"]["format"]
     loose = StructuredOutputsParams(json=schema)
-    assert _takes(loose, llm, '{"path": "/tmp/x", "other": 1}')
+    assert _takes(loose, llm, '{"path": "data/x", "other": 1}')
     strict = StructuredOutputsParams(json=schema, disable_additional_properties=True)
-    assert _takes(strict, llm, '{"path": "/tmp/x"}') and not _takes(
-        strict, llm, '{"path": "/tmp/x", "other": 1}'
+    assert _takes(strict, llm, '{"path": "data/x"}') and not _takes(
+        strict, llm, '{"path": "data/x", "other": 1}'
     )
     compact = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
                                       disable_any_whitespace=True)  # fmt: skip

@@ -25,17 +25,15 @@ from typing import Any
 
 import torch
 
-from hybridserve.distributed.group_failure import WORKERS_STOPPED, GroupFailure
+from hybridserve.distributed.group_failure import EXIT_SHUTDOWN_TIMEOUT_S, GroupFailure
 from hybridserve.distributed.parallel_state import collective_timeout_s, destroy_tp_group, init_tp_group
 from hybridserve.distributed.worker import StepInputs, WorkerSpec, worker_main
-from hybridserve.errors import ConfigError, EngineDeadError
+from hybridserve.errors import ConfigError
 
 logger = logging.getLogger("hybridserve.distributed")
 
 # Seconds a worker may take to load its shard and allocate its caches.
 START_TIMEOUT_S = 600.0
-# How long an exit that did not shut the engine down waits for the workers to stop by themselves
-EXIT_SHUTDOWN_TIMEOUT_S = 2.0
 
 
 def _exit_status(proc: BaseProcess) -> int | None:
@@ -63,7 +61,6 @@ class TPExecutor(GroupFailure):
         super().__init__()
         self.spec = spec
         self.world_size = spec.world_size
-        self._closing = False
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._stop_r, self._stop_w = mp.Pipe(duplex=False)
@@ -181,8 +178,6 @@ class TPExecutor(GroupFailure):
         it so, and so does `shutdown`. `grace`: seconds to wait for one to exit first (after a
         failed step, a worker killed a moment ago is still being torn down when its peers'
         collectives break)."""
-        if self._closing and self.dead_reason is None:
-            raise EngineDeadError(WORKERS_STOPPED)
         if self.dead_reason is None and not self._closing:
             # a worker's sentinel closes as it exits, a moment before it can be reaped (until then
             # `is_alive()` still says True): the sentinel is what tells

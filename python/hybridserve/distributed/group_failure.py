@@ -12,14 +12,18 @@ logger = logging.getLogger("hybridserve.distributed")
 
 # Why an engine whose workers were stopped (`LLMEngine.stop_workers`, `shutdown`) runs no step
 WORKERS_STOPPED = "the tensor-parallel workers were stopped (stop_workers or shutdown)"
+# How long an exit that did not shut the engine down waits for the workers to stop by themselves
+EXIT_SHUTDOWN_TIMEOUT_S = 2.0
 
 
 class GroupFailure:
     """`dead_reason`: the first failure's reason (None while the group is usable). The first
-    reason wins: a dead rank makes the others fail too, and the cause is the one to report."""
+    reason wins: a dead rank makes the others fail too, and the cause is the one to report.
+    `_closing`: `shutdown` told the workers to exit; no step runs after it either."""
 
     def __init__(self) -> None:
         self.dead_reason: str | None = None
+        self._closing = False
 
     def fail(self, reason: str) -> None:
         """Marks the group unusable (a step failed part way: the ranks may be out of step)."""
@@ -30,3 +34,5 @@ class GroupFailure:
     def raise_if_dead(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self._closing:
+            raise EngineDeadError(WORKERS_STOPPED)

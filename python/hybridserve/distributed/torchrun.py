@@ -27,11 +27,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.distributed.group_failure import WORKERS_STOPPED, GroupFailure
-from hybridserve.errors import ConfigError, EngineDeadError
-
-# How long an exit that did not shut the engine down waits for the workers to take "stop"
-EXIT_SHUTDOWN_TIMEOUT_S = 2.0
+from hybridserve.distributed.group_failure import EXIT_SHUTDOWN_TIMEOUT_S, GroupFailure
+from hybridserve.errors import ConfigError
 
 logger = logging.getLogger("hybridserve.distributed")
 
@@ -114,7 +111,6 @@ class TorchrunExecutor(GroupFailure):
         super().__init__()
         self.spec = spec
         self.world_size = env.world_size
-        self._closing = False
         self._group = _join(0, env.world_size, torch.device(spec.device))
         _send(spec, self._group)  # the workers load their shards while this rank loads its own
         # A script that ends without shutting its engine down lets the workers exit cleanly
@@ -158,8 +154,6 @@ class TorchrunExecutor(GroupFailure):
     def check_alive(self, grace: float = 0.0) -> None:
         """Raises EngineDeadError once the group is dead (the launcher watches the processes) or
         `shutdown` told the workers to exit."""
-        if self._closing and self.dead_reason is None:
-            raise EngineDeadError(WORKERS_STOPPED)
         self.raise_if_dead()
 
     def shutdown(self, timeout: float = 5.0) -> None:

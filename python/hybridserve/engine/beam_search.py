@@ -24,7 +24,7 @@ from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Collection, Sequence
 
     from hybridserve.engine.input_processor import Prompt
     from hybridserve.engine.llm import LLM
@@ -80,11 +80,12 @@ class BeamSearchOutput:
 
 
 def beam_score(
-    tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+    tokens: Sequence[int], cum_logprob: float, eos: int | Collection[int] | None, length_penalty: float
 ) -> float:
     """The score beams are ranked by: the summed log-probability over the length to the power
-    `length_penalty`, an ending EOS not counted."""
-    ends = eos_token_id is not None and bool(tokens) and tokens[-1] == eos_token_id
+    `length_penalty`, an ending EOS (`eos`: the id, or every EOS id of the model) not counted."""
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else eos
+    ends = bool(tokens) and tokens[-1] in eos_ids
     return _normalised(cum_logprob, len(tokens) - ends, length_penalty)
 
 
@@ -116,8 +117,8 @@ class BeamSearch:
     ) -> None:
         params.check()
         self.params = params
-        self.eos_token_id = eos_token_id  # (an ending EOS is not counted in a beam's length)
-        # every EOS id of the model ends a beam (the others as stop token ids end a request)
+        # every EOS id of the model ends a beam (the others as stop token ids end a request), and
+        # none that ends one is counted in its length
         self.eos_ids = frozenset(t for t in (eos_token_id, *extra_eos_token_ids) if t is not None)
         self.ends: frozenset[int] = frozenset() if params.ignore_eos else self.eos_ids
         self.limit = max_model_len
@@ -147,8 +148,7 @@ class BeamSearch:
         return [b.tokens for s in self._searches for b in s.live]
 
     def _score(self, b: BeamSearchSequence) -> float:
-        ends = bool(b.tokens) and b.tokens[-1] in self.eos_ids
-        return _normalised(b.cum_logprob, len(b.tokens) - ends, self.params.length_penalty)
+        return beam_score(b.tokens, b.cum_logprob, self.eos_ids, self.params.length_penalty)
 
     def advance(self, seen: Sequence[TokenLogprobs | None]) -> None:
         """Takes one step's answers. Candidates are ranked as (parent, token) pairs, and only the

@@ -1501,12 +1501,12 @@ async def _beam_answer(
             raise P.APIError(
                 "the server is shutting down", status=503, type="service_unavailable", code="shutting_down"
             )
+        # (an ending EOS is in token_ids but not in the text, as a sampled answer's)
+        eos_ids = (engine.eos_token_id, *engine.extra_eos_token_ids)
         for prompt, beams in zip(req.prompts, best):
             for beam in beams:
                 added = beam.tokens[len(prompt.token_ids) :]
                 completion_tokens += len(added)
-                # (an ending EOS is in token_ids but not in the text, as a sampled answer's)
-                eos_ids = (engine.eos_token_id, *engine.extra_eos_token_ids)
                 ends_eos = beam.finish_reason == "stop" and bool(added) and added[-1] in eos_ids
                 shown = added[:-1] if ends_eos else added
                 text = info.decode(shown, skip_special_tokens=req.params.skip_special_tokens)
