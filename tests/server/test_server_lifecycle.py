@@ -114,6 +114,19 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
             # the reason names the queue limit and what the engine can run at once
             assert "--max-queue-len) is 1" in err["message"] and "Mamba state pool" in err["message"]
 
+        # a request whose body is still on its way when the drain begins: its route was entered
+        # before, but it is not admitted after (the drain has counted what is in flight)
+        host, port = srv.base.removeprefix("http://").rsplit(":", 1)
+        slow_reader, slow_writer = await asyncio.open_connection(host, int(port))
+        slow_body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+        slow_writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+            + str(len(slow_body)).encode() + b"\r\n\r\n" + slow_body[:5]
+        )  # fmt: skip
+        await slow_writer.drain()
+        await asyncio.sleep(0.5)  # the route has checked the server's state and waits for the body
+
         # SIGINT with the stream in flight: while it drains, the server still listens and a new
         # connection learns that it is shutting down (what a load balancer's health check needs)
         srv.signal(signal.SIGINT)
@@ -131,6 +144,13 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
             ) as r3:
                 assert r3.status == 503 and (await r3.json())["error"]["code"] == "shutting_down"
                 assert int(r3.headers["Retry-After"]) >= 1
+        slow_writer.write(slow_body[5:])
+        await slow_writer.drain()
+        slow_answer = await asyncio.wait_for(slow_reader.read(), timeout=60)
+        slow_writer.close()
+        slow_head, _, slow_json = slow_answer.partition(b"\r\n\r\n")
+        assert slow_head.startswith(b"HTTP/1.1 503"), slow_answer
+        assert json.loads(slow_json)["error"]["code"] == "shutting_down", slow_answer
         # the in-flight stream finishes within the grace period, then the process exits 0
         rest = await r.content.read()
         events = parse_sse(head + rest)

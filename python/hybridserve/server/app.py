@@ -731,12 +731,16 @@ async def _model(request: web.Request) -> web.Response:
 # Generation
 
 
-def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
+def _refuse_if_draining(state: ServerState) -> None:
     if state.draining:
         raise P.APIError(
             "the server is shutting down", status=503, type="service_unavailable", code="shutting_down",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )  # fmt: skip
+
+
+def _require_engine(state: ServerState) -> tuple[Any, EngineModelInfo]:
+    _refuse_if_draining(state)
     if not state.ready or state.info is None:
         raise P.APIError(
             "the model is still loading", status=503, type="service_unavailable", code="model_loading",
@@ -1152,7 +1156,10 @@ async def _generate(
             param="n",
             code="invalid_value",
         )
-    # Admission: counted synchronously, so concurrent handlers cannot overshoot the limit.
+    # Admission: counted synchronously, so concurrent handlers cannot overshoot the limit. A drain
+    # may have begun while the body was read (a request's route checked before it): it must not
+    # admit a request after it took its count of those in flight.
+    _refuse_if_draining(state)
     if len(state.inflight) + len(choices) > state.max_queue_len:
         stats = engine.stats()
         raise P.APIError(
