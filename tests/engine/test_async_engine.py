@@ -169,6 +169,63 @@ def test_a_request_whose_row_fails_ends_with_an_error_and_the_others_finish() ->
     asyncio.run(main())
 
 
+def test_a_failed_step_fails_only_what_it_ran() -> None:
+    """A step that fails outside the forward (the engine keeps serving) ends the requests it ran
+    with the error, and no other: a request that finished just before gets its last output (the
+    engine carried it), and a request whose add was queued while the step failed runs in full."""
+    from hybridserve.errors import HybridServeError
+
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        llm = engine.engine
+        assert llm is not None
+        loop = asyncio.get_running_loop()
+        original = llm.step
+        late: list[asyncio.Task[list]] = []
+        failed = threading.Event()
+
+        def step():  # noqa: ANN202
+            outputs = original()
+            if failed.is_set() or not any(o.request_id == "short" and o.finished for o in outputs):
+                return outputs
+            failed.set()
+            # a request arrives while this step fails: its stream is registered, its add queued
+            loop.call_soon_threadsafe(
+                lambda: late.append(asyncio.ensure_future(_collect(engine, "late", params(4))))
+            )
+            deadline = time.monotonic() + 30
+            while "late" not in engine._streams and time.monotonic() < deadline:
+                time.sleep(0.001)
+            # as the engine does when it fails after building its outputs: they are carried
+            llm._carried = outputs + llm._carried
+            raise RuntimeError("injected failure after the outputs were built")
+
+        llm.step = step  # type: ignore[method-assign]
+
+        def params(n: int) -> SamplingParams:
+            return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+        short, long = await asyncio.wait_for(
+            asyncio.gather(
+                _collect(engine, "short", params(3)),
+                _collect(engine, "long", params(400)),
+                return_exceptions=True,
+            ),
+            60,
+        )
+        assert failed.is_set() and late
+        late_outs = await asyncio.wait_for(late[0], 60)
+        engine.shutdown()
+        assert isinstance(short, list) and short[-1].finished
+        assert short[-1].outputs[0].finish_reason == "length" and len(short[-1].outputs[0].token_ids) == 3
+        assert isinstance(long, HybridServeError) and "injected failure" in str(long)
+        assert late_outs[-1].finished and late_outs[-1].outputs[0].finish_reason == "length"
+        assert len(late_outs[-1].outputs[0].token_ids) == 4
+
+    asyncio.run(main())
+
+
 def test_a_step_wakes_each_event_loop_once_for_all_its_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Four streams on one loop: each step's outputs arrive in one thread-safe call (one write to
     the loop's wake-up pipe), in order, not one call per request."""

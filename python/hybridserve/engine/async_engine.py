@@ -262,9 +262,10 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # outside the forward: fail what is in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
-                # queued adds first, so that none of them runs later for a stream already ended
-                self._drain_commands(engine)
-                self._fail_all(engine, exc)
+                # Only the requests the engine runs: a request whose add is still queued was not in
+                # the failed step and runs next, and a request that finished before the failure has
+                # its last output carried to the next step (the engine keeps it).
+                self._fail_in_flight(engine, exc)
                 continue
             items = self._publish(outputs)
             # streams whose event loop has closed: nobody reads them, their requests end here
@@ -345,10 +346,16 @@ class AsyncEngine:
         st.finish_reason, st.stop_reason = "abort", None
         stream.put(st.to_output(finished=True))
 
-    def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
+    def _fail_in_flight(self, engine: LLMEngine, exc: BaseException | None) -> None:
+        """Aborts every request the engine runs, its stream ended with `exc` (or as aborted)."""
         for rid in list(engine.requests):
             self._abort(engine, rid, exc)
-        # Streams whose request the engine no longer knows (it failed between finishing them and
+        self._snapshot_stats()
+
+    def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:
+        """When the engine stops serving: every request and every stream ends."""
+        self._fail_in_flight(engine, exc)
+        # Streams whose request the engine no longer knows (it stopped between finishing them and
         # handing out their output, or their add never ran) must end too.
         with self._lock:
             orphans = [(rid, st) for rid, st in self._streams.items() if rid not in engine.requests]
