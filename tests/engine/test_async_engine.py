@@ -266,7 +266,7 @@ def test_tokens_reach_their_streams_before_a_long_forward_in_the_engine_thread()
     in their stream's hands before that forward runs (the engine's `early_outputs`), not after."""
 
     async def main() -> None:
-        engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=1024, async_scheduling=True))
+        engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=4096, async_scheduling=True))
         await engine.wait_ready()
         llm = engine.engine
         assert llm is not None and llm.async_scheduling
@@ -285,19 +285,25 @@ def test_tokens_reach_their_streams_before_a_long_forward_in_the_engine_thread()
             return finish(started, rows)
 
         llm.runner.finish = spy  # type: ignore[method-assign]
-        decode = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+        # "d" must still decode when "long" arrives: thousands of tokens (about 0.2 ms each), cut
+        # short once "long" is done
+        decode = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+        decoding = asyncio.Event()
 
         async def consume() -> None:
             async for o in engine.generate("The quick brown fox", decode, "d"):
                 received["d"] = len(o.outputs[0].token_ids)
+                if received["d"] >= 3:  # decoding, its steps in the background
+                    decoding.set()
 
         task = asyncio.create_task(consume())
-        while received["d"] < 3:  # decoding, its steps in the background
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(decoding.wait(), 60)
         long_prompt = {"prompt_token_ids": [3 + i % 200 for i in range(600)]}
         outs = [o async for o in engine.generate(long_prompt, SamplingParams(max_tokens=2), "long")]
         assert outs[-1].finished
-        await asyncio.wait_for(task, 120)
+        assert not task.done(), "d ended before long came"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         engine.shutdown()
         assert checks and all(checks), checks
 

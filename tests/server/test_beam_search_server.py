@@ -180,8 +180,9 @@ def test_chat_refuses_so_too(server: ServerProcess, extra: dict[str, Any], param
     assert status == 400 and err["error"]["param"] == param, err
 
 
-# a search of hundreds of steps: seconds of work, still running when the test cuts it short
-LONG = {"prompt": PROMPT, "n": 3, "max_tokens": 400, "ignore_eos": True, "use_beam_search": True}
+# a search of 1600 steps: seconds of work (~1 s per 400 steps), still running when the test cuts
+# it short however loaded the machine (the search stops at its next step)
+LONG = {"prompt": PROMPT, "n": 3, "max_tokens": 1600, "ignore_eos": True, "use_beam_search": True}
 GENERATED = "hybridserve_generation_tokens_total"
 
 
