@@ -109,6 +109,60 @@ def test_nemotron_h_dt_below_time_step_min_is_not_clamped(tmp_path):
     assert rel < 1e-4, float(rel)
 
 
+def _mamba_dt_limit(c: dict) -> None:  # NemotronHConfig's legacy name for time_step_limit
+    c.pop("time_step_limit", None)
+    c["mamba_dt_limit"] = [0.03, 0.06]
+
+
+def _rope_scaling_over_rope_parameters(c: dict) -> None:  # the legacy key replaces the new one
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    c["rope_scaling"] = {"rope_type": "default", "rope_theta": 40.0}
+
+
+@pytest.mark.parametrize(
+    "kind, configs, edit",
+    [
+        ("nemotron_h", "NEMOTRON_H_CONFIGS", _mamba_dt_limit),
+        ("bamba", "BAMBA_CONFIGS", _rope_scaling_over_rope_parameters),
+    ],
+)
+def test_legacy_config_keys_are_read_as_transformers_reads_them(tmp_path, kind, configs, edit):
+    """config.json keys of older checkpoints that transformers still maps onto the current ones
+    (and lets win over them): the engine computes what transformers computes from the same file."""
+    import transformers
+
+    import model_fixtures
+
+    overrides = next(iter(getattr(model_fixtures, configs).values()))
+    d = save_hf_model(build_hf_model(kind, overrides, vocab_size=VOCAB, seed=5), tmp_path / kind)
+    raw = json.loads((d / "config.json").read_text())
+    edit(raw)
+    (d / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    lm = load_model(str(d), torch.float32)
+    prompt = random_prompts(1, VOCAB, [29], seed=7)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    ours = lm.model(_full_prompt_batch(prompt), ModelCaches.for_model(lm.config, lm.dtype, 8, 8, 4))
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, float(rel)
+
+
+def test_a_legacy_scaled_rotary_embedding_is_refused(tmp_path):
+    """A Bamba config.json of transformers 4.x with `rope_scaling` (linear): transformers scales
+    the rotary embedding; the engine, which has only the default one, refuses the model rather
+    than running it unscaled."""
+    from model_fixtures import BAMBA_CONFIGS
+
+    overrides = next(iter(BAMBA_CONFIGS.values()))
+    d = save_hf_model(build_hf_model("bamba", overrides, vocab_size=VOCAB, seed=5), tmp_path / "b")
+    raw = json.loads((d / "config.json").read_text())
+    raw["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="unsupported rope_type 'linear'"):
+        load_model(str(d), torch.float32)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_one_request_matches_transformers(checkpoints, name):
     hf, d = checkpoints(name)

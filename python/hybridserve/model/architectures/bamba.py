@@ -60,8 +60,9 @@ class BambaForCausalLM(StackedCausalLM):
         n = get_int(raw, "num_hidden_layers")
         kinds = layer_kinds(raw, source, "bamba")
         hidden = get_int(raw, "hidden_size")
-        # Bamba's transformers config defines no `rope_scaling`: only `rope_parameters` is read
-        rp = shared_fields.rope_parameters(raw, source, ("rope_parameters",))
+        # (transformers reads a legacy `rope_scaling` for Bamba too: a scaled rotary embedding is
+        # refused, not run unscaled)
+        rp = shared_fields.rope_parameters(raw, source)
         eps = get_float(raw, "rms_norm_eps", default=1e-5)
         cfg = ModelConfig(
             architecture="BambaForCausalLM",

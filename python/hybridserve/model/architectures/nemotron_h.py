@@ -106,7 +106,9 @@ class NemotronHForCausalLM(StackedCausalLM):
         head_dim = get_field(raw, "head_dim", "attention_head_dim")
         if head_dim is None and num_heads > 0:
             head_dim = hidden // num_heads
-        dt_min, dt_max = time_step_limit(raw, "time_step_limit")
+        # transformers' NemotronHConfig takes the legacy `mamba_dt_limit` (and `mamba_conv_bias`)
+        # over the current name where both are given
+        dt_min, dt_max = time_step_limit(raw, "mamba_dt_limit", "time_step_limit")
         cfg = ModelConfig(
             architecture="NemotronHForCausalLM",
             model_type=str(raw.get("model_type", "nemotron_h")),
@@ -126,7 +128,7 @@ class NemotronHForCausalLM(StackedCausalLM):
             d_conv=get_int(raw, "conv_kernel", "mamba_d_conv", default=4),
             chunk_size=shared_fields.chunk_size(raw, source, "nemotron_h"),
             d_inner=nheads * headdim,
-            mamba_conv_bias=get_flag(raw, "use_conv_bias", "mamba_conv_bias", default=True),
+            mamba_conv_bias=get_flag(raw, "mamba_conv_bias", "use_conv_bias", default=True),
             # the in/out projections' bias is use_bias (transformers' NemotronH and NVIDIA's own
             # code read it; transformers writes mamba_proj_bias too, always false, and never reads it)
             mamba_proj_bias=get_flag(raw, "use_bias", default=False),

@@ -26,7 +26,9 @@ from hybridserve.model.model_config import (
 )
 
 # transformers 5 names the rotary embedding's parameters `rope_parameters`, 4.x `rope_scaling`.
-ROPE_FIELDS = ("rope_parameters", "rope_scaling")
+# transformers' order: a config.json's (legacy) `rope_scaling`, where not empty, replaces
+# `rope_parameters` (`convert_rope_params_to_dict`), for every family
+ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
 class SpecialTokens(TypedDict):
