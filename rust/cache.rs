@@ -199,9 +199,16 @@ struct ReqState {
     pinned: Option<SlotId>,
     /// Tail block referenced until its hit copy has run.
     pinned_tail: Option<BlockId>,
-    /// The last-token checkpoint this residency resumed from: superseded once the request keeps a
-    /// deeper last state (the conversation it belongs to moved on).
-    resumed_from: Option<SlotId>,
+    /// The last-token checkpoint this residency resumed from, with its tag then: superseded once
+    /// the request keeps a deeper last state (the conversation it belongs to moved on), if the
+    /// slot still holds it (it may have been evicted and hold another sequence's state since).
+    resumed_from: Option<(SlotId, CheckpointTag)>,
+    /// The first of the request's blocks that the cache refused because another block (another
+    /// request's copy of the same prefix, which this one recomputed past its state hit) held its
+    /// hash, and the pool's eviction count then. Once that copy may have been evicted, the
+    /// request's own blocks are offered again, so that the prefix (and the checkpoints placed on
+    /// it) stays cached while this request holds an identical copy.
+    duplicate_from: Option<(usize, u64)>,
 }
 
 /// The hybrid cache manager.
@@ -800,8 +807,9 @@ impl HybridCacheManager {
 
     /// Room for one more grid (or declared) checkpoint next to branch points and last tokens: free
     /// capacity, else the least recently used grid checkpoint goes (or, with the FLOP-aware
-    /// policy, the least recently used last-token state while admissions do not resume those).
-    fn make_grid_room(&mut self) -> bool {
+    /// policy, the least recently used last-token state while admissions do not resume those),
+    /// else, for a declared one, the least recently used declared one that no hit has used.
+    fn make_grid_room(&mut self, kind: CheckpointKind) -> bool {
         while self.mamba.at_checkpoint_cap() || self.mamba.num_free() == 0 {
             let grid = self
                 .mamba
@@ -817,6 +825,22 @@ impl HybridCacheManager {
                             t.kind == CheckpointKind::Grid
                                 || (last_too && t.kind == CheckpointKind::LastToken)
                         })
+                    })
+                })
+                .or_else(|| {
+                    // a declared prefix takes the place of another that no hit has used yet, the
+                    // least recently used (a pool full of declared prefixes that nobody shares
+                    // would refuse every new one); one that was hit is a shared prefix, kept. A
+                    // grid point, a bet that nothing tells of, never takes a declared one's place.
+                    if kind != CheckpointKind::Declared {
+                        return None;
+                    }
+                    self.mamba.live_evictable().find(|&s| {
+                        !self.ck_consumed[s as usize]
+                            && self
+                                .mamba
+                                .checkpoint_tag(s)
+                                .is_some_and(|t| t.kind == CheckpointKind::Declared)
                     })
                 });
             let Some(v) = grid else {
@@ -993,7 +1017,9 @@ impl HybridCacheManager {
             pinned_tail: None,
             resumed_from: hit
                 .checkpoint
-                .filter(|_| hit.kind == Some(CheckpointKind::LastToken)),
+                .filter(|_| hit.kind == Some(CheckpointKind::LastToken))
+                .and_then(|s| Some((s, self.mamba.checkpoint_tag(s)?))),
+            duplicate_from: None,
         };
         for &blk in &hit.kv_blocks {
             self.kv.incref(blk);
@@ -1109,24 +1135,42 @@ impl HybridCacheManager {
         let n = (num_accepted_tokens / self.block_size)
             .min(block_hashes.len())
             .min(st.blocks.len());
-        let start = st.num_cached_blocks.min(n);
+        let evictions = self.kv.evictions();
+        let mut start = st.num_cached_blocks.min(n);
+        let mut first_duplicate = None;
+        match st.duplicate_from {
+            // The copy that held a refused block's hash may be gone: offer them again.
+            Some((i, seen)) if seen != evictions => start = start.min(i),
+            Some((i, _)) => first_duplicate = Some(i),
+            None => {}
+        }
         st.num_cached_blocks = st.num_cached_blocks.max(n);
         let blocks: Vec<BlockId> = st.blocks[start..n].to_vec();
         for (i, blk) in (start..n).zip(blocks) {
             let h = block_hashes[i];
             let parent = i.checked_sub(1).map(|p| block_hashes[p]);
-            if self.kv.block_hash(blk).is_none() && self.kv.cache_block(blk, h, parent) {
-                let b = self.block_size;
-                let tokens = prefix.tokens.get(i * b..(i + 1) * b).unwrap_or(&[]);
-                self.describe_event(prefix.root, h, parent, tokens, (i + 1) * b);
-                // A checkpoint that went stale when an earlier copy of this block was evicted
-                // can hit again.
-                if let Some(s) = self.mamba.lookup(h) {
-                    if self.ck_block[s as usize] == NULL_BLOCK {
-                        self.attach(s);
-                    }
+            if self.kv.block_hash(blk).is_some() {
+                continue;
+            }
+            if !self.kv.cache_block(blk, h, parent) {
+                if first_duplicate.is_none_or(|d| i < d) && self.kv.contains(h) {
+                    first_duplicate = Some(i);
+                }
+                continue;
+            }
+            let b = self.block_size;
+            let tokens = prefix.tokens.get(i * b..(i + 1) * b).unwrap_or(&[]);
+            self.describe_event(prefix.root, h, parent, tokens, (i + 1) * b);
+            // A checkpoint that went stale when an earlier copy of this block was evicted can hit
+            // again.
+            if let Some(s) = self.mamba.lookup(h) {
+                if self.ck_block[s as usize] == NULL_BLOCK {
+                    self.attach(s);
                 }
             }
+        }
+        if let Some(st) = self.reqs.get_mut(&req) {
+            st.duplicate_from = first_duplicate.map(|i| (i, evictions));
         }
     }
 
@@ -1219,7 +1263,7 @@ impl HybridCacheManager {
         // a system message declares its first user message, which nobody else may send.
         let bet = matches!(kind, CheckpointKind::Grid | CheckpointKind::Declared);
         if bet && self.placement.branch() {
-            self.make_grid_room()
+            self.make_grid_room(kind)
         } else {
             self.make_checkpoint_room()
         }
@@ -1319,12 +1363,8 @@ impl HybridCacheManager {
         // The state this residency resumed from is the same sequence, shorter: a continuation
         // will want the new one. (Only the FLOP-aware policy acts on it; LRU baselines do not.)
         let resumed = self.reqs.get(&req).and_then(|st| st.resumed_from);
-        if let Some(old) = resumed.filter(|_| self.eviction == EvictionPolicy::Flops) {
-            if self
-                .mamba
-                .checkpoint_tag(old)
-                .is_some_and(|t| t.kind == CheckpointKind::LastToken && t.position < num_computed)
-            {
+        if let Some((old, old_tag)) = resumed.filter(|_| self.eviction == EvictionPolicy::Flops) {
+            if self.mamba.checkpoint_tag(old) == Some(old_tag) && old_tag.position < num_computed {
                 self.mamba.set_superseded(old);
             }
         }

@@ -1149,3 +1149,129 @@ fn a_hit_whose_blocks_the_whole_pool_cannot_hold_at_once_does_not_fit() {
     // what fits is what allocate_new can take with everything else evictable
     assert!(m.allocate_new(2, &hit, 8, 0).is_some());
 }
+
+#[test]
+fn a_recomputed_prefix_is_registered_once_the_copy_that_held_its_hashes_is_evicted() {
+    // Request 2 shares request 1's first 8 tokens but has no state hit there: it computes them
+    // again into blocks of its own, which the cache refuses (request 1's free copies hold the
+    // hashes). When those copies are evicted, request 2's identical blocks take their place, so
+    // that the prefix stays cached while request 2 holds it.
+    for eviction in [EvictionPolicy::Lru, EvictionPolicy::Flops] {
+        let c = cfg_with(
+            MambaCacheMode::All,
+            4,
+            CheckpointPlacement::Branch,
+            eviction,
+        );
+        let mut m = HybridCacheManager::new(&c, 10, 16);
+        let shared = toks(8);
+        run_and_publish(&mut m, 1, &shared, None, &[]);
+        m.free(1);
+        let mut second = shared.clone();
+        second.push(7);
+        let h2 = hashes(&second, None);
+        m.allocate_new(2, &CacheHit::default(), second.len(), 0)
+            .unwrap();
+        m.cache_full_blocks(2, prefix(&h2, &second), 8);
+        let mine = m.block_table(2)[..2].to_vec();
+        assert!(mine.iter().all(|&b| m.kv.block_hash(b).is_none()));
+        // another request takes every free block: request 1's copies are evicted
+        let n = m.kv.num_free();
+        m.allocate_new(3, &CacheHit::default(), n * B, 0).unwrap();
+        assert!(shared_hit_blocks(&m, &shared).is_empty(), "{eviction:?}");
+        // request 2's next step offers its blocks again
+        m.cache_full_blocks(2, prefix(&h2, &second), 8);
+        assert_eq!(shared_hit_blocks(&m, &shared), mine, "{eviction:?}");
+    }
+}
+
+/// The cached KV blocks a prompt of `shared` + one token would find.
+fn shared_hit_blocks(m: &HybridCacheManager, shared: &[u32]) -> Vec<BlockId> {
+    let mut probe = shared.to_vec();
+    probe.push(99);
+    let h = hashes(&probe, None);
+    m.peek_longest_cache_hit(prefix(&h, &probe), probe.len())
+        .kv_blocks
+}
+
+#[test]
+fn a_resumed_slot_that_now_holds_another_sequence_is_not_superseded() {
+    let c = cfg_with(
+        MambaCacheMode::All,
+        2,
+        CheckpointPlacement::Branch,
+        EvictionPolicy::Flops,
+    );
+    let mut m = HybridCacheManager::new(&c, 64, 5); // two windows, three checkpoints
+    let turn1: Vec<u32> = (100..108).collect();
+    assert!(run_and_keep(&mut m, 1, &turn1));
+    let mut turn2 = turn1.clone();
+    turn2.extend([1, 2, 3]);
+    let h2 = hashes(&turn2, None);
+    let hit = m.find_longest_cache_hit(prefix(&h2, &turn2), turn2.len());
+    let s = hit.checkpoint.unwrap();
+    assert_eq!(hit.num_tokens, 8);
+    m.allocate_new(2, &hit, 3, 0).unwrap();
+    m.allocate_more(2, 11, 1, 0).unwrap(); // the copy ran: the checkpoint is unpinned
+                                           // other conversations come and go: s is evicted, and its slot comes to hold another one's
+                                           // last state
+    let mut last = Vec::new();
+    for first in [200u32, 300, 400] {
+        last = (first..first + 4).collect();
+        assert!(run_and_keep(&mut m, u64::from(first), &last));
+    }
+    let tag = m.mamba.checkpoint_tag(s).unwrap();
+    assert_eq!(tag.hash, hashes(&last, None)[0], "the slot was not reused");
+    // the conversation that resumed from s ends and keeps its own last state
+    m.cache_full_blocks(2, prefix(&h2, &turn2), 11);
+    assert!(m.keep_last_state(2, prefix(&h2, &turn2), 11, 0));
+    m.free(2);
+    assert!(!m.mamba.is_superseded(s));
+}
+
+#[test]
+fn a_declared_prefix_takes_the_place_of_an_unused_declared_one_and_a_grid_point_does_not() {
+    let c = cfg_with(
+        MambaCacheMode::All,
+        2,
+        CheckpointPlacement::BranchAndGrid,
+        EvictionPolicy::Flops,
+    );
+    let mut m = HybridCacheManager::new(&c, 256, 5); // room for two checkpoints
+    assert_eq!(m.mamba.checkpoint_cap(), 2);
+    let prompt = |i: u32| -> Vec<u32> { (0..17).map(|j| 1000 * (i + 1) + j).collect() };
+    let mut declared = Vec::new();
+    for i in 0..4u32 {
+        let t = prompt(i);
+        let h = hashes(&t, None);
+        let req = u64::from(i) + 1;
+        m.allocate_new(req, &CacheHit::default(), t.len(), 0)
+            .unwrap();
+        m.cache_full_blocks(req, Prefix::of_hashes(&h), t.len());
+        if i == 2 {
+            // the checkpoints are all declared ones: a grid point finds no place
+            assert_eq!(m.reserve_checkpoint(h[3], 16, CheckpointKind::Grid), None);
+        }
+        let s = m.reserve_checkpoint(h[1], 8, CheckpointKind::Declared);
+        let s = s.unwrap_or_else(|| panic!("declared prefix {i} found no place"));
+        m.commit_checkpoint(s);
+        declared.push(h[1]);
+        m.free(req);
+        if i == 0 {
+            // a second user shares the first prompt's declared prefix: it was worth keeping
+            let mut t2 = t[..8].to_vec();
+            t2.extend([5, 6, 7]);
+            let h2 = hashes(&t2, None);
+            let hit = m.find_longest_cache_hit(prefix(&h2, &t2), t2.len());
+            assert_eq!(hit.num_tokens, 8);
+            m.allocate_new(90, &hit, t2.len() - 8, 0).unwrap();
+            m.free(90);
+        }
+    }
+    // prompts 1 and 2, whose declared prefixes nobody shared, gave their places in turn
+    let kept: Vec<bool> = declared
+        .iter()
+        .map(|&h| m.mamba.has_checkpoint(h))
+        .collect();
+    assert_eq!(kept, [true, false, false, true]);
+}
