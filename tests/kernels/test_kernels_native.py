@@ -147,6 +147,15 @@ def test_bad_tables_are_refused_before_reading(what):
         native.paged_attention(q, kv, bt, qsl, pos, 0.1)
 
 
+def test_a_table_of_no_blocks_and_no_query_heads_do_not_crash():
+    """A block table with no columns is refused before anything is read (the kernel read its
+    first entry through a null pointer), and q with no heads is declined (it divided by zero)."""
+    q, kv, bt, qsl, pos = make_case([1], [5], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="out of bounds"):
+        native.paged_attention(q, kv, torch.zeros((1, 0), dtype=torch.int64), qsl, pos, 0.1)
+    assert native.paged_attention(q[:, :0], kv, bt, qsl, pos, 0.1) is None
+
+
 def test_shapes_that_do_not_fit_are_refused_or_declined():
     q, kv, bt, qsl, pos = make_case([1, 1], [5, 6], 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="qsl ends at"):
@@ -271,6 +280,71 @@ def test_mamba_decode_options_and_extremes(silu, dt_min, dt_max):
     assert torch.isfinite(y_nat).all()
     torch.testing.assert_close(y_nat, y_ref, rtol=3e-5, atol=3e-4)
     torch.testing.assert_close(nat["ssm_state"], ref["ssm_state"], rtol=3e-5, atol=3e-4)
+
+
+@pytest.mark.parametrize("where", ["dt", "dt_bias"])
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_a_nan_dt_stays_nan_as_in_the_twins(where, step):
+    """A NaN in dt (or dt_bias) gives NaN outputs and states, as the twins give them: built with
+    -ffast-math, the kernel's clamps turned it into dt ~ 20 and plausible numbers, so a corrupt
+    checkpoint was not caught by the engine's non-finite-logits check."""
+    if step == "decode":
+        c = mamba_case([1, 1], 4, 16, 1, 16, 4, torch.float32)
+    else:
+        c = prefill_case([20, 3], 4, 16, 1, 16, 4, torch.float32, 8, [0, 0], [True, True])
+    if where == "dt":
+        c["dt"][0, 0] = math.nan
+    else:
+        c["dt_bias"][0] = math.nan
+    ref, nat = clone_case(c), clone_case(c)
+    if step == "decode":
+        y_ref, y_nat = run_reference(ref, 1), run_native(nat, 1)
+    else:
+        y_ref, y_nat = prefill_reference(ref, 1), prefill_native(nat, 1)
+    assert torch.isnan(y_ref).any()
+    assert torch.equal(torch.isnan(y_nat), torch.isnan(y_ref))
+    assert torch.equal(torch.isnan(nat["ssm_state"]), torch.isnan(ref["ssm_state"]))
+
+
+def mamba1_case(T: int = 6, Dc: int = 4, N: int = 3) -> dict:
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    return dict(
+        x=torch.randn(T, Dc, generator=g, dtype=f64),
+        dt=torch.rand(T, Dc, generator=g, dtype=f64) * 0.3,
+        A=-torch.rand(Dc, N, generator=g, dtype=f64),
+        B=torch.randn(T, N, generator=g, dtype=f64),
+        C=torch.randn(T, N, generator=g, dtype=f64),
+        D=torch.randn(Dc, generator=g, dtype=f64),
+        ssm_state=torch.randn(8, Dc, N, generator=g, dtype=f64),
+        query_start_loc=torch.tensor([0, 5, T]),  # rows of 5 and 1 tokens
+        read_slot=torch.tensor([1, 2]),
+        has_initial_state=torch.tensor([True, True]),
+    )
+
+
+def test_mamba1_scan_refuses_writes_that_do_not_line_up():
+    """The writes' rows, tokens and slots must be of one length (a shorter tensor was read past
+    its end) and sorted by row (rows are found by counting)."""
+    c = mamba1_case()
+    row, tok, slot = torch.tensor([0, 0, 1]), torch.tensor([2, 4, 0, 9]), torch.tensor([3, 6, 7, 1])
+    with pytest.raises(ValueError, match="of one length"):
+        native.mamba1_scan(**c, writes=(row, tok[:1], slot[:1]))
+    with pytest.raises(ValueError, match="sorted by row"):
+        native.mamba1_scan(**c, writes=(torch.tensor([1, 0]), torch.tensor([0, 4]), torch.tensor([3, 4])))
+    state = c["ssm_state"].clone()
+    assert native.mamba1_scan(**c, writes=(row, tok[:3], slot[:3])) is not None
+    assert not torch.equal(c["ssm_state"], state)  # (it ran, and wrote)
+
+
+def test_mamba1_scan_declines_a_slot_written_by_two_rows():
+    """Which of two rows' writes to one slot lands last differs between the kernel and its twin:
+    the kernel declines, and the caller runs the twin."""
+    c = mamba1_case()
+    state = c["ssm_state"].clone()
+    both = (torch.tensor([0, 1]), torch.tensor([4, 0]), torch.tensor([5, 5]))
+    assert native.mamba1_scan(**c, writes=both) is None
+    assert torch.equal(c["ssm_state"], state)  # nothing written
 
 
 def test_mamba_decode_declines_a_read_after_write_between_rows():

@@ -314,7 +314,7 @@ def paged_attention(
         return None
     T, H, D = q.shape
     KVH = kv_cache.shape[3]
-    if kv_cache.shape[1] != 2 or kv_cache.shape[4] != D or KVH <= 0 or H % KVH != 0:
+    if kv_cache.shape[1] != 2 or kv_cache.shape[4] != D or KVH <= 0 or H <= 0 or H % KVH != 0:
         return None
     rows = qsl.numel() - 1
     if rows < 0 or block_table.dim() != 2 or block_table.shape[0] < rows:
@@ -339,7 +339,7 @@ def paged_attention(
         kv_cache.data_ptr(),
         out.data_ptr(),
         block_table.data_ptr(),
-        block_table.stride(0),
+        block_table.shape[1],  # (its row stride, dense; a table of no columns has stride 1)
         qsl.data_ptr(),
         positions.data_ptr(),
         rows,
@@ -698,8 +698,15 @@ def mamba1_scan(
     qsl, rs = _as(query_start_loc, i64), _as(read_slot, i64)
     his = None if has_initial_state is None else (has_initial_state != 0).to(torch.uint8).contiguous()
     w_row, w_tok, w_slot = (_as(w, i64) for w in writes)
+    if not (w_row.dim() == w_tok.dim() == w_slot.dim() == 1 and w_row.shape == w_tok.shape == w_slot.shape):
+        raise ValueError(
+            "mamba1_scan: the writes' rows, tokens and slots must be 1-D and of one length, got "
+            f"{tuple(w_row.shape)}, {tuple(w_tok.shape)}, {tuple(w_slot.shape)}"
+        )
     if w_row.numel() > 0 and (int(w_row.min()) < 0 or int(w_row.max()) >= R):
         raise ValueError("mamba1_scan: a write names a row out of range")
+    if w_row.numel() > 1 and bool((w_row[1:] < w_row[:-1]).any()):
+        raise ValueError("mamba1_scan: the writes must be sorted by row")
     offsets = torch.zeros(R + 1, dtype=i64)
     offsets[1:] = torch.bincount(w_row, minlength=R).cumsum(0)
     y = torch.empty((T, Dc), dtype=dtype)
@@ -711,6 +718,8 @@ def mamba1_scan(
         his.data_ptr() if his is not None else None, offsets.data_ptr(), w_tok.data_ptr(), w_slot.data_ptr(),
         T, Dc, N, y.data_ptr(), threads(),
     )  # fmt: skip
+    if rc == 3:
+        return None  # a slot written by two rows: the twin's order decides which write lands
     _check_rc("mamba1_scan", rc, f"T={T}, Dc={Dc}, N={N}, {R} rows")
     return y if out_dtype == dtype else y.to(out_dtype)
 

@@ -11,13 +11,15 @@
 // by token. Slot 0 is the null slot: writes to it are skipped.
 // Layouts: x, dt [T, Dc] with row strides; B, C [T, N] with row strides; A [Dc, N]; Dskip [Dc];
 // ssm_state [slots, Dc, N]; y [T, Dc].
-// Return codes: 0 ok, 1 bad shapes, 2 a slot, token or row range out of bounds, 4 out of memory.
+// Return codes: 0 ok, 1 bad shapes, 2 a slot, token or row range out of bounds, 3 a slot written by
+// two rows (declined: the twin runs), 4 out of memory.
 // Nothing is written unless the result is 0.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -54,6 +56,15 @@ int check(const Args& a) {
             if (e > e0 && t < a.write_token[e - 1]) return 1;
         }
     }
+    // A slot written by two rows: which write lands last differs from the twin's order (it writes
+    // token position by token position across rows); declined, the caller runs the twin.
+    std::vector<std::pair<int64_t, int64_t>> slot_rows;
+    for (int64_t r = 0; r < a.R; ++r)
+        for (int64_t e = a.write_offsets[r]; e < a.write_offsets[r + 1]; ++e)
+            if (a.write_slot[e] != 0) slot_rows.emplace_back(a.write_slot[e], r);
+    std::sort(slot_rows.begin(), slot_rows.end());
+    for (size_t i = 1; i < slot_rows.size(); ++i)
+        if (slot_rows[i].first == slot_rows[i - 1].first && slot_rows[i].second != slot_rows[i - 1].second) return 3;
     return 0;
 }
 

@@ -46,13 +46,20 @@ namespace {
 constexpr int64_t kDtBatch = 16;
 template <typename T>
 __attribute__((noinline)) void softplus_dt(T* v, T bias, T lo, bool clamp_max, T hi) {
+    T out[kDtBatch];
     for (int64_t j = 0; j < kDtBatch; ++j) {
         const T u = v[j] + bias;
         const T e = std::exp(u < T(20) ? u : T(20));  // no inf under -ffast-math
-        T d = u <= T(20) ? std::log1p(e) : u;          // (a NaN takes u, as the reference's NaN)
+        T d = u <= T(20) ? std::log1p(e) : u;
         d = d < lo ? lo : d;
         if (clamp_max && d > hi) d = hi;
-        v[j] = d;
+        out[j] = d;
+    }
+    // NaN in, NaN out, as the reference's softplus and clamp give it: the comparisons above,
+    // under -ffast-math, turn a NaN into a number (a separate pass keeps the one above vectorised)
+    for (int64_t j = 0; j < kDtBatch; ++j) {
+        const T u = v[j] + bias;
+        v[j] = hs::is_nan(u) ? u : out[j];
     }
 }
 

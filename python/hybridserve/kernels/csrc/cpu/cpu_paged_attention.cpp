@@ -297,7 +297,8 @@ int dispatch(const S* q, const KS* kv, S* out, const int64_t* block_table, int64
              const int64_t* qsl, const int64_t* positions, int64_t num_rows, int64_t num_tokens,
              int64_t num_blocks, int64_t H, int64_t KVH, int64_t D, int64_t block_size, double scale,
              int threads) {
-    if (KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || num_rows < 0 || bt_stride < 0) return 1;
+    if (H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || num_rows < 0 || bt_stride < 0)
+        return 1;
     if (check_rows(block_table, bt_stride, qsl, positions, num_rows, num_tokens, num_blocks, block_size) != 0)
         return 2;
     const T s = static_cast<T>(scale);
