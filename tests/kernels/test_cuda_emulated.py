@@ -98,6 +98,26 @@ def test_selective_state_update(emu, shape, dtype):
     assert torch.equal(p_emu[others].nan_to_num(7.0), pool[others].nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("where", ["dt", "dt_bias"])
+def test_a_nan_dt_stays_nan(emu, where):
+    """dt's clamp keeps a NaN, as torch.clamp does (fmaxf made it dt_min: finite outputs from a
+    corrupt checkpoint, past the engine's non-finite-logits check)."""
+    H, P, N, G = 4, 16, 16, 2
+    lengths = [1, 1]
+    c = _ssm_inputs(sum(lengths), H, P, N, G, torch.float32, _g(3))
+    c[where].view(-1)[0] = math.nan
+    pool = torch.zeros((5, H, P, N))
+    pool[1:3] = torch.randn((2, H, P, N), generator=_g(4))
+    read, ws = torch.tensor([1, 2]), torch.tensor([[3], [4]])
+    args = lambda cast: [cast(c[k]) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]  # noqa: E731
+    p_emu, p_ref = pool.clone(), pool.double()
+    y = emu.selective_state_update(*args(lambda t: t), p_emu, _qsl(lengths), read, ws, 0.0, math.inf)
+    y_ref = reference.selective_state_update(*args(lambda t: t.double()), p_ref, _qsl(lengths), read, ws)
+    assert torch.isnan(y_ref).any()
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    assert torch.equal(torch.isnan(p_emu), torch.isnan(p_ref))
+
+
 SSD_CASES = {
     # (H, P, N, G, Q), lengths, computed, has_initial_state
     "small": ((4, 16, 16, 2, 16), [1, 15, 16, 17, 0, 45, 3], [0, 5, 16, 9, 3, 20, 30], [0, 1, 1, 0, 0, 1, 1]),

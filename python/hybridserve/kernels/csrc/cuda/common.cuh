@@ -49,7 +49,8 @@ __device__ __forceinline__ float softplus_thr(float v) {
 // The dt pipeline (docs/kernel-design.md, "dt pipeline"), identical for prefill and decode.
 __device__ __forceinline__ float process_dt(float raw, float bias, float dt_min, float dt_max) {
   float v = softplus_thr(raw + bias);
-  return fminf(fmaxf(v, dt_min), dt_max);
+  // fmaxf / fminf return the other operand for a NaN: kept NaN, as torch.clamp keeps it
+  return v != v ? v : fminf(fmaxf(v, dt_min), dt_max);
 }
 
 // Raw dt of token t, head h: stored as T (the activation dtype) or as float32 (dt_f32).
