@@ -119,16 +119,22 @@ def _rope_scaling_over_rope_parameters(c: dict) -> None:  # the legacy key repla
     c["rope_scaling"] = {"rope_type": "default", "rope_theta": 40.0}
 
 
+def _attention_bias(c: dict) -> None:  # NemotronHAttention has no biases whatever this says
+    c["attention_bias"] = True
+
+
 @pytest.mark.parametrize(
     "kind, configs, edit",
     [
         ("nemotron_h", "NEMOTRON_H_CONFIGS", _mamba_dt_limit),
+        ("nemotron_h", "NEMOTRON_H_CONFIGS", _attention_bias),
         ("bamba", "BAMBA_CONFIGS", _rope_scaling_over_rope_parameters),
     ],
 )
-def test_legacy_config_keys_are_read_as_transformers_reads_them(tmp_path, kind, configs, edit):
-    """config.json keys of older checkpoints that transformers still maps onto the current ones
-    (and lets win over them): the engine computes what transformers computes from the same file."""
+def test_config_keys_are_read_as_transformers_reads_them(tmp_path, kind, configs, edit):
+    """config.json keys that transformers reads otherwise than their names say (keys of older
+    checkpoints it maps onto the current ones and lets win over them; a flag its model ignores):
+    the engine computes what transformers computes from the same file."""
     import transformers
 
     import model_fixtures

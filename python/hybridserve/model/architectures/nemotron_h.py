@@ -140,7 +140,9 @@ class NemotronHForCausalLM(StackedCausalLM):
             num_heads=num_heads,
             num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
             head_dim=integral(head_dim or 0, "head_dim"),
-            attention_bias=get_flag(raw, "attention_bias", default=False),
+            # transformers' NemotronHAttention has no biases whatever `attention_bias` says (a
+            # config saying true loads there, its projections without bias): so here
+            attention_bias=False,
             partial_rotary_factor=0.0,
             intermediate_size=get_int(raw, "intermediate_size", default=0),
             mlp_act=str(raw.get("mlp_hidden_act", "relu2")),
