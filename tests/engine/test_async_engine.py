@@ -226,6 +226,33 @@ def test_a_failed_step_fails_only_what_it_ran() -> None:
     asyncio.run(main())
 
 
+def test_a_reader_that_falls_behind_gets_the_outputs_merged() -> None:
+    """Outputs a stream's reader has not taken yet are merged into one (their deltas joined): a
+    reader that takes nothing until its request is done gets one or two outputs, not one per step
+    (each a copy of the tokens so far), and the joined deltas are the whole answer."""
+
+    async def main() -> None:
+        engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=1024))
+        await engine.wait_ready()
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True, logprobs=2)
+        gen = engine.generate("The quick brown fox", params, "slow")
+        first = await asyncio.wait_for(gen.__anext__(), 60)  # the request runs
+        deadline = time.monotonic() + 60
+        while engine.stats().get("num_requests_running", 1) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # nothing read meanwhile
+        rest = await asyncio.wait_for(_drain(gen), 60)
+        engine.shutdown()
+        outs = [first, *rest]
+        assert len(outs) <= 3, len(outs)
+        final = outs[-1].outputs[0]
+        assert final.finish_reason == "length" and len(final.token_ids) == 300
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
+        assert "".join(o.outputs[0].delta_text for o in outs) == final.text
+        assert final.logprobs is not None and len(final.logprobs) == 300
+
+    asyncio.run(main())
+
+
 def test_a_step_wakes_each_event_loop_once_for_all_its_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Four streams on one loop: each step's outputs arrive in one thread-safe call (one write to
     the loop's wake-up pipe), in order, not one call per request."""

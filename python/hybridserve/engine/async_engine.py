@@ -8,6 +8,7 @@ engine thread after every step, so readers never touch the engine while it runs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from hybridserve.config import EngineArgs
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.outputs import RequestOutput, coalesce
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError, EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.sampling.params import SamplingParams
@@ -29,19 +30,41 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class _Stream:
+    """One request's outputs on their way to its reader, on the reader's event loop. Outputs the
+    reader has not taken yet are merged (`coalesce`): a reader slower than the engine holds one
+    pending output, not one per step."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
         # Set when the consumer's event loop has closed: nobody can read this stream any more.
         self.dead = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         _deliver([(self, item)])
 
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        """On the reader's loop."""
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            merged = coalesce(last, item)
+            if merged is not None:
+                self._items[-1] = merged
+                return
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
 
 def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put_nowait(item)
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
@@ -181,7 +204,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

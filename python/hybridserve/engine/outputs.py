@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "TokenLogprobs", "coalesce"]
 
 
 @dataclass
@@ -108,3 +109,28 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The request's phase times, on its finished output only
     metrics: RequestMetrics | None = None
+
+
+def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput | None:
+    """One output standing for two successive outputs of a request that its reader has not taken
+    yet: the newer's snapshot with both deltas joined (a reader that fell behind reads them as
+    one step's), so that a slow reader holds one pending output per request, not one per step
+    (each a copy of the tokens and logprobs so far). None where they cannot be one: the older
+    ended the request, either carries an error, or their choices differ."""
+    if (
+        older.finished
+        or older.error is not None
+        or newer.error is not None
+        or older.request_id != newer.request_id
+        or [o.index for o in older.outputs] != [o.index for o in newer.outputs]
+    ):
+        return None
+    outputs = [
+        dataclasses.replace(
+            n, delta_text=o.delta_text + n.delta_text, delta_token_ids=o.delta_token_ids + n.delta_token_ids
+        )
+        for o, n in zip(older.outputs, newer.outputs)
+    ]
+    # (the prompt's logprobs come with a request's first output: kept until it is read)
+    prompt_logprobs = newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs
+    return dataclasses.replace(newer, outputs=outputs, prompt_logprobs=prompt_logprobs)

@@ -40,6 +40,7 @@ from hybridserve.server import responses as R
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.beam_route import run_beam_search
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.server.output_sink import OutputSink
 from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from hybridserve.server.request_log import (
     CLIENT_CLOSED,
@@ -62,6 +63,7 @@ DEFAULT_MAX_QUEUE_LEN = 512
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 60.0
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's
 # How the server treats a request's `priority` (`create_app`): vLLM's --scheduling-policy values
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -243,6 +245,8 @@ class ServerState:
     shutdown_grace_s: float
     metrics: ServerMetrics
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    # seconds a stream's write may wait for a client that takes nothing (0: no limit)
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S
     access: AccessPolicy = field(default_factory=AccessPolicy)
     # unknown request fields: a 400 (True) or ignored with a logged warning (False, as vLLM)
     strict_request_fields: bool = False
@@ -315,6 +319,7 @@ def create_app(
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     chat_template: ChatTemplate | None = None,
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
     access: AccessPolicy | None = None,
     strict_request_fields: bool = False,
     access_log: bool = True,
@@ -368,6 +373,7 @@ def create_app(
         shutdown_grace_s=shutdown_grace_s,
         metrics=metrics,
         body_read_timeout_s=body_read_timeout_s,
+        stream_write_timeout_s=stream_write_timeout_s,
         access=access or AccessPolicy(),
         strict_request_fields=strict_request_fields,
         scheduling_policy=scheduling_policy,
@@ -1112,7 +1118,7 @@ async def _abort(state: ServerState, engine_id: str) -> None:
 
 # a choice's outputs on their way to the handler: an output, an engine error, _ABORTED, or None
 # when its engine stream ended
-_Sink = asyncio.Queue[tuple["_Choice", Any]]
+_Sink = OutputSink["_Choice"]
 # how a handler answers from its choices' outputs: (created, arrival, choices, sink) -> response
 _Responder = Callable[[int, float, list["_Choice"], _Sink], Awaitable[web.StreamResponse]]
 
@@ -1181,7 +1187,7 @@ async def _generate(
     if req.beam is not None and respond is None:  # (the Responses route passes no beam search)
         return await _beam_answer(request, state, engine, info, req, request_id, base, created, arrival)
     state.admit([c.engine_id for c in choices])
-    sink: _Sink = asyncio.Queue()
+    sink: _Sink = OutputSink()
 
     async def run_one(choice: _Choice) -> None:
         try:
@@ -1374,7 +1380,7 @@ def _vllm_prompt_logprobs(req: P.GenerateRequest, info: EngineModelInfo, choice:
 
 
 async def _deltas(
-    state: ServerState, choices: list[_Choice], sink: asyncio.Queue[tuple[_Choice, Any]], arrival: float
+    state: ServerState, choices: list[_Choice], sink: _Sink, arrival: float
 ) -> AsyncIterator[tuple[_Choice, _Delta]]:
     """What is new for each choice, in arrival order, until every choice is done. An engine error
     raises APIError; a choice aborted by the server (shutdown) ends with finish_reason "abort"."""
@@ -1417,7 +1423,7 @@ async def _collect(
     created: int,
     arrival: float,
     choices: list[_Choice],
-    sink: asyncio.Queue[tuple[_Choice, Any]],
+    sink: _Sink,
 ) -> web.Response:
     async for _choice, _delta in _deltas(state, choices, sink, arrival):
         pass
@@ -1599,7 +1605,7 @@ async def _stream_beams(
     reason, then the usage chunk (with `include_usage`) and [DONE]."""
     ids = req.return_token_ids
     continuous = req.include_usage and req.continuous_usage
-    resp = await sse.start_stream(request)
+    resp = await _start_stream(request)
     for c in made:
         own = P.usage_dict(len(c.prompt.token_ids), len(c.token_ids), 0) if continuous else None
         if req.kind == "completion":
@@ -1630,7 +1636,7 @@ async def _stream_beams(
         chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
         await sse.send_event(resp, chunk(request_id, created, req.model, [], usage, True))
     await sse.send_done(resp)
-    await resp.write_eof()
+    await sse.end_stream(resp)
     return resp
 
 
@@ -1644,6 +1650,10 @@ def _echo_text(info: EngineModelInfo, req: P.GenerateRequest, prompt: P.PromptIn
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
+
+
+async def _start_stream(request: web.Request) -> sse.EventStream:
+    return await sse.start_stream(request, write_timeout_s=request.app[STATE].stream_write_timeout_s)
 
 
 def _client_gone() -> P.APIError:
@@ -1661,15 +1671,15 @@ async def _stream(
     created: int,
     arrival: float,
     choices: list[_Choice],
-    sink: asyncio.Queue[tuple[_Choice, Any]],
+    sink: _Sink,
 ) -> web.StreamResponse:
     chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
-    resp: web.StreamResponse | None = None
+    resp: sse.EventStream | None = None
 
     async def send(choice_json: dict[str, Any], prompt_token_ids: list[int] | None = None) -> None:
         nonlocal resp
         if resp is None:
-            resp = await sse.start_stream(request)
+            resp = await _start_stream(request)
         # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (its
         # prompt's tokens, the tokens the choice made), as vLLM's chunks do
         usage = None
@@ -1692,11 +1702,11 @@ async def _stream(
             raise
         await sse.send_event(resp, err.body())
     if resp is None:  # no output at all (cannot normally happen): still a well-formed stream
-        resp = await sse.start_stream(request)
+        resp = await _start_stream(request)
     if req.include_usage:
         await sse.send_event(resp, chunk(request_id, created, req.model, [], _usage(req, choices), True))
     await sse.send_done(resp)
-    await resp.write_eof()
+    await sse.end_stream(resp)
     return resp
 
 
@@ -1938,7 +1948,7 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
     response.completed (or .incomplete, .failed) with the whole response. An error before any
     output is a plain error response."""
     req = run.rreq.chat
-    resp: web.StreamResponse | None = None
+    resp: sse.EventStream | None = None
     sequence = 0
     items = R.OutputItems()
     tools = ToolCallStream(req.tool_parser) if req.tool_parser is not None else None
@@ -1949,7 +1959,7 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
     async def send(events: list[dict[str, Any]]) -> None:
         nonlocal resp, sequence
         if resp is None:
-            resp = await sse.start_stream(run.request)
+            resp = await _start_stream(run.request)
             start = R.response_body(run.rreq, run.response_id, run.created, output=[], in_progress=True)
             events = [{"type": "response.created", "response": start},
                       {"type": "response.in_progress", "response": start}, *events]  # fmt: skip
@@ -1991,5 +2001,5 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(body["status"])
         await send([*events, {"type": kind or "response.completed", "response": body}])
     assert resp is not None
-    await resp.write_eof()
+    await sse.end_stream(resp)
     return resp

@@ -146,6 +146,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request body once its headers arrived (408 beyond)",
     )
     g.add_argument(
+        "--stream-write-timeout",
+        type=seconds(allow_zero=True),
+        default=60.0,
+        help="seconds a streamed answer waits for a client that takes nothing of it before the "
+        "request is aborted and the connection dropped (0: no limit)",
+    )
+    g.add_argument(
         "--keep-alive-timeout",
         type=seconds(),
         default=15.0,
@@ -374,6 +381,7 @@ async def _serve(args: argparse.Namespace) -> int:
         responses_store_bytes=args.responses_store_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         body_read_timeout_s=args.body_read_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
         access=access,
         strict_request_fields=args.strict_request_fields,
         scheduling_policy=args.scheduling_policy,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -23,8 +24,37 @@ def encode_event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def start_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+class EventStream(web.StreamResponse):
+    """An event stream whose writes give up after `write_timeout_s` seconds without the client
+    taking what was sent (0: never). A client that stops reading would otherwise hold its request,
+    its place in the server's queue and the connection until it hung up."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str], write_timeout_s: float) -> None:
+        super().__init__(status=200, headers=headers)
+        self.write_timeout_s = write_timeout_s
+        self._transport = request.transport
+
+    async def write_bounded(self, data: bytes | None) -> None:
+        """Writes `data` (None: ends the stream). A client that has not read for the timeout
+        raises ConnectionResetError, its connection dropped, as a client that hung up."""
+        write = self.write_eof() if data is None else self.write(data)
+        if self.write_timeout_s <= 0:
+            await write
+            return
+        try:
+            await asyncio.wait_for(write, self.write_timeout_s)
+        except TimeoutError:
+            if self._transport is not None:
+                self._transport.abort()  # (what it holds unsent goes with it)
+            raise ConnectionResetError(
+                f"the client read nothing of the stream for {self.write_timeout_s:g} s"
+            ) from None
+
+
+async def start_stream(
+    request: web.Request, headers: dict[str, str] | None = None, write_timeout_s: float = 0.0
+) -> EventStream:
+    resp = EventStream(request, {**SSE_HEADERS, **(headers or {})}, write_timeout_s)
     if request.version >= HttpVersion11:
         resp.enable_chunked_encoding()
     else:
@@ -35,14 +65,18 @@ async def start_stream(request: web.Request, headers: dict[str, str] | None = No
     return resp
 
 
-async def send_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
-    await resp.write(encode_event(data))
+async def send_event(resp: EventStream, data: dict[str, Any]) -> None:
+    await resp.write_bounded(encode_event(data))
 
 
-async def send_done(resp: web.StreamResponse) -> None:
-    await resp.write(DONE)
+async def send_done(resp: EventStream) -> None:
+    await resp.write_bounded(DONE)
 
 
-async def send_typed_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
+async def end_stream(resp: EventStream) -> None:
+    await resp.write_bounded(None)
+
+
+async def send_typed_event(resp: EventStream, data: dict[str, Any]) -> None:
     """One event of a Responses stream: its `type` also on an `event:` line, as OpenAI sends it."""
-    await resp.write(b"event: " + str(data["type"]).encode("utf-8") + b"\n" + encode_event(data))
+    await resp.write_bounded(b"event: " + str(data["type"]).encode("utf-8") + b"\n" + encode_event(data))

@@ -1,0 +1,56 @@
+"""A client that stops reading a streamed answer (docs/serving.md, "Slow readers"): after
+--stream-write-timeout its request is aborted and its connection dropped, its place in the queue
+is free again, and the server goes on answering others."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from server_fixtures import assert_idle, call, get_metrics, running_server
+
+INFLIGHT = "hybridserve_server_inflight_requests"
+
+
+def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> None:
+    with running_server("--stream-write-timeout", "2", "--max-queue-len", "8") as server:
+        # large chunks (8 choices, 20 logprobs per token) and a receive buffer of a few KiB: the
+        # server's writes stop draining within a fraction of the answer
+        body = json.dumps(
+            {"model": "demo", "prompt": "Once", "max_tokens": 1500, "n": 8, "logprobs": 20,
+             "ignore_eos": True, "stream": True}
+        ).encode()  # fmt: skip
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while get_metrics(server)[INFLIGHT] < 8:  # admitted
+                assert time.monotonic() < deadline, "the request never ran"
+                time.sleep(0.05)
+            # a full queue meanwhile: the silent client holds all 8 places
+            status, err = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
+            assert status == 503 and err["error"]["code"] == "queue_full"
+            t0 = time.monotonic()
+            while get_metrics(server)[INFLIGHT] > 0:
+                assert time.monotonic() - t0 < 60, "the silent client's request was never cut off"
+                time.sleep(0.1)
+            # the connection was dropped: what it had buffered, then its end
+            sock.settimeout(30)
+            received = 0
+            try:
+                while chunk := sock.recv(1 << 16):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert received > 0
+        finally:
+            sock.close()
+        status, out = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        assert_idle(server)
