@@ -20,6 +20,7 @@ import pytest
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.sampling.params import MAX_STOP_STR_LEN
+from hybridserve.server import protocol as P
 from server_fixtures import (
     ServerProcess,
     TokenizerModelInfo,
@@ -1221,36 +1222,28 @@ def test_stop_string_length_limit_is_a_400_and_long_stop_strings_are_served(serv
 HUGE_PROMPT = "a b " * 900_000  # 3.6 MB: under the 4 MiB body limit; 1.8M tokens
 
 
-def test_a_huge_prompt_being_tokenized_does_not_stall_the_server(server):
-    """A text of megabytes takes seconds to tokenize (/tokenize counts it whatever its length).
-    The server's event loop must keep answering meanwhile: other requests are not held up by it."""
-
-    async def go() -> tuple[int, dict[str, Any], float, list[float]]:
-        async with aiohttp.ClientSession() as s:
-
-            async def refused() -> tuple[int, dict[str, Any]]:
-                payload = json.dumps({"model": MODEL, "prompt": HUGE_PROMPT}).encode()
-                headers = {"Content-Type": "application/json"}
-                async with s.post(server.base + "/tokenize", data=io.BytesIO(payload), headers=headers) as r:
-                    return r.status, await r.json()
-
-            t0 = time.monotonic()
-            big = asyncio.create_task(refused())
-            waits: list[float] = []
-            while not big.done():
-                h0 = time.monotonic()
-                async with s.get(server.base + "/health") as r:
-                    assert r.status == 200
-                waits.append(time.monotonic() - h0)
-                await asyncio.sleep(0.05)
-            status, body = await big
-            return status, body, time.monotonic() - t0, waits
-
-    status, body, took, waits = asyncio.run(go())
-    assert status == 200 and body["count"] > 1_000_000, {k: body[k] for k in body if k != "tokens"}
-    # with the tokenizer holding Python's lock, one /health would wait for the whole tokenization
-    assert took > 0.5, f"the prompt was tokenized too fast ({took:.2f} s) to tell"
-    assert len(waits) >= 3 and max(waits) < took / 2, (took, waits)
+def test_tokenize_counts_texts_past_the_context_up_to_its_limit(server):
+    """/tokenize counts a text longer than the context (it does not generate), up to a limit (here
+    its floor, 2**17 tokens): a text of megabytes is refused from its length alone, at once (its
+    millions of ids and pieces took hundreds of megabytes per request, on a route without an API
+    key), and a text just past the limit by its real count is refused with that count."""
+    limit = P.tokenize_limit(256)
+    assert limit == 1 << 17
+    t0 = time.monotonic()
+    status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "prompt": HUGE_PROMPT})
+    assert time.monotonic() - t0 < 5.0
+    err = parsed["error"]
+    assert status == 400 and (err["param"], err["code"]) == ("prompt", "invalid_value"), parsed
+    assert "at least " in err["message"] and f"counts ({limit}:" in err["message"]
+    # "a b " is two tokens: a text within the length bound, past the limit by its count
+    text = "a b " * (limit // 2 + 10)
+    status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "prompt": text})
+    assert status == 400 and "at least" not in parsed["error"]["message"], parsed
+    chat = [{"role": "user", "content": text}]
+    status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "messages": chat})
+    assert status == 400 and parsed["error"]["param"] == "messages", parsed
+    status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "prompt": "a b " * (limit // 2 - 10)})
+    assert status == 200 and 256 < parsed["count"] <= limit, {k: parsed[k] for k in parsed if k != "tokens"}
 
 
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(server):

@@ -1414,6 +1414,30 @@ class DetokenizeRequest:
     ignored_fields: list[str] = dataclasses.field(default_factory=list)
 
 
+# /tokenize counts texts longer than the context (it does not generate: lm-evaluation-harness
+# tokenizes whole documents through it), up to this many contexts, and at least TOKENIZE_MIN_TOKENS:
+# a body of megabytes is millions of tokens, and their ids and pieces as Python objects and JSON
+# took hundreds of megabytes per request, on a route that needs no API key.
+TOKENIZE_CONTEXTS = 4
+TOKENIZE_MIN_TOKENS = 1 << 17
+
+
+def tokenize_limit(max_model_len: int) -> int:
+    """The most tokens /tokenize counts."""
+    return max(TOKENIZE_CONTEXTS * max_model_len, TOKENIZE_MIN_TOKENS)
+
+
+def _refuse_beyond_tokenize_limit(info: ModelInfo, param: str, count: int, at_least: bool = False) -> None:
+    limit = tokenize_limit(info.max_model_len)
+    if count > limit:
+        raise APIError(
+            f"{param}: {'at least ' if at_least else ''}{count} tokens, more than /tokenize counts "
+            f"({limit}: the larger of {TOKENIZE_CONTEXTS} contexts of {info.max_model_len} and {TOKENIZE_MIN_TOKENS})",
+            param=param,
+            code="invalid_value",
+        )
+
+
 def parse_tokenize_request(
     body: dict[str, Any], info: ModelInfo, served_model_name: str, *, strict: bool = True
 ) -> TokenizeRequest:
@@ -1421,7 +1445,7 @@ def parse_tokenize_request(
     `add_special_tokens` default true) or `messages` (rendered as the chat route renders them:
     `add_generation_prompt` default true, `continue_final_message`, `add_special_tokens` default false,
     `chat_template_kwargs`, `tools` and `tool_choice`). No context-length check: it counts, it does
-    not generate."""
+    not generate; but at most `tokenize_limit` tokens."""
     unknown = UnknownFields(strict)
     if "messages" in body:  # (vLLM's TokenizeChatRequest)
         if body.get("prompt") is not None:
@@ -1436,7 +1460,10 @@ def parse_tokenize_request(
         if prompt is None:
             raise APIError("prompt: a prompt (or messages) is required", param="prompt", code="missing_field")
         _check_surrogates("prompt", prompt)
+        if len(prompt) > tokenize_limit(info.max_model_len):  # (refused before tokenizing)
+            _refuse_beyond_tokenize_limit(info, "prompt", info.min_tokens(prompt), at_least=True)
         ids = info.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+    _refuse_beyond_tokenize_limit(info, "messages" if "messages" in body else "prompt", len(ids))
     return TokenizeRequest(
         token_ids=ids,
         return_token_strs=get_bool(body, "return_token_strs", False),
