@@ -273,6 +273,16 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(server):
     for path, body, param in (
         ("/v1/completions", {"prompt": "x", "store": "yes"}, "store"),
         ("/v1/completions", {"prompt": "x", "metadata": [1]}, "metadata"),
+        # OpenAI's metadata: 16 pairs, keys of 64 characters, string values of 512
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "metadata": {f"k{i}": "v" for i in range(17)}},
+            "metadata",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "metadata": {"k" * 65: "v"}}, "metadata"),
+        ("/v1/chat/completions", {"messages": CHAT, "metadata": {"k": "v" * 513}}, "metadata"),
+        ("/v1/chat/completions", {"messages": CHAT, "metadata": {"k": 1}}, "metadata"),
+        ("/v1/responses", {"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
         ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
         (
             "/v1/chat/completions",
@@ -287,6 +297,13 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(server):
     ):
         status, err = call(server, path, body)
         assert status == 400 and err["error"]["param"] == param, (body, err)
+    ok = {f"k{i}": "v" * 512 for i in range(16)}
+    status, out = call(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "metadata": ok})
+    assert status == 200, out
+    # a value of megabytes named in an error comes back cut, not whole
+    status, err = call(server, "/v1/completions", {"model": "m" * 1_000_000, "prompt": "x"})
+    message = err["error"]["message"]
+    assert status == 404 and len(message) < 2100 and message.endswith("characters in all)"), message[-200:]
     assert_idle(server)
 
 

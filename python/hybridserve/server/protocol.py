@@ -59,6 +59,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = cut_message(message)
         super().__init__(message)
         self.message = message
         self.status = status
@@ -71,10 +72,21 @@ class APIError(Exception):
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
 
+# An error message names the values it refuses: one a client sent of megabytes (a model name, a
+# role, an id) must not come back whole (or be logged whole).
+MAX_ERROR_MESSAGE_CHARS = 2000
+
+
+def cut_message(message: str) -> str:
+    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut: {len(message)} characters in all)"
+
+
 def error_body(
     message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": cut_message(message), "type": type, "param": param, "code": code}}
 
 
 def _bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
@@ -484,6 +496,32 @@ def _parse_model(body: dict[str, Any], served_model_name: str) -> str:
     return model
 
 
+# OpenAI's limits on `metadata`: 16 pairs, keys of at most 64 characters, string values of at most
+# 512 (a response repeats it, and the Responses store keeps it)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise _bad("metadata", f"must be an object, got {type(metadata).__name__}", "invalid_type")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise _bad("metadata", f"at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise _bad(
+                "metadata", f"keys of at most {MAX_METADATA_KEY_CHARS} characters, got one of {len(key)}"
+            )
+        if not isinstance(value, str):
+            raise _bad("metadata", f"values must be strings, got {type(value).__name__}", "invalid_type")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise _bad(
+                "metadata",
+                f"values of at most {MAX_METADATA_VALUE_CHARS} characters, got one of {len(value)}",
+            )
+
+
 def _parse_stop(body: dict[str, Any]) -> list[str]:
     v = body.get("stop")
     if v is None:
@@ -618,9 +656,7 @@ def _continuous_usage(body: dict[str, Any]) -> bool:
 def _ignored_common(body: dict[str, Any]) -> None:
     """The OpenAI fields that are accepted and ignored: their types are still checked, so that a
     client's mistake is not silently passed over."""
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise _bad("metadata", f"must be an object, got {type(metadata).__name__}", "invalid_type")
+    check_metadata(body.get("metadata"))
     get_bool(body, "store", False)
     get_str(body, "service_tier", max_len=64)
 

@@ -470,6 +470,7 @@ def _check_unserved(body: dict[str, Any]) -> None:
             raise _bad(key, f"must be an object, got {type(body[key]).__name__}", "invalid_type")
     for key in ("instructions", "previous_response_id", "prompt_cache_key", "safety_identifier"):
         P.get_str(body, key)
+    P.check_metadata(body.get("metadata"))
 
 
 def _check_writable(body: dict[str, Any]) -> None:
