@@ -203,12 +203,6 @@ struct ReqState {
     /// the request keeps a deeper last state (the conversation it belongs to moved on), if the
     /// slot still holds it (it may have been evicted and hold another sequence's state since).
     resumed_from: Option<(SlotId, CheckpointTag)>,
-    /// The first of the request's blocks that the cache refused because another block (another
-    /// request's copy of the same prefix, which this one recomputed past its state hit) held its
-    /// hash, and the pool's eviction count then. Once that copy may have been evicted, the
-    /// request's own blocks are offered again, so that the prefix (and the checkpoints placed on
-    /// it) stays cached while this request holds an identical copy.
-    duplicate_from: Option<(usize, u64)>,
 }
 
 /// The hybrid cache manager.
@@ -1019,7 +1013,6 @@ impl HybridCacheManager {
                 .checkpoint
                 .filter(|_| hit.kind == Some(CheckpointKind::LastToken))
                 .and_then(|s| Some((s, self.mamba.checkpoint_tag(s)?))),
-            duplicate_from: None,
         };
         for &blk in &hit.kv_blocks {
             self.kv.incref(blk);
@@ -1135,42 +1128,24 @@ impl HybridCacheManager {
         let n = (num_accepted_tokens / self.block_size)
             .min(block_hashes.len())
             .min(st.blocks.len());
-        let evictions = self.kv.evictions();
-        let mut start = st.num_cached_blocks.min(n);
-        let mut first_duplicate = None;
-        match st.duplicate_from {
-            // The copy that held a refused block's hash may be gone: offer them again.
-            Some((i, seen)) if seen != evictions => start = start.min(i),
-            Some((i, _)) => first_duplicate = Some(i),
-            None => {}
-        }
+        let start = st.num_cached_blocks.min(n);
         st.num_cached_blocks = st.num_cached_blocks.max(n);
         let blocks: Vec<BlockId> = st.blocks[start..n].to_vec();
         for (i, blk) in (start..n).zip(blocks) {
             let h = block_hashes[i];
             let parent = i.checked_sub(1).map(|p| block_hashes[p]);
-            if self.kv.block_hash(blk).is_some() {
-                continue;
-            }
-            if !self.kv.cache_block(blk, h, parent) {
-                if first_duplicate.is_none_or(|d| i < d) && self.kv.contains(h) {
-                    first_duplicate = Some(i);
-                }
-                continue;
-            }
-            let b = self.block_size;
-            let tokens = prefix.tokens.get(i * b..(i + 1) * b).unwrap_or(&[]);
-            self.describe_event(prefix.root, h, parent, tokens, (i + 1) * b);
-            // A checkpoint that went stale when an earlier copy of this block was evicted can hit
-            // again.
-            if let Some(s) = self.mamba.lookup(h) {
-                if self.ck_block[s as usize] == NULL_BLOCK {
-                    self.attach(s);
+            if self.kv.block_hash(blk).is_none() && self.kv.cache_block(blk, h, parent) {
+                let b = self.block_size;
+                let tokens = prefix.tokens.get(i * b..(i + 1) * b).unwrap_or(&[]);
+                self.describe_event(prefix.root, h, parent, tokens, (i + 1) * b);
+                // A checkpoint that went stale when an earlier copy of this block was evicted
+                // can hit again.
+                if let Some(s) = self.mamba.lookup(h) {
+                    if self.ck_block[s as usize] == NULL_BLOCK {
+                        self.attach(s);
+                    }
                 }
             }
-        }
-        if let Some(st) = self.reqs.get_mut(&req) {
-            st.duplicate_from = first_duplicate.map(|i| (i, evictions));
         }
     }
 

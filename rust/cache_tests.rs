@@ -1151,50 +1151,6 @@ fn a_hit_whose_blocks_the_whole_pool_cannot_hold_at_once_does_not_fit() {
 }
 
 #[test]
-fn a_recomputed_prefix_is_registered_once_the_copy_that_held_its_hashes_is_evicted() {
-    // Request 2 shares request 1's first 8 tokens but has no state hit there: it computes them
-    // again into blocks of its own, which the cache refuses (request 1's free copies hold the
-    // hashes). When those copies are evicted, request 2's identical blocks take their place, so
-    // that the prefix stays cached while request 2 holds it.
-    for eviction in [EvictionPolicy::Lru, EvictionPolicy::Flops] {
-        let c = cfg_with(
-            MambaCacheMode::All,
-            4,
-            CheckpointPlacement::Branch,
-            eviction,
-        );
-        let mut m = HybridCacheManager::new(&c, 10, 16);
-        let shared = toks(8);
-        run_and_publish(&mut m, 1, &shared, None, &[]);
-        m.free(1);
-        let mut second = shared.clone();
-        second.push(7);
-        let h2 = hashes(&second, None);
-        m.allocate_new(2, &CacheHit::default(), second.len(), 0)
-            .unwrap();
-        m.cache_full_blocks(2, prefix(&h2, &second), 8);
-        let mine = m.block_table(2)[..2].to_vec();
-        assert!(mine.iter().all(|&b| m.kv.block_hash(b).is_none()));
-        // another request takes every free block: request 1's copies are evicted
-        let n = m.kv.num_free();
-        m.allocate_new(3, &CacheHit::default(), n * B, 0).unwrap();
-        assert!(shared_hit_blocks(&m, &shared).is_empty(), "{eviction:?}");
-        // request 2's next step offers its blocks again
-        m.cache_full_blocks(2, prefix(&h2, &second), 8);
-        assert_eq!(shared_hit_blocks(&m, &shared), mine, "{eviction:?}");
-    }
-}
-
-/// The cached KV blocks a prompt of `shared` + one token would find.
-fn shared_hit_blocks(m: &HybridCacheManager, shared: &[u32]) -> Vec<BlockId> {
-    let mut probe = shared.to_vec();
-    probe.push(99);
-    let h = hashes(&probe, None);
-    m.peek_longest_cache_hit(prefix(&h, &probe), probe.len())
-        .kv_blocks
-}
-
-#[test]
 fn a_resumed_slot_that_now_holds_another_sequence_is_not_superseded() {
     let c = cfg_with(
         MambaCacheMode::All,
