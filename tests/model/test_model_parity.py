@@ -109,9 +109,10 @@ def test_nemotron_h_dt_below_time_step_min_is_not_clamped(tmp_path):
     assert rel < 1e-4, float(rel)
 
 
-def _mamba_dt_limit(c: dict) -> None:  # NemotronHConfig's legacy name for time_step_limit
-    c.pop("time_step_limit", None)
+def _mamba_dt_limit(c: dict) -> None:  # NemotronHConfig's legacy names, which win over the current
+    c["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
     c["mamba_dt_limit"] = [0.03, 0.06]
+    c["mamba_n_groups"], c["n_groups"] = c["n_groups"], c["n_groups"] + 1  # (a wrong shape if read)
 
 
 def _rope_scaling_over_rope_parameters(c: dict) -> None:  # the legacy key replaces the new one
@@ -119,22 +120,16 @@ def _rope_scaling_over_rope_parameters(c: dict) -> None:  # the legacy key repla
     c["rope_scaling"] = {"rope_type": "default", "rope_theta": 40.0}
 
 
-def _attention_bias(c: dict) -> None:  # NemotronHAttention has no biases whatever this says
-    c["attention_bias"] = True
-
-
 @pytest.mark.parametrize(
     "kind, configs, edit",
     [
         ("nemotron_h", "NEMOTRON_H_CONFIGS", _mamba_dt_limit),
-        ("nemotron_h", "NEMOTRON_H_CONFIGS", _attention_bias),
         ("bamba", "BAMBA_CONFIGS", _rope_scaling_over_rope_parameters),
     ],
 )
 def test_config_keys_are_read_as_transformers_reads_them(tmp_path, kind, configs, edit):
-    """config.json keys that transformers reads otherwise than their names say (keys of older
-    checkpoints it maps onto the current ones and lets win over them; a flag its model ignores):
-    the engine computes what transformers computes from the same file."""
+    """config.json keys of older checkpoints that transformers still maps onto the current ones
+    (and lets win over them): the engine computes what transformers computes from the same file."""
     import transformers
 
     import model_fixtures

@@ -471,10 +471,13 @@ def on_period(raw: dict[str, Any], source: str, prefix: str, i: int, default: tu
 def scan_chunk_size(raw: dict[str, Any], source: str, model_type: str | None = None) -> int | None:
     """Q, the Mamba scan's chunk size: `chunk_size` or `mamba_chunk_size`, else the model type's
     default; None for a model type without Mamba layers."""
-    default = SCAN_CHUNK_DEFAULTS.get(model_type or model_type_of(raw, source))
+    kind = model_type or model_type_of(raw, source)
+    default = SCAN_CHUNK_DEFAULTS.get(kind)
     if default is None:
         return None
-    q = config_count(raw, source, "chunk_size", "mamba_chunk_size")
+    # (transformers' NemotronHConfig lets the legacy `mamba_chunk_size` win over `chunk_size`)
+    names = ("chunk_size", "mamba_chunk_size")
+    q = config_count(raw, source, *(reversed(names) if kind == "nemotron_h" else names))
     return default if q is None else q
 
 

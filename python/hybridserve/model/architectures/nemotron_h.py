@@ -106,8 +106,9 @@ class NemotronHForCausalLM(StackedCausalLM):
         head_dim = get_field(raw, "head_dim", "attention_head_dim")
         if head_dim is None and num_heads > 0:
             head_dim = hidden // num_heads
-        # transformers' NemotronHConfig takes the legacy `mamba_dt_limit` (and `mamba_conv_bias`)
-        # over the current name where both are given
+        # transformers' NemotronHConfig takes the legacy `mamba_*` names (`mamba_dt_limit`,
+        # `mamba_conv_bias`, `mamba_n_groups`, `mamba_d_conv`, `mamba_chunk_size`) over the current
+        # ones where both are given
         dt_min, dt_max = time_step_limit(raw, "mamba_dt_limit", "time_step_limit")
         cfg = ModelConfig(
             architecture="NemotronHForCausalLM",
@@ -124,8 +125,8 @@ class NemotronHForCausalLM(StackedCausalLM):
             nheads=nheads,
             headdim=headdim,
             dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=0),
-            ngroups=get_int(raw, "n_groups", "mamba_n_groups", default=1),
-            d_conv=get_int(raw, "conv_kernel", "mamba_d_conv", default=4),
+            ngroups=get_int(raw, "mamba_n_groups", "n_groups", default=1),
+            d_conv=get_int(raw, "mamba_d_conv", "conv_kernel", default=4),
             chunk_size=shared_fields.chunk_size(raw, source, "nemotron_h"),
             d_inner=nheads * headdim,
             mamba_conv_bias=get_flag(raw, "mamba_conv_bias", "use_conv_bias", default=True),
@@ -140,9 +141,10 @@ class NemotronHForCausalLM(StackedCausalLM):
             num_heads=num_heads,
             num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
             head_dim=integral(head_dim or 0, "head_dim"),
-            # transformers' NemotronHAttention has no biases whatever `attention_bias` says (a
-            # config saying true loads there, its projections without bias): so here
-            attention_bias=False,
+            # (transformers' NemotronHAttention has no biases whatever this says, NVIDIA's own code
+            # has them when it says true: a checkpoint saying true without bias tensors is refused
+            # as missing them, rather than one with them run without)
+            attention_bias=get_flag(raw, "attention_bias", default=False),
             partial_rotary_factor=0.0,
             intermediate_size=get_int(raw, "intermediate_size", default=0),
             mlp_act=str(raw.get("mlp_hidden_act", "relu2")),

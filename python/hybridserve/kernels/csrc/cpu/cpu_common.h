@@ -26,8 +26,9 @@ struct Vec {
     static inline type zero() { return type{} * T(0); }
 };
 
-// Whether v is a NaN, read from its bits: under -ffast-math the compiler assumes no NaN, so
-// `v != v` and comparisons cannot tell (a comparison may even turn a NaN into a number).
+// Whether v is a NaN, or finite, read from its bits: under -ffast-math the compiler assumes no
+// NaN and no infinity, so `v != v`, std::isfinite and comparisons cannot tell (a comparison may
+// even turn a NaN into a number).
 inline bool is_nan(float v) {
     uint32_t u;
     std::memcpy(&u, &v, sizeof(u));
@@ -37,6 +38,16 @@ inline bool is_nan(double v) {
     uint64_t u;
     std::memcpy(&u, &v, sizeof(u));
     return (u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+}
+inline bool is_finite(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return (u & 0x7f800000u) != 0x7f800000u;
+}
+inline bool is_finite(double v) {
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
 // bfloat16 storage (the upper half of a float32), for tensors the kernels read and write in

@@ -249,19 +249,6 @@ bool linear(const T* x, int64_t B, int64_t in, const T* W, const T* bias, int64_
     });
 }
 
-// By the exponent bits: the library is built with -ffast-math, under which std::isfinite may be
-// folded to true.
-inline bool is_finite(float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof(u));
-    return (u & 0x7f800000u) != 0x7f800000u;
-}
-inline bool is_finite(double v) {
-    uint64_t u;
-    std::memcpy(&u, &v, sizeof(u));
-    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
-}
-
 // The default rotary embedding (as layers/attention.py's apply_rotary with ForwardContext.rope) on
 // the first rd channels of each of the `heads` heads of every token's row x [B, heads * D]: angle
 // position * theta^(-2i / rd), channel i < rd / 2 paired with i + rd / 2 (rotate_half).
@@ -593,7 +580,7 @@ int decode_step(HS_STEP_PARAMS(T)) {
         int64_t best = 0;
         bool finite = true;
         for (int64_t j = 0; j < vocab; ++j) {
-            finite = finite && is_finite(row[j]);
+            finite = finite && hs::is_finite(row[j]);
             if (row[j] > row[best]) best = j;
         }
         argmax[b] = best;
