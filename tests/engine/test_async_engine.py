@@ -11,6 +11,7 @@ import pytest
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.async_engine import AsyncEngine
+from hybridserve.engine.outputs import MERGE_BEHIND
 from hybridserve.errors import EngineDeadError
 from hybridserve.sampling.params import SamplingParams
 
@@ -226,10 +227,42 @@ def test_a_failed_step_fails_only_what_it_ran() -> None:
     asyncio.run(main())
 
 
+def test_a_request_whose_last_output_a_failed_step_lost_ends_with_an_error() -> None:
+    """A step that fails after the engine forgot a finished request, without its last output to
+    hand over: the request's stream ends with an error instead of waiting forever."""
+    from hybridserve.errors import HybridServeError
+
+    async def main() -> None:
+        engine = AsyncEngine(ARGS)
+        await engine.wait_ready()
+        llm = engine.engine
+        assert llm is not None
+        original = llm.step
+        failed = threading.Event()
+
+        def step():  # noqa: ANN202
+            outputs = original()
+            if failed.is_set() or not any(o.request_id == "short" and o.finished for o in outputs):
+                return outputs
+            failed.set()
+            raise RuntimeError("injected failure that loses the outputs")  # (not carried)
+
+        llm.step = step  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        result = await asyncio.wait_for(
+            asyncio.gather(_collect(engine, "short", params), return_exceptions=True), 30
+        )
+        engine.shutdown()
+        assert failed.is_set()
+        assert isinstance(result[0], HybridServeError), result
+
+    asyncio.run(main())
+
+
 def test_a_reader_that_falls_behind_gets_the_outputs_merged() -> None:
-    """Outputs a stream's reader has not taken yet are merged into one (their deltas joined): a
-    reader that takes nothing until its request is done gets one or two outputs, not one per step
-    (each a copy of the tokens so far), and the joined deltas are the whole answer."""
+    """A stream's reader MERGE_BEHIND outputs behind has the next ones merged into the last (their
+    deltas joined): a reader that takes nothing until its request is done gets a few outputs, not
+    one per step (each a copy of the tokens so far), and the joined deltas are the whole answer."""
 
     async def main() -> None:
         engine = AsyncEngine(dataclasses.replace(ARGS, max_model_len=1024))
@@ -243,7 +276,7 @@ def test_a_reader_that_falls_behind_gets_the_outputs_merged() -> None:
         rest = await asyncio.wait_for(_drain(gen), 60)
         engine.shutdown()
         outs = [first, *rest]
-        assert len(outs) <= 3, len(outs)
+        assert len(outs) <= MERGE_BEHIND + 2, len(outs)
         final = outs[-1].outputs[0]
         assert final.finish_reason == "length" and len(final.token_ids) == 300
         assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids

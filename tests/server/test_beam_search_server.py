@@ -225,6 +225,8 @@ def test_a_shutdown_ends_a_search_after_its_step() -> None:
         assert status == 200, out
         assert [c["finish_reason"] for c in out["choices"]] == ["abort"] * 3
         assert 0 < out["usage"]["completion_tokens"] < 3 * LONG["max_tokens"]
+        # (the exit of the SIGTERM above, before the fixture's own stop could signal it again)
+        assert srv.wait_exit(timeout=60) == 0, srv.output()[-3000:]
 
 
 def test_nothing_is_left_held(server: ServerProcess) -> None:

@@ -189,11 +189,13 @@ def test_cache_aware_routing_hits_like_one_replica_and_beats_round_robin(replica
 
 
 def _stream(base: str, prompt: str, max_tokens: int, started: threading.Event) -> tuple[str, int, float]:
-    """One streamed completion: ("done" | "broken", chunks received, seconds taken). A broken
-    connection, a truncated stream, an error event or a non-200 answer are all "broken"; a stream
-    that stalls longer than the client timeout fails the test (nothing may hang)."""
+    """One streamed completion: ("done" | "broken", tokens received, seconds taken): the tokens of
+    its usage chunk (a client that falls behind gets several tokens in a chunk), else the chunks
+    seen. A broken connection, a truncated stream, an error event or a non-200 answer are all
+    "broken"; a stream that stalls longer than the client timeout fails the test (nothing may hang)."""
     t0 = time.monotonic()
-    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     req = urllib.request.Request(
         base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -206,7 +208,8 @@ def _stream(base: str, prompt: str, max_tokens: int, started: threading.Event) -
                 if line.startswith(b"data: "):
                     if b'"error"' in line:
                         break
-                    chunks += 1
+                    usage = json.loads(line[6:]).get("usage")
+                    chunks = usage["completion_tokens"] if usage else chunks + 1
                     started.set()
     except TimeoutError:
         raise AssertionError(f"a stream stalled for {CLIENT_TIMEOUT_S}s") from None

@@ -98,6 +98,20 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
     # long enough (hundreds of steps) to be still in flight while the drain is checked below
     long_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(headers=auth) as s:
+        # a request whose body is still on its way when the drain begins: its route was entered
+        # before (first of all here: the stream below must still run at the SIGINT), but it is not
+        # admitted after (the drain has counted what is in flight)
+        host, port = srv.base.removeprefix("http://").rsplit(":", 1)
+        slow_reader, slow_writer = await asyncio.open_connection(host, int(port))
+        slow_body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+        slow_writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+            + str(len(slow_body)).encode() + b"\r\n\r\n" + slow_body[:5]
+        )  # fmt: skip
+        await slow_writer.drain()
+        await asyncio.sleep(0.5)  # the route has checked the server's state and waits for the body
+
         r = await s.post(srv.base + "/v1/completions", json=long_body)
         assert r.status == 200
         head = await r.content.readline() + await r.content.readline()  # one event: the request is in flight
@@ -113,19 +127,6 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
             assert err["code"] == "queue_full" and set(err) == {"message", "type", "param", "code"}
             # the reason names the queue limit and what the engine can run at once
             assert "--max-queue-len) is 1" in err["message"] and "Mamba state pool" in err["message"]
-
-        # a request whose body is still on its way when the drain begins: its route was entered
-        # before, but it is not admitted after (the drain has counted what is in flight)
-        host, port = srv.base.removeprefix("http://").rsplit(":", 1)
-        slow_reader, slow_writer = await asyncio.open_connection(host, int(port))
-        slow_body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
-        slow_writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
-            + str(len(slow_body)).encode() + b"\r\n\r\n" + slow_body[:5]
-        )  # fmt: skip
-        await slow_writer.drain()
-        await asyncio.sleep(0.5)  # the route has checked the server's state and waits for the body
 
         # SIGINT with the stream in flight: while it drains, the server still listens and a new
         # connection learns that it is shutting down (what a load balancer's health check needs)

@@ -40,17 +40,48 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> Non
             while get_metrics(server)[INFLIGHT] > 0:
                 assert time.monotonic() - t0 < 60, "the silent client's request was never cut off"
                 time.sleep(0.1)
-            # the connection was dropped: what it had buffered, then its end
+            # the connection was dropped: what it had buffered, then its end, without the answer's
             sock.settimeout(30)
-            received = 0
+            received = b""
             try:
                 while chunk := sock.recv(1 << 16):
-                    received += len(chunk)
+                    received += chunk
             except ConnectionResetError:
                 pass
-            assert received > 0
+            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
         finally:
             sock.close()
         status, out = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] == 2
+        _a_slow_reader_keeps_its_stream(server.port)
         assert_idle(server)
+
+
+def _a_slow_reader_keeps_its_stream(port: int) -> None:
+    """A client that reads slowly but steadily, for several times the write timeout, is not cut
+    off: the timeout counts time in which it took nothing."""
+    body = json.dumps(
+        {"model": "demo", "prompt": "Once", "max_tokens": 800, "n": 2, "logprobs": 20,
+         "ignore_eos": True, "stream": True}
+    ).encode()  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )  # fmt: skip
+    sock.settimeout(30)
+    received = b""
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 5:  # 2.5 timeouts, a few KiB every 0.2 s
+            received += sock.recv(4096)
+            time.sleep(0.2)
+        while chunk := sock.recv(1 << 20):  # then the rest at full speed
+            received += chunk
+            if received.endswith(b"data: [DONE]\n\n0\r\n\r\n"):
+                break
+    finally:
+        sock.close()
+    assert b"data: [DONE]" in received, received[-300:]

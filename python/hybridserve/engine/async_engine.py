@@ -8,7 +8,6 @@ engine thread after every step, so readers never touch the engine while it runs.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
@@ -19,7 +18,8 @@ from hybridserve.config import EngineArgs
 from hybridserve.engine.chat_template import ChatTemplate
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput, coalesce
+from hybridserve.engine.output_sink import OutputSink
+from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.errors import ConfigError, EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.sampling.params import SamplingParams
@@ -30,14 +30,12 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class _Stream:
-    """One request's outputs on their way to its reader, on the reader's event loop. Outputs the
-    reader has not taken yet are merged (`coalesce`): a reader slower than the engine holds one
-    pending output, not one per step."""
+    """One request's outputs on their way to its reader, on the reader's event loop (an
+    OutputSink of one key: a reader MERGE_BEHIND outputs behind has the next ones merged)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
-        self._ready = asyncio.Event()
+        self._sink: OutputSink[None] = OutputSink()
         # Set when the consumer's event loop has closed: nobody can read this stream any more.
         self.dead = False
 
@@ -46,20 +44,11 @@ class _Stream:
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         """On the reader's loop."""
-        last = self._items[-1] if self._items else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            merged = coalesce(last, item)
-            if merged is not None:
-                self._items[-1] = merged
-                return
-        self._items.append(item)
-        self._ready.set()
+        self._sink.put_nowait((None, item))
 
     async def get(self) -> RequestOutput | BaseException:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
+        item: RequestOutput | BaseException = (await self._sink.get())[1]
+        return item
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
@@ -285,10 +274,11 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # outside the forward: fail what is in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
-                # Only the requests the engine runs: a request whose add is still queued was not in
-                # the failed step and runs next, and a request that finished before the failure has
-                # its last output carried to the next step (the engine keeps it).
+                # The requests the engine holds (running or waiting), and those it forgot without an
+                # output to hand over; not a request whose add is still queued (it runs next), nor
+                # one that finished before the failure (its last output comes with the next step).
                 self._fail_in_flight(engine, exc)
+                self._fail_forgotten(engine)
                 continue
             items = self._publish(outputs)
             # streams whose event loop has closed: nobody reads them, their requests end here
@@ -370,9 +360,20 @@ class AsyncEngine:
         stream.put(st.to_output(finished=True))
 
     def _fail_in_flight(self, engine: LLMEngine, exc: BaseException | None) -> None:
-        """Aborts every request the engine runs, its stream ended with `exc` (or as aborted)."""
+        """Aborts every request the engine holds (running or waiting), its stream ended with `exc`
+        (or as aborted)."""
         for rid in list(engine.requests):
             self._abort(engine, rid, exc)
+        self._snapshot_stats()
+
+    def _fail_forgotten(self, engine: LLMEngine) -> None:
+        """Ends the streams of requests the engine no longer knows and has no output for (it
+        failed between finishing them and returning their outputs): they would wait forever."""
+        for rid in [r for r in self._owner if r not in engine.requests and not engine.holds_output_for(r)]:
+            stream = self._live_owner(rid)
+            self._owner.pop(rid, None)
+            if stream is not None:
+                stream.put(HybridServeError("the engine failed before this request's last output"))
         self._snapshot_stats()
 
     def _fail_all(self, engine: LLMEngine, exc: BaseException | None) -> None:

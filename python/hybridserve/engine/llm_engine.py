@@ -470,6 +470,11 @@ class LLMEngine:
         self.outputs.forget(request_id)
         self.runner.free_request(request_id)
 
+    def holds_output_for(self, request_id: str) -> bool:
+        """Whether an output of `request_id` built before a failed step waits to be returned by
+        the next `step` (its last, for a request the engine has already forgotten)."""
+        return any(o.request_id == request_id for o in self._carried)
+
     def has_unfinished_requests(self) -> bool:
         return (
             self._in_flight is not None

@@ -31,6 +31,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from hybridserve.arg_types import role_name
 from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
+from hybridserve.engine.output_sink import OutputSink
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
 from hybridserve.engine.protocol import EngineClient, ServedModel
 from hybridserve.errors import EngineDeadError, InvalidRequestError
@@ -40,7 +41,6 @@ from hybridserve.server import responses as R
 from hybridserve.server.access import AccessPolicy
 from hybridserve.server.beam_route import run_beam_search
 from hybridserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from hybridserve.server.output_sink import OutputSink
 from hybridserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format, split_reasoning
 from hybridserve.server.request_log import (
     CLIENT_CLOSED,
@@ -1532,7 +1532,10 @@ async def _beam_answer(
         )
     usage = P.usage_dict(prompt_tokens, completion_tokens, 0)
     if req.stream:
-        return await _stream_beams(request, req, request_id, created, made, usage)
+        try:
+            return await _stream_beams(request, req, request_id, created, made, usage)
+        except ConnectionError:  # (as in _generate: a client that went away, or took nothing)
+            raise _client_gone() from None
     ids = req.return_token_ids
     out: list[dict[str, Any]] = []
     for c in made:

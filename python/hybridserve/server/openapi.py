@@ -222,6 +222,9 @@ def _sampling_fields(
         },
         "metadata": {
             "type": "object",
+            "maxProperties": P.MAX_METADATA_PAIRS,
+            "propertyNames": {"type": "string", "maxLength": P.MAX_METADATA_KEY_CHARS},
+            "additionalProperties": {"type": "string", "maxLength": P.MAX_METADATA_VALUE_CHARS},
             "description": "accepted and ignored (OpenAI's stored-completion tags)",
         },
         "store": _bool("accepted and ignored (nothing is stored)"),

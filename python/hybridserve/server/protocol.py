@@ -78,9 +78,11 @@ MAX_ERROR_MESSAGE_CHARS = 2000
 
 
 def cut_message(message: str) -> str:
+    """At most MAX_ERROR_MESSAGE_CHARS characters (the same message again: unchanged)."""
     if len(message) <= MAX_ERROR_MESSAGE_CHARS:
         return message
-    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut: {len(message)} characters in all)"
+    tail = f"... (cut: {len(message)} characters in all)"
+    return message[: MAX_ERROR_MESSAGE_CHARS - len(tail)] + tail
 
 
 def error_body(

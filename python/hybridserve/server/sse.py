@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import struct
+import termios
 from typing import Any
 
 from aiohttp import HttpVersion11, web
 
 DONE = b"data: [DONE]\n\n"
+_TIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
 # (no Connection header: whether the connection stays open is the HTTP layer's to say, and a
 # client that asked for `Connection: close` must not be told otherwise)
@@ -25,30 +29,74 @@ def encode_event(data: dict[str, Any]) -> bytes:
 
 
 class EventStream(web.StreamResponse):
-    """An event stream whose writes give up after `write_timeout_s` seconds without the client
-    taking what was sent (0: never). A client that stops reading would otherwise hold its request,
-    its place in the server's queue and the connection until it hung up."""
+    """An event stream that gives up on a client that takes nothing of it for `write_timeout_s`
+    seconds (0: never): a write waiting that long with nothing of the stream taken meanwhile
+    drops the connection, and the write raises ConnectionResetError, as for a client that hung up.
+    A client that stopped reading would otherwise hold its request, its place in the server's
+    queue and the connection until it hung up; one that reads slowly keeps its stream. A watchdog
+    checks what is unsent about once a second while a write waits."""
 
     def __init__(self, request: web.Request, headers: dict[str, str], write_timeout_s: float) -> None:
         super().__init__(status=200, headers=headers)
         self.write_timeout_s = write_timeout_s
+        self.timed_out = False
         self._transport = request.transport
+        self._writing = False
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._stalled_since = 0.0
+        self._buffered = 0
 
     async def write_bounded(self, data: bytes | None) -> None:
-        """Writes `data` (None: ends the stream). A client that has not read for the timeout
-        raises ConnectionResetError, its connection dropped, as a client that hung up."""
-        write = self.write_eof() if data is None else self.write(data)
-        if self.write_timeout_s <= 0:
-            await write
-            return
+        """Writes `data` (None: ends the stream)."""
+        if self.timed_out:
+            raise self._timed_out()
+        self._writing = True
+        if self.write_timeout_s > 0 and self._transport is not None:
+            # (a write that begins follows one that ended: the client took something)
+            loop = asyncio.get_running_loop()
+            self._stalled_since, self._buffered = loop.time(), self._unsent()
+            if self._watchdog is None:
+                self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
         try:
-            await asyncio.wait_for(write, self.write_timeout_s)
-        except TimeoutError:
-            if self._transport is not None:
-                self._transport.abort()  # (what it holds unsent goes with it)
-            raise ConnectionResetError(
-                f"the client read nothing of the stream for {self.write_timeout_s:g} s"
-            ) from None
+            await (self.write_eof() if data is None else self.write(data))
+        finally:
+            self._writing = False
+        if self.timed_out:  # (the dropped connection lets the waiting write return)
+            raise self._timed_out()
+
+    def _unsent(self) -> int:
+        """Bytes of the stream not yet taken by the client: the transport's buffer and, on Linux,
+        the socket's send queue (TIOCOUTQ: sent and not acknowledged, or not sent). The transport's
+        buffer alone can stand still for seconds while the client reads: the kernel takes more of
+        it only once much of its own queue has gone."""
+        assert self._transport is not None
+        n = self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and _TIOCOUTQ is not None:
+            try:
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return n
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        transport = self._transport
+        if not self._writing or transport is None or transport.is_closing():
+            return  # (armed again by the next write that waits)
+        now = asyncio.get_running_loop().time()
+        buffered = self._unsent()
+        if buffered < self._buffered:  # the client took some: it reads
+            self._stalled_since = now
+        self._buffered = buffered
+        if now - self._stalled_since >= self.write_timeout_s:
+            self.timed_out = True
+            transport.abort()  # (what it holds unsent goes with it)
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(min(1.0, self.write_timeout_s), self._watch)
+
+    def _timed_out(self) -> ConnectionResetError:
+        return ConnectionResetError(f"the client took nothing of the stream for {self.write_timeout_s:g} s")
 
 
 async def start_stream(
