@@ -113,7 +113,8 @@ def test_a_held_lock_leaves_the_sleeper_few_turns(tok: Tokenizer) -> None:
     lock, leave the other thread about one turn per text."""
     texts = ["a b " * 15_000] * 8
     turns, took = turns_while(lambda: [tok._tok.encode(t) for t in texts])
-    assert took > 0.15, "the texts encoded too fast to tell"
+    if took < 0.15:
+        pytest.skip(f"the texts encoded in {took:.2f} s, too fast to tell")
     assert turns < 6 * len(texts), (turns, took)
 
 
