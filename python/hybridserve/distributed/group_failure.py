@@ -13,7 +13,11 @@ logger = logging.getLogger("hybridserve.distributed")
 # Why an engine whose workers were stopped (`LLMEngine.stop_workers`, `shutdown`) runs no step
 WORKERS_STOPPED = "the tensor-parallel workers were stopped (stop_workers or shutdown)"
 # How long an exit that did not shut the engine down waits for the workers to stop by themselves
-EXIT_SHUTDOWN_TIMEOUT_S = 2.0
+# (idle workers take the stop at once; on a loaded machine 2 s did not always suffice, and a
+# process that exits while its shutdown thread is inside the process group's native code dies with
+# "terminate called without an active exception"). Only a worker stuck inside a step's
+# collectives makes the exit wait this long.
+EXIT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class GroupFailure:
