@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -170,6 +172,27 @@ def test_a_request_whose_row_fails_ends_with_an_error_and_the_others_finish() ->
     asyncio.run(main())
 
 
+def _fail_the_step_that_ends_short(
+    llm: Any, message: str, before_raise: Callable[[list], None] = lambda outputs: None
+) -> threading.Event:
+    """Wraps the engine's step: the first step whose outputs end request "short" calls
+    `before_raise` with them and raises RuntimeError(message) instead of returning them (a failure
+    outside the forward). The event is set once it has."""
+    original = llm.step
+    failed = threading.Event()
+
+    def step():  # noqa: ANN202
+        outputs = original()
+        if failed.is_set() or not any(o.request_id == "short" and o.finished for o in outputs):
+            return outputs
+        failed.set()
+        before_raise(outputs)
+        raise RuntimeError(message)
+
+    llm.step = step
+    return failed
+
+
 def test_a_failed_step_fails_only_what_it_ran() -> None:
     """A step that fails outside the forward (the engine keeps serving) ends the requests it ran
     with the error, and no other: a request that finished just before gets its last output (the
@@ -182,15 +205,9 @@ def test_a_failed_step_fails_only_what_it_ran() -> None:
         llm = engine.engine
         assert llm is not None
         loop = asyncio.get_running_loop()
-        original = llm.step
         late: list[asyncio.Task[list]] = []
-        failed = threading.Event()
 
-        def step():  # noqa: ANN202
-            outputs = original()
-            if failed.is_set() or not any(o.request_id == "short" and o.finished for o in outputs):
-                return outputs
-            failed.set()
+        def before_raise(outputs: list) -> None:
             # a request arrives while this step fails: its stream is registered, its add queued
             loop.call_soon_threadsafe(
                 lambda: late.append(asyncio.ensure_future(_collect(engine, "late", params(4))))
@@ -200,9 +217,10 @@ def test_a_failed_step_fails_only_what_it_ran() -> None:
                 time.sleep(0.001)
             # as the engine does when it fails after building its outputs: they are carried
             llm._carried = outputs + llm._carried
-            raise RuntimeError("injected failure after the outputs were built")
 
-        llm.step = step  # type: ignore[method-assign]
+        failed = _fail_the_step_that_ends_short(
+            llm, "injected failure after the outputs were built", before_raise
+        )
 
         def params(n: int) -> SamplingParams:
             return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -237,17 +255,7 @@ def test_a_request_whose_last_output_a_failed_step_lost_ends_with_an_error() -> 
         await engine.wait_ready()
         llm = engine.engine
         assert llm is not None
-        original = llm.step
-        failed = threading.Event()
-
-        def step():  # noqa: ANN202
-            outputs = original()
-            if failed.is_set() or not any(o.request_id == "short" and o.finished for o in outputs):
-                return outputs
-            failed.set()
-            raise RuntimeError("injected failure that loses the outputs")  # (not carried)
-
-        llm.step = step  # type: ignore[method-assign]
+        failed = _fail_the_step_that_ends_short(llm, "injected failure that loses the outputs (not carried)")
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         result = await asyncio.wait_for(
             asyncio.gather(_collect(engine, "short", params), return_exceptions=True), 30

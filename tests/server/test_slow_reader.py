@@ -13,21 +13,27 @@ from server_fixtures import assert_idle, call, get_metrics, running_server
 INFLIGHT = "hybridserve_server_inflight_requests"
 
 
+def open_stream(port: int, n: int, max_tokens: int) -> socket.socket:
+    """A streamed completion of `n` choices with 20 logprobs per token (large chunks), sent on a
+    socket whose receive buffer holds a few KiB: the server's writes stop draining within a
+    fraction of the answer unless it is read."""
+    body = json.dumps(
+        {"model": "demo", "prompt": "Once", "max_tokens": max_tokens, "n": n, "logprobs": 20,
+         "ignore_eos": True, "stream": True}
+    ).encode()  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )  # fmt: skip
+    return sock
+
+
 def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> None:
     with running_server("--stream-write-timeout", "2", "--max-queue-len", "8") as server:
-        # large chunks (8 choices, 20 logprobs per token) and a receive buffer of a few KiB: the
-        # server's writes stop draining within a fraction of the answer
-        body = json.dumps(
-            {"model": "demo", "prompt": "Once", "max_tokens": 1500, "n": 8, "logprobs": 20,
-             "ignore_eos": True, "stream": True}
-        ).encode()  # fmt: skip
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-        )  # fmt: skip
+        sock = open_stream(server.port, 8, 1500)
         try:
             deadline = time.monotonic() + 60
             while get_metrics(server)[INFLIGHT] < 8:  # admitted
@@ -60,17 +66,7 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> Non
 def _a_slow_reader_keeps_its_stream(port: int) -> None:
     """A client that reads slowly but steadily, for several times the write timeout, is not cut
     off: the timeout counts time in which it took nothing."""
-    body = json.dumps(
-        {"model": "demo", "prompt": "Once", "max_tokens": 800, "n": 2, "logprobs": 20,
-         "ignore_eos": True, "stream": True}
-    ).encode()  # fmt: skip
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-    )  # fmt: skip
+    sock = open_stream(port, 2, 800)
     sock.settimeout(30)
     received = b""
     t0 = time.monotonic()
