@@ -42,21 +42,21 @@ class EventStream(web.StreamResponse):
         self.timed_out = False
         self._transport = request.transport
         self._writing = False
+        self._writes = 0  # writes begun so far
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled_since = 0.0
-        self._buffered = 0
+        self._seen = (0, 0)  # (writes begun, bytes unsent) at the watchdog's last look
 
     async def write_bounded(self, data: bytes | None) -> None:
         """Writes `data` (None: ends the stream)."""
         if self.timed_out:
             raise self._timed_out()
         self._writing = True
-        if self.write_timeout_s > 0 and self._transport is not None:
-            # (a write that begins follows one that ended: the client took something)
+        self._writes += 1
+        if self.write_timeout_s > 0 and self._watchdog is None and self._transport is not None:
             loop = asyncio.get_running_loop()
-            self._stalled_since, self._buffered = loop.time(), self._unsent()
-            if self._watchdog is None:
-                self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
+            self._stalled_since, self._seen = loop.time(), (self._writes, self._unsent())
+            self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
         try:
             await (self.write_eof() if data is None else self.write(data))
         finally:
@@ -85,10 +85,11 @@ class EventStream(web.StreamResponse):
         if not self._writing or transport is None or transport.is_closing():
             return  # (armed again by the next write that waits)
         now = asyncio.get_running_loop().time()
-        buffered = self._unsent()
-        if buffered < self._buffered:  # the client took some: it reads
+        writes, unsent = self._writes, self._unsent()
+        # the client took some: a write ended (and another began) or less is unsent
+        if writes != self._seen[0] or unsent < self._seen[1]:
             self._stalled_since = now
-        self._buffered = buffered
+        self._seen = (writes, unsent)
         if now - self._stalled_since >= self.write_timeout_s:
             self.timed_out = True
             transport.abort()  # (what it holds unsent goes with it)
