@@ -13,7 +13,7 @@ import pytest
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.async_engine import AsyncEngine
-from hybridserve.engine.outputs import MERGE_BEHIND
+from hybridserve.engine.output_sink import MERGE_BEHIND
 from hybridserve.errors import EngineDeadError
 from hybridserve.sampling.params import SamplingParams
 

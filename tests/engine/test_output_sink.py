@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from hybridserve.engine.output_sink import OutputSink
-from hybridserve.engine.outputs import MERGE_BEHIND, CompletionOutput, RequestOutput
+from hybridserve.engine.output_sink import MERGE_BEHIND, OutputSink
+from hybridserve.engine.outputs import CompletionOutput, RequestOutput
 
 
 def output(rid: str, tokens: list[int], new: int, finished: bool = False) -> RequestOutput:

@@ -7,9 +7,15 @@ import asyncio
 import collections
 from typing import Any, Generic, TypeVar
 
-from hybridserve.engine.outputs import MERGE_BEHIND, RequestOutput, coalesce
+from hybridserve.engine.outputs import RequestOutput, coalesce
 
 C = TypeVar("C")
+
+# A reader this many items behind on a choice has its next outputs merged into the last one. A
+# reader keeping up gets one output per step (a token each, without speculation); one that falls
+# behind (a client that does not read, a network slower than the engine) holds at most this many,
+# not one per step: each is a copy of the tokens and logprobs so far.
+MERGE_BEHIND = 8
 
 
 class OutputSink(Generic[C]):
@@ -30,10 +36,9 @@ class OutputSink(Generic[C]):
     def put_nowait(self, entry: tuple[C, Any]) -> None:
         choice, item = entry
         key = id(choice)
-        number = self._last.get(key)
-        behind = self._pending.get(key, 0) >= MERGE_BEHIND
-        if behind and isinstance(item, RequestOutput) and number is not None and number >= self._taken:
-            i = number - self._taken
+        # (a choice with items pending has its last one still here)
+        if isinstance(item, RequestOutput) and self._pending.get(key, 0) >= MERGE_BEHIND:
+            i = self._last[key] - self._taken
             last = self._items[i][1]
             if isinstance(last, RequestOutput):
                 merged = coalesce(last, item)

@@ -7,15 +7,7 @@ from dataclasses import dataclass, field
 
 from hybridserve.sampling.logprobs import Logprob, TokenLogprobs
 
-__all__ = [
-    "MERGE_BEHIND",
-    "CompletionOutput",
-    "Logprob",
-    "RequestMetrics",
-    "RequestOutput",
-    "TokenLogprobs",
-    "coalesce",
-]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "TokenLogprobs", "coalesce"]
 
 
 @dataclass
@@ -117,13 +109,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The request's phase times, on its finished output only
     metrics: RequestMetrics | None = None
-
-
-# A reader this many outputs behind on a request has its next outputs merged into the last one
-# (`coalesce`). A reader keeping up gets one output per step (a token each, without speculation);
-# one that falls behind (a client that does not read, a network slower than the engine) holds at
-# most this many, not one per step: each is a copy of the tokens and logprobs so far.
-MERGE_BEHIND = 8
 
 
 def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput | None:
