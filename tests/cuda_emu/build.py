@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -61,15 +60,14 @@ def build_emulated_ops():  # noqa: ANN201 - the torch.ops namespace
     src_dir.mkdir(parents=True, exist_ok=True)
     sources = []
     for p in files:
-        if p.suffix == ".cu":
-            out = src_dir / (p.stem + "_emu.cpp")
-            out.write_text(_to_host(p.read_text()))
+        out = src_dir / (p.stem + "_emu.cpp" if p.suffix == ".cu" else p.name)
+        text = _to_host(p.read_text()) if p.suffix == ".cu" else p.read_text()
+        # written only when new: ninja rebuilds from file times, and rewriting the same text
+        # recompiled the whole extension (15-60 s) at every run
+        if not out.exists() or out.read_text() != text:
+            out.write_text(text)
+        if p.suffix in (".cu", ".cpp"):
             sources.append(str(out))
-        elif p.suffix == ".cpp":
-            shutil.copy(p, src_dir / p.name)
-            sources.append(str(src_dir / p.name))
-        else:
-            shutil.copy(p, src_dir / p.name)
     from torch.utils import cpp_extension
 
     from hybridserve.kernels.cuda import _ensure_ninja_on_path

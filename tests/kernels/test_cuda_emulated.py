@@ -1,12 +1,12 @@
 """The CUDA kernels' own code, run on the CPU: kernels/csrc/cuda/*.cu are compiled with g++ against the small
-CUDA emulation in tests/cuda_emu/include (one std::thread per CUDA thread, barriers for
-__syncthreads and the warp shuffles), together with ops.cpp built with -DHS_EMULATE, which
+CUDA emulation in tests/cuda_emu/include (each CUDA thread a fiber, switched at __syncthreads
+and the warp shuffles), together with ops.cpp built with -DHS_EMULATE, which
 registers the same ops as torch.ops.hybridserve_emu.* for CPU tensors. The results are compared
 with the float64 twins of kernels/reference.py.
 
 This checks the kernels' indexing, chunking, slot handling and arithmetic on a machine without a
 GPU (CI). It says nothing about timing or GPU memory-model behaviour: tests/gpu does that on a
-device. Shapes are small because every CUDA thread is an OS thread here.
+device. Shapes are small because every CUDA thread of a block runs in turn on one core here.
 """
 
 from __future__ import annotations

@@ -1,20 +1,27 @@
 // CPU emulation of the small CUDA subset the hybridserve kernels use (tests only).
 //
-// Each block runs on its own set of std::threads, one per CUDA thread, with a std::barrier for
-// __syncthreads, per-warp barriers for the shuffles and function-local `static` for __shared__
-// (blocks run one at a time, so a static local is exactly one block's shared memory). This
-// executes the real kernel code on the CPU; it checks indexing and algorithms, not GPU timing,
-// memory-model or performance behaviour.
+// Each block runs its CUDA threads as fibers (ucontext) on the calling thread, switched at
+// __syncthreads and at the warp shuffles, with function-local `static` for __shared__ (blocks run
+// one at a time, so a static local is exactly one block's shared memory). Fibers rather than one
+// OS thread per CUDA thread: a barrier then costs a few hundred context swaps in one process
+// instead of waking 256 threads, which on a busy two-core machine made these tests minutes long.
+// Between two barriers the threads run one after another in index order, so a missing
+// __syncthreads shows up deterministically wherever a thread reads what a later thread writes.
+// This executes the real kernel code on the CPU; it checks indexing and algorithms, not GPU
+// timing, memory-model or performance behaviour.
 #pragma once
 
-#include <barrier>
+#include <ucontext.h>
+
 #include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -51,14 +58,63 @@ inline uint32_t __umulhi(uint32_t a, uint32_t b) {
 
 namespace hs_emu {
 
+// The running fiber's indices (set by the scheduler at every switch).
+inline dim3 tIdx, bIdx;
+inline dim3 bDim, gDim;
+
+struct Fiber {
+  ucontext_t uc;
+  dim3 tid;
+  bool done = false;
+};
+
+struct Block {
+  ucontext_t main;
+  std::vector<Fiber> fibers;
+  unsigned cur = 0;
+  uint64_t progress = 0;  // barrier arrivals and finished fibers: a pass without any is a deadlock
+  std::function<void()> body;
+};
+inline Block* block = nullptr;
+
+// Back to the scheduler; it resumes this fiber on a later pass.
+inline void yield() {
+  Fiber& f = block->fibers[block->cur];
+  swapcontext(&f.uc, &block->main);
+}
+
+// std::barrier's semantics for fibers: the last arrival completes the phase and goes on; the
+// others yield until the phase number moves. A dropped thread no longer counts in later phases.
+struct Barrier {
+  unsigned expected;
+  unsigned arrived = 0;
+  uint64_t phase = 0;
+  explicit Barrier(unsigned n) : expected(n) {}
+  void complete_if_full() {
+    if (arrived > 0 && arrived == expected) {
+      arrived = 0;
+      ++phase;
+    }
+  }
+  void arrive_and_wait() {
+    const uint64_t p = phase;
+    ++arrived;
+    ++block->progress;
+    complete_if_full();
+    while (phase == p) yield();
+  }
+  void arrive_and_drop() {
+    --expected;
+    complete_if_full();
+  }
+};
+
 struct Ctx {
-  std::barrier<>* block_bar;
-  std::vector<std::unique_ptr<std::barrier<>>>* warp_bars;
+  Barrier* block_bar;
+  std::vector<Barrier>* warp_bars;
   uint64_t* shfl;
 };
-inline thread_local dim3 tIdx, bIdx;
-inline thread_local Ctx* ctx = nullptr;
-inline dim3 bDim, gDim;
+inline Ctx* ctx = nullptr;
 
 inline unsigned linear_tid() { return tIdx.x + bDim.x * (tIdx.y + bDim.y * tIdx.z); }
 
@@ -70,44 +126,78 @@ T shfl_xor(T v, int o) {
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   ctx->shfl[tid] = bits;
-  (*ctx->warp_bars)[warp]->arrive_and_wait();
+  (*ctx->warp_bars)[warp].arrive_and_wait();
   const uint64_t got = ctx->shfl[warp * 32 + (lane ^ static_cast<unsigned>(o))];
-  (*ctx->warp_bars)[warp]->arrive_and_wait();
+  (*ctx->warp_bars)[warp].arrive_and_wait();
   T out;
   std::memcpy(&out, &got, sizeof(T));
   return out;
 }
 
+inline void fiber_entry() {
+  block->body();
+  Fiber& f = block->fibers[block->cur];
+  // a thread that returned early must not block the others' barriers
+  const unsigned t = linear_tid();
+  ctx->block_bar->arrive_and_drop();
+  (*ctx->warp_bars)[t / 32].arrive_and_drop();
+  f.done = true;
+  ++block->progress;
+  // returning resumes uc_link, the scheduler
+}
+
+// Fiber stacks, kept across launches (kernels hold a few small register arrays).
+constexpr size_t kStack = 256 * 1024;
+inline std::vector<std::unique_ptr<char[]>> stacks;
+
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Args... args) {
-  bDim = block;
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 blk, Args... args) {
+  bDim = blk;
   gDim = grid;
-  const unsigned nt = block.x * block.y * block.z;
+  const unsigned nt = blk.x * blk.y * blk.z;
+  while (stacks.size() < nt) stacks.emplace_back(new char[kStack]);
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::barrier<> bar(nt);
-        std::vector<std::unique_ptr<std::barrier<>>> wbars;
-        for (unsigned w = 0; w * 32 < nt; ++w) {
-          const unsigned n = (w + 1) * 32 <= nt ? 32 : nt - w * 32;
-          wbars.push_back(std::make_unique<std::barrier<>>(n));
-        }
+        Barrier bar(nt);
+        std::vector<Barrier> wbars;
+        for (unsigned w = 0; w * 32 < nt; ++w) wbars.emplace_back((w + 1) * 32 <= nt ? 32 : nt - w * 32);
         std::vector<uint64_t> shfl(nt);
         Ctx c{&bar, &wbars, shfl.data()};
-        std::vector<std::thread> threads;
-        threads.reserve(nt);
+        Block b;
+        b.fibers.resize(nt);
+        b.body = [&] { kernel(args...); };
+        block = &b;
+        ctx = &c;
+        bIdx = dim3(bx, by, bz);
         for (unsigned t = 0; t < nt; ++t) {
-          threads.emplace_back([&, t] {
-            tIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
-            bIdx = dim3(bx, by, bz);
-            ctx = &c;
-            kernel(args...);
-            // a thread that returned early must not block the others' barriers
-            bar.arrive_and_drop();
-            wbars[t / 32]->arrive_and_drop();
-          });
+          Fiber& f = b.fibers[t];
+          f.tid = dim3(t % blk.x, (t / blk.x) % blk.y, t / (blk.x * blk.y));
+          getcontext(&f.uc);
+          f.uc.uc_stack.ss_sp = stacks[t].get();
+          f.uc.uc_stack.ss_size = kStack;
+          f.uc.uc_link = &b.main;
+          makecontext(&f.uc, fiber_entry, 0);
         }
-        for (auto& th : threads) th.join();
+        for (unsigned live = nt; live > 0;) {
+          const uint64_t before = b.progress;
+          live = 0;
+          for (unsigned t = 0; t < nt; ++t) {
+            Fiber& f = b.fibers[t];
+            if (f.done) continue;
+            b.cur = t;
+            tIdx = f.tid;
+            swapcontext(&b.main, &f.uc);
+            live += f.done ? 0 : 1;
+          }
+          if (live > 0 && b.progress == before) {
+            std::fprintf(stderr, "hs_emu: every live thread of block (%u,%u,%u) waits: a barrier not all reach\n",
+                         bx, by, bz);
+            std::abort();
+          }
+        }
+        block = nullptr;
+        ctx = nullptr;
       }
 }
 
