@@ -107,11 +107,33 @@ def test_width_one_is_greedy_and_each_later_step_computes_one_token_a_beam(llm: 
         {"beam_width": 2, "max_tokens": 0},
         {"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")},
         {"beam_width": "2", "max_tokens": 4},
+        {"beam_width": 2, "max_tokens": 4, "length_penalty": 10**400},  # (no float holds it)
     ],
 )
 def test_bad_parameters_are_refused(llm: LLM, params: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError):
         llm.beam_search("Hello", BeamSearchParams(**params))
+
+
+def test_parameters_that_are_no_beam_search_params_are_refused(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="BeamSearchParams"):
+        llm.beam_search("Hello", {"beam_width": 2, "max_tokens": 4})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("penalty", [1000.0, -1000.0, 10**30])
+def test_a_length_penalty_whose_power_leaves_a_float_ranks_and_does_not_raise(penalty: float) -> None:
+    """length ** length_penalty past a float (or 0) raised OverflowError (ZeroDivisionError)
+    mid-search, and an int penalty of 10**30 computed an int power without end."""
+    from hybridserve.engine.beam_search import BeamSearch
+    from hybridserve.sampling.logprobs import Logprob
+
+    search = BeamSearch(
+        [[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=penalty), 9, 100
+    )
+    search.advance([{4: Logprob(logprob=-1.0, rank=1), 5: Logprob(logprob=-2.0, rank=2)}])
+    assert search.queries() == [[1, 2, 3, 4], [1, 2, 3, 5]]  # (-1 / x ranks above -2 / x)
+    search.advance([{6: Logprob(logprob=-0.5, rank=1)}, {7: Logprob(logprob=-0.5, rank=1)}])
+    assert [b.tokens for b in search.results()[0]] == [[1, 2, 3, 4, 6], [1, 2, 3, 5, 7]]
 
 
 def test_a_step_ranks_by_length_normalised_score_and_sets_eos_beams_aside() -> None:

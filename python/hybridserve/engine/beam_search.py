@@ -16,6 +16,7 @@ tokens"). The state of a beam is forked, not recomputed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,8 @@ class BeamSearchParams:
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise InvalidRequestError(f"{name}: an integer {bound}, got {v!r}")
         lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, int | float) or lp != lp or abs(lp) == float("inf"):
+        # (an int past a float's range is refused too: the score raises the length to its power)
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(_as_float(lp)):
             raise InvalidRequestError(f"length_penalty: a finite number, got {lp!r}")
 
 
@@ -89,8 +91,27 @@ def beam_score(
     return _normalised(cum_logprob, len(tokens) - ends, length_penalty)
 
 
+def _as_float(v: float) -> float:
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
+
+
 def _normalised(cum_logprob: float, length: int, length_penalty: float) -> float:
-    return float(cum_logprob / (max(length, 1) ** length_penalty))
+    # (a float power: an int length_penalty made an int power of millions of digits)
+    length, penalty = max(length, 1), float(length_penalty)
+    try:
+        return float(cum_logprob / (length**penalty))
+    except (OverflowError, ZeroDivisionError):
+        pass
+    # A large |length_penalty| takes length ** length_penalty past a float, or to 0, which raised
+    # mid-search (the server's range is +-1e6): the same quotient in logs, as large (or small) as
+    # a float holds, so that the order of the scores is kept wherever a float can tell them apart.
+    if cum_logprob == 0.0:
+        return 0.0
+    log_abs = math.log(abs(cum_logprob)) - penalty * math.log(length)
+    return math.copysign(math.exp(min(log_abs, 709.0)), cum_logprob)
 
 
 @dataclass
@@ -223,6 +244,8 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     """`LLM.beam_search`. `concurrency_limit`: at most that many prompts searched at once (all
     of them when None), as vLLM's; `use_tqdm` shows a bar over the prompts."""
+    if not isinstance(params, BeamSearchParams):  # (a dict of its fields was an AttributeError)
+        raise InvalidRequestError(f"params: a BeamSearchParams, not {type(params).__name__}")
     params.check()
     if concurrency_limit is not None and (
         isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1
