@@ -707,6 +707,17 @@ def test_a_rejected_request_takes_no_arrival_index() -> None:
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == want
 
 
+@pytest.mark.parametrize("n", [0, "2", 2.0])
+def test_an_n_set_after_construction_is_checked_before_the_fan_out(n: object) -> None:
+    # (n 0 left the prompt without a request: IndexError after the run; "2" a TypeError)
+    llm = llm32()
+    params = SamplingParams(max_tokens=2)
+    params.n = n  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="^n: "):
+        llm.generate([PROMPT, PROMPT], params)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
 def test_n_with_the_largest_seed_and_no_leak() -> None:
     llm = llm32()
     out = llm.generate(PROMPT, SamplingParams(n=2, seed=2**63 - 1, max_tokens=4, temperature=1.0))

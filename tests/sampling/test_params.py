@@ -36,3 +36,18 @@ def test_stop_strings_set_after_construction_are_checked_again() -> None:
     p.stop = ["x" * (MAX_STOP_STR_LEN + 1)]
     with pytest.raises(InvalidRequestError, match="stop"):
         p.validate()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 10**400},
+        {"top_p": -(10**400)},
+        {"repetition_penalty": 10**400},
+        {"logit_bias": {1: 10**400}},
+    ],
+)
+def test_an_int_no_float_holds_is_out_of_range_not_an_overflow(kw: dict[str, object]) -> None:
+    # (float() of it raised OverflowError out of the validation)
+    with pytest.raises(InvalidRequestError, match=next(iter(kw))):
+        SamplingParams(**kw)  # type: ignore[arg-type]

@@ -309,6 +309,10 @@ class LLM:
             raise InvalidRequestError(
                 f"priority: a list of integers, one per prompt, not {type(priority).__name__}"
             )
+        # A value set after construction is checked before the fan-out reads it: an n of 0 left a
+        # prompt with no request (IndexError after the run), an n that is no int a TypeError.
+        for params in {id(p): p for p in params_list}.values():
+            params.validate()
         # a grammar that does not compile refuses the batch, whether or not it was compiled before
         self.engine.compile_grammars(params_list)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,15 @@ MAX_BAD_WORD_LEN = 256
 def _plain_ints(v: Sequence[object]) -> bool:
     """Whether every item is a plain int (not a bool, not a numpy integer): one pass in C."""
     return set(map(type, v)) <= {int}
+
+
+def _as_float(v: float) -> float:
+    """`v` as a float; an int too large for one is infinite (float() raised OverflowError on it,
+    which escaped validation untyped), so that range checks refuse it by name."""
+    try:
+        return float(v)
+    except OverflowError:
+        return -math.inf if v < 0 else math.inf
 
 
 def stop_length_error(stop: Sequence[str]) -> str | None:
@@ -161,7 +171,7 @@ class SamplingParams:
             rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise bad(name, f"must be a number in {rng}, got {v!r}")
-            f = float(v)
+            f = _as_float(v)
             if not (lo < f <= hi if lo_open else lo <= f <= hi):
                 raise bad(name, f"must be in {rng}, got {v!r}")
 
@@ -235,7 +245,7 @@ class SamplingParams:
                 if (
                     isinstance(b, bool)
                     or not isinstance(b, numbers.Real)
-                    or not (-LOGIT_BIAS_MAX <= float(b) <= LOGIT_BIAS_MAX)
+                    or not (-LOGIT_BIAS_MAX <= _as_float(b) <= LOGIT_BIAS_MAX)
                 ):
                     raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for {t}")
         allowed = self.allowed_token_ids
