@@ -38,7 +38,7 @@ def _plain_ints(v: Sequence[object]) -> bool:
     return set(map(type, v)) <= {int}
 
 
-def _as_float(v: float) -> float:
+def _as_float(v: numbers.Real | float) -> float:
     """`v` as a float; an int too large for one is infinite (float() raised OverflowError on it,
     which escaped validation untyped), so that range checks refuse it by name."""
     try:
