@@ -509,9 +509,13 @@ def test_serve_refuses_a_body_read_timeout_that_is_not_a_positive_time(
     assert exc.value.code == 2 and "--body-read-timeout" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("flag", "says"), [("--host", "give an address"), ("--uds", "the socket's path")])
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [("--host", "give an address"), ("--uds", "the socket's path"), ("--api-key", "without one")],
+)
 def test_serve_refuses_an_empty_address(flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """(an unset shell variable would otherwise listen on every interface, or crash)"""
+    """(an unset shell variable would otherwise listen on every interface, or crash, or serve
+    without the API key it was meant to give)"""
     from hybridserve.cli import main
 
     with pytest.raises(SystemExit) as exc:

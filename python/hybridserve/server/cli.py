@@ -91,7 +91,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get("HYBRIDSERVE_API_KEY"),
+        # An empty key (`--api-key "$KEY"` with KEY unset) served every route without one, silently:
+        # refused, as an empty --host is. An empty $HYBRIDSERVE_API_KEY is no key, as before.
+        default=os.environ.get("HYBRIDSERVE_API_KEY") or None,
+        type=not_empty("give the key, or leave the flag out to serve without one"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HYBRIDSERVE_API_KEY, else none)",
     )
     g.add_argument(
