@@ -190,6 +190,7 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable() -> None:
     for bad in (
         {"prompt": None},
         {"prompt": b"hi"},
+        {"prompt": 5, "prompt_token_ids": [5, 6]},  # (the text beside ids was taken as it came)
         {"prompt_token_ids": [1.5, 2]},
         {"prompt_token_ids": [True]},
         b"hi",
@@ -338,6 +339,8 @@ def test_config_errors_are_typed(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError):
         LLM("demo", mamba_cache_mode="align", enable_chunked_prefill=False)
+    with pytest.raises(ConfigError, match="an EngineArgs, not dict"):  # (was an AttributeError)
+        LLM.from_engine_args({"model": "demo"})  # type: ignore[arg-type]
     for markers in (5, None, "²", "٣"):  # digits to str.isdigit(), not token ids
         with pytest.raises(ConfigError, match="--shared-prefix-markers"):
             EngineArgs(model="demo", shared_prefix_markers=markers).resolve()  # type: ignore[arg-type]

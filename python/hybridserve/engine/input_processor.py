@@ -130,7 +130,10 @@ class InputProcessor:
                     f"prompt: a dict prompt takes 'prompt' or 'prompt_token_ids' only, got {unknown[0]!r}"
                 )
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):  # (it was the outputs' prompt as given)
+                    raise InvalidRequestError("prompt: a dict prompt's 'prompt' must be a str")
+                return text, token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise InvalidRequestError("prompt: a dict prompt's 'prompt' must be a str")

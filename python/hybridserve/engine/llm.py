@@ -133,6 +133,10 @@ class LLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
+        if not isinstance(args, EngineArgs):  # (a dict of its fields was an AttributeError deep in loading)
+            raise ConfigError(
+                f"engine args: an EngineArgs, not {type(args).__name__}; LLM(**fields) takes fields"
+            )
         llm = cls.__new__(cls)
         llm._attach(LLMEngine(args))
         return llm
