@@ -725,6 +725,18 @@ def test_an_n_set_after_construction_is_checked_before_the_fan_out(n: object) ->
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 
 
+def test_a_progress_bar_that_fails_to_start_leaves_no_request_behind() -> None:
+    llm = llm32()
+
+    def no_bar(**_: Any) -> Any:
+        raise RuntimeError("no terminal")
+
+    with pytest.raises(RuntimeError, match="no terminal"):
+        llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=2), use_tqdm=no_bar)
+    # (they stayed queued, and the next call computed them)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
 def test_n_with_the_largest_seed_and_no_leak() -> None:
     llm = llm32()
     out = llm.generate(PROMPT, SamplingParams(n=2, seed=2**63 - 1, max_tokens=4, temperature=1.0))

@@ -344,19 +344,19 @@ class LLM:
 
         final: dict[str, RequestOutput] = {}
         progress = None
-        if use_tqdm:
-            factory: Callable[..., Any]
-            if callable(use_tqdm):
-                factory = use_tqdm
-            else:
-                from tqdm import tqdm
-
-                factory = tqdm
-            progress = factory(total=len(groups), desc="Processed prompts")
         # (a prompt counts once its last sequence is done)
         left = {rid: len(ids) for ids in groups for rid in ids[:1]}
         group_of = {rid: ids[0] for ids in groups for rid in ids}
         try:
+            if use_tqdm:  # (in the try: a factory that raised left the requests queued in the engine)
+                factory: Callable[..., Any]
+                if callable(use_tqdm):
+                    factory = use_tqdm
+                else:
+                    from tqdm import tqdm
+
+                    factory = tqdm
+                progress = factory(total=len(groups), desc="Processed prompts")
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
