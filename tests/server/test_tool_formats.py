@@ -632,6 +632,16 @@ def test_a_forced_call_s_arguments_are_an_object_whatever_the_schema_leaves_open
         grammar = H.grammar(tools, "ping", False)
         assert _accepts(grammar, _hermes('{"name": "ping", "arguments": {}}'))[0]
         assert not _accepts(grammar, _hermes('{"name": "ping", "arguments": "world"}'))[0]
+    # a list of types that allows null too: null arguments would read as no call
+    tools = parse_tools(
+        [{"type": "function", "function": {"name": "ping", "parameters": {"type": ["object", "null"]}}}]
+    )
+    for grammar, null in (
+        (H.grammar(tools, "ping", False), _hermes('{"name": "ping", "arguments": null}')),
+        (P.grammar(tools, "required", True), '<TOOLCALL>[{"name": "ping", "arguments": null}]</TOOLCALL>'),
+    ):
+        assert not _accepts(grammar, null)[0]
+    assert _accepts(H.grammar(tools, "ping", False), _hermes('{"name": "ping", "arguments": {}}'))[0]
     with pytest.raises(ToolError, match=r"parameters.type"):
         parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
     # OpenAI's `strict`: the forced call's arguments have the schema's properties and no others

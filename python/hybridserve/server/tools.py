@@ -305,6 +305,10 @@ def _call_alternatives(tools: list[dict[str, Any]]) -> tuple[dict[str, Any], dic
             # ({} or properties without a type would take any JSON value: a call's arguments
             # are an object, and anything else is no call)
             params = {**params, "type": "object"}
+        elif isinstance(params, dict) and isinstance(params.get("type"), list):
+            # (a list of types, such as ["object", "null"], would let a forced call write null
+            # or another value as its arguments, which reads as no call: only the object is one)
+            params = {**params, "type": "object"}
         arguments, tool_defs = _rooted(params, f"tool{i}")
         defs.update(tool_defs)
         alternatives.append(
