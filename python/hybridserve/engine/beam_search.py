@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from hybridserve.errors import HybridServeError, InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
-from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams
+from hybridserve.sampling.params import DEFAULT_MAX_LOGPROBS, SamplingParams, as_float
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Sequence
@@ -57,7 +57,7 @@ class BeamSearchParams:
                 raise InvalidRequestError(f"{name}: an integer {bound}, got {v!r}")
         lp = self.length_penalty
         # (an int past a float's range is refused too: the score raises the length to its power)
-        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(_as_float(lp)):
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(as_float(lp)):
             raise InvalidRequestError(f"length_penalty: a finite number, got {lp!r}")
 
 
@@ -89,13 +89,6 @@ def beam_score(
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else eos
     ends = bool(tokens) and tokens[-1] in eos_ids
     return _normalised(cum_logprob, len(tokens) - ends, length_penalty)
-
-
-def _as_float(v: float) -> float:
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf
 
 
 def _normalised(cum_logprob: float, length: int, length_penalty: float) -> float:

@@ -38,7 +38,7 @@ def _plain_ints(v: Sequence[object]) -> bool:
     return set(map(type, v)) <= {int}
 
 
-def _as_float(v: numbers.Real | float) -> float:
+def as_float(v: numbers.Real | float) -> float:
     """`v` as a float; an int too large for one is infinite (float() raised OverflowError on it,
     which escaped validation untyped), so that range checks refuse it by name."""
     try:
@@ -171,7 +171,7 @@ class SamplingParams:
             rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise bad(name, f"must be a number in {rng}, got {v!r}")
-            f = _as_float(v)
+            f = as_float(v)
             if not (lo < f <= hi if lo_open else lo <= f <= hi):
                 raise bad(name, f"must be in {rng}, got {v!r}")
 
@@ -245,7 +245,7 @@ class SamplingParams:
                 if (
                     isinstance(b, bool)
                     or not isinstance(b, numbers.Real)
-                    or not (-LOGIT_BIAS_MAX <= _as_float(b) <= LOGIT_BIAS_MAX)
+                    or not (-LOGIT_BIAS_MAX <= as_float(b) <= LOGIT_BIAS_MAX)
                 ):
                     raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for {t}")
         allowed = self.allowed_token_ids
