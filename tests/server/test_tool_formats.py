@@ -301,6 +301,23 @@ def test_qwen3_coder_forced_grammar_accepts_what_the_parser_reads(choice: str, p
         assert not _accepts(grammar, text)[0], text
 
 
+def test_qwen3_coder_forced_numbers_keep_their_schema_s_bounds_and_choices() -> None:
+    """A number's minimum, maximum and choices hold in a forced call, as in the JSON formats."""
+    props = {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "share": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "size": {"type": "integer", "enum": [1, 3]},
+    }
+    fn = {"name": "f", "parameters": {"type": "object", "properties": props, "required": list(props)}}
+    tools = parse_tools([{"type": "function", "function": fn}])
+    grammar = Q.grammar(tools, "f", False)
+    ok = {"hour": "23", "share": "0.5", "size": "3"}
+    assert _accepts(grammar, _qcall("f", **ok)) == (True, "")
+    assert _qcalls(Q.for_tools(tools), _qcall("f", **ok)) == [("f", {"hour": 23, "share": 0.5, "size": 3})]
+    for key, bad in (("hour", "24"), ("hour", "-1"), ("share", "0"), ("share", "1.5"), ("size", "2")):
+        assert not _accepts(grammar, _qcall("f", **{**ok, key: bad}))[0], (key, bad)
+
+
 def test_qwen3_coder_text_values_keep_their_lengths() -> None:
     """A text value's minLength and maxLength hold in a forced call (counted as the parser reads
     the value: without the newlines around it); a longer bound than the grammar keeps is left out."""

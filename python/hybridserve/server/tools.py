@@ -796,8 +796,9 @@ def _rooted_parameters(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
 def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | None:
     """The grammar of a `qwen3_coder` parameter's value, as `_typed_value` reads it back: None for
-    text (a string, or no type), the literal forms of integers, numbers and booleans, the choices
-    of a string enum, and JSON by the schema for anything else (with `defs`, the tool's
+    text (a string, or no type), the literal forms of integers, numbers and booleans (a schema of
+    one number type by JSON's grammar, its bounds kept), the choices of a string enum, and JSON
+    by the schema for anything else (with `defs`, the tool's
     definitions its refs point at, `_rooted`)."""
     target = _resolved(schema, defs)
     target = target if isinstance(target, dict) else {}
@@ -807,13 +808,17 @@ def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | Non
     kind, _ = _param_kind(schema, defs)
     if kind == "string":
         return None
+    json_value = f"%json {json.dumps(_with_defs({**target, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
     if kind in ("integer", "number"):  # (the forms `_typed_value` reads)
-        return f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
+        # a schema of that one type by JSON's grammar, which writes the same literal forms and
+        # keeps its minimum, maximum, multipleOf and choices (the bare forms would not: a forced
+        # call could write 999 for an hour)
+        return json_value if target.get("type") == kind else f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
         return '"null"'
-    return f"%json {json.dumps(_with_defs({**target, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
+    return json_value
 
 
 class FirstCallOnly:
