@@ -23,6 +23,6 @@ A connection whose request headers do not complete within --keep-alive-timeout i
 Unknown request fields are ignored with a logged warning (as vLLM), or refused with
 --strict-request-fields.
 Modules: app.py (routes, streaming, admission, shutdown), access.py (Host and Origin checks, CORS),
-protocol.py (parsing and response shapes), chat.py (chat templates), sse.py (framing), metrics.py,
+protocol.py (parsing and response shapes), sse.py (framing), metrics.py,
 request_log.py (access, client-error and engine log lines), cli.py (`serve`).
 """
