@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,15 @@ class TokenizerModelInfo:
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-        context_limit: int | None = None,
+        refuse: Callable[[str], None] | None = None,
         continue_final_message: bool = False,
         template: ChatTemplate | None = None,
     ) -> list[int]:
         text = (template or self.template).render(
             messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
         )
+        if refuse is not None:
+            refuse(text)
         return self.encode(text, add_special_tokens)
 
 

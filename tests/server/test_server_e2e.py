@@ -1224,17 +1224,19 @@ HUGE_PROMPT = "a b " * 900_000  # 3.6 MB: under the 4 MiB body limit; 1.8M token
 
 def test_tokenize_counts_texts_past_the_context_up_to_its_limit(server):
     """/tokenize counts a text longer than the context (it does not generate), up to a limit (here
-    its floor, 2**17 tokens): a text of megabytes is refused from its length alone, at once (its
-    millions of ids and pieces took hundreds of megabytes per request, on a route without an API
-    key), and a text just past the limit by its real count is refused with that count."""
+    its floor, 2**17 tokens): a text of megabytes, given or rendered from messages, is refused
+    from its length alone, at once (its millions of ids and pieces took hundreds of megabytes per
+    request, on a route without an API key), and a text just past the limit by its real count is
+    refused with that count."""
     limit = P.tokenize_limit(256)
     assert limit == 1 << 17
-    t0 = time.monotonic()
-    status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "prompt": HUGE_PROMPT})
-    assert time.monotonic() - t0 < 5.0
-    err = parsed["error"]
-    assert status == 400 and (err["param"], err["code"]) == ("prompt", "invalid_value"), parsed
-    assert "at least " in err["message"] and f"counts ({limit}:" in err["message"]
+    for field, value in (("prompt", HUGE_PROMPT), ("messages", [{"role": "user", "content": HUGE_PROMPT}])):
+        t0 = time.monotonic()
+        status, parsed, _ = post(server, "/tokenize", {"model": MODEL, field: value})
+        assert time.monotonic() - t0 < 5.0
+        err = parsed["error"]
+        assert status == 400 and (err["param"], err["code"]) == (field, "invalid_value"), parsed
+        assert "at least " in err["message"] and f"counts ({limit}:" in err["message"]
     # "a b " is two tokens: a text within the length bound, past the limit by its count
     text = "a b " * (limit // 2 + 10)
     status, parsed, _ = post(server, "/tokenize", {"model": MODEL, "prompt": text})

@@ -142,7 +142,7 @@ class EngineModelInfo:
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-        context_limit: int | None = None,
+        refuse: Callable[[str], None] | None = None,
         continue_final_message: bool = False,
         template: ChatTemplate | None = None,
     ) -> list[int]:
@@ -152,8 +152,8 @@ class EngineModelInfo:
             extra=template_kwargs,
             continue_final_message=continue_final_message,
         )
-        if context_limit is not None:
-            P.refuse_longer_than_context(self, text, context_limit, "messages")
+        if refuse is not None:
+            refuse(text)
         return encode_rendered(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def token_text(self, token_id: int) -> str:

@@ -247,13 +247,13 @@ class ModelInfo(Protocol):
         *,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-        context_limit: int | None = None,
+        refuse: Callable[[str], None] | None = None,
         continue_final_message: bool = False,
         template: ChatTemplate | None = None,
     ) -> list[int]:
-        """The rendered conversation's ids. With `context_limit`, a rendered text that has at least
-        that many tokens by `min_tokens` is refused (`refuse_longer_than_context`) before it is
-        tokenized. `continue_final_message`: as `ChatTemplate.render`. `template`: a request's
+        """The rendered conversation's ids. `refuse` is given the rendered text before it is
+        tokenized, to refuse one too long from its length (`refuse_longer_than_context`) rather
+        than after seconds of tokenizing megabytes. `continue_final_message`: as `ChatTemplate.render`. `template`: a request's
         own template, rendered in place of the served one (a ModelInfo whose
         `trust_request_chat_template` attribute is true allows it)."""
         ...
@@ -1280,14 +1280,14 @@ def _render_chat(
     info: ModelInfo,
     unknown: UnknownFields,
     tools: list[dict[str, Any]] | None = None,
-    context_limit: int | None = None,
+    refuse: Callable[[str], None] | None = None,
 ) -> tuple[list[int], str | None]:
     """The token ids of a chat body's `messages` through the chat template (the chat route's and
     /tokenize's), and with `continue_final_message` the content of the message they continue: `add_generation_prompt` (default true, false with `continue_final_message`),
     `continue_final_message` (the prompt ends inside the final message, which the model continues),
     `add_special_tokens` (default false, as vLLM: the template writes BOS itself),
-    `chat_template_kwargs`. `context_limit` (the chat route's): a conversation that cannot fit is
-    refused before it is tokenized."""
+    `chat_template_kwargs`. `refuse`: given the rendered text before it is tokenized (the chat
+    route refuses a conversation that cannot fit, /tokenize one beyond what it counts)."""
     continue_final = get_bool(body, "continue_final_message", False)
     add_generation_prompt = _adds_generation_prompt(body)
     if continue_final and add_generation_prompt:
@@ -1313,7 +1313,7 @@ def _render_chat(
             add_generation_prompt,
             add_special_tokens=add_special_tokens,
             template_kwargs=template_kwargs,
-            context_limit=context_limit,
+            refuse=refuse,
             continue_final_message=continue_final,
             template=own,
         )
@@ -1359,7 +1359,13 @@ def parse_chat_request(
     # (a conversation that will be cut below the context is not refused for its length before
     # it is tokenized)
     cut = keep is not None and keep < info.max_model_len
-    ids, continued = _render_chat(body, info, unknown, rendered_tools, None if cut else info.max_model_len)
+    ids, continued = _render_chat(
+        body,
+        info,
+        unknown,
+        rendered_tools,
+        None if cut else lambda text: refuse_longer_than_context(info, text, info.max_model_len, "messages"),
+    )
     if not ids:
         raise _bad("messages", "the rendered conversation encodes to no tokens")
     prompts = _truncated([PromptInput(token_ids=ids, text=None)], keep)
@@ -1465,6 +1471,13 @@ def tokenize_limit(max_model_len: int) -> int:
     return max(TOKENIZE_CONTEXTS * max_model_len, TOKENIZE_MIN_TOKENS)
 
 
+def _refuse_long_text_before_tokenizing(info: ModelInfo, param: str, text: str) -> None:
+    """A text with more tokens than /tokenize counts by `min_tokens` is refused before it is
+    tokenized (no text has more tokens than characters)."""
+    if len(text) > tokenize_limit(info.max_model_len):
+        _refuse_beyond_tokenize_limit(info, param, info.min_tokens(text), at_least=True)
+
+
 def _refuse_beyond_tokenize_limit(info: ModelInfo, param: str, count: int, at_least: bool = False) -> None:
     limit = tokenize_limit(info.max_model_len)
     if count > limit:
@@ -1490,7 +1503,15 @@ def parse_tokenize_request(
             raise _bad("prompt", "give either prompt or messages, not both")
         _check_fields(body, TOKENIZE_CHAT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
-        ids, _ = _render_chat(body, info, unknown, _parse_tool_fields(body, unknown)[2])
+        # (the rendered text, too long from its length, is refused before it is tokenized, as a
+        # prompt is: a body of megabytes took seconds and hundreds of MB to count)
+        ids, _ = _render_chat(
+            body,
+            info,
+            unknown,
+            _parse_tool_fields(body, unknown)[2],
+            lambda text: _refuse_long_text_before_tokenizing(info, "messages", text),
+        )
     else:
         _check_fields(body, TOKENIZE_PROMPT_FIELDS, set(), unknown)
         _parse_model(body, served_model_name)
@@ -1498,8 +1519,7 @@ def parse_tokenize_request(
         if prompt is None:
             raise APIError("prompt: a prompt (or messages) is required", param="prompt", code="missing_field")
         _check_surrogates("prompt", prompt)
-        if len(prompt) > tokenize_limit(info.max_model_len):  # (refused before tokenizing)
-            _refuse_beyond_tokenize_limit(info, "prompt", info.min_tokens(prompt), at_least=True)
+        _refuse_long_text_before_tokenizing(info, "prompt", prompt)
         ids = info.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
     _refuse_beyond_tokenize_limit(info, "messages" if "messages" in body else "prompt", len(ids))
     return TokenizeRequest(
