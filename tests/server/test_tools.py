@@ -13,7 +13,10 @@ import pytest
 
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.tools import (
+    FirstCallOnly,
     HermesToolParser,
+    ToolCall,
+    ToolCallStream,
     ToolError,
     parse_tool_choice,
     parse_tools,
@@ -71,6 +74,37 @@ def test_split_message() -> None:
 @pytest.mark.parametrize("text", TEXTS)
 def test_streaming_adds_up_to_the_message(text: str) -> None:
     assert_stream_adds_up(P, text)
+
+
+class _CountingParser(HermesToolParser):
+    def __init__(self) -> None:
+        self.scanned = 0
+
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+        self.scanned += len(text)
+        return super().scan(text, final)
+
+
+@pytest.mark.parametrize("first_call_only", [False, True])
+def test_a_long_stream_is_scanned_about_once(first_call_only: bool) -> None:
+    """The stream scans only the text past its settled prefix: a long answer fed a few characters
+    at a time is read about once, not once per delta (the whole text at every delta took ~2 s of
+    the event loop for a 200 KB answer). Calls after the first are still dropped by a
+    first-call-only parser when they come in later pieces."""
+    counting = _CountingParser()
+    parser = FirstCallOnly(counting) if first_call_only else counting
+    text = "word " * 20_000 + f"{CALL}\nmore words\n{CALL.replace('Paris', 'Rome')} end"
+    stream = ToolCallStream(parser)
+    content, calls = "", []
+    for i in range(0, len(text), 4):
+        c, new = stream.feed(text[i : i + 4], final=i + 4 >= len(text))
+        content += c
+        calls.extend(new)
+    assert counting.scanned <= 3 * len(text), counting.scanned
+    want_content, want_calls = split_message(parser, text)
+    assert content == want_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+    assert len(calls) == (1 if first_call_only else 2)
 
 
 def test_deltas_are_shaped_like_openai() -> None:

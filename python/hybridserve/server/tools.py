@@ -872,24 +872,29 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.sent_content = 0  # characters of content handed out
+        # Only the text past the settled prefix is scanned again: the settled part reads the same
+        # whatever follows it (`scan`), and scanning the whole output at every delta cost time
+        # quadratic in its length (a 200 KB answer: ~2 s of the server's event loop).
+        self.unsettled = ""
+        self.held = ""  # settled content that is only whitespace so far (it may stay None)
+        self.any_content = False
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
         """New content and newly completed calls after `delta` (the last with `final`)."""
-        self.text += delta
-        items, _ = self.parser.scan(self.text, final)
-        content = "".join(x for x in items if isinstance(x, str))
-        calls = [x for x in items if isinstance(x, ToolCall)]
-        new_calls = calls[len(self.calls) :]
-        # keep the ids handed out already (scan builds fresh objects)
+        self.unsettled += delta
+        items, end = self.parser.scan(self.unsettled, final)
+        self.unsettled = self.unsettled[end:]
+        content = self.held + "".join(x for x in items if isinstance(x, str))
+        new_calls = [x for x in items if isinstance(x, ToolCall)]
+        if self.calls and isinstance(self.parser, FirstCallOnly):
+            new_calls = []  # (its first call was in an earlier piece: later ones are dropped)
         self.calls.extend(new_calls)
-        if not content.strip():  # only whitespace so far: held back (it may stay None)
+        if not self.any_content and not content.strip():
+            self.held = content
             return "", new_calls
-        new = content[self.sent_content :]
-        self.sent_content = len(content)
-        return new, new_calls
+        self.any_content, self.held = True, ""
+        return content, new_calls
 
 
 def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[list[dict[str, Any]]]:
