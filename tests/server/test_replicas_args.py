@@ -156,3 +156,34 @@ def test_a_replica_may_drain_for_its_own_shutdown_timeout(tmp_path: Path) -> Non
     cfg.write_text("shutdown-timeout: 90\n")
     serve = _serve_args(_args("--", "demo", "--config", str(cfg)))
     assert replica_stop_timeout(serve) == 90 + STOP_MARGIN_S
+
+
+def test_each_replica_publishes_kv_events_on_addresses_of_its_own(tmp_path: Path) -> None:
+    """As vLLM's data-parallel ranks: replica i's tcp:// ports + i, its ipc:// paths + `_dp{i}`
+    (the same addresses in every replica would stop all but the first from starting). Ports that
+    the offsets make clash are refused before anything starts."""
+    import json
+
+    from hybridserve.deploy.replicas import check_kv_event_ports, replica_serve_args
+
+    on = {"enable_kv_cache_events": True}
+    serve = _serve_args(
+        _args("--", "demo", "--kv-events-config", json.dumps({**on, "replay_endpoint": "tcp://*:5560"}))
+    )
+    assert replica_serve_args(serve, 0) == serve
+    assert json.loads(replica_serve_args(serve, 2)[2]) == {
+        **on, "replay_endpoint": "tcp://*:5562", "endpoint": "tcp://*:5559",
+    }  # fmt: skip
+    ipc = f"--kv-events-config={json.dumps({**on, 'endpoint': f'ipc://{tmp_path}/kv'})}"
+    assert replica_serve_args(["demo", ipc], 1)[1].endswith(f'"endpoint": "ipc://{tmp_path}/kv_dp1"}}')
+    off = ["demo", "--kv-events-config", '{"endpoint": "tcp://*:5557"}']
+    assert replica_serve_args(off, 1) == off
+    check_kv_event_ports(serve, [8001, 8002, 8003])
+    # vLLM's example, endpoint 5557 and replay_endpoint 5558: replica 1 would publish on replica 0's replay port
+    close = _serve_args(
+        _args("--", "demo", "--kv-events-config", json.dumps({**on, "replay_endpoint": "tcp://*:5558"}))
+    )
+    with pytest.raises(
+        ConfigError, match="replica1's --kv-events-config endpoint tcp://\\*:5558 is also replica0's"
+    ):
+        check_kv_event_ports(close, [8001, 8002])

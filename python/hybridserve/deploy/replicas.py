@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import json
 import shlex
 import shutil
 import signal
@@ -32,6 +33,8 @@ from types import FrameType
 from typing import IO
 
 from hybridserve.arg_types import int_in, not_empty, seconds
+from hybridserve.config.kv_events import FLAG as KV_EVENTS_FLAG
+from hybridserve.config.kv_events import KVEventsConfig
 from hybridserve.errors import ConfigError
 
 DEFAULT_ROUTER = "vllm-router"
@@ -172,6 +175,69 @@ def _inline_config_files(serve: list[str]) -> list[str]:
         if ns.model is None and ns.model_option is None:
             expanded.append(f"--model={model}")
     return expanded[1:]
+
+
+def replica_serve_args(serve: list[str], index: int) -> list[str]:
+    """Replica `index`'s serve arguments. With KV cache events on, its sockets get addresses of
+    their own, as vLLM's data-parallel ranks' do: a tcp:// port + `index`, an ipc:// or inproc://
+    address + `_dp{index}` (replica 0's as given). Every replica on the same addresses would stop
+    all but the first from starting (a tcp:// port is taken) or, on ipc://, leave only the last
+    one's events reachable. A value that does not parse is passed as it is (the replica refuses it)."""
+    out = list(serve)
+    for i, a in enumerate(out):
+        if a == KV_EVENTS_FLAG and i + 1 < len(out):
+            out[i + 1] = _replica_kv_events(out[i + 1], index)
+        elif a.startswith(KV_EVENTS_FLAG + "="):
+            out[i] = f"{KV_EVENTS_FLAG}={_replica_kv_events(a.partition('=')[2], index)}"
+    return out
+
+
+def _replica_kv_events(value: str, index: int) -> str:
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        return value
+    if index == 0 or not isinstance(cfg, dict) or cfg.get("enable_kv_cache_events") is not True:
+        return value
+    cfg.setdefault("endpoint", KVEventsConfig.endpoint)  # (the default binds tcp://*:5557)
+    for field in ("endpoint", "replay_endpoint"):
+        address = cfg.get(field)
+        if not isinstance(address, str):
+            continue
+        scheme, _, rest = address.partition("://")
+        host, sep, port = rest.rpartition(":")
+        if scheme == "tcp" and sep and port.isdigit():
+            cfg[field] = f"tcp://{host}:{int(port) + index}"
+        elif scheme in ("ipc", "inproc") and rest:
+            cfg[field] = f"{address}_dp{index}"
+    return json.dumps(cfg)
+
+
+def check_kv_event_ports(serve: list[str], replica_ports: list[int]) -> None:
+    """Refuses, before anything starts, replicas' KV-event tcp:// ports (each replica's + its
+    index, `replica_serve_args`) that clash with one another's or a replica's HTTP port."""
+    seen = {port: f"replica{i}'s port" for i, port in enumerate(replica_ports)}
+    for i in range(len(replica_ports)):
+        args = replica_serve_args(serve, i)
+        values = [v for a, v in zip(args, args[1:]) if a == KV_EVENTS_FLAG]
+        values += [a.partition("=")[2] for a in args if a.startswith(KV_EVENTS_FLAG + "=")]
+        try:
+            cfg = KVEventsConfig.from_value(values[-1]) if values else None
+        except ConfigError:
+            continue  # (the replica refuses it and says why)
+        for field in ("endpoint", "replay_endpoint") if cfg is not None and cfg.enabled else ():
+            address = getattr(cfg, field)
+            port = address.rpartition(":")[2] if address and address.startswith("tcp://") else ""
+            if not port.isdigit():
+                continue
+            name = f"replica{i}'s {KV_EVENTS_FLAG} {field} {address}"
+            if int(port) in seen:
+                raise ConfigError(
+                    f"{name} is also {seen[int(port)]}: each replica publishes on the given ports + "
+                    "its index (as vLLM's data-parallel ranks); leave --num-replicas ports between "
+                    "endpoint and replay_endpoint, and away from the replicas' ports"
+                )
+            seen[int(port)] = name
 
 
 def replica_stop_timeout(serve: list[str]) -> float:
@@ -338,6 +404,8 @@ def replicas_main(args: argparse.Namespace) -> int:
         worker_urls = [f"http://127.0.0.1:{first + i}" for i in range(args.num_replicas)]
     router_cmd = router_command(args, worker_urls)
     check_ports(args, [int(u.rsplit(":", 1)[1]) for u in worker_urls] if serve else [])
+    if serve:
+        check_kv_event_ports(serve, [int(u.rsplit(":", 1)[1]) for u in worker_urls])
     stop_timeout = replica_stop_timeout(serve)
 
     children = _Children(args.log_dir)
@@ -345,7 +413,7 @@ def replicas_main(args: argparse.Namespace) -> int:
     try:
         for i, url in enumerate(worker_urls if serve else []):
             port = url.rsplit(":", 1)[1]
-            cmd = [sys.executable, "-m", "hybridserve", "serve", *serve]
+            cmd = [sys.executable, "-m", "hybridserve", "serve", *replica_serve_args(serve, i)]
             children.start(f"replica{i}", [*cmd, "--host", "127.0.0.1", "--port", port])
         for name, proc in list(children.procs):
             url = worker_urls[int(name.removeprefix("replica"))]
