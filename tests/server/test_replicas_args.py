@@ -187,3 +187,30 @@ def test_each_replica_publishes_kv_events_on_addresses_of_its_own(tmp_path: Path
         ConfigError, match="replica1's --kv-events-config endpoint tcp://\\*:5558 is also replica0's"
     ):
         check_kv_event_ports(close, [8001, 8002])
+
+
+def test_the_router_s_default_metrics_port_is_checked_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --router-metrics-port the router serves its metrics on 29000 and panics when that
+    is taken (a second router on the machine), after the replicas have loaded: refused first."""
+    import socket
+
+    from hybridserve.deploy import replicas
+
+    router = _executable(tmp_path, "vllm-router")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(replicas, "ROUTER_METRICS_PORT", port)
+        assert main(["replicas", "--router-bin", router, "--worker-urls", "http://127.0.0.1:9"]) == 2
+        assert (
+            f"the router's metrics port (its default; give --router-metrics-port) {port}: the port is already in use"
+            in capsys.readouterr().err
+        )
+    # (the router's own flag in --router-args is left to it)
+    checked: list[int] = []
+    monkeypatch.setattr(replicas, "_in_use", lambda host, p: checked.append(p) or False)
+    replicas.check_ports(_args("--router-args", f"--prometheus-port {port}", "--port", "9000"), [])
+    assert checked == [9000]

@@ -45,6 +45,8 @@ _SERVE_FLAGS_WE_SET = ("--port", "--host", "--uds")
 # Beyond a replica's --shutdown-timeout, the seconds it may take to stop once its requests are
 # done or aborted (the engine thread ends, the listener closes) before it is killed
 STOP_MARGIN_S = 30.0
+# The Prometheus port of vllm-router, sglang-router and smg when --prometheus-port is not given
+ROUTER_METRICS_PORT = 29000
 
 
 def add_replicas_args(p: argparse.ArgumentParser) -> None:
@@ -266,6 +268,13 @@ def check_ports(args: argparse.Namespace, replica_ports: list[int]) -> None:
     if args.router_metrics_port is not None:
         named.append(("--router-metrics-port", args.router_metrics_port))
     named += [(f"replica{i}'s port", port) for i, port in enumerate(replica_ports)]
+    if args.router_metrics_port is None and "--prometheus-port" not in args.router_args:
+        # The router's own default: taken (another router on this machine), the router panics
+        # on it, and only after the replicas have loaded. Checked last (the others name the
+        # flags given).
+        named.append(
+            ("the router's metrics port (its default; give --router-metrics-port)", ROUTER_METRICS_PORT)
+        )
     seen: dict[int, str] = {}
     for name, port in named:
         if port in seen:
@@ -274,7 +283,8 @@ def check_ports(args: argparse.Namespace, replica_ports: list[int]) -> None:
                 "--router-metrics-port ports that do not overlap"
             )
         seen[port] = name
-    hosts = {"--port": args.host, "--router-metrics-port": args.host}
+    # (the router serves its metrics on 127.0.0.1, its --prometheus-host default, whatever --host)
+    hosts = {"--port": args.host}
     for name, port in named:
         host = hosts.get(name, "127.0.0.1")
         if _in_use(host, port):
