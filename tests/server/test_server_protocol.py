@@ -438,6 +438,16 @@ def test_long_latencies_fall_in_buckets_up_to_vllm_s_tops():
     assert v[e2e % "1920.0"] == 0 and v[e2e % "7680.0"] == 1
 
 
+def test_finished_request_series_exist_at_zero_from_the_start():
+    """As vLLM's: rate() and increase() count from a series' first sample, so one that appears
+    only with its first request (at 1) would lose that request."""
+    v = parse_metrics(ServerMetrics(lambda: None, "demo").render().decode())
+    for reason in ("stop", "length", "abort"):
+        assert v[f'vllm:request_success_total{{finished_reason="{reason}",model_name="demo"}}'] == 0
+    for reason in ("stop", "length", "abort", "error"):
+        assert v[f'hybridserve_requests_finished_total{{finish_reason="{reason}"}}'] == 0
+
+
 # ------------------------------------------------------------------------- app without a model
 
 

@@ -358,6 +358,12 @@ class _Finished:
             registry=registry,
         )
         self._model_name = model_name
+        # Every reason's series exists from the start, at 0, as vLLM's do: a series that first
+        # appears at 1 loses that request to rate() and increase(), which count from a first sample
+        for reason in (*self.VLLM_REASONS, "error"):
+            self.own.labels(finish_reason=reason)
+        for reason in self.VLLM_REASONS:
+            self.vllm.labels(model_name=model_name, finished_reason=reason)
 
     def inc(self, finish_reason: str) -> None:
         self.own.labels(finish_reason=finish_reason).inc()
