@@ -251,3 +251,54 @@ def test_named_templates_and_the_template_environment_are_transformers(tmp_path:
                                           {"name": "tool_use", "template": NAMED_TOOL_USE}]}  # fmt: skip
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(plain))
     assert _template_renders_tools(ChatTemplate.from_model_dir(tmp_path))
+
+
+def test_messages_reach_the_template_as_transformers_hands_them_over(tmp_path: Path) -> None:
+    """As `apply_chat_template`: keys whose value is None are left out (the OpenAI SDK's messages
+    carry `tool_calls: None`; Llama 3.1's template asks `'tool_calls' in message`), reasoning given
+    as `reasoning` or `thinking` is `reasoning_content` too (Qwen3's template reads that), and
+    tools given, even none, pick the model's `tool_use` template."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hybridserve.engine.chat_template import ChatTemplate
+    from hybridserve.engine.llm import _conversations
+    from hybridserve.model.demo import resolve_model_path
+
+    template = (
+        "{% for m in messages %}{{ m.role }}{% if 'name' in m %}({{ m.name }}){% endif %}: "
+        "{% if 'tool_calls' in m %}{{ m.tool_calls | length }} calls {% endif %}"
+        "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}|{{ m.thinking }}</think>{% endif %}"
+        "{{ m.content }}\n{% endfor %}"
+    )
+    shutil.copy(Path(resolve_model_path("demo")) / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "chat_template": [
+            {"name": "default", "template": template},
+            {"name": "tool_use", "template": "TOOL-USE"},
+        ],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    ours = ChatTemplate.from_model_dir(tmp_path)
+    chat = [
+        {"role": "user", "content": "Hi", "name": None},
+        {
+            "role": "assistant",
+            "content": "Hello",
+            "tool_calls": None,
+            "function_call": None,
+            "reasoning": "r1",
+        },
+        {"role": "user", "content": "More", "name": "ann"},
+        {"role": "assistant", "content": "Sure", "thinking": "t2"},
+    ]
+    want = auto.apply_chat_template(chat, tokenize=False)
+    assert ours.render(_conversations(chat)[0], False) == want
+    assert "assistant: <think>r1|r1</think>Hello\n" in want and "calls" not in want
+    want = auto.apply_chat_template(chat, tools=[], tokenize=False)
+    assert ours.render(_conversations(chat)[0], False, {"tools": []}) == want == "TOOL-USE"

@@ -194,6 +194,28 @@ def test_echo_offsets_index_the_clients_text_with_a_bos_the_tokenizer_adds() -> 
     )
 
 
+def test_an_assistants_reasoning_sent_back_reaches_the_template():
+    """An assistant message as the server answers it (`reasoning` and `reasoning_content`) is
+    taken back, even by a strict server, and its reasoning reaches the template under both names,
+    as vLLM and transformers hand it over (Qwen3's template renders it after the last query)."""
+
+    class Info(TokenizerModelInfo):
+        def __init__(self) -> None:
+            super().__init__(ensure_demo_model())
+            self.template = ChatTemplate(
+                "{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "|{{ m.reasoning }}</think>{% endif %}{{ m['content'] }};{% endfor %}"
+            )
+
+    info = Info()
+    answer = {"role": "assistant", "content": "Blue.", "reasoning": "sky", "reasoning_content": "sky"}
+    for sent in (answer, {"role": "assistant", "content": "Blue.", "reasoning": "sky"}):
+        chat = P.parse_chat_request({"messages": [MSGS[0], sent]}, info, "demo")
+        assert info.tokenizer.decode(chat.prompts[0].token_ids) == "hi;<think>sky|sky</think>Blue.;"
+    with pytest.raises(P.APIError, match=r"messages\[1\]\.reasoning: must be a string"):
+        P.parse_chat_request({"messages": [MSGS[0], {**answer, "reasoning": 5}]}, info, "demo")
+
+
 ANSWER = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
 
 

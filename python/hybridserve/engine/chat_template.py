@@ -3,7 +3,8 @@
 As transformers' `apply_chat_template` renders: the variables `messages`, `tools` and `documents`
 (None when not given), `add_generation_prompt` and every special token's text (`bos_token`,
 `eos_token`, `pad_token`, ...); its `tojson` filter, `raise_exception`, `strftime_now` and its
-`{% generation %}` block (which only marks the assistant's text: rendered as it is). A model with
+`{% generation %}` block (which only marks the assistant's text: rendered as it is); messages
+without their None-valued keys, reasoning under all its names. A model with
 named templates (a list in tokenizer_config.json, or `additional_chat_templates/NAME.jinja`)
 renders `tool_use` when the conversation has tools, else `default`; a request may name one.
 """
@@ -54,6 +55,27 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+
+
+# The names a message's reasoning is given under: a template reads the first (Qwen3's); gpt-oss's
+# read `thinking`. transformers fills them from one another (`_alias_reasoning_fields`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers' `apply_chat_template` hands them to a template: without the
+    keys whose value is None (the OpenAI SDK's messages carry `tool_calls: None`, `name: None`,
+    ...: a template that asks `'tool_calls' in message` would then iterate None), and with a
+    message's reasoning under another of its names (`reasoning`, `thinking`) as
+    `reasoning_content` and `thinking` too, the names templates read."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 def _token_text(v: Any) -> str | None:
@@ -145,7 +167,8 @@ class ChatTemplate:
 
     def _for(self, extra: dict[str, Any] | None) -> Any:
         """The template to render: the model's `tool_use` one when the conversation has tools."""
-        source = self.named.get("tool_use") if extra and extra.get("tools") else None
+        # (given tools, even none, as transformers picks the template: `tools is not None`)
+        source = self.named.get("tool_use") if extra and extra.get("tools") is not None else None
         if source is None:
             return self._template
         if "tool_use" not in self._compiled_named:
@@ -240,7 +263,7 @@ class ChatTemplate:
                     # (the server's: a request's template variables do not replace them)
                     **{name: "" for name in ("bos_token", "eos_token")},
                     **self.special_tokens,
-                    "messages": messages,
+                    "messages": _template_messages(messages),
                     "add_generation_prompt": add_generation_prompt,
                 }
             )

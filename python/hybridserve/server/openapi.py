@@ -620,6 +620,12 @@ _CHAT_MESSAGE: Schema = {
         },
         "name": {"type": ["string", "null"]},
         "tool_call_id": {"type": ["string", "null"]},
+        "reasoning": {
+            "type": ["string", "null"],
+            "description": "an assistant's earlier reasoning, as the server returned it, for the "
+            "template; only in an assistant's message",
+        },
+        "reasoning_content": {"type": ["string", "null"], "description": "reasoning's older name"},
         "tool_calls": {
             "anyOf": [
                 {"type": "array", "items": {"$ref": "#/components/schemas/ChatToolCall"}},
@@ -630,9 +636,10 @@ _CHAT_MESSAGE: Schema = {
         },
     },
     # content may be left out (or null) only in an assistant's message, and only an assistant's
-    # carries tool_calls; a tool result names its call
+    # carries tool_calls and reasoning; a tool result names its call
     "if": {"properties": {"role": {"const": "assistant"}}},
     "else": {
+        "not": {"anyOf": [{"required": ["reasoning"]}, {"required": ["reasoning_content"]}]},
         "required": ["content"],
         "properties": {"content": {"not": {"type": "null"}}, "tool_calls": {"type": "null"}},
         "if": {"properties": {"role": {"const": "tool"}}},

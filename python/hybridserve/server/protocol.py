@@ -436,6 +436,7 @@ _CHAT_UNSUPPORTED = {
 }
 _MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
+_ASSISTANT_FIELDS = _MESSAGE_FIELDS | {"reasoning", "reasoning_content"}
 # vLLM's chat fields: keyword arguments for the chat template, continuing the final message, and a
 # request's own template (refused unless the server trusts its clients' templates)
 _CHAT_FIELDS = _CHAT_FIELDS | {"chat_template", "chat_template_kwargs", "continue_final_message"}
@@ -1028,8 +1029,9 @@ def _parse_messages(
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(p, f"must be an object, got {type(m).__name__}", "invalid_type")
+        known = _ASSISTANT_FIELDS if m.get("role") in ("assistant", answer_role) else _MESSAGE_FIELDS
         for key in m:
-            if key not in _MESSAGE_FIELDS:
+            if key not in known:
                 unknown.found(f"{p}.{key}")
         role = m.get("role")
         if not isinstance(role, str) or role not in roles:
@@ -1075,7 +1077,11 @@ def _parse_messages(
             )
         _check_surrogates(f"{p}.content", text)
         msg: dict[str, Any] = {"role": role, "content": text}
-        for key in ("name", "tool_call_id"):
+        # an assistant's earlier reasoning (as this server answers it: `reasoning`, and its older
+        # name `reasoning_content`) reaches the template as vLLM and transformers hand it over, for
+        # thinking models whose templates render it (Qwen3's, in the turns after the last query)
+        reasoning_keys = ("reasoning", "reasoning_content") if role == "assistant" else ()
+        for key in ("name", "tool_call_id", *reasoning_keys):
             if m.get(key) is not None:
                 val = m[key]
                 if not isinstance(val, str):
