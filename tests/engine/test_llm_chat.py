@@ -53,10 +53,10 @@ def test_many_conversations_text_parts_and_per_conversation_params() -> None:
     parts = [
         {
             "role": "user",
-            "content": [{"type": "text", "text": "How long does "}, {"type": "text", "text": "it bake?"}],
+            "content": [{"type": "text", "text": "How long does"}, {"type": "text", "text": "it bake?"}],
         }
     ]
-    plain = [{"role": "user", "content": "How long does it bake?"}]
+    plain = [{"role": "user", "content": "How long does\nit bake?"}]  # (a part per line, as vLLM)
     longer = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = llm.chat([parts, plain, CONVERSATION], [GREEDY, GREEDY, longer])
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 12]

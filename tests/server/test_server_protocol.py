@@ -278,11 +278,11 @@ def test_return_token_ids_is_a_bool_defaulting_to_false(info):
 def test_chat_renders_the_model_template(info):
     msgs = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
     ]
     req = chat(info, model=MODEL, messages=msgs, max_completion_tokens=5, logprobs=True, top_logprobs=2)
-    expected = (
-        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    expected = (  # (text parts a part per line, as vLLM joins them)
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi\nthere<|im_end|>\n<|im_start|>assistant\n"
     )
     assert req.prompts[0].token_ids == info.encode(expected)
     assert req.params.max_tokens == 5 and req.params.logprobs == 2 and req.logprobs == 2

@@ -44,6 +44,10 @@ class ContinuationError(ValueError):
 # message such as "i" inside the template's own end-of-turn text). It ends with a space, as
 # transformers' tag does: a template that trims the content trims that too, and then the content's
 # own trailing spaces went with it (the text is cut before the mark and stripped at its end).
+# A message's text content parts become one string, a part per line, as vLLM joins them for a
+# template that takes string content: parts written as separate paragraphs stay apart.
+TEXT_PART_SEPARATOR = "\n"
+
 _CONTINUE_MARK = "HYBRIDSERVE-CONTINUE-5c0e7a91 "
 # The special tokens transformers passes to a template by their names
 SPECIAL_TOKEN_NAMES = (

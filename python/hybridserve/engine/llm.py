@@ -16,7 +16,7 @@ import jinja2
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridserve.engine.chat_template import encode_rendered
+from hybridserve.engine.chat_template import TEXT_PART_SEPARATOR, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
@@ -42,7 +42,7 @@ def _is_token_list(prompts: object) -> bool:
 
 def _conversations(messages: object) -> list[list[dict[str, Any]]]:
     """`LLM.chat`'s messages as conversations of plain messages: text parts joined into the
-    content; other keys (name, tool_calls, ...) passed to the template as given."""
+    content (one per line, as the server joins them); other keys (name, tool_calls, ...) passed to the template as given."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
         raise InvalidRequestError("messages: a non-empty list of messages, or a list of such lists")
     if isinstance(messages[0], Mapping):  # one conversation (as vLLM tells the two apart)
@@ -77,7 +77,7 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
                         f"{p}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}})"
                     )
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = TEXT_PART_SEPARATOR.join(texts)
         elif content is None:
             content = ""  # (an assistant message with only tool calls, say; templates add strings)
         elif not isinstance(content, str):

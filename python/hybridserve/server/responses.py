@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from hybridserve.engine.chat_template import TEXT_PART_SEPARATOR
 from hybridserve.server import protocol as P
 from hybridserve.server.tools import ToolCall
 
@@ -215,7 +216,8 @@ def _others(obj: dict[str, Any], known: set[str], param: str, unknown: P.Unknown
 
 
 def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str:
-    """A message's content: a string, or its text parts joined (as the chat route joins them)."""
+    """A message's content: a string, or its text parts joined a part per line (as the chat route
+    joins them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -241,7 +243,7 @@ def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str:
         if not isinstance(text, str):
             raise _bad(f"{pp}.text", "must be a string", "invalid_type")
         parts.append(text)
-    return "".join(parts)
+    return TEXT_PART_SEPARATOR.join(parts)
 
 
 def _string_field(item: dict[str, Any], param: str, key: str) -> str:
