@@ -856,6 +856,10 @@ impl Scheduler {
             let Some((hit, known, num_new, ops, target)) = admitted else {
                 break;
             };
+            // (a request that may not read the cache, one asking for prompt logprobs or any with
+            // prefix caching off, made no query: counted, it lowered the hit rate, as vLLM's
+            // counters do not)
+            let queried = self.requests.get(&key).is_some_and(|r| self.may_hit(r));
             let start = hit.num_tokens;
             hit_copies.extend(ops);
             self.waiting.pop_first();
@@ -875,11 +879,13 @@ impl Scheduler {
                 req.was_admitted = true;
                 req.num_cached_tokens = start;
             }
-            self.stats.prefix_queried_tokens += known as u64;
-            self.stats.prefix_hit_tokens += start as u64;
-            if req.num_preemptions > 0 {
-                self.stats.prefix_preempted_queried_tokens += known as u64;
-                self.stats.prefix_preempted_hit_tokens += start as u64;
+            if queried {
+                self.stats.prefix_queried_tokens += known as u64;
+                self.stats.prefix_hit_tokens += start as u64;
+                if req.num_preemptions > 0 {
+                    self.stats.prefix_preempted_queried_tokens += known as u64;
+                    self.stats.prefix_preempted_hit_tokens += start as u64;
+                }
             }
             self.stats.prefix_lost_tokens += hit.kv_hit_tokens.saturating_sub(start) as u64;
             if let Some(kind) = hit.kind {

@@ -1021,6 +1021,23 @@ def test_vllm_s_prefix_cache_figures_leave_out_the_lookups_of_preempted_requests
     )
 
 
+def test_a_request_that_may_not_read_the_cache_makes_no_query() -> None:
+    """A request for prompt logprobs computes its whole prompt (a hit would skip the logprobs of
+    the cached part), so it queries nothing: counted, its tokens lowered the hit rate, which
+    vLLM's counters do not. The same prompt without them is a query."""
+    llm = LLM("demo", dtype="float32", max_model_len=256)
+    prompt = "A story about the sea and the ships that sail on it at night, told twice over"
+    n = len(llm.generate(prompt, SamplingParams(max_tokens=1))[0].prompt_token_ids)
+    before = llm.engine.stats()
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    s = llm.engine.stats()
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs is not None
+    assert s["prefix_cache_queried_tokens"] == before["prefix_cache_queried_tokens"]
+    assert s["vllm_prefix_cache_queried_tokens"] == before["vllm_prefix_cache_queried_tokens"]
+    llm.generate(prompt, SamplingParams(max_tokens=1))
+    assert llm.engine.stats()["prefix_cache_queried_tokens"] == before["prefix_cache_queried_tokens"] + n
+
+
 def test_a_text_prompt_gets_the_tokenizer_s_special_tokens_as_the_completion_route_s(tmp_path: Path) -> None:
     """A tokenizer that puts a BOS first: `generate` with a text encodes it with it (as vLLM's
     `LLM.generate` and the server's /v1/completions do), token ids stay as given."""
