@@ -94,6 +94,22 @@ def test_replay_is_deterministic_and_bounded_by_the_oracle() -> None:
                                         "checkpoint_for_window", "checkpoint_for_kv")) == a.evictions["checkpoint"]  # fmt: skip
 
 
+def test_a_budget_beyond_everything_is_the_oracles_pools_and_changes_nothing() -> None:
+    """Pools that hold everything ever computed never evict: a budget stops there, instead of
+    allocating gigabytes in the scheduler or overflowing its sizes (1e300)."""
+    t = _sharers()
+    oracle = cr.Cell(cr.POLICIES["oracle"], 0.0, max_num_seqs=4)
+    kv, slots, _ = cr._pool_sizes(t, oracle, 0)
+    for budget in (1e6, 1e300, 1.7e308):
+        assert cr._pool_sizes(t, cr.Cell(cr.POLICIES["hybridserve"], budget, max_num_seqs=4), 0)[:2] == (
+            kv,
+            slots,
+        )
+    huge = cr.replay(t, cr.Cell(cr.POLICIES["hybridserve"], 1e300, max_num_seqs=4))
+    ample = cr.replay(t, cr.Cell(cr.POLICIES["hybridserve"], 10.0, max_num_seqs=4))
+    assert huge.hit_tokens == ample.hit_tokens and huge.evictions == ample.evictions
+
+
 def test_experiment_report_has_every_cell() -> None:
     trace = generate("T4", seed=1, scale=0.05)
     exp = cr.Experiment(traces=(trace,), budgets=(3.0,), policies=("oracle", "sglang-like", "hybridserve"))

@@ -240,14 +240,18 @@ def _pool_sizes(trace: Trace, cell: Cell, k: int) -> tuple[int, int, int]:
     max_len = max(lengths) + 1
     window = cell.max_num_seqs * (1 + k)
     one_seq = 1 + math.ceil((max_len + k) / b)
+    # Everything ever computed stays: at most every token of every request, in blocks and in
+    # states at block boundaries.
+    total = sum(math.ceil(n / b) + 1 for n in lengths)
+    all_kv, all_slots = 1 + total + cell.max_num_seqs * one_seq, 1 + window + total
     if cell.policy.oracle:
-        # Everything ever computed stays: at most every token of every request, in blocks and
-        # in states at block boundaries.
-        total = sum(math.ceil(n / b) + 1 for n in lengths)
-        return 1 + total + cell.max_num_seqs * one_seq, 1 + window + total, max_len
+        return all_kv, all_slots, max_len
     mean = sum(lengths) / len(lengths)
-    kv = cell.num_kv_blocks or 1 + math.ceil(cell.budget * cell.max_num_seqs * mean / b)
-    slots = cell.num_mamba_slots or 1 + round(cell.budget * window)
+    # A budget's pools stop at the oracle's: pools that hold everything never evict, so a larger
+    # budget changes nothing, but it allocated gigabytes in the scheduler (--budgets 1000) or
+    # overflowed its sizes with a traceback (--budgets 1e300).
+    kv = cell.num_kv_blocks or 1 + math.ceil(min(cell.budget * cell.max_num_seqs * mean / b, all_kv - 1))
+    slots = cell.num_mamba_slots or 1 + round(min(cell.budget * window, all_slots - 1))
     return max(kv, one_seq), max(slots, 1 + window), max_len
 
 
