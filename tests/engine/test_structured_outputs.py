@@ -117,12 +117,19 @@ def test_invalid_grammars_are_refused_by_name(llm: LLM) -> None:
         ({"json": {"type": "nonsense"}}, "invalid JSON schema"),
         ({"regex": "a("}, "invalid regex"),
         ({"grammar": "start: undefined_rule"}, "invalid grammar"),
+        # a lone backslash at the end escapes nothing: llguidance dropped it from a regex and
+        # let a schema's pattern with one constrain nothing, so these were served unrefused
+        ({"regex": "[0-9]+\\"}, "invalid regex: the regex .* ends in a lone backslash"),
+        ({"json": {"type": "string", "pattern": "^[0-9]{3}\\"}}, "pattern .* lone backslash"),
+        ({"json": {"patternProperties": {"^a\\": {}}}}, "patternProperties .* lone backslash"),
     ):
         for _ in range(2):  # compiled the first time, from the cache of errors the second
             with pytest.raises(InvalidRequestError, match=words):
                 llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=spec))
-    # the engine goes on
+    # the engine goes on; an escaped backslash at the end is a backslash
     assert llm.generate("Hi", SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
+    out = llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": r"a\\"}))
+    assert (out[0].outputs[0].text, out[0].outputs[0].finish_reason) == ("a\\", "stop")
 
 
 def test_a_batch_with_a_grammar_that_does_not_compile_is_refused_whole_every_time(llm: LLM) -> None:

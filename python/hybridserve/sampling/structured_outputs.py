@@ -62,18 +62,34 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)
 
 
+def _check_regex(regex: str, what: str) -> None:
+    """ValueError for a regex that ends in a lone backslash (an escape of nothing): invalid in
+    every dialect, but llguidance takes it without a word and changes its meaning
+    (`regex_to_lark` drops the backslash, so `[0-9]+\\` became `[0-9]+`; a schema's `pattern`
+    ending in one no longer constrained the string), so outputs ended "stop" matching a regex
+    the client never wrote."""
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:
+        raise ValueError(f"{what} {regex!r} ends in a lone backslash (escape it as \\\\)")
+
+
 def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0) -> Any:
     """A JSON schema as the grammar is built from it: `format`s llguidance does not check left out
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
     (OpenAI's `strict`, vLLM's `disable_additional_properties`) every object schema that does not
     say otherwise takes no properties beyond its own. Returns a new schema; data (`const`,
-    `enum`, `default`, `examples`) is left as it is."""
+    `enum`, `default`, `examples`) is left as it is. ValueError for a `pattern` (or a
+    `patternProperties` name) that ends in a lone backslash (`_check_regex`)."""
     if not isinstance(schema, dict) or depth > 200:  # (deeper is refused when compiled)
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in FORMATS:
             continue
+        if key == "pattern" and isinstance(value, str):
+            _check_regex(value, "pattern")
+        if key == "patternProperties" and isinstance(value, dict):
+            for regex in value:
+                _check_regex(regex, "patternProperties")
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             value = {
                 k: prepared_schema(v, closed_objects=closed_objects, depth=depth + 1)
@@ -208,6 +224,7 @@ class StructuredOutputsParams:
             if kind == "json_object":
                 return matcher.grammar_from_json_schema({"type": "object"}, defaults=defaults)  # type: ignore[arg-type]
             if kind == "regex":
+                _check_regex(self.regex or "", "the regex")
                 # (\d, \w and \s as ASCII classes, as in a JSON schema's `pattern` and vLLM's
                 # backends: Unicode digits are no digits to a zip code)
                 return matcher.grammar_from_lark(
