@@ -192,3 +192,23 @@ def test_the_checkpoint_reserve_warning_names_only_fixes_that_exist() -> None:
     # the window of one sequence fits, not its checkpoint slot: no count of sequences is a fix
     few = warning(max_num_seqs=1, num_mamba_slots=2)
     assert few.endswith("give the state pool more memory") and "--max-num-seqs to" not in few
+
+
+def test_lowering_max_num_seqs_keeps_the_other_decisions(tmp_path: Any) -> None:
+    """The plan resolves the policy again with the lowered count; the decisions that read the
+    model folder (its generation config's sampling defaults) stay in the plan."""
+    import json
+    import shutil
+
+    from hybridserve.config import EngineArgs
+    from hybridserve.config.plan import plan_engine
+    from hybridserve.model.demo import resolve_model_path
+
+    model = tmp_path / "demo"
+    shutil.copytree(resolve_model_path("demo"), model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6}), encoding="utf-8")
+    for slots in (None, 9):  # 9 slots: max_num_seqs lowered to 4
+        plan = plan_engine(EngineArgs(model=str(model), num_mamba_slots=slots), str(model))
+        codes = {d.code for d in plan.resolved.decisions}
+        assert "generation_config_defaults" in codes, (slots, codes)
+        assert ("max_num_seqs_lowered" in codes) == (slots is not None)

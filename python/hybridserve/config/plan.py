@@ -88,8 +88,11 @@ def plan_engine(args: EngineArgs, model_dir: str) -> EnginePlan:
     decisions = list(resolved.decisions)
     per_seq = f"a window of {1 + k} slot{'s' if k else ''}" + (" and a checkpoint slot" if caching else "")
     if sizes.max_num_seqs != int(core.max_num_seqs):
-        # resolve again with the lowered count, so every rule that depends on it sees it
-        lowered = dataclasses.replace(args, max_num_seqs=sizes.max_num_seqs).resolve(caps)
+        # resolve again with the lowered count, so every rule that depends on it sees it (with the
+        # model folder, as the first time: without it the generation config's decision was lost)
+        lowered = dataclasses.replace(args, max_num_seqs=sizes.max_num_seqs).resolve(
+            caps, model_dir=model_dir
+        )
         decisions = list(lowered.decisions)
         decisions.append(
             Decision(
