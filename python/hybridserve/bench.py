@@ -184,7 +184,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=(),
         help="also run hybridserve with these weights of FLOPs against recency (a sweep)",
     )
-    c.add_argument("--max-num-seqs", type=int_in(1), default=32, help="running sequences (default 32)")
+    from hybridserve import _core
+
+    # (bounded as the engine bounds it: a number beyond a C long was an OverflowError traceback)
+    c.add_argument(
+        "--max-num-seqs",
+        type=int_in(1, _core.MAX_NUM_SEQS),
+        default=32,
+        help="running sequences (default 32)",
+    )
     c.add_argument("--workers", type=int_in(1), default=1, help="processes (default 1)")
     c.add_argument("--result-file", default=None, help="write every cell as JSON here")
     c.add_argument("--report", default=None, metavar="FILE", help="write the markdown tables here")

@@ -110,6 +110,19 @@ def test_a_budget_beyond_everything_is_the_oracles_pools_and_changes_nothing() -
     assert huge.hit_tokens == ample.hit_tokens and huge.evictions == ample.evictions
 
 
+def test_a_huge_max_num_seqs_is_a_usage_error_and_workers_stop_at_the_cells(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hybridserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "cache-trace", "--max-num-seqs", "9" * 23])
+    assert e.value.code == 2 and "--max-num-seqs: must be in [1, 65536]" in capsys.readouterr().err
+    # one cell: it runs here, not in a pool of 10**9 processes
+    cell = cr.Cell(cr.POLICIES["hybridserve"], 10.0, max_num_seqs=4)
+    assert cr.run_cells([_sharers()], [cell], workers=10**9)[0].requests == 4
+
+
 def test_experiment_report_has_every_cell() -> None:
     trace = generate("T4", seed=1, scale=0.05)
     exp = cr.Experiment(traces=(trace,), budgets=(3.0,), policies=("oracle", "sglang-like", "hybridserve"))

@@ -497,6 +497,8 @@ def run_cells(
     """Every cell on every trace (in `workers` processes when > 1), in that order."""
     jobs = [(t, c) for t in traces for c in cells]
     shape = shape or nemotron_h_8b()
+    # (no more processes than cells: --workers 1000 forked a thousand idle processes)
+    workers = min(workers, len(jobs))
     if workers <= 1:
         return [replay(t, c, shape) for t, c in jobs]
     import multiprocessing as mp
