@@ -531,6 +531,26 @@ def test_schema_forms_vllm_and_pydantic_write_compile_as_expected(llm: LLM) -> N
     assert loose.cache_key != strict.cache_key
 
 
+def test_integer_bounds_past_two_to_the_53_keep_outputs_in_range(llm: LLM) -> None:
+    """The grammar library reads bounds as doubles: 2**53 + 1 was rounded to 2**53, out of the
+    range, and the output ended "stop". Bounds are rounded into their range instead, and a range
+    with no double in it is refused."""
+    big = 2**53
+    for lo, hi in (("minimum", "maximum"), ("exclusiveMinimum", "exclusiveMaximum")):
+        shift = 0 if lo == "minimum" else 1
+        so = StructuredOutputsParams(json={"type": "integer", lo: big + 1 - shift, hi: big + 3 + shift})
+        assert _takes(so, llm, str(big + 2))
+        assert not _takes(so, llm, str(big)) and not _takes(so, llm, str(big + 4))
+    with pytest.raises(InvalidRequestError, match="Unsatisfiable"):
+        llm.generate(
+            "Hi",
+            SamplingParams(
+                max_tokens=30,
+                structured_outputs={"json": {"type": "integer", "minimum": big + 1, "maximum": big + 1}},
+            ),
+        )
+
+
 def test_regex_classes_are_ascii_and_lark_grammars_may_start_with_a_question_mark(llm: LLM) -> None:
     digits = StructuredOutputsParams(regex=r"\d{3}")
     assert _takes(digits, llm, "123") and not _takes(digits, llm, "١٢٣")

@@ -14,6 +14,7 @@ known only when it is compiled, and a compile error is an InvalidRequestError th
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,12 +73,36 @@ def _check_regex(regex: str, what: str) -> None:
         raise ValueError(f"{what} {regex!r} ends in a lone backslash (escape it as \\\\)")
 
 
+# A number's bounds: llguidance reads them as f64, so an integer bound past 2**53 was rounded to
+# the nearest double, either way, and the output could be out of range: {"minimum": 2**53 + 1,
+# "maximum": 2**53 + 1} gave 2**53, which ended "stop"
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+
+
+def _inward_bound(value: int, lower: bool) -> int | float:
+    """An integer bound as the nearest double on its range's side, so that every number the
+    grammar allows is within the bound (a range with no double left in it is then refused as
+    unsatisfiable); the bound itself where it is exact, or too large to be a double."""
+    try:
+        f = float(value)
+    except OverflowError:
+        return value
+    if lower and f < value:
+        f = math.nextafter(f, math.inf)
+    elif not lower and f > value:
+        f = math.nextafter(f, -math.inf)
+    return value if f == value else f
+
+
 def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0) -> Any:
     """A JSON schema as the grammar is built from it: `format`s llguidance does not check left out
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
     (OpenAI's `strict`, vLLM's `disable_additional_properties`) every object schema that does not
     say otherwise takes no properties beyond its own. Returns a new schema; data (`const`,
-    `enum`, `default`, `examples`) is left as it is. ValueError for a `pattern` (or a
+    `enum`, `default`, `examples`) is left as it is; an integer schema's exclusive integer bounds
+    become inclusive ones, and an integer bound that is no double is rounded into its range
+    (`_inward_bound`). ValueError for a `pattern` (or a
     `patternProperties` name) that ends in a lone backslash (`_check_regex`)."""
     if not isinstance(schema, dict) or depth > 200:  # (deeper is refused when compiled)
         return schema
@@ -101,6 +126,22 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
             value = [prepared_schema(v, closed_objects=closed_objects, depth=depth + 1) for v in value]
         out[key] = value
     kind = out.get("type")
+    if kind == "integer":
+        # an exclusive bound as the inclusive one (the library adds 1 to it in doubles, which past
+        # 2**53 adds nothing: exclusiveMinimum 2**53 allowed 2**53)
+        for exclusive, inclusive, step in (
+            ("exclusiveMinimum", "minimum", 1),
+            ("exclusiveMaximum", "maximum", -1),
+        ):
+            bound = out.get(exclusive)
+            if type(bound) is int:
+                del out[exclusive]
+                given = out.get(inclusive)
+                if not isinstance(given, int | float) or (given - bound - step) * step < 0:
+                    out[inclusive] = bound + step
+    for key in _LOWER_BOUNDS + _UPPER_BOUNDS:
+        if type(out.get(key)) is int:
+            out[key] = _inward_bound(out[key], key in _LOWER_BOUNDS)
     is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
     if closed_objects and is_object and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
