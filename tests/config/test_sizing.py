@@ -91,6 +91,24 @@ def test_models_with_one_kind_of_layer_give_the_total_to_it() -> None:
     assert s.num_mamba_slots == 16 * MIB // SLOT
 
 
+def test_a_model_without_attention_gets_no_more_blocks_than_the_scheduler_tracks() -> None:
+    from hybridserve import _core
+
+    s = sizes(
+        kv_bytes_per_token=0, block_size=1, max_model_len=4096, max_num_seqs=10_000, num_mamba_slots=10_001
+    )
+    assert s.num_kv_blocks == _core.MAX_KV_BLOCKS
+    _core.resolve_policy(
+        has_mamba_layers=True,
+        supports_boundary_states=True,
+        scan_chunk_size=64,
+        max_position_embeddings=4096,
+        block_size=1,
+        max_num_seqs=10_000,
+        max_model_len=4096,
+    ).validate_pool_sizes(s.num_kv_blocks, s.num_mamba_slots)
+
+
 def test_engine_takes_the_total_budget() -> None:
     llm = LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=4, cache_memory=24 * MIB)
     em = llm.engine.em

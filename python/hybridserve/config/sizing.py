@@ -195,7 +195,10 @@ def compute_cache_sizes(
                 int(min(wanted, fits) if kv_cache_memory is None else fits), _core.MAX_KV_BLOCKS
             )
         else:
-            num_kv_blocks = wanted
+            # no attention layers: the blocks hold no tensors, only the token bookkeeping, so no
+            # budget caps them; the scheduler's limit still does (a model without attention was
+            # refused with block_size 1 and many sequences, naming no flag)
+            num_kv_blocks = min(wanted, _core.MAX_KV_BLOCKS)
     if num_kv_blocks < per_seq_blocks + 1:
         raise ConfigError(
             f"the KV cache holds {num_kv_blocks} blocks of {block_size} tokens, fewer than one sequence of "
