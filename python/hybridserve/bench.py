@@ -408,6 +408,18 @@ def _cache_trace_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--trace-file: cannot read {path!r}: {e.strerror or e}") from None
     specs = args.traces if args.traces is not None else (() if traces else cr.DEFAULT_TRACES)
     traces += [generate(kind, seed=args.seed, scale=scale) for kind, scale in specs]
+    sources = [f"--trace-file {p}" for p in dict.fromkeys(args.trace_file)]
+    sources += [f"--traces {kind}:{scale:g}" for kind, scale in specs]
+    # The cells and the report's rows are keyed by the trace's name: two traces of one name (two
+    # files x.jsonl in two folders) showed as one row, the other trace's results dropped.
+    first: dict[str, str] = {}
+    for trace, source in zip(traces, sources):
+        if trace.name in first:
+            raise ConfigError(
+                f"{source}: its trace is named {trace.name!r}, as {first[trace.name]}'s is: the results "
+                'are kept by name (name a file\'s trace on its first line: {"trace": NAME})'
+            )
+        first[trace.name] = source
     exp = cr.Experiment(
         traces=tuple(traces),
         budgets=tuple(args.budgets),

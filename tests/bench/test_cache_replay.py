@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridserve.bench import bench_main
 from hybridserve.benchmarks import cache_replay as cr
 from hybridserve.benchmarks.traces import Trace, TraceRequest, chat_template_ids, generate
 
@@ -160,6 +161,26 @@ def test_cli_names_the_line_of_a_malformed_trace(tmp_path: Path) -> None:
     p = _cli("--trace-file", str(bad))
     assert p.returncode == 2
     assert f"{bad}:3:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_refuses_two_traces_of_one_name(tmp_path: Path) -> None:
+    """Results are kept by trace name: two files x.jsonl in two folders were one row of the
+    report, the other's results dropped."""
+    from hybridserve.benchmarks.traces import write_trace
+    from hybridserve.cli import build_parser
+    from hybridserve.errors import ConfigError
+
+    paths = [tmp_path / d / "x.jsonl" for d in ("a", "b")]
+    for path, t in zip(paths, (_sharers(), generate("T2", scale=0.02))):
+        path.parent.mkdir()
+        write_trace(Trace("x", t.requests), path)
+    args = build_parser().parse_args(
+        ["bench", "cache-trace", "--trace-file", str(paths[0]), "--trace-file", str(paths[1])]
+    )
+    with pytest.raises(
+        ConfigError, match=f"--trace-file {paths[1]}: its trace is named 'x', as --trace-file {paths[0]}"
+    ):
+        bench_main(args)
 
 
 @pytest.mark.parametrize(
