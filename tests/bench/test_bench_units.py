@@ -28,6 +28,52 @@ def test_percentile_matches_linear_interpolation() -> None:
     assert latency_stats([])["median_ms"] is None
 
 
+def test_summary_latencies_and_throughputs_for_known_requests() -> None:
+    """TTFT, TPOT (after the first token), ITL (gaps between chunks), E2E and the throughputs of
+    hand-made requests; a failed request counts in none of them."""
+    from hybridserve.benchmarks.serve_client import RequestResult, ServeConfig, summarize
+
+    cfg = ServeConfig(base_url="http://x", workload=WorkloadSpec(name="random", num_requests=3))
+    a = RequestResult(
+        index=0,
+        conversation=0,
+        turn=0,
+        prompt_len=10,
+        ttft=0.1,
+        e2e=0.4,
+        chunk_times=[0.1, 0.2, 0.4],
+        output_tokens=3,
+        usage_prompt_tokens=10,
+        cached_tokens=4,
+    )
+    b = RequestResult(
+        index=1,
+        conversation=1,
+        turn=0,
+        prompt_len=20,
+        start=1.0,
+        ttft=0.3,
+        e2e=0.5,
+        chunk_times=[0.3, 0.5],
+        output_tokens=5,
+        cached_tokens=0,
+    )
+    c = RequestResult(index=2, conversation=2, turn=0, prompt_len=99, ttft=0.01, e2e=9.0, error="x")  # fmt: skip
+    r = summarize(cfg, "m", [a, b, c], 2.0, None, None)
+    s = r["summary"]
+    assert (s["completed"], s["failed"], s["total_prompt_tokens"], s["total_output_tokens"]) == (2, 1, 30, 8)
+    assert (s["request_throughput"], s["output_throughput"], s["total_token_throughput"]) == (1.0, 4.0, 19.0)
+    assert math.isclose(s["usage_cache_hit_rate"], 4 / 30)
+    want = {"ttft": [100, 300], "tpot": [150, 50], "itl": [100, 200, 200], "e2e": [400, 500]}
+    for key, ms in want.items():
+        st = s[key]
+        assert st["n"] == len(ms) and math.isclose(st["mean_ms"], sum(ms) / len(ms)), key
+        assert math.isclose(st["p90_ms"], percentile(ms, 90)) and math.isclose(st["max_ms"], max(ms)), key
+    # every output token lands in a time bin: the bins sum to the output tokens
+    tot = r["throughput_over_time"]
+    assert math.isclose(sum(tot["output_tok_per_s"]) * tot["bin_s"], 8.0)
+
+
 def test_parse_prometheus_reads_unlabelled_samples() -> None:
     text = (
         "# HELP hybridserve_prefix_cache_hit_tokens_total x\n"
