@@ -290,6 +290,38 @@ def test_slow_grammar_times_out_while_others_run() -> None:
         )
 
 
+def test_a_compiler_panic_fails_its_request_and_the_workers_live_on() -> None:
+    """A panic inside the Rust compiler reaches Python as pyo3's PanicException, a BaseException
+    but no Exception: it fails its own request with an error, and the workers it ran on still
+    compile the grammars after it (it ended the thread, and two such panics left no worker)."""
+
+    class Panic(BaseException):  # (pyo3's PanicException derives from BaseException)
+        pass
+
+    llm = LLM("demo", dtype="float32")
+    engine = llm.engine
+
+    def panic(c: object) -> None:
+        if "panic" in getattr(c, "key", ("", ""))[1]:
+            raise Panic("compiler panicked")
+
+    engine.grammars.before_compile = panic  # type: ignore[attr-defined]
+    workers = len(engine.grammars._threads)  # type: ignore[attr-defined]
+    for i in range(workers + 1):  # more panics than workers
+        engine.add_request(
+            f"p{i}", "Hi", SamplingParams(max_tokens=4, structured_outputs={"regex": f"panic{i}"})
+        )
+    engine.add_request("ok", "Hi", SamplingParams(max_tokens=8, structured_outputs={"choice": ["a", "b"]}))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    for i in range(workers + 1):
+        assert done[f"p{i}"].outputs[0].finish_reason == "error" and "panicked" in (done[f"p{i}"].error or "")
+    assert done["ok"].outputs[0].text in ("a", "b")
+    assert all(t.is_alive() for t in engine.grammars._threads)  # type: ignore[attr-defined]
+
+
 def test_abort_while_compiling() -> None:
     llm = LLM("demo", dtype="float32")
     engine = llm.engine

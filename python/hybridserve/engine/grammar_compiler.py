@@ -224,7 +224,10 @@ class GrammarCompiler:
                 if self.before_compile is not None:
                     self.before_compile(c)
                 c.matcher, c.error = self._compile(spec)
-            except Exception as exc:  # never lose a waiter: every job ends with a result
+            # never lose a waiter or the worker: every job ends with a result (BaseException: a
+            # panic inside the Rust compiler reaches Python as pyo3's PanicException, which is no
+            # Exception, and would end this thread for good)
+            except BaseException as exc:  # noqa: BLE001
                 logger.exception("grammar compilation failed")
                 c.error = f"the grammar could not be compiled: {exc}"
             c.compile_s = time.monotonic() - c.started
