@@ -97,6 +97,57 @@ def ttft_by_reuse(trace: Any, records: list[dict[str, Any]]) -> dict[str, dict[s
     }
 
 
+def _num(v: float | None, fmt: str = ".1f") -> str:
+    """A number of the tables, "n/a" where a run measured none (every request failed)."""
+    return "n/a" if v is None else format(v, fmt)
+
+
+def p95_changes(rows: list[dict[str, Any]], traces: list[Any], repeats: int) -> dict[str, list[float]]:
+    """Per trace, each repeat's P95 TTFT change of `default` against `grid`, in percent (a repeat
+    where either measured none is left out)."""
+    by = {(r["repeat"], r["trace"], r["config"]): r for r in rows}
+    changes: dict[str, list[float]] = {}
+    for t in traces:
+        for rep in range(repeats):
+            g, b = by.get((rep, t.name, "grid")), by.get((rep, t.name, "default"))
+            if g and b and g["ttft_p95_ms"] and b["ttft_p95_ms"] is not None:
+                changes.setdefault(t.name, []).append(100 * (b["ttft_p95_ms"] / g["ttft_p95_ms"] - 1))
+    return changes
+
+
+def tables(rows: list[dict[str, Any]], changes: dict[str, list[float]]) -> str:
+    """The markdown tables of a run. A row of a run whose requests all failed has no hit rate and
+    no TTFT: "n/a" (formatting None ended the script before it wrote its result file)."""
+    lines = [
+        "",
+        "| repeat | trace | config | hit rate (server) | hit rate (replay) | TTFT p50 / p95 / p99 ms |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    for r in rows:
+        ms = " / ".join(_num(r[k]) for k in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms"))
+        lines.append(
+            f"| {r['repeat']} | {r['trace']} | {r['config']} | {_num(r['hit_rate'], '.3f')} | "
+            f"{_num(r['replay_hit_rate'], '.3f')} | {ms} |"
+        )
+    lines += ["", "TTFT by the request's place among those sharing its prompt's start (p50 / p95 ms):"]
+    lines.append("| trace | config | " + " | ".join(GROUPS) + " |")
+    lines.append("|---|---|" + "---|" * len(GROUPS))
+    for r in rows:
+        cells = []
+        for group in GROUPS:
+            g = r["ttft_by_reuse"].get(group)
+            cells.append(
+                ""
+                if g is None
+                else f"{g['n']} ({100 * g['share']:.0f}%): {g['ttft_p50_ms']:.1f} / {g['ttft_p95_ms']:.1f}"
+            )
+        lines.append(f"| {r['trace']} | {r['config']} | " + " | ".join(cells) + " |")
+    for name, each in changes.items():
+        pct = ", ".join(f"{c:+.0f}%" for c in each)
+        lines.append(f"{name}: P95 TTFT default vs grid {pct} (median {statistics.median(each):+.0f}%)")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="T1:0.5,T2:0.5", help="KIND:SCALE, comma-separated")
@@ -200,41 +251,12 @@ def main() -> int:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| repeat | trace | config | hit rate (server) | hit rate (replay) | TTFT p50 / p95 / p99 ms |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['repeat']} | {r['trace']} | {r['config']} | {r['hit_rate']:.3f} | {r['replay_hit_rate']:.3f} | "
-            f"{r['ttft_p50_ms']:.1f} / {r['ttft_p95_ms']:.1f} / {r['ttft_p99_ms']:.1f} |"
-        )
-    print("\nTTFT by the request's place among those sharing its prompt's start (p50 / p95 ms):")
-    print("| trace | config | " + " | ".join(GROUPS) + " |")
-    print("|---|---|" + "---|" * len(GROUPS))
-    for r in rows:
-        cells = []
-        for group in GROUPS:
-            g = r["ttft_by_reuse"].get(group)
-            cells.append(
-                ""
-                if g is None
-                else f"{g['n']} ({100 * g['share']:.0f}%): {g['ttft_p50_ms']:.1f} / {g['ttft_p95_ms']:.1f}"
-            )
-        print(f"| {r['trace']} | {r['config']} | " + " | ".join(cells) + " |")
-    by = {(r["repeat"], r["trace"], r["config"]): r for r in rows}
-    changes: dict[str, list[float]] = {}
-    for t in traces:
-        for rep in range(a.repeats):
-            g, b = by.get((rep, t.name, "grid")), by.get((rep, t.name, "default"))
-            if g and b:
-                changes.setdefault(t.name, []).append(100 * (b["ttft_p95_ms"] / g["ttft_p95_ms"] - 1))
-        if t.name in changes:
-            each = ", ".join(f"{c:+.0f}%" for c in changes[t.name])
-            print(
-                f"{t.name}: P95 TTFT default vs grid {each} (median {statistics.median(changes[t.name]):+.0f}%)"
-            )
+    # (the file first: a table that cannot be printed must not lose a run of many minutes)
+    changes = p95_changes(rows, traces, a.repeats)
     Path(a.result_file).write_text(
         json.dumps({"args": vars(a), "rows": rows, "p95_change_pct": changes}, indent=1)
     )
+    print(tables(rows, changes))
     return 0
 
 

@@ -134,6 +134,43 @@ def test_experiment_report_has_every_cell() -> None:
     assert "hybridserve / sglang-like" in text
 
 
+def test_serve_comparison_tables_show_a_run_without_results_as_na() -> None:
+    """benches/cache_trace_serve.py: a configuration whose requests all failed has no hit rate
+    and no TTFT; formatting None ended the script before it wrote its result file."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("cache_trace_serve", root / "benches/cache_trace_serve.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = _sharers()
+    row = {"repeat": 0, "trace": t.name, "replay_hit_rate": 0.5, "ttft_by_reuse": {}}
+    rows = [
+        {
+            **row,
+            "config": "grid",
+            "hit_rate": None,
+            "ttft_p50_ms": None,
+            "ttft_p95_ms": None,
+            "ttft_p99_ms": None,
+        },
+        {
+            **row,
+            "config": "default",
+            "hit_rate": 0.25,
+            "ttft_p50_ms": 1.0,
+            "ttft_p95_ms": 2.0,
+            "ttft_p99_ms": 3.0,
+        },
+    ]
+    changes = mod.p95_changes(rows, [t], 1)
+    assert changes == {}
+    text = mod.tables(rows, changes)
+    assert "| 0 | sharers | grid | n/a | 0.500 | n/a / n/a / n/a |" in text
+    assert "| 0 | sharers | default | 0.250 | 0.500 | 1.0 / 2.0 / 3.0 |" in text
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hybridserve", "bench", "cache-trace", *args],
