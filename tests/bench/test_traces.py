@@ -129,6 +129,8 @@ def test_dataclasses_reject_invalid_structure() -> None:
         Trace("t", (first, first))
     with pytest.raises(TraceError, match="no requests"):
         Trace("t", ())
+    with pytest.raises(TraceError, match="trace name must be a non-empty string"):
+        Trace("", (first,))  # (a file could not name it: write_trace wrote what read_trace refused)
     # lists become tuples, integer times floats: equal to what a file read gives
     assert TraceRequest(id="a", arrival=0, prompt=[1], output=[1]) == first
 

@@ -185,8 +185,10 @@ class Trace:
     def __post_init__(self) -> None:
         if isinstance(self.requests, list):
             object.__setattr__(self, "requests", tuple(self.requests))
-        if not isinstance(self.name, str):
-            raise TraceError(f"trace name must be a string, got {_show(self.name)}")
+        # (non-empty, as a file's {"trace": NAME} line must be: write_trace wrote a trace named ""
+        # into a file that read_trace refused)
+        if not isinstance(self.name, str) or not self.name:
+            raise TraceError(f"trace name must be a non-empty string, got {_show(self.name)}")
         if not self.requests:
             raise TraceError(f"trace {self.name!r} has no requests")
         index: dict[str, int] = {}
