@@ -166,6 +166,16 @@ def test_request_fields() -> None:
             "tools[0].function.parameters",
         ),
         ([{"type": "function", "function": {"name": "x", "extra": 1}}], "tools[0].function.extra"),
+        # a pattern no grammar takes (a lone backslash at its end), refused by name up front
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "x", "parameters": {"properties": {"a": {"pattern": "b\\"}}}},
+                }
+            ],
+            "tools[0].function.parameters",
+        ),
         ("nope", "tools"),
     ):
         with pytest.raises(ToolError) as e:

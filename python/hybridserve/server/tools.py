@@ -150,6 +150,13 @@ def parse_tools(v: Any, on_unknown: Callable[[str], None] = _refuse) -> list[dic
         for key, value in (("description", desc), ("parameters", params)):
             if value is not None and (why := _unwritable(value)) is not None:
                 raise ToolError(f"{p}.function.{key}", why)
+        if params is not None:
+            # (what a grammar built from the schema refuses, refused here by name: a `pattern`
+            # ending in a lone backslash reached the qwen3_coder parser's set-up as a 500)
+            try:
+                prepared_schema(params)
+            except ValueError as e:
+                raise ToolError(f"{p}.function.parameters", str(e)) from None
         clean: dict[str, Any] = {"name": name}
         if desc is not None:
             clean["description"] = desc
