@@ -17,11 +17,11 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #define __global__
@@ -72,6 +72,7 @@ struct Block {
   ucontext_t main;
   std::vector<Fiber> fibers;
   unsigned cur = 0;
+  uint64_t pass = 0;      // passes of the scheduler over the fibers, in index order
   uint64_t progress = 0;  // barrier arrivals and finished fibers: a pass without any is a deadlock
   std::function<void()> body;
 };
@@ -83,17 +84,22 @@ inline void yield() {
   swapcontext(&f.uc, &block->main);
 }
 
-// std::barrier's semantics for fibers: the last arrival completes the phase and goes on; the
-// others yield until the phase number moves. A dropped thread no longer counts in later phases.
+// std::barrier's semantics for fibers. A dropped thread no longer counts in later phases. Every
+// waiter, the one that completes the phase too, goes on only in the scheduler's next pass, so
+// that the threads run the code after a barrier in index order (a completion in the middle of a
+// pass, by the last arrival or by a thread that returned, would otherwise let the threads after
+// it in that pass go first).
 struct Barrier {
   unsigned expected;
   unsigned arrived = 0;
   uint64_t phase = 0;
+  uint64_t completed_in_pass = 0;
   explicit Barrier(unsigned n) : expected(n) {}
   void complete_if_full() {
     if (arrived > 0 && arrived == expected) {
       arrived = 0;
       ++phase;
+      completed_in_pass = block->pass;
     }
   }
   void arrive_and_wait() {
@@ -101,7 +107,8 @@ struct Barrier {
     ++arrived;
     ++block->progress;
     complete_if_full();
-    while (phase == p) yield();
+    do yield();
+    while (phase == p || block->pass == completed_in_pass);
   }
   void arrive_and_drop() {
     --expected;
@@ -181,6 +188,7 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 blk, Args... args) {
         }
         for (unsigned live = nt; live > 0;) {
           const uint64_t before = b.progress;
+          ++b.pass;
           live = 0;
           for (unsigned t = 0; t < nt; ++t) {
             Fiber& f = b.fibers[t];
@@ -191,9 +199,13 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 blk, Args... args) {
             live += f.done ? 0 : 1;
           }
           if (live > 0 && b.progress == before) {
-            std::fprintf(stderr, "hs_emu: every live thread of block (%u,%u,%u) waits: a barrier not all reach\n",
-                         bx, by, bz);
-            std::abort();
+            // (thrown here, on the caller's stack, never through a fiber's: torch makes it a
+            // Python RuntimeError; the waiting fibers are left, their stacks reused next launch)
+            block = nullptr;
+            ctx = nullptr;
+            throw std::runtime_error("hs_emu: every live thread of block (" + std::to_string(bx) + "," +
+                                     std::to_string(by) + "," + std::to_string(bz) +
+                                     ") waits: a barrier not all of them reach");
           }
         }
         block = nullptr;
