@@ -6,6 +6,7 @@ refused."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -134,6 +135,17 @@ def test_a_length_penalty_whose_power_leaves_a_float_ranks_and_does_not_raise(pe
     assert search.queries() == [[1, 2, 3, 4], [1, 2, 3, 5]]  # (-1 / x ranks above -2 / x)
     search.advance([{6: Logprob(logprob=-0.5, rank=1)}, {7: Logprob(logprob=-0.5, rank=1)}])
     assert [b.tokens for b in search.results()[0]] == [[1, 2, 3, 4, 6], [1, 2, 3, 5, 7]]
+
+
+def test_scores_past_a_float_s_range_keep_their_order_by_length() -> None:
+    """With a negative length_penalty a longer beam of the same log-probability scores lower; past
+    a float's range every score is the same finite bound (a quotient that overflowed was -inf,
+    below a longer beam's clamped score: the longer beam ranked better)."""
+    for penalty in (-645.0, -2.0, 2.0):
+        scores = [beam_score(list(range(n)), -10.0, None, penalty) for n in range(1, 9)]
+        assert all(math.isfinite(x) for x in scores), scores
+        pairs = zip(scores, scores[1:])
+        assert all(a >= b for a, b in pairs) if penalty < 0 else all(a <= b for a, b in pairs), scores
 
 
 def test_a_step_ranks_by_length_normalised_score_and_sets_eos_beams_aside() -> None:

@@ -95,16 +95,23 @@ def _normalised(cum_logprob: float, length: int, length_penalty: float) -> float
     # (a float power: an int length_penalty made an int power of millions of digits)
     length, penalty = max(length, 1), float(length_penalty)
     try:
-        return float(cum_logprob / (length**penalty))
+        score = float(cum_logprob / (length**penalty))
+        if math.isfinite(score):
+            return score
     except (OverflowError, ZeroDivisionError):
         pass
     # A large |length_penalty| takes length ** length_penalty past a float, or to 0, which raised
-    # mid-search (the server's range is +-1e6): the same quotient in logs, as large (or small) as
-    # a float holds, so that the order of the scores is kept wherever a float can tell them apart.
+    # mid-search (the server's range is +-1e6), or the quotient past a float (an infinite score,
+    # which ranked below a longer beam's): the same quotient in logs, clamped to what a float
+    # holds, so that every score past the range is the same finite bound, in order with the rest.
     if cum_logprob == 0.0:
         return 0.0
     log_abs = math.log(abs(cum_logprob)) - penalty * math.log(length)
-    return math.copysign(math.exp(min(log_abs, 709.0)), cum_logprob)
+    return math.copysign(math.exp(min(log_abs, _LOG_FLOAT_MAX)), cum_logprob)
+
+
+# (just below log(sys.float_info.max), whose exp may round past the largest float)
+_LOG_FLOAT_MAX = 709.78
 
 
 @dataclass
