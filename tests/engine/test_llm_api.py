@@ -731,10 +731,13 @@ def test_a_progress_bar_that_fails_to_start_leaves_no_request_behind() -> None:
     def no_bar(**_: Any) -> Any:
         raise RuntimeError("no terminal")
 
+    arrival_index = llm.engine.arrival_index
     with pytest.raises(RuntimeError, match="no terminal"):
         llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=2), use_tqdm=no_bar)
     # (they stayed queued, and the next call computed them)
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    # nor did they take arrival indices: later unseeded requests sample as if it was never made
+    assert llm.engine.arrival_index == arrival_index
 
 
 def test_n_with_the_largest_seed_and_no_leak() -> None:

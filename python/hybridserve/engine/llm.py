@@ -320,6 +320,20 @@ class LLM:
         # a grammar that does not compile refuses the batch, whether or not it was compiled before
         self.engine.compile_grammars(params_list)
 
+        # The bar is made before any request is added: a factory that raised (or Ctrl-C while tqdm
+        # is imported) left the call's requests queued in the engine, and later the arrival
+        # indices they took
+        progress = None
+        if use_tqdm:
+            factory: Callable[..., Any]
+            if callable(use_tqdm):
+                factory = use_tqdm
+            else:
+                from tqdm import tqdm
+
+                factory = tqdm
+            progress = factory(total=len(prompt_list), desc="Processed prompts")
+
         # Each of the n sequences of a prompt is one engine request; they are merged afterwards.
         groups: list[list[str]] = []
         arrival_index = self.engine.arrival_index
@@ -340,23 +354,15 @@ class LLM:
                 for rid in ids:
                     self.engine.abort_request(rid)
             self.engine.arrival_index = arrival_index
+            if progress is not None:
+                progress.close()
             raise
 
         final: dict[str, RequestOutput] = {}
-        progress = None
         # (a prompt counts once its last sequence is done)
         left = {rid: len(ids) for ids in groups for rid in ids[:1]}
         group_of = {rid: ids[0] for ids in groups for rid in ids}
         try:
-            if use_tqdm:  # (in the try: a factory that raised left the requests queued in the engine)
-                factory: Callable[..., Any]
-                if callable(use_tqdm):
-                    factory = use_tqdm
-                else:
-                    from tqdm import tqdm
-
-                    factory = tqdm
-                progress = factory(total=len(groups), desc="Processed prompts")
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -371,8 +377,9 @@ class LLM:
                 for rid in ids:
                     self.engine.abort_request(rid)
             raise
-        if progress is not None:
-            progress.close()
+        finally:
+            if progress is not None:
+                progress.close()
 
         results: list[RequestOutput] = []
         for ids in groups:
