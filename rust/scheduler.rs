@@ -78,8 +78,9 @@ pub struct SchedulerStats {
     pub num_scheduled_tokens_total: u64,
     pub num_finished_total: u64,
     pub num_aborted_total: u64,
-    /// Prefix cache, counted once per admission: tokens looked up, served, and lost (the KV pool
-    /// alone had more than the hybrid hit).
+    /// Prefix cache, counted once per admission that may read the cache (not a request for
+    /// prompt logprobs, none with prefix caching off): tokens looked up, served, and lost (the KV
+    /// pool alone had more than the hybrid hit).
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lost_tokens: u64,
@@ -91,7 +92,8 @@ pub struct SchedulerStats {
     /// Hits and hit tokens by where the checkpoint came from (`CheckpointKind::index`).
     pub prefix_hits_by_kind: [u64; CheckpointKind::COUNT],
     pub prefix_hit_tokens_by_kind: [u64; CheckpointKind::COUNT],
-    /// Prefill FLOPs of the admitted prompts, and those their hits saved (the cost model's).
+    /// Prefill FLOPs of all admitted prompts, those that made no query too, and those their hits
+    /// saved (the cost model's).
     pub prefill_flops_queried: f64,
     pub prefill_flops_saved: f64,
     /// Last-token checkpoints kept by finished and preempted requests.

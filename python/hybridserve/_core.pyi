@@ -298,7 +298,7 @@ class Scheduler:
     # stats() keys: num_running, num_waiting, num_preempted (now), num_preemptions_total, num_steps,
     # num_scheduled_tokens (last step), num_scheduled_tokens_total, num_finished_total,
     # num_aborted_total, prefix_queried_tokens, prefix_hit_tokens, prefix_lost_tokens (once per
-    # admission), prefix_preempted_queried_tokens, prefix_preempted_hit_tokens (the part of
+    # admission that may read the cache), prefix_preempted_queried_tokens, prefix_preempted_hit_tokens (the part of
     # admissions after a preemption), spec_drafted_tokens, spec_accepted_tokens, checkpoints_emitted,
     # checkpoints_published, kv_blocks_total, kv_blocks_used, kv_blocks_cached_free,
     # mamba_slots_total, mamba_slots_used, checkpoints_committed, checkpoints_pending,

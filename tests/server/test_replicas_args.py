@@ -187,6 +187,12 @@ def test_each_replica_publishes_kv_events_on_addresses_of_its_own(tmp_path: Path
         ConfigError, match="replica1's --kv-events-config endpoint tcp://\\*:5558 is also replica0's"
     ):
         check_kv_event_ports(close, [8001, 8002])
+    # a port the offset takes past 65535: refused before replica 0 loads
+    last = _serve_args(
+        _args("--", "demo", "--kv-events-config", json.dumps({**on, "endpoint": "tcp://*:65535"}))
+    )
+    with pytest.raises(ConfigError, match="replica1's --kv-events-config, its ports \\+ 1: .*65536"):
+        check_kv_event_ports(last, [8001, 8002])
 
 
 def test_the_router_s_default_metrics_port_is_checked_too(

@@ -225,8 +225,11 @@ def check_kv_event_ports(serve: list[str], replica_ports: list[int]) -> None:
         values += [a.partition("=")[2] for a in args if a.startswith(KV_EVENTS_FLAG + "=")]
         try:
             cfg = KVEventsConfig.from_value(values[-1]) if values else None
-        except ConfigError:
-            continue  # (the replica refuses it and says why)
+        except ConfigError as e:
+            if i == 0:
+                return  # (as given: every replica refuses it and says why)
+            # (the offset made it invalid, a port past 65535: refused now, not after replica 0 loaded)
+            raise ConfigError(f"replica{i}'s {KV_EVENTS_FLAG}, its ports + {i}: {e}") from None
         for field in ("endpoint", "replay_endpoint") if cfg is not None and cfg.enabled else ():
             address = getattr(cfg, field)
             port = address.rpartition(":")[2] if address and address.startswith("tcp://") else ""

@@ -4,7 +4,7 @@ As transformers' `apply_chat_template` renders: the variables `messages`, `tools
 (None when not given), `add_generation_prompt` and every special token's text (`bos_token`,
 `eos_token`, `pad_token`, ...); its `tojson` filter, `raise_exception`, `strftime_now` and its
 `{% generation %}` block (which only marks the assistant's text: rendered as it is); messages
-without their None-valued keys, reasoning under all its names. A model with
+without their None-valued keys, reasoning also as `reasoning_content` and `thinking`. A model with
 named templates (a list in tokenizer_config.json, or `additional_chat_templates/NAME.jinja`)
 renders `tool_use` when the conversation has tools, else `default`; a request may name one.
 """
@@ -39,15 +39,15 @@ class ContinuationError(ValueError):
     its content as given."""
 
 
+# A message's text content parts become one string, a part per line, as vLLM joins them for a
+# template that takes string content: parts written as separate paragraphs stay apart.
+TEXT_PART_SEPARATOR = "\n"
+
 # Appended to the final message's content to find where the template writes that content's end:
 # searching the rendered text for the content itself would match a copy of it elsewhere (a short
 # message such as "i" inside the template's own end-of-turn text). It ends with a space, as
 # transformers' tag does: a template that trims the content trims that too, and then the content's
 # own trailing spaces went with it (the text is cut before the mark and stripped at its end).
-# A message's text content parts become one string, a part per line, as vLLM joins them for a
-# template that takes string content: parts written as separate paragraphs stay apart.
-TEXT_PART_SEPARATOR = "\n"
-
 _CONTINUE_MARK = "HYBRIDSERVE-CONTINUE-5c0e7a91 "
 # The special tokens transformers passes to a template by their names
 SPECIAL_TOKEN_NAMES = (

@@ -42,7 +42,8 @@ def _is_token_list(prompts: object) -> bool:
 
 def _conversations(messages: object) -> list[list[dict[str, Any]]]:
     """`LLM.chat`'s messages as conversations of plain messages: text parts joined into the
-    content (one per line, as the server joins them); other keys (name, tool_calls, ...) passed to the template as given."""
+    content (one per line, as the server joins them); other keys (name, tool_calls, ...) passed
+    to the template as given."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
         raise InvalidRequestError("messages: a non-empty list of messages, or a list of such lists")
     if isinstance(messages[0], Mapping):  # one conversation (as vLLM tells the two apart)

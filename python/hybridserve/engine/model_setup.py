@@ -137,7 +137,8 @@ def build_engine_model(args: EngineArgs) -> EngineModel:
         sizes.num_mamba_slots,
     )
     try:
-        # a draft model runs whole on rank 0 (docs/tensor-parallelism.md, "Speculative decoding, prefix caching, preemption")
+        # a draft model runs whole on rank 0 (docs/tensor-parallelism.md, "Speculative decoding,
+        # prefix caching, preemption")
         proposer = build_proposer(resolved_engine.speculative, resolved, dtype, device, vocab_size)
     except BaseException:
         if executor is not None:

@@ -253,9 +253,9 @@ class ModelInfo(Protocol):
     ) -> list[int]:
         """The rendered conversation's ids. `refuse` is given the rendered text before it is
         tokenized, to refuse one too long from its length (`refuse_longer_than_context`) rather
-        than after seconds of tokenizing megabytes. `continue_final_message`: as `ChatTemplate.render`. `template`: a request's
-        own template, rendered in place of the served one (a ModelInfo whose
-        `trust_request_chat_template` attribute is true allows it)."""
+        than after seconds of tokenizing megabytes. `continue_final_message`: as
+        `ChatTemplate.render`. `template`: a request's own template, rendered in place of the
+        served one (a ModelInfo whose `trust_request_chat_template` attribute is true allows it)."""
         ...
 
     def text_offsets(self, text: str, token_ids: list[int]) -> list[int] | None:

@@ -13,7 +13,8 @@ A stream sends the same items as OpenAI's typed events (`response.created` ...
 Responses are kept (`store`, true by default as OpenAI's) in a store bounded by bytes, the oldest
 dropped first: `previous_response_id` continues the conversation a kept response ended (its
 input, then its output), without its `instructions`, as OpenAI does. Output reasoning is not
-sent back to the model in a later turn, as chat templates leave earlier reasoning out.
+sent back to the model in a later turn (a template that renders earlier reasoning, as Qwen3's
+does after the last query, gets it over the chat route only).
 
 Not served: hosted tools (web search, file search, computer use, MCP), images and files in the
 input, `background`, `truncation: "auto"`, `max_tool_calls`, stored prompts or conversations
@@ -264,8 +265,8 @@ Origin = list[tuple[str, str]]
 def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> list[dict[str, Any]]:
     """`input` (a string, or a list of input items) as chat messages, with each message's origin
     appended to `origins`. Consecutive function calls join one assistant message's `tool_calls`
-    (with the assistant text just before them, if any); a `reasoning` item is left out, as a
-    template leaves earlier reasoning out."""
+    (with the assistant text just before them, if any); a `reasoning` item is left out (the chat
+    route alone hands an assistant's reasoning to the template)."""
     if isinstance(v, str):
         origins.append([(".content", "input"), ("", "input")])
         return [{"role": "user", "content": v}]
