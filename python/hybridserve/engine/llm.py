@@ -321,9 +321,9 @@ class LLM:
         # a grammar that does not compile refuses the batch, whether or not it was compiled before
         self.engine.compile_grammars(params_list)
 
-        # The bar is made before any request is added: a factory that raised (or Ctrl-C while tqdm
-        # is imported) left the call's requests queued in the engine, and later the arrival
-        # indices they took
+        # The bar is made before any request is added: made after, a factory that raised (or Ctrl-C
+        # while tqdm was imported) left the call's requests queued in the engine, or the arrival
+        # indices they had taken
         progress = None
         if use_tqdm:
             factory: Callable[..., Any]
