@@ -815,17 +815,17 @@ def _value_grammar(schema: Any, defs: dict[str, Any] | None = None) -> str | Non
     kind, _ = _param_kind(schema, defs)
     if kind == "string":
         return None
-    json_value = f"%json {json.dumps(_with_defs({**target, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
-    if kind in ("integer", "number"):  # (the forms `_typed_value` reads)
-        # a schema of that one type by JSON's grammar, which writes the same literal forms and
-        # keeps its minimum, maximum, multipleOf and choices (the bare forms would not: a forced
-        # call could write 999 for an hour)
-        return json_value if target.get("type") == kind else f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
+    if kind in ("integer", "number") and target.get("type") != kind:
+        # (a number among other types: the bare literal forms `_typed_value` reads)
+        return f"/{_INTEGER if kind == 'integer' else _NUMBER}/"
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
         return '"null"'
-    return json_value
+    # JSON by the schema: objects, arrays, and a schema of one number type, whose JSON grammar
+    # writes the same literal forms and keeps its minimum, maximum, multipleOf and choices (the
+    # bare forms would not: a forced call could write 999 for an hour)
+    return f"%json {json.dumps(_with_defs({**target, 'x-guidance': dict(JSON_DEFAULTS)}, defs or {}))}"
 
 
 class FirstCallOnly:
