@@ -514,11 +514,16 @@ def test_serve_refuses_a_body_read_timeout_that_is_not_a_positive_time(
 
 @pytest.mark.parametrize(
     ("flag", "says"),
-    [("--host", "give an address"), ("--uds", "the socket's path"), ("--api-key", "without one")],
+    [
+        ("--host", "give an address"),
+        ("--uds", "the socket's path"),
+        ("--api-key", "without one"),
+        ("--served-model-name", "the name requests use"),
+    ],
 )
 def test_serve_refuses_an_empty_address(flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
     """(an unset shell variable would otherwise listen on every interface, or crash, or serve
-    without the API key it was meant to give)"""
+    without the API key it was meant to give, or under an empty model name)"""
     from hybridserve.cli import main
 
     with pytest.raises(SystemExit) as exc:

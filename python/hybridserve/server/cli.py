@@ -118,6 +118,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--served-model-name",
         nargs="+",
+        type=not_empty("give the name requests use, or leave the flag out to serve the MODEL argument's"),
         default=None,
         metavar="NAME",
         help="model name in the API (default: the MODEL argument as given, as vLLM; 'demo' for the demo); "
