@@ -68,6 +68,31 @@ def test_the_choices_are_the_best_beams(server: ServerProcess, offline: LLM) -> 
     assert [c["token_ids"] for c in two["choices"][:3]] == [c["token_ids"] for c in r["choices"]]
 
 
+FINISHED = "hybridserve_requests_finished_total"
+
+
+def test_a_search_counts_its_choices_as_finished_requests(server: ServerProcess) -> None:
+    """Each choice once, by its finish reason and sizes, as a sampled request's choices (its
+    one-token queries are not requests of the client's)."""
+    before = wait_idle(server)
+    body = {"prompt": PROMPT, "n": 3, "max_tokens": 4, "use_beam_search": True, "return_token_ids": True}
+    status, r = call(server, "/v1/completions", body)
+    assert status == 200, r
+    after = wait_idle(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    reasons = [c["finish_reason"] for c in r["choices"]]
+    for reason in ("stop", "length"):
+        key = f'{FINISHED}{{finish_reason="{reason}"}}'
+        assert delta(key) == reasons.count(reason), reason
+    assert delta("hybridserve_request_generation_tokens_count") == 3
+    assert delta("hybridserve_request_generation_tokens_sum") == r["usage"]["completion_tokens"]
+    assert delta("hybridserve_request_prompt_tokens_sum") == 3 * r["usage"]["prompt_tokens"]
+    assert delta("hybridserve_e2e_request_latency_seconds_count") == 3
+
+
 def test_a_streamed_search_sends_each_finished_beam_as_a_chunk(server: ServerProcess) -> None:
     """As vLLM streams a beam search (its beams are known only at the end): one chunk per choice
     with the whole text and finish reason, then the usage chunk; the same choices as unstreamed."""
@@ -204,9 +229,13 @@ def test_a_client_that_leaves_ends_its_search(server: ServerProcess) -> None:
         writer.close()
         await writer.wait_closed()
 
+    aborted = f'{FINISHED}{{finish_reason="abort"}}'
+    aborted_before = get_metrics(server).get(aborted, 0.0)
     asyncio.run(leave())
-    after = assert_idle(server)[GENERATED]
+    idle = assert_idle(server)
+    after = idle[GENERATED]
     assert 0 < after - before < LONG["n"] * LONG["max_tokens"] // 2, after - before
+    assert idle[aborted] == aborted_before + LONG["n"]  # each choice it would have had ended "abort"
     status, out = call(server, "/v1/completions", {**LONG, "max_tokens": 3})  # (the server still serves)
     assert status == 200 and len(out["choices"]) == 3
 

@@ -1503,12 +1503,18 @@ async def _beam_answer(
     prompt_tokens = sum(len(p.token_ids) for p in req.prompts)
     completion_tokens = 0
     made: list[_BeamChoice] = []
+    ended_by = "abort"  # the client went away (the handler is cancelled)
     try:
         try:
             best, steps = await run_beam_search(engine, req, engine_ids, lambda: state.draining)
-        except (asyncio.CancelledError, P.APIError):
+        except asyncio.CancelledError:
+            raise
+        except P.APIError as e:
+            if e.status != CLIENT_CLOSED:
+                ended_by = "error"
             raise
         except Exception as e:
+            ended_by = "error"
             raise _engine_error(e) from None
         if steps == 0:  # (the shutdown came before its first step)
             raise P.APIError(
@@ -1527,6 +1533,7 @@ async def _beam_answer(
     finally:
         for place in places:
             state.release(place)
+        _observe_beams(state, made if len(made) == len(places) else None, len(places), ended_by, arrival)
         request[RECORD_KEY] = RequestRecord(
             prompt_tokens=prompt_tokens, output_tokens=completion_tokens, ttft_s=time.monotonic() - arrival
         )
@@ -1566,6 +1573,24 @@ async def _beam_answer(
             prompt_token_ids=req.prompts[0].token_ids if ids else None,
         )
     return web.json_response(body, dumps=_dumps)
+
+
+def _observe_beams(
+    state: ServerState, made: list[_BeamChoice] | None, places: int, ended_by: str, arrival: float
+) -> None:
+    """A search's choices in the finished-request metrics, as a sampled request's: each by its
+    reason and sizes once the search ended (`made`), each by `ended_by` when it ended without
+    them. (Its one-token queries are engine requests of its own, not counted there.)"""
+    m = state.metrics
+    if made is None:
+        for _ in range(places):
+            m.requests_finished.inc(ended_by)
+        return
+    latency = time.monotonic() - arrival
+    for c in made:
+        m.e2e_latency.observe(latency)
+        m.requests_finished.inc(c.finish_reason)
+        m.observe_finished(None, len(c.prompt.token_ids), len(c.token_ids))
 
 
 @dataclass
