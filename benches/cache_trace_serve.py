@@ -219,12 +219,13 @@ def main() -> int:
         summary = result["summary"]["trace"]
         kv = int(after.get("hybridserve_kv_blocks_total", 0)) + 1
         slots = int(after.get("hybridserve_mamba_slots_total", 0)) + 1
+        seqs = int(after["hybridserve_max_num_seqs"])  # (what --server-args gave, or the sized default)
         replayed = cr.replay(
             trace,
             cr.Cell(
                 POLICIES[name],
                 0.0,
-                max_num_seqs=32,
+                max_num_seqs=seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 num_kv_blocks=kv,
                 num_mamba_slots=slots,
