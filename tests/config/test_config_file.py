@@ -118,6 +118,12 @@ def test_the_file_s_model_for_each_subcommand(tmp_path: Path) -> None:
             "dtype: one of auto, float32, bfloat16, float16, float64, half, float, double (got float8)",
         ),
         ("port: 70000\n", "port: must be in [0, 65535], got 70000"),
+        # two spellings of one flag: the last would win without a word
+        ("max-num-seqs: 4\nmax_num_seqs: 8\n", "'max-num-seqs' and 'max_num_seqs' set the same flag"),
+        (
+            "enable-prefix-caching: true\nno-enable-prefix-caching: true\n",
+            "'enable-prefix-caching' and 'no-enable-prefix-caching' set the same flag",
+        ),
     ],
 )
 def test_what_cannot_be_read_is_an_error_naming_the_file(tmp_path: Path, text: str, said: str) -> None:

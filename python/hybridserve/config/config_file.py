@@ -18,8 +18,8 @@ switch is the bare flag, a false one its `--no-` form (or nothing, for a flag th
 single value is `--flag=value` (so that a value starting with `-` stays a value); a list is the
 flag's values in order; a mapping is passed as its JSON text (the flags that take JSON). A key
 that is not one of the subcommand's long flags, a value of the wrong shape or one the flag
-refuses, a file that is not a mapping or not YAML, an empty path: each is an error naming the
-file and the key.
+refuses, two keys of one file for the same flag (`max-num-seqs` and `max_num_seqs`), a file that
+is not a mapping or not YAML, an empty path: each is an error naming the file and the key.
 """
 
 from __future__ import annotations
@@ -203,11 +203,17 @@ def expand_config_files(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
     model: str | None = None
     added: list[str] = []
     for path in paths:
+        keys: dict[str, Any] = {}  # the file's key of each flag it sets (by destination)
         for key, value in _read(path).items():
             if positional_model and isinstance(key, str) and key.lstrip("-") == "model":
                 model = _scalar(path, key, value)
                 continue
             flag, action = _flag_of(path, key, actions)
+            if action.dest in keys:  # (two spellings: the last would win without a word)
+                raise ConfigError(
+                    f"{FLAG} {path}: {keys[action.dest]!r} and {key!r} set the same flag; keep one"
+                )
+            keys[action.dest] = key
             if action.dest not in given:
                 added += _tokens(path, key, flag, action, value)
     return rest[:end] + added + rest[end:], model
