@@ -1139,3 +1139,18 @@ def test_code_written_for_vllm_s_llm_runs() -> None:
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, params)
     with pytest.raises(InvalidRequestError, match="lora_request"):
         llm.chat([{"role": "user", "content": "hi"}], params, lora_request=object())  # type: ignore[arg-type]
+
+
+def test_generate_refuses_while_step_api_requests_run() -> None:
+    """Its loop would run them to their end and drop their outputs."""
+    llm = llm32()
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm.engine.add_request("mine", "The morning was", params)
+    with pytest.raises(InvalidRequestError, match="step API \\('mine', ...\\)"):
+        llm.generate("Hello", params)
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        finished += [o for o in llm.engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["mine"] and len(finished[0].outputs[0].token_ids) == 3
+    (out,) = llm.generate("Hello", params)  # (nothing of the refused call was left behind)
+    assert len(out.outputs[0].token_ids) == 3

@@ -272,7 +272,8 @@ class LLM:
         batch with an invalid request (a prompt, a parameter, a grammar that does not compile) is
         refused whole with InvalidRequestError, and changes nothing. `use_tqdm`: a bar over the
         prompts (True, or a tqdm-like factory to make it); `lora_request` (vLLM's): None only,
-        no adapter is served."""
+        no adapter is served. While requests added through the engine's step API
+        (`llm.engine.add_request`) are unfinished it refuses with InvalidRequestError."""
         _no_lora(lora_request)
         if isinstance(prompts, str | dict) or _is_token_list(prompts):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
@@ -313,6 +314,14 @@ class LLM:
         else:
             raise InvalidRequestError(
                 f"priority: a list of integers, one per prompt, not {type(priority).__name__}"
+            )
+        # Requests added through the engine's step API (`llm.engine.add_request`) would be run to
+        # their end by the loop below, their outputs dropped: refused until they are stepped or
+        # aborted. (Any request in the engine now is another's: a call leaves none of its own.)
+        if others := list(self.engine.requests):
+            raise InvalidRequestError(
+                f"the engine runs {len(others)} request(s) added through its step API ({others[0]!r}, ...): "
+                "step them to their end (engine.step()) or abort them before generate"
             )
         # A value set after construction is checked before the fan-out reads it: an n of 0 left a
         # prompt with no request (IndexError after the run), an n that is no int a TypeError.
