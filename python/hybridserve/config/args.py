@@ -137,6 +137,10 @@ class EngineArgs:
     #: template itself (vLLM's --chat-template). The chat routes, `LLM.chat` and the "auto"
     #: shared-prefix markers use it. None = the model's (tokenizer_config.json, else ChatML).
     chat_template: str | None = None
+    #: How the chat template is handed a message's content (vLLM's --chat-template-content-format):
+    #: "string", "openai" (a list of {"type": "text", "text": ...} parts) or "auto" (the list for
+    #: a template that loops over a message's content, else the string).
+    chat_template_content_format: str = "auto"
     #: Where default sampling parameters come from (config/generation.py): "auto" (the model's
     #: generation_config.json, as vLLM), "vllm" (none: SamplingParams' own defaults), or a folder
     #: holding a generation_config.json.
@@ -312,6 +316,11 @@ class EngineArgs:
         parse_shared_prefix_markers(self.shared_prefix_markers)
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
+        if self.chat_template_content_format not in CHAT_CONTENT_FORMATS:
+            raise ConfigError(
+                f"--chat-template-content-format: one of {', '.join(CHAT_CONTENT_FORMATS)}, "
+                f"got {self.chat_template_content_format!r}"
+            )
         check_generation_setting(self.generation_config)
         parse_generation_override(self.override_generation_config)
 
@@ -471,6 +480,10 @@ class EngineArgs:
         args = cls(**kwargs)
         args.validate()
         return args
+
+
+# How a chat template is handed a message's content (engine/chat_template.py)
+CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def chat_template_source(value: str) -> str:

@@ -105,6 +105,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         "template itself (the chat routes, LLM.chat and the auto shared-prefix markers use it)",
     )
     g.add_argument(
+        "--chat-template-content-format",
+        choices=("auto", "string", "openai"),
+        default="auto",
+        help="how the chat template is handed a message's content (vLLM's flag): string, openai (a list of "
+        "text parts) or auto (default: the list for a template that loops over a message's content, such as "
+        "Gemma 3's, else the string)",
+    )
+    g.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|FOLDER",

@@ -12,11 +12,12 @@ renders `tool_use` when the conversation has tools, else `default`; a request ma
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.config.args import chat_template_source
+from hybridserve.config.args import CHAT_CONTENT_FORMATS, chat_template_source
 
 if TYPE_CHECKING:
     from hybridserve.engine.tokenizer import Tokenizer
@@ -43,6 +44,86 @@ class ContinuationError(ValueError):
 # template that takes string content: parts written as separate paragraphs stay apart.
 TEXT_PART_SEPARATOR = "\n"
 
+# How a template is handed a message's content (vLLM's --chat-template-content-format): "string",
+# or "openai", a list of {"type": "text", "text": ...} parts; "auto" picks "openai" for a template
+# that loops over a message's content (`detect_content_format`), else "string".
+CONTENT_FORMATS = CHAT_CONTENT_FORMATS
+
+
+class TextParts(str):
+    """A message's content given as text parts: the parts joined one per line (the string every
+    check and rewrite reads), and the parts themselves, which a template taking "openai" content
+    is handed. A rewritten content (a plain `str` made from it) is one part."""
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts: Sequence[str]) -> TextParts:
+        out = super().__new__(cls, TEXT_PART_SEPARATOR.join(parts))
+        out.parts = tuple(parts)
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TextParts, (self.parts,))
+
+
+def _unwrapped(node: Any) -> Any:
+    """A value with its filters, tests and slices taken off (`messages[1:]`, `x | trim`)."""
+    from jinja2 import nodes
+
+    while True:
+        if isinstance(node, nodes.Filter | nodes.Test) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _names_one_of(node: Any, names: set[str]) -> bool:
+    from jinja2 import nodes
+
+    node = _unwrapped(node)
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _content_of_one_of(node: Any, names: set[str]) -> bool:
+    """Whether `node` is `m.content` or `m['content']` of a variable in `names`."""
+    from jinja2 import nodes
+
+    node = _unwrapped(node)
+    if isinstance(node, nodes.Getattr) and node.attr == "content":
+        return _names_one_of(node.node, names)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content":
+        return _names_one_of(node.node, names)
+    return False
+
+
+def detect_content_format(source: str) -> str:
+    """ "openai" when the template loops over a message's content (`{% for part in
+    message['content'] %}`, the message a loop variable over `messages` or a variable set from
+    it), else "string": what vLLM's "auto" detects."""
+    from jinja2 import Environment, TemplateSyntaxError, nodes
+
+    try:
+        tree = Environment(extensions=["jinja2.ext.loopcontrols", _generation_extension()]).parse(source)
+    except TemplateSyntaxError:
+        return "string"
+    lists = {"messages"}
+    assigns = [
+        (a.target.name, a.node) for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)
+    ]
+    while True:  # the variables set from it, and from those (`{% set loop_messages = messages[1:] %}`)
+        more = {name for name, value in assigns if _names_one_of(value, lists)} - lists
+        if not more:
+            break
+        lists |= more
+    loops = list(tree.find_all(nodes.For))
+    messages = {
+        f.target.name for f in loops if isinstance(f.target, nodes.Name) and _names_one_of(f.iter, lists)
+    }
+    return "openai" if any(_content_of_one_of(f.iter, messages) for f in loops) else "string"
+
+
 # Appended to the final message's content to find where the template writes that content's end:
 # searching the rendered text for the content itself would match a copy of it elsewhere (a short
 # message such as "i" inside the template's own end-of-turn text). It ends with a space, as
@@ -66,18 +147,27 @@ SPECIAL_TOKEN_NAMES = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _template_messages(messages: list[dict[str, Any]], openai_content: bool) -> list[dict[str, Any]]:
     """The messages as transformers' `apply_chat_template` hands them to a template: without the
     keys whose value is None (the OpenAI SDK's messages carry `tool_calls: None`, `name: None`,
     ...: a template that asks `'tool_calls' in message` would then iterate None), and with a
     message's reasoning under another of its names (`reasoning`, `thinking`) as
-    `reasoning_content` and `thinking` too, the names templates read."""
+    `reasoning_content` and `thinking` too, the names templates read. With `openai_content`,
+    each content is a list of text parts, as vLLM hands content to such a template: the parts
+    given (none for an assistant's absent content), or the string as one part."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
         reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        content = m.get("content")
+        if isinstance(content, str):
+            if not openai_content:
+                m["content"] = str(content)
+            else:
+                texts = content.parts if isinstance(content, TextParts) else (content,)
+                m["content"] = [{"type": "text", "text": t} for t in texts]
         out.append(m)
     return out
 
@@ -124,10 +214,17 @@ class ChatTemplate:
         eos_token: str | None = None,
         special_tokens: dict[str, str] | None = None,
         named: dict[str, str] | None = None,
+        content_format: str = "auto",
     ) -> None:
         """`special_tokens`: the texts of the tokenizer's special tokens by name (`bos_token` and
-        `eos_token` win over theirs); `named`: the model's other named templates (`tool_use`)."""
+        `eos_token` win over theirs); `named`: the model's other named templates (`tool_use`);
+        `content_format`: one of CONTENT_FORMATS."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content format: one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}")
+        self.content_format = content_format
+        self._detected: dict[str, bool] = {}  # source -> whether its content is "openai"
 
         self.source = template or DEFAULT_CHAT_TEMPLATE
         self.special_tokens = {
@@ -162,7 +259,24 @@ class ChatTemplate:
         a name among the model's named templates is that template. The template given is the one
         rendered, tools or not (as transformers renders a template it is given)."""
         source = self.named.get(template, template)
-        return ChatTemplate(source, special_tokens=self.special_tokens)
+        return ChatTemplate(source, special_tokens=self.special_tokens, content_format=self.content_format)
+
+    def with_content_format(self, content_format: str) -> ChatTemplate:
+        """This template handing content over as `content_format` says (one of CONTENT_FORMATS)."""
+        if content_format == self.content_format:
+            return self
+        return ChatTemplate(
+            self.source, special_tokens=self.special_tokens, named=self.named, content_format=content_format
+        )
+
+    def openai_content(self, tools: bool) -> bool:
+        """Whether the template a conversation renders with is handed content as a list of parts."""
+        if self.content_format != "auto":
+            return self.content_format == "openai"
+        source = self.source_for(tools)
+        if source not in self._detected:
+            self._detected[source] = detect_content_format(source) == "openai"
+        return self._detected[source]
 
     def source_for(self, tools: bool) -> str:
         """The text of the template a conversation renders with: the model's `tool_use` one when
@@ -180,10 +294,13 @@ class ChatTemplate:
         return self._compiled_named["tool_use"]
 
     @classmethod
-    def served(cls, model_dir: str | Path | None, override: str | None = None) -> ChatTemplate:
+    def served(
+        cls, model_dir: str | Path | None, override: str | None = None, content_format: str = "auto"
+    ) -> ChatTemplate:
         """The template an engine serves: `override` (a `--chat-template` value: a file holding a
-        template, or the template itself) with the model's BOS and EOS texts, else the model's."""
-        model = cls.from_model_dir(model_dir)
+        template, or the template itself) with the model's BOS and EOS texts, else the model's;
+        handing content over as `content_format` says (--chat-template-content-format)."""
+        model = cls.from_model_dir(model_dir).with_content_format(content_format)
         if override is None:
             return model
         return model.with_source(chat_template_source(override))
@@ -243,7 +360,10 @@ class ChatTemplate:
         content = messages[-1].get("content") if messages else None
         if not isinstance(content, str) or not content:
             raise ContinuationError("the final message has no content to continue")
-        marked = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
+        # (content given as parts: the mark ends the last part)
+        parts = content.parts if isinstance(content, TextParts) else (content,)
+        marked_content = TextParts([*parts[:-1], parts[-1] + _CONTINUE_MARK])
+        marked = [*messages[:-1], {**messages[-1], "content": marked_content}]
         text = self._render(marked, False, extra)
         mark = _CONTINUE_MARK.strip()
         if text.count(mark) != 1:
@@ -267,7 +387,9 @@ class ChatTemplate:
                     # (the server's: a request's template variables do not replace them)
                     **{name: "" for name in ("bos_token", "eos_token")},
                     **self.special_tokens,
-                    "messages": _template_messages(messages),
+                    "messages": _template_messages(
+                        messages, self.openai_content(extra is not None and extra.get("tools") is not None)
+                    ),
                     "add_generation_prompt": add_generation_prompt,
                 }
             )

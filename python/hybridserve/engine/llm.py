@@ -16,7 +16,7 @@ import jinja2
 
 from hybridserve.config import EngineArgs
 from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridserve.engine.chat_template import TEXT_PART_SEPARATOR, encode_rendered
+from hybridserve.engine.chat_template import CONTENT_FORMATS, TextParts, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
@@ -78,9 +78,11 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
                         f"{p}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}})"
                     )
                 texts.append(part["text"])
-            content = TEXT_PART_SEPARATOR.join(texts)
+            content = TextParts(texts)
         elif content is None:
-            content = ""  # (an assistant message with only tool calls, say; templates add strings)
+            # (an assistant message with only tool calls, say): "" as a string, as templates add
+            # strings; no parts for a template taking them
+            content = TextParts(())
         elif not isinstance(content, str):
             raise InvalidRequestError(
                 f"{p}.content: a string, None or a list of text parts, not {type(content).__name__}"
@@ -211,16 +213,20 @@ class LLM:
         takes them) are the template's `tools` variable: a template that mentions them renders
         them, as transformers' `apply_chat_template(tools=...)` does; nothing parses calls out of
         the replies here (the server does). A conversation the template refuses, or one malformed,
-        raises InvalidRequestError and nothing runs. vLLM's `lora_request` (None only) and
-        `chat_template_content_format` ("auto" or "string": text content is all there is here)
-        are taken."""
+        raises InvalidRequestError and nothing runs. vLLM's `lora_request` (None only)
+        is taken. `chat_template_content_format` (vLLM's): how the template is handed a
+        message's content, "string" or "openai" (a list of text parts); "auto" keeps the engine's
+        setting (--chat-template-content-format, whose "auto" gives the list to a template that
+        loops over a message's content)."""
         _no_lora(lora_request)
-        if chat_template_content_format not in ("auto", "string"):
+        if chat_template_content_format not in CONTENT_FORMATS:
             raise InvalidRequestError(
-                f"chat_template_content_format: 'auto' or 'string' (text content only), got {chat_template_content_format!r}"
+                f"chat_template_content_format: one of {', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}"
             )
         conversations = _conversations(messages)
         template = self.engine.chat_template
+        if chat_template_content_format != "auto":
+            template = template.with_content_format(chat_template_content_format)
         if chat_template is not None:
             if not isinstance(chat_template, str) or not chat_template:
                 raise InvalidRequestError(f"chat_template: a Jinja template's text, got {chat_template!r}")

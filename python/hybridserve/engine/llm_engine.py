@@ -214,7 +214,9 @@ class LLMEngine:
         if self.default_sampling:
             logger.info("%s", why)
         #: the chat template served (--chat-template, else the model's): LLM.chat renders with it
-        self.chat_template = ChatTemplate.served(em.tokenizer_dir, args.chat_template)
+        self.chat_template = ChatTemplate.served(
+            em.tokenizer_dir, args.chat_template, args.chat_template_content_format
+        )
         self.shared_prefix_markers, why = resolve_markers(
             args.shared_prefix_markers, em.tokenizer_dir, em.tokenizer, self.chat_template
         )

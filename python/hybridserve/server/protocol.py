@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from hybridserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, widest_beam
-from hybridserve.engine.chat_template import TEXT_PART_SEPARATOR, ChatTemplate, ContinuationError
+from hybridserve.engine.chat_template import ChatTemplate, ContinuationError, TextParts
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import (
@@ -1047,7 +1047,7 @@ def _parse_messages(
         if content is None:
             if role != "assistant":
                 raise _bad(f"{p}.content", "required", "missing_field")
-            text = ""
+            text: str = TextParts(())  # ("" as a string; no parts for a template taking them)
         elif isinstance(content, str):
             text = content
         elif isinstance(content, list):
@@ -1068,7 +1068,7 @@ def _parse_messages(
                 if not isinstance(t, str):
                     raise _bad(f"{pp}.text", "must be a string", "invalid_type")
                 parts.append(t)
-            text = TEXT_PART_SEPARATOR.join(parts)
+            text = TextParts(parts)
         else:
             raise _bad(
                 f"{p}.content",

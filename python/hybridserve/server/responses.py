@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from hybridserve.engine.chat_template import TEXT_PART_SEPARATOR
+from hybridserve.engine.chat_template import TextParts
 from hybridserve.server import protocol as P
 from hybridserve.server.tools import ToolCall
 
@@ -244,7 +244,7 @@ def _text_of_parts(param: str, content: Any, unknown: P.UnknownFields) -> str:
         if not isinstance(text, str):
             raise _bad(f"{pp}.text", "must be a string", "invalid_type")
         parts.append(text)
-    return TEXT_PART_SEPARATOR.join(parts)
+    return TextParts(parts)
 
 
 def _string_field(item: dict[str, Any], param: str, key: str) -> str:
