@@ -555,6 +555,43 @@ def test_loader_tied_embeddings_and_tokenizer(tmp_path):
     assert torch.equal(old.model.backbone.embeddings.weight, lm.model.backbone.embeddings.weight)
 
 
+def test_a_head_stored_under_a_tying_config_is_used_where_it_differs(tmp_path, caplog):
+    """config.json ties the embeddings but the checkpoint stores a head of its own (a fine-tune
+    saved untied, the config left tying): transformers keeps the stored head; so does the loader,
+    saying so, and it ties a stored head that holds the embeddings' numbers."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, state_size=8,
+        n_groups=1, chunk_size=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_untied = transformers.Mamba2ForCausalLM(cfg).eval()
+    hf_untied.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompt = [5, 9, 100, 3, 17]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    with caplog.at_level("WARNING", logger="hybridserve"):
+        lm = load_model(str(tmp_path), torch.float32)
+    assert lm.model.lm_head.weight is not lm.model.backbone.embeddings.weight
+    assert "the stored tensor is used" in caplog.text
+    ours = lm.model(_full_prompt_batch(prompt), ModelCaches.for_model(lm.config, lm.dtype, 2, 8, 4))
+    assert ((ours - ref).abs().max() / ref.abs().max()) < 1e-4
+    # a stored head equal to the embeddings is tied (one tensor), without a word
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["lm_head.weight"] = w["backbone.embeddings.weight"].clone()
+    save_file(w, str(tmp_path / "model.safetensors"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybridserve"):
+        same = load_model(str(tmp_path), torch.float32)
+    assert same.model.lm_head.weight is same.model.backbone.embeddings.weight
+    assert "the stored tensor is used" not in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------
 # ModelCaches
 # ------------------------------------------------------------------------------------------------

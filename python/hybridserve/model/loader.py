@@ -233,6 +233,10 @@ def _read_weights(
     try:
         ties = model.tied_weight_map()
         tied = _tied(model, cfg)
+        # A tensor config.json ties that the checkpoint stores too is read, and tied only where it
+        # holds the same numbers: a head saved untied under a config left tying (a fine-tune's)
+        # would otherwise be dropped, and every logit change (transformers keeps it, and says so)
+        stored_too = {n: tied.pop(n) for n in list(tied) if n in files}
         to_load = [n for n in params if n not in tied]
         for name in to_load:
             if name not in files:
@@ -292,6 +296,14 @@ def _read_weights(
             if alias not in to_load:
                 raise ConfigError(f"{model_dir}: tensor {alias!r} is missing from the checkpoint")
             _set_param(model, name, src)
+        for name, alias in stored_too.items():
+            if torch.equal(params[name].data, params[alias].data):
+                _set_param(model, name, params[alias])
+            else:
+                log.warning(
+                    "%s: config.json ties %r to %r, but the checkpoint stores it with other values: "
+                    "the stored tensor is used, as transformers does", model_dir, name, alias,
+                )  # fmt: skip
     finally:
         handles.clear()
     unused = sorted(set(files) - set(params) - set(stored.values()))
