@@ -421,6 +421,10 @@ def test_loader_errors(checkpoints, tmp_path):
         ("m2_g2", "layer_norm_epsilon", "1e-5", "layer_norm_epsilon must be a number"),
         ("bamba_g1", "mamba_expand", True, "mamba_expand must be a number, got True"),
         ("bamba_g1", "mamba_expand", 10**400, "a size is out of range"),
+        # (each loaded, and every request then ended with NaN logits, or failed at build naming no file)
+        ("nh_g1", "layer_norm_epsilon", -1.0, "the norm epsilon must be a finite number >= 0, got -1.0"),
+        ("m2_g2", "layer_norm_epsilon", {"__float__": "NaN"}, "the norm epsilon must be a finite number"),
+        ("nh_g1", "mlp_hidden_act", "gelu_fast", "unsupported MLP activation 'gelu_fast' .hidden_act"),
     ],
 )
 def test_config_sizes_that_are_not_integers_are_errors(checkpoints, tmp_path, name, field, value, match):
@@ -443,6 +447,47 @@ def test_config_sizes_written_as_whole_floats_are_accepted(checkpoints, tmp_path
     raw["hidden_size"] = float(raw["hidden_size"])
     (c / "config.json").write_text(json.dumps(raw))
     assert load_model(str(c)).config.hidden_size == int(raw["hidden_size"])
+
+
+def test_a_negative_token_id_names_no_token(checkpoints, tmp_path):
+    """(LLaMA's configs write `pad_token_id: -1` for none; an EOS of -1 kept made every request
+    fail for its out-of-range stop token)"""
+    _, d = checkpoints("nh_g1")
+    c = _copy_ckpt(d, tmp_path / "c")
+    raw = json.loads((c / "config.json").read_text())
+    (c / "config.json").write_text(json.dumps({**raw, "eos_token_id": [-1, 2], "pad_token_id": -1}))
+    cfg = load_model(str(c)).config
+    assert (cfg.eos_token_id, cfg.eos_token_ids, cfg.pad_token_id) == (2, [2], None)
+
+
+def test_a_layer_count_that_disagrees_with_the_checkpoint_is_said(checkpoints, tmp_path, caplog):
+    """num_hidden_layers against the pattern beside it is an error (a stack of one of the two
+    sizes leaves layers unread or missing); a checkpoint whose tensors the model does not read
+    (a layer past num_hidden_layers) loads with a warning naming them, not a debug line."""
+    _, d = checkpoints("nh_g1")
+    c = _copy_ckpt(d, tmp_path / "nh")
+    raw = json.loads((c / "config.json").read_text())
+    raw.pop("layers_block_type", None)
+    (c / "config.json").write_text(
+        json.dumps({**raw, "hybrid_override_pattern": "M-M", "num_hidden_layers": 4})
+    )
+    with pytest.raises(
+        ConfigError, match="num_hidden_layers is 4 but hybrid_override_pattern lists 3 layers"
+    ):
+        load_model(str(c))
+    (c / "config.json").write_text(
+        json.dumps({**raw, "hybrid_override_pattern": "M-M*", "num_hidden_layers": 4.0})
+    )
+    assert load_model(str(c)).config.num_layers == 4  # (a whole float, as every size)
+
+    _, d = checkpoints("m2_g2")
+    c = _copy_ckpt(d, tmp_path / "m2")
+    raw = json.loads((c / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 2
+    (c / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1}))
+    with caplog.at_level("WARNING", logger="hybridserve"):
+        load_model(str(c))
+    assert "tensors are not used by the model config.json describes (e.g. backbone.layers.1." in caplog.text
 
 
 def test_loader_errors_of_shards_side_files_and_sizes(checkpoints, tmp_path):

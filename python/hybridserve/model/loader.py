@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,11 +305,25 @@ def _read_weights(
                     "%s: config.json ties %r to %r, but the checkpoint stores it with other values: "
                     "the stored tensor is used, as transformers does", model_dir, name, alias,
                 )  # fmt: skip
+        unused = sorted(set(files) - set(params) - set(stored.values()))
+        # Tensors with numbers in them that nothing reads (a layer past the stack config.json
+        # declares, a bias the config says is not there) mean the model runs without them: said
+        # as transformers says it. Empty ones (a shared MLP of size 0) are not worth a warning.
+        held = []
+        for name in unused:
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(str(files[name]), framework="pt", device="cpu")
+            if math.prod(handles[files[name]].get_slice(name).get_shape()) > 0:
+                held.append(name)
     finally:
         handles.clear()
-    unused = sorted(set(files) - set(params) - set(stored.values()))
-    if unused:
-        log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
+    if held:
+        log.warning(
+            "%s: %d checkpoint tensors are not used by the model config.json describes (e.g. %s)",
+            model_dir, len(held), ", ".join(held[:3]),
+        )  # fmt: skip
+    elif unused:
+        log.info("%s: %d empty checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[0])
 
 
 def _check_tokenizer(cfg: ModelConfig, model_dir: Path, tokenizer_dir: Path) -> Any:

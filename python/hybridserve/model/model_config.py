@@ -121,6 +121,10 @@ def layer_kinds_from_names(names: list[Any], source: str) -> list[str]:
     return out
 
 
+# The MLP activations the layers build (layers/mlp.py `activation`), by transformers' names
+MLP_ACTIVATIONS = ("relu2", "silu", "swish", "relu", "gelu", "gelu_pytorch_tanh", "gelu_new")
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -237,6 +241,14 @@ class ModelConfig:
 
         if self.vocab_size <= 0 or self.hidden_size <= 0:
             raise bad("vocab_size and hidden_size must be positive")
+        for what, eps in (("norm epsilon", self.norm_eps), ("Mamba norm epsilon", self.mamba_norm_eps)):
+            if not (math.isfinite(eps) and eps >= 0):  # (NaN logits on every request otherwise)
+                raise bad(f"the {what} must be a finite number >= 0, got {eps!r}")
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise bad(
+                f"unsupported MLP activation {self.mlp_act!r} (hidden_act / mlp_hidden_act); "
+                f"supported: {', '.join(MLP_ACTIVATIONS)}"
+            )
         if len(self.layer_types) != self.num_layers or self.num_layers <= 0:
             raise bad(f"layer pattern has {len(self.layer_types)} entries for {self.num_layers} layers")
         for k in self.layer_types:
@@ -334,13 +346,15 @@ def get_flag(raw: dict[str, Any], *names: str, default: bool) -> bool:
 
 
 def token_ids(raw: dict[str, Any], name: str) -> tuple[int | None, list[int]]:
+    """(the first id, every id) of a token-id field, which may list several. A negative id names
+    no token (LLaMA's configs write `pad_token_id: -1` for none) and is left out: kept, every
+    request would be refused for its out-of-range EOS."""
     v = raw.get(name)
     if v is None:
         return None, []
-    if isinstance(v, list):
-        ids = [integral(x, name) for x in v]
-        return (ids[0] if ids else None), ids
-    return integral(v, name), [integral(v, name)]
+    ids = [integral(x, name) for x in (v if isinstance(v, list) else [v])]
+    ids = [i for i in ids if i >= 0]
+    return (ids[0] if ids else None), ids
 
 
 def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:
@@ -356,13 +370,17 @@ def time_step_limit(raw: dict[str, Any], *names: str) -> tuple[float, float]:
 
 
 def config_count(raw: dict[str, Any], source: str, *names: str) -> int | None:
-    """The first of `names` present as a positive integer, None when all are absent or null;
-    anything else is an error naming the file (not a silent default)."""
-    v = get_field(raw, *names)
-    if v is None:
+    """The first of `names` present as a positive integer (a whole float, 4.0, too, as every size
+    is read), None when all are absent or null; anything else is an error naming the file and
+    the field it found (not a silent default)."""
+    name = next((n for n in names if raw.get(n) is not None), None)
+    if name is None:
         return None
+    v = raw[name]
+    if isinstance(v, float) and v.is_integer() and 1 <= v <= MAX_CONFIG_COUNT:
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CONFIG_COUNT:
-        raise ConfigError(f"{source}: {names[0]} must be a positive integer, got {v!r}")
+        raise ConfigError(f"{source}: {name} must be a positive integer, got {v!r}")
     return v
 
 
@@ -426,8 +444,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         if not isinstance(names, list):
             raise ConfigError(f"{source}: layers_block_type must be a list")
         if model_type == "zamba2":
-            return _zamba2_kinds(names, source)
-        return layer_kinds_from_names(names, source)
+            return _listed_layers(raw, source, _zamba2_kinds(names, source), "layers_block_type")
+        return _listed_layers(raw, source, layer_kinds_from_names(names, source), "layers_block_type")
     if model_type == "nemotron_h":
         pattern = raw.get("hybrid_override_pattern")
         if not isinstance(pattern, str) or not pattern:
@@ -437,7 +455,8 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
         if bad:
             raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
-        return [NEMOTRON_H_PATTERN[c] for c in pattern]
+        kinds = [NEMOTRON_H_PATTERN[c] for c in pattern]
+        return _listed_layers(raw, source, kinds, "hybrid_override_pattern")
     n = config_count(raw, source, "num_hidden_layers", "n_layer") or 0
     if model_type == "bamba":
         try:
@@ -454,6 +473,16 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     if model_type in SCAN_CHUNK_DEFAULTS:
         return [MAMBA] * n
     return [ATTENTION] * n
+
+
+def _listed_layers(raw: dict[str, Any], source: str, kinds: list[str], listed_by: str) -> list[str]:
+    """Layers a list (or pattern) declares, which a `num_hidden_layers` beside it must count: a
+    stack built from one of two disagreeing sizes leaves a checkpoint's layers unread, or
+    missing."""
+    n = config_count(raw, source, "num_hidden_layers", "n_layer")
+    if n is not None and n != len(kinds):
+        raise ConfigError(f"{source}: num_hidden_layers is {n} but {listed_by} lists {len(kinds)} layers")
+    return kinds
 
 
 def on_period(raw: dict[str, Any], source: str, prefix: str, i: int, default: tuple[int, int]) -> bool:

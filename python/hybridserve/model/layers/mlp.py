@@ -23,7 +23,7 @@ def activation(name: str) -> nn.Module:
         return nn.ReLU()
     if name in ("gelu", "gelu_pytorch_tanh", "gelu_new"):
         return nn.GELU(approximate="none" if name == "gelu" else "tanh")
-    raise ConfigError(f"unsupported activation {name!r}")
+    raise ConfigError(f"unsupported activation {name!r}")  # (ModelConfig.validate names the file first)
 
 
 class _ReLU2(nn.Module):
