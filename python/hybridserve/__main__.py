@@ -1,3 +1,3 @@
-from hybridserve.cli import main
+from hybridserve.cli import run
 
-raise SystemExit(main())
+run()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import select
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from hybridserve import __version__
 
@@ -145,5 +147,35 @@ def _main(argv: Sequence[str] | None) -> int:
     return int(rc or 0)
 
 
+def run() -> NoReturn:
+    """The `hybridserve` command: `main`, then the process's end. Where a grammar compilation
+    still runs (a shutdown waited for it in vain), the process ends at once, its output flushed:
+    ended by the interpreter's finalization, the compiling thread would be unwound through
+    llguidance's native frames and the process crash (SIGSEGV) instead of exiting with `main`'s
+    status."""
+    try:
+        rc = main()
+    except SystemExit as exc:  # (argparse's errors, --help)
+        if not _compilations_running():
+            raise
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        rc = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    if _compilations_running():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
+def _compilations_running() -> bool:
+    compiler = sys.modules.get("hybridserve.engine.grammar_compiler")  # (not imported for it)
+    return compiler is not None and bool(compiler.compilations_running())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

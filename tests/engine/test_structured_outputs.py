@@ -354,12 +354,127 @@ def test_shutdown_waits_for_a_compilation_still_running() -> None:
     ticket = engine.grammars.submit(StructuredOutputsParams(regex="[ab]+"))  # type: ignore[attr-defined]
     workers = list(engine.grammars._threads)  # type: ignore[attr-defined]  (this engine's)
     assert workers
+    deadline = time.monotonic() + 20
+    while ticket.compiled.started is None:  # (a compilation still queued is dropped instead)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert not engine.grammars.shutdown(timeout=0.2)  # type: ignore[attr-defined]
     assert any(t.is_alive() for t in workers)
     threading.Timer(0.3, release.set).start()
     engine.shutdown()  # waits for the held compilation, then its worker's end
     assert ticket.compiled.done()
     assert not any(t.is_alive() for t in workers)
+
+
+def _busy_workers(engine: object) -> tuple[threading.Event, list[str]]:
+    """Holds every grammar worker of `engine` on a grammar of its own ("busyN"), compiling until
+    the event is set; the sources each worker started on, in order."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def hold(c: object) -> None:
+        source = getattr(c, "key", ("", ""))[1]
+        started.append(source)
+        if "busy" in source:
+            release.wait(20)
+
+    engine.grammars.before_compile = hold  # type: ignore[attr-defined]
+    workers = engine.grammars._num_threads  # type: ignore[attr-defined]
+    for i in range(workers):
+        engine.add_request(  # type: ignore[attr-defined]
+            f"busy{i}", "Hi", SamplingParams(max_tokens=2, structured_outputs={"regex": f"busy{i}[ab]"})
+        )
+    deadline = time.monotonic() + 20
+    while len(started) < workers:
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.01)
+    return release, started
+
+
+def test_a_compilation_nobody_waits_for_is_dropped() -> None:
+    """Requests aborted (a client that left) before a worker took their grammar: it is not
+    compiled, so a grammar asked for after them does not wait behind it; one that another
+    request still waits for is compiled, and a dropped one asked for again compiles anew."""
+    llm = LLM("demo", dtype="float32")
+    engine = llm.engine
+    release, started = _busy_workers(engine)
+    for i in range(3):
+        engine.add_request(
+            f"gone{i}", "Hi", SamplingParams(max_tokens=4, structured_outputs={"regex": f"gone{i}[ab]"})
+        )
+        assert engine.abort_request(f"gone{i}")
+    for rid in ("k1", "k2"):  # one grammar, two requests, one of them aborted
+        engine.add_request(rid, "Hi", SamplingParams(max_tokens=4, structured_outputs={"regex": "kept[ab]"}))
+    engine.abort_request("k1")
+    engine.add_request("later", "Hi", SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]}))
+    release.set()
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert not any("gone" in source for source in started), started
+    assert engine.grammars.stats()["grammar_compilations_dropped"] == 3  # type: ignore[attr-defined]
+    assert done["k2"].outputs[0].text.startswith("kept") and done["later"].outputs[0].text in ("a", "b")
+    (again,) = llm.generate("Hi", SamplingParams(max_tokens=6, structured_outputs={"regex": "gone0[ab]"}))
+    assert again.outputs[0].text in ("gone0a", "gone0b")
+
+
+def test_shutdown_drops_the_queued_compilations() -> None:
+    """The queued ones end with an error at once (nothing is served after a shutdown); the running
+    ones are waited for, and counted by `compilations_running` meanwhile."""
+    from hybridserve.engine.grammar_compiler import compilations_running
+
+    llm = LLM("demo", dtype="float32")
+    engine = llm.engine
+    release, started = _busy_workers(engine)
+    queued = engine.grammars.submit(StructuredOutputsParams(regex="queued[ab]"))  # type: ignore[attr-defined]
+    assert compilations_running() >= len(started)
+    assert not engine.grammars.shutdown(timeout=0.1)  # type: ignore[attr-defined]  (the busy ones run on)
+    refused = queued.poll()
+    assert isinstance(refused, InvalidRequestError) and "shutting down" in str(refused)
+    release.set()
+    engine.shutdown()
+    assert "queued[ab]" not in started and compilations_running() == 0
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_the_command_ends_at_once_while_a_compilation_runs(running: bool) -> None:
+    """`hybridserve` (cli.run): where a compilation still runs at the end, the process ends at
+    once (no interpreter finalization: no atexit handler runs), with the command's status and
+    its output flushed; else it ends as a program does."""
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, sys, threading, time
+atexit.register(lambda: print("finalized", flush=True))
+if {running}:
+    from hybridserve.engine.grammar_compiler import GrammarCompiler, compilations_running
+    from hybridserve.engine.tokenizer import Tokenizer
+    from hybridserve.model.demo import ensure_demo_model
+    d = ensure_demo_model()
+    tok = Tokenizer(d)
+    g = GrammarCompiler(tok.to_json(), tok.vocab_size, tok.eos_token_id)
+    g.before_compile = lambda c: threading.Event().wait(60)
+    from hybridserve.sampling.structured_outputs import StructuredOutputsParams
+    g.submit(StructuredOutputsParams(regex="[ab]+"))
+    while not compilations_running():
+        time.sleep(0.01)
+print("before", end="")
+sys.argv = ["hybridserve", "config", *sys.argv[1:]]
+from hybridserve.cli import run
+run()
+"""
+    for args, said in (
+        ([], "MODEL is required"),
+        (["--model"], "expected one argument"),
+    ):  # (argparse's exit too)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stdout.startswith("before") and said in proc.stderr
+        assert ("finalized" in proc.stdout) is not running
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -15,7 +15,12 @@ the other requests go on meanwhile. Compilation runs on a few worker threads of 
 - a compilation that runs longer than `timeout_s` fails its requests (InvalidRequestError, a 400)
   and its grammar is remembered as too slow: a thread cannot be stopped, so it runs on to its end in
   the background, but the same grammar is refused at once from then on. The time counts from when
-  a worker starts on it, not from the submission.
+  a worker starts on it, not from the submission;
+- a compilation every request of which has gone (aborted, a client that left) before a worker
+  took it is dropped, not compiled: abandoned grammars would otherwise hold the workers for
+  minutes, and later grammars would wait behind them. The engine gives a request's ticket back
+  (`GrammarTicket.release`) once it no longer waits for it. At shutdown the queued compilations
+  are dropped too; the running ones are waited for (see `shutdown`).
 """
 
 from __future__ import annotations
@@ -63,6 +68,24 @@ def _error_text(kind: str, raw: str) -> str:
 # How long a grammar may wait for a free worker, in compile timeouts (see GrammarTicket.poll).
 QUEUE_WAIT_FACTOR = 3
 
+# Workers of every compiler inside a compilation now (see `compilations_running`)
+_running = 0
+_running_lock = threading.Lock()
+
+
+def compilations_running() -> int:
+    """Grammar compilations running now, in every compiler of the process. A process must not end
+    through the interpreter's finalization while one runs (see `GrammarCompiler.shutdown`): the
+    command line then ends it at once (`hybridserve.cli.run`)."""
+    with _running_lock:
+        return _running
+
+
+def _count_running(delta: int) -> None:
+    global _running
+    with _running_lock:
+        _running += delta
+
 
 @dataclass
 class CompiledGrammar:
@@ -75,6 +98,7 @@ class CompiledGrammar:
     matcher: llguidance.LLMatcher | None = None  # the compiled grammar in its initial state
     error: str | None = None
     compile_s: float | None = None
+    holders: int = 0  # tickets not given back (under the compiler's lock)
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -90,6 +114,7 @@ class GrammarTicket:
         vocab_size: int,
         param: str,
         eos_aliases: EosAliases | None = None,
+        release: Callable[[CompiledGrammar], None] | None = None,
     ) -> None:
         self._c = compiled
         self.param = param  # the request field errors name
@@ -97,6 +122,15 @@ class GrammarTicket:
         self._vocab_size = vocab_size
         self._eos_aliases = eos_aliases
         self._submitted = time.monotonic()
+        self._release = release
+
+    def release(self) -> None:
+        """Gives the claim back: the request no longer waits for this grammar (it has it, it was
+        refused, or it ended). A compilation whose claims are all given back before a worker
+        takes it is dropped. Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self._c)
 
     @property
     def compiled(self) -> CompiledGrammar:
@@ -168,6 +202,7 @@ class GrammarCompiler:
         self._num_stopping = 0  # workers told to end (by shutdown) and not yet ended
         self.num_compiled = 0
         self.num_cache_hits = 0
+        self.num_dropped = 0  # compilations dropped: nobody waited for them any more
         # for tests: runs in the worker before each compilation
         self.before_compile: Callable[[CompiledGrammar], None] | None = None
 
@@ -186,12 +221,24 @@ class GrammarCompiler:
             threading.stack_size(previous)
 
     def shutdown(self, timeout: float | None = None) -> bool:
-        """Ends the workers once the queued compilations are done, waiting up to `timeout` seconds
-        (None: as long as they take); True when none is left running. A process must not exit
-        while a worker compiles: the interpreter ends a thread that returns from native code
-        after its finalization has begun by unwinding the thread's stack, through llguidance's
-        frames, which crashes the process (SIGSEGV) at the end of a clean shutdown."""
-        for _ in range(len(self._threads) - self._num_stopping):
+        """Ends the workers once the compilations they run are done, waiting up to `timeout`
+        seconds (None: as long as they take); True when none is left running. The queued ones
+        are dropped first (their requests fail: nothing is served after a shutdown). A process
+        must not exit while a worker compiles: the interpreter ends a thread that returns from
+        native code after its finalization has begun by unwinding the thread's stack, through
+        llguidance's frames, which crashes the process (SIGSEGV) at the end of a clean shutdown."""
+        markers = 0  # (an earlier shutdown's, for workers still compiling: put back)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                markers += 1
+                continue
+            with self._lock:
+                self._drop(job[0], "the engine is shutting down")
+        for _ in range(markers + len(self._threads) - self._num_stopping):
             self._jobs.put(None)
         self._num_stopping = len(self._threads)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -219,7 +266,12 @@ class GrammarCompiler:
             if job is None:
                 return
             c, spec = job
-            c.started = time.monotonic()
+            with self._lock:  # (a submit that finds it in the cache takes a claim under it)
+                if c.holders <= 0:
+                    self._drop(c, "every request that asked for the grammar has ended")
+                    continue
+                c.started = time.monotonic()
+            _count_running(1)
             try:
                 if self.before_compile is not None:
                     self.before_compile(c)
@@ -230,6 +282,8 @@ class GrammarCompiler:
             except BaseException as exc:  # noqa: BLE001
                 logger.exception("grammar compilation failed")
                 c.error = f"the grammar could not be compiled: {exc}"
+            finally:
+                _count_running(-1)
             c.compile_s = time.monotonic() - c.started
             if c.compile_s > self.timeout_s:
                 logger.warning(
@@ -243,6 +297,24 @@ class GrammarCompiler:
                     f"the {c.kind} grammar took longer than {self.timeout_s:g} s to compile; simplify it"
                 )
             c.finished.set()
+
+    def _drop(self, c: CompiledGrammar, why: str) -> None:
+        """Ends a compilation no worker started: out of the cache (a later request compiles it
+        anew), its waiters told `why`. Under the lock."""
+        if self._cache.get(c.key) is c:
+            del self._cache[c.key]
+        self.num_dropped += 1
+        c.error = why
+        c.finished.set()
+
+    def _release(self, c: CompiledGrammar) -> None:
+        with self._lock:
+            c.holders -= 1
+
+    def _ticket(self, c: CompiledGrammar, spec: StructuredOutputsParams) -> GrammarTicket:
+        """A claim on `c` (under the lock)."""
+        c.holders += 1
+        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases, self._release)
 
     def _compile(self, spec: StructuredOutputsParams) -> tuple[llguidance.LLMatcher | None, str | None]:
         import llguidance
@@ -270,14 +342,15 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                return GrammarTicket(cached, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases)
+                return self._ticket(cached, spec)
             c = CompiledGrammar(key=key, kind=spec.kind)
             self._cache[key] = c
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             self._start()
+            ticket = self._ticket(c, spec)
         self._jobs.put((c, spec))
-        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases)
+        return ticket
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -285,4 +358,5 @@ class GrammarCompiler:
                 "grammar_cache_entries": len(self._cache),
                 "grammar_compilations": self.num_compiled,
                 "grammar_cache_hits": self.num_cache_hits,
+                "grammar_compilations_dropped": self.num_dropped,
             }

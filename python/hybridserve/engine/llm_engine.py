@@ -356,6 +356,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             ticket = self.grammars.submit(params.structured_outputs)
             ready = ticket.poll()
+            if ready is not None:
+                ticket.release()  # (compiled, or refused: the request waits for nothing)
             if isinstance(ready, InvalidRequestError):
                 raise ready
             if ready is None:
@@ -423,6 +425,7 @@ class LLMEngine:
             if ready is None:
                 continue
             del waiting[rid]
+            w.ticket.release()
             if isinstance(ready, GrammarMatcher):
                 try:
                     self._schedule(w.req, w.cache_salt, w.priority, ready, arrived=True)
@@ -447,15 +450,19 @@ class LLMEngine:
         or already in the compiler's cache of errors (`add_request` refuses a cached failure at
         once, but a new one ends its own request with an error output). Adds nothing."""
         tickets = {}
-        for params in params_list:
-            so = params.structured_outputs
-            if so is not None and so.cache_key not in tickets:
-                tickets[so.cache_key] = self.grammars.submit(so)
-        for ticket in tickets.values():
-            while (ready := ticket.poll()) is None:
-                ticket.wait(0.05)
-            if isinstance(ready, InvalidRequestError):
-                raise ready
+        try:
+            for params in params_list:
+                so = params.structured_outputs
+                if so is not None and so.cache_key not in tickets:
+                    tickets[so.cache_key] = self.grammars.submit(so)
+            for ticket in tickets.values():
+                while (ready := ticket.poll()) is None:
+                    ticket.wait(0.05)
+                if isinstance(ready, InvalidRequestError):
+                    raise ready
+        finally:  # (the batch's requests take claims of their own: these found them cached)
+            for ticket in tickets.values():
+                ticket.release()
 
     def abort_request(self, request_id: str) -> bool:
         _check_text("request_id", request_id)
@@ -468,7 +475,9 @@ class LLMEngine:
         return found or state is not None
 
     def _forget(self, request_id: str) -> None:
-        self._awaiting_grammar.pop(request_id, None)
+        waiting = self._awaiting_grammar.pop(request_id, None)
+        if waiting is not None:  # (an abandoned compilation not started yet is dropped)
+            waiting.ticket.release()
         self.outputs.forget(request_id)
         self.runner.free_request(request_id)
 
