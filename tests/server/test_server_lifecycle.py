@@ -163,3 +163,44 @@ async def _check_queue_full_then_sigint(srv: ServerProcess) -> None:
         assert all(isinstance(t, str) for t in texts)
         r.release()
         json.dumps(events)  # well-formed JSON throughout
+
+
+def test_a_body_still_arriving_does_not_hold_the_shutdown():
+    """SIGTERM while a client sends its body a byte at a time: the request was never admitted,
+    so the drain does not wait for it, and the process exits soon after --shutdown-timeout (it
+    waited fifteen seconds more)."""
+    ensure_demo_model()
+    srv = ServerProcess("--shutdown-timeout", "1")
+    try:
+        srv.wait_ready()
+
+        async def trickle_then_term() -> float:
+            host, port = srv.base.removeprefix("http://").rsplit(":", 1)
+            _, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps({"model": "demo", "prompt": "x", "max_tokens": 2}).encode()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5]
+            )
+            await writer.drain()
+            await asyncio.sleep(0.5)  # (the route waits for the rest of the body)
+            start = time.monotonic()
+            srv.signal(signal.SIGTERM)
+            for byte in body[5:-1]:  # a byte a second, never the last
+                await asyncio.sleep(1.0)
+                if srv.proc.poll() is not None:
+                    break
+                try:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                except ConnectionError:  # (the server cut it)
+                    pass
+            writer.close()
+            return time.monotonic() - start
+
+        took = asyncio.run(trickle_then_term())
+        assert srv.wait_exit(timeout=30) == 0, srv.output()[-3000:]
+        assert took < 10, took
+    finally:
+        srv.stop()
+    srv.remove_log()

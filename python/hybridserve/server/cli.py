@@ -38,6 +38,9 @@ HTTP_LOG_LEVELS = {
     "trace": logging.DEBUG,
 }
 HTTP_LOGGERS = ("hybridserve.access", "aiohttp")
+# After the drain, how long the handlers still running (never admitted) may take before they are
+# cancelled and the server stops listening
+CLEANUP_TIMEOUT_S = 2.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -404,7 +407,10 @@ async def _serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=args.shutdown_timeout + 15.0,
+        # the requests in flight had --shutdown-timeout in the drain before this bound counts
+        # (`drain`): what is left then was never admitted (a body still arriving at a byte a
+        # second), which this bound cuts short, not the drain's grace and then fifteen seconds more
+        shutdown_timeout=CLEANUP_TIMEOUT_S,
         access_log=None,
         # aiohttp has no header-read timeout of its own; its keep-alive timer also closes a
         # connection whose headers never complete
