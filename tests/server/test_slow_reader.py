@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import Any
 
 from server_fixtures import assert_idle, call, get_metrics, running_server
 
 INFLIGHT = "hybridserve_server_inflight_requests"
 
 
-def open_stream(port: int, n: int, max_tokens: int) -> socket.socket:
-    """A streamed completion of `n` choices with 20 logprobs per token (large chunks), sent on a
-    socket whose receive buffer holds a few KiB: the server's writes stop draining within a
-    fraction of the answer unless it is read."""
+def open_stream(port: int, n: int, max_tokens: int, logprobs: int | None = 20) -> socket.socket:
+    """A streamed completion of `n` choices with 20 logprobs per token (large chunks; None: a
+    token's text alone), sent on a socket whose receive buffer holds a few KiB: the server's
+    writes stop draining within a fraction of the answer unless it is read."""
     body = json.dumps(
-        {"model": "demo", "prompt": "Once", "max_tokens": max_tokens, "n": n, "logprobs": 20,
+        {"model": "demo", "prompt": "Once", "max_tokens": max_tokens, "n": n, "logprobs": logprobs,
          "ignore_eos": True, "stream": True}
     ).encode()  # fmt: skip
     sock = socket.socket()
@@ -60,7 +61,33 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> Non
         status, out = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] == 2
         _a_slow_reader_keeps_its_stream(server.port)
+        _small_chunks_are_cut_off_too(server)
         assert_idle(server)
+
+
+def _small_chunks_are_cut_off_too(server: Any) -> None:
+    """Chunks of a token's text each: the kernel's send queue takes megabytes of them before a
+    write ever waits (the answer ran to its end); what the client takes stops moving once its
+    receive buffer is full, and that is what the timeout counts."""
+    sock = open_stream(server.port, 2, 4000, logprobs=None)
+    try:
+        deadline = time.monotonic() + 60
+        while get_metrics(server)[INFLIGHT] < 2:  # admitted
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+        while get_metrics(server)[INFLIGHT] > 0:
+            assert time.monotonic() < deadline, "the silent client's request was never cut off"
+            time.sleep(0.1)
+        sock.settimeout(30)
+        received = b""
+        try:
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    finally:
+        sock.close()
 
 
 def _a_slow_reader_keeps_its_stream(port: int) -> None:

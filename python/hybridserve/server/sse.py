@@ -30,38 +30,36 @@ def encode_event(data: dict[str, Any]) -> bytes:
 
 class EventStream(web.StreamResponse):
     """An event stream that gives up on a client that takes nothing of it for `write_timeout_s`
-    seconds (0: never): a write waiting that long with nothing of the stream taken meanwhile
-    drops the connection, and the write raises ConnectionResetError, as for a client that hung up.
-    A client that stopped reading would otherwise hold its request, its place in the server's
-    queue and the connection until it hung up; one that reads slowly keeps its stream. A watchdog
-    checks what is unsent about once a second while a write waits."""
+    seconds (0: never): with bytes of the stream unsent all that time and none more of them
+    taken, the connection is dropped, and the next write raises ConnectionResetError, as for a
+    client that hung up. A client that stopped reading would otherwise hold its request, its
+    place in the server's queue and the connection until it hung up; one that reads slowly keeps
+    its stream. A watchdog looks about once a second while bytes are unsent: what the client has
+    taken is what was written less what is unsent (`_unsent`), so a client that reads nothing is
+    seen as soon as its own receive buffer is full, not only once the kernel's send queue (up to
+    megabytes) and the transport's buffer are too and a write waits."""
 
     def __init__(self, request: web.Request, headers: dict[str, str], write_timeout_s: float) -> None:
         super().__init__(status=200, headers=headers)
         self.write_timeout_s = write_timeout_s
         self.timed_out = False
         self._transport = request.transport
-        self._writing = False
-        self._writes = 0  # writes begun so far
+        self._written = 0  # bytes of the stream handed to the transport
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled_since = 0.0
-        self._seen = (0, 0)  # (writes begun, bytes unsent) at the watchdog's last look
+        self._taken = 0  # bytes the client had taken at the watchdog's last look
 
     async def write_bounded(self, data: bytes | None) -> None:
         """Writes `data` (None: ends the stream)."""
         if self.timed_out:
             raise self._timed_out()
-        self._writing = True
-        self._writes += 1
+        self._written += len(data or b"")
         if self.write_timeout_s > 0 and self._watchdog is None and self._transport is not None:
             loop = asyncio.get_running_loop()
-            self._stalled_since, self._seen = loop.time(), (self._writes, self._unsent())
+            self._stalled_since = loop.time()
             self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
-        try:
-            await (self.write_eof() if data is None else self.write(data))
-        finally:
-            self._writing = False
-        if self.timed_out:  # (the dropped connection lets the waiting write return)
+        await (self.write_eof() if data is None else self.write(data))
+        if self.timed_out:  # (the dropped connection lets a waiting write return)
             raise self._timed_out()
 
     def _unsent(self) -> int:
@@ -82,19 +80,22 @@ class EventStream(web.StreamResponse):
     def _watch(self) -> None:
         self._watchdog = None
         transport = self._transport
-        if not self._writing or transport is None or transport.is_closing():
-            return  # (armed again by the next write that waits)
-        now = asyncio.get_running_loop().time()
-        writes, unsent = self._writes, self._unsent()
-        # the client took some: a write ended (and another began) or less is unsent
-        if writes != self._seen[0] or unsent < self._seen[1]:
+        if transport is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        unsent = self._unsent()
+        taken = self._written - unsent
+        if unsent == 0:
+            return  # all taken (armed again by the next write)
+        if taken > self._taken:
             self._stalled_since = now
-        self._seen = (writes, unsent)
+        self._taken = max(self._taken, taken)
         if now - self._stalled_since >= self.write_timeout_s:
             self.timed_out = True
             transport.abort()  # (what it holds unsent goes with it)
             return
-        self._watchdog = asyncio.get_running_loop().call_later(min(1.0, self.write_timeout_s), self._watch)
+        self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
 
     def _timed_out(self) -> ConnectionResetError:
         return ConnectionResetError(f"the client took nothing of the stream for {self.write_timeout_s:g} s")
