@@ -122,6 +122,9 @@ def test_invalid_grammars_are_refused_by_name(llm: LLM) -> None:
         ({"regex": "[0-9]+\\"}, "invalid regex: the regex .* ends in a lone backslash"),
         ({"json": {"type": "string", "pattern": "^[0-9]{3}\\"}}, "pattern .* lone backslash"),
         ({"json": {"patternProperties": {"^a\\": {}}}}, "patternProperties .* lone backslash"),
+        # an integer no double holds was written as a neighbour of it, ending "stop"
+        ({"json": {"const": 2**53 + 1}}, "const: the integer 9007199254740993 has no exact double"),
+        ({"json": {"enum": ["a", [1, {"n": -(2**60) - 1}]]}}, "enum: the integer -1152921504606846977"),
     ):
         for _ in range(2):  # compiled the first time, from the cache of errors the second
             with pytest.raises(InvalidRequestError, match=words):
@@ -130,6 +133,9 @@ def test_invalid_grammars_are_refused_by_name(llm: LLM) -> None:
     assert llm.generate("Hi", SamplingParams(max_tokens=4))[0].outputs[0].finish_reason == "length"
     out = llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs={"regex": r"a\\"}))
     assert (out[0].outputs[0].text, out[0].outputs[0].finish_reason) == ("a\\", "stop")
+    # an integer a double holds exactly is written as given
+    out = llm.generate("Hi", SamplingParams(max_tokens=24, structured_outputs={"json": {"const": 2**60}}))
+    assert (json.loads(out[0].outputs[0].text), out[0].outputs[0].finish_reason) == (2**60, "stop")
 
 
 def test_a_batch_with_a_grammar_that_does_not_compile_is_refused_whole_every_time(llm: LLM) -> None:

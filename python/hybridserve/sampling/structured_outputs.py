@@ -95,6 +95,30 @@ def _inward_bound(value: int, lower: bool) -> int | float:
     return value if f == value else f
 
 
+def _check_exact_data(value: Any, key: str, depth: int = 0) -> None:
+    """`const` / `enum` data the grammar writes as given: llguidance reads its numbers as doubles,
+    so an integer no double holds (past 2**53) would be written as a neighbour of it (`const`
+    9007199254740993 gave 9007199254740992, ending "stop"). ValueError naming it."""
+    if isinstance(value, bool) or depth > 200:
+        return
+    if isinstance(value, int):
+        try:
+            exact = float(value) == value
+        except OverflowError:
+            exact = False
+        if not exact:
+            raise ValueError(
+                f"{key}: the integer {value} has no exact double (past 2**53), and the grammar's numbers "
+                "are doubles; give it as a string"
+            )
+    elif isinstance(value, list):
+        for v in value:
+            _check_exact_data(v, key, depth + 1)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_exact_data(v, key, depth + 1)
+
+
 def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0) -> Any:
     """A JSON schema as the grammar is built from it: `format`s llguidance does not check left out
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
@@ -103,7 +127,8 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
     `enum`, `default`, `examples`) is left as it is; an integer schema's exclusive integer bounds
     become inclusive ones, and an integer bound that is no double is rounded into its range
     (`_inward_bound`). ValueError for a `pattern` (or a
-    `patternProperties` name) that ends in a lone backslash (`_check_regex`)."""
+    `patternProperties` name) that ends in a lone backslash (`_check_regex`), and for `const` /
+    `enum` data holding an integer no double holds (`_check_exact_data`)."""
     if not isinstance(schema, dict) or depth > 200:  # (deeper is refused when compiled)
         return schema
     out: dict[str, Any] = {}
@@ -112,6 +137,8 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
             continue
         if key == "pattern" and isinstance(value, str):
             _check_regex(value, "pattern")
+        if key in ("const", "enum"):
+            _check_exact_data(value, key)
         if key == "patternProperties" and isinstance(value, dict):
             for regex in value:
                 _check_regex(regex, "patternProperties")
