@@ -689,11 +689,12 @@ def test_integer_bounds_past_two_to_the_53_keep_outputs_in_range(llm: LLM) -> No
     range, and the output ended "stop". Bounds are rounded into their range instead, and a range
     with no double in it is refused."""
     big = 2**53
-    for lo, hi in (("minimum", "maximum"), ("exclusiveMinimum", "exclusiveMaximum")):
-        shift = 0 if lo == "minimum" else 1
-        so = StructuredOutputsParams(json={"type": "integer", lo: big + 1 - shift, hi: big + 3 + shift})
-        assert _takes(so, llm, str(big + 2))
-        assert not _takes(so, llm, str(big)) and not _takes(so, llm, str(big + 4))
+    for kind in ("integer", ["integer", "null"]):
+        for lo, hi in (("minimum", "maximum"), ("exclusiveMinimum", "exclusiveMaximum")):
+            shift = 0 if lo == "minimum" else 1
+            so = StructuredOutputsParams(json={"type": kind, lo: big + 1 - shift, hi: big + 3 + shift})
+            assert _takes(so, llm, str(big + 2)), (kind, lo)
+            assert not _takes(so, llm, str(big)) and not _takes(so, llm, str(big + 4)), (kind, lo)
     with pytest.raises(InvalidRequestError, match="Unsatisfiable"):
         llm.generate(
             "Hi",

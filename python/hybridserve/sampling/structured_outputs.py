@@ -124,7 +124,7 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
     (OpenAI's `strict`, vLLM's `disable_additional_properties`) every object schema that does not
     say otherwise takes no properties beyond its own. Returns a new schema; data (`const`,
-    `enum`, `default`, `examples`) is left as it is; an integer schema's exclusive integer bounds
+    `enum`, `default`, `examples`) is left as it is; an integer schema's (one whose types are integer, or null) exclusive integer bounds
     become inclusive ones, and an integer bound that is no double is rounded into its range
     (`_inward_bound`). ValueError for a `pattern` (or a
     `patternProperties` name) that ends in a lone backslash (`_check_regex`), and for `const` /
@@ -153,7 +153,11 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
             value = [prepared_schema(v, closed_objects=closed_objects, depth=depth + 1) for v in value]
         out[key] = value
     kind = out.get("type")
-    if kind == "integer":
+    # (integers and no other numbers: ["integer", "null"] too)
+    integers_only = kind == "integer" or (
+        isinstance(kind, list) and "integer" in kind and "number" not in kind
+    )
+    if integers_only:
         # an exclusive bound as the inclusive one (the library adds 1 to it in doubles, which past
         # 2**53 adds nothing: exclusiveMinimum 2**53 allowed 2**53)
         for exclusive, inclusive, step in (
