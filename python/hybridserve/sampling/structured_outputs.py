@@ -124,10 +124,11 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
     (OpenAI's `strict`, vLLM's `disable_additional_properties`) every object schema that does not
     say otherwise takes no properties beyond its own. Returns a new schema; data (`const`,
-    `enum`, `default`, `examples`) is left as it is; an integer schema's (one whose types are integer, or null) exclusive integer bounds
-    become inclusive ones, and an integer bound that is no double is rounded into its range
-    (`_inward_bound`). ValueError for a `pattern` (or a
-    `patternProperties` name) that ends in a lone backslash (`_check_regex`), and for `const` /
+    `enum`, `default`, `examples`) is left as it is; the exclusive integer bounds of a schema
+    whose numbers are integers (its types take integer and not number) become inclusive ones,
+    and an integer bound that is no double is rounded into its range (`_inward_bound`).
+    ValueError for a `pattern` (or a `patternProperties` name) that ends in a lone backslash
+    (`_check_regex`), and for `const` /
     `enum` data holding an integer no double holds (`_check_exact_data`)."""
     if not isinstance(schema, dict) or depth > 200:  # (deeper is refused when compiled)
         return schema
