@@ -215,3 +215,30 @@ def test_a_process_that_exits_without_shutting_the_engine_down_ends_its_workers_
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("The morning was") and len(proc.stdout) > len("The morning was\n")
     assert "exited with status" not in proc.stderr and "the engine stops" not in proc.stderr, proc.stderr
+
+
+def test_a_start_that_fails_after_the_workers_started_ends_them() -> None:
+    """The engine's set-up failing once its workers run (here its KV-events port is taken) ends
+    them and leaves the process group: the next engine of the process starts (it was refused, the
+    process already in a group, its worker left running)."""
+    import socket
+
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match="--kv-events-config: cannot open endpoint"):
+            LLM(
+                "demo", tensor_parallel_size=TP, cpu_threads=1, max_model_len=128,
+                kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"},
+            )  # fmt: skip
+    finally:
+        taken.close()
+    llm = LLM("demo", tensor_parallel_size=TP, cpu_threads=1, max_model_len=128)
+    try:
+        (out,) = llm.generate("The morning was", SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.engine.stop_workers()  # type: ignore[attr-defined]

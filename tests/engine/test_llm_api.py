@@ -1106,11 +1106,18 @@ def test_code_written_for_vllm_s_llm_runs() -> None:
     that is not served is refused, not dropped."""
     llm = LLM(
         "demo", dtype=torch.float32, seed=None, trust_remote_code=True, swap_space=4, disable_log_stats=True,
-        tokenizer_mode="auto", quantization=None, max_model_len=128,
+        tokenizer_mode="auto", quantization=None, max_model_len=128, pipeline_parallel_size=1,
+        data_parallel_size=1,
     )  # fmt: skip
     assert llm.engine.args.dtype == "float32" and llm.engine.args.seed == 0
     with pytest.raises(ConfigError, match="quantization"):
         LLM("demo", quantization="fp8")
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel_size: only 1 here, got 2: .*tensor_parallel_size"
+    ):
+        LLM("demo", pipeline_parallel_size=2)  # (it was a TypeError)
+    with pytest.raises(ConfigError, match="data_parallel_size: only 1 here, got 2: .*hybridserve replicas"):
+        LLM("demo", data_parallel_size=2)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, n=2)
     bars: list[Any] = []
 

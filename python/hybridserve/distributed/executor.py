@@ -145,7 +145,9 @@ class TPExecutor(GroupFailure):
                     rank = sentinels[ready]
                     code = _exit_status(self._procs[rank - 1])
                     raise ConfigError(
-                        f"--tensor-parallel-size: worker rank {rank} exited with status {code} while starting"
+                        f"--tensor-parallel-size: worker rank {rank} exited with status {code} while starting "
+                        "(its error is above; a script that starts an engine with tensor parallelism needs its "
+                        'code under `if __name__ == "__main__":`, as the spawned workers import it)'
                     )
                 conn: Connection = ready  # type: ignore[assignment]
                 if conn not in pending:

@@ -112,11 +112,22 @@ _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+# vLLM's sizes of kinds of parallelism not run here: 1 is taken (code written for vLLM gives it)
+_VLLM_ONLY_ONE = {
+    "pipeline_parallel_size": "hybridserve splits a model over devices by tensor_parallel_size",
+    "data_parallel_size": "data-parallel replicas are served by `hybridserve replicas --num-replicas N`",
+}
+
+
 def _vllm_only_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` without vLLM's arguments that change nothing here; ConfigError for one whose value
     would (a quantization, a revision: the model folder is read as it is)."""
     rest = {}
     for name, v in kwargs.items():
+        if name in _VLLM_ONLY_ONE:
+            if isinstance(v, bool) or v != 1:
+                raise ConfigError(f"{name}: only 1 here, got {v!r}: {_VLLM_ONLY_ONE[name]}")
+            continue
         if name in _VLLM_NO_OPS:
             continue
         if name in _VLLM_NEUTRAL:

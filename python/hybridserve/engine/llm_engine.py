@@ -183,6 +183,19 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         em: EngineModel = build_engine_model(args)
+        try:
+            self._set_up(args, em)
+        except BaseException:
+            # a start that fails after the workers started (a KV-events port in use, ...) ends
+            # them and leaves the process group: the next engine of this process may start
+            events: KVEventPublisher | None = self.__dict__.get("kv_events")
+            if events is not None:
+                events.shutdown()
+            if em.executor is not None:
+                em.executor.shutdown()
+            raise
+
+    def _set_up(self, args: EngineArgs, em: EngineModel) -> None:
         self.config: _core.ResolvedConfig = em.resolved
         self.max_model_len = int(self.config.max_model_len)
         self.num_speculative_tokens = int(self.config.num_speculative_tokens)
@@ -809,7 +822,7 @@ class LLMEngine:
                 executor.check_alive(grace=3.0)
             except EngineDeadError:
                 pass
-            executor.fail(f"a step failed under tensor parallelism: {exc}")
+            executor.fail(f"a step failed under tensor parallelism: {str(exc) or type(exc).__name__}")
         failed = list(self.requests)
         for rid in failed:
             self.scheduler.abort_request(rid)
