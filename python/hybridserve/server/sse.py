@@ -53,11 +53,13 @@ class EventStream(web.StreamResponse):
         """Writes `data` (None: ends the stream)."""
         if self.timed_out:
             raise self._timed_out()
-        self._written += len(data or b"")
         if self.write_timeout_s > 0 and self._watchdog is None and self._transport is not None:
             loop = asyncio.get_running_loop()
-            self._stalled_since = loop.time()
+            # (what was taken before this write: the headers and framing the transport counts as
+            # unsent are no write's, so this may start below 0; it is compared, not read)
+            self._stalled_since, self._taken = loop.time(), self._written - self._unsent()
             self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
+        self._written += len(data or b"")
         await (self.write_eof() if data is None else self.write(data))
         if self.timed_out:  # (the dropped connection lets a waiting write return)
             raise self._timed_out()
@@ -89,8 +91,7 @@ class EventStream(web.StreamResponse):
         if unsent == 0:
             return  # all taken (armed again by the next write)
         if taken > self._taken:
-            self._stalled_since = now
-        self._taken = max(self._taken, taken)
+            self._stalled_since, self._taken = now, taken
         if now - self._stalled_since >= self.write_timeout_s:
             self.timed_out = True
             transport.abort()  # (what it holds unsent goes with it)
