@@ -564,17 +564,24 @@ def test_a_corrupt_tokenizer_config_is_a_config_error(tmp_path):
         HSTokenizer(dst)
 
 
-def test_loader_tied_embeddings_and_tokenizer(tmp_path):
+def _tiny_mamba2(out: Path, *, tie_word_embeddings: bool):  # type: ignore[no-untyped-def]
+    """A one-layer Mamba2 of transformers, saved into `out`."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
     cfg = transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, state_size=8,
-        n_groups=1, chunk_size=8, tie_word_embeddings=True,
+        n_groups=1, chunk_size=8, tie_word_embeddings=tie_word_embeddings,
     )  # fmt: skip
     hf = transformers.Mamba2ForCausalLM(cfg).eval()
-    hf.save_pretrained(str(tmp_path))
+    hf.save_pretrained(str(out))
+    return hf
+
+
+def test_loader_tied_embeddings_and_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = _tiny_mamba2(tmp_path, tie_word_embeddings=True)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
@@ -607,13 +614,7 @@ def test_a_head_stored_under_a_tying_config_is_used_where_it_differs(tmp_path, c
     import transformers
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(0)
-    cfg = transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, state_size=8,
-        n_groups=1, chunk_size=8, tie_word_embeddings=False,
-    )  # fmt: skip
-    hf_untied = transformers.Mamba2ForCausalLM(cfg).eval()
-    hf_untied.save_pretrained(str(tmp_path))
+    _tiny_mamba2(tmp_path, tie_word_embeddings=False)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()

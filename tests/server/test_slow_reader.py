@@ -36,26 +36,11 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> Non
     with running_server("--stream-write-timeout", "2", "--max-queue-len", "8") as server:
         sock = open_stream(server.port, 8, 1500)
         try:
-            deadline = time.monotonic() + 60
-            while get_metrics(server)[INFLIGHT] < 8:  # admitted
-                assert time.monotonic() < deadline, "the request never ran"
-                time.sleep(0.05)
+            _wait_admitted(server, 8)
             # a full queue meanwhile: the silent client holds all 8 places
             status, err = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
             assert status == 503 and err["error"]["code"] == "queue_full"
-            t0 = time.monotonic()
-            while get_metrics(server)[INFLIGHT] > 0:
-                assert time.monotonic() - t0 < 60, "the silent client's request was never cut off"
-                time.sleep(0.1)
-            # the connection was dropped: what it had buffered, then its end, without the answer's
-            sock.settimeout(30)
-            received = b""
-            try:
-                while chunk := sock.recv(1 << 16):
-                    received += chunk
-            except ConnectionResetError:
-                pass
-            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+            _assert_cut_off(server, sock)
         finally:
             sock.close()
         status, out = call(server, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2})
@@ -71,23 +56,34 @@ def _small_chunks_are_cut_off_too(server: Any) -> None:
     receive buffer is full, and that is what the timeout counts."""
     sock = open_stream(server.port, 2, 4000, logprobs=None)
     try:
-        deadline = time.monotonic() + 60
-        while get_metrics(server)[INFLIGHT] < 2:  # admitted
-            assert time.monotonic() < deadline, "the request never ran"
-            time.sleep(0.05)
-        while get_metrics(server)[INFLIGHT] > 0:
-            assert time.monotonic() < deadline, "the silent client's request was never cut off"
-            time.sleep(0.1)
-        sock.settimeout(30)
-        received = b""
-        try:
-            while chunk := sock.recv(1 << 16):
-                received += chunk
-        except ConnectionResetError:
-            pass
-        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+        _wait_admitted(server, 2)
+        _assert_cut_off(server, sock)
     finally:
         sock.close()
+
+
+def _wait_admitted(server: Any, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while get_metrics(server)[INFLIGHT] < n:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.05)
+
+
+def _assert_cut_off(server: Any, sock: socket.socket) -> None:
+    """The silent client's request ends (within a minute) and its connection is dropped: what it
+    had buffered, then its end, without the answer's."""
+    t0 = time.monotonic()
+    while get_metrics(server)[INFLIGHT] > 0:
+        assert time.monotonic() - t0 < 60, "the silent client's request was never cut off"
+        time.sleep(0.1)
+    sock.settimeout(30)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
 
 
 def _a_slow_reader_keeps_its_stream(port: int) -> None:
