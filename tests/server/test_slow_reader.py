@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from typing import Any
 
@@ -51,15 +52,24 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> Non
 
 
 def _small_chunks_are_cut_off_too(server: Any) -> None:
-    """Chunks of a token's text each: the kernel's send queue takes megabytes of them before a
-    write ever waits (the answer ran to its end); what the client takes stops moving once its
-    receive buffer is full, and that is what the timeout counts."""
+    """Chunks of a token's text each, and few of them: the whole answer (under 2 MB) fits the
+    kernel's send queue, so no write ever waits (the answer ran to its end); what the client
+    takes stops moving once its receive buffer is full, and that is what the timeout counts. A
+    request of 6 choices read as usual beside it makes the steps slower, so that the silent
+    stream outlasts the timeout."""
+    beside = threading.Thread(
+        target=call,
+        args=(server, "/v1/completions", {"model": "demo", "prompt": "Once", "max_tokens": 4000, "n": 6,
+                                          "ignore_eos": True}),
+    )  # fmt: skip
+    beside.start()
     sock = open_stream(server.port, 2, 4000, logprobs=None)
     try:
-        _wait_admitted(server, 2)
+        _wait_admitted(server, 8)
         _assert_cut_off(server, sock)
     finally:
         sock.close()
+        beside.join(timeout=120)
 
 
 def _wait_admitted(server: Any, n: int) -> None:

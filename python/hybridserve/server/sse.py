@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import socket
 import struct
 import termios
 from typing import Any
@@ -13,6 +14,9 @@ from aiohttp import HttpVersion11, web
 
 DONE = b"data: [DONE]\n\n"
 _TIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
+# where `tcpi_bytes_acked` (a u64) ends in Linux's struct tcp_info (since Linux 4.1)
+_BYTES_ACKED_END = 128
 
 # (no Connection header: whether the connection stays open is the HTTP layer's to say, and a
 # client that asked for `Connection: close` must not be told otherwise)
@@ -34,20 +38,19 @@ class EventStream(web.StreamResponse):
     taken, the connection is dropped, and the next write raises ConnectionResetError, as for a
     client that hung up. A client that stopped reading would otherwise hold its request, its
     place in the server's queue and the connection until it hung up; one that reads slowly keeps
-    its stream. A watchdog looks about once a second while bytes are unsent: what the client has
-    taken is what was written less what is unsent (`_unsent`), so a client that reads nothing is
-    seen as soon as its own receive buffer is full, not only once the kernel's send queue (up to
-    megabytes) and the transport's buffer are too and a write waits."""
+    its stream. A watchdog looks about once a second while bytes are unsent and the stream has
+    not ended (`_taken`): a client that reads nothing is seen as soon as its own receive buffer
+    is full, not only once the kernel's send queue (up to megabytes) and the transport's buffer
+    are too and a write waits."""
 
     def __init__(self, request: web.Request, headers: dict[str, str], write_timeout_s: float) -> None:
         super().__init__(status=200, headers=headers)
         self.write_timeout_s = write_timeout_s
         self.timed_out = False
         self._transport = request.transport
-        self._written = 0  # bytes of the stream handed to the transport
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled_since = 0.0
-        self._taken = 0  # bytes the client had taken at the watchdog's last look
+        self._taken_seen = 0  # `_taken` at the watchdog's last look
 
     async def write_bounded(self, data: bytes | None) -> None:
         """Writes `data` (None: ends the stream)."""
@@ -55,11 +58,8 @@ class EventStream(web.StreamResponse):
             raise self._timed_out()
         if self.write_timeout_s > 0 and self._watchdog is None and self._transport is not None:
             loop = asyncio.get_running_loop()
-            # (what was taken before this write: the headers and framing the transport counts as
-            # unsent are no write's, so this may start below 0; it is compared, not read)
-            self._stalled_since, self._taken = loop.time(), self._written - self._unsent()
+            self._stalled_since, self._taken_seen = loop.time(), self._taken()
             self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
-        self._written += len(data or b"")
         await (self.write_eof() if data is None else self.write(data))
         if self.timed_out:  # (the dropped connection lets a waiting write return)
             raise self._timed_out()
@@ -79,19 +79,37 @@ class EventStream(web.StreamResponse):
                 pass
         return n
 
+    def _taken(self) -> int:
+        """A count that grows exactly while the client takes bytes of the connection: over TCP on
+        Linux the bytes its end has acknowledged (TCP_INFO's `tcpi_bytes_acked`, whatever they
+        hold: headers, chunk framing, TLS records), else the bytes the HTTP writer handed the
+        transport (framing counted) less those unsent."""
+        assert self._transport is not None
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and _TCP_INFO is not None:
+            try:
+                info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
+                if len(info) >= _BYTES_ACKED_END:
+                    return int(struct.unpack_from("Q", info, _BYTES_ACKED_END - 8)[0])
+            except OSError:  # (a Unix socket)
+                pass
+        writer = self._payload_writer
+        return (writer.output_size if writer is not None else 0) - self._unsent()
+
     def _watch(self) -> None:
         self._watchdog = None
         transport = self._transport
-        if transport is None or transport.is_closing():
+        # (once the stream has ended the connection may carry the next request's answer: its
+        # bytes are not this stream's to judge)
+        if transport is None or transport.is_closing() or self._eof_sent:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        unsent = self._unsent()
-        taken = self._written - unsent
-        if unsent == 0:
+        if self._unsent() == 0:
             return  # all taken (armed again by the next write)
-        if taken > self._taken:
-            self._stalled_since, self._taken = now, taken
+        taken = self._taken()
+        if taken > self._taken_seen:
+            self._stalled_since, self._taken_seen = now, taken
         if now - self._stalled_since >= self.write_timeout_s:
             self.timed_out = True
             transport.abort()  # (what it holds unsent goes with it)
