@@ -178,8 +178,17 @@ def test_the_server_hands_the_parts_to_a_looping_template() -> None:
             add_generation_prompt=True,
         ),
     }
-    for fmt, want in expected.items():
-        with running_server("--chat-template", LOOPING, "--chat-template-content-format", fmt) as server:
-            status, out = call(server, "/tokenize", body)
+    # the model's template (here a request's own, which keeps the served format) or --chat-template
+    for fmt, flags, extra in (
+        ("auto", ["--chat-template", LOOPING], {}),
+        (
+            "string",
+            ["--trust-request-chat-template", "--chat-template-content-format", "string"],
+            {"chat_template": LOOPING},
+        ),
+    ):
+        with running_server(*flags) as server:
+            status, out = call(server, "/tokenize", {**body, **extra})
             assert status == 200, out
+            want = expected[fmt]
             assert out["tokens"] == list(getattr(want, "input_ids", want)), fmt

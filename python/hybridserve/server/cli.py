@@ -476,9 +476,9 @@ async def _serve(args: argparse.Namespace) -> int:
             # as `generate` says it
             rc = 2 if isinstance(exc, ConfigError) else 1
         elif not stop.is_set():
-            # --chat-template: the engine's own (read once, as the engine loaded)
-            template = engine.chat_template if engine_args.chat_template is not None else None
-            set_engine(app, engine, chat_template=template)
+            # the engine's own (read once, as the engine loaded): --chat-template and
+            # --chat-template-content-format are in it
+            set_engine(app, engine, chat_template=engine.chat_template)
             logger.info("ready: serving %r on %s", _served_name(args), listening.where)
             rc = await _serve_until_stopped(engine, stop_wait)
     stop_wait.cancel()
