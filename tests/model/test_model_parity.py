@@ -449,6 +449,17 @@ def test_config_sizes_written_as_whole_floats_are_accepted(checkpoints, tmp_path
     assert load_model(str(c)).config.hidden_size == int(raw["hidden_size"])
 
 
+def test_every_mlp_activation_the_config_takes_is_built() -> None:
+    """(ModelConfig.validate refuses the others up front, naming config.json)"""
+    from hybridserve.model.layers.mlp import activation
+    from hybridserve.model.model_config import MLP_ACTIVATIONS
+
+    for name in MLP_ACTIVATIONS:
+        assert activation(name)(torch.ones(2)).shape == (2,), name
+    with pytest.raises(ConfigError):
+        activation("gelu_fast")
+
+
 def test_a_negative_token_id_names_no_token(checkpoints, tmp_path):
     """(LLaMA's configs write `pad_token_id: -1` for none; an EOS of -1 kept made every request
     fail for its out-of-range stop token)"""
@@ -461,23 +472,26 @@ def test_a_negative_token_id_names_no_token(checkpoints, tmp_path):
 
 
 def test_a_layer_count_that_disagrees_with_the_checkpoint_is_said(checkpoints, tmp_path, caplog):
-    """num_hidden_layers against the pattern beside it is an error (a stack of one of the two
-    sizes leaves layers unread or missing); a checkpoint whose tensors the model does not read
-    (a layer past num_hidden_layers) loads with a warning naming them, not a debug line."""
+    """num_hidden_layers against the layer list beside it is an error (a stack of one of the two
+    sizes leaves layers unread or missing); against NemotronH's pattern the pattern's layers are
+    built, said (as transformers and vLLM do); a checkpoint whose tensors the model does not read
+    (a layer past the stack) loads with a warning naming them, not a debug line."""
     _, d = checkpoints("nh_g1")
     c = _copy_ckpt(d, tmp_path / "nh")
     raw = json.loads((c / "config.json").read_text())
-    raw.pop("layers_block_type", None)
-    (c / "config.json").write_text(
-        json.dumps({**raw, "hybrid_override_pattern": "M-M", "num_hidden_layers": 4})
-    )
-    with pytest.raises(
-        ConfigError, match="num_hidden_layers is 4 but hybrid_override_pattern lists 3 layers"
-    ):
+    kinds = raw.pop("layers_block_type")
+    (c / "config.json").write_text(json.dumps({**raw, "layer_types": kinds, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match="num_hidden_layers is 3 but layer_types lists 4 layers"):
         load_model(str(c))
-    (c / "config.json").write_text(
-        json.dumps({**raw, "hybrid_override_pattern": "M-M*", "num_hidden_layers": 4.0})
-    )
+    stale = {**raw, "hybrid_override_pattern": "M-M", "num_hidden_layers": 4}
+    (c / "config.json").write_text(json.dumps(stale))
+    with caplog.at_level("WARNING", logger="hybridserve"):
+        assert load_model(str(c)).config.num_layers == 3
+    assert "num_hidden_layers is 4 but hybrid_override_pattern lists 3 layers" in caplog.text
+    assert "tensors are not used by the model config.json describes (e.g. backbone.layers.3." in caplog.text
+    caplog.clear()
+    whole = {**raw, "hybrid_override_pattern": "M-M*", "num_hidden_layers": 4.0}
+    (c / "config.json").write_text(json.dumps(whole))
     assert load_model(str(c)).config.num_layers == 4  # (a whole float, as every size)
 
     _, d = checkpoints("m2_g2")

@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybridserve.errors import ConfigError
+
+logger = logging.getLogger("hybridserve.model")
 
 # Our layer kinds. Bamba/Mamba2-style layers carry their FFN inside the same layer; NemotronH has
 # separate "mlp" / "moe" layers; a "hybrid" layer has both a KV cache and a Mamba state (it counts as
@@ -443,9 +446,10 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     if names is not None:
         if not isinstance(names, list):
             raise ConfigError(f"{source}: layers_block_type must be a list")
+        listed_by = "layers_block_type" if raw.get("layers_block_type") is not None else "layer_types"
         if model_type == "zamba2":
-            return _listed_layers(raw, source, _zamba2_kinds(names, source), "layers_block_type")
-        return _listed_layers(raw, source, layer_kinds_from_names(names, source), "layers_block_type")
+            return _listed_layers(raw, source, _zamba2_kinds(names, source), listed_by)
+        return _listed_layers(raw, source, layer_kinds_from_names(names, source), listed_by)
     if model_type == "nemotron_h":
         pattern = raw.get("hybrid_override_pattern")
         if not isinstance(pattern, str) or not pattern:
@@ -456,7 +460,16 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         if bad:
             raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
         kinds = [NEMOTRON_H_PATTERN[c] for c in pattern]
-        return _listed_layers(raw, source, kinds, "hybrid_override_pattern")
+        n = config_count(raw, source, "num_hidden_layers")
+        if n is not None and n != len(kinds):
+            # (transformers' NemotronHConfig and vLLM build the pattern's layers, saying so: a
+            # checkpoint with a stale count loads there; its unread layers are warned of as
+            # unused tensors)
+            logger.warning(
+                "%s: num_hidden_layers is %d but hybrid_override_pattern lists %d layers: the pattern's are built",
+                source, n, len(kinds),
+            )  # fmt: skip
+        return kinds
     n = config_count(raw, source, "num_hidden_layers", "n_layer") or 0
     if model_type == "bamba":
         try:
@@ -479,9 +492,10 @@ def _listed_layers(raw: dict[str, Any], source: str, kinds: list[str], listed_by
     """Layers a list (or pattern) declares, which a `num_hidden_layers` beside it must count: a
     stack built from one of two disagreeing sizes leaves a checkpoint's layers unread, or
     missing."""
-    n = config_count(raw, source, "num_hidden_layers", "n_layer")
+    name = "num_hidden_layers" if raw.get("num_hidden_layers") is not None else "n_layer"
+    n = config_count(raw, source, name)
     if n is not None and n != len(kinds):
-        raise ConfigError(f"{source}: num_hidden_layers is {n} but {listed_by} lists {len(kinds)} layers")
+        raise ConfigError(f"{source}: {name} is {n} but {listed_by} lists {len(kinds)} layers")
     return kinds
 
 
