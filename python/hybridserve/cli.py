@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -161,6 +162,11 @@ def run() -> NoReturn:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         rc = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # (an error main does not handle: its traceback, then status 1)
+        if not _compilations_running():
+            raise
+        traceback.print_exc()
+        rc = 1
     if _compilations_running():
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
