@@ -119,6 +119,16 @@ class ResponsesRequest:
     logprobs: bool = False  # the message's token logprobs were asked for (`LOGPROBS_INCLUDE`)
 
 
+def _with_parts_kept(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as JSON keeps it: content given as text parts as the chat route's list of them
+    (read back, the route makes the same parts of it), so that a later turn hands a template
+    taking parts the same parts as this one did."""
+    content = message.get("content")
+    if not isinstance(content, TextParts):
+        return message
+    return {**message, "content": [{"type": "text", "text": t} for t in content.parts]}
+
+
 @dataclass(frozen=True)
 class KeptResponse:
     """One kept response as the UTF-8 JSON of its parts: the store's bound counts the bytes it
@@ -136,7 +146,7 @@ class KeptResponse:
         def enc(x: Any) -> bytes:
             return json.dumps(x, ensure_ascii=False, separators=(",", ":")).encode()
 
-        return cls(enc(body), enc(history), enc(input_items))
+        return cls(enc(body), enc([_with_parts_kept(m) for m in history]), enc(input_items))
 
     @property
     def size(self) -> int:
@@ -301,7 +311,7 @@ def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> l
             }
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": None}
+                last = {"role": "assistant", "content": TextParts(())}  # (as the chat route's)
                 out.append(last)
                 origins.append([("", p)])
             calls = last.setdefault("tool_calls", [])
