@@ -53,10 +53,20 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
             "{% for m in turns %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}",
             "openai",
         ),
-        # a filtered content
+        # a filtered content, and one set to a variable first
         (
             "{% for m in messages %}{% for c in m['content'] | list %}{{ c }}{% endfor %}{% endfor %}",
             "openai",
+        ),
+        (
+            "{% for m in messages %}{% set content = m.content %}{% if content is string %}{{ content }}"
+            "{% else %}{% for c in content %}{{ c.text }}{% endfor %}{% endif %}{% endfor %}",
+            "openai",
+        ),
+        # a filter's result is no message
+        (
+            "{% for m in messages %}{% for c in (m | tojson).content %}{{ c }}{% endfor %}{% endfor %}",
+            "string",
         ),
         # a loop over something else's content is not a message's
         (

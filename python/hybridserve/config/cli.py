@@ -11,6 +11,7 @@ from pathlib import Path
 from hybridserve import _core
 from hybridserve.arg_types import only_one
 from hybridserve.config.args import (
+    CHAT_CONTENT_FORMATS,
     DEFAULT_MAX_QUEUE_LEN,
     DTYPE_ALIASES,
     DTYPES,
@@ -106,7 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     )
     g.add_argument(
         "--chat-template-content-format",
-        choices=("auto", "string", "openai"),
+        choices=CHAT_CONTENT_FORMATS,
         default="auto",
         help="how the chat template is handed a message's content (vLLM's flag): string, openai (a list of "
         "text parts) or auto (default: the list for a template that loops over a message's content, such as "

@@ -44,11 +44,6 @@ class ContinuationError(ValueError):
 # template that takes string content: parts written as separate paragraphs stay apart.
 TEXT_PART_SEPARATOR = "\n"
 
-# How a template is handed a message's content (vLLM's --chat-template-content-format): "string",
-# or "openai", a list of {"type": "text", "text": ...} parts; "auto" picks "openai" for a template
-# that loops over a message's content (`detect_content_format`), else "string".
-CONTENT_FORMATS = CHAT_CONTENT_FORMATS
-
 
 class TextParts(str):
     """A message's content given as text parts: the parts joined one per line (the string every
@@ -87,21 +82,27 @@ def _names_one_of(node: Any, names: set[str]) -> bool:
 
 
 def _content_of_one_of(node: Any, names: set[str]) -> bool:
-    """Whether `node` is `m.content` or `m['content']` of a variable in `names`."""
+    """Whether `node` is `m.content` or `m['content']` (filtered, sliced) of a variable `m` in
+    `names`."""
     from jinja2 import nodes
 
     node = _unwrapped(node)
     if isinstance(node, nodes.Getattr) and node.attr == "content":
-        return _names_one_of(node.node, names)
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content":
-        return _names_one_of(node.node, names)
-    return False
+        inner = node.node
+    elif (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    ):
+        inner = node.node
+    else:
+        return False
+    return isinstance(inner, nodes.Name) and inner.name in names
 
 
 def detect_content_format(source: str) -> str:
     """ "openai" when the template loops over a message's content (`{% for part in
     message['content'] %}`, the message a loop variable over `messages` or a variable set from
-    it), else "string": what vLLM's "auto" detects."""
+    it; or over a variable set from a message's content), else "string": what vLLM's "auto"
+    detects."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
     try:
@@ -121,7 +122,10 @@ def detect_content_format(source: str) -> str:
     messages = {
         f.target.name for f in loops if isinstance(f.target, nodes.Name) and _names_one_of(f.iter, lists)
     }
-    return "openai" if any(_content_of_one_of(f.iter, messages) for f in loops) else "string"
+    # (`{% set content = message['content'] %}` ... `{% for part in content %}`)
+    contents = {name for name, value in assigns if _content_of_one_of(value, messages)}
+    looped = any(_content_of_one_of(f.iter, messages) or _names_one_of(f.iter, contents) for f in loops)
+    return "openai" if looped else "string"
 
 
 # Appended to the final message's content to find where the template writes that content's end:
@@ -218,11 +222,13 @@ class ChatTemplate:
     ) -> None:
         """`special_tokens`: the texts of the tokenizer's special tokens by name (`bos_token` and
         `eos_token` win over theirs); `named`: the model's other named templates (`tool_use`);
-        `content_format`: one of CONTENT_FORMATS."""
+        `content_format`: one of CHAT_CONTENT_FORMATS."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        if content_format not in CONTENT_FORMATS:
-            raise ValueError(f"content format: one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}")
+        if content_format not in CHAT_CONTENT_FORMATS:
+            raise ValueError(
+                f"content format: one of {', '.join(CHAT_CONTENT_FORMATS)}, got {content_format!r}"
+            )
         self.content_format = content_format
         self._detected: dict[str, bool] = {}  # source -> whether its content is "openai"
 
@@ -262,7 +268,7 @@ class ChatTemplate:
         return ChatTemplate(source, special_tokens=self.special_tokens, content_format=self.content_format)
 
     def with_content_format(self, content_format: str) -> ChatTemplate:
-        """This template handing content over as `content_format` says (one of CONTENT_FORMATS)."""
+        """This template handing content over as `content_format` says (one of CHAT_CONTENT_FORMATS)."""
         if content_format == self.content_format:
             return self
         return ChatTemplate(

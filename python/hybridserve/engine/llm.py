@@ -15,8 +15,9 @@ from typing import Any, cast
 import jinja2
 
 from hybridserve.config import EngineArgs
+from hybridserve.config.args import CHAT_CONTENT_FORMATS
 from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridserve.engine.chat_template import CONTENT_FORMATS, TextParts, encode_rendered
+from hybridserve.engine.chat_template import TextParts, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
@@ -230,9 +231,9 @@ class LLM:
         setting (--chat-template-content-format, whose "auto" gives the list to a template that
         loops over a message's content)."""
         _no_lora(lora_request)
-        if chat_template_content_format not in CONTENT_FORMATS:
+        if chat_template_content_format not in CHAT_CONTENT_FORMATS:
             raise InvalidRequestError(
-                f"chat_template_content_format: one of {', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}"
+                f"chat_template_content_format: one of {', '.join(CHAT_CONTENT_FORMATS)}, got {chat_template_content_format!r}"
             )
         conversations = _conversations(messages)
         template = self.engine.chat_template
