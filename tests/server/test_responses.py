@@ -575,3 +575,21 @@ def test_any_field_is_answered_or_refused_with_a_4xx(
 
 def test_the_fuzzed_server_is_idle_after(small_server: ServerProcess) -> None:
     assert_idle(small_server)
+
+
+def test_a_kept_conversation_keeps_its_messages_text_parts() -> None:
+    """A later turn reads the kept messages through the chat route's parsing: content given as
+    parts comes back as the same parts (a template that loops over them renders it as the first
+    turn did), and an assistant's empty content as no parts."""
+    from hybridserve.engine.chat_template import TextParts
+    from hybridserve.server.protocol import _parse_messages
+    from hybridserve.server.responses import KeptResponse
+
+    history = [
+        {"role": "user", "content": TextParts(["How long", "does it bake?"])},
+        {"role": "assistant", "content": TextParts(()), "tool_calls": []},
+        {"role": "user", "content": "plain"},
+    ]
+    back = _parse_messages(KeptResponse.of({}, history, []).history)
+    assert [getattr(m["content"], "parts", None) for m in back] == [("How long", "does it bake?"), (), None]
+    assert [str(m["content"]) for m in back] == ["How long\ndoes it bake?", "", "plain"]
