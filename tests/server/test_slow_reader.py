@@ -57,11 +57,9 @@ def _small_chunks_are_cut_off_too(server: Any) -> None:
     takes stops moving once its receive buffer is full, and that is what the timeout counts. A
     request of 6 choices read as usual beside it makes the steps slower, so that the silent
     stream outlasts the timeout."""
-    beside = threading.Thread(
-        target=call,
-        args=(server, "/v1/completions", {"model": "demo", "prompt": "Once", "max_tokens": 4000, "n": 6,
-                                          "ignore_eos": True}),
-    )  # fmt: skip
+    answers: list[tuple[int, Any]] = []
+    body = {"model": "demo", "prompt": "Once", "max_tokens": 4000, "n": 6, "ignore_eos": True}
+    beside = threading.Thread(target=lambda: answers.append(call(server, "/v1/completions", body)))
     beside.start()
     sock = open_stream(server.port, 2, 4000, logprobs=None)
     try:
@@ -70,6 +68,7 @@ def _small_chunks_are_cut_off_too(server: Any) -> None:
     finally:
         sock.close()
         beside.join(timeout=120)
+    assert [status for status, _ in answers] == [200]
 
 
 def _wait_admitted(server: Any, n: int) -> None:

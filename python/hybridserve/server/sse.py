@@ -7,6 +7,7 @@ import fcntl
 import json
 import socket
 import struct
+import sys
 import termios
 from typing import Any
 
@@ -14,7 +15,8 @@ from aiohttp import HttpVersion11, web
 
 DONE = b"data: [DONE]\n\n"
 _TIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
-_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
+# (the offset below is Linux's struct tcp_info: other systems lay theirs out otherwise)
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 # where `tcpi_bytes_acked` (a u64) ends in Linux's struct tcp_info (since Linux 4.1)
 _BYTES_ACKED_END = 128
 
@@ -39,9 +41,9 @@ class EventStream(web.StreamResponse):
     client that hung up. A client that stopped reading would otherwise hold its request, its
     place in the server's queue and the connection until it hung up; one that reads slowly keeps
     its stream. A watchdog looks about once a second while bytes are unsent and the stream has
-    not ended (`_taken`): a client that reads nothing is seen as soon as its own receive buffer
-    is full, not only once the kernel's send queue (up to megabytes) and the transport's buffer
-    are too and a write waits."""
+    not ended (`_took_some`): over TCP on Linux a client that reads nothing is seen as soon as
+    its own receive buffer is full, not only once the kernel's send queue (up to megabytes) and
+    the transport's buffer are too."""
 
     def __init__(self, request: web.Request, headers: dict[str, str], write_timeout_s: float) -> None:
         super().__init__(status=200, headers=headers)
@@ -50,7 +52,7 @@ class EventStream(web.StreamResponse):
         self._transport = request.transport
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled_since = 0.0
-        self._taken_seen = 0  # `_taken` at the watchdog's last look
+        self._progress = 0  # what `_took_some` last saw
 
     async def write_bounded(self, data: bytes | None) -> None:
         """Writes `data` (None: ends the stream)."""
@@ -58,7 +60,8 @@ class EventStream(web.StreamResponse):
             raise self._timed_out()
         if self.write_timeout_s > 0 and self._watchdog is None and self._transport is not None:
             loop = asyncio.get_running_loop()
-            self._stalled_since, self._taken_seen = loop.time(), self._taken()
+            self._stalled_since = loop.time()
+            self._took_some()  # (what was taken so far is the start)
             self._watchdog = loop.call_later(min(1.0, self.write_timeout_s), self._watch)
         await (self.write_eof() if data is None else self.write(data))
         if self.timed_out:  # (the dropped connection lets a waiting write return)
@@ -79,22 +82,38 @@ class EventStream(web.StreamResponse):
                 pass
         return n
 
-    def _taken(self) -> int:
-        """A count that grows exactly while the client takes bytes of the connection: over TCP on
-        Linux the bytes its end has acknowledged (TCP_INFO's `tcpi_bytes_acked`, whatever they
-        hold: headers, chunk framing, TLS records), else the bytes the HTTP writer handed the
-        transport (framing counted) less those unsent."""
+    def _acked(self) -> int | None:
+        """The bytes the client's end of the connection has acknowledged (Linux's TCP_INFO
+        `tcpi_bytes_acked`, whatever they hold: headers, chunk framing, TLS records), a count
+        that grows exactly while the client takes the stream; None where there is none (a Unix
+        socket, another system)."""
         assert self._transport is not None
         sock = self._transport.get_extra_info("socket")
-        if sock is not None and _TCP_INFO is not None:
-            try:
-                info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
-                if len(info) >= _BYTES_ACKED_END:
-                    return int(struct.unpack_from("Q", info, _BYTES_ACKED_END - 8)[0])
-            except OSError:  # (a Unix socket)
-                pass
-        writer = self._payload_writer
-        return (writer.output_size if writer is not None else 0) - self._unsent()
+        if sock is None or _TCP_INFO is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
+        except OSError:
+            return None
+        if len(info) < _BYTES_ACKED_END:  # (Linux before 4.1)
+            return None
+        return int(struct.unpack_from("Q", info, _BYTES_ACKED_END - 8)[0])
+
+    def _took_some(self) -> bool:
+        """Whether the client took bytes of the stream since the last look. Without TCP's count
+        (`_acked`) only the transport's own buffer, which counts bytes exactly, is read: it holds
+        any only once the kernel's queue is full, and while it is empty nothing says the client
+        stopped (a Unix socket's queue counts the kernel's memory, not bytes), and a drop of it
+        is a take (writes only add to it)."""
+        acked = self._acked()
+        if acked is None:
+            assert self._transport is not None
+            acked = -self._transport.get_write_buffer_size()  # (a drop is a take)
+            if acked == 0:
+                self._progress = 0
+                return True
+        took, self._progress = acked > self._progress, acked
+        return took
 
     def _watch(self) -> None:
         self._watchdog = None
@@ -107,9 +126,8 @@ class EventStream(web.StreamResponse):
         now = loop.time()
         if self._unsent() == 0:
             return  # all taken (armed again by the next write)
-        taken = self._taken()
-        if taken > self._taken_seen:
-            self._stalled_since, self._taken_seen = now, taken
+        if self._took_some():
+            self._stalled_since = now
         if now - self._stalled_since >= self.write_timeout_s:
             self.timed_out = True
             transport.abort()  # (what it holds unsent goes with it)
