@@ -473,16 +473,21 @@ def test_a_negative_token_id_names_no_token(checkpoints, tmp_path):
 
 def test_a_layer_count_that_disagrees_with_the_checkpoint_is_said(checkpoints, tmp_path, caplog):
     """num_hidden_layers against the layer list beside it is an error (a stack of one of the two
-    sizes leaves layers unread or missing); against NemotronH's pattern the pattern's layers are
-    built, said (as transformers and vLLM do); a checkpoint whose tensors the model does not read
-    (a layer past the stack) loads with a warning naming them, not a debug line."""
+    sizes leaves layers unread or missing: transformers' Granite indexes the list by it); against
+    NemotronH's pattern (or list) the pattern's layers are built, said (as transformers and vLLM
+    build them); a checkpoint whose tensors the model does not read (a layer past the stack)
+    loads with a warning naming them, not a debug line."""
+    _, d = checkpoints("gr_dense_odd")
+    c = _copy_ckpt(d, tmp_path / "gr")
+    raw = json.loads((c / "config.json").read_text())
+    n = len(raw["layer_types"])
+    (c / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": n - 1}))
+    with pytest.raises(ConfigError, match=f"num_hidden_layers is {n - 1} but layer_types lists {n} layers"):
+        load_model(str(c))
     _, d = checkpoints("nh_g1")
     c = _copy_ckpt(d, tmp_path / "nh")
     raw = json.loads((c / "config.json").read_text())
-    kinds = raw.pop("layers_block_type")
-    (c / "config.json").write_text(json.dumps({**raw, "layer_types": kinds, "num_hidden_layers": 3}))
-    with pytest.raises(ConfigError, match="num_hidden_layers is 3 but layer_types lists 4 layers"):
-        load_model(str(c))
+    raw.pop("layers_block_type")
     stale = {**raw, "hybrid_override_pattern": "M-M", "num_hidden_layers": 4}
     (c / "config.json").write_text(json.dumps(stale))
     with caplog.at_level("WARNING", logger="hybridserve"):

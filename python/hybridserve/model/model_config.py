@@ -444,12 +444,15 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     model_type = model_type or model_type_of(raw, source)
     names = get_field(raw, "layers_block_type", "layer_types")
     if names is not None:
-        if not isinstance(names, list):
-            raise ConfigError(f"{source}: layers_block_type must be a list")
         listed_by = "layers_block_type" if raw.get("layers_block_type") is not None else "layer_types"
+        if not isinstance(names, list):
+            raise ConfigError(f"{source}: {listed_by} must be a list")
         if model_type == "zamba2":
             return _listed_layers(raw, source, _zamba2_kinds(names, source), listed_by)
-        return _listed_layers(raw, source, layer_kinds_from_names(names, source), listed_by)
+        kinds = layer_kinds_from_names(names, source)
+        if model_type == "nemotron_h":  # (its count is the list's length in transformers)
+            return _counted_by_list(raw, source, kinds, listed_by)
+        return _listed_layers(raw, source, kinds, listed_by)
     if model_type == "nemotron_h":
         pattern = raw.get("hybrid_override_pattern")
         if not isinstance(pattern, str) or not pattern:
@@ -460,16 +463,7 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
         if bad:
             raise ConfigError(f"{source}: hybrid_override_pattern has unknown layer codes {bad}")
         kinds = [NEMOTRON_H_PATTERN[c] for c in pattern]
-        n = config_count(raw, source, "num_hidden_layers")
-        if n is not None and n != len(kinds):
-            # (transformers' NemotronHConfig and vLLM build the pattern's layers, saying so: a
-            # checkpoint with a stale count loads there; its unread layers are warned of as
-            # unused tensors)
-            logger.warning(
-                "%s: num_hidden_layers is %d but hybrid_override_pattern lists %d layers: the pattern's are built",
-                source, n, len(kinds),
-            )  # fmt: skip
-        return kinds
+        return _counted_by_list(raw, source, kinds, "hybrid_override_pattern")
     n = config_count(raw, source, "num_hidden_layers", "n_layer") or 0
     if model_type == "bamba":
         try:
@@ -486,6 +480,20 @@ def layer_kinds(raw: dict[str, Any], source: str, model_type: str | None = None)
     if model_type in SCAN_CHUNK_DEFAULTS:
         return [MAMBA] * n
     return [ATTENTION] * n
+
+
+def _counted_by_list(raw: dict[str, Any], source: str, kinds: list[str], listed_by: str) -> list[str]:
+    """NemotronH's layers, which its list or pattern counts: transformers' NemotronHConfig takes
+    their number from it (its `num_hidden_layers` is the list's length) and vLLM builds its
+    layers, so a checkpoint with a stale count loads there; a disagreeing count is said (the
+    layers left unread are warned of as unused tensors)."""
+    n = config_count(raw, source, "num_hidden_layers")
+    if n is not None and n != len(kinds):
+        logger.warning(
+            "%s: num_hidden_layers is %d but %s lists %d layers: the list's are built",
+            source, n, listed_by, len(kinds),
+        )  # fmt: skip
+    return kinds
 
 
 def _listed_layers(raw: dict[str, Any], source: str, kinds: list[str], listed_by: str) -> list[str]:

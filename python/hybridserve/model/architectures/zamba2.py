@@ -306,8 +306,11 @@ class Zamba2ForCausalLM(StackedCausalLM):
 
         kinds = layer_kinds(raw, source, MODEL_TYPE)
         n = get_int(raw, "num_hidden_layers", default=len(kinds))
-        if n != len(kinds):
-            raise bad(f"num_hidden_layers is {n} but layers_block_type lists {len(kinds)} layers")
+        if n != len(kinds):  # (a list given was checked with it: this is transformers' default layout)
+            raise bad(
+                f"num_hidden_layers is {n} but config.json lists no layers_block_type, and the default "
+                f"layout has {len(kinds)} layers"
+            )
         hidden = get_int(raw, "hidden_size")
         num_heads = get_int(raw, "num_attention_heads")
         num_kv_heads = get_int(raw, "num_key_value_heads", default=num_heads)
