@@ -162,6 +162,11 @@ def run() -> NoReturn:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         rc = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:  # (outside the command's own handling: the shell's status for it)
+        if not _compilations_running():
+            raise
+        print("hybridserve: interrupted", file=sys.stderr)
+        rc = 130
     except BaseException:  # (an error main does not handle: its traceback, then status 1)
         if not _compilations_running():
             raise

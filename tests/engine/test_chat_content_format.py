@@ -63,6 +63,12 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
             "{% else %}{% for c in content %}{{ c.text }}{% endfor %}{% endif %}{% endfor %}",
             "openai",
         ),
+        # a macro handed a message's content (Qwen3-VL's `render_content`)
+        (
+            "{% macro render(content) %}{% for item in content %}{{ item.text }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ render(m.content) }}{% endfor %}",
+            "openai",
+        ),
         # a filter's result is no message
         (
             "{% for m in messages %}{% for c in (m | tojson).content %}{{ c }}{% endfor %}{% endfor %}",

@@ -99,10 +99,11 @@ def _content_of_one_of(node: Any, names: set[str]) -> bool:
 
 
 def detect_content_format(source: str) -> str:
-    """ "openai" when the template loops over a message's content (`{% for part in
-    message['content'] %}`, the message a loop variable over `messages` or a variable set from
-    it; or over a variable set from a message's content), else "string": what vLLM's "auto"
-    detects."""
+    """ "openai" when the template loops over a message's content, else "string", as vLLM's
+    "auto" tells them apart: a loop over `message['content']` (or `.content`; the message a loop
+    variable over `messages` or over a variable set from it), over a variable set from a
+    message's content, or over a variable named `content` (a macro's parameter that is handed a
+    message's content: `{% macro render(content) %}{% for item in content %}`)."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
     try:
@@ -123,7 +124,7 @@ def detect_content_format(source: str) -> str:
         f.target.name for f in loops if isinstance(f.target, nodes.Name) and _names_one_of(f.iter, lists)
     }
     # (`{% set content = message['content'] %}` ... `{% for part in content %}`)
-    contents = {name for name, value in assigns if _content_of_one_of(value, messages)}
+    contents = {"content"} | {name for name, value in assigns if _content_of_one_of(value, messages)}
     looped = any(_content_of_one_of(f.iter, messages) or _names_one_of(f.iter, contents) for f in loops)
     return "openai" if looped else "string"
 
