@@ -224,6 +224,30 @@ def test_echo_logprobs_shape_prompt_logprobs_and_score_only(server: ServerProces
     assert streamed == gen["logprobs"]["token_logprobs"]
 
 
+@pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 5), (5, 1)])
+def test_echo_logprobs_and_prompt_logprobs_each_hold_their_own_top_n(
+    server: ServerProcess, logprobs: int, prompt_logprobs: int
+) -> None:
+    """The engine computes one top-n for the prompt, the larger of the two; each field shows its
+    own: the prompt token and its `logprobs` (or `prompt_logprobs`) best alternatives."""
+    prompt = "The harbour was quiet when the trains"
+    ids = LLM_TOKENS(prompt)
+    body = {"model": "demo", "prompt": prompt, "echo": True, "max_tokens": 1, "temperature": 0}
+    c = _post(server, {**body, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})["choices"][0]
+    echoed = c["logprobs"]["top_logprobs"][1 : len(ids)]
+    assert all(logprobs <= len(t) <= logprobs + 1 for t in echoed), [len(t) for t in echoed]
+    listed = c["prompt_logprobs"][1:]
+    assert all(prompt_logprobs <= len(t) <= prompt_logprobs + 1 for t in listed), [len(t) for t in listed]
+    for p, t in enumerate(listed, start=1):
+        assert (
+            str(ids[p]) in t
+            and sorted(v["rank"] for k, v in t.items() if k != str(ids[p]))[-1] <= prompt_logprobs
+        )
+    # the same numbers as each field alone
+    alone = _post(server, {**body, "logprobs": logprobs})["choices"][0]["logprobs"]["top_logprobs"]
+    assert alone[1 : len(ids)] == echoed
+
+
 @pytest.mark.parametrize("prompt", ["<|im_start|>hi there", "naïve 日本 <|im_end|>\nThe harbour"])
 def test_echo_offsets_index_the_echoed_text_streamed_or_not(server: ServerProcess, prompt: str) -> None:
     """A text prompt is echoed as written, special tokens included: each echoed token's offset is

@@ -1350,8 +1350,11 @@ def _echo_logprobs_json(
     if not (req.echo and req.logprobs is not None) or choice.prompt_logprobs is None:
         return None
     skip = req.params.skip_special_tokens
-    entries = [e if e is not None else {} for e in choice.prompt_logprobs]
     prompt = choice.prompt
+    entries = [
+        P.top_n_entry(e, tid, req.logprobs) if e is not None else {}
+        for e, tid in zip(choice.prompt_logprobs, prompt.token_ids)
+    ]
     out = P.completion_logprobs(
         entries,
         prompt.token_ids,
@@ -1376,7 +1379,12 @@ def _join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) ->
 def _vllm_prompt_logprobs(req: P.GenerateRequest, info: EngineModelInfo, choice: _Choice) -> list[Any] | None:
     if req.prompt_logprobs is None or choice.prompt_logprobs is None:
         return None
-    return P.vllm_prompt_logprobs(choice.prompt_logprobs, info.token_text, _as_ids(req, info))
+    n = req.prompt_logprobs
+    entries = [
+        P.top_n_entry(e, tid, n) if e is not None else None
+        for e, tid in zip(choice.prompt_logprobs, choice.prompt.token_ids)
+    ]
+    return P.vllm_prompt_logprobs(entries, info.token_text, _as_ids(req, info))
 
 
 async def _deltas(

@@ -1702,6 +1702,13 @@ def completion_choice(
     return choice
 
 
+def top_n_entry(entry: TokenLogprobs, token_id: int, n: int) -> TokenLogprobs:
+    """`entry` cut to `token_id` and the `n` best-ranked alternatives. The engine computes one
+    top-n of a prompt's logprobs, the largest any field of the request asks for (echo with
+    `logprobs`, `prompt_logprobs`); each field shows its own."""
+    return {tid: lp for tid, lp in entry.items() if tid == token_id or lp.rank <= n}
+
+
 def vllm_prompt_logprobs(
     entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str], as_ids: bool = False
 ) -> list[Any]:
