@@ -1,14 +1,19 @@
 """Helpers for the tool-call format tests: a parser's stream over random cuts of a text, a
-streamed chat answer's content and calls as the openai client sees them, and two chat tools whose
-forced calls the demo model ends within a few tokens (bounded arguments)."""
+streamed chat answer's content and calls as the openai client sees them, two chat tools whose
+forced calls the demo model ends within a few tokens (bounded arguments), and a copy of the demo
+model whose tokenizer has a format's tags as added tokens (as Qwen's and Granite's have)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from pathlib import Path
 from typing import Any
 
 import openai
 
+from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server.tools import ToolCallStream, ToolParser, split_message
 
 WEATHER = {
@@ -70,3 +75,36 @@ def stream_chat(client: openai.OpenAI, **kw: Any) -> tuple[str | None, list[dict
                 slot["arguments"] += (tc.function and tc.function.arguments) or ""
             finish = ch.finish_reason or finish
     return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def demo_with_added_tags(folder: Path, tags: dict[str, bool]) -> Path:
+    """The demo model copied into `folder`, its tokenizer given each tag as an added token (the
+    value: whether it is special), each in place of one of the last merged tokens of its
+    vocabulary (the model's sizes stay as they are)."""
+    src = Path(ensure_demo_model())
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tj["model"]["vocab"]
+    by_id = sorted(vocab.items(), key=lambda kv: -kv[1])
+    for (old, tid), (tag, special) in zip(by_id, tags.items()):
+        del vocab[old]
+        merges = tj["model"]["merges"]
+        tj["model"]["merges"] = [
+            m for m in merges if "".join(m if isinstance(m, list) else m.split(" ")) != old
+        ]
+        tj["added_tokens"].append(
+            {
+                "id": tid,
+                "content": tag,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": special,
+            }
+        )
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    return folder

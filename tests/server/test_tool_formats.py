@@ -19,6 +19,7 @@ import openai
 import pydantic
 import pytest
 
+from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.model.demo import ensure_demo_model
 from hybridserve.server import protocol
 from hybridserve.server.tools import (
@@ -34,7 +35,7 @@ from hybridserve.server.tools import (
     with_tools_in_system_prompt,
 )
 from server_fixtures import TokenizerModelInfo, call, running_server
-from tool_formats import assert_stream_adds_up, stream_chat
+from tool_formats import assert_stream_adds_up, demo_with_added_tags, stream_chat
 
 
 @functools.cache
@@ -710,3 +711,71 @@ def test_a_block_whose_json_leaves_a_string_open_is_text_and_the_calls_after_it_
     content, calls = split_message(H, text)
     assert [c.name for c in calls] == ["g"]
     assert content.startswith('<tool_call>{"name": "f"') and content.endswith(" bye")
+
+
+@pytest.fixture(scope="module")
+def tagged_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model with `<tool_call>` an added token and `</tool_call>`, `<TOOLCALL>`,
+    `</TOOLCALL>` added special tokens."""
+    tags = {"<tool_call>": False, "</tool_call>": True, "<TOOLCALL>": False, "</TOOLCALL>": True}
+    return demo_with_added_tags(tmp_path_factory.mktemp("tagged") / "demo", tags)
+
+
+@pytest.mark.parametrize("name", ["hermes", "nemotron_json", "qwen3_coder"])
+def test_forced_grammar_writes_tags_that_are_added_tokens_as_those_tokens(
+    tagged_demo: Path, name: str
+) -> None:
+    """A tag that is one of the tokenizer's added tokens is written as that token: the grammar
+    takes the tokens the tokenizer gives the call's text (as a model writes it), and llguidance,
+    given the tag as text, allowed that token and then refused it."""
+    tokenizer = Tokenizer(tagged_demo)
+    tok = llguidance.LLTokenizer((tagged_demo / "tokenizer.json").read_text(), eos_token=2)
+    tools = parse_tools([WEATHER])
+    parser = TOOL_PARSERS[name].for_tools(tools)
+    text = parser.render_calls([{"name": "get_weather", "arguments": {"city": "Paris"}}])
+    ids = tokenizer.encode(text)
+    assert tokenizer.added_token_ids[parser.START] in ids  # type: ignore[attr-defined]
+    for added in (tokenizer.added_token_ids, {}):
+        grammar = llguidance.grammar_from("grammar", parser.grammar(tools, "required", False, added))
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        took = bool(m.consume_tokens(ids) and m.is_accepting())
+        assert took == bool(added), (added, m.get_error())
+
+
+def test_a_server_whose_tags_are_added_tokens_forces_calls_and_reads_them(tagged_demo: Path) -> None:
+    """Through the server: forced calls in a format whose opening tag is an added token and
+    whose closing tag a special one (left out of the text by default, kept here so that the call
+    is read) come back as calls, streamed and not; they were a 500 (the grammar's error)."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    with running_server(
+        "--dtype", "float32", "--served-model-name", "demo", model=str(tagged_demo)
+    ) as server:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
+        for kw in (
+            {"tool_choice": "required", "parallel_tool_calls": False},
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        ):
+            body = {
+                "model": "demo",
+                "messages": messages,
+                "tools": [WEATHER],
+                "max_tokens": 60,
+                "seed": 1,
+                **kw,
+            }
+            full = client.chat.completions.create(**body).choices[0]
+            assert full.finish_reason == "tool_calls" and full.message.content is None, full
+            [got] = full.message.tool_calls
+            assert got.function.name == "get_weather"
+            assert set(json.loads(got.function.arguments)) == {"city"}
+            content, calls, finish = stream_chat(client, **body)
+            assert (content, finish) == (None, "tool_calls")
+            assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", got.function.arguments)]
+        # a client that asks for the special tokens to be left out gets the text it asked for
+        body = {"model": "demo", "messages": messages, "tools": [WEATHER], "max_tokens": 60}
+        out = client.chat.completions.create(
+            **body, tool_choice="required", extra_body={"skip_special_tokens": True}
+        )
+        assert out.choices[0].message.tool_calls is None and "</tool_call>" not in (
+            out.choices[0].message.content or ""
+        )

@@ -76,7 +76,10 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.chat_template: str | None = self.config.get("chat_template")
-        self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {i for i, t in added.items() if t.special}
+        #: added tokens by their text (a model's tags: `<tool_call>`, `</think>`)
+        self.added_token_ids: dict[str, int] = {t.content: i for i, t in added.items() if t.content}
         self._labels: dict[int, str] = {}
 
     def _special(self, key: str) -> str | None:

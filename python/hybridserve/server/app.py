@@ -111,6 +111,16 @@ class EngineModelInfo:
         return self._max_model_len
 
     @property
+    def added_tokens(self) -> Mapping[str, int]:
+        """The tokenizer's added tokens by their text (a tool-call format's tags among them)."""
+        added: Mapping[str, int] = getattr(self.tokenizer, "added_token_ids", {})
+        return added
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with skip_special_tokens leaves the token out."""
+        return bool(self.tokenizer.is_special(token_id))
+
+    @property
     def vocab_size(self) -> int | None:
         return self._vocab_size
 

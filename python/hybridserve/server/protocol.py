@@ -1182,6 +1182,14 @@ def _tool_parser(info: ModelInfo) -> T.ToolParser:
     return T.TOOL_PARSERS[getattr(info, "tool_call_parser", "hermes")]
 
 
+def _special_tags(info: ModelInfo, added: Mapping[str, int]) -> bool:
+    """Whether a tag of the server's tool-call format is one of the tokenizer's special tokens."""
+    parser = _tool_parser(info)
+    tags = (getattr(parser, "START", ""), getattr(parser, "END", ""))
+    is_special = getattr(info, "is_special", None)
+    return is_special is not None and any(t in added and is_special(added[t]) for t in tags)
+
+
 def _constrained(
     params: SamplingParams,
     body: dict[str, Any],
@@ -1189,6 +1197,7 @@ def _constrained(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str = "none",
     parser: T.ToolParser | None = None,
+    added_tokens: Mapping[str, int] = {},
 ) -> SamplingParams:
     """`params` with the grammar the request's fields ask for (server/structured_outputs.py)."""
     try:
@@ -1199,6 +1208,7 @@ def _constrained(
             parallel_tool_calls=get_bool(body, "parallel_tool_calls", True),
             parser=parser or T.TOOL_PARSERS["hermes"],
             on_unknown=unknown.found,
+            added_tokens=added_tokens,
         )
     except ValueError as e:
         raise _field_error(e) from None
@@ -1389,7 +1399,12 @@ def parse_chat_request(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-    params = _constrained(params, body, unknown, tools, tool_choice, _tool_parser(info))
+    added: Mapping[str, int] = getattr(info, "added_tokens", {})
+    params = _constrained(params, body, unknown, tools, tool_choice, _tool_parser(info), added)
+    if rendered_tools and "skip_special_tokens" not in body and _special_tags(info, added):
+        # the tags are special tokens, which the text leaves out by default: the calls could not
+        # be found in it (vLLM keeps special tokens whenever tools are given)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     beam = _beam_search(
         body,
         params,

@@ -11,7 +11,7 @@ invalid schema, regex or grammar; one that takes too long) is a 400 naming that 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybridserve.errors import InvalidRequestError
@@ -166,9 +166,11 @@ def constraint(
     parallel_tool_calls: bool = True,
     parser: ToolParser | None = None,
     on_unknown: OnUnknown = _refuse,
+    added_tokens: Mapping[str, int] = {},
 ) -> StructuredOutputsParams | None:
     """The one grammar a request's fields ask for, or None. Two fields that both constrain the
-    output (say `response_format` json_schema and `tool_choice` "required") are a 400."""
+    output (say `response_format` json_schema and `tool_choice` "required") are a 400.
+    `added_tokens`: the tokenizer's added tokens by their text (ToolParser.grammar)."""
     found: list[StructuredOutputsParams] = []
     rf = parse_response_format(body.get("response_format"), on_unknown)
     if rf is not None:
@@ -179,7 +181,9 @@ def constraint(
     found += parse_guided(body)
     if tools and parser is not None and tool_choice not in ("none", "auto"):
         found.append(
-            _labelled("tool_choice", grammar=parser.grammar(tools, tool_choice, parallel_tool_calls))
+            _labelled(
+                "tool_choice", grammar=parser.grammar(tools, tool_choice, parallel_tool_calls, added_tokens)
+            )
         )
     if len(found) > 1:
         raise FieldError(

@@ -32,7 +32,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Self
 
@@ -212,10 +212,13 @@ class ToolParser(Protocol):
         """The text that describes the tools and the call format (for the system message)."""
         ...
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, added: Mapping[str, int] = {}
+    ) -> str:
         """A Lark grammar (llguidance's dialect) of an output that is only tool calls: one call of
         `choice` (a function name), or for "required" one call of any tool (up to
-        MAX_PARALLEL_CALLS with `parallel`)."""
+        MAX_PARALLEL_CALLS with `parallel`). `added`: the tokenizer's added tokens by their
+        text; a tag that is one of them is written as that token (`_lark_text`)."""
         ...
 
     def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
@@ -416,6 +419,19 @@ def _json_end(text: str, start: int, tag: str) -> int:
     return -1
 
 
+def _lark_text(text: str, added: Mapping[str, int]) -> str:
+    """`text` as a Lark expression: string literals, with each of the tokenizer's added tokens
+    in it written as that token (`<[id]>`). llguidance turns a literal into tokens as the
+    tokenizer does, added tokens included, and then refuses such a token, which it matches by id
+    only, not as text: a tag like `<tool_call>` that is an added token (Qwen's, Granite's) made
+    every forced call fail."""
+    found = sorted((t for t in added if t and t in text), key=len, reverse=True)
+    if not found:
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(map(re.escape, found)) + ")", text)
+    return " ".join(f"<[{added[p]}]>" if i % 2 else json.dumps(p) for i, p in enumerate(pieces) if p)
+
+
 class _TaggedToolParser(abc.ABC):
     """Calls written between START and END tags; a block that does not read as calls is content.
     A format gives its tags and how a block's body reads as calls (`_calls`). With `JSON_BODY`
@@ -484,10 +500,13 @@ class HermesToolParser(_TaggedToolParser):
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, added: Mapping[str, int] = {}
+    ) -> str:
         call_schema, defs = _call_alternatives(_chosen(tools, choice))
         schema = _with_defs({**call_schema, "x-guidance": dict(JSON_DEFAULTS)}, defs)
-        call = f'call: "{self.START}\\n" %json {json.dumps(schema)} "\\n{self.END}"'
+        opening, closing = _lark_text(f"{self.START}\n", added), _lark_text(f"\n{self.END}", added)
+        call = f"call: {opening} %json {json.dumps(schema)} {closing}"
         if choice == "required" and parallel:
             return f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}\n{call}\n'
         return f"start: call\n{call}\n"
@@ -526,7 +545,9 @@ class NemotronJsonToolParser(_TaggedToolParser):
             '{"name": "tool_name2", "arguments": {"arg2": "value2"}}]</TOOLCALL>'
         )
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, added: Mapping[str, int] = {}
+    ) -> str:
         most = MAX_PARALLEL_CALLS if choice == "required" and parallel else 1
         call_schema, defs = _call_alternatives(_chosen(tools, choice))
         schema = _with_defs(
@@ -539,7 +560,8 @@ class NemotronJsonToolParser(_TaggedToolParser):
             },
             defs,
         )
-        return f'start: "{self.START}" %json {json.dumps(schema)} "{self.END}"\n'
+        opening, closing = _lark_text(self.START, added), _lark_text(self.END, added)
+        return f"start: {opening} %json {json.dumps(schema)} {closing}\n"
 
     def _calls(self, body: str) -> list[ToolCall] | None:
         try:
@@ -712,7 +734,9 @@ class Qwen3CoderToolParser(_TaggedToolParser):
             "</parameter>\n</function>\n</tool_call>"
         )
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, added: Mapping[str, int] = {}
+    ) -> str:
         """Each call's parameters in the order its schema lists them, the required ones always
         and the others at most once. A string value is text without "</" whose lines after the
         first do not start with "<" (so that it ends where its closing tag begins: the lexer takes
@@ -721,6 +745,7 @@ class Qwen3CoderToolParser(_TaggedToolParser):
         format cannot carry is a ToolError."""
         rules: list[str] = []
         calls = []
+        text_end, value_end = _lark_text("</parameter>\n", added), _lark_text("\n</parameter>\n", added)
         for i, t in enumerate(_chosen(tools, choice)):
             fn = t["function"]
             params, defs = _rooted_parameters(fn.get("parameters") or {})
@@ -738,17 +763,18 @@ class Qwen3CoderToolParser(_TaggedToolParser):
                         f"{fn['name']}: the parameter name {pname!r} cannot be written in the "
                         "qwen3_coder format (no '>', no newline, no space at its ends)",
                     )
-                rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={pname}>\n")
+                rule, opening = f"p{i}_{j}", _lark_text(f"<parameter={pname}>\n", added)
                 value = _value_grammar(pschema, defs)
                 if value is None:  # text: lines, none of the later ones starting with "<"
                     text, terminal = _text_value(pschema, rule.upper())
                     rules += terminal
-                    rules.append(f'{rule}: {opening} {text} "</parameter>\\n"')
+                    rules.append(f"{rule}: {opening} {text} {text_end}")
                 else:
-                    rules.append(f'{rule}: {opening} {value} "\\n</parameter>\\n"')
+                    rules.append(f"{rule}: {opening} {value} {value_end}")
                 parts.append(rule if pname in required else f"{rule}?")
-            head = json.dumps(f"{self.START}\n<function={fn['name']}>\n")
-            rules.append(f'c{i}: {head} {" ".join(parts)} "</function>\\n{self.END}"')
+            head = _lark_text(f"{self.START}\n<function={fn['name']}>\n", added)
+            tail = _lark_text(f"</function>\n{self.END}", added)
+            rules.append(f"c{i}: {head} {' '.join(parts)} {tail}")
             calls.append(f"c{i}")
         start = (
             f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}'
@@ -841,8 +867,10 @@ class FirstCallOnly:
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         return self.inner.system_prompt(tools)
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
-        return self.inner.grammar(tools, choice, False)
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, added: Mapping[str, int] = {}
+    ) -> str:
+        return self.inner.grammar(tools, choice, False, added)
 
     def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
         items, end = self.inner.scan(text, final)
