@@ -52,6 +52,7 @@ TEXTS = [
     f"{CALL}\n{CALL.replace('Paris', 'Rome')}\n",
     f"{CALL}\n<tool_call>\n{{not json}}\n</tool_call> tail",
     'text <tool_call>\n{"name": "now"',  # unfinished: content
+    'Checking.\n<tool_call>\n{"name": "now", "arguments": {}}\n',  # no closing tag: a call
     "a <tool_ b <tool_call",
     "   \n",
     '<tool_call>{"name": "now", "arguments": "{\\"x\\": 1}"}</tool_call>',
@@ -66,6 +67,12 @@ def test_split_message() -> None:
     assert content is None and len(calls) == 1
     content, calls = split_message(P, "<tool_call>\n{not json}\n</tool_call>")
     assert content == "<tool_call>\n{not json}\n</tool_call>" and calls == []
+    # a last block without its closing tag (a stop string, a model that ends there) reads as
+    # the calls its body holds, as vLLM's parser reads it; an unfinished one stays content
+    content, calls = split_message(P, f"Checking.\n{CALL.removesuffix('</tool_call>')}")
+    assert content == "Checking.\n" and [c.name for c in calls] == ["get_weather"]
+    content, calls = split_message(P, CALL[:-20])
+    assert content == CALL[:-20] and calls == []
     # arguments given as a JSON string are read as the object they hold
     _, calls = split_message(P, TEXTS[-1])
     assert json.loads(calls[0].arguments) == {"x": 1}

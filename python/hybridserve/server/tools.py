@@ -469,8 +469,15 @@ class _TaggedToolParser(abc.ABC):
                     items.append(text[i : k + len(self.END)])
                     pos = k + len(self.END)
                     continue
-                if final:  # an unfinished call is text
-                    items.append(text[i:])
+                if final:
+                    # a last block without its closing tag (the client's stop string, a model
+                    # that ends after the call) is calls when its body reads as calls, as vLLM
+                    # reads it; an unfinished call is text
+                    calls = self._calls(text[body:])
+                    if calls:
+                        items.extend(calls)
+                    else:
+                        items.append(text[i:])
                     return items, len(text)
                 return items, i
             calls = self._calls(text[i + len(self.START) : j])
