@@ -195,6 +195,51 @@ def test_each_replica_publishes_kv_events_on_addresses_of_its_own(tmp_path: Path
         check_kv_event_ports(last, [8001, 8002])
 
 
+def test_kv_event_ports_are_checked_against_the_router_s_and_ports_in_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KV-event port that is the router's port or its metrics port (the router then failed
+    after the replicas had loaded), or one already in use (replica 0 exited), is refused before
+    anything starts, naming --kv-events-config."""
+    import json
+    import socket
+
+    router = _executable(tmp_path, "vllm-router")
+    on = {"enable_kv_cache_events": True}
+
+    def run(endpoint: str, *extra: str) -> str:
+        cfg = json.dumps({**on, "endpoint": endpoint})
+        argv = [
+            "replicas",
+            "--router-bin",
+            router,
+            "--port",
+            "9100",
+            *extra,
+            "--",
+            "demo",
+            "--kv-events-config",
+            cfg,
+        ]
+        assert main(argv) == 2
+        return capsys.readouterr().err
+
+    assert "replica0's --kv-events-config endpoint tcp://*:9100 is also --port" in run("tcp://*:9100")
+    err = run("tcp://*:9090", "--router-metrics-port", "9091", "--num-replicas", "2")
+    assert "replica1's --kv-events-config endpoint tcp://*:9091 is also --router-metrics-port" in err
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = run(f"tcp://*:{port}", "--router-metrics-port", "9091")
+        assert f"replica0's --kv-events-config endpoint tcp://*:{port}: the port is already in use" in err
+        # an endpoint the replicas connect to is a subscriber's, which binds it: not refused
+        from hybridserve.deploy.replicas import check_kv_event_ports
+
+        cfg = json.dumps({**on, "endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": None})
+        check_kv_event_ports(["demo", "--kv-events-config", cfg], [8001])
+
+
 def test_the_router_s_default_metrics_port_is_checked_too(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -215,10 +216,16 @@ def _replica_kv_events(value: str, index: int) -> str:
     return json.dumps(cfg)
 
 
-def check_kv_event_ports(serve: list[str], replica_ports: list[int]) -> None:
+def check_kv_event_ports(
+    serve: list[str], replica_ports: list[int], router_ports: Sequence[tuple[str, int]] = ()
+) -> None:
     """Refuses, before anything starts, replicas' KV-event tcp:// ports (each replica's + its
-    index, `replica_serve_args`) that clash with one another's or a replica's HTTP port."""
-    seen = {port: f"replica{i}'s port" for i, port in enumerate(replica_ports)}
+    index, `replica_serve_args`) that clash with one another's, a replica's HTTP port or the
+    router's (`router_ports`: (name, port)), or that are in use already (a replica that cannot
+    bind one exits; the router that cannot bind its own port fails only after the replicas
+    loaded)."""
+    seen = {port: name for name, port in router_ports}
+    seen.update({port: f"replica{i}'s port" for i, port in enumerate(replica_ports)})
     for i in range(len(replica_ports)):
         args = replica_serve_args(serve, i)
         values = [v for a, v in zip(args, args[1:]) if a == KV_EVENTS_FLAG]
@@ -243,6 +250,12 @@ def check_kv_event_ports(serve: list[str], replica_ports: list[int]) -> None:
                     "endpoint and replay_endpoint, and away from the replicas' ports"
                 )
             seen[int(port)] = name
+            if field == "endpoint" and not KVEventsConfig.binds(address):
+                continue  # (a subscriber binds it: the replicas connect to it)
+            host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+            host = "0.0.0.0" if host in ("*", "") else host
+            if _in_use(host, int(port)):
+                raise ConfigError(f"{name}: the port is already in use on {host}")
 
 
 def replica_stop_timeout(serve: list[str]) -> float:
@@ -263,21 +276,31 @@ def replica_stop_timeout(serve: list[str]) -> float:
     return float(getattr(ns, "shutdown_timeout", 0.0)) + STOP_MARGIN_S
 
 
+_DEFAULT_METRICS = "the router's metrics port (its default; give --router-metrics-port)"
+
+
+def router_ports(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The ports the router listens on, (name, port): its --port, its metrics port given
+    (--router-metrics-port) or else its default, 29000 (which, taken by another router on this
+    machine, makes the router panic, and only after the replicas have loaded), unless
+    --router-args gives its own flag for it (left to the router)."""
+    named = [("--port", args.port)]
+    if args.router_metrics_port is not None:
+        named.append(("--router-metrics-port", args.router_metrics_port))
+    elif "--prometheus-port" not in args.router_args:
+        named.append((_DEFAULT_METRICS, ROUTER_METRICS_PORT))
+    return named
+
+
 def check_ports(args: argparse.Namespace, replica_ports: list[int]) -> None:
     """Refuses, before anything starts, ports that would clash: the router's, its metrics port and
     the replicas' must differ, and none may be in use already (a replica that cannot listen
     exits, and whatever answers on its port would pass its health check)."""
-    named = [("--port", args.port)]
-    if args.router_metrics_port is not None:
-        named.append(("--router-metrics-port", args.router_metrics_port))
-    named += [(f"replica{i}'s port", port) for i, port in enumerate(replica_ports)]
-    if args.router_metrics_port is None and "--prometheus-port" not in args.router_args:
-        # The router's own default: taken (another router on this machine), the router panics
-        # on it, and only after the replicas have loaded. Checked last (the others name the
-        # flags given).
-        named.append(
-            ("the router's metrics port (its default; give --router-metrics-port)", ROUTER_METRICS_PORT)
-        )
+    given = [(name, port) for name, port in router_ports(args) if name != _DEFAULT_METRICS]
+    default = [(name, port) for name, port in router_ports(args) if name == _DEFAULT_METRICS]
+    # (the router's default metrics port, when it is one, is checked last: the others name the
+    # flags given)
+    named = [*given, *[(f"replica{i}'s port", port) for i, port in enumerate(replica_ports)], *default]
     seen: dict[int, str] = {}
     for name, port in named:
         if port in seen:
@@ -418,7 +441,7 @@ def replicas_main(args: argparse.Namespace) -> int:
     router_cmd = router_command(args, worker_urls)
     check_ports(args, [int(u.rsplit(":", 1)[1]) for u in worker_urls] if serve else [])
     if serve:
-        check_kv_event_ports(serve, [int(u.rsplit(":", 1)[1]) for u in worker_urls])
+        check_kv_event_ports(serve, [int(u.rsplit(":", 1)[1]) for u in worker_urls], router_ports(args))
     stop_timeout = replica_stop_timeout(serve)
 
     children = _Children(args.log_dir)
