@@ -172,3 +172,32 @@ def test_a_failed_step_publishes_the_emptied_cache_at_once(
         engine.step()
     # (no further step ran: the engine is idle)
     assert any(e[0] == "cleared" for batch in published for e in batch), published
+
+
+def test_a_dropped_llm_frees_its_endpoints_for_the_next(tmp_path: Path) -> None:
+    """An LLM that is dropped ends its engine's publisher (as vLLM's LLM ends its engine): a
+    second LLM in the process binds the same endpoints (it was refused: "Address already in
+    use"), and the first one's thread is gone."""
+    import gc
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"ipc://{tmp_path}/r",
+    }
+
+    def kv_threads() -> int:
+        return sum(t.name == "kv-events" and t.is_alive() for t in threading.enumerate())
+
+    before = kv_threads()
+    llm = LLM("demo", dtype="float32", max_model_len=256, kv_events_config=cfg)
+    assert kv_threads() == before + 1
+    del llm
+    gc.collect()
+    assert kv_threads() == before
+    again = LLM("demo", dtype="float32", max_model_len=256, kv_events_config=cfg)
+    assert again.generate(["The morning was"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
