@@ -187,8 +187,8 @@ def _sampling_fields(
         "return_token_ids": _bool("return the prompt's and each choice's token ids (vLLM's fields)"),
         "use_beam_search": _bool(
             "the choices are the n best beams of a beam search (n: the beam width, at most "
-            f"{MAX_BEAM_WIDTH} and at most half of --max-logprobs; no stream, logprobs, stop, tools or "
-            "grammars with it)"
+            f"{MAX_BEAM_WIDTH} and at most half of --max-logprobs; streamed as one chunk per finished "
+            "choice; no logprobs, stop, tools or grammars with it)"
         ),
         "length_penalty": _num(
             -1e6,
