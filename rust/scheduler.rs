@@ -238,7 +238,14 @@ impl Scheduler {
     /// Adds a request to the waiting queue.
     pub fn add_request(&mut self, new: NewRequest) -> HsResult<()> {
         Request::validate(&new, self.cfg.max_model_len)?;
-        if self.ids.contains_key(&new.request_id) {
+        // (an id whose finish is decided but not yet reported is still in use: the next
+        // update would report the new request as finished)
+        if self.ids.contains_key(&new.request_id)
+            || self
+                .pending_deltas
+                .iter()
+                .any(|d| &*d.request_id == new.request_id.as_str())
+        {
             return Err(HsError::InvalidRequest(format!(
                 "request id {:?} is already in use",
                 new.request_id

@@ -1092,8 +1092,15 @@ fn request_that_cannot_fit_alone_finishes_with_length() {
     s.add_request(NewRequest::new("a", vec![1; 14], 10))
         .unwrap();
     let mut reasons = Vec::new();
+    let mut refused_while_pending = false;
     for _ in 0..10 {
         let o = s.schedule().unwrap();
+        if s.get_token_ids("a").is_none() && s.has_unfinished_requests() {
+            // decided, not yet reported: the id is still in use (the next update would report
+            // a new request of that id as finished)
+            assert!(s.add_request(NewRequest::new("a", vec![2; 3], 1)).is_err());
+            refused_while_pending = true;
+        }
         let ns: Vec<i32> = o.num_logits.clone();
         let n: usize = ns.iter().map(|&x| x as usize).sum();
         for d in s.update_from_output(&o, &vec![3; n], &ns, None).unwrap() {
@@ -1113,6 +1120,7 @@ fn request_that_cannot_fit_alone_finishes_with_length() {
         reasons,
         vec![("a".to_string(), Some(FinishReason::Length), 0)]
     );
+    assert!(refused_while_pending);
     assert_eq!(s.get_token_ids("a"), None);
     assert_eq!(s.stats().cache.kv_blocks_used, 0);
 }

@@ -309,7 +309,7 @@ class Scheduler:
     # checkpoints_kept (last-token states kept), kv_evictions_useless (blocks no hit could use),
     # checkpoint_evictions_{stale,for_checkpoint,for_window,for_kv}, kv_blocks_cached,
     # mamba_slots_window, kv_events_emitted; floats: prefill_flops_queried, prefill_flops_saved
-    # (cost model's).
+    # (cost model's), checkpoint_reuse_rate_{kind} (the running reuse rate the eviction reads).
     def stats(self) -> dict[str, int | float]: ...
     def reset_prefix_cache(self) -> bool: ...  # False while blocks are in use
     # KV cache events (docs/kv-events.md): recorded from the call on.

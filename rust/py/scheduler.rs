@@ -177,13 +177,14 @@ impl PyScheduler {
     /// of the step in flight (docs/architecture.md, "Overlapped steps"). The GIL is released
     /// while it is computed.
     fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<Py<PySchedulerOutput>>> {
-        self.ahead_output = None;
+        // (with no step in flight there is nothing to plan after: a plan already made stays)
         let Some(running) = self.last_output.as_ref().map(|o| o.clone_ref(py)) else {
             return Ok(None);
         };
         if self.inner.in_flight_step() != Some(running.borrow(py).out.step_id) {
             return Ok(None);
         }
+        self.ahead_output = None;
         let planned = {
             let running = running.borrow(py);
             let (inner, out) = (&mut self.inner, &running.out);
@@ -315,8 +316,9 @@ impl PyScheduler {
         output: PyRef<'py, PySchedulerOutput>,
     ) -> PyResult<Bound<'py, PyList>> {
         self.check_own_output(&output, "cancel_step")?;
-        self.ahead_output = None;
         let deltas = self.inner.cancel_step(&output.out).map_err(to_pyerr)?;
+        // (a refused cancel changes nothing: the step planned ahead stays confirmable)
+        self.ahead_output = None;
         PyList::new(py, deltas.into_iter().map(|d| PyRequestDelta { inner: d }))
     }
 

@@ -401,3 +401,29 @@ def test_an_output_of_another_scheduler_cannot_close_this_ones_step() -> None:
 def test_pools_beyond_what_the_scheduler_tracks_are_config_errors(blocks: int, slots: int) -> None:
     with pytest.raises(core.ConfigError, match="at most"):
         core.Scheduler(core.ResolvedConfig.for_tests(), blocks, slots)
+
+
+def _planned_ahead() -> tuple[core.Scheduler, core.SchedulerOutput, core.SchedulerOutput]:
+    """A decode step updated, with the step after it planned while it was in flight."""
+    s = make("none")
+    s.add_request("a", [1, 2, 3], max_tokens=50)
+    o = s.schedule()
+    s.update_from_output(o, np.array([7], np.int32), np.array([1], np.int32))
+    o = s.schedule()
+    planned = s.schedule_ahead()
+    assert planned is not None
+    s.update_from_output(o, np.array([8], np.int32), np.array([1], np.int32))
+    return s, o, planned
+
+
+def test_a_refused_cancel_or_a_stray_plan_leaves_the_step_planned_ahead() -> None:
+    """Calls that change nothing keep the plan confirmable: a cancel_step of a step already
+    updated (refused) and a schedule_ahead with no step in flight (None) both dropped it, and
+    confirm_ahead then refused the plan."""
+    s, o, planned = _planned_ahead()
+    with pytest.raises(core.InvalidRequestError):
+        s.cancel_step(o)
+    assert s.confirm_ahead(planned) is True
+    s, o, planned = _planned_ahead()
+    assert s.schedule_ahead() is None
+    assert s.confirm_ahead(planned) is True
