@@ -153,6 +153,16 @@ def test_speculative_config_defaults() -> None:
     assert SpeculativeConfig.from_dict({**NGRAM3, "prompt_lookup_min": 6}).prompt_lookup_max == 6
     d = SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2, "model": "demo"})
     assert d.to_dict() == {"method": "draft_model", "num_speculative_tokens": 2, "model": "demo"}
+    # vLLM's spellings without a method: a model is a draft model; "ngram" / "[ngram]" n-gram
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "model": "demo"}) == d
+    for name in ("ngram", "[ngram]"):
+        for given in ({}, {"method": "ngram"}):
+            spelled = {**given, "num_speculative_tokens": 3, "model": name}
+            assert SpeculativeConfig.from_dict(spelled) == SpeculativeConfig.from_dict(NGRAM3)
+    with pytest.raises(hybridserve.ConfigError, match="'method' is required"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 2})
+    with pytest.raises(hybridserve.ConfigError, match="'model' applies to method draft_model only"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "model": "demo"})
 
 
 @pytest.mark.parametrize(

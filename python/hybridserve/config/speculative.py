@@ -22,6 +22,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# `model` values that vLLM reads as n-gram speculation
+_NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config` after validation."""
@@ -49,8 +53,16 @@ class SpeculativeConfig:
                 f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(cls._KEYS)}"
             )
         methods = _core.SPECULATIVE_METHODS
-        if "method" not in d:
-            raise ConfigError(f"{flag}: 'method' is required (one of {', '.join(methods)})")
+        d = dict(d)
+        if d.get("model") in _NGRAM_MODEL_NAMES and d.get("method", "ngram") == "ngram":
+            # vLLM's older spelling of n-gram speculation: the method given as the model
+            d["method"], d["model"] = "ngram", None
+        elif d.get("method") is None and isinstance(d.get("model"), str) and d["model"]:
+            d["method"] = "draft_model"  # as vLLM: a model and no method is a draft model
+        if d.get("method") is None:
+            raise ConfigError(
+                f"{flag}: 'method' is required (one of {', '.join(methods)}) unless 'model' names a draft model"
+            )
         if d["method"] not in methods:
             raise ConfigError(f"{flag}: 'method' must be one of {', '.join(methods)}, got {d['method']!r}")
         method = cast("SpeculativeMethodName", d["method"])
