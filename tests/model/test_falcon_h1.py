@@ -111,9 +111,11 @@ def test_parse_released_fields_and_errors() -> None:
     assert c.ssm_multipliers == [1.0] * 5 and c.mlp_multipliers == [1.0, 1.0]
     caps = model_capabilities(_raw(), "f/config.json")
     assert (caps["num_mamba_layers"], caps["num_attention_layers"], caps["scan_chunk_size"]) == (2, 2, 256)
-    raw = _raw()
+    # mamba_d_ssm null: mamba_expand 2 x hidden_size; left out: transformers' default, 1024
+    assert cls.parse_config(_raw(mamba_d_ssm=None), "f/config.json").d_inner == 64
+    raw = _raw(mamba_n_heads=64)
     del raw["mamba_d_ssm"]
-    assert cls.parse_config(raw, "f/config.json").d_inner == 64  # mamba_expand 2 x hidden_size
+    assert cls.parse_config(raw, "f/config.json").d_inner == 1024
     bad = [
         (_raw(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type"),
         (_raw(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),

@@ -264,7 +264,7 @@ def _raw(**kw: object) -> dict:
     base: dict = {
         "model_type": "jamba", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
         "num_attention_heads": 4, "intermediate_size": 16, "attn_layer_period": 2,
-        "attn_layer_offset": 1, "num_experts": 4,
+        "attn_layer_offset": 1, "num_experts": 4, "num_key_value_heads": 4,
     }  # fmt: skip
     base.update(kw)
     return base
@@ -272,10 +272,14 @@ def _raw(**kw: object) -> dict:
 
 def test_parse_defaults_and_errors() -> None:
     cls = get_architecture(ARCH)
-    c = cls.parse_config(_raw(), "j/config.json")
+    c = cls.parse_config(_raw(num_key_value_heads=None), "j/config.json")
     assert c.layer_types == [MAMBA, ATTENTION] * 2
     assert c.moe_layers == [False, True, False, True]  # expert_layer_period 2, offset 1
+    # (num_key_value_heads null: as many as the heads; left out: transformers' default, 8)
     assert (c.dt_rank, c.dstate, c.d_inner, c.num_kv_heads, c.num_experts_per_tok) == (2, 16, 64, 4, 2)
+    raw = _raw(num_attention_heads=16)
+    del raw["num_key_value_heads"]
+    assert cls.parse_config(raw, "j/config.json").num_kv_heads == 8
     # the defaults of Jamba-v0.1: attention every 8th layer from the 5th
     raw = _raw(num_hidden_layers=16)
     del raw["attn_layer_period"], raw["attn_layer_offset"]

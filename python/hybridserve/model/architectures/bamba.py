@@ -78,7 +78,7 @@ class BambaForCausalLM(StackedCausalLM):
             **shared_fields.mamba_fields(raw, source, "bamba", hidden),
             mamba_act=str(raw.get("hidden_act", "silu")),
             mamba_norm_eps=eps,
-            **shared_fields.attention_fields(raw, hidden),
+            **shared_fields.attention_fields(raw, hidden, kv_heads=shared_fields.TRANSFORMERS_KV_HEADS),
             rope_theta=shared_fields.rope_theta(raw, rp),
             partial_rotary_factor=get_float(rp, "partial_rotary_factor", default=0.5),
             intermediate_size=get_int(raw, "intermediate_size"),

@@ -18,7 +18,7 @@ vector of `ssm_multipliers` (z, x, B, C, dt: five sections); the MLP ``down(up(x
 act(gate(x) * m0)) * m1`` with `mlp_multipliers` (m0, m1). Rotary embedding on the whole head
 (`rope_parameters`, or a top-level `rope_theta`; default type only).
 
-The mixer: `mamba_d_ssm` (else `mamba_expand * hidden_size`) channels; ``y * silu(z)`` when
+The mixer: `mamba_d_ssm` (null: `mamba_expand * hidden_size`; left out: 1024, as transformers) channels; ``y * silu(z)`` when
 `mamba_rms_norm` is off (no norm weight in the checkpoint), the grouped RMSNorm otherwise, before
 the gate (`mamba_norm_before_gate`, the default: ``norm(y) * silu(z)``) or after it
 (``norm(y * silu(z))``); in_proj bias `mamba_proj_bias`, out_proj bias `projectors_bias`.
@@ -244,7 +244,9 @@ class FalconH1ForCausalLM(StackedCausalLM):
         if len(kinds) != n:
             kinds = [HYBRID] * n
         hidden = get_int(raw, "hidden_size")
-        d_ssm = raw.get("mamba_d_ssm")  # the mixer's channels, when not mamba_expand * hidden_size
+        # the mixer's channels: null is mamba_expand * hidden_size; left out, transformers'
+        # FalconH1Config default
+        d_ssm = raw.get("mamba_d_ssm", 1024)
         d_inner = None if d_ssm is None else integral(d_ssm, "mamba_d_ssm")
         eps = get_float(raw, "rms_norm_eps", default=1e-5)
         act = str(raw.get("hidden_act", "silu"))
@@ -263,7 +265,7 @@ class FalconH1ForCausalLM(StackedCausalLM):
             **shared_fields.mamba_fields(raw, source, MODEL_TYPE, hidden, d_inner),
             mamba_act=act,
             mamba_norm_eps=eps,
-            **shared_fields.attention_fields(raw, hidden),
+            **shared_fields.attention_fields(raw, hidden, kv_heads=shared_fields.TRANSFORMERS_KV_HEADS),
             rope_theta=shared_fields.rope_theta(raw, shared_fields.rope_parameters(raw, source)),
             partial_rotary_factor=1.0,
             intermediate_size=get_int(raw, "intermediate_size", default=14336),

@@ -170,7 +170,7 @@ class JambaForCausalLM(StackedCausalLM):
             mamba_proj_bias=get_flag(raw, "mamba_proj_bias", default=False),
             mamba_act=act,
             mamba_norm_eps=eps,
-            **shared_fields.attention_fields(raw, hidden),
+            **shared_fields.attention_fields(raw, hidden, kv_heads=shared_fields.TRANSFORMERS_KV_HEADS),
             partial_rotary_factor=0.0,
             intermediate_size=inter,
             mlp_act=act,

@@ -69,6 +69,7 @@ class Mamba2ForCausalLM(StackedCausalLM):
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         hidden = get_int(raw, "hidden_size", "d_model")
+        legacy = "hidden_size" not in raw  # (mamba_ssm's own field names: d_model, n_layer)
         n = get_int(raw, "num_hidden_layers", "n_layer")
         expand = get_float(raw, "expand", default=2)
         d_inner = integral(expand * hidden, "expand * hidden_size")
@@ -91,7 +92,8 @@ class Mamba2ForCausalLM(StackedCausalLM):
             nheads=nheads,
             headdim=headdim,
             dstate=get_int(raw, "state_size", default=128),
-            ngroups=get_int(raw, "n_groups", default=1),
+            # left out: transformers' Mamba2Config default, or mamba_ssm's in its own format
+            ngroups=get_int(raw, "n_groups", "ngroups", default=1 if legacy else 8),
             d_conv=get_int(raw, "conv_kernel", default=4),
             chunk_size=shared_fields.chunk_size(raw, source, "mamba2"),
             d_inner=d_inner,

@@ -99,6 +99,9 @@ class NemotronHForCausalLM(StackedCausalLM):
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         kinds = layer_kinds(raw, source, "nemotron_h")
+        # (sizes a config leaves out take transformers' NemotronHConfig defaults; the MoE ones
+        # only matter with MoE layers)
+        moe = MOE in kinds
         hidden = get_int(raw, "hidden_size", default=0)
         nheads = get_int(raw, "mamba_num_heads", default=0)
         headdim = get_int(raw, "mamba_head_dim", default=0)
@@ -124,8 +127,8 @@ class NemotronHForCausalLM(StackedCausalLM):
             max_position_embeddings=get_int(raw, "max_position_embeddings", default=4096),
             nheads=nheads,
             headdim=headdim,
-            dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=0),
-            ngroups=get_int(raw, "mamba_n_groups", "n_groups", default=1),
+            dstate=get_int(raw, "ssm_state_size", "mamba_d_state", default=128),
+            ngroups=get_int(raw, "mamba_n_groups", "n_groups", default=8),
             d_conv=get_int(raw, "mamba_d_conv", "conv_kernel", default=4),
             chunk_size=shared_fields.chunk_size(raw, source, "nemotron_h"),
             d_inner=nheads * headdim,
@@ -139,22 +142,22 @@ class NemotronHForCausalLM(StackedCausalLM):
             dt_max=dt_max,
             mamba_ssm_cache_dtype=str(raw.get("mamba_ssm_cache_dtype", "float32")),
             num_heads=num_heads,
-            num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
+            num_kv_heads=shared_fields.kv_heads_field(raw, num_heads, shared_fields.TRANSFORMERS_KV_HEADS),
             head_dim=integral(head_dim or 0, "head_dim"),
             # (transformers' NemotronHAttention has no biases whatever this says, NVIDIA's own code
             # has them when it says true: a checkpoint saying true without bias tensors is refused
             # as missing them, rather than one with them run without)
             attention_bias=get_flag(raw, "attention_bias", default=False),
             partial_rotary_factor=0.0,
-            intermediate_size=get_int(raw, "intermediate_size", default=0),
+            intermediate_size=get_int(raw, "intermediate_size", default=21504),
             mlp_act=str(raw.get("mlp_hidden_act", "relu2")),
             mlp_bias=get_flag(raw, "mlp_bias", default=False),
             mlp_gated=False,
-            n_routed_experts=get_int(raw, "n_routed_experts", "num_local_experts", default=0),
-            num_experts_per_tok=get_int(raw, "num_experts_per_tok", default=0),
-            moe_intermediate_size=get_int(raw, "moe_intermediate_size", default=0),
-            moe_shared_expert_intermediate_size=get_int(
-                raw, "moe_shared_expert_intermediate_size", default=0
+            n_routed_experts=get_int(raw, "n_routed_experts", "num_local_experts", default=8) if moe else 0,
+            num_experts_per_tok=get_int(raw, "num_experts_per_tok", default=2) if moe else 0,
+            moe_intermediate_size=get_int(raw, "moe_intermediate_size", default=7688) if moe else 0,
+            moe_shared_expert_intermediate_size=(
+                get_int(raw, "moe_shared_expert_intermediate_size", default=7688) if moe else 0
             ),
             moe_latent_size=raw.get("moe_latent_size"),
             n_group=(get_int(raw, "n_group", default=1) or 1),
@@ -164,6 +167,6 @@ class NemotronHForCausalLM(StackedCausalLM):
             raw=raw,
         )
         cfg.validate(source)
-        if MOE in kinds and cfg.moe_shared_expert_intermediate_size <= 0:
+        if moe and cfg.moe_shared_expert_intermediate_size <= 0:
             raise ConfigError(f"{source}: MoE layers need moe_shared_expert_intermediate_size")
         return cfg

@@ -121,16 +121,31 @@ class AttentionFields(TypedDict):
     attention_bias: bool
 
 
-def attention_fields(raw: dict[str, Any], hidden: int) -> AttentionFields:
-    """`num_attention_heads`, `num_key_value_heads` (default: as many, no GQA), `head_dim`
-    (default hidden_size / heads) and `attention_bias`."""
+def attention_fields(raw: dict[str, Any], hidden: int, kv_heads: int | None = None) -> AttentionFields:
+    """`num_attention_heads`, `num_key_value_heads`, `head_dim` (default hidden_size / heads) and
+    `attention_bias`. `kv_heads`: the family's default number of KV heads where the field is left
+    out (transformers' config class default); null, or left out with no such default: as many as
+    the heads (no GQA)."""
     num_heads = get_int(raw, "num_attention_heads")
     return AttentionFields(
         num_heads=num_heads,
-        num_kv_heads=get_int(raw, "num_key_value_heads", default=num_heads),
+        num_kv_heads=kv_heads_field(raw, num_heads, kv_heads),
         head_dim=get_int(raw, "head_dim", default=hidden // num_heads),
         attention_bias=get_flag(raw, "attention_bias", default=False),
     )
+
+
+#: `num_key_value_heads` where a config.json leaves it out, in the families whose transformers
+#: config class defaults it to 8 (Bamba, Jamba, Falcon-H1, NemotronH), not to the heads
+TRANSFORMERS_KV_HEADS = 8
+
+
+def kv_heads_field(raw: dict[str, Any], num_heads: int, left_out: int | None) -> int:
+    """`num_key_value_heads`: `left_out` where the field is absent (transformers' default for the
+    family, when it has one), the number of heads where it is null."""
+    if "num_key_value_heads" not in raw and left_out is not None:
+        return left_out
+    return get_int(raw, "num_key_value_heads", default=num_heads)
 
 
 def rope_parameters(
