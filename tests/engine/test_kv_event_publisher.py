@@ -125,6 +125,16 @@ def test_a_replay_of_a_large_buffer_is_whole(tmp_path: Path) -> None:
                 break
             seqs.append(int.from_bytes(seq, "big"))
         assert seqs == list(range(n))
+        # the first sequence number in fewer bytes (vLLM reads any length): the replay from it
+        dealer.send_multipart((b"", (n - 2).to_bytes(2, "big")))
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no answer to a 2-byte replay request"
+            _, seq, _ = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.append(int.from_bytes(seq, "big"))
+        assert got == [n - 2, n - 1]
         dealer.close(0)
     finally:
         pub.shutdown()

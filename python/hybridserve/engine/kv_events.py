@@ -152,10 +152,11 @@ class KVEventPublisher:
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        if len(frames) != 3:
             logger.warning("KV cache events: malformed replay request (%d frames)", len(frames))
             return
         client, _, start = frames
+        # (the first sequence number wanted, big-endian in however many bytes: vLLM reads it so)
         first = int.from_bytes(start, "big")
         try:
             for seq, payload in list(self._buffer):
