@@ -390,17 +390,25 @@ class _Children:
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
 
-    def wait_healthy(self, name: str, proc: subprocess.Popen[bytes], url: str, timeout: float) -> bool:
+    def wait_healthy(self, waiting: list[tuple[str, subprocess.Popen[bytes], str]], timeout: float) -> bool:
+        """Whether every (name, process, url) answers /health with 200 within `timeout` seconds,
+        all watched at once: one that exits is reported at once, not after those before it have
+        loaded."""
         deadline = time.monotonic() + timeout
+        waiting = list(waiting)
         while not self.stopping:
-            if proc.poll() is not None:
-                print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
-                return False
-            # (only while it runs: whatever answers once it has exited is not this child)
-            if _health(url) == 200 and proc.poll() is None:
+            for name, proc, url in list(waiting):
+                if proc.poll() is not None:
+                    print(f"hybridserve replicas: {name} exited with {proc.returncode}", file=sys.stderr)
+                    return False
+                # (only while it runs: whatever answers once it has exited is not this child)
+                if _health(url) == 200 and proc.poll() is None:
+                    waiting.remove((name, proc, url))
+            if not waiting:
                 return True
             if time.monotonic() > deadline:
-                print(f"hybridserve replicas: {name} not healthy after {timeout:.0f}s", file=sys.stderr)
+                names = ", ".join(name for name, _, _ in waiting)
+                print(f"hybridserve replicas: {names} not healthy after {timeout:.0f}s", file=sys.stderr)
                 return False
             time.sleep(0.2)
         return False
@@ -451,15 +459,14 @@ def replicas_main(args: argparse.Namespace) -> int:
             port = url.rsplit(":", 1)[1]
             cmd = [sys.executable, "-m", "hybridserve", "serve", *replica_serve_args(serve, i)]
             children.start(f"replica{i}", [*cmd, "--host", "127.0.0.1", "--port", port])
-        for name, proc in list(children.procs):
-            url = worker_urls[int(name.removeprefix("replica"))]
-            if not children.wait_healthy(name, proc, url, args.startup_timeout):
-                children.stop(stop_timeout)
-                return 0 if children.stopping else 1
+        replicas = [(name, proc, worker_urls[i]) for i, (name, proc) in enumerate(children.procs)]
+        if not children.wait_healthy(replicas, args.startup_timeout):
+            children.stop(stop_timeout)
+            return 0 if children.stopping else 1
         router = children.start("router", router_cmd)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         router_url = f"http://{f'[{host}]' if ':' in host else host}:{args.port}"
-        if not children.wait_healthy("router", router, router_url, args.startup_timeout):
+        if not children.wait_healthy([("router", router, router_url)], args.startup_timeout):
             children.stop(stop_timeout)
             return 0 if children.stopping else 1
         print(
