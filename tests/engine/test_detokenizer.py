@@ -311,3 +311,17 @@ def test_the_first_token_keeps_its_space_after_the_prompt(metaspace: Tokenizer, 
     assert s.add_tokens([4]) == "" and s.stopped_by == " the" and s.text == ""
     # without a prompt there is nothing to continue: the text starts as the decoder starts it
     assert IncrementalDetokenizer(metaspace).add_tokens([4], final=True) == "the"
+
+
+def test_a_token_s_bytes_are_what_it_adds_within_a_text(metaspace: Tokenizer) -> None:
+    """Logprobs name a token by the text it adds where it stands, its space included (decoded
+    alone, SentencePiece's decoder drops it: " the" read "the", and its offsets missed a byte per
+    word); the first token of a text adds what the text starts with."""
+    prompt, out = [1, 2, 3], [4, 5, 4, 6]
+    added = b"".join(metaspace.token_bytes(t) for t in out)
+    assert added == metaspace.decode(prompt + out).encode()[len(metaspace.decode(prompt).encode()) :]
+    assert metaspace.token_bytes(4) == b" the" and metaspace.token_to_text(4) == " the"
+    starts = metaspace.token_bytes(1, first=True) + b"".join(metaspace.token_bytes(t) for t in prompt[1:])
+    assert starts == metaspace.decode(prompt).encode() and starts.startswith(b"The")
+    # "é" has no space: the same alone and within a text
+    assert metaspace.token_bytes(7) == metaspace.token_bytes(7, first=True) == "é".encode()

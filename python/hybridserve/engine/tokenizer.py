@@ -148,10 +148,34 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for. A piece of a multi-byte character decodes to U+FFFD on
-        its own; its bytes come from the vocabulary entry (byte-level BPE or byte fallback)."""
-        text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+    @cached_property
+    def _probe(self) -> tuple[int, str] | None:
+        """A token that decodes to one character, alone and repeated: decoded just before another
+        token, it takes what the decoder does to the start of a text (SentencePiece's decoders
+        drop the text's first space), so that the other token shows the text it adds within a
+        sequence. None when the vocabulary has no such token."""
+        candidates = [self._tok.token_to_id(c) for c in "aeiostnrxAEIOST0123456789"]
+        candidates += range(min(self._tok.get_vocab_size(), 2048))
+        for tid in candidates:
+            if tid is None:
+                continue
+            one = self._tok.decode([tid], skip_special_tokens=False)
+            if len(one) == 1 and not one.isspace() and one != "\ufffd":
+                if self._tok.decode([tid, tid], skip_special_tokens=False) == one * 2:
+                    return tid, one
+        return None
+
+    def token_bytes(self, token_id: int, first: bool = False) -> bytes:
+        """The bytes one token adds to a text it is part of (`first`: to a text it begins; they
+        differ where the decoder drops a text's first space, as SentencePiece's Metaspace does). A
+        piece of a multi-byte character decodes to U+FFFD on its own; its bytes come from the
+        vocabulary entry (byte-level BPE or byte fallback)."""
+        probe = None if first else self._probe
+        if probe is None:
+            text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        else:
+            text = self._tok.decode([probe[0], int(token_id)], skip_special_tokens=False)
+            text = text[len(probe[1]) :] if text.startswith(probe[1]) else text
         if "\ufffd" not in text:
             return text.encode("utf-8")
         piece = self._tok.id_to_token(int(token_id)) or ""

@@ -177,10 +177,11 @@ class EngineModelInfo:
                 self._token_text_cache[token_id] = s
         return s
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token stands for (chat logprobs' `bytes`; a piece of a character included)."""
+    def token_bytes(self, token_id: int, first: bool = False) -> bytes:
+        """The bytes a token adds to the text (chat logprobs' `bytes`; a piece of a character
+        included); `first`: to a text it begins (Tokenizer.token_bytes)."""
         try:
-            return self.tokenizer.token_bytes(token_id)
+            return self.tokenizer.token_bytes(token_id, first=first)
         except Exception:
             return self.token_text(token_id).encode("utf-8")
 
@@ -202,7 +203,7 @@ class EngineModelInfo:
         for k in range(len(token_ids) - len(own) + 1):
             if token_ids[k : k + len(own)] == own:
                 offsets = P.TextOffsets(0)
-                starts = [offsets.advance(self.token_bytes(t)) for t in own]
+                starts = [offsets.advance(self.token_bytes(t, first=i == 0)) for i, t in enumerate(own)]
                 if offsets.offset != len(text):
                     return None
                 return [0] * k + starts + [len(text)] * (len(token_ids) - k - len(own))
