@@ -189,3 +189,52 @@ def test_truncation_and_padding_saved_in_the_tokenizer_file_are_off(tmp_path: Pa
     text = "a b " * 20
     assert saved.encode(text) == tok.encode(text) and len(tok.encode(text)) > 8
     assert saved.encode_many([text, "a"]) == tok.encode_many([text, "a"])
+
+
+def test_special_tokens_and_template_files_are_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """special_tokens_map.json names special tokens over an older-form tokenizer_config.json
+    (older checkpoints name them only there; a config with `added_tokens_decoder` is taken alone),
+    tokens the config makes special are skipped in decoding, and a chat_template.jinja wins over
+    the config's template: each as transformers' AutoTokenizer."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    from hybridserve.engine.chat_template import ChatTemplate
+
+    def theirs() -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(tmp_path))
+
+    src = Path(ensure_demo_model())
+    shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
+    plain = Tokenizer(src)
+    a, b = (
+        plain.encode("morning", add_special_tokens=False)[0],
+        plain.encode("cold", add_special_tokens=False)[0],
+    )
+    ids = plain.encode("The morning was cold and clear", add_special_tokens=False) + [1, 2]
+    messages = [{"role": "user", "content": "hi"}]
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}",
+    }
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": {"content": plain.id_to_token(a)}})
+    )
+    for decoder in (None, {str(b): {"content": plain.id_to_token(b), "special": True}}):
+        (tmp_path / "tokenizer_config.json").write_text(
+            json.dumps(cfg if decoder is None else {**cfg, "added_tokens_decoder": decoder})
+        )
+        ours, hf = Tokenizer(tmp_path), theirs()
+        assert (ours.bos_token, ours.eos_token) == (hf.bos_token, hf.eos_token)
+        assert (ours.eos_token is None) == (decoder is not None)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert ours.is_special(a) == (decoder is None) and ours.is_special(b) == (decoder is not None)
+        rendered = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=False)
+        assert rendered == hf.apply_chat_template(messages, tokenize=False)
+    (tmp_path / "chat_template.jinja").write_text("FILE {{ messages[0]['content'] }}")
+    rendered = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=False)
+    assert rendered == theirs().apply_chat_template(messages, tokenize=False) == "FILE hi"

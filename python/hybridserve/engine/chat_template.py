@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridserve.config.args import CHAT_CONTENT_FORMATS, chat_template_source
+from hybridserve.engine.tokenizer import with_special_tokens_map
+from hybridserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridserve.engine.tokenizer import Tokenizer
@@ -314,7 +316,8 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
-        """The template of `model_dir/tokenizer_config.json` (or chat_template.jinja), else ChatML."""
+        """The template of `model_dir/chat_template.jinja`, else tokenizer_config.json's, else
+        ChatML; the special tokens of tokenizer_config.json and special_tokens_map.json."""
         if model_dir is None:
             return cls()
         d = Path(model_dir)
@@ -325,6 +328,10 @@ class ChatTemplate:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 cfg = {}
+        try:
+            cfg = with_special_tokens_map(d, cfg)
+        except ConfigError:
+            pass  # (the tokenizer refuses it, naming the file)
         template = cfg.get("chat_template")
         named: dict[str, str] = {}
         if isinstance(template, list):  # named templates: "default" is the template
@@ -337,7 +344,7 @@ class ChatTemplate:
             }
             template = named.get("default") or next(iter(named.values()), None)
         jinja_path = d / "chat_template.jinja"
-        if not isinstance(template, str) and jinja_path.is_file():
+        if jinja_path.is_file():  # (a template file of its own wins over the config's, as in transformers)
             template = jinja_path.read_text(encoding="utf-8")
         extra_dir = d / "additional_chat_templates"  # (transformers 5 saves named ones there)
         if extra_dir.is_dir():

@@ -42,6 +42,27 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+def with_special_tokens_map(model_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (tokenizer_config.json's fields) with the special tokens (`bos_token`,
+    `eos_token`, ...) that special_tokens_map.json names put over its own, as transformers reads
+    them: older checkpoints name them only there. A config in the newer form (with
+    `added_tokens_decoder`) is taken alone, as transformers takes it. ConfigError for a file that
+    is not a JSON object."""
+    path = model_dir / "special_tokens_map.json"
+    if not path.is_file() or "added_tokens_decoder" in config:
+        return config
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}: cannot read the special tokens: {e}") from None
+    if not isinstance(entries, dict):
+        raise ConfigError(f"{path}: the special tokens must be a JSON object")
+    named = {
+        k: v for k, v in entries.items() if isinstance(k, str) and k.endswith("_token") and v is not None
+    }
+    return {**config, **named}
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -71,6 +92,7 @@ class Tokenizer:
                 ) from None
             if not isinstance(self.config, dict):
                 raise ConfigError(f"{cfg_path}: the tokenizer config must be a JSON object")
+        self.config = with_special_tokens_map(model_dir, self.config)
         self.eos_token = self._special("eos_token")
         self.bos_token = self._special("bos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -78,9 +100,31 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {i for i, t in added.items() if t.special}
+        # tokens that tokenizer.json leaves plain and the config makes special (one it names as
+        # eos_token and the like, or marks special in added_tokens_decoder): transformers skips
+        # them too; the library's own skipping does not know them, so `decode` drops them first
+        self._config_special_ids = self._named_special_ids() - self._special_ids
+        self._special_ids |= self._config_special_ids
         #: added tokens by their text (a model's tags: `<tool_call>`, `</think>`)
         self.added_token_ids: dict[str, int] = {t.content: i for i, t in added.items() if t.content}
         self._labels: dict[int, str] = {}
+
+    def _named_special_ids(self) -> set[int]:
+        """Ids of the tokens the config makes special: the ones it names (`bos_token`,
+        `eos_token`, ..., `additional_special_tokens`) and those `added_tokens_decoder` marks."""
+        texts = [self._special(k) for k in self.config if isinstance(k, str) and k.endswith("_token")]
+        more = self.config.get("additional_special_tokens")
+        if isinstance(more, list):
+            texts += [
+                t if isinstance(t, str) else t.get("content") if isinstance(t, dict) else None for t in more
+            ]
+        ids = {i for t in texts if isinstance(t, str) and (i := self._tok.token_to_id(t)) is not None}
+        declared = self.config.get("added_tokens_decoder")
+        if isinstance(declared, dict):
+            for key, entry in declared.items():
+                if isinstance(entry, dict) and entry.get("special") is True and str(key).isdigit():
+                    ids.add(int(key))
+        return ids
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
@@ -146,6 +190,8 @@ class Tokenizer:
         return longest
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._config_special_ids:
+            ids = [i for i in ids if i not in self._config_special_ids]
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @cached_property
