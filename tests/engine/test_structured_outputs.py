@@ -705,6 +705,43 @@ def test_integer_bounds_past_two_to_the_53_keep_outputs_in_range(llm: LLM) -> No
         )
 
 
+def test_integer_bounds_past_64_bits_bound_nothing_or_are_refused(llm: LLM) -> None:
+    """The grammar's integers are 64-bit and it saturated a bound past them: minimum 1e20 allowed
+    2**63 - 1, ending "stop". A bound on the far side bounds nothing; one on the near side is
+    refused, naming it."""
+    so = StructuredOutputsParams(json={"type": "integer", "minimum": -1e30, "maximum": 2**70})
+    assert _takes(so, llm, "-5") and _takes(so, llm, str(2**63 - 1))
+    for schema in (
+        {"type": "integer", "minimum": 1e20, "maximum": 1e20},
+        {"type": ["integer", "null"], "exclusiveMinimum": 2**64},
+        {"type": "integer", "maximum": -1e19},
+    ):
+        with pytest.raises(InvalidRequestError, match="leaves no 64-bit integer"):
+            StructuredOutputsParams(json=schema).to_grammar()
+
+
+def test_keywords_that_constrain_nothing_are_taken(llm: LLM) -> None:
+    """`uniqueItems: false` and `minContains` / `maxContains` without `contains` (schema
+    generators write them) constrain nothing: taken, not refused as unimplemented."""
+    so = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": False,
+                                       "minContains": 2, "maxItems": 3})  # fmt: skip
+    assert _takes(so, llm, "[1, 1]") and not _takes(so, llm, "[1, 2, 3, 4]")
+
+
+def test_gbnf_unicode_escapes_stand_for_their_characters(llm: LLM) -> None:
+    """`\\u` / `\\U` escapes with leading zeros: the converter dropped the zeros ("\\u004100",
+    "A00", became one CJK character, and "\\u00e9" was refused)."""
+    for grammar, text, other in (
+        ('root ::= "\\u004100"', "A00", "\u4100"),
+        ("root ::= [\\u0041-\\u0043]{2}", "BC", "BD"),
+        ('root ::= "caf\\u00e9 \\U0001F600"', "café 😀", "cafe 😀"),
+        ('root ::= "\\u0022" [\\u005d]', '"]', '"-'),
+        ('root ::= "\\\\u0041"', "\\u0041", "A"),
+    ):
+        so = StructuredOutputsParams(grammar=grammar)
+        assert _takes(so, llm, text) and not _takes(so, llm, other), grammar
+
+
 def test_regex_classes_are_ascii_and_lark_grammars_may_start_with_a_question_mark(llm: LLM) -> None:
     digits = StructuredOutputsParams(regex=r"\d{3}")
     assert _takes(digits, llm, "123") and not _takes(digits, llm, "١٢٣")

@@ -76,6 +76,8 @@ def _check_regex(regex: str, what: str) -> None:
 # A number's bounds: llguidance reads them as f64, so an integer bound past 2**53 was rounded to
 # the nearest double, either way, and the output could be out of range: {"minimum": 2**53 + 1,
 # "maximum": 2**53 + 1} gave 2**53, which ended "stop"
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_CONTAINS_COUNTS = ("minContains", "maxContains")  # (bound nothing without `contains`)
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 
@@ -119,6 +121,28 @@ def _check_exact_data(value: Any, key: str, depth: int = 0) -> None:
             _check_exact_data(v, key, depth + 1)
 
 
+_GBNF_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+# characters a GBNF string or class gives meaning to, and controls: written as \xNN
+_GBNF_SPECIAL = set('"\\[]-^') | {chr(c) for c in range(0x20)} | {"\x7f"}
+
+
+def _gbnf_unicode_escapes(grammar: str) -> str:
+    r"""GBNF's `\uXXXX` and `\UXXXXXXXX` escapes as the characters they stand for (`\xNN` for
+    one the grammar gives meaning to). llguidance's converter drops their leading zeros, which
+    turned `"\u004100"` ("A00") into "\u4100" (a CJK character) and refused `"\u00e9"`."""
+
+    def char(m: re.Match[str]) -> str:
+        if m.group(1) == "\\":
+            return m.group(0)  # (an escaped backslash: what follows is text)
+        code = int(m.group(1)[1:], 16)
+        if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+            return m.group(0)  # (no character: left for the converter to refuse)
+        c = chr(code)
+        return f"\\x{code:02x}" if c in _GBNF_SPECIAL else c
+
+    return _GBNF_ESCAPE.sub(char, grammar)
+
+
 def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0) -> Any:
     """A JSON schema as the grammar is built from it: `format`s llguidance does not check left out
     (an annotation to JSON Schema, not a reason to refuse the schema), and with `closed_objects`
@@ -135,6 +159,11 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in FORMATS:
+            continue
+        # keywords that constrain nothing here, which the library refuses as unimplemented
+        if (key == "uniqueItems" and value is False) or (
+            key in _CONTAINS_COUNTS and "contains" not in schema
+        ):
             continue
         if key == "pattern" and isinstance(value, str):
             _check_regex(value, "pattern")
@@ -171,6 +200,21 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
                 given = out.get(inclusive)
                 if not isinstance(given, int | float) or (given - bound - step) * step < 0:
                     out[inclusive] = bound + step
+    if integers_only:
+        # the grammar's integers are 64-bit, and it saturates a bound past them: minimum 1e20
+        # allowed 2**63 - 1. A bound on the far side of that range bounds nothing; one on the
+        # near side leaves no integer.
+        for key in _LOWER_BOUNDS + _UPPER_BOUNDS:
+            bound = out.get(key)
+            if isinstance(bound, bool) or not isinstance(bound, int | float):
+                continue
+            lower = key in _LOWER_BOUNDS
+            if bound <= _I64_MIN if lower else bound >= _I64_MAX:
+                del out[key]
+            elif bound > _I64_MAX if lower else bound < _I64_MIN:
+                raise ValueError(
+                    f"{key}: {bound!r} leaves no 64-bit integer, and the grammar's integers are 64-bit"
+                )
     for key in _LOWER_BOUNDS + _UPPER_BOUNDS:
         if type(out.get(key)) is int:
             out[key] = _inward_bound(out[key], key in _LOWER_BOUNDS)
@@ -311,7 +355,7 @@ class StructuredOutputsParams:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 try:
-                    text = gbnf_to_lark(text)
+                    text = gbnf_to_lark(_gbnf_unicode_escapes(text))
                 except Exception as e:  # (the converter's own errors derive from Exception)
                     raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {e}") from None
             return matcher.grammar_from_lark(text)
