@@ -8,6 +8,7 @@ server is idle after all of it."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -424,6 +425,16 @@ _CALLS: list[dict[str, Any]] = [
         ({"input": [*_CALLS[:2], {**_CALLS[2], "arguments": '{"c": "\\ud800"}'}]}, "input[2].arguments"),
         ({"input": "hi", "instructions": "x\ud800"}, "instructions"),
         ({"input": "a\ud800"}, "input"),
+        ({"input": "x", "max_output_tokens": 3, "min_tokens": 10}, "min_tokens"),
+        (
+            {
+                "input": "x",
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_responses_field(
@@ -433,6 +444,8 @@ def test_bad_input_is_a_400_naming_the_responses_field(
     assert status == 400, err
     assert err["error"]["param"].startswith(param), err
     assert err["error"]["message"].startswith(param), err
+    # (a chat field the message mentions besides is named as Responses names it too)
+    assert not re.search(r"\b(max_tokens|response_format)\b", err["error"]["message"]), err
 
 
 def test_the_server_is_idle_after_it_all(server: ServerProcess, client: openai.OpenAI) -> None:

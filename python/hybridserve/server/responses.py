@@ -439,10 +439,21 @@ def _response_format(text: Any, unknown: P.UnknownFields) -> dict[str, Any] | No
     raise _bad("text.format.type", f"must be one of text, json_object, json_schema; got {kind!r}")
 
 
+_MENTIONS = re.compile(r"\b(max_tokens|response_format)\b")
+
+
 def renamed_error(e: P.APIError, origins: list[Origin] | None = None) -> P.APIError:
     """A chat validator's error, naming the Responses field it came from: with `origins` (one per
     chat message), an error about one message names the input item (or `instructions`, or
-    `previous_response_id`) it was made from."""
+    `previous_response_id`) it was made from. The chat fields its text mentions besides the one
+    it is about (`min_tokens` "must not exceed max_tokens") are named as Responses names them."""
+    e = _renamed_param(e, origins)
+    names = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+    e.message = _MENTIONS.sub(lambda m: names[m.group(1)], e.message)
+    return e
+
+
+def _renamed_param(e: P.APIError, origins: list[Origin] | None) -> P.APIError:
     param = e.param or ""
     at = re.match(r"messages\[([0-9]+)\]", param)
     if at is not None and origins is not None and int(at.group(1)) < len(origins):
