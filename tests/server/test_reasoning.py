@@ -256,7 +256,18 @@ def test_a_response_holds_the_reasoning_as_its_own_item(server):
     assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
     assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": reasoning}]
     assert whole["output"][1]["content"][0]["text"] == content
-    assert 0 < whole["usage"]["output_tokens_details"]["reasoning_tokens"] < whole["usage"]["output_tokens"]
+    # the reasoning's tokens are the answer's own, up to the end tag's (its text encoded again
+    # counted fewer)
+    _, tok = call(server, "/tokenize", {"messages": CHAT})
+    same = {k: v for k, v in body.items() if k not in ("input", "max_output_tokens")}
+    _, done = call(
+        server,
+        "/v1/completions",
+        {**same, "prompt": tok["tokens"], "max_tokens": PARAMS["max_tokens"], "return_token_ids": True},
+    )
+    ids = done["choices"][0]["token_ids"]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == ids.index(END_ID) + 1
+    assert whole["usage"]["output_tokens"] == len(ids)
     status, events = call(server, "/v1/responses", {**body, "stream": True})
     assert status == 200
     for kind, text in (("reasoning_text", reasoning), ("output_text", content)):

@@ -1907,12 +1907,30 @@ async def _send_tool_delta(
 # /v1/responses (responses.py): the answer of its one choice as output items
 
 
+def _reasoning_tokens(info: EngineModelInfo, ids: list[int], reasoning: str, end_tag: str) -> int:
+    """How many of an answer's tokens its reasoning took: those up to the one that completes the
+    reasoning's end tag, or all of them where the answer has none (it reasoned to its end). The
+    text encoded again would count fewer: a model's own tokens are not the ones its text encodes
+    to. The prefix that holds the tag is found by bisection (decoding grows with the prefix)."""
+    if not reasoning or not ids:
+        return 0
+    if end_tag not in info.decode(ids, skip_special_tokens=False):
+        return len(ids)
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end_tag in info.decode(ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _response_usage(
-    info: EngineModelInfo, req: P.GenerateRequest, choice: _Choice, reasoning: str
+    info: EngineModelInfo, req: P.GenerateRequest, choice: _Choice, reasoning: str, end_tag: str
 ) -> dict[str, Any]:
     u = _usage(req, [choice])
-    # (the reasoning's tokens counted by encoding its text again: the answer's ids are not split)
-    reasoning_tokens = min(len(info.encode(reasoning)), u["completion_tokens"]) if reasoning else 0
+    reasoning_tokens = _reasoning_tokens(info, choice.token_ids, reasoning, end_tag)
     return R.usage(
         u["prompt_tokens"],
         u["completion_tokens"],
@@ -1948,6 +1966,10 @@ class _ResponseRun:
         )
         return list(got["content"])
 
+    def _end_tag(self) -> str:
+        fmt = self.state.reasoning
+        return fmt.end if fmt is not None else ReasoningFormat("").end
+
     def finished(
         self, items: R.OutputItems, reasoning: str, content: str | None, calls: list[Any]
     ) -> dict[str, Any]:
@@ -1955,7 +1977,8 @@ class _ResponseRun:
         c = self.choices[0]
         body = R.response_body(
             self.rreq, self.response_id, self.created, output=items.items,
-            usage=_response_usage(self.info, self.rreq.chat, c, reasoning), finish_reason=c.finish_reason,
+            usage=_response_usage(self.info, self.rreq.chat, c, reasoning, self._end_tag()),
+            finish_reason=c.finish_reason,
         )  # fmt: skip
         if self.rreq.store and body["status"] in ("completed", "incomplete"):
             history = [*self.rreq.history, R.assistant_message(content, calls)]
