@@ -279,3 +279,18 @@ def test_a_response_holds_the_reasoning_as_its_own_item(server):
 
     assert without_ids(final["output"]) == without_ids(whole["output"]) and final["usage"] == whole["usage"]
     assert_idle(server)
+
+
+def test_an_answer_of_reasoning_alone_is_continued_alike_by_id_and_by_its_items(server):
+    """A response whose answer is all reasoning (no end tag within its tokens), continued by
+    `previous_response_id` and by its output items sent back: the same conversation (an empty
+    assistant turn both ways; sent back, the turn was left out)."""
+    status, first = call(
+        server, "/v1/responses", {"input": "Think.", "max_output_tokens": 3, "temperature": 0}
+    )
+    assert status == 200 and [i["type"] for i in first["output"]] == ["reasoning"], first
+    by_id = {"input": "more", "previous_response_id": first["id"], "max_output_tokens": 1}
+    items = [{"role": "user", "content": "Think."}, *first["output"], {"role": "user", "content": "more"}]
+    _, a = call(server, "/v1/responses", by_id)
+    _, b = call(server, "/v1/responses", {"input": items, "max_output_tokens": 1})
+    assert a["usage"]["input_tokens"] == b["usage"]["input_tokens"], (a, b)

@@ -276,7 +276,8 @@ def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> l
     """`input` (a string, or a list of input items) as chat messages, with each message's origin
     appended to `origins`. Consecutive function calls join one assistant message's `tool_calls`
     (with the assistant text just before them, if any); a `reasoning` item is left out (the chat
-    route alone hands an assistant's reasoning to the template)."""
+    route alone hands an assistant's reasoning to the template), but for an answer that was
+    reasoning alone (no assistant message or call after it), which is an empty assistant turn."""
     if isinstance(v, str):
         origins.append([(".content", "input"), ("", "input")])
         return [{"role": "user", "content": v}]
@@ -331,7 +332,14 @@ def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> l
             out.append({"role": "tool", "tool_call_id": _string_field(item, p, "call_id"), "content": result})
             origins.append([(".content", f"{p}.output"), (".tool_call_id", f"{p}.call_id"), ("", p)])
         elif kind == "reasoning":
-            continue
+            following = v[i + 1] if i + 1 < len(v) else None
+            answered = isinstance(following, dict) and (
+                following.get("type") == "function_call"
+                or (following.get("type", "message") == "message" and following.get("role") == "assistant")
+            )
+            if not answered:  # (an answer that was reasoning alone: its turn, empty, as kept)
+                out.append({"role": "assistant", "content": ""})
+                origins.append([("", p)])
         else:
             raise _unserved(f"{p}.type", f"an input item of type {kind!r}")
     if not out:
@@ -801,7 +809,8 @@ def response_body(
 
 def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
     """The answer as the chat message a later turn's conversation holds."""
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    # (an answer that is reasoning alone is an empty turn, as its reasoning item sent back reads)
+    msg: dict[str, Any] = {"role": "assistant", "content": content if content is not None or calls else ""}
     if calls:
         msg["tool_calls"] = [c.to_json() for c in calls]
     return msg
