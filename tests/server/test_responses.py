@@ -212,6 +212,14 @@ def test_the_message_logprobs_are_the_chat_route_s(client: openai.OpenAI) -> Non
     assert deltas == want and [t.model_dump() for t in final.output[0].content[0].logprobs] == want
     done = [e for e in events if e.type == "response.output_text.done"]
     assert [t.model_dump() for t in done[0].logprobs] == want
+    # ended by a stop string: the token that brought it adds no text, and its logprobs come in a
+    # delta of no text (the deltas' logprobs add up to the part's)
+    stopped = {**kw, "max_output_tokens": 80, "extra_body": {"stop": ["."]}}
+    events = list(client.responses.create(model="demo", stream=True, **stopped))
+    part_lps = [t.model_dump() for t in events[-1].response.output[0].content[0].logprobs]
+    deltas = [t.model_dump() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert deltas == part_lps and len(part_lps) == events[-1].response.usage.output_tokens
+    assert "".join(t["token"] for t in part_lps) != events[-1].response.output_text  # (the stop's token)
     # not asked for: none
     plain = client.responses.create(model="demo", input=QUESTION, max_output_tokens=12, temperature=0)
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text

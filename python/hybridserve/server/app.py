@@ -2061,8 +2061,8 @@ async def _stream_response(run: _ResponseRun) -> web.StreamResponse:
         )
         await send([*items.close("incomplete"), {"type": "response.failed", "response": failed}])
     else:
-        items.late_logprobs(pending)
-        events = items.close(_message_status(run.choices[0].finish_reason))
+        events = items.late_logprobs(pending)
+        events += items.close(_message_status(run.choices[0].finish_reason))
         calls = [] if tools is None else tools.calls
         for call in calls:
             events += items.call(call)

@@ -692,11 +692,18 @@ class OutputItems:
         """(`logprobs`: of the tokens the delta's text came from)"""
         return self._text("message", delta, logprobs)
 
-    def late_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
-        """Logprobs of tokens that brought no text of their own (the end of a stream, where
-        nothing was held back any more): the open message's, reported by its done events."""
-        if self._open is not None and self._open["type"] == "message":
-            self._open["content"][0]["logprobs"] += logprobs
+    def late_logprobs(self, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Logprobs of tokens that brought no text of their own at the end of a stream (a stop
+        string's, the end's): the open message's, sent in a delta of no text, so that the deltas'
+        logprobs add up to the part's."""
+        item = self._open
+        if not logprobs or item is None or item["type"] != "message":
+            return []
+        item["content"][0]["logprobs"] += logprobs
+        return [
+            {"type": "response.output_text.delta", "item_id": item["id"], "output_index": len(self.items) - 1,
+             "content_index": 0, "delta": "", "logprobs": logprobs}
+        ]  # fmt: skip
 
     def call(self, call: ToolCall) -> list[dict[str, Any]]:
         events = self.close()
