@@ -55,6 +55,9 @@ def test_auto_takes_the_chat_templates_end_of_message_token() -> None:
     assert n is not None and tok.decode(prompt[:n], skip_special_tokens=False).endswith("Be brief.<|im_end|>")
     assert resolve_markers("none", model, tok)[0] == ()
     assert resolve_markers("5,6", model, tok)[0] == (5, 6)
+    # an id no token has would never be found: refused, naming it
+    with pytest.raises(ConfigError, match=f"--shared-prefix-markers: {tok.vocab_size} outside"):
+        resolve_markers(f"5,{tok.vocab_size}", model, tok)
 
 
 def test_auto_declares_nothing_where_the_template_writes_no_special_token(tmp_path: Path) -> None:
