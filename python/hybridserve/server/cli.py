@@ -361,10 +361,10 @@ async def _serve(args: argparse.Namespace) -> int:
     ):
         if plugin is not None:
             logger.warning(
-                "%s %s: not run (hybridserve runs no code from files); the built-in parser %r is used",
+                "%s %s: not run (hybridserve runs no code from files); %s",
                 flag,
                 printable(plugin),
-                parser,
+                f"the built-in parser {parser!r} is used" if parser is not None else "no parser is used",
             )
     # (a browser cannot reach a Unix socket, so no DNS rebinding: on --uds the Host is checked
     # only against --allowed-hosts, and a proxy may forward its clients' Host as it is)
