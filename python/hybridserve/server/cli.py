@@ -372,7 +372,10 @@ async def _serve(args: argparse.Namespace) -> int:
         None if args.uds is not None else args.host, args.allowed_hosts, args.allowed_origins
     )
     if access.allowed_hosts is None:
-        logger.info("the Host header is not checked (bound to all interfaces, or --allowed-hosts '*')")
+        why = (
+            "on a Unix socket" if args.uds is not None else "bound to all interfaces, or --allowed-hosts '*'"
+        )
+        logger.info("the Host header is not checked (%s)", why)
     if access.any_origin and not args.api_key:
         logger.warning(
             "--allowed-origins '*' without --api-key: any web page a user of this machine visits can "
