@@ -126,6 +126,28 @@ def test_tools_reach_the_template_as_transformers_passes_them() -> None:
             llm.chat(CONVERSATION[:2], GREEDY, tools=bad)  # type: ignore[arg-type]
 
 
+def test_earlier_tool_calls_reach_the_template_with_their_arguments_parsed() -> None:
+    """An earlier call's `arguments` (JSON text in OpenAI's shape) reach the template as the
+    object they hold, as vLLM's `LLM.chat` and the server hand them over: a template that writes
+    them with `tojson` wrote the text again, quoted, and one that walks their items refused."""
+    llm = llm32()
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 2}'}}
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}{{ c['function']['arguments'] | tojson }}"
+        "{% for k, v in c['function']['arguments'] | items %}[{{ k }}={{ v }}]{% endfor %}{% endfor %}\n"
+        "{% endfor %}"
+    )
+    prompt = llm.chat(messages, GREEDY, chat_template=template)[0].prompt
+    assert 'assistant: {"zone": 2}[zone=2]' in prompt
+    assert call["function"]["arguments"] == '{"zone": 2}'  # (the caller's message is left as it is)
+
+
 def test_engine_chat_template_file_is_served_and_sets_the_shared_prefix_markers(tmp_path: Path) -> None:
     path = tmp_path / "plain.jinja"
     path.write_text(PLAIN, encoding="utf-8")

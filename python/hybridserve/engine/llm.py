@@ -8,6 +8,7 @@ outs[0].outputs[0].text
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,8 +90,27 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
             raise InvalidRequestError(
                 f"{p}.content: a string, None or a list of text parts, not {type(content).__name__}"
             )
-        out.append({**m, "content": content})
+        msg = {**m, "content": content}
+        if isinstance(m.get("tool_calls"), list | tuple):
+            msg["tool_calls"] = [_parsed_arguments(c) for c in m["tool_calls"]]
+        out.append(msg)
     return out
+
+
+def _parsed_arguments(call: object) -> object:
+    """An earlier tool call with its `arguments` JSON text parsed, as vLLM's `LLM.chat` and the
+    server hand them to templates (they write them with `tojson` or walk their `items`); text
+    that is not JSON stays text. The caller's message is not changed."""
+    if not isinstance(call, Mapping):
+        return call
+    fn = call.get("function")
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args: object = json.loads(fn["arguments"]) if fn["arguments"] else {}
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _no_lora(lora_request: object) -> None:
