@@ -26,6 +26,11 @@ def llm32() -> LLM:
     return LLM("demo", dtype="float32", max_model_len=512, max_num_seqs=8)
 
 
+def test_llm_engine_is_the_engine_as_vllm_names_it() -> None:
+    llm = llm32()
+    assert llm.llm_engine is llm.engine
+
+
 def test_generate_text_tokens_and_finish_reason() -> None:
     llm = llm32()
     out = llm.generate([PROMPT, {"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, temperature=0))

@@ -238,3 +238,37 @@ def test_special_tokens_and_template_files_are_read_as_transformers_reads_them(t
     (tmp_path / "chat_template.jinja").write_text("FILE {{ messages[0]['content'] }}")
     rendered = ChatTemplate.from_model_dir(tmp_path).render(messages, add_generation_prompt=False)
     assert rendered == theirs().apply_chat_template(messages, tokenize=False) == "FILE hi"
+
+
+def test_get_tokenizer_answers_the_transformers_calls_vllm_scripts_make() -> None:
+    """`LLM.get_tokenizer()` as scripts written for vLLM use it (a transformers tokenizer there):
+    each call answers as transformers' AutoTokenizer on the same folder."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    model = ensure_demo_model()
+    ours = Tokenizer(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoTokenizer.from_pretrained(model)
+    ids = ours.encode("The morning was cold and clear.", add_special_tokens=False) + [1, 2]
+    assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
+    assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+    assert ours.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
+    pieces = hf.convert_ids_to_tokens(ids)
+    assert ours.convert_tokens_to_ids(pieces) == hf.convert_tokens_to_ids(pieces) == ids
+    assert ours.batch_decode([ids, ids[:3]]) == hf.batch_decode([ids, ids[:3]])
+    assert ours.batch_decode([ids], skip_special_tokens=True) == hf.batch_decode(
+        [ids], skip_special_tokens=True
+    )
+    assert ours.all_special_ids == sorted(hf.all_special_ids)
+    assert (ours.pad_token_id, ours.unk_token_id) == (hf.pad_token_id, hf.unk_token_id)
+    assert ours(["a b", "c"])["input_ids"] == hf(["a b", "c"])["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for gen in (False, True):
+        text = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(
+            hf.apply_chat_template(messages, add_generation_prompt=gen, return_dict=True)["input_ids"]
+        )

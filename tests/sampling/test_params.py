@@ -51,3 +51,16 @@ def test_an_int_no_float_holds_is_out_of_range_not_an_overflow(kw: dict[str, obj
     # (float() of it raised OverflowError out of the validation)
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_clone_and_from_optional_as_vllm() -> None:
+    """`clone()` is a copy whose changes leave the original as it was; `from_optional` takes
+    None as the field's default."""
+    p = SamplingParams(temperature=0.5, stop=["x"], max_tokens=7)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y")  # type: ignore[union-attr]
+    q.max_tokens = 9
+    assert p.stop == ["x"] and p.max_tokens == 7
+    r = SamplingParams.from_optional(temperature=None, max_tokens=5, seed=None)
+    assert r == SamplingParams(max_tokens=5)

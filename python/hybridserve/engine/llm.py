@@ -185,6 +185,11 @@ class LLM:
         self.engine.stream_outputs = False  # generate() only reads finished outputs
         self._next_id = 0
 
+    @property
+    def llm_engine(self) -> OfflineEngine:
+        """The engine (vLLM's name for it; also `engine`)."""
+        return self.engine
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

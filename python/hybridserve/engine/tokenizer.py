@@ -68,6 +68,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         model_dir = Path(model_dir)
+        self.model_dir = model_dir
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(f"{path}: missing (a model folder needs tokenizer.json)")
@@ -141,9 +142,77 @@ class Tokenizer:
         transformers' `encode` and vLLM's tokenizer give them (`LLM.get_tokenizer()`)."""
         return self.encode_many([text], add_special_tokens=add_special_tokens)[0]
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        """transformers' call form: {"input_ids": ...}."""
+    def __call__(
+        self, text: str | list[str], add_special_tokens: bool = True
+    ) -> dict[str, list[int]] | dict[str, list[list[int]]]:
+        """transformers' call form: {"input_ids": ...}, a list of them for a list of texts."""
+        if isinstance(text, list):
+            return {"input_ids": self.encode_many(text, add_special_tokens=add_special_tokens)}
         return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    # transformers' tokenizer methods that scripts written for vLLM call on `LLM.get_tokenizer()`
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """Each sequence decoded (transformers' default keeps the special tokens)."""
+        return [self.decode(list(ids), skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self._special_ids)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [t for i in self.all_special_ids if (t := self.id_to_token(i)) is not None]
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._special("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._tok.token_to_id(self.pad_token) if self.pad_token else None
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._special("unk_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._tok.token_to_id(self.unk_token) if self.unk_token else None
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """The model's chat template rendered as transformers' `apply_chat_template` renders it
+        (`kwargs`: more template variables): the text, or with `tokenize` its ids (the special
+        tokens the template writes, none added)."""
+        from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
+
+        extra = {**kwargs, **({"tools": tools} if tools is not None else {})}
+        text = ChatTemplate.from_model_dir(self.model_dir).render(
+            conversation, add_generation_prompt, extra or None, continue_final_message=continue_final_message
+        )
+        return encode_rendered(self, text, add_special_tokens=False) if tokenize else text
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids of each text. Texts that are long in all go through one `encode_batch` call,

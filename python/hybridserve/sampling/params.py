@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -156,6 +158,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def clone(self) -> SamplingParams:
+        """A copy to change without changing this one (vLLM's)."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's: the fields given, a None among them meaning the field's default."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the parameter when a value is out of range."""
