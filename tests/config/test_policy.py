@@ -156,7 +156,7 @@ def test_speculative_config_defaults() -> None:
     # vLLM's spellings without a method: a model is a draft model; "ngram" / "[ngram]" n-gram
     assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "model": "demo"}) == d
     for name in ("ngram", "[ngram]"):
-        for method in ({}, {"method": "ngram"}):
+        for method in ({}, {"method": None}, {"method": "ngram"}):
             spelled = {**method, "num_speculative_tokens": 3, "model": name}
             assert SpeculativeConfig.from_dict(spelled) == SpeculativeConfig.from_dict(NGRAM3)
     with pytest.raises(hybridserve.ConfigError, match="'method' is required"):

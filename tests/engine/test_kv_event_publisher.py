@@ -185,9 +185,10 @@ def test_a_failed_step_publishes_the_emptied_cache_at_once(
 
 
 def test_a_dropped_llm_frees_its_endpoints_for_the_next(tmp_path: Path) -> None:
-    """An LLM that is dropped ends its engine's publisher (as vLLM's LLM ends its engine): a
-    second LLM in the process binds the same endpoints (it was refused: "Address already in
-    use"), and the first one's thread is gone."""
+    """An engine that is dropped (its LLM let go of) closes its publisher, as vLLM's: a second
+    LLM in the process binds the same endpoints (it was refused: "Address already in use"), and
+    the first one's thread is gone. An engine kept by its caller (`llm.llm_engine`) keeps
+    publishing after its LLM is gone."""
     import gc
     import socket
 
@@ -209,5 +210,12 @@ def test_a_dropped_llm_frees_its_endpoints_for_the_next(tmp_path: Path) -> None:
     del llm
     gc.collect()
     assert kv_threads() == before
+    engine = LLM("demo", dtype="float32", max_model_len=256, kv_events_config=cfg).llm_engine
+    gc.collect()
+    assert engine.kv_events is not None and kv_threads() == before + 1
+    del engine
+    gc.collect()
     again = LLM("demo", dtype="float32", max_model_len=256, kv_events_config=cfg)
     assert again.generate(["The morning was"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    again.engine.shutdown()  # (shut down by hand: nothing more when it is collected)
+    assert kv_threads() == before

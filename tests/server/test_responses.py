@@ -614,3 +614,21 @@ def test_a_kept_conversation_keeps_its_messages_text_parts() -> None:
     back = _parse_messages(KeptResponse.of({}, history, []).history)
     assert [getattr(m["content"], "parts", None) for m in back] == [("How long", "does it bake?"), (), None]
     assert [str(m["content"]) for m in back] == ["How long\ndoes it bake?", "", "plain"]
+
+
+def test_an_answer_of_reasoning_alone_is_one_empty_turn_however_many_its_items() -> None:
+    """Reasoning items sent back: an answer that was reasoning alone is one empty assistant turn
+    (as the kept conversation holds it); reasoning before an assistant message or call adds none."""
+    from hybridserve.server.protocol import UnknownFields
+    from hybridserve.server.responses import input_messages
+
+    user = {"role": "user", "content": "hi"}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": []}
+    answer = {"role": "assistant", "content": "ok"}
+    for items, roles in (
+        ([user, thought, thought, answer], ["user", "assistant"]),
+        ([user, thought, thought, user], ["user", "assistant", "user"]),
+        ([user, thought], ["user", "assistant"]),
+    ):
+        messages = input_messages(items, UnknownFields(strict=True), [])
+        assert [m["role"] for m in messages] == roles, items

@@ -54,7 +54,7 @@ class SpeculativeConfig:
             )
         methods = _core.SPECULATIVE_METHODS
         d = dict(d)
-        if d.get("model") in _NGRAM_MODEL_NAMES and d.get("method", "ngram") == "ngram":
+        if d.get("model") in _NGRAM_MODEL_NAMES and d.get("method") in (None, "ngram"):
             # vLLM's older spelling of n-gram speculation: the method given as the model
             d["method"], d["model"] = "ngram", None
         elif d.get("method") is None and isinstance(d.get("model"), str) and d["model"]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -179,9 +178,6 @@ class LLM:
 
     def _attach(self, engine: OfflineEngine) -> None:
         self.engine = engine
-        # an LLM that is dropped ends what its engine started, as vLLM's: its KV-events sockets
-        # stayed bound, and a second LLM of the same process with the same endpoints was refused
-        weakref.finalize(self, engine.shutdown)
         self.engine.stream_outputs = False  # generate() only reads finished outputs
         self._next_id = 0
 

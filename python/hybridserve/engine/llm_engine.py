@@ -20,6 +20,7 @@ import operator
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -242,6 +243,10 @@ class LLMEngine:
         if events_cfg is not None:
             self.scheduler.enable_kv_events()
             self.kv_events = KVEventPublisher(events_cfg, int(self.config.block_size))
+            # an engine that is dropped without `shutdown` (an `LLM` let go of) closes its
+            # sockets, as vLLM's: the publisher's thread holds it, not the engine, so its
+            # endpoints stayed bound and the next engine of the process with them was refused
+            self._close_kv_events = weakref.finalize(self, self.kv_events.shutdown)
         # overlapped steps (`step`): the step left running on the background thread, and the
         # outputs of a step completed outside `step` (reset_prefix_cache) for the next call
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
@@ -763,7 +768,7 @@ class LLMEngine:
             self.grammars.shutdown(timeout=GRAMMAR_SHUTDOWN_WAIT_S)
         if self.kv_events is not None:
             self.publish_kv_events()
-            self.kv_events.shutdown()
+            self._close_kv_events()  # (the publisher's shutdown, run once: not again when collected)
             self._kv_events_dropped = (self.kv_events.events_dropped, self.kv_events.batches_dropped)
             self.kv_events = None
 

@@ -333,11 +333,13 @@ def input_messages(v: Any, unknown: P.UnknownFields, origins: list[Origin]) -> l
             origins.append([(".content", f"{p}.output"), (".tool_call_id", f"{p}.call_id"), ("", p)])
         elif kind == "reasoning":
             following = v[i + 1] if i + 1 < len(v) else None
+            if isinstance(following, dict) and following.get("type") == "reasoning":
+                continue  # (the answer's last reasoning item decides)
             answered = isinstance(following, dict) and (
                 following.get("type") == "function_call"
                 or (following.get("type", "message") == "message" and following.get("role") == "assistant")
             )
-            if not answered:  # (an answer that was reasoning alone: its turn, empty, as kept)
+            if not answered:  # (an answer of reasoning alone: its turn, empty, as kept)
                 out.append({"role": "assistant", "content": ""})
                 origins.append([("", p)])
         else:
