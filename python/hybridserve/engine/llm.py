@@ -103,10 +103,10 @@ def _parsed_arguments(call: object) -> object:
     if not isinstance(call, Mapping):
         return call
     fn = call.get("function")
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str | None):
         return call
-    try:
-        args: object = json.loads(fn["arguments"]) if fn["arguments"] else {}
+    try:  # (none, or empty: {}, as vLLM)
+        args: object = json.loads(fn["arguments"]) if fn.get("arguments") else {}
     except (ValueError, RecursionError):
         return call
     return {**call, "function": {**fn, "arguments": args}}

@@ -58,7 +58,11 @@ def with_special_tokens_map(model_dir: Path, config: dict[str, Any]) -> dict[str
     if not isinstance(entries, dict):
         raise ConfigError(f"{path}: the special tokens must be a JSON object")
     named = {
-        k: v for k, v in entries.items() if isinstance(k, str) and k.endswith("_token") and v is not None
+        k: v
+        for k, v in entries.items()
+        if isinstance(k, str)
+        and (k.endswith("_token") or k in ("additional_special_tokens", "extra_special_tokens"))
+        and v is not None
     }
     return {**config, **named}
 
@@ -114,11 +118,15 @@ class Tokenizer:
         """Ids of the tokens the config makes special: the ones it names (`bos_token`,
         `eos_token`, ..., `additional_special_tokens`) and those `added_tokens_decoder` marks."""
         texts = [self._special(k) for k in self.config if isinstance(k, str) and k.endswith("_token")]
-        more = self.config.get("additional_special_tokens")
-        if isinstance(more, list):
-            texts += [
-                t if isinstance(t, str) else t.get("content") if isinstance(t, dict) else None for t in more
-            ]
+        for key in ("additional_special_tokens", "extra_special_tokens"):  # (transformers 5's name)
+            more = self.config.get(key)
+            if isinstance(more, dict):  # (extra_special_tokens may name them: {"image_token": ...})
+                more = list(more.values())
+            if isinstance(more, list):
+                texts += [
+                    t if isinstance(t, str) else t.get("content") if isinstance(t, dict) else None
+                    for t in more
+                ]
         ids = {i for t in texts if isinstance(t, str) and (i := self._tok.token_to_id(t)) is not None}
         declared = self.config.get("added_tokens_decoder")
         if isinstance(declared, dict):
@@ -162,12 +170,19 @@ class Tokenizer:
         return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
-        if isinstance(tokens, str):
-            return self._tok.token_to_id(tokens)
-        return [self._tok.token_to_id(t) for t in tokens]
+        """Each token's id; one the vocabulary lacks is the unknown token's (None without one)."""
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
-        """Each sequence decoded (transformers' default keeps the special tokens)."""
+        def one(t: str) -> int | None:
+            tid = self._tok.token_to_id(t)
+            return tid if tid is not None else self.unk_token_id
+
+        return one(tokens) if isinstance(tokens, str) else [one(t) for t in tokens]
+
+    def batch_decode(
+        self, sequences: list[list[int]], skip_special_tokens: bool = False, **kwargs: Any
+    ) -> list[str]:
+        """Each sequence decoded (transformers' default keeps the special tokens; its other
+        options, `clean_up_tokenization_spaces` say, change nothing here)."""
         return [self.decode(list(ids), skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     @property
@@ -201,18 +216,30 @@ class Tokenizer:
         add_generation_prompt: bool = False,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        return_dict: bool = False,
         **kwargs: Any,
-    ) -> str | list[int]:
-        """The model's chat template rendered as transformers' `apply_chat_template` renders it
-        (`kwargs`: more template variables): the text, or with `tokenize` its ids (the special
-        tokens the template writes, none added)."""
+    ) -> str | list[int] | dict[str, list[int]]:
+        """The model's chat template (or `chat_template`: a template's text, or the name of one of
+        the model's) rendered as transformers' `apply_chat_template` renders it (`kwargs`: more
+        template variables): the text, or with `tokenize` its ids (the special tokens the
+        template writes, none added), as {"input_ids": ...} with `return_dict`. Tensors
+        (`return_tensors`) are not made: a TypeError, not a list where a tensor was asked for."""
         from hybridserve.engine.chat_template import ChatTemplate, encode_rendered
 
+        if kwargs.pop("return_tensors", None) is not None:
+            raise TypeError("apply_chat_template: return_tensors is not served; convert the ids")
+        template = ChatTemplate.from_model_dir(self.model_dir)
+        if chat_template is not None:
+            template = template.with_source(chat_template)
         extra = {**kwargs, **({"tools": tools} if tools is not None else {})}
-        text = ChatTemplate.from_model_dir(self.model_dir).render(
+        text = template.render(
             conversation, add_generation_prompt, extra or None, continue_final_message=continue_final_message
         )
-        return encode_rendered(self, text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = encode_rendered(self, text, add_special_tokens=False)
+        return {"input_ids": ids} if return_dict else ids
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids of each text. Texts that are long in all go through one `encode_batch` call,

@@ -1,8 +1,8 @@
 """Hand-written C++ kernels for the CPU path, built with the system C++ compiler on first use.
 
 The sources are in ``kernels/csrc/cpu/``; they use a plain C ABI over raw pointers (no torch headers),
-so a build takes a few seconds. The library is compiled with ``-O3 -march=native`` (it runs on
-the machine that built it) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
+so a build takes a few seconds. The library is compiled with ``-O3 -march=native -ffast-math``
+(it runs on the machine that built it; `_FLAGS` says why fast-math is safe here) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
 ``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
 compiler is found or the build fails, `build()` returns None with a logged warning and the kernel
 backend of the CPU is the pure-torch one (`kernels/backend.py`). ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off. A call

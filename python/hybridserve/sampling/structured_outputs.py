@@ -126,6 +126,20 @@ _GBNF_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 _GBNF_SPECIAL = set('"\\[]-^') | {chr(c) for c in range(0x20)} | {"\x7f"}
 
 
+def _side_of_64_bits(key: str, bound: int | float) -> str | None:
+    """Where an integer schema's bound lies against the 64-bit integers: "far" when it leaves all
+    of them (a lower bound below them), "near" when it leaves none, None inside (an exclusive
+    bound at an end of the range still excludes that end)."""
+    exclusive = key.startswith("exclusive")
+    if key in _LOWER_BOUNDS:
+        if bound < _I64_MIN or (bound == _I64_MIN and not exclusive):
+            return "far"
+        return "near" if bound > _I64_MAX or (bound == _I64_MAX and exclusive) else None
+    if bound > _I64_MAX or (bound == _I64_MAX and not exclusive):
+        return "far"
+    return "near" if bound < _I64_MIN or (bound == _I64_MIN and exclusive) else None
+
+
 def _gbnf_unicode_escapes(grammar: str) -> str:
     r"""GBNF's `\uXXXX` and `\UXXXXXXXX` escapes as the characters they stand for (`\xNN` for
     one the grammar gives meaning to). llguidance's converter drops their leading zeros, which
@@ -208,10 +222,10 @@ def prepared_schema(schema: Any, *, closed_objects: bool = False, depth: int = 0
             bound = out.get(key)
             if isinstance(bound, bool) or not isinstance(bound, int | float):
                 continue
-            lower = key in _LOWER_BOUNDS
-            if bound <= _I64_MIN if lower else bound >= _I64_MAX:
+            side = _side_of_64_bits(key, bound)
+            if side == "far":
                 del out[key]
-            elif bound > _I64_MAX if lower else bound < _I64_MIN:
+            elif side == "near":
                 raise ValueError(
                     f"{key}: {bound!r} leaves no 64-bit integer, and the grammar's integers are 64-bit"
                 )

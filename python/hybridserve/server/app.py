@@ -185,11 +185,12 @@ class EngineModelInfo:
         except Exception:
             return self.token_text(token_id).encode("utf-8")
 
-    def text_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes:
-        """What a token adds to the decoded text: nothing for a special token that is skipped."""
+    def text_bytes(self, token_id: int, skip_special_tokens: bool, first: bool = False) -> bytes:
+        """What a token adds to the decoded text: nothing for a special token that is skipped
+        (`first`: a token that begins the text)."""
         if skip_special_tokens and self.tokenizer.is_special(token_id):
             return b""
-        return self.token_bytes(token_id)
+        return self.token_bytes(token_id, first=first)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -1366,12 +1367,24 @@ def _echo_logprobs_json(
         P.top_n_entry(e, tid, req.logprobs) if e is not None else {}
         for e, tid in zip(choice.prompt_logprobs, prompt.token_ids)
     ]
+    began = False
+
+    def echoed_bytes(t: int) -> bytes:
+        # (the first token the echoed text is decoded from, a skipped special token not counted,
+        # is decoded as a text's first: a decoder that drops a text's first space drops it there)
+        nonlocal began
+        if skip and info.tokenizer.is_special(t):
+            return b""
+        out = info.text_bytes(t, skip, first=not began)
+        began = True
+        return out
+
     out = P.completion_logprobs(
         entries,
         prompt.token_ids,
         info.token_text,
         P.TextOffsets(0),
-        text_bytes=lambda t: info.text_bytes(t, skip),
+        text_bytes=echoed_bytes,
         as_ids=_as_ids(req, info),
     )
     if prompt.text_offsets is not None:

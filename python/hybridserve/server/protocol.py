@@ -1139,8 +1139,8 @@ def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, 
             )
         for key, val in (("id", call_id), ("function.name", name), ("function.arguments", args)):
             _check_surrogates(f"{pc}.{key}", val)
-        try:
-            parsed: Any = json.loads(args)
+        try:  # (empty: {}, as vLLM)
+            parsed: Any = json.loads(args) if args else {}
         except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
             parsed = args
         else:  # (the JSON text's own escapes may decode to lone surrogates)

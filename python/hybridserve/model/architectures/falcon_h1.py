@@ -18,7 +18,8 @@ vector of `ssm_multipliers` (z, x, B, C, dt: five sections); the MLP ``down(up(x
 act(gate(x) * m0)) * m1`` with `mlp_multipliers` (m0, m1). Rotary embedding on the whole head
 (`rope_parameters`, or a top-level `rope_theta`; default type only).
 
-The mixer: `mamba_d_ssm` (null: `mamba_expand * hidden_size`; left out: 1024, as transformers) channels; ``y * silu(z)`` when
+The mixer: `mamba_d_ssm` (null: `mamba_expand * hidden_size`; left out: 1024, as transformers)
+channels; ``y * silu(z)`` when
 `mamba_rms_norm` is off (no norm weight in the checkpoint), the grouped RMSNorm otherwise, before
 the gate (`mamba_norm_before_gate`, the default: ``norm(y) * silu(z)``) or after it
 (``norm(y * silu(z))``); in_proj bias `mamba_proj_bias`, out_proj bias `projectors_bias`.
