@@ -146,6 +146,10 @@ def test_earlier_tool_calls_reach_the_template_with_their_arguments_parsed() -> 
     prompt = llm.chat(messages, GREEDY, chat_template=template)[0].prompt
     assert 'assistant: {"zone": 2}[zone=2]' in prompt
     assert call["function"]["arguments"] == '{"zone": 2}'  # (the caller's message is left as it is)
+    # none, or empty: {} (as vLLM)
+    for empty in ("", None):
+        messages[1]["tool_calls"] = [{**call, "function": {"name": "get_time", "arguments": empty}}]
+        assert "assistant: {}tool" in llm.chat(messages, GREEDY, chat_template=template)[0].prompt
 
 
 def test_engine_chat_template_file_is_served_and_sets_the_shared_prefix_markers(tmp_path: Path) -> None:

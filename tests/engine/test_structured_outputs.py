@@ -711,6 +711,11 @@ def test_integer_bounds_past_64_bits_bound_nothing_or_are_refused(llm: LLM) -> N
     refused, naming it."""
     so = StructuredOutputsParams(json={"type": "integer", "minimum": -1e30, "maximum": 2**70})
     assert _takes(so, llm, "-5") and _takes(so, llm, str(2**63 - 1))
+    # an exclusive bound at an end of the range still excludes that end
+    from hybridserve.sampling.structured_outputs import prepared_schema
+
+    assert "exclusiveMinimum" in prepared_schema({"type": "integer", "exclusiveMinimum": float(-(2**63))})
+    assert "minimum" not in prepared_schema({"type": "integer", "minimum": float(-(2**63))})
     for schema in (
         {"type": "integer", "minimum": 1e20, "maximum": 1e20},
         {"type": ["integer", "null"], "exclusiveMinimum": 2**64},

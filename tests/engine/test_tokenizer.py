@@ -272,3 +272,10 @@ def test_get_tokenizer_answers_the_transformers_calls_vllm_scripts_make() -> Non
         assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(
             hf.apply_chat_template(messages, add_generation_prompt=gen, return_dict=True)["input_ids"]
         )
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert ours.apply_chat_template(messages, tokenize=False, chat_template=own) == "[Be brief.][Hi]"
+    assert ours.apply_chat_template(messages, chat_template=own, return_dict=True) == {
+        "input_ids": ours.encode("[Be brief.][Hi]", add_special_tokens=False)
+    }
+    with pytest.raises(TypeError, match="return_tensors"):
+        ours.apply_chat_template(messages, return_tensors="pt")
