@@ -523,6 +523,11 @@ def test_tool_call_history_is_accepted_and_parsed():
     )
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == "not json"
     assert "tool_calls" not in msgs[1]
+    # empty arguments: {} (as vLLM)
+    (msg,) = P._parse_messages(
+        [{"role": "assistant", "tool_calls": [{**odd, "function": {"name": "f", "arguments": ""}}]}]
+    )
+    assert msg["tool_calls"][0]["function"]["arguments"] == {}
     # nested deeper than the JSON parser goes: text too, not a server error
     deep = "[" * 100_000 + "]" * 100_000
     (msg,) = P._parse_messages(
