@@ -121,15 +121,10 @@ def _check_exact_data(value: Any, key: str, depth: int = 0) -> None:
             _check_exact_data(v, key, depth + 1)
 
 
-_GBNF_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
-# characters a GBNF string or class gives meaning to, and controls: written as \xNN
-_GBNF_SPECIAL = set('"\\[]-^') | {chr(c) for c in range(0x20)} | {"\x7f"}
-
-
 def _side_of_64_bits(key: str, bound: int | float) -> str | None:
-    """Where an integer schema's bound lies against the 64-bit integers: "far" when it leaves all
-    of them (a lower bound below them), "near" when it leaves none, None inside (an exclusive
-    bound at an end of the range still excludes that end)."""
+    """Where an integer schema's bound lies against the 64-bit integers: "far" when it excludes
+    none of them (a lower bound at or below the least), "near" when it excludes all of them, None
+    when it falls within (an exclusive bound at an end of the range still excludes that end)."""
     exclusive = key.startswith("exclusive")
     if key in _LOWER_BOUNDS:
         if bound < _I64_MIN or (bound == _I64_MIN and not exclusive):
@@ -138,6 +133,11 @@ def _side_of_64_bits(key: str, bound: int | float) -> str | None:
     if bound > _I64_MAX or (bound == _I64_MAX and not exclusive):
         return "far"
     return "near" if bound < _I64_MIN or (bound == _I64_MIN and exclusive) else None
+
+
+_GBNF_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+# characters a GBNF string or class gives meaning to, and controls: written as \xNN
+_GBNF_SPECIAL = set('"\\[]-^') | {chr(c) for c in range(0x20)} | {"\x7f"}
 
 
 def _gbnf_unicode_escapes(grammar: str) -> str:
