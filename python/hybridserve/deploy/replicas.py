@@ -296,8 +296,9 @@ def check_ports(args: argparse.Namespace, replica_ports: list[int]) -> None:
     """Refuses, before anything starts, ports that would clash: the router's, its metrics port and
     the replicas' must differ, and none may be in use already (a replica that cannot listen
     exits, and whatever answers on its port would pass its health check)."""
-    given = [(name, port) for name, port in router_ports(args) if name != _DEFAULT_METRICS]
-    default = [(name, port) for name, port in router_ports(args) if name == _DEFAULT_METRICS]
+    router = router_ports(args)
+    default = [named for named in router if named[0] == _DEFAULT_METRICS]
+    given = [named for named in router if named not in default]
     # (the router's default metrics port, when it is one, is checked last: the others name the
     # flags given)
     named = [*given, *[(f"replica{i}'s port", port) for i, port in enumerate(replica_ports)], *default]

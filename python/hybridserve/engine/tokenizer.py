@@ -100,8 +100,8 @@ class Tokenizer:
         self.config = with_special_tokens_map(model_dir, self.config)
         self.eos_token = self._special("eos_token")
         self.bos_token = self._special("bos_token")
-        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._id_of(self.eos_token)
+        self.bos_token_id = self._id_of(self.bos_token)
         self.chat_template: str | None = self.config.get("chat_template")
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {i for i, t in added.items() if t.special}
@@ -134,6 +134,10 @@ class Tokenizer:
                 if isinstance(entry, dict) and entry.get("special") is True and str(key).isdigit():
                     ids.add(int(key))
         return ids
+
+    def _id_of(self, token: str | None) -> int | None:
+        """A named token's id (None for no name, or a name the vocabulary lacks)."""
+        return self._tok.token_to_id(token) if token else None
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
@@ -199,7 +203,7 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        return self._tok.token_to_id(self.pad_token) if self.pad_token else None
+        return self._id_of(self.pad_token)
 
     @property
     def unk_token(self) -> str | None:
@@ -207,7 +211,7 @@ class Tokenizer:
 
     @property
     def unk_token_id(self) -> int | None:
-        return self._tok.token_to_id(self.unk_token) if self.unk_token else None
+        return self._id_of(self.unk_token)
 
     def apply_chat_template(
         self,

@@ -141,9 +141,9 @@ _GBNF_SPECIAL = set('"\\[]-^') | {chr(c) for c in range(0x20)} | {"\x7f"}
 
 
 def _gbnf_unicode_escapes(grammar: str) -> str:
-    r"""GBNF's `\uXXXX` and `\UXXXXXXXX` escapes as the characters they stand for (`\xNN` for
-    one the grammar gives meaning to). llguidance's converter drops their leading zeros, which
-    turned `"\u004100"` ("A00") into "\u4100" (a CJK character) and refused `"\u00e9"`."""
+    r"""GBNF's `\u` (four hex digits) and `\U` (eight) escapes as the characters they stand for
+    (`\xNN` for one the grammar gives meaning to). llguidance's converter drops their leading
+    zeros, which turned `"\u004100"` ("A00") into "\u4100" (a CJK character) and refused `"\u00e9"`."""
 
     def char(m: re.Match[str]) -> str:
         if m.group(1) == "\\":

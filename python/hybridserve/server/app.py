@@ -113,8 +113,7 @@ class EngineModelInfo:
     @property
     def added_tokens(self) -> Mapping[str, int]:
         """The tokenizer's added tokens by their text (a tool-call format's tags among them)."""
-        added: Mapping[str, int] = getattr(self.tokenizer, "added_token_ids", {})
-        return added
+        return self.tokenizer.added_token_ids
 
     def is_special(self, token_id: int) -> bool:
         """Whether decoding with skip_special_tokens leaves the token out."""
@@ -1375,7 +1374,7 @@ def _echo_logprobs_json(
         nonlocal began
         if skip and info.tokenizer.is_special(t):
             return b""
-        out = info.text_bytes(t, skip, first=not began)
+        out = info.token_bytes(t, first=not began)
         began = True
         return out
 

@@ -1182,9 +1182,8 @@ def _tool_parser(info: ModelInfo) -> T.ToolParser:
     return T.TOOL_PARSERS[getattr(info, "tool_call_parser", "hermes")]
 
 
-def _special_tags(info: ModelInfo, added: Mapping[str, int]) -> bool:
-    """Whether a tag of the server's tool-call format is one of the tokenizer's special tokens."""
-    parser = _tool_parser(info)
+def _special_tags(info: ModelInfo, parser: T.ToolParser, added: Mapping[str, int]) -> bool:
+    """Whether a tag of the tool-call format is one of the tokenizer's special tokens."""
     tags = (getattr(parser, "START", ""), getattr(parser, "END", ""))
     is_special = getattr(info, "is_special", None)
     return is_special is not None and any(t in added and is_special(added[t]) for t in tags)
@@ -1400,8 +1399,9 @@ def parse_chat_request(
         prompt_logprobs=prompt_logprobs,
     )
     added: Mapping[str, int] = getattr(info, "added_tokens", {})
-    params = _constrained(params, body, unknown, tools, tool_choice, _tool_parser(info), added)
-    if rendered_tools and "skip_special_tokens" not in body and _special_tags(info, added):
+    parser = _tool_parser(info)
+    params = _constrained(params, body, unknown, tools, tool_choice, parser, added)
+    if rendered_tools and "skip_special_tokens" not in body and _special_tags(info, parser, added):
         # the tags are special tokens, which the text leaves out by default: the calls could not
         # be found in it (vLLM keeps special tokens whenever tools are given)
         params = dataclasses.replace(params, skip_special_tokens=False)
@@ -1439,7 +1439,7 @@ def parse_chat_request(
         role=None if _adds_generation_prompt(body) else str(body["messages"][-1]["role"]),
     )
     if rendered_tools:
-        parser = _tool_parser(info).for_tools(rendered_tools)
+        parser = parser.for_tools(rendered_tools)
         one = not get_bool(body, "parallel_tool_calls", True)
         req.tool_parser = T.FirstCallOnly(parser) if one else parser
     return req

@@ -674,18 +674,23 @@ class OutputItems:
         item["content"][0]["text"] += delta
         if logprobs:
             item["content"][0]["logprobs"] += logprobs
+        events.append(self._delta_event(kind, delta, logprobs))
+        return events
+
+    def _delta_event(self, kind: str, delta: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The open item's delta event (a message's with the logprobs of its tokens)."""
+        assert self._open is not None
         event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         body: dict[str, Any] = {
             "type": event,
-            "item_id": item["id"],
+            "item_id": self._open["id"],
             "output_index": len(self.items) - 1,
             "content_index": 0,
             "delta": delta,
         }
         if kind == "message":
             body["logprobs"] = logprobs or []
-        events.append(body)
-        return events
+        return body
 
     def reasoning(self, delta: str) -> list[dict[str, Any]]:
         return self._text("reasoning", delta)
@@ -702,10 +707,7 @@ class OutputItems:
         if not logprobs or item is None or item["type"] != "message":
             return []
         item["content"][0]["logprobs"] += logprobs
-        return [
-            {"type": "response.output_text.delta", "item_id": item["id"], "output_index": len(self.items) - 1,
-             "content_index": 0, "delta": "", "logprobs": logprobs}
-        ]  # fmt: skip
+        return [self._delta_event("message", "", logprobs)]
 
     def call(self, call: ToolCall) -> list[dict[str, Any]]:
         events = self.close()
