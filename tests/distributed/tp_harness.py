@@ -4,6 +4,7 @@ test process is none of them), and a model's float64 logits through the test-sid
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import traceback
@@ -35,6 +36,10 @@ def _entry(rank: int, tp: int, port: int, fn: Callable[..., Any], args: tuple[An
         result = RuntimeError(f"rank {rank}:\n{traceback.format_exc()}")
     Path(f"{out}.{rank}").write_bytes(pickle.dumps(result))
     destroy_tp_group()
+    # (the result is written: the rank ends without the interpreter's teardown, in which the
+    # group's native threads, still unwinding on a loaded machine, can abort it with "terminate
+    # called without an active exception")
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], tp: int, args: tuple[Any, ...], tmp: Path) -> list[Any]:
