@@ -258,6 +258,17 @@ def test_a_long_prompt_without_max_tokens_gets_the_room_left(client):
         model=MODEL, prompt=[5] * 10, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 16  # OpenAI's default
+    # several prompts: each takes the default within the room it leaves itself (the short one is
+    # not cut to what the long one leaves), n choices alike, sampled or beam-searched
+    for extra in ({"n": 2}, {"n": 2, "use_beam_search": True}):
+        r = client.completions.create(
+            model=MODEL,
+            prompt=[[5] * 10, [5] * (limit - 3)],
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        assert r.usage.completion_tokens == 2 * 16 + 2 * 3, (extra, r.usage)
+        assert [c.finish_reason for c in r.choices] == ["length"] * 4, (extra, r.choices)
 
 
 def test_only_json_bodies_are_read(server):

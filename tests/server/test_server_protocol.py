@@ -143,6 +143,10 @@ def test_completion_max_tokens_default_and_context(info):
     # without max_tokens: OpenAI's 16, or the room the longest prompt leaves
     assert completion(info, prompt=ids).params.max_tokens == 16
     assert completion(info, prompt=list(range(3, 63))).params.max_tokens == 4
+    # several prompts: each its own default within the room it leaves, choice by choice
+    both = completion(info, prompt=[ids, list(range(3, 63))], n=2)
+    assert [both.choice_params(i).max_tokens for i in range(4)] == [16, 16, 4, 4]
+    assert completion(info, prompt=[ids, list(range(3, 63))], max_tokens=4).choice_params(0).max_tokens == 4
     assert chat(info, messages=[{"role": "user", "content": "hi"}]).params.max_tokens == 64 - len(
         info.encode_chat([{"role": "user", "content": "hi"}], True)
     )

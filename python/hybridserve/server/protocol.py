@@ -326,6 +326,10 @@ class GenerateRequest:
 
     # tool calls (chat with tools, tool_choice not "none"): the parser that finds them in the output
     tool_parser: T.ToolParser | None = None
+    # a completion of several prompts without `max_tokens`: each prompt's own default (16, within
+    # the room that prompt leaves), where `params.max_tokens` is the least of them (None: every
+    # prompt takes `params.max_tokens`)
+    prompt_max_tokens: list[int] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -339,6 +343,8 @@ class GenerateRequest:
         # costs milliseconds each time); n = 1 and a derived seed are valid by construction
         params = copy.copy(self.params)
         params.n, params.seed = 1, seed
+        if self.prompt_max_tokens is not None:
+            params.max_tokens = self.prompt_max_tokens[choice_index // self.params.n]
         return params
 
 
@@ -835,8 +841,16 @@ def parse_completion_request(
     prompts = _parse_prompts(body["prompt"], info, add_special_tokens, keep)
     _check_sequences(len(prompts), n)
     max_tokens = _resolve_max_tokens(requested_max, prompts, info.max_model_len, "prompt", "max_tokens")
+    prompt_max_tokens: list[int] | None = None
     if requested_max is None:
-        # OpenAI's default of 16 completion tokens, within the room the prompt leaves
+        # OpenAI's default of 16 completion tokens, within the room each prompt leaves (as vLLM
+        # resolves it prompt by prompt: a short prompt is not cut to what a long one leaves)
+        prompt_max_tokens = [
+            _generation_config_cap(
+                min(COMPLETION_DEFAULT_MAX_TOKENS, info.max_model_len - len(p.token_ids)), info
+            )
+            for p in prompts
+        ]
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_tokens)
     max_tokens = _generation_config_cap(max_tokens, info)
     # the engine computes the prompt's logprobs for echo + logprobs (the echoed tokens' logprobs),
@@ -864,6 +878,9 @@ def parse_completion_request(
         max_tokens=max_tokens == 0,
         **{_grammar_field(params): params.structured_outputs is not None},
     )
+    if beam is not None and prompt_max_tokens is not None:
+        # the search runs for the longest default; each prompt's beams end at the context's end
+        beam = dataclasses.replace(beam, max_tokens=max(prompt_max_tokens))
     if echo and logprobs is not None:
         # the echoed prompt's text_offset index the client's own text (here, off the event loop
         # for a large body)
@@ -888,6 +905,7 @@ def parse_completion_request(
         ignored_fields=unknown.names,
         priority=_parse_priority(body),
         beam=beam,
+        prompt_max_tokens=prompt_max_tokens,
     )
 
 
