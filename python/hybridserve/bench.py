@@ -63,24 +63,33 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         choices=(*WORKLOADS, TRACE_WORKLOAD),
         default="random",
         help="trace: replay --trace (its own requests, times and lengths: --num-requests, "
-        "--request-rate, --prompt-len and --max-tokens do not apply)",
+        "--request-rate, --prompt-len and --max-tokens are refused with it)",
     )
+    # (these four default to None, so that a trace, which has its own, refuses them)
     s.add_argument(
-        "--num-requests", type=int_in(1), default=64, help="requests in all (turns count one each)"
+        "--num-requests",
+        type=int_in(1),
+        default=None,
+        help="requests in all (turns count one each; default 64)",
     )
     s.add_argument(
         "--request-rate",
         type=_rate,
-        default=math.inf,
-        help="Poisson arrivals per second (inf: all at once); with multi-turn, of conversations, each "
-        "sending its turns one after another",
+        default=None,
+        help="Poisson arrivals per second (inf: all at once, the default); with multi-turn, of conversations, "
+        "each sending its turns one after another",
     )
     s.add_argument(
         "--concurrency", type=int_in(1), default=None, help="most requests in flight (default: no limit)"
     )
-    s.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens generated per request")
     s.add_argument(
-        "--prompt-len", type=int_in(1), default=256, help="prompt tokens (per turn for multi-turn)"
+        "--max-tokens", type=int_in(1), default=None, help="tokens generated per request (default 64)"
+    )
+    s.add_argument(
+        "--prompt-len",
+        type=int_in(1),
+        default=None,
+        help="prompt tokens (per turn for multi-turn; default 256)",
     )
     s.add_argument(
         "--prefix-len",
@@ -290,6 +299,26 @@ def _load_trace(args: argparse.Namespace) -> tuple[Trace | None, str | None]:
         raise ConfigError(f"--trace: cannot read {args.trace!r}: {e.strerror or e}") from None
 
 
+# The sizes of a generated workload (not a trace's: it has its own), and their defaults.
+_WORKLOAD_SIZES = (
+    ("--num-requests", "num_requests", 64),
+    ("--request-rate", "request_rate", math.inf),
+    ("--prompt-len", "prompt_len", 256),
+    ("--max-tokens", "max_tokens", 64),
+)
+
+
+def _workload_defaults(args: argparse.Namespace) -> None:
+    """Fills in the sizes of a generated workload that were not given; with a trace, one given
+    is a ConfigError (the trace's requests, times and lengths are its own, and a run that
+    ignored the flag would be a different run than the one asked for)."""
+    for flag, name, default in _WORKLOAD_SIZES:
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.workload == TRACE_WORKLOAD:
+            raise ConfigError(f"{flag} does not apply to --workload trace: the trace sets its own requests")
+
+
 def _url_error(url: str) -> str | None:
     """Why an http(s) URL names no server, or None."""
     from urllib.parse import urlsplit
@@ -326,6 +355,7 @@ def bench_main(args: argparse.Namespace) -> int:
             if value is not None and args.workload != workload:
                 raise ConfigError(f"{flag} applies to --workload {workload}, not {args.workload}")
         trace, trace_source = _load_trace(args)
+        _workload_defaults(args)
         if args.prefix_len is not None and args.prefix_len >= args.prompt_len:
             raise ConfigError(
                 f"--prefix-len {args.prefix_len} leaves no unique tokens in --prompt-len {args.prompt_len}: "

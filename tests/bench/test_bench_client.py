@@ -52,8 +52,10 @@ def _complete(server: ServerProcess, prompt: list[int], max_tokens: int) -> list
 
 def _bench(server: ServerProcess, tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.json"
+    # (a trace sets its own lengths: --max-tokens is refused with it)
+    sizes = [] if "trace" in extra else ["--max-tokens", str(MAX_TOKENS)]
     rc = cli_main(
-        ["bench", "serve", "--base-url", server.base, "--max-tokens", str(MAX_TOKENS), "--no-progress", "--request-timeout", "60",
+        ["bench", "serve", "--base-url", server.base, *sizes, "--no-progress", "--request-timeout", "60",
          "--result-file", str(out), *extra]
     )  # fmt: skip
     assert rc == 0
@@ -198,6 +200,7 @@ def test_trace_replays_sessions_with_the_real_answers(server: ServerProcess, tmp
     assert s["completed"] == len(trace) == len(reqs) and s["failed"] == 0
     w = r["config"]["workload"]
     assert (w["name"], w["trace"], w["source"], w["sessions"]) == ("trace", trace.name, str(path), 3)
+    assert r["config"]["request_rate"] == "trace"  # (its arrivals are the trace's own times)
     by_id = {q["id"]: q for q in reqs}
     assert [q["id"] for q in reqs] == [t.id for t in trace.requests]
     outputs: dict[str, list[int]] = {}

@@ -226,6 +226,26 @@ def test_trace_flags() -> None:
             _serve_args("--workload", "trace", "--trace", "T1", flag, value)
 
 
+def test_a_trace_refuses_the_sizes_of_a_generated_workload() -> None:
+    import math
+
+    from hybridserve.bench import _workload_defaults
+    from hybridserve.errors import ConfigError
+
+    for flag, value in (
+        ("--num-requests", "1"),
+        ("--request-rate", "1"),
+        ("--prompt-len", "8"),
+        ("--max-tokens", "2"),
+    ):
+        with pytest.raises(ConfigError, match=f"{flag} does not apply to --workload trace"):
+            _workload_defaults(_serve_args("--workload", "trace", "--trace", "T1", flag, value))
+    a = _serve_args("--workload", "random", "--max-tokens", "5")
+    _workload_defaults(a)
+    assert (a.num_requests, a.request_rate, a.prompt_len, a.max_tokens) == (64, math.inf, 256, 5)
+    _workload_defaults(_serve_args("--workload", "trace", "--trace", "T1"))  # nothing given: taken
+
+
 async def _fake_server(aiohttp_server: Any, mode: str, bodies: list[dict]) -> Any:
     """An OpenAI-compatible stand-in: streams `max_tokens` chunks of token 7. `mode`: "ids" returns
     the ids for return_token_ids, "ignore" never returns them, "refuse" answers a request that asks

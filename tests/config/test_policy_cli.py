@@ -16,6 +16,7 @@ import pytest
 import hybridserve
 from cli_fixtures import run_cli
 from hybridserve.config import read_model_capabilities
+from hybridserve.model.demo import ensure_demo_model
 
 TABLE = Path(__file__).with_name("policy_cases.txt")
 
@@ -198,6 +199,14 @@ def test_tokenizer_and_draft_folders_are_checked_as_the_engine_checks_them(
     assert proc.returncode == 2
     assert "no config.json" in proc.stderr
     assert draft(model_dirs["hybrid"]).returncode == 0
+
+
+def test_marker_ids_are_checked_against_the_tokenizer_as_the_engine_checks_them() -> None:
+    ensure_demo_model()
+    proc = run_config("demo", "--shared-prefix-markers", "5,99999")
+    assert proc.returncode == 2
+    assert "--shared-prefix-markers: 99999 outside the tokenizer's" in proc.stderr
+    assert run_config("demo", "--shared-prefix-markers", "5,9").returncode == 0
 
 
 def test_json_carries_python_side_settings(model_dirs: dict[str, Path]) -> None:

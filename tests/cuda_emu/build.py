@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "python" / "hybridserve" / "kernels" / "csrc" / "cuda"
 EMU_INC = Path(__file__).resolve().parent / "include"
-CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_emu"
+CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve")) / "cuda_emu"
 
 
 def _split_top(s: str) -> list[str]:

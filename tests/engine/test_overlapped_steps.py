@@ -15,8 +15,8 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine import llm_engine
-from hybridserve.engine.llm_engine import LLMEngine, PlanMode, choose_async_scheduling
-from hybridserve.errors import StepError
+from hybridserve.engine.llm_engine import LLMEngine, PlanMode, choose_async_scheduling, plan_mode_from_env
+from hybridserve.errors import ConfigError, StepError
 from hybridserve.model.decode_step import PendingDecode
 
 BASE: dict[str, Any] = dict(dtype="float64", cpu_threads=1, block_size=16, max_model_len=512, seed=0)
@@ -215,6 +215,15 @@ def test_which_steps_are_planned_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (engine.stats()["num_planned_steps"] > 0) is offline
         engine.stream_outputs = True
         assert engine.plans_ahead is streaming
+
+
+def test_a_plan_ahead_value_not_understood_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, mode in (("ON", "on"), ("0", "off"), ("auto", "auto"), ("", "auto")):
+        monkeypatch.setenv("HYBRIDSERVE_PLAN_AHEAD", value)
+        assert plan_mode_from_env() == mode
+    monkeypatch.setenv("HYBRIDSERVE_PLAN_AHEAD", "onn")  # a typo is not taken for auto
+    with pytest.raises(ConfigError, match="HYBRIDSERVE_PLAN_AHEAD='onn'"):
+        plan_mode_from_env()
 
 
 def test_an_id_aborted_and_added_again_while_a_step_runs_is_a_new_request(

@@ -24,7 +24,7 @@ from hybridserve.kernels.cuda import cuda_source_dir, find_cuda_home
 CUDA_DIR = cuda_source_dir()
 CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 CPP_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cpp"))
-CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE_DIR", Path.home() / ".cache" / "hybridserve")) / "cuda_compile"
+CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve")) / "cuda_compile"
 
 
 def _torch_includes() -> list[str]:
@@ -147,6 +147,6 @@ def test_the_extension_links_the_cxx_runtime_the_process_runs(monkeypatch, tmp_p
     assert runtime in Path("/proc/self/maps").read_text()  # torch's own runtime, mapped already
     calls: list[dict] = []
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
-    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HYBRIDSERVE_CACHE", str(tmp_path))
     cuda._build_and_load(verbose=False)
     assert runtime in calls[0]["extra_ldflags"], calls[0]["extra_ldflags"]

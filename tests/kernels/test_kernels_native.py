@@ -175,7 +175,7 @@ def test_no_compiler_means_the_torch_path(tmp_path):
         "assert native.library() is None\n"
         "print('fallback ok')\n"
     )
-    env = {**os.environ, "CXX": "/bin/false", "HYBRIDSERVE_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "CXX": "/bin/false", "HYBRIDSERVE_CACHE": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "fallback ok" in res.stdout and "native CPU kernels unavailable" in res.stderr

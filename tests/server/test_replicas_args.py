@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.cli import build_parser, main
-from hybridserve.deploy.replicas import _serve_args, router_command
+from hybridserve.deploy.replicas import _serve_args, parse_worker_urls, router_command
 from hybridserve.errors import ConfigError
 
 
@@ -90,6 +90,32 @@ def test_a_config_file_s_flags_are_checked_and_passed_written_out(tmp_path: Path
 def test_bad_arguments_are_one_line_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _serve_args(_args(*argv))
+
+
+@pytest.mark.parametrize(
+    ("urls", "message"),
+    [
+        ("foo", "'foo': expected http://HOST:PORT"),
+        ("ftp://h:1", "'ftp://h:1': expected http://HOST:PORT"),
+        ("http://:8000", "'http://:8000': expected"),
+        ("http://h:port", "'http://h:port': the port is not a number"),
+        ("http://h:70000", "'http://h:70000': the port"),
+        ("http://h:1,http://h:1/", "http://h:1 given more than once"),
+        (" , ", "no URL"),
+    ],
+)
+def test_worker_urls_that_are_not_servers_base_urls_are_one_line_errors(
+    urls: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (refused before the router is looked for: the router would end with a traceback)
+    assert main(["replicas", "--router-bin", "/nonexistent/router", "--worker-urls", urls]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert parse_worker_urls("http://a:1, https://b/ ,http://[::1]:8000") == [
+        "http://a:1",
+        "https://b",
+        "http://[::1]:8000",
+    ]
 
 
 def test_a_missing_router_is_a_usage_error(

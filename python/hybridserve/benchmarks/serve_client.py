@@ -593,7 +593,12 @@ def summarize(
         "config": {
             "base_url": cfg.base_url,
             "model": model,
-            "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+            # (a trace's arrivals are its own times)
+            "request_rate": "trace"
+            if cfg.trace is not None
+            else "inf"
+            if math.isinf(cfg.request_rate)
+            else cfg.request_rate,
             "concurrency": cfg.concurrency,
             "ignore_eos": cfg.ignore_eos,
             "temperature": cfg.temperature,

@@ -19,6 +19,7 @@ from hybridserve.config.args import (
     LOAD_FORMATS,
     STATE_DTYPES,
     EngineArgs,
+    parse_shared_prefix_markers,
 )
 from hybridserve.config.capabilities import resolve_model_dir
 from hybridserve.config.explain import format_resolved
@@ -355,6 +356,8 @@ def config_main(args: argparse.Namespace) -> int:
             # A checkpoint the engine can load is always planned, so that `config` refuses the
             # sizes the engine would refuse (a folder of a config.json alone is the policy's)
             model_dir = resolve_model_dir(engine_args.model)
+            if _is_checkpoint(engine_args.model):
+                _check_marker_ids(engine_args, model_dir)
             no_plan = _why_no_plan(model_dir)
             if no_plan is None:
                 resolved = plan_engine(engine_args, model_dir).resolved
@@ -388,6 +391,18 @@ def _check_folders(args: EngineArgs) -> None:
             raise ConfigError(
                 f"--speculative-config: model {draft}: {draft / 'config.json'}: no config.json in the model folder"
             )
+
+
+def _check_marker_ids(args: EngineArgs, model_dir: str) -> None:
+    """--shared-prefix-markers given as ids, refused as the engine refuses them (an id outside the
+    tokenizer, which no prompt can hold)."""
+    if not isinstance(parse_shared_prefix_markers(args.shared_prefix_markers), tuple):
+        return
+    from hybridserve.engine.shared_prefix import resolve_markers
+    from hybridserve.engine.tokenizer import Tokenizer
+
+    tokenizer_dir = args.tokenizer if args.tokenizer is not None else model_dir
+    resolve_markers(args.shared_prefix_markers, tokenizer_dir, Tokenizer(tokenizer_dir))
 
 
 def _is_checkpoint(model: str) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO
+from urllib.parse import urlsplit
 
 from hybridserve.arg_types import int_in, not_empty, seconds
 from hybridserve.config.kv_events import FLAG as KV_EVENTS_FLAG
@@ -436,12 +437,31 @@ class _Children:
         return ok
 
 
+def parse_worker_urls(value: str) -> list[str]:
+    """--worker-urls: servers' base URLs (http or https, a host, a port or none), each once; a
+    ConfigError names the first that is not one (the router would end with a traceback, after
+    the checks of the other flags had passed)."""
+    urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError("--worker-urls: no URL")
+    for u in urls:
+        parts = urlsplit(u)
+        try:
+            _ = parts.port  # (a ValueError for a port that is not one)
+        except ValueError:
+            raise ConfigError(f"--worker-urls: {u!r}: the port is not a number in 0-65535") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"--worker-urls: {u!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if len(set(urls)) != len(urls):
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        raise ConfigError(f"--worker-urls: {', '.join(twice)} given more than once")
+    return urls
+
+
 def replicas_main(args: argparse.Namespace) -> int:
     serve = _serve_args(args)
     if args.worker_urls is not None:
-        worker_urls = [u.strip().rstrip("/") for u in args.worker_urls.split(",") if u.strip()]
-        if not worker_urls:
-            raise ConfigError("--worker-urls: no URL")
+        worker_urls = parse_worker_urls(args.worker_urls)
     else:
         first = args.first_replica_port or args.port + 1
         if first + args.num_replicas - 1 > 65535:

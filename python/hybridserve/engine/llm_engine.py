@@ -43,7 +43,7 @@ from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request_state import RequestState
 from hybridserve.engine.shared_prefix import resolve_markers, shared_prefix_len
 from hybridserve.engine.tokenizer import Tokenizer
-from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError, StepError
+from hybridserve.errors import ConfigError, EngineDeadError, HybridServeError, InvalidRequestError, StepError
 from hybridserve.kernels import native
 from hybridserve.model.flops import prefill_cost
 from hybridserve.sampling.grammar import GrammarMatcher
@@ -119,7 +119,9 @@ def plan_mode_from_env() -> PlanMode:
         return "on"
     if value in ("0", "off", "false", "no"):
         return "off"
-    return "auto"
+    if value in ("auto", ""):
+        return "auto"
+    raise ConfigError(f"HYBRIDSERVE_PLAN_AHEAD={value!r}: expected auto, on (1) or off (0)")
 
 
 def choose_async_scheduling(requested: bool | None, runner: ModelRunner) -> tuple[OverlapMode, str]:

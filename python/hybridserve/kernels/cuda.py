@@ -4,7 +4,7 @@ The sources live in ``kernels/csrc/cuda/``, inside the package, so an installed 
 (``HYBRIDSERVE_CUDA_SRC`` overrides the folder). The
 extension is compiled with ``torch.utils.cpp_extension.load`` into a build folder keyed by a hash
 of the sources, the torch version and the target architectures, under
-``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)``/torch_extensions``, so a second
+``$HYBRIDSERVE_CACHE`` (default ``~/.cache/hybridserve``)``/torch_extensions``, so a second
 process reuses the built library. nvcc comes from ``CUDA_HOME``, from ``PATH``, or from the
 ``nvidia-cuda-nvcc`` wheel installed beside torch (the ``test`` extra installs it).
 
@@ -20,6 +20,8 @@ import shutil
 import sys
 import threading
 from pathlib import Path
+
+from hybridserve.cache_root import cache_root
 
 __all__ = [
     "CUDA_SOURCES",
@@ -59,9 +61,7 @@ def source_hash(src_dir: Path | None = None) -> str:
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("HYBRIDSERVE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "hybridserve"
-    return root / "torch_extensions"
+    return cache_root() / "torch_extensions"
 
 
 def find_cuda_home() -> str | None:

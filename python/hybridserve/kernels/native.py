@@ -2,7 +2,7 @@
 
 The sources are in ``kernels/csrc/cpu/``; they use a plain C ABI over raw pointers (no torch headers),
 so a build takes a few seconds. The library is compiled with ``-O3 -march=native -ffast-math``
-(it runs on the machine that built it; `_FLAGS` says why fast-math is safe here) into ``$HYBRIDSERVE_CACHE_DIR`` (default ``~/.cache/hybridserve``)
+(it runs on the machine that built it; `_FLAGS` says why fast-math is safe here) into ``$HYBRIDSERVE_CACHE`` (default ``~/.cache/hybridserve``)
 ``/cpu_kernels/<hash of source, flags, compiler and CPU>/``, where later processes find it. When no
 compiler is found or the build fails, `build()` returns None with a logged warning and the kernel
 backend of the CPU is the pure-torch one (`kernels/backend.py`). ``HYBRIDSERVE_NATIVE_CPU=0`` turns the kernels off. A call
@@ -40,6 +40,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from hybridserve.cache_root import cache_root
 
 if TYPE_CHECKING:
     import torch
@@ -148,9 +150,7 @@ def _cpu_identity() -> str:
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("HYBRIDSERVE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "hybridserve"
-    return root / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 def _build(cxx: str) -> Path:

@@ -41,6 +41,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridserve.cache_root import cache_root
+
 if TYPE_CHECKING:
     import torch
 
@@ -495,9 +497,8 @@ def _spec_digest() -> str:
 
 
 def demo_cache_root() -> Path:
-    """`$HYBRIDSERVE_CACHE`, else `~/.cache/hybridserve`."""
-    env = os.environ.get("HYBRIDSERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "hybridserve"
+    """`$HYBRIDSERVE_CACHE`, else `~/.cache/hybridserve` (`cache_root`)."""
+    return cache_root()
 
 
 def demo_model_dir() -> Path:
