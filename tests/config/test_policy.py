@@ -269,6 +269,11 @@ def test_parse_bytes() -> None:
     for bad in ("", "-1", "12XB", "0", "٣", "1e3"):  # "٣" is a digit to str and to float()
         with pytest.raises(hybridserve.ConfigError):
             parse_bytes(bad, "--kv-cache-memory")
+    # the keyword arguments take what the flags take (LLM(..., cache_memory="3GiB"), as the CLI)
+    a = EngineArgs(model="m", kv_cache_memory="512MiB", mamba_cache_memory="1024", cache_memory="1.5GB")
+    assert (a.kv_cache_memory, a.mamba_cache_memory, a.cache_memory) == (512 * 2**20, 1024, 1_500_000_000)
+    with pytest.raises(hybridserve.ConfigError, match="--mamba-cache-memory must be a byte count"):
+        EngineArgs(model="m", mamba_cache_memory="lots")
 
 
 # ---------------------------------------------------------------- CLI plumbing

@@ -187,12 +187,13 @@ class EngineArgs:
     #: Secret seed of the prefix cache's block hashes (a hit is trusted on the hash, so the seed
     #: must not be guessable by a client). None = drawn from the OS at every engine start.
     prefix_cache_hash_seed: int | None = None
-    #: Bytes for the KV cache. None = the engine's default sizing.
+    #: Bytes for the KV cache (given as a count, or as a size the flag takes, "2GiB": read into
+    #: bytes on construction). None = the engine's default sizing.
     kv_cache_memory: int | None = None
-    #: Bytes for the Mamba state cache. None = the engine's default sizing.
+    #: Bytes for the Mamba state cache (as kv_cache_memory). None = the engine's default sizing.
     mamba_cache_memory: int | None = None
     #: Bytes for both caches together, split as config/sizing.py documents (with one of the two
-    #: budgets above, the other pool gets the rest). None = no total.
+    #: budgets above, the other pool gets the rest; as kv_cache_memory). None = no total.
     cache_memory: int | None = None
     #: vLLM's fraction of a GPU's memory for weights, activations and caches. Accepted on the CPU,
     #: where it changes nothing (as on vLLM's CPU build: the budgets above size the caches);
@@ -232,6 +233,11 @@ class EngineArgs:
         self.dtype = dtype_name(self.dtype)
         if self.seed is None:
             self.seed = 0
+        # the memory budgets as the flags take them too ("512MiB", "4GiB"), in bytes from here on
+        for name in ("kv_cache_memory", "mamba_cache_memory", "cache_memory"):
+            value: object = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, parse_bytes(value, _flag(name)))
 
     # ---- validation of the fields that never reach Rust
     def validate(self) -> None:
@@ -459,10 +465,6 @@ class EngineArgs:
         sc = kwargs.get("speculative_config")
         if isinstance(sc, str):
             kwargs["speculative_config"] = parse_speculative_json(sc)
-        for name in ("kv_cache_memory", "mamba_cache_memory", "cache_memory"):
-            v = kwargs.get(name)
-            if isinstance(v, str):
-                kwargs[name] = parse_bytes(v, _flag(name))
         mode = kwargs.get("mamba_cache_mode")
         if mode is None:
             kwargs.pop("mamba_cache_mode", None)
