@@ -116,7 +116,7 @@ def test_shapes_the_size_does_not_divide_are_refused(checkpoints: dict[str, str]
         check_tensor_parallel(dataclasses.replace(falcon, architecture="NewForCausalLM"), 2)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan", "1e10"])
 def test_a_bad_collective_timeout_is_a_config_error_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
@@ -127,3 +127,5 @@ def test_a_bad_collective_timeout_is_a_config_error_naming_the_variable(
         collective_timeout_s()
     monkeypatch.setenv("HYBRIDSERVE_TP_TIMEOUT_S", "12.5")
     assert collective_timeout_s() == 12.5
+    monkeypatch.setenv("HYBRIDSERVE_TP_TIMEOUT_S", "1e9")  # ("never", in practice)
+    assert collective_timeout_s() == 1e9

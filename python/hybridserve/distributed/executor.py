@@ -76,7 +76,15 @@ class TPExecutor(GroupFailure):
             self._conns.append(parent)
         try:
             self._expect("joining", time.monotonic() + START_TIMEOUT_S)
-            init_tp_group(0, self.world_size, spec.init_method, torch.device(spec.device))
+            try:
+                init_tp_group(0, self.world_size, spec.init_method, torch.device(spec.device))
+            except Exception as exc:
+                # (the join waits for every rank: one that failed in it leaves this rank a timeout
+                # that names no cause, and its own error in its pipe)
+                why = self._failed_worker()
+                if why is None:
+                    raise
+                raise ConfigError(f"--tensor-parallel-size: {why}") from exc
         except BaseException:
             self._kill_all()
             raise
@@ -163,6 +171,20 @@ class TPExecutor(GroupFailure):
                     raise ConfigError(
                         f"--tensor-parallel-size: worker rank {rank} sent {kind!r}, not {what!r}"
                     )
+
+    def _failed_worker(self) -> str | None:
+        """Why a worker failed, where one said so or exited: its error, or None."""
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+            try:
+                if conn.poll(0.5):
+                    kind, detail = conn.recv()
+                    if kind == "error":
+                        return f"worker rank {rank} failed to start: {detail}"
+            except (EOFError, OSError):
+                pass  # (gone: its exit status says more)
+            if proc.sentinel in wait([proc.sentinel], timeout=0):
+                return _exited(rank, proc)
+        return None
 
     def send_step(self, step: StepInputs) -> None:
         """Hands the step's inputs to every worker (before rank 0 runs it)."""

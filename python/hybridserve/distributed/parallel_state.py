@@ -21,6 +21,9 @@ from hybridserve.errors import ConfigError
 # Seconds a collective (or the start of the group) may wait for another rank. A rank that died is
 # noticed at once (its sockets close); this only bounds a rank that hangs.
 DEFAULT_TIMEOUT_S = 300.0
+# The longest that torch.distributed takes (about 31 years: "never" in practice); from about 1e10 s
+# on, its connect timeout in milliseconds overflows, and the start fails with no word of why.
+MAX_TIMEOUT_S = 1e9
 
 
 @dataclass
@@ -46,8 +49,10 @@ def collective_timeout_s() -> float:
         seconds = float(v)
     except ValueError:
         seconds = math.nan
-    if not (0 < seconds < math.inf):
-        raise ConfigError(f"HYBRIDSERVE_TP_TIMEOUT_S must be a number of seconds above 0, got {v!r}")
+    if not (0 < seconds <= MAX_TIMEOUT_S):
+        raise ConfigError(
+            f"HYBRIDSERVE_TP_TIMEOUT_S must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, got {v!r}"
+        )
     return seconds
 
 
