@@ -283,3 +283,25 @@ def test_a_worker_that_fails_to_join_the_group_fails_the_start_with_its_error(tm
         "refused: --tensor-parallel-size: worker rank 1 failed to start: RuntimeError: no route to the group"
         in (proc.stdout)
     ), proc.stdout + proc.stderr[-3000:]
+
+
+def test_an_llm_let_go_of_ends_its_workers_and_the_next_one_starts() -> None:
+    """vLLM scripts drop an `LLM` (`del llm`) and make the next one: its workers end with it and
+    the process leaves the group (the next one was refused, the process still in a group)."""
+    import gc
+
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    llm = LLM("demo", tensor_parallel_size=TP, cpu_threads=1, max_model_len=128)
+    (first,) = llm.generate("The morning was", params)
+    procs = list(llm.engine.runner.executor._procs)  # type: ignore[attr-defined]
+    del llm
+    gc.collect()
+    for p in procs:
+        p.join(10)
+        assert not p.is_alive()
+    llm = LLM("demo", tensor_parallel_size=TP, cpu_threads=1, max_model_len=128)
+    try:
+        (again,) = llm.generate("The morning was", params)
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        llm.engine.stop_workers()  # type: ignore[attr-defined]

@@ -249,6 +249,10 @@ class LLMEngine:
             # sockets, as vLLM's: the publisher's thread holds it, not the engine, so its
             # endpoints stayed bound and the next engine of the process with them was refused
             self._close_kv_events = weakref.finalize(self, self.kv_events.shutdown)
+        if self.runner.executor is not None:
+            # and its tensor-parallel workers end with it (vLLM scripts drop an `LLM` and make the
+            # next one: that was refused while the dropped one's workers held the process group)
+            self._stop_workers_on_drop = weakref.finalize(self, self.runner.executor.shutdown)
         # overlapped steps (`step`): the step left running on the background thread, and the
         # outputs of a step completed outside `step` (reset_prefix_cache) for the next call
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
