@@ -354,8 +354,8 @@ def bench_main(args: argparse.Namespace) -> int:
         ):
             if value is not None and args.workload != workload:
                 raise ConfigError(f"{flag} applies to --workload {workload}, not {args.workload}")
-        trace, trace_source = _load_trace(args)
         _workload_defaults(args)
+        trace, trace_source = _load_trace(args)
         if args.prefix_len is not None and args.prefix_len >= args.prompt_len:
             raise ConfigError(
                 f"--prefix-len {args.prefix_len} leaves no unique tokens in --prompt-len {args.prompt_len}: "

@@ -4,16 +4,17 @@ torch.ops.hybridserve_emu.* for CPU tensors, running the real kernels/csrc/cuda/
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 
 import torch
 
+from hybridserve.cache_root import cache_root
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "python" / "hybridserve" / "kernels" / "csrc" / "cuda"
 EMU_INC = Path(__file__).resolve().parent / "include"
-CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve")) / "cuda_emu"
+CACHE = cache_root() / "cuda_emu"
 
 
 def _split_top(s: str) -> list[str]:

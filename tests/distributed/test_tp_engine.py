@@ -253,7 +253,7 @@ _join = ps.init_tp_group
 
 
 def _failing_join(rank, *args, **kwargs):
-    if rank != 0:  # (module level: the spawned worker imports this script too)
+    if rank == 3:  # (module level: the spawned workers import this script too)
         raise RuntimeError("no route to the group")
     return _join(rank, *args, **kwargs)
 
@@ -265,22 +265,22 @@ if __name__ == "__main__":
     from hybridserve.errors import ConfigError
 
     try:
-        LLM("demo", tensor_parallel_size=2, cpu_threads=1, max_model_len=128)
+        LLM("demo", tensor_parallel_size=4, cpu_threads=1, max_model_len=128)
     except ConfigError as e:
         print("refused:", e)
 """
 
 
 def test_a_worker_that_fails_to_join_the_group_fails_the_start_with_its_error(tmp_path: Path) -> None:
-    """Rank 0's join waits for every rank and then times out naming no cause: the start's error
-    is the worker's own."""
+    """Rank 0's join waits for every rank and then times out naming no cause, and so do the
+    other workers (their store timeouts come first): the start's error is the failed worker's."""
     ensure_demo_model()
     script = tmp_path / "join_fails.py"
     script.write_text(JOIN_FAILS)
     env = {**os.environ, "HYBRIDSERVE_TP_TIMEOUT_S": "3"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert (
-        "refused: --tensor-parallel-size: worker rank 1 failed to start: RuntimeError: no route to the group"
+        "refused: --tensor-parallel-size: worker rank 3 failed to start: RuntimeError: no route to the group"
         in (proc.stdout)
     ), proc.stdout + proc.stderr[-3000:]
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridserve.cache_root import cache_root
 from hybridserve.kernels.cuda import cuda_source_dir, find_cuda_home
 
 CUDA_DIR = cuda_source_dir()
 CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 CPP_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cpp"))
-CACHE = Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve")) / "cuda_compile"
+CACHE = cache_root() / "cuda_compile"
 
 
 def _torch_includes() -> list[str]:

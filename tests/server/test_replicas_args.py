@@ -100,7 +100,16 @@ def test_bad_arguments_are_one_line_errors(argv: list[str], message: str) -> Non
         ("http://:8000", "'http://:8000': expected"),
         ("http://h:port", "'http://h:port': the port is not a number"),
         ("http://h:70000", "'http://h:70000': the port"),
-        ("http://h:1,http://h:1/", "http://h:1 given more than once"),
+        ("http://h:0", "'http://h:0': the port"),
+        ("http://h:", "'http://h:': the port"),
+        ("http://h :1", "'http://h :1': expected"),
+        (
+            "http://h:1/v1",
+            "'http://h:1/v1': expected http://HOST:PORT or https://HOST:PORT, a server's base URL",
+        ),
+        ("http://h:1?x=1", "a server's base URL"),
+        ("http://u:p@h:1", "a server's base URL"),
+        ("http://h:1,http://H:1/", "'http://h:1' and 'http://H:1' are one server"),
         (" , ", "no URL"),
     ],
 )

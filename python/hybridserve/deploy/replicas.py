@@ -438,23 +438,30 @@ class _Children:
 
 
 def parse_worker_urls(value: str) -> list[str]:
-    """--worker-urls: servers' base URLs (http or https, a host, a port or none), each once; a
-    ConfigError names the first that is not one (the router would end with a traceback, after
-    the checks of the other flags had passed)."""
+    """--worker-urls: servers' base URLs (http or https, a host, a port or none; no path: the
+    router adds /v1/...), each once; a ConfigError names the first that is not one (the router
+    would end with a traceback, or route to /v1/v1/...)."""
     urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
     if not urls:
         raise ConfigError("--worker-urls: no URL")
+    seen: dict[tuple[str, str, int | None], str] = {}
     for u in urls:
         parts = urlsplit(u)
         try:
-            _ = parts.port  # (a ValueError for a port that is not one)
+            port = parts.port
         except ValueError:
-            raise ConfigError(f"--worker-urls: {u!r}: the port is not a number in 0-65535") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"--worker-urls: {u!r}: expected http://HOST:PORT or https://HOST:PORT")
-    if len(set(urls)) != len(urls):
-        twice = sorted({u for u in urls if urls.count(u) > 1})
-        raise ConfigError(f"--worker-urls: {', '.join(twice)} given more than once")
+            port = 0
+        shape = "expected http://HOST:PORT or https://HOST:PORT"
+        if parts.scheme not in ("http", "https") or not parts.hostname or " " in parts.netloc:
+            raise ConfigError(f"--worker-urls: {u!r}: {shape}")
+        if port == 0 or parts.netloc.endswith(":"):
+            raise ConfigError(f"--worker-urls: {u!r}: the port is not a number in 1-65535")
+        if parts.username is not None or parts.query or parts.fragment or parts.path:
+            raise ConfigError(f"--worker-urls: {u!r}: {shape}, a server's base URL (the router adds /v1/...)")
+        key = (parts.scheme, parts.hostname, port)  # (hostname: lower-cased)
+        if key in seen:
+            raise ConfigError(f"--worker-urls: {seen[key]!r} and {u!r} are one server")
+        seen[key] = u
     return urls
 
 

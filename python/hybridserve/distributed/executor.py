@@ -173,18 +173,26 @@ class TPExecutor(GroupFailure):
                     )
 
     def _failed_worker(self) -> str | None:
-        """Why a worker failed, where one said so or exited: its error, or None."""
+        """Why a worker failed, where one said so or exited, or None. The peers of a worker that
+        failed inside the group's join time out waiting for it, with torch.distributed's errors
+        (DistStoreError, ...): an error of another kind, then a worker that exited without a
+        word, is the cause, and is named first."""
+        own: list[str] = []
+        exited: list[str] = []
+        waited: list[str] = []
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
             try:
                 if conn.poll(0.5):
                     kind, detail = conn.recv()
                     if kind == "error":
-                        return f"worker rank {rank} failed to start: {detail}"
+                        why = f"worker rank {rank} failed to start: {detail}"
+                        (waited if str(detail).startswith("Dist") else own).append(why)
+                        continue
             except (EOFError, OSError):
                 pass  # (gone: its exit status says more)
             if proc.sentinel in wait([proc.sentinel], timeout=0):
-                return _exited(rank, proc)
-        return None
+                exited.append(_exited(rank, proc))
+        return next(iter([*own, *exited, *waited]), None)
 
     def send_step(self, step: StepInputs) -> None:
         """Hands the step's inputs to every worker (before rank 0 runs it)."""

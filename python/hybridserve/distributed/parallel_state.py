@@ -51,7 +51,7 @@ def collective_timeout_s() -> float:
         seconds = math.nan
     if not (0 < seconds <= MAX_TIMEOUT_S):
         raise ConfigError(
-            f"HYBRIDSERVE_TP_TIMEOUT_S must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, got {v!r}"
+            f"HYBRIDSERVE_TP_TIMEOUT_S must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:,.0f}, got {v!r}"
         )
     return seconds
 

@@ -185,6 +185,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        # whether each overlapped step is planned while the one before computes (`_plan_ahead`),
+        # read before the model is loaded: a value it does not know is refused at once
+        self.plan_mode: PlanMode = plan_mode_from_env()
         em: EngineModel = build_engine_model(args)
         try:
             self._set_up(args, em)
@@ -250,16 +253,22 @@ class LLMEngine:
             # endpoints stayed bound and the next engine of the process with them was refused
             self._close_kv_events = weakref.finalize(self, self.kv_events.shutdown)
         if self.runner.executor is not None:
-            # and its tensor-parallel workers end with it (vLLM scripts drop an `LLM` and make the
-            # next one: that was refused while the dropped one's workers held the process group)
-            self._stop_workers_on_drop = weakref.finalize(self, self.runner.executor.shutdown)
+            from hybridserve.distributed.executor import TPExecutor
+
+            if isinstance(self.runner.executor, TPExecutor):
+                # and its spawned tensor-parallel workers end with it (vLLM scripts drop an `LLM`
+                # and make the next one: that was refused while the dropped one's workers held
+                # the process group). Not at exit: the executor's own exit handler ends them
+                # then. (A launcher's workers are the launcher's: they run until the process exits.)
+                self._stop_workers_on_drop = weakref.finalize(self, self.runner.executor.shutdown)
+                self._stop_workers_on_drop.atexit = False
         # overlapped steps (`step`): the step left running on the background thread, and the
         # outputs of a step completed outside `step` (reset_prefix_cache) for the next call
         self.overlap_mode, why = choose_async_scheduling(args.async_scheduling, self.runner)
         logger.info("overlapped steps: %s (%s)", self.overlap_mode, why)
         self._in_flight: _Running | None = None
-        # whether each overlapped step is planned while the one before computes (`_plan_ahead`)
-        self.plan_mode: PlanMode = plan_mode_from_env()
+        # (self.plan_mode, read first thing: whether each overlapped step is planned while the one
+        # before computes, `_plan_ahead`)
         self._previous: _ClosedStep | None = None  # committed, outputs not built (inside `step`)
         self._carried: list[RequestOutput] = []
         #: Called by `step` with the outputs it has built before it runs a step's forward in its own

@@ -1193,7 +1193,10 @@ async def _generate(
         for i, prompt in enumerate(req.prompts):
             rid = request_id if len(req.prompts) == 1 else f"{request_id}[{i}]"
             REQUESTS_LOGGER.info(
-                "%s", request_line(rid, prompt.text, prompt.token_ids, req.params, state.max_log_len)
+                "%s",
+                request_line(
+                    rid, prompt.text, prompt.token_ids, req.choice_params(i * req.params.n), state.max_log_len
+                ),
             )
     if req.beam is not None and respond is None:  # (the Responses route passes no beam search)
         return await _beam_answer(request, state, engine, info, req, request_id, base, created, arrival)

@@ -336,7 +336,8 @@ class GenerateRequest:
         return len(self.prompts) * self.params.n
 
     def choice_params(self, choice_index: int) -> SamplingParams:
-        """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds, as in `LLM`)."""
+        """SamplingParams of one engine request (n = 1; seeded choices get distinct seeds, as in `LLM`;
+        the max_tokens of its prompt, `prompt_max_tokens`)."""
         seed = choice_seed(self.params.seed, choice_index % self.params.n)
         # a copy with the two fields set, not `dataclasses.replace`: that would check every field
         # again for every choice, on the event loop (a vocabulary's worth of allowed_token_ids
