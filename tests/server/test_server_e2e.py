@@ -186,6 +186,29 @@ def test_chat_stream_matches_non_stream(client):
     assert full.usage.completion_tokens <= 8
 
 
+def test_a_chat_stream_of_several_choices_begins_with_each_role_in_order(client):
+    # as vLLM and OpenAI: a role-only chunk per choice, in index order, before any token. The
+    # openai SDK's stream helper builds its choices from them: a choice whose first chunk came
+    # before a lower index's failed it (IndexError), and a first chunk with tokens had its
+    # logprobs taken twice
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0, "n": 3, "logprobs": True}
+    body["extra_body"] = {"ignore_eos": True}
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    firsts = [c.choices[0] for c in chunks[:3]]
+    assert [(f.index, f.delta.role, f.delta.content, f.logprobs) for f in firsts] == [
+        (i, "assistant", "", None) for i in range(3)
+    ]
+    assert all(c.choices[0].delta.role is None for c in chunks[3:] if c.choices)
+    full = client.chat.completions.create(**body)
+    with client.chat.completions.stream(**body) as events:
+        for _ in events:
+            pass
+        final = events.current_completion_snapshot  # (the final one refuses a "length" finish)
+    for got, want in zip(sorted(final.choices, key=lambda c: c.index), full.choices, strict=True):
+        assert got.message.content == want.message.content
+        assert [t.token for t in got.logprobs.content] == [t.token for t in want.logprobs.content]
+
+
 def test_chat_prompt_is_the_model_template(client):
     info = TokenizerModelInfo(ensure_demo_model(), max_model_len=256)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)

@@ -1758,6 +1758,8 @@ async def _stream(
 
     try:
         async for choice, delta in _deltas(state, choices, sink, arrival):
+            if req.kind == "chat" and not any(c.started_stream for c in choices):
+                await _send_roles(req, choices, send)
             await _send_delta(req, info, choice, delta, send)
     except P.APIError as err:
         if resp is None:  # nothing sent yet: a plain error response
@@ -1770,6 +1772,27 @@ async def _stream(
     await sse.send_done(resp)
     await sse.end_stream(resp)
     return resp
+
+
+async def _send_roles(
+    req: P.GenerateRequest,
+    choices: list[_Choice],
+    send: Callable[[dict[str, Any], list[int] | None], Awaitable[None]],
+) -> None:
+    """A chat stream's first chunks, once the first output came: each choice's role and no text,
+    in index order, as vLLM and OpenAI begin one. Clients build their list of choices from them
+    (the openai SDK's stream helper indexes it by a chunk's index, and takes a first chunk's
+    logprobs twice where it also carries tokens)."""
+    # (with tools no content yet is null, as OpenAI begins a message of calls, so that one of
+    # calls alone adds up to null, as unstreamed; a text answer's chunks replace the null)
+    content = None if req.tool_parser is not None else ""
+    for c in choices:
+        ids: list[int] | None = [] if req.return_token_ids else None
+        prompt_ids = c.prompt.token_ids if req.return_token_ids else None
+        c.started_stream = True
+        await send(
+            P.chat_chunk_choice(c.index, role=req.answer_role, content=content, token_ids=ids), prompt_ids
+        )
 
 
 async def _send_delta(
