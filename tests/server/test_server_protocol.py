@@ -292,6 +292,32 @@ def test_chat_renders_the_model_template(info):
     assert req.params.max_tokens == 5 and req.params.logprobs == 2 and req.logprobs == 2
     assert chat(info, messages=msgs, logprobs=True).params.logprobs == 0
     assert chat(info, messages=msgs).params.logprobs is None
+    # the Responses forms of a text part and an assistant's refusal are text too, as vLLM reads them
+    typed = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}, {"type": "text", "text": "there"}],
+        },
+        {
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "no"}, {"type": "refusal", "refusal": "I won't"}],
+        },
+        {"role": "user", "content": "why"},
+    ]
+    plain = [
+        *typed[:2],
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "no"}, {"type": "text", "text": "I won't"}],
+        },
+        typed[3],
+    ]
+    assert chat(info, messages=typed).prompts[0].token_ids == chat(info, messages=plain).prompts[0].token_ids
+    expect_error(
+        lambda: chat(info, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": 5}]}]),
+        "messages[0].content[0].refusal",
+    )
 
 
 BAD_CHATS = [

@@ -1075,17 +1075,18 @@ def _parse_messages(
                 pp = f"{p}.content[{j}]"
                 if not isinstance(part, dict):
                     raise _bad(pp, f"must be an object, got {type(part).__name__}", "invalid_type")
-                if part.get("type") != "text":
+                key = _TEXT_PART_KEYS.get(str(part.get("type")))
+                if key is None:
                     raise APIError(
-                        f"{pp}.type: only text content parts are supported",
+                        f"{pp}.type: only text content parts are supported ({', '.join(_TEXT_PART_KEYS)})",
                         param=f"{pp}.type",
                         code="unsupported_parameter",
                     )
-                for key in sorted(set(part) - {"type", "text"}):
-                    unknown.found(f"{pp}.{key}")
-                t = part.get("text")
+                for extra in sorted(set(part) - {"type", key}):
+                    unknown.found(f"{pp}.{extra}")
+                t = part.get(key)
                 if not isinstance(t, str):
-                    raise _bad(f"{pp}.text", "must be a string", "invalid_type")
+                    raise _bad(f"{pp}.{key}", "must be a string", "invalid_type")
                 parts.append(t)
             text = TextParts(parts)
         else:
@@ -1113,6 +1114,11 @@ def _parse_messages(
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+# The content parts that are text, and the key that holds it: the Responses forms and an
+# assistant's refusal are text too, as vLLM reads them (clients send a conversation back with them)
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, Any]]:
