@@ -496,16 +496,11 @@ def _spec_digest() -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
 
-def demo_cache_root() -> Path:
-    """`$HYBRIDSERVE_CACHE`, else `~/.cache/hybridserve` (`cache_root`)."""
-    return cache_root()
-
-
 def demo_model_dir() -> Path:
     """Where `ensure_demo_model()` keeps the default checkpoint: `<cache>/demo-<version>-<digest>`."""
     from hybridserve import __version__
 
-    return demo_cache_root() / f"demo-{__version__}-{_spec_digest()}"
+    return cache_root() / f"demo-{__version__}-{_spec_digest()}"
 
 
 def ensure_demo_model() -> str:

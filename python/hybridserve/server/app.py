@@ -1756,9 +1756,11 @@ async def _stream(
             )
         await sse.send_event(resp, event)
 
+    roles_sent = req.kind != "chat"
     try:
         async for choice, delta in _deltas(state, choices, sink, arrival):
-            if req.kind == "chat" and not any(c.started_stream for c in choices):
+            if not roles_sent:
+                roles_sent = True
                 await _send_roles(req, choices, send)
             await _send_delta(req, info, choice, delta, send)
     except P.APIError as err:
