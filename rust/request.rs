@@ -140,6 +140,12 @@ pub struct Request {
     /// it goes before them in the next one, so that a stream of short prompts slows a long
     /// prefill to at most every other step and never starves it.
     pub gave_way: bool,
+    /// A running prefill that could not advance in the last step it was planned in (its align
+    /// chunk rounded down to zero tokens, or its whole prompt did not fit without chunked prefill,
+    /// in the budget the decode rows left): it is planned before the decode rows in the next
+    /// one, so that a stream of short requests, which keep new decode rows coming, never starves
+    /// it.
+    pub deferred: bool,
     /// The token that stopped the request, when FinishReason::Stop.
     pub stop_token_id: Option<u32>,
 }
@@ -168,6 +174,7 @@ impl Request {
             was_admitted: false,
             num_preemptions: 0,
             gave_way: false,
+            deferred: false,
             stop_token_id: None,
         }
     }

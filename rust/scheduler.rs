@@ -611,7 +611,14 @@ impl Scheduler {
         }
         let (num_new, num_drafts, is_decode) = self.plan_running(req, (*budget).min(cap));
         if num_new == 0 {
-            return; // deferred (align split rounds to zero, or a whole prompt does not fit)
+            // deferred (align split rounds to zero, or a whole prompt does not fit): it goes
+            // before the decode rows next step
+            if !is_decode {
+                if let Some(req) = self.requests.get_mut(&key) {
+                    req.deferred = true;
+                }
+            }
+            return;
         }
         let nc = req.num_computed_tokens;
         loop {
@@ -706,6 +713,7 @@ impl Scheduler {
             req.num_computed_tokens = 0;
             req.drafts.clear();
             req.live_window_index = 0;
+            req.deferred = false;
             req.num_preemptions += 1;
             self.waiting.insert((req.priority, req.arrival, key));
             self.stats.num_preempted += 1;
@@ -752,17 +760,29 @@ impl Scheduler {
 
         // 1. Running requests: decodes first, then unfinished prefills. A prompt whose prefix hit
         // leaves it a few tokens to compute does not wait for a long prefill's every chunk (below);
-        // a prefill that gave way goes first in its next step, so none is ever starved.
+        // a prefill that gave way goes first in its next step, and one that the decode rows left
+        // too few tokens to advance goes before them in its next step, so none is ever starved.
         let mut decodes: Vec<ReqKey> = Vec::with_capacity(self.running.len());
         let mut prefills: Vec<ReqKey> = Vec::new();
+        let mut deferred: Vec<ReqKey> = Vec::new();
         for &k in &self.running {
             let Some(r) = self.requests.get(&k) else {
                 continue;
             };
             if r.num_computed_tokens > 0 && r.num_computed_tokens + 1 >= r.num_tokens() {
                 decodes.push(k);
+            } else if r.deferred {
+                deferred.push(k);
             } else {
                 prefills.push(k);
+            }
+        }
+        for key in deferred {
+            if let Some(req) = self.requests.get_mut(&key) {
+                req.deferred = false;
+            }
+            if budget > 0 {
+                self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
             }
         }
         for key in decodes {
@@ -924,6 +944,8 @@ impl Scheduler {
                 ..SchedulerOutput::default()
             });
         }
+        // (a deferred prefill was planned before the decode rows; a batch has them first)
+        plan.sort_by_key(|p| !p.is_decode);
         let step_id = self.next_step;
         self.next_step += 1;
         let mut out = self.build_output(step_id, &plan, hit_copies)?;

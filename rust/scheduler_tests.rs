@@ -764,6 +764,45 @@ fn align_defers_a_chunk_that_rounds_to_zero() {
 }
 
 #[test]
+fn a_running_align_prefill_that_decodes_leave_no_boundary_goes_first_next_step() {
+    // A long prompt admitted alone, then a short request arriving every step: each becomes a
+    // decode row, planned before the prefill, and soon the rows leave it less than M tokens (its
+    // chunk rounds down to zero). Deferred, it goes before the decode rows in its next step, so it
+    // advances at least every other step instead of waiting for the short requests to stop.
+    let mut c = cfg(MambaCacheMode::Align, 0);
+    c.max_num_batched_tokens = 16;
+    let m = c.mamba_block_size;
+    let mut s = Scheduler::new(&c, 512, 128, 0).unwrap();
+    s.add_request(NewRequest::new("p", vec![9; 120], 1))
+        .unwrap();
+    let mut computed = Vec::new();
+    for step in 0..40 {
+        s.add_request(NewRequest::new(
+            format!("d{step}"),
+            vec![step as u32 + 1; 2],
+            200,
+        ))
+        .unwrap();
+        let o = s.schedule().unwrap();
+        let ns = o.num_logits.clone();
+        let total: i32 = ns.iter().sum();
+        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
+            .unwrap();
+        let Some(p) = s.get_request("p") else {
+            break; // (its prefill done, its one token made)
+        };
+        computed.push(p.num_computed_tokens);
+    }
+    assert!(
+        s.get_request("p").is_none(),
+        "the long prefill starved: computed tokens by step {computed:?}"
+    );
+    for w in computed.windows(3) {
+        assert!(w[2] >= w[0] + m, "no progress in two steps: {computed:?}");
+    }
+}
+
+#[test]
 fn align_prompt_tail_cut_at_last_boundary_and_emits() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
     s.add_request(NewRequest::new("a", (1..=21).collect(), 1))
