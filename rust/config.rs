@@ -259,7 +259,7 @@ impl ResolvedConfig {
         }
         if t < 1 + k {
             return err(format!(
-                "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({})",
+                "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({k}): {}",
                 1 + k
             ));
         }

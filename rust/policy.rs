@@ -763,7 +763,7 @@ pub fn resolve(inputs: &PolicyInputs) -> HsResult<Resolution> {
     }
     if t < 1 + k {
         return config_err(format!(
-            "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({})",
+            "--max-num-batched-tokens ({t}) must be at least 1 + num_speculative_tokens ({k}): {}",
             1 + k
         ));
     }
