@@ -23,6 +23,7 @@ RANK = {
     "errors": 0,
     "_core": 0,
     "arg_types": 0,
+    "cache_root": 0,
 }
 # The command line, the benchmarks and the deployment launcher sit above every layer: nothing in a
 # layer imports them.

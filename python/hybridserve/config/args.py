@@ -538,6 +538,16 @@ def parse_shared_prefix_markers(value: str | Sequence[int]) -> str | tuple[int, 
     return tuple(t for t in ids if isinstance(t, int))  # (every one is, after the check)
 
 
+def check_marker_ids(markers: Sequence[int], vocab_size: int) -> None:
+    """ConfigError for `--shared-prefix-markers` ids outside a tokenizer of `vocab_size` tokens
+    (an id no token has would never be found: the markers would do nothing)."""
+    outside = [m for m in markers if m >= vocab_size]
+    if outside:
+        raise ConfigError(
+            f"--shared-prefix-markers: {', '.join(map(str, outside))} outside the tokenizer's {vocab_size} tokens"
+        )
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -19,6 +19,7 @@ from hybridserve.config.args import (
     LOAD_FORMATS,
     STATE_DTYPES,
     EngineArgs,
+    check_marker_ids,
     parse_shared_prefix_markers,
 )
 from hybridserve.config.capabilities import resolve_model_dir
@@ -395,14 +396,18 @@ def _check_folders(args: EngineArgs) -> None:
 
 def _check_marker_ids(args: EngineArgs, model_dir: str) -> None:
     """--shared-prefix-markers given as ids, refused as the engine refuses them (an id outside the
-    tokenizer, which no prompt can hold)."""
-    if not isinstance(parse_shared_prefix_markers(args.shared_prefix_markers), tuple):
+    tokenizer, which no prompt can hold; its size read as the engine's tokenizer reads it)."""
+    markers = parse_shared_prefix_markers(args.shared_prefix_markers)
+    if not isinstance(markers, tuple):
         return
-    from hybridserve.engine.shared_prefix import resolve_markers
-    from hybridserve.engine.tokenizer import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
 
-    tokenizer_dir = args.tokenizer if args.tokenizer is not None else model_dir
-    resolve_markers(args.shared_prefix_markers, tokenizer_dir, Tokenizer(tokenizer_dir))
+    path = Path(args.tokenizer if args.tokenizer is not None else model_dir) / "tokenizer.json"
+    try:
+        vocab_size = HFTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - (the engine refuses it naming the file too)
+        raise ConfigError(f"{path}: not a tokenizer: {e}") from None
+    check_marker_ids(markers, vocab_size)
 
 
 def _is_checkpoint(model: str) -> bool:

@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridserve.config.args import parse_shared_prefix_markers
+from hybridserve.config.args import check_marker_ids, parse_shared_prefix_markers
 from hybridserve.engine.chat_template import ChatTemplate
-from hybridserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridserve.engine.tokenizer import Tokenizer
@@ -72,12 +71,7 @@ def resolve_markers(
     if parsed == "auto":
         return template_message_end_ids(model_dir, tokenizer, template)
     assert isinstance(parsed, tuple)
-    outside = [m for m in parsed if m >= tokenizer.vocab_size]
-    if outside:  # (an id no token has would never be found: the markers would do nothing)
-        raise ConfigError(
-            f"--shared-prefix-markers: {', '.join(map(str, outside))} outside the tokenizer's "
-            f"{tokenizer.vocab_size} tokens"
-        )
+    check_marker_ids(parsed, tokenizer.vocab_size)
     return parsed, f"--shared-prefix-markers {','.join(map(str, parsed))}"
 
 
