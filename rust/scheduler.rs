@@ -611,9 +611,10 @@ impl Scheduler {
         }
         let (num_new, num_drafts, is_decode) = self.plan_running(req, (*budget).min(cap));
         if num_new == 0 {
-            // deferred (align split rounds to zero, or a whole prompt does not fit): it goes
-            // before the decode rows next step
-            if !is_decode {
+            // deferred (align split rounds to zero, or a whole prompt does not fit). Where the
+            // rows planned before it left it too little (not a cap that keeps tokens for short
+            // waiting prompts: `gave_way` answers that), it goes before the decode rows next step
+            if !is_decode && cap >= *budget {
                 if let Some(req) = self.requests.get_mut(&key) {
                     req.deferred = true;
                 }
@@ -760,37 +761,42 @@ impl Scheduler {
 
         // 1. Running requests: decodes first, then unfinished prefills. A prompt whose prefix hit
         // leaves it a few tokens to compute does not wait for a long prefill's every chunk (below);
-        // a prefill that gave way goes first in its next step, and one that the decode rows left
-        // too few tokens to advance goes before them in its next step, so none is ever starved.
+        // a prefill that gave way, or that the decode rows left too few tokens to advance, goes
+        // first in its next step with the tokens that advance it kept from the decode rows, so
+        // none is ever starved (the short requests that keep arriving become decode rows).
         let mut decodes: Vec<ReqKey> = Vec::with_capacity(self.running.len());
         let mut prefills: Vec<ReqKey> = Vec::new();
-        let mut deferred: Vec<ReqKey> = Vec::new();
+        let mut held = 0usize;
         for &k in &self.running {
             let Some(r) = self.requests.get(&k) else {
                 continue;
             };
             if r.num_computed_tokens > 0 && r.num_computed_tokens + 1 >= r.num_tokens() {
                 decodes.push(k);
-            } else if r.deferred {
-                deferred.push(k);
             } else {
+                if r.gave_way || r.deferred {
+                    // the least that advances it: up to its next multiple of M (align), or
+                    // without chunked prefill its whole rest
+                    let rest = r.num_tokens().saturating_sub(r.num_computed_tokens);
+                    let least = if self.cfg.enable_chunked_prefill {
+                        self.cfg.mamba_block_size.max(1)
+                    } else {
+                        rest
+                    };
+                    held = held.saturating_add(least.min(rest));
+                }
                 prefills.push(k);
             }
         }
-        for key in deferred {
-            if let Some(req) = self.requests.get_mut(&key) {
-                req.deferred = false;
-            }
-            if budget > 0 {
-                self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
-            }
-        }
+        let held = held.min(budget);
+        budget -= held;
         for key in decodes {
             if budget == 0 {
                 break;
             }
             self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
         }
+        budget += held;
         // Running prefills that can finish in this step, and those that gave way in the last one,
         // first (in running order); then the prompts waiting at the head of the queue that can
         // finish theirs keep those tokens out of the share of the longer prefills.
@@ -800,8 +806,9 @@ impl Scheduler {
                 continue;
             };
             let rest = req.num_tokens().saturating_sub(req.num_computed_tokens);
-            if req.gave_way || rest <= budget {
+            if req.gave_way || req.deferred || rest <= budget {
                 req.gave_way = false;
+                req.deferred = false;
                 if budget > 0 {
                     self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
                 }
@@ -944,8 +951,6 @@ impl Scheduler {
                 ..SchedulerOutput::default()
             });
         }
-        // (a deferred prefill was planned before the decode rows; a batch has them first)
-        plan.sort_by_key(|p| !p.is_decode);
         let step_id = self.next_step;
         self.next_step += 1;
         let mut out = self.build_output(step_id, &plan, hit_copies)?;

@@ -803,6 +803,55 @@ fn a_running_align_prefill_that_decodes_leave_no_boundary_goes_first_next_step()
 }
 
 #[test]
+fn a_prefill_held_back_keeps_only_what_advances_it_from_the_decode_rows() {
+    // A long prompt beside short requests arriving in threes every other step: it advances at
+    // least every other step, and in every step the decode rows run as many as the budget holds
+    // beside the M tokens kept for it (never none of them).
+    let mut c = cfg(MambaCacheMode::Align, 0);
+    c.max_num_batched_tokens = 64;
+    let m = c.mamba_block_size;
+    let mut s = Scheduler::new(&c, 1024, 256, 0).unwrap();
+    s.add_request(NewRequest::new("p", vec![9; 1000], 1))
+        .unwrap();
+    let mut computed = Vec::new();
+    for step in 0..60u32 {
+        if step % 2 == 0 {
+            for j in 0..3 {
+                let id = format!("d{step}-{j}");
+                s.add_request(NewRequest::new(id, vec![step + j + 1; 19], 30))
+                    .unwrap();
+            }
+        }
+        let decoding = s
+            .requests
+            .values()
+            .filter(|r| {
+                r.status == RequestStatus::Running
+                    && r.num_computed_tokens > 0
+                    && r.num_computed_tokens + 1 >= r.num_tokens()
+            })
+            .count();
+        let o = s.schedule().unwrap();
+        assert!(
+            o.num_decodes >= decoding.min(64 - m),
+            "step {step}: {} of {decoding} decode rows ran",
+            o.num_decodes
+        );
+        let ns = o.num_logits.clone();
+        let total: i32 = ns.iter().sum();
+        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
+            .unwrap();
+        match s.get_request("p") {
+            Some(p) => computed.push(p.num_computed_tokens),
+            None => break,
+        }
+    }
+    for w in computed.windows(3) {
+        assert!(w[2] > w[0], "no progress in two steps: {computed:?}");
+    }
+}
+
+#[test]
 fn align_prompt_tail_cut_at_last_boundary_and_emits() {
     let mut s = Scheduler::new(&cfg(MambaCacheMode::Align, 0), 256, 64, 0).unwrap();
     s.add_request(NewRequest::new("a", (1..=21).collect(), 1))

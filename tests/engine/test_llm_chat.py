@@ -63,6 +63,17 @@ def test_many_conversations_text_parts_and_per_conversation_params() -> None:
     assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[2].outputs[0].token_ids[:8] == llm.chat(CONVERSATION, GREEDY)[0].outputs[0].token_ids
+    # the Responses forms and a refusal are text parts too, as the server and vLLM read them
+    typed = [
+        {"role": "user", "content": [{"type": "input_text", "text": "How long does"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hm"}, {"type": "refusal", "refusal": "no"}],
+        },
+        {"role": "user", "content": "it bake?"},
+    ]
+    same = [typed[0], {"role": "assistant", "content": "Hm\nno"}, typed[2]]
+    assert llm.chat(typed, GREEDY)[0].prompt_token_ids == llm.chat(same, GREEDY)[0].prompt_token_ids
 
 
 def test_a_message_without_content_renders_as_empty() -> None:

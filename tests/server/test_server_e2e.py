@@ -199,6 +199,11 @@ def test_a_chat_stream_of_several_choices_begins_with_each_role_in_order(client)
         (i, "assistant", "", None) for i in range(3)
     ]
     assert all(c.choices[0].delta.role is None for c in chunks[3:] if c.choices)
+    # with continuous usage, a role chunk counts its prompt and no token made yet
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    counted = list(client.chat.completions.create(**body, stream=True, stream_options=usage))  # type: ignore[call-overload]
+    assert [c.usage.completion_tokens for c in counted[:3]] == [0, 0, 0]
+    assert {c.usage.prompt_tokens for c in counted[:4]} == {counted[4].usage.prompt_tokens}  # (one prompt)
     full = client.chat.completions.create(**body)
     with client.chat.completions.stream(**body) as events:
         for _ in events:

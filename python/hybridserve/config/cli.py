@@ -403,6 +403,8 @@ def _check_marker_ids(args: EngineArgs, model_dir: str) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     path = Path(args.tokenizer if args.tokenizer is not None else model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing (a model folder needs tokenizer.json)")
     try:
         vocab_size = HFTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # noqa: BLE001 - (the engine refuses it naming the file too)

@@ -47,6 +47,11 @@ class ContinuationError(ValueError):
 TEXT_PART_SEPARATOR = "\n"
 
 
+# The content parts that are text, and the key that holds it: the Responses forms and an
+# assistant's refusal are text too, as vLLM reads them (clients send a conversation back with them)
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class TextParts(str):
     """A message's content given as text parts: the parts joined one per line (the string every
     check and rewrite reads), and the parts themselves, which a template taking "openai" content

@@ -18,7 +18,7 @@ import jinja2
 from hybridserve.config import EngineArgs
 from hybridserve.config.args import CHAT_CONTENT_FORMATS
 from hybridserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridserve.engine.chat_template import TextParts, encode_rendered
+from hybridserve.engine.chat_template import TEXT_PART_KEYS, TextParts, encode_rendered
 from hybridserve.engine.input_processor import Prompt
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestMetrics, RequestOutput
@@ -71,15 +71,13 @@ def _conversation(messages: Sequence[object], where: str) -> list[dict[str, Any]
         if isinstance(content, list | tuple):
             texts = []
             for j, part in enumerate(content):
-                if (
-                    not isinstance(part, Mapping)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
+                key = TEXT_PART_KEYS.get(str(part.get("type"))) if isinstance(part, Mapping) else None
+                if key is None or not isinstance(part.get(key), str):
                     raise InvalidRequestError(
-                        f"{p}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}})"
+                        f"{p}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}; "
+                        f"also {', '.join(t for t in TEXT_PART_KEYS if t != 'text')})"
                     )
-                texts.append(part["text"])
+                texts.append(part[key])
             content = TextParts(texts)
         elif content is None:
             # (an assistant message with only tool calls, say): "" as a string, as templates add

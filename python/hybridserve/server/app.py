@@ -1738,15 +1738,19 @@ async def _stream(
     chunk = P.completion_chunk if req.kind == "completion" else P.chat_chunk
     resp: sse.EventStream | None = None
 
-    async def send(choice_json: dict[str, Any], prompt_token_ids: list[int] | None = None) -> None:
+    async def send(
+        choice_json: dict[str, Any], prompt_token_ids: list[int] | None = None, before_output: bool = False
+    ) -> None:
         nonlocal resp
         if resp is None:
             resp = await _start_stream(request)
         # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (its
-        # prompt's tokens, the tokens the choice made), as vLLM's chunks do
+        # prompt's tokens, the tokens the choice made), as vLLM's chunks do (a role chunk, sent
+        # before any output of its choice is shown, none yet)
         usage = None
         if req.include_usage and req.continuous_usage:
-            usage = _choice_usage(choices[choice_json["index"]])
+            c = choices[choice_json["index"]]
+            usage = P.usage_dict(len(c.prompt.token_ids), 0, 0) if before_output else _choice_usage(c)
         if req.kind == "chat":
             event = P.chat_chunk(request_id, created, req.model, [choice_json], usage, req.include_usage,
                                  prompt_token_ids=prompt_token_ids)  # fmt: skip
@@ -1777,24 +1781,22 @@ async def _stream(
 
 
 async def _send_roles(
-    req: P.GenerateRequest,
-    choices: list[_Choice],
-    send: Callable[[dict[str, Any], list[int] | None], Awaitable[None]],
+    req: P.GenerateRequest, choices: list[_Choice], send: Callable[..., Awaitable[None]]
 ) -> None:
     """A chat stream's first chunks, once the first output came: each choice's role and no text,
     in index order, as vLLM and OpenAI begin one. Clients build their list of choices from them
     (the openai SDK's stream helper indexes it by a chunk's index, and takes a first chunk's
     logprobs twice where it also carries tokens)."""
-    # (with tools no content yet is null, as OpenAI begins a message of calls, so that one of
-    # calls alone adds up to null, as unstreamed; a text answer's chunks replace the null)
-    content = None if req.tool_parser is not None else ""
+    # (with tools, or a reasoning parser, no content yet is null, as OpenAI begins a message of
+    # calls: an answer of calls or of reasoning alone adds up to null, as unstreamed; content
+    # that comes replaces the null)
+    content = None if req.tool_parser is not None or req.reasoning is not None else ""
     for c in choices:
         ids: list[int] | None = [] if req.return_token_ids else None
         prompt_ids = c.prompt.token_ids if req.return_token_ids else None
         c.started_stream = True
-        await send(
-            P.chat_chunk_choice(c.index, role=req.answer_role, content=content, token_ids=ids), prompt_ids
-        )
+        chunk = P.chat_chunk_choice(c.index, role=req.answer_role, content=content, token_ids=ids)
+        await send(chunk, prompt_ids, before_output=True)
 
 
 async def _send_delta(

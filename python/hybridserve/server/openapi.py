@@ -17,6 +17,7 @@ from typing import Any
 
 from hybridserve._core import __version__
 from hybridserve.engine.beam_search import MAX_BEAM_WIDTH
+from hybridserve.engine.chat_template import TEXT_PART_KEYS
 from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
     MAX_BAD_WORD_LEN,
@@ -598,10 +599,18 @@ def _tokenize_schemas(
 
 
 _CONTENT_PART: Schema = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "anyOf": [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type", key],
+            "properties": {
+                "type": {"enum": [t for t, k in TEXT_PART_KEYS.items() if k == key]},
+                key: {"type": "string"},
+            },
+        }
+        for key in sorted(set(TEXT_PART_KEYS.values()))
+    ]
 }
 
 _CHAT_MESSAGE: Schema = {

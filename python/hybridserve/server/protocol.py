@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from hybridserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, widest_beam
-from hybridserve.engine.chat_template import ChatTemplate, ContinuationError, TextParts
+from hybridserve.engine.chat_template import TEXT_PART_KEYS, ChatTemplate, ContinuationError, TextParts
 from hybridserve.errors import InvalidRequestError
 from hybridserve.sampling.logprobs import TokenLogprobs
 from hybridserve.sampling.params import (
@@ -1075,10 +1075,10 @@ def _parse_messages(
                 pp = f"{p}.content[{j}]"
                 if not isinstance(part, dict):
                     raise _bad(pp, f"must be an object, got {type(part).__name__}", "invalid_type")
-                key = _TEXT_PART_KEYS.get(str(part.get("type")))
+                key = TEXT_PART_KEYS.get(str(part.get("type")))
                 if key is None:
                     raise APIError(
-                        f"{pp}.type: only text content parts are supported ({', '.join(_TEXT_PART_KEYS)})",
+                        f"{pp}.type: only text content parts are supported ({', '.join(TEXT_PART_KEYS)})",
                         param=f"{pp}.type",
                         code="unsupported_parameter",
                     )
@@ -1114,11 +1114,6 @@ def _parse_messages(
             msg["tool_calls"] = calls
         out.append(msg)
     return out
-
-
-# The content parts that are text, and the key that holds it: the Responses forms and an
-# assistant's refusal are text too, as vLLM reads them (clients send a conversation back with them)
-_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 def _parse_tool_calls(p: str, v: Any, unknown: UnknownFields) -> list[dict[str, Any]]:
