@@ -717,6 +717,14 @@ fn a_prompt_that_finishes_its_prefill_in_a_step_goes_before_a_long_prefill_which
 }
 
 /// Runs single-token steps until every request decodes.
+/// Updates step `o` with token 1 for every logit row (every draft accepted as 1).
+fn update_with_ones(s: &mut Scheduler, o: &SchedulerOutput) {
+    let ns = o.num_logits.clone();
+    let total: i32 = ns.iter().sum();
+    s.update_from_output(o, &vec![1; total as usize], &ns, None)
+        .unwrap();
+}
+
 fn warm_decodes(s: &mut Scheduler, n: usize) {
     for i in 0..n {
         s.add_request(NewRequest::new(format!("d{i}"), vec![i as u32 + 1; 3], 50))
@@ -724,10 +732,7 @@ fn warm_decodes(s: &mut Scheduler, n: usize) {
     }
     while s.running.len() < n || s.requests.values().any(|r| r.num_computed_tokens == 0) {
         let o = s.schedule().unwrap();
-        let ns = o.num_logits.clone();
-        let total: i32 = ns.iter().sum();
-        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
-            .unwrap();
+        update_with_ones(s, &o);
     }
 }
 
@@ -764,11 +769,12 @@ fn align_defers_a_chunk_that_rounds_to_zero() {
 }
 
 #[test]
-fn a_running_align_prefill_that_decodes_leave_no_boundary_goes_first_next_step() {
+fn a_running_align_prefill_that_decodes_leave_no_boundary_advances_in_its_next_step() {
     // A long prompt admitted alone, then a short request arriving every step: each becomes a
     // decode row, planned before the prefill, and soon the rows leave it less than M tokens (its
-    // chunk rounds down to zero). Deferred, it goes before the decode rows in its next step, so it
-    // advances at least every other step instead of waiting for the short requests to stop.
+    // chunk rounds down to zero). Held back, it has M tokens kept from the decode rows in its next
+    // step, so it advances at least every other step instead of waiting for the short requests
+    // to stop.
     let mut c = cfg(MambaCacheMode::Align, 0);
     c.max_num_batched_tokens = 16;
     let m = c.mamba_block_size;
@@ -784,10 +790,7 @@ fn a_running_align_prefill_that_decodes_leave_no_boundary_goes_first_next_step()
         ))
         .unwrap();
         let o = s.schedule().unwrap();
-        let ns = o.num_logits.clone();
-        let total: i32 = ns.iter().sum();
-        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
-            .unwrap();
+        update_with_ones(&mut s, &o);
         let Some(p) = s.get_request("p") else {
             break; // (its prefill done, its one token made)
         };
@@ -837,10 +840,7 @@ fn a_prefill_held_back_keeps_only_what_advances_it_from_the_decode_rows() {
             "step {step}: {} of {decoding} decode rows ran",
             o.num_decodes
         );
-        let ns = o.num_logits.clone();
-        let total: i32 = ns.iter().sum();
-        s.update_from_output(&o, &vec![1; total as usize], &ns, None)
-            .unwrap();
+        update_with_ones(&mut s, &o);
         match s.get_request("p") {
             Some(p) => computed.push(p.num_computed_tokens),
             None => break,
