@@ -613,7 +613,8 @@ impl Scheduler {
         if num_new == 0 {
             // deferred (align split rounds to zero, or a whole prompt does not fit). Where the
             // rows planned before it left it too little (not a cap that keeps tokens for short
-            // waiting prompts: `gave_way` answers that), it goes before the decode rows next step
+            // waiting prompts: `gave_way` answers that), the tokens that advance it are kept from
+            // the decode rows in its next step (`schedule`)
             if !is_decode && cap >= *budget {
                 if let Some(req) = self.requests.get_mut(&key) {
                     req.deferred = true;
