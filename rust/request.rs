@@ -142,9 +142,9 @@ pub struct Request {
     pub gave_way: bool,
     /// A running prefill that could not advance in the last step it was planned in (its align
     /// chunk rounded down to zero tokens, or its whole prompt did not fit without chunked prefill,
-    /// in the budget the decode rows left): it is planned before the decode rows in the next
-    /// one, so that a stream of short requests, which keep new decode rows coming, never starves
-    /// it.
+    /// in the budget the decode rows left): in the next one the tokens that advance it are kept
+    /// from the decode rows, so that a stream of short requests, which keep new decode rows
+    /// coming, never starves it.
     pub deferred: bool,
     /// The token that stopped the request, when FinishReason::Stop.
     pub stop_token_id: Option<u32>,
