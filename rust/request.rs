@@ -136,16 +136,13 @@ pub struct Request {
     /// Set once the request has been admitted once (num_cached_tokens is final then).
     pub was_admitted: bool,
     pub num_preemptions: u32,
-    /// A running prefill that gave way to short waiting prompts in the last step it could run:
-    /// it goes before them in the next one, so that a stream of short prompts slows a long
+    /// A running prefill held back in the last step it could run: it gave way to short waiting
+    /// prompts, or the rows planned before it left it too few tokens to advance (its align chunk
+    /// rounded down to none, or its whole prompt did not fit without chunked prefill). In the
+    /// next step it goes first among the prefills, with the tokens that advance it kept from the
+    /// decode rows, so that a stream of short requests (they become decode rows) slows a long
     /// prefill to at most every other step and never starves it.
-    pub gave_way: bool,
-    /// A running prefill that could not advance in the last step it was planned in (its align
-    /// chunk rounded down to zero tokens, or its whole prompt did not fit without chunked prefill,
-    /// in the budget the decode rows left): in the next one the tokens that advance it are kept
-    /// from the decode rows, so that a stream of short requests, which keep new decode rows
-    /// coming, never starves it.
-    pub deferred: bool,
+    pub held_back: bool,
     /// The token that stopped the request, when FinishReason::Stop.
     pub stop_token_id: Option<u32>,
 }
@@ -173,8 +170,7 @@ impl Request {
             num_cached_tokens: 0,
             was_admitted: false,
             num_preemptions: 0,
-            gave_way: false,
-            deferred: false,
+            held_back: false,
             stop_token_id: None,
         }
     }

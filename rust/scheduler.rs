@@ -611,13 +611,12 @@ impl Scheduler {
         }
         let (num_new, num_drafts, is_decode) = self.plan_running(req, (*budget).min(cap));
         if num_new == 0 {
-            // deferred (align split rounds to zero, or a whole prompt does not fit). Where the
-            // rows planned before it left it too little (not a cap that keeps tokens for short
-            // waiting prompts: `gave_way` answers that), the tokens that advance it are kept from
-            // the decode rows in its next step (`schedule`)
+            // deferred (align split rounds to zero, or a whole prompt does not fit): held back
+            // where the rows planned before it left it too little (a cap that keeps tokens for
+            // short waiting prompts has set that already)
             if !is_decode && cap >= *budget {
                 if let Some(req) = self.requests.get_mut(&key) {
-                    req.deferred = true;
+                    req.held_back = true;
                 }
             }
             return;
@@ -715,7 +714,7 @@ impl Scheduler {
             req.num_computed_tokens = 0;
             req.drafts.clear();
             req.live_window_index = 0;
-            req.deferred = false;
+            req.held_back = false;
             req.num_preemptions += 1;
             self.waiting.insert((req.priority, req.arrival, key));
             self.stats.num_preempted += 1;
@@ -775,7 +774,7 @@ impl Scheduler {
             if r.num_computed_tokens > 0 && r.num_computed_tokens + 1 >= r.num_tokens() {
                 decodes.push(k);
             } else {
-                if r.gave_way || r.deferred {
+                if r.held_back {
                     // the least that advances it: up to its next multiple of M (align), or
                     // without chunked prefill its whole rest
                     let rest = r.num_tokens().saturating_sub(r.num_computed_tokens);
@@ -807,9 +806,8 @@ impl Scheduler {
                 continue;
             };
             let rest = req.num_tokens().saturating_sub(req.num_computed_tokens);
-            if req.gave_way || req.deferred || rest <= budget {
-                req.gave_way = false;
-                req.deferred = false;
+            if req.held_back || rest <= budget {
+                req.held_back = false;
                 if budget > 0 {
                     self.plan_running_row(key, &mut budget, usize::MAX, &mut plan);
                 }
@@ -826,7 +824,7 @@ impl Scheduler {
         };
         for key in longer {
             if let Some(req) = self.requests.get_mut(&key) {
-                req.gave_way = reserve > 0;
+                req.held_back = reserve > 0;
             }
             let cap = budget.saturating_sub(reserve);
             if cap > 0 {

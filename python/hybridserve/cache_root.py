@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """`$HYBRIDSERVE_CACHE`, else `$HYBRIDSERVE_CACHE_DIR` (the same, as the compiled kernels
-    read it before both were one), else `~/.cache/hybridserve`."""
+    """`$HYBRIDSERVE_CACHE`, else `$HYBRIDSERVE_CACHE_DIR` (another name for it), else
+    `~/.cache/hybridserve`."""
     env = os.environ.get("HYBRIDSERVE_CACHE") or os.environ.get("HYBRIDSERVE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "hybridserve"

@@ -287,7 +287,7 @@ def test_a_worker_that_fails_to_join_the_group_fails_the_start_with_its_error(tm
 
 def test_an_llm_let_go_of_ends_its_workers_and_the_next_one_starts() -> None:
     """vLLM scripts drop an `LLM` (`del llm`) and make the next one: its workers end with it and
-    the process leaves the group (the next one was refused, the process still in a group)."""
+    the process leaves the group (a process still in a group refuses the next one)."""
     import gc
 
     params = SamplingParams(max_tokens=3, temperature=0.0)

@@ -257,8 +257,8 @@ class LLMEngine:
 
             if isinstance(self.runner.executor, TPExecutor):
                 # and its spawned tensor-parallel workers end with it (vLLM scripts drop an `LLM`
-                # and make the next one: that was refused while the dropped one's workers held
-                # the process group). Not at exit: the executor's own exit handler ends them
+                # and make the next one, which a process still in the dropped one's group would
+                # refuse). Not at exit: the executor's own exit handler ends them
                 # then. (A launcher's workers are the launcher's: they run until the process exits.)
                 self._stop_workers_on_drop = weakref.finalize(self, self.runner.executor.shutdown)
                 self._stop_workers_on_drop.atexit = False
