@@ -175,7 +175,10 @@ def test_ports_that_clash_or_are_taken_are_refused_before_anything_starts(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        argv = [*base, "--num-replicas", "1", "--port", str(port - 1 if port > 1024 else port + 1)]
+        with socket.socket() as free:  # (a free router port: the one next to `port` may be taken)
+            free.bind(("127.0.0.1", 0))
+            router_port = free.getsockname()[1]
+        argv = [*base, "--num-replicas", "1", "--port", str(router_port)]
         assert main([*argv, "--first-replica-port", str(port), "--", "demo"]) == 2
         assert f"replica0's port {port}: the port is already in use" in capsys.readouterr().err
         assert main([*base, "--port", str(port), "--worker-urls", "http://127.0.0.1:9"]) == 2
