@@ -65,6 +65,10 @@ def test_seeded_sampling_reproduces_and_differs_by_seed() -> None:
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
+    # any int64 is a seed, as vLLM takes it
+    assert sample(-7) == sample(-7)
+    assert sample(-7) != sample(7)
+    assert sample(-(2**63)) == sample(-(2**63))
 
 
 def test_n_sequences_per_prompt() -> None:

@@ -395,6 +395,21 @@ def test_n_choices_and_seeds(client):
         extra_body={"ignore_eos": True},
     )
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    # any int64 is a seed, as vLLM takes it
+    neg = [
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=1.0,
+            seed=-(2**63),
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert neg[0] == neg[1]
     # prompts x n in one completions request
     batch = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=3, temperature=0, n=2)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
@@ -1013,7 +1028,7 @@ def bad_requests(limit: int) -> list[tuple[str, str, Any]]:
         (c, "n 0", {"prompt": "x", "n": 0}),
         (c, "n huge", {"prompt": "x", "n": 10**12}),
         (c, "n above the cap", {"prompt": "x", "n": 129}),
-        (c, "seed negative", {"prompt": "x", "seed": -1}),
+        (c, "seed below -2^63", {"prompt": "x", "seed": -(2**63) - 1}),
         (c, "seed over 2^63", {"prompt": "x", "seed": 2**63}),
         (c, "stop int", {"prompt": "x", "stop": 7}),
         (c, "stop list of ints", {"prompt": "x", "stop": [1, 2]}),

@@ -188,7 +188,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": "x", "n": 10**20}, "n"),
     ({"prompt": ["a", "b"], "n": 65}, "n"),
-    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),

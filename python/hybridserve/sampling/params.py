@@ -204,8 +204,10 @@ class SamplingParams:
                 f"must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}",
             )
         number("min_p", 0.0, 1.0)
-        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**63)):
-            raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        # Any 64-bit signed integer, as vLLM takes it: the draws mix a seed's 64 two's-complement
+        # bits, so a negative seed and a positive one never share their draws.
+        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
+            raise bad("seed", f"must be an integer in [-2^63, 2^63), got {self.seed!r}")
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         number("repetition_penalty", 0.0, 10.0, lo_open=True)

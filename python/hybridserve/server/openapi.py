@@ -33,7 +33,7 @@ from hybridserve.server.tools import MAX_NAME_LEN, NAME_CHARS
 
 OPENAPI_VERSION = "3.1.0"
 INT32_MAX = 2**31 - 1
-SEED_MAX = 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any int64, as vLLM takes it
 USER_MAX_LEN = 1024  # protocol._common's limit on `user`
 
 Schema = dict[str, Any]
@@ -138,7 +138,7 @@ def _sampling_fields(
             "drop tokens below min_p times the top probability (default 0, or the model's generation config)",
         ),
         "n": _int(1, P.MAX_SEQUENCES_PER_REQUEST, "choices per prompt (default 1); prompts x n at most 128"),
-        "seed": _int(0, SEED_MAX, "seed of choice 0; the others get distinct seeds derived from it"),
+        "seed": _int(SEED_MIN, SEED_MAX, "seed of choice 0; the others get distinct seeds derived from it"),
         "stream": _bool("answer with Server-Sent Events (default false)"),
         "stream_options": {
             "type": "object",

@@ -708,7 +708,7 @@ def _sampling_params(
             top_p=get_float(body, "top_p", d.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
             top_k=top_k if top_k is not None else 0,
             min_p=get_float(body, "min_p", d.get("min_p", 0.0), 0.0, 1.0),
-            seed=get_int(body, "seed", None, 0, 2**63 - 1),
+            seed=get_int(body, "seed", None, -(2**63), 2**63 - 1),
             stop=_parse_stop(body),
             stop_token_ids=stop_token_ids,
             ignore_eos=get_bool(body, "ignore_eos", False),
