@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from functools import cache
@@ -1170,3 +1171,27 @@ def test_generate_refuses_while_step_api_requests_run() -> None:
     assert [o.request_id for o in finished] == ["mine"] and len(finished[0].outputs[0].token_ids) == 3
     (out,) = llm.generate("Hello", params)  # (nothing of the refused call was left behind)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def _documented_stats_keys() -> set[str]:
+    """The keys docs/serving.md's "Engine stats keys" table names (`a_{b,c}` spelled out)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = text.split("### Engine stats keys", 1)[1].split("\n### ", 1)[0]
+    keys: set[str] = set()
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first_cell = line.split(" | ", 1)[0]
+        for name in re.findall(r"`([a-z0-9_{},]+)`", first_cell):
+            m = re.fullmatch(r"([a-z0-9_]*)\{([a-z0-9_,]+)\}([a-z0-9_]*)", name)
+            keys.update(m[1] + part + m[3] for part in m[2].split(",")) if m else keys.add(name)
+    return keys
+
+
+def test_every_documented_stats_key_is_in_stats() -> None:
+    llm = llm32()  # default settings: no KV-event publisher, no speculation
+    llm.generate("Hello", SamplingParams(max_tokens=2))
+    documented = _documented_stats_keys()
+    assert len(documented) > 60  # the table was found and read
+    missing = documented - set(llm.engine.stats())
+    assert not missing, f"documented in docs/serving.md but not in stats(): {sorted(missing)}"

@@ -263,8 +263,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
         action=argparse.BooleanOptionalAction,
         default=None,
         help="--no-enforce-eager: on a GPU, steps of decode and verify rows replay CUDA graphs; "
-        "--enforce-eager: every step runs eagerly (default: eager, until the graphs' capture has run on a "
-        "device in the GPU tests; nothing changes on the CPU)",
+        "--enforce-eager: every step runs eagerly (default: eager, as the captured graphs have not yet run on "
+        "a device in the GPU tests; nothing changes on the CPU)",
     )
     g.add_argument(
         "--kv-events-config",

@@ -895,6 +895,8 @@ class LLMEngine:
             # are not among them (also once the publisher was shut down)
             s["kv_events_emitted"] = s.get("kv_events_emitted", 0) - dropped[0]
             s["kv_event_batches_dropped"] = dropped[1]
+        else:
+            s["kv_event_batches_dropped"] = 0  # no publisher: nothing to drop
         verify_rows = self.counters.spec_decode_verify_rows
         s.update(
             prompt_tokens=self.counters.prompt_tokens,
