@@ -20,6 +20,7 @@ from server_fixtures import (
     call,
     get_metrics,
     held,
+    log_lines,
     openai_client,
     post_and_hold,
     running_server,
@@ -91,6 +92,10 @@ def test_a_search_counts_its_choices_as_finished_requests(server: ServerProcess)
     assert delta("hybridserve_request_generation_tokens_sum") == r["usage"]["completion_tokens"]
     assert delta("hybridserve_request_prompt_tokens_sum") == 3 * r["usage"]["prompt_tokens"]
     assert delta("hybridserve_e2e_request_latency_seconds_count") == 3
+    log_lines(
+        server,
+        r'hybridserve\.access: .*"POST /v1/completions" 200 prompt_tokens=\d+ output_tokens=\d+ .*ttft=\d',
+    )
 
 
 def test_a_streamed_search_sends_each_finished_beam_as_a_chunk(server: ServerProcess) -> None:
@@ -236,6 +241,11 @@ def test_a_client_that_leaves_ends_its_search(server: ServerProcess) -> None:
     after = idle[GENERATED]
     assert 0 < after - before < LONG["n"] * LONG["max_tokens"] // 2, after - before
     assert idle[aborted] == aborted_before + LONG["n"]  # each choice it would have had ended "abort"
+    # no choice was made: the access line has no time to a first token, as a cut sampled request's
+    log_lines(
+        server,
+        r'hybridserve\.access: .*"POST /v1/completions" 499 prompt_tokens=\d+ output_tokens=0 .*ttft=- ',
+    )
     status, out = call(server, "/v1/completions", {**LONG, "max_tokens": 3})  # (the server still serves)
     assert status == 200 and len(out["choices"]) == 3
 

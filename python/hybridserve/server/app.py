@@ -1568,8 +1568,13 @@ async def _beam_answer(
         for place in places:
             state.release(place)
         _observe_beams(state, made if len(made) == len(places) else None, len(places), ended_by, arrival)
+        # a search's tokens all come with its result: its first token's time is when it ended, and
+        # a search cut before it made its choices has none
+        made_all = bool(made) and len(made) == len(places)
         request[RECORD_KEY] = RequestRecord(
-            prompt_tokens=prompt_tokens, output_tokens=completion_tokens, ttft_s=time.monotonic() - arrival
+            prompt_tokens=prompt_tokens,
+            output_tokens=completion_tokens,
+            ttft_s=time.monotonic() - arrival if made_all else None,
         )
     usage = P.usage_dict(prompt_tokens, completion_tokens, 0)
     if req.stream:
