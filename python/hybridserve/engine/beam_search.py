@@ -38,16 +38,17 @@ MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width lo
 class BeamSearchParams:
     """vLLM's: `beam_width` beams, at most `max_tokens` new tokens each; `ignore_eos` keeps a beam
     going past EOS; `length_penalty` the exponent of the length the score divides by.
-    `temperature` and `include_stop_str_in_output` are accepted for vLLM's signature and change
-    nothing: the scores are the model's log-probabilities whatever the temperature, and a beam
-    search stops at EOS only."""
+    `include_stop_str_in_output`: a beam that ends in EOS keeps the EOS among its tokens (as
+    vLLM's; without it the EOS's log-probability still counts in the beam's sum and its step's
+    entry is in `logprobs`). `temperature` is accepted for vLLM's signature and changes nothing:
+    the scores are the model's log-probabilities whatever the temperature."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False  # (vLLM's; a beam search has no stop strings)
+    include_stop_str_in_output: bool = False
 
     def check(self) -> None:
         for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
@@ -65,13 +66,15 @@ class BeamSearchParams:
 class BeamSearchSequence:
     """One beam: every token (the prompt's first), the log-probabilities of each step that made
     it (the alternatives the step saw), their sum, and once returned its text (of every token)
-    and why it ended ("stop": EOS, "length": max_tokens or the context length)."""
+    and why it ended ("stop": EOS, "length": max_tokens or the context length; `stop_reason`: the
+    EOS id that ended it, as vLLM's)."""
 
     tokens: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -191,7 +194,7 @@ class BeamSearch:
                 for token, lp in entry.items():
                     cum = beam.cum_logprob + lp.logprob
                     if token in self.ends:
-                        s.done.append(_ended(_extended(beam, token, entry, cum), "stop"))
+                        s.done.append(self._ended_by_eos(beam, token, entry, cum))
                         continue
                     # (the score of the extended beam, without building its token list)
                     score = _normalised(cum, length - (token in self.eos_ids), penalty)
@@ -205,6 +208,19 @@ class BeamSearch:
                     s.done.append(_ended(new, "length"))
                 else:
                     s.live.append(new)
+
+    def _ended_by_eos(
+        self, beam: BeamSearchSequence, token: int, entry: TokenLogprobs, cum: float
+    ) -> BeamSearchSequence:
+        # (its score is the same either way: an ending EOS is not counted in the length)
+        if self.params.include_stop_str_in_output:
+            ended = _extended(beam, token, entry, cum)
+        else:
+            ended = BeamSearchSequence(
+                tokens=list(beam.tokens), logprobs=[*beam.logprobs, entry], cum_logprob=cum
+            )
+        ended.stop_reason = token
+        return _ended(ended, "stop")
 
     def results(self, live_reason: str = "length") -> list[list[BeamSearchSequence]]:
         """Each prompt's best `beam_width` beams, best first; the live ones end as they are, with
