@@ -1117,11 +1117,17 @@ def test_code_written_for_vllm_s_llm_runs() -> None:
     llm = LLM(
         "demo", dtype=torch.float32, seed=None, trust_remote_code=True, swap_space=4, disable_log_stats=True,
         tokenizer_mode="auto", quantization=None, max_model_len=128, pipeline_parallel_size=1,
-        data_parallel_size=1,
+        data_parallel_size=1, task="generate", runner="auto", enable_lora=False, skip_tokenizer_init=False,
+        enable_expert_parallel=False, distributed_executor_backend=None, disable_async_output_proc=True,
+        served_model_name="m",
     )  # fmt: skip
     assert llm.engine.args.dtype == "float32" and llm.engine.args.seed == 0
     with pytest.raises(ConfigError, match="quantization"):
         LLM("demo", quantization="fp8")
+    for name, value in (("task", "embed"), ("enable_lora", True), ("distributed_executor_backend", "ray")):
+        with pytest.raises(ConfigError, match=f"{name}: only .* is served here, got {value!r}"):
+            LLM("demo", **{name: value})
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
     with pytest.raises(
         ConfigError, match="pipeline_parallel_size: only 1 here, got 2: .*tensor_parallel_size"
     ):
@@ -1147,6 +1153,7 @@ def test_code_written_for_vllm_s_llm_runs() -> None:
     for o in outs[0].outputs:
         want = sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or []))
         assert o.cumulative_logprob == pytest.approx(want) and o.cumulative_logprob < 0
+    assert all(o.finished() for o in outs[0].outputs)  # (vLLM's CompletionOutput.finished())
     (plain,) = llm.generate("Hello", SamplingParams(max_tokens=2))
     assert plain.outputs[0].cumulative_logprob is None
     tok = llm.get_tokenizer()

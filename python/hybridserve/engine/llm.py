@@ -119,15 +119,23 @@ def _no_lora(lora_request: object) -> None:
 # (a value that would change the answer is refused by name, `_vllm_only_arguments`)
 _VLLM_NO_OPS = frozenset(
     ("trust_remote_code", "disable_log_stats", "swap_space", "download_dir", "disable_custom_all_reduce",
-     "compilation_config", "hf_token", "max_seq_len_to_capture")
+     "compilation_config", "hf_token", "max_seq_len_to_capture", "disable_async_output_proc",
+     "served_model_name")
 )  # fmt: skip
-# argument -> the values that leave the model as it is
+# argument -> the values that leave the model as it is (or name what is run here anyway: text
+# generation, worker processes of this machine)
 _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "quantization": (None,),
     "revision": (None,),
     "tokenizer_revision": (None,),
     "code_revision": (None,),
     "tokenizer_mode": ("auto", "hf"),
+    "task": ("auto", "generate"),
+    "runner": ("auto", "generate"),
+    "enable_lora": (False,),
+    "enable_expert_parallel": (False,),
+    "skip_tokenizer_init": (False,),
+    "distributed_executor_backend": (None, "mp"),
 }
 
 

@@ -302,6 +302,10 @@ class LLMEngine:
     def tokenizer(self) -> Tokenizer:
         return self.runner.em.tokenizer
 
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's `llm.llm_engine.get_tokenizer()`."""
+        return self.tokenizer
+
     @property
     def vocab_size(self) -> int:
         return self.runner.em.vocab_size

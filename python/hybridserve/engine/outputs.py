@@ -30,6 +30,10 @@ class CompletionOutput:
             return None
         return float(sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs) if t in entry))
 
+    def finished(self) -> bool:
+        """vLLM's: whether this sequence has ended (it has a finish reason)."""
+        return self.finish_reason is not None
+
 
 @dataclass(frozen=True)
 class RequestMetrics:

@@ -115,6 +115,10 @@ class OfflineEngine(ServedModel, Protocol):
         """(its text, if it was text; its token ids)."""
         ...
 
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's name for `tokenizer`."""
+        ...
+
     def add_request(
         self,
         request_id: str,
