@@ -264,7 +264,10 @@ def test_get_tokenizer_answers_the_transformers_calls_vllm_scripts_make() -> Non
     )
     assert ours.all_special_ids == sorted(hf.all_special_ids)
     assert (ours.pad_token_id, ours.unk_token_id) == (hf.pad_token_id, hf.unk_token_id)
-    assert ours(["a b", "c"])["input_ids"] == hf(["a b", "c"])["input_ids"]
+    assert ours(["a b", "c"]) == dict(hf(["a b", "c"])) and ours("a b") == dict(hf("a b"))
+    assert ours("a b").input_ids == hf("a b").input_ids  # (read as transformers' BatchEncoding)
+    with pytest.raises(AttributeError):
+        ours("a b").token_type_ids  # noqa: B018
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     for gen in (False, True):
         text = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)

@@ -67,6 +67,17 @@ def with_special_tokens_map(model_dir: Path, config: dict[str, Any]) -> dict[str
     return {**config, **named}
 
 
+class Encoding(dict[str, Any]):
+    """What the tokenizer's call form returns: transformers' `BatchEncoding` as scripts read it,
+    by key (`enc["input_ids"]`) or by attribute (`enc.input_ids`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -154,13 +165,14 @@ class Tokenizer:
         transformers' `encode` and vLLM's tokenizer give them (`LLM.get_tokenizer()`)."""
         return self.encode_many([text], add_special_tokens=add_special_tokens)[0]
 
-    def __call__(
-        self, text: str | list[str], add_special_tokens: bool = True
-    ) -> dict[str, list[int]] | dict[str, list[list[int]]]:
-        """transformers' call form: {"input_ids": ...}, a list of them for a list of texts."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        """transformers' call form: `input_ids` and `attention_mask` (every token attended), lists
+        of them for a list of texts."""
         if isinstance(text, list):
-            return {"input_ids": self.encode_many(text, add_special_tokens=add_special_tokens)}
-        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+            ids = self.encode_many(text, add_special_tokens=add_special_tokens)
+            return Encoding(input_ids=ids, attention_mask=[[1] * len(one) for one in ids])
+        one = self.encode(text, add_special_tokens=add_special_tokens)
+        return Encoding(input_ids=one, attention_mask=[1] * len(one))
 
     # transformers' tokenizer methods that scripts written for vLLM call on `LLM.get_tokenizer()`
 
