@@ -301,7 +301,9 @@ class Tokenizer:
             longest = max(longest, len(str(added.get("content", "")).encode("utf-8")))
         return longest
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
+        if isinstance(ids, int):  # (one id, as transformers' decode takes it)
+            ids = [ids]
         if skip_special_tokens and self._config_special_ids:
             ids = [i for i in ids if i not in self._config_special_ids]
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
