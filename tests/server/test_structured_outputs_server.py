@@ -378,6 +378,23 @@ def test_a_grammar_too_large_to_follow_is_a_400_that_names_the_field(client: ope
     assert chat(model="demo", messages=MESSAGES, max_tokens=3).choices[0].finish_reason == "length"
 
 
+def test_a_grammar_that_spells_an_added_token_is_a_400_that_names_it(client: openai.OpenAI) -> None:
+    """The grammar library allows an added token whose text a literal of the grammar spells, then
+    refuses it: the client's grammar is at fault, and the answer says which token, not a 500."""
+    for so in ({"choice": ["<|im_start|>x"]}, {"regex": "ab<\\|im_start\\|>x"}):
+        e = _error(
+            lambda so=so: client.completions.create(
+                model="demo", prompt="Hi", max_tokens=8, temperature=0, extra_body={"structured_outputs": so}
+            )
+        )
+        assert e["type"] == "invalid_request_error" and e["param"] == "structured_outputs", e
+        assert "added token 1 ('<|im_start|>')" in e["message"], e
+    out = client.completions.create(
+        model="demo", prompt="Hi", max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert out.choices[0].text in ("yes", "no")
+
+
 def _slow_schema() -> dict[str, Any]:
     """A JSON schema whose compilation takes seconds: thousands of optional properties (the
     grammar of their orders grows with their square; short names keep it within the size the

@@ -25,6 +25,7 @@ the other requests go on meanwhile. Compilation runs on a few worker threads of 
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -115,8 +116,10 @@ class GrammarTicket:
         param: str,
         eos_aliases: EosAliases | None = None,
         release: Callable[[CompiledGrammar], None] | None = None,
+        added_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._c = compiled
+        self._added_token_ids = added_token_ids
         self.param = param  # the request field errors name
         self._timeout_s = timeout_s
         self._vocab_size = vocab_size
@@ -143,7 +146,9 @@ class GrammarTicket:
         if c.done():
             if c.error is not None or c.matcher is None:
                 return InvalidRequestError(f"{self.param}: {c.error or 'the grammar did not compile'}")
-            return GrammarMatcher(c.matcher.deep_copy(), self._vocab_size, self._eos_aliases)
+            return GrammarMatcher(
+                c.matcher.deep_copy(), self._vocab_size, self._eos_aliases, self._added_token_ids
+            )
         started = c.started
         now = time.monotonic() if now is None else now
         if started is not None and now - started > self._timeout_s:
@@ -164,6 +169,15 @@ class GrammarTicket:
         return self._c.finished.wait(timeout)
 
 
+def _added_token_ids(tokenizer_json: str) -> frozenset[int]:
+    """The ids of tokenizer.json's added tokens (none for a file that lists none)."""
+    try:
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        return frozenset(int(t["id"]) for t in added if isinstance(t, dict) and "id" in t)
+    except (ValueError, TypeError, AttributeError):
+        return frozenset()
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer (see the module docstring)."""
 
@@ -180,6 +194,9 @@ class GrammarCompiler:
     ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = int(vocab_size)
+        # (a grammar whose text spells an added token's is refused by the matcher mid-output:
+        # GrammarMatcher.refused_added_token)
+        self.added_token_ids = _added_token_ids(tokenizer_json)
         self.eos_token_id = eos_token_id
         # the model's other EOS ids: allowed wherever the grammar allows its EOS (they end a
         # request as the EOS does, engine/input_processor.py)
@@ -314,7 +331,15 @@ class GrammarCompiler:
     def _ticket(self, c: CompiledGrammar, spec: StructuredOutputsParams) -> GrammarTicket:
         """A claim on `c` (under the lock)."""
         c.holders += 1
-        return GrammarTicket(c, self.timeout_s, self.vocab_size, spec.param, self.eos_aliases, self._release)
+        return GrammarTicket(
+            c,
+            self.timeout_s,
+            self.vocab_size,
+            spec.param,
+            self.eos_aliases,
+            self._release,
+            self.added_token_ids,
+        )
 
     def _compile(self, spec: StructuredOutputsParams) -> tuple[llguidance.LLMatcher | None, str | None]:
         import llguidance

@@ -54,14 +54,23 @@ class RequestState:
         return list(self.prompt_logprobs or [])
 
     def grammar_refusal(self) -> str | None:
-        """Where the request failed because its grammar hit a limit of the grammar library (too
-        large to follow: the client's input, not an engine fault), the error of the field that
-        gave the grammar; else None."""
+        """Where the request failed because of its grammar (the client's input, not an engine
+        fault: it hit a limit of the grammar library, too large to follow, or its text spells an
+        added token's), the error of the field that gave the grammar; else None."""
         so = self.params.structured_outputs
-        why = None if self.grammar is None else self.grammar.limit_hit()
-        if so is None or why is None:
+        if so is None or self.grammar is None:
             return None
-        return f"{so.param}: the grammar is too large to follow: {why}"
+        why = self.grammar.limit_hit()
+        if why is not None:
+            return f"{so.param}: the grammar is too large to follow: {why}"
+        token = self.grammar.refused_added_token
+        if token is not None:
+            return (
+                f"{so.param}: the grammar's text spells the added token {token} "
+                f"({self.detokenizer.tokenizer.decode([token], skip_special_tokens=False)!r}), which the tokenizer writes only as that "
+                "one token and the grammar library does not match inside its text: leave it out of the grammar"
+            )
+        return None
 
     def _metrics(self) -> RequestMetrics:
         return RequestMetrics(

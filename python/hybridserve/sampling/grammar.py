@@ -66,7 +66,11 @@ class GrammarMatcher:
     """One request's state in its grammar (see the module docstring)."""
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_aliases: EosAliases | None = None
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        eos_aliases: EosAliases | None = None,
+        added_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
@@ -82,6 +86,12 @@ class GrammarMatcher:
         # a token the grammar does not allow was consumed: the masks failed (an engine fault),
         # which also leaves the matcher in its error state
         self._refused_token = False
+        # The tokenizer's added tokens, and the one the grammar refused after its own mask allowed
+        # it: llguidance allows an added token whose text a grammar's literal spells (forced
+        # bytes), then refuses it, as it lexes no added token inside a literal. The grammar, not
+        # the engine, is then at fault: the request's error is a 400 (RequestState.grammar_refusal).
+        self._added_token_ids = added_token_ids
+        self.refused_added_token: int | None = None
 
     def start_after(self, tokens: Sequence[int]) -> None:
         """The grammar applies only to the output after its first run of `tokens` (before any
@@ -146,6 +156,8 @@ class GrammarMatcher:
         if not self._m.consume_tokens([int(t) for t in tokens]):
             # (llguidance says so in its error's text; a limit hit while consuming does not)
             self._refused_token = "doesn't satisfy the grammar" in _first_line(self._m.get_error())
+            if self._refused_token and len(tokens) == 1 and int(tokens[0]) in self._added_token_ids:
+                self.refused_added_token = int(tokens[0])
             self.check()
             raise GrammarError("the grammar refused an accepted token")
         self.num_accepted += len(tokens)
