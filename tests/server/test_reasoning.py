@@ -147,6 +147,20 @@ def test_chat_answers_are_split_where_their_text_ends_its_reasoning(server):
     assert_idle(server)
 
 
+def test_an_answer_that_closes_its_reasoning_at_once_has_null_reasoning_streamed_or_not(server):
+    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "logit_bias": {str(END_ID): 100}}
+    assert raw_answer(server, body).startswith("</think>")
+    status, chat = call(server, "/v1/chat/completions", body)
+    assert status == 200
+    message = chat["choices"][0]["message"]
+    assert message["reasoning"] is None and message["reasoning_content"] is None, message
+    status, events = call(server, "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+    assert not any(d.get("reasoning") or d.get("reasoning_content") for d in deltas), deltas
+    assert (streamed(events)[2] or None) == message["content"]
+
+
 def test_an_answer_cut_off_while_thinking_is_all_reasoning_and_thinking_off_leaves_it_whole(server):
     body = {"messages": CHAT, "seed": 1, **PARAMS, "logit_bias": {str(END_ID): -100}}
     raw = raw_answer(server, body)

@@ -1784,10 +1784,11 @@ def chat_choice(
     """A chat choice (its message in `role`); `token_ids` (vLLM's `return_token_ids`) is added only when given (the
     prompt's ids go on the response: `chat_response(prompt_token_ids=...)`). `reasoning`: the
     answer's reasoning (server/reasoning.py), in `reasoning` and its older name
-    `reasoning_content`; `text` is then its content, null when it has none."""
+    `reasoning_content`; `text` is then its content. Either is null when empty, as a stream's deltas
+    add up to it (an answer that closes its reasoning at once sends no reasoning delta)."""
     message: dict[str, Any] = {"role": role, "content": text}
     if reasoning is not None:
-        message.update(content=text or None, reasoning=reasoning, reasoning_content=reasoning)
+        message.update(content=text or None, reasoning=reasoning or None, reasoning_content=reasoning or None)
     choice: dict[str, Any] = {
         "index": index,
         "message": message,
