@@ -192,6 +192,31 @@ def test_a_token_the_grammar_refuses_is_no_limit_of_the_grammar(llm: LLM) -> Non
     assert matcher.limit_hit() is None
 
 
+def test_a_refused_added_token_is_the_grammar_s_only_where_its_mask_allowed_it(llm: LLM) -> None:
+    """An added token that a literal of the grammar spells: the mask allows it, the grammar refuses
+    it (the client's grammar, a 400 naming it). An added token the mask did not allow is the masks'
+    failure (an engine fault, a 500), like any other refused token."""
+    from hybridserve.sampling.grammar import GrammarError, GrammarMatcher
+
+    start = llm.get_tokenizer().added_token_ids["<|im_start|>"]
+
+    def matcher(**so: list[str]) -> GrammarMatcher:
+        ticket = llm.engine.grammars.submit(StructuredOutputsParams(**so))
+        assert ticket.wait(30)
+        m = ticket.poll()
+        assert isinstance(m, GrammarMatcher)
+        return m
+
+    spelled = matcher(choice=["<|im_start|>x"])
+    with pytest.raises(GrammarError):
+        spelled.accept([start])
+    assert spelled.refused_added_token == start
+    plain = matcher(choice=["yes", "no"])
+    with pytest.raises(GrammarError, match="doesn.t satisfy the grammar"):
+        plain.accept([start])
+    assert plain.refused_added_token is None and plain.limit_hit() is None
+
+
 def test_same_grammar_compiles_once(llm: LLM) -> None:
     grammars = llm.engine.grammars  # type: ignore[attr-defined]
     spec = {"regex": r"q[0-9]{3}"}

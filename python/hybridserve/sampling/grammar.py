@@ -87,9 +87,10 @@ class GrammarMatcher:
         # which also leaves the matcher in its error state
         self._refused_token = False
         # The tokenizer's added tokens, and the one the grammar refused after its own mask allowed
-        # it: llguidance allows an added token whose text a grammar's literal spells (forced
-        # bytes), then refuses it, as it lexes no added token inside a literal. The grammar, not
+        # it: llguidance's mask allows an added token whose text a literal of the grammar spells,
+        # then refuses the token, as it matches no added token inside a literal. The grammar, not
         # the engine, is then at fault: the request's error is a 400 (RequestState.grammar_refusal).
+        # A token the mask did not allow is the masks' failure (an engine fault) whatever it is.
         self._added_token_ids = added_token_ids
         self.refused_added_token: int | None = None
 
@@ -153,11 +154,17 @@ class GrammarMatcher:
             tokens = tokens[end + 1 :]
             if not tokens:
                 return
+        # (an added token's mask bit is read only if the token is refused: a copy of the state
+        # before it, kept for the rare added token)
+        added = int(tokens[0]) if len(tokens) == 1 and int(tokens[0]) in self._added_token_ids else None
+        before = self._m.deep_copy() if added is not None else None
         if not self._m.consume_tokens([int(t) for t in tokens]):
             # (llguidance says so in its error's text; a limit hit while consuming does not)
             self._refused_token = "doesn't satisfy the grammar" in _first_line(self._m.get_error())
-            if self._refused_token and len(tokens) == 1 and int(tokens[0]) in self._added_token_ids:
-                self.refused_added_token = int(tokens[0])
+            if self._refused_token and added is not None and before is not None:
+                mask = before.compute_bitmask()  # (little-endian 32-bit words: bit t of the bytes)
+                if mask[added >> 3] >> (added & 7) & 1:
+                    self.refused_added_token = added
             self.check()
             raise GrammarError("the grammar refused an accepted token")
         self.num_accepted += len(tokens)
