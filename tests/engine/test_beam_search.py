@@ -6,7 +6,6 @@ refused."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -54,13 +53,9 @@ def test_the_beams_are_those_a_search_over_transformers_finds(llm: LLM, penalty:
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("demo"), dtype=torch.float64).eval()
     eos = llm.engine.eos_token_id
     assert eos is not None
-    params = BeamSearchParams(
-        beam_width=3, max_tokens=5, length_penalty=penalty, include_stop_str_in_output=True
-    )
-    prompts = [*PROMPTS, "Hello world"]  # (one of the last one's best beams ends in EOS)
-    got = llm.beam_search(prompts, params)
-    plain = llm.beam_search(prompts, dataclasses.replace(params, include_stop_str_in_output=False))
-    for prompt, out, without in zip(prompts, got, plain):
+    params = BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=penalty)
+    got = llm.beam_search(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, got):
         ids = llm.get_tokenizer().encode(prompt)
         want = _oracle(model, ids, 3, 5, eos, penalty)
         assert [b.tokens for b in out.sequences] == [w[0] for w in want]
@@ -70,16 +65,7 @@ def test_the_beams_are_those_a_search_over_transformers_finds(llm: LLM, penalty:
             assert beam.tokens[: len(ids)] == ids and len(beam.logprobs) == len(beam.tokens) - len(ids)
             assert beam.text == llm.get_tokenizer().decode(beam.tokens)
             assert beam.finish_reason in ("stop", "length")
-            assert beam.stop_reason == (eos if beam.finish_reason == "stop" else None)
-        # vLLM's default: a beam's ending EOS is left out of its tokens (and so of its text); its
-        # step's entry stays in the log-probabilities and the ranking is the same
-        for beam, short in zip(out.sequences, without.sequences):
-            ends = beam.finish_reason == "stop"
-            assert short.tokens == (beam.tokens[:-1] if ends else beam.tokens)
-            assert short.logprobs == beam.logprobs and short.cum_logprob == beam.cum_logprob
-            assert (short.finish_reason, short.stop_reason) == (beam.finish_reason, beam.stop_reason)
-            assert short.text == llm.get_tokenizer().decode(short.tokens)
-    assert any(b.finish_reason == "stop" for o in got for b in o.sequences)  # (not vacuous)
+            assert beam.stop_reason == (beam.tokens[-1] if beam.finish_reason == "stop" else None)
 
 
 def test_width_one_is_greedy_and_each_later_step_computes_one_token_a_beam(llm: LLM) -> None:
@@ -184,7 +170,7 @@ def test_a_step_ranks_by_length_normalised_score_and_sets_eos_beams_aside() -> N
     assert search.queries() == []  # (max_tokens steps ran)
     (best,) = search.results()
     # [1,2,3,4,6]: -1.1 / 25; the EOS beam: -0.5 / 9; [1,2,3,5,7]: -5 / 25
-    assert [b.tokens for b in best] == [[1, 2, 3, 4, 6], [1, 2, 3]]  # (the EOS left out, as vLLM's)
+    assert [b.tokens for b in best] == [[1, 2, 3, 4, 6], [1, 2, 3, 9]]
     assert [b.finish_reason for b in best] == ["length", "stop"] and best[1].stop_reason == eos
     assert best[1].cum_logprob == -0.5 and beam_score(best[1].tokens, -0.5, eos, 2.0) == pytest.approx(
         -0.5 / 9
@@ -218,12 +204,10 @@ def test_every_eos_of_the_model_ends_a_beam() -> None:
     from hybridserve.sampling.logprobs import Logprob
 
     entry = {7: Logprob(logprob=-0.5, rank=1), 4: Logprob(logprob=-1.0, rank=2)}
-    for keep, tokens in ((False, [1, 2]), (True, [1, 2, 7])):
-        params = BeamSearchParams(beam_width=1, max_tokens=1, include_stop_str_in_output=keep)
-        search = BeamSearch([[1, 2]], params, 9, 100, (7,))
-        search.advance([entry])
-        ((best,),) = search.results()
-        assert (best.tokens, best.finish_reason, best.stop_reason) == (tokens, "stop", 7)
+    search = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=1), 9, 100, (7,))
+    search.advance([entry])
+    ((best,),) = search.results()
+    assert best.tokens == [1, 2, 7] and best.finish_reason == "stop" and best.stop_reason == 7
     kept = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True), 9, 100, (7,))
     kept.advance([entry])
     ((live,),) = kept.results()

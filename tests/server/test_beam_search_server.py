@@ -132,9 +132,7 @@ def test_a_beam_that_ends_in_eos_shows_no_eos_text(server: ServerProcess, offlin
     """As in a sampled answer: the EOS is in token_ids but not in the text, even with special
     tokens shown."""
     prompt = "Hello world"  # (one of its three best beams ends in EOS after two tokens)
-    (want,) = offline.beam_search(
-        prompt, BeamSearchParams(beam_width=3, max_tokens=5, include_stop_str_in_output=True)
-    )
+    (want,) = offline.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=5))
     eos = offline.engine.eos_token_id
     assert any(b.tokens[-1] == eos for b in want.sequences)
     body = {"prompt": prompt, "n": 3, "max_tokens": 5, "use_beam_search": True, "return_token_ids": True}

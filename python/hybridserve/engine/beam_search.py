@@ -38,17 +38,16 @@ MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2  # (a step asks for 2 x beam_width lo
 class BeamSearchParams:
     """vLLM's: `beam_width` beams, at most `max_tokens` new tokens each; `ignore_eos` keeps a beam
     going past EOS; `length_penalty` the exponent of the length the score divides by.
-    `include_stop_str_in_output`: a beam that ends in EOS keeps the EOS among its tokens (as
-    vLLM's; without it the EOS's log-probability still counts in the beam's sum and its step's
-    entry is in `logprobs`). `temperature` is accepted for vLLM's signature and changes nothing:
-    the scores are the model's log-probabilities whatever the temperature."""
+    `temperature` and `include_stop_str_in_output` are accepted for vLLM's signature and change
+    nothing, as in vLLM's offline search: the scores are the model's log-probabilities whatever the
+    temperature, and a beam that ends in EOS keeps it among its tokens."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False  # (vLLM's; a beam search has no stop strings)
 
     def check(self) -> None:
         for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
@@ -194,7 +193,9 @@ class BeamSearch:
                 for token, lp in entry.items():
                     cum = beam.cum_logprob + lp.logprob
                     if token in self.ends:
-                        s.done.append(self._ended_by_eos(beam, token, entry, cum))
+                        ended = _extended(beam, token, entry, cum)
+                        ended.stop_reason = token
+                        s.done.append(_ended(ended, "stop"))
                         continue
                     # (the score of the extended beam, without building its token list)
                     score = _normalised(cum, length - (token in self.eos_ids), penalty)
@@ -208,19 +209,6 @@ class BeamSearch:
                     s.done.append(_ended(new, "length"))
                 else:
                     s.live.append(new)
-
-    def _ended_by_eos(
-        self, beam: BeamSearchSequence, token: int, entry: TokenLogprobs, cum: float
-    ) -> BeamSearchSequence:
-        # (its score is the same either way: an ending EOS is not counted in the length)
-        if self.params.include_stop_str_in_output:
-            ended = _extended(beam, token, entry, cum)
-        else:
-            ended = BeamSearchSequence(
-                tokens=list(beam.tokens), logprobs=[*beam.logprobs, entry], cum_logprob=cum
-            )
-        ended.stop_reason = token
-        return _ended(ended, "stop")
 
     def results(self, live_reason: str = "length") -> list[list[BeamSearchSequence]]:
         """Each prompt's best `beam_width` beams, best first; the live ones end as they are, with

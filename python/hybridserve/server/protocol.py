@@ -955,8 +955,6 @@ def _beam_search(
         max_tokens=params.max_tokens,
         ignore_eos=params.ignore_eos,
         length_penalty=length_penalty,
-        # an ending EOS stays among a choice's token ids (not in its text), as a sampled answer's
-        include_stop_str_in_output=True,
     )
 
 
