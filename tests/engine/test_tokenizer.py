@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hybridserve.engine import tokenizer as tokenizer_module
@@ -267,6 +268,7 @@ def test_get_tokenizer_answers_the_transformers_calls_vllm_scripts_make() -> Non
     assert ours(["a b", "c"]) == dict(hf(["a b", "c"])) and ours("a b") == dict(hf("a b"))
     assert ours("a b").input_ids == hf("a b").input_ids  # (read as transformers' BatchEncoding)
     assert ours.decode(ids[0]) == hf.decode(ids[0]) == ours.decode(ids[:1])  # (one id, not a list)
+    assert ours.decode(np.int64(ids[0])) == ours.decode(ids[:1])
     with pytest.raises(AttributeError):
         ours("a b").token_type_ids  # noqa: B018
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -135,7 +135,7 @@ _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "enable_lora": (False,),
     "enable_expert_parallel": (False,),
     "skip_tokenizer_init": (False,),
-    "distributed_executor_backend": (None, "mp"),
+    "distributed_executor_backend": (None, "mp", "uni"),
 }
 
 

@@ -4,7 +4,9 @@ tokenizer_config.json."""
 from __future__ import annotations
 
 import json
+import operator
 import re
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -255,7 +257,7 @@ class Tokenizer:
         if not tokenize:
             return text
         ids = encode_rendered(self, text, add_special_tokens=False)
-        return {"input_ids": ids} if return_dict else ids
+        return Encoding(input_ids=ids) if return_dict else ids
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids of each text. Texts that are long in all go through one `encode_batch` call,
@@ -302,11 +304,11 @@ class Tokenizer:
         return longest
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
-        if isinstance(ids, int):  # (one id, as transformers' decode takes it)
-            ids = [ids]
+        # (one id, a numpy one too, as transformers' decode takes it)
+        seq = list(ids) if isinstance(ids, Iterable) else [operator.index(ids)]
         if skip_special_tokens and self._config_special_ids:
-            ids = [i for i in ids if i not in self._config_special_ids]
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            seq = [i for i in seq if i not in self._config_special_ids]
+        return self._tok.decode(seq, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _probe(self) -> tuple[int, str] | None:
