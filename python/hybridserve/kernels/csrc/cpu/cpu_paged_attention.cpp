@@ -104,6 +104,18 @@ struct HalfStream {
     }
 };
 
+// q . k in T: one function for every type of the cache (its keys are widened to T before), so
+// that a narrow cache's scores are, bit for bit, the T kernel's on the widened values. Inlined,
+// the compiler vectorised the same loop differently per instantiation (-ffast-math lets it
+// reorder the sum), and a bfloat16 cache's scores drifted from float32's on the same values.
+template <typename T, int DC>
+__attribute__((noinline)) T dot_keys(const T* q, const T* k, int64_t D_runtime) {
+    const int64_t D = DC > 0 ? DC : D_runtime;
+    T s = 0;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
+    return s;
+}
+
 #ifdef __AVX512F__
 // q . k_j for 16 keys at once (float, D a multiple of 16): one vector of partial sums per key,
 // then hs::sum16.
@@ -136,6 +148,7 @@ void paged_attention(const S* q, const KS* kv, S* out, const int64_t* block_tabl
     std::vector<int64_t> qv_koff;  // offset of the query's KV head inside a token's row
     std::vector<const T*> qv_ptr;
     std::vector<T> qwide;  // the row's queries in T, where S is narrower
+    std::vector<T> kwide;  // one token's keys in T, where KS is narrower
     const HalfStream<KS> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
                                positions};
     bool primed = false;
@@ -206,15 +219,19 @@ void paged_attention(const S* q, const KS* kv, S* out, const int64_t* block_tabl
                 }
     #endif
                 for (; jj < jn; ++jj) {
-                    const KS* krow = kblock + jj * tok_stride;
+                    const KS* kstored = kblock + jj * tok_stride;
+                    const T* krow;
+                    if constexpr (std::is_same_v<KS, T>) {
+                        krow = kstored;
+                    } else {
+                        kwide.resize(static_cast<size_t>(tok_stride));
+                        for (int64_t d = 0; d < tok_stride; ++d) kwide[static_cast<size_t>(d)] = hs::widen(kstored[d]);
+                        krow = kwide.data();
+                    }
                     const int64_t j = j0 + jj;
                     for (int64_t i = 0; i < nq; ++i) {
                         if (j > qv_pos[i]) continue;
-                        const T* qi = qv_ptr[i];
-                        const KS* k = krow + qv_koff[i];
-                        T s = 0;
-                        for (int64_t d = 0; d < D; ++d) s += qi[d] * hs::widen(k[d]);
-                        scores[i * Lp + j] = s * scale;
+                        scores[i * Lp + j] = dot_keys<T, DC>(qv_ptr[i], krow + qv_koff[i], D) * scale;
                     }
                 }
             }
