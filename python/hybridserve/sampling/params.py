@@ -20,6 +20,9 @@ DEFAULT_MAX_LOGPROBS = 20
 # top_k past the vocabulary keeps every token; the bound keeps the value inside the per-row int64
 # arrays of the batch (and is the HTTP API's).
 MAX_TOP_K = 2**31 - 1
+# A request's seed: any 64-bit signed integer, as vLLM takes it (the draws mix a seed's 64
+# two's-complement bits, so a negative seed and a positive one never share their draws).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # Stop strings are watched for on the engine thread, which every request shares. What the watch
 # costs (engine/detokenizer.py: the automaton's memory, and the time to walk back when a long partial
 # match breaks) grows with their length, so each one's length and the total are bounded, in
@@ -204,9 +207,7 @@ class SamplingParams:
                 f"must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}",
             )
         number("min_p", 0.0, 1.0)
-        # Any 64-bit signed integer, as vLLM takes it: the draws mix a seed's 64 two's-complement
-        # bits, so a negative seed and a positive one never share their draws.
-        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
+        if self.seed is not None and (not is_int(self.seed) or not (SEED_MIN <= self.seed <= SEED_MAX)):
             raise bad("seed", f"must be an integer in [-2^63, 2^63), got {self.seed!r}")
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)

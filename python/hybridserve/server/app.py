@@ -1567,10 +1567,10 @@ async def _beam_answer(
     finally:
         for place in places:
             state.release(place)
-        _observe_beams(state, made if len(made) == len(places) else None, len(places), ended_by, arrival)
+        made_all = len(made) == len(places)  # (none when the search was cut or failed)
+        _observe_beams(state, made if made_all else None, len(places), ended_by, arrival)
         # a search's tokens all come with its result: its first token's time is when it ended, and
         # a search cut before it made its choices has none
-        made_all = bool(made) and len(made) == len(places)
         request[RECORD_KEY] = RequestRecord(
             prompt_tokens=prompt_tokens,
             output_tokens=completion_tokens,

@@ -25,6 +25,8 @@ from hybridserve.sampling.params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STR_LEN,
     MAX_STOP_STRS_TOTAL_LEN,
+    SEED_MAX,
+    SEED_MIN,
 )
 from hybridserve.sampling.structured_outputs import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from hybridserve.server import protocol as P
@@ -33,7 +35,6 @@ from hybridserve.server.tools import MAX_NAME_LEN, NAME_CHARS
 
 OPENAPI_VERSION = "3.1.0"
 INT32_MAX = 2**31 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any int64, as vLLM takes it
 USER_MAX_LEN = 1024  # protocol._common's limit on `user`
 
 Schema = dict[str, Any]

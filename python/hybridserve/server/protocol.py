@@ -28,6 +28,8 @@ from hybridserve.sampling.params import (
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_TOP_K,
+    SEED_MAX,
+    SEED_MIN,
     SamplingParams,
     stop_length_error,
 )
@@ -708,7 +710,7 @@ def _sampling_params(
             top_p=get_float(body, "top_p", d.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
             top_k=top_k if top_k is not None else 0,
             min_p=get_float(body, "min_p", d.get("min_p", 0.0), 0.0, 1.0),
-            seed=get_int(body, "seed", None, -(2**63), 2**63 - 1),
+            seed=get_int(body, "seed", None, SEED_MIN, SEED_MAX),
             stop=_parse_stop(body),
             stop_token_ids=stop_token_ids,
             ignore_eos=get_bool(body, "ignore_eos", False),
@@ -1786,7 +1788,8 @@ def chat_choice(
     add up to it (an answer that closes its reasoning at once sends no reasoning delta)."""
     message: dict[str, Any] = {"role": role, "content": text}
     if reasoning is not None:
-        message.update(content=text or None, reasoning=reasoning or None, reasoning_content=reasoning or None)
+        shown = reasoning or None
+        message.update(content=text or None, reasoning=shown, reasoning_content=shown)
     choice: dict[str, Any] = {
         "index": index,
         "message": message,
