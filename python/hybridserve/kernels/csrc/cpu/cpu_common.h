@@ -12,11 +12,22 @@
 
 namespace hs {
 
-// One 64-byte vector (GCC's vector extension: kept in registers, unlike a small array).
+// The widest vector register the kernels are compiled for (-march=native), in bytes. A wider
+// GCC vector than the machine's registers is split into several, and a loop that keeps a few of
+// them live spills them to the stack on every iteration.
+#if defined(__AVX512F__)
+inline constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+inline constexpr int kVecBytes = 32;
+#else
+inline constexpr int kVecBytes = 16;
+#endif
+
+// One register's vector (GCC's vector extension: kept in registers, unlike a small array).
 template <typename T>
 struct Vec {
-    typedef T type __attribute__((vector_size(64)));
-    static constexpr int lanes = 64 / static_cast<int>(sizeof(T));
+    typedef T type __attribute__((vector_size(kVecBytes)));
+    static constexpr int lanes = kVecBytes / static_cast<int>(sizeof(T));
     static inline type load(const T* p) {
         type v;
         std::memcpy(&v, p, sizeof(v));

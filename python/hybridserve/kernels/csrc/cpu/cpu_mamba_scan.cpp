@@ -71,8 +71,14 @@ inline void transpose(const T* src, T* dst, int64_t rows, int64_t cols) {
 }
 
 // Rows of at least this many tokens run the state update on a transposed copy of the state, when
-// P is a multiple of the vector width.
+// P is a multiple of kTransposeLanes.
 constexpr int64_t kTransposeFrom = 8;
+// 64 bytes of T, whatever the machine's vector width: the transposed update sums y = h C in
+// another order than the per-row loop, so which rows take it must not depend on the machine (a
+// prompt prefilled whole or in chunks of other sizes gets the same bits wherever it did on
+// AVX-512). A multiple of every Vec<T>::lanes.
+template <typename T>
+inline constexpr int64_t kTransposeLanes = 64 / static_cast<int64_t>(sizeof(T));
 // One token's update of NV vectors of columns p0 .. p0 + NV lanes of a head's transposed state
 // hT [N][P]: hT[k][p] = a hT[k][p] + d x[p] B[k]; y[p] = sum_k hT[k][p] C[k] + Dskip x[p]. Even
 // and odd k accumulate apart, for each vector: 2 NV independent FMA chains (latency bounds this
@@ -270,7 +276,7 @@ void scan(const St* xbc, int64_t xbc_stride, const St* dt, int64_t dt_stride, co
         // A long row keeps each head's state transposed ([N][P]) so that the update and y = h C
         // both run along P with no horizontal sums; a short one (decode, verify) is not worth the
         // two transposes.
-        const bool transposed = n >= kTransposeFrom && P % hs::Vec<T>::lanes == 0;
+        const bool transposed = n >= kTransposeFrom && P % kTransposeLanes<T> == 0;
         // A decode row (one block, its only write the final state) updates its write slot in
         // place: the state is not copied out and back, which was a third of the row's memory
         // traffic. check() has made sure that no later row reads that slot.
