@@ -115,7 +115,7 @@ PYTEST_WORKERS ?= 2
 test-python: setup $(STAMPS)/chromium $(STAMPS)/guidellm $(STAMPS)/router-$(ROUTER_VERSION)
 	@# the demo model (trained at its first use) once, before the workers would both train it
 	$(PY) -c "from hybridserve.model.demo import ensure_demo_model; ensure_demo_model()"
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 test: setup test-rust lint typecheck test-python
 
