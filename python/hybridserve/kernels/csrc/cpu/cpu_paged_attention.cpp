@@ -148,7 +148,8 @@ void paged_attention(const S* q, const KS* kv, S* out, const int64_t* block_tabl
     std::vector<int64_t> qv_koff;  // offset of the query's KV head inside a token's row
     std::vector<const T*> qv_ptr;
     std::vector<T> qwide;  // the row's queries in T, where S is narrower
-    std::vector<T> kwide;  // one token's keys in T, where KS is narrower
+    // one token's keys in T, where KS is narrower
+    std::vector<T> kwide(std::is_same_v<KS, T> ? 0 : static_cast<size_t>(tok_stride));
     const HalfStream<KS> stream{kv, block_table, bt_stride, block_stride, half_stride, block_size, num_rows, qsl,
                                positions};
     bool primed = false;
@@ -224,7 +225,6 @@ void paged_attention(const S* q, const KS* kv, S* out, const int64_t* block_tabl
                     if constexpr (std::is_same_v<KS, T>) {
                         krow = kstored;
                     } else {
-                        kwide.resize(static_cast<size_t>(tok_stride));
                         for (int64_t d = 0; d < tok_stride; ++d) kwide[static_cast<size_t>(d)] = hs::widen(kstored[d]);
                         krow = kwide.data();
                     }
